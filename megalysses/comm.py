@@ -1,0 +1,235 @@
+"""Autograd-aware collectives. Each is a small named autograd.Function; the docstring says what the
+forward and the backward do. Every function is the identity on a group of one.
+
+Tensor-parallel region maps (Megatron's f / g operators and friends):
+    copy_to_tp            fwd identity            bwd all-reduce
+    reduce_from_tp        fwd all-reduce          bwd identity
+    scatter_to_tp         fwd keep own chunk      bwd all-gather         (along a dim)
+    gather_from_tp        fwd all-gather          bwd keep own chunk     (along a dim)
+    reduce_scatter_to_tp  fwd reduce-scatter      bwd all-gather         (TP sequence sharding)
+    all_gather_from_tp    fwd all-gather          bwd reduce-scatter     (TP sequence sharding)
+Ulysses:
+    all_to_all            fwd scatter one dim / gather another   bwd the inverse all-to-all
+Pipelines (no autograd; the schedule drives the backward):
+    send_recv             batched isend/irecv to pipeline neighbours
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+Group = Optional[dist.ProcessGroup]
+
+
+def group_size(group: Group) -> int:
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def group_rank(group: Group) -> int:
+    return dist.get_rank(group) if dist.is_initialized() else 0
+
+
+# ----------------------------------------------------------------------------- raw (no autograd)
+
+def _all_reduce(x: Tensor, group: Group) -> Tensor:
+    if group_size(group) == 1:
+        return x
+    x = x.contiguous().clone()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def _all_gather(x: Tensor, dim: int, group: Group) -> Tensor:
+    """Concatenate every rank's `x` along `dim` (rank order)."""
+    world = group_size(group)
+    if world == 1:
+        return x
+    x0 = x.movedim(dim, 0).contiguous()
+    out = x0.new_empty((world * x0.shape[0],) + tuple(x0.shape[1:]))
+    dist.all_gather_into_tensor(out, x0, group=group)
+    return out.movedim(0, dim)
+
+
+def _reduce_scatter(x: Tensor, dim: int, group: Group) -> Tensor:
+    """Sum over ranks, then keep this rank's chunk of `dim`."""
+    world = group_size(group)
+    if world == 1:
+        return x
+    if x.shape[dim] % world:
+        raise ValueError(f"reduce-scatter: size {x.shape[dim]} of dim {dim} is not divisible by group size {world}")
+    x0 = x.movedim(dim, 0).contiguous()
+    out = x0.new_empty((x0.shape[0] // world,) + tuple(x0.shape[1:]))
+    dist.reduce_scatter_tensor(out, x0, group=group)
+    return out.movedim(0, dim)
+
+
+def _split(x: Tensor, dim: int, group: Group) -> Tensor:
+    """This rank's contiguous chunk of `dim`."""
+    world = group_size(group)
+    if world == 1:
+        return x
+    if x.shape[dim] % world:
+        raise ValueError(f"split: size {x.shape[dim]} of dim {dim} is not divisible by group size {world}")
+    return x.chunk(world, dim=dim)[group_rank(group)].contiguous()
+
+
+def _all_to_all(x: Tensor, scatter_dim: int, gather_dim: int, group: Group) -> Tensor:
+    """Split `x` into P chunks along scatter_dim, send chunk i to rank i, concat received along gather_dim."""
+    world = group_size(group)
+    if world == 1:
+        return x
+    if x.shape[scatter_dim] % world:
+        raise ValueError(f"all-to-all: size {x.shape[scatter_dim]} of scatter dim {scatter_dim} "
+                         f"is not divisible by group size {world}")
+    scatter_dim %= x.dim()
+    gather_dim %= x.dim()
+    # (P, ..., chunk, ...): chunk i of scatter_dim goes to rank i; contiguous for the collective
+    send = torch.stack(x.chunk(world, dim=scatter_dim), dim=0).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    # recv[i] came from rank i: place it as chunk i of gather_dim
+    return torch.cat(recv.unbind(0), dim=gather_dim)
+
+
+# ----------------------------------------------------------------------------- autograd functions
+
+class _CopyToTP(torch.autograd.Function):
+    """Forward: identity. Backward: all-reduce the gradient over the group (input of a column-parallel layer)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: Group) -> Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        return _all_reduce(g, ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """Forward: all-reduce (sum) over the group (output of a row-parallel layer). Backward: identity."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: Group) -> Tensor:
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        return g, None
+
+
+class _ScatterToTP(torch.autograd.Function):
+    """Forward: keep this rank's chunk of `dim`. Backward: all-gather the gradient along `dim`."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, dim: int, group: Group) -> Tensor:
+        ctx.dim, ctx.group = dim, group
+        return _split(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        return _all_gather(g, ctx.dim, ctx.group), None, None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    """Forward: all-gather along `dim`. Backward: keep this rank's chunk of the gradient (no reduction)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, dim: int, group: Group) -> Tensor:
+        ctx.dim, ctx.group = dim, group
+        return _all_gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        return _split(g, ctx.dim, ctx.group), None, None
+
+
+class _ReduceScatterToTP(torch.autograd.Function):
+    """Forward: reduce-scatter along `dim` (row-parallel output into the sequence-sharded stream).
+    Backward: all-gather the gradient along `dim`."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, dim: int, group: Group) -> Tensor:
+        ctx.dim, ctx.group = dim, group
+        return _reduce_scatter(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        return _all_gather(g, ctx.dim, ctx.group), None, None
+
+
+class _AllGatherFromTP(torch.autograd.Function):
+    """Forward: all-gather along `dim` (sequence-sharded stream into a column-parallel layer).
+    Backward: reduce-scatter the gradient along `dim` (each rank's partial gradient is summed)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, dim: int, group: Group) -> Tensor:
+        ctx.dim, ctx.group = dim, group
+        return _all_gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        return _reduce_scatter(g, ctx.dim, ctx.group), None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    """Forward: split along `scatter_dim` across the group and concatenate what arrives along `gather_dim`
+    (Ulysses: sequence-sharded -> head-sharded). Backward: the inverse all-to-all (gather_dim scattered,
+    scatter_dim gathered). Non-contiguous inputs are fine."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, scatter_dim: int, gather_dim: int, group: Group) -> Tensor:
+        ctx.dims, ctx.group = (scatter_dim, gather_dim), group
+        return _all_to_all(x, scatter_dim, gather_dim, group)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        scatter_dim, gather_dim = ctx.dims
+        return _all_to_all(g, gather_dim, scatter_dim, ctx.group), None, None, None
+
+
+def copy_to_tp(x: Tensor, group: Group) -> Tensor:
+    return _CopyToTP.apply(x, group) if group_size(group) > 1 else x
+
+
+def reduce_from_tp(x: Tensor, group: Group) -> Tensor:
+    return _ReduceFromTP.apply(x, group) if group_size(group) > 1 else x
+
+
+def scatter_to_tp(x: Tensor, group: Group, dim: int = -1) -> Tensor:
+    return _ScatterToTP.apply(x, dim, group) if group_size(group) > 1 else x
+
+
+def gather_from_tp(x: Tensor, group: Group, dim: int = -1) -> Tensor:
+    return _GatherFromTP.apply(x, dim, group) if group_size(group) > 1 else x
+
+
+def reduce_scatter_to_tp(x: Tensor, group: Group, dim: int = 1) -> Tensor:
+    return _ReduceScatterToTP.apply(x, dim, group) if group_size(group) > 1 else x
+
+
+def all_gather_from_tp(x: Tensor, group: Group, dim: int = 1) -> Tensor:
+    return _AllGatherFromTP.apply(x, dim, group) if group_size(group) > 1 else x
+
+
+def all_to_all(x: Tensor, group: Group, scatter_dim: int, gather_dim: int) -> Tensor:
+    return _AllToAll.apply(x, scatter_dim, gather_dim, group) if group_size(group) > 1 else x
+
+
+# ----------------------------------------------------------------------------- pipeline p2p
+
+def send_recv(sends: Sequence[tuple[Tensor, int]] = (), recvs: Sequence[tuple[Tensor, int]] = (),
+              group: Group = None) -> None:
+    """Post every send (tensor, dst world rank) and receive (buffer, src world rank) at once, then wait.
+
+    Batching both directions in one call avoids the deadlock of two neighbours each blocking on a send.
+    """
+    ops = [dist.P2POp(dist.isend, t.contiguous(), peer, group) for t, peer in sends]
+    ops += [dist.P2POp(dist.irecv, buf, peer, group) for buf, peer in recvs]
+    if not ops:
+        return
+    for req in dist.batch_isend_irecv(ops):
+        req.wait()

@@ -1,0 +1,420 @@
+"""Typed configuration: nested dataclasses are the schema, YAML is their serialized form.
+
+    cfg = load_config("configs/quickstart.yaml", overrides=["optimizer.lr=3e-4", "parallel.tp=2"])
+    save_config(cfg, "runs/x/config.yaml")   # loads back to an equal object
+
+Unknown keys fail with the key, its path and the nearest valid name; values are parsed by the
+field's type; cross-field rules live in `validate_config` and say every number involved.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad config key, value, override or cross-field combination. The message names the field."""
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 4096
+    """Vocabulary size (rows of the embedding). Padded up to a multiple of tp internally is NOT done: choose a size divisible by tp."""
+    hidden_size: int = 256
+    """Model width h."""
+    num_layers: int = 4
+    """Number of transformer blocks."""
+    num_heads: int = 8
+    """Query heads."""
+    num_kv_heads: Optional[int] = None
+    """Key/value heads for grouped-query attention (None = num_heads, 1 = MQA)."""
+    ffn_hidden_size: Optional[int] = None
+    """MLP inner width (None = 4h for GELU, round(8h/3) to a multiple of 64 for SwiGLU)."""
+    rope_theta: float = 10000.0
+    """Rotary embedding base."""
+    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
+    """Normalisation layer type."""
+    norm_eps: float = 1e-5
+    """Epsilon of the norm layers."""
+    mlp: Literal["swiglu", "gelu"] = "swiglu"
+    """MLP type: SwiGLU (Llama) or GELU (GPT-2)."""
+    tie_embeddings: bool = False
+    """Share the input embedding with the LM head."""
+    bias: bool = False
+    """Add biases to the linear layers."""
+    init_std: float = 0.02
+    """Standard deviation of the normal weight init."""
+    scaled_residual_init: bool = True
+    """Scale the init of the residual output projections by 1/sqrt(2 * num_layers)."""
+    attention_backend: Literal["auto", "reference", "sdpa", "flex", "flash"] = "auto"
+    """Core attention implementation; auto picks flash-attn, then FlexAttention (GPU), then SDPA."""
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def ffn_size(self) -> int:
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
+        if self.mlp == "gelu":
+            return 4 * self.hidden_size
+        return 64 * ((8 * self.hidden_size // 3 + 63) // 64)
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    """Tensor-parallel degree (keep inside a node)."""
+    sp: int = 1
+    """Ulysses sequence-parallel degree."""
+    pp: int = 1
+    """Pipeline-parallel degree (stages)."""
+    virtual_pp: int = 1
+    """Interleaved model chunks per pipeline stage (1 = plain 1F1B)."""
+    tp_sequence_parallel: bool = False
+    """Shard norms and the residual stream over tp (Megatron 'sequence parallel')."""
+    fsdp: bool = False
+    """Shard weights too with FSDP2 fully_shard over the grad (dp x sp) group."""
+    zero1: bool = True
+    """Shard optimizer state over the grad (dp x sp) group."""
+    timeout_seconds: float = 600.0
+    """Collective timeout: a dead or stuck rank ends the job after this long instead of hanging."""
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """Process-group backend; auto = NCCL when CUDA is available, gloo otherwise."""
+
+
+@dataclass
+class DataConfig:
+    paths: list[str] = field(default_factory=list)
+    """Dataset prefixes (without .bin/.idx), optionally weighted: ["0.7", "a_text_document", "0.3", "b_text_document"]."""
+    split: str = "969,30,1"
+    """train,valid,test ratios over documents."""
+    seq_len: int = 1024
+    """Tokens per sample (the model sees seq_len tokens and predicts seq_len labels)."""
+    tokenizer: Literal["sentencepiece", "byte"] = "byte"
+    """Tokenizer type: a sentencepiece model file, or byte-level (no file needed)."""
+    tokenizer_model: Optional[str] = None
+    """Path to the sentencepiece .model file."""
+    document_mask: bool = True
+    """Attention does not cross the EOD boundaries of packed documents."""
+    reset_position_ids: bool = True
+    """Position ids restart at 0 after every EOD."""
+    cache_dir: Optional[str] = None
+    """Where sample/shuffle indices are cached (default: beside the data)."""
+    mock: bool = False
+    """Train on deterministic synthetic tokens instead of paths (smoke tests)."""
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 3e-4
+    """Peak learning rate."""
+    min_lr: float = 3e-5
+    """Learning rate at the end of the decay."""
+    weight_decay: float = 0.1
+    """Decoupled AdamW weight decay (not applied to norms and biases)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0 = off)."""
+    schedule: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
+    """LR shape after warmup; wsd = constant then a linear decay over the last decay_fraction."""
+    warmup_steps: int = 100
+    """Linear warmup steps."""
+    decay_fraction: float = 0.2
+    """For wsd: the fraction of training spent decaying."""
+
+
+@dataclass
+class TrainingConfig:
+    seed: int = 1234
+    """Seed for init, data order and dropout; the same seed gives the same model at every layout."""
+    micro_batch_size: int = 1
+    """Samples per micro-batch per dp rank."""
+    global_batch_size: int = 8
+    """Samples per optimizer step over all dp ranks (a multiple of micro_batch_size * dp)."""
+    train_steps: int = 1000
+    """Optimizer steps to run."""
+    max_wall_minutes: float = 0.0
+    """Stop (with a checkpoint) after this many minutes (0 = no limit)."""
+    eval_interval: int = 0
+    """Validate every N steps (0 = never)."""
+    eval_steps: int = 4
+    """Batches per validation."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Compute dtype; auto = bf16 with fp32 master weights on GPU, fp32 on CPU."""
+    activation_checkpointing: bool = False
+    """Recompute each block in the backward instead of storing its activations."""
+    nan_policy: Literal["abort", "skip"] = "abort"
+    """On a NaN/Inf loss: abort the run, or skip the step."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where to run; auto = CUDA when available."""
+
+
+@dataclass
+class CheckpointConfig:
+    dir: Optional[str] = None
+    """Checkpoint directory (default: <run_dir>/checkpoints)."""
+    save_interval: int = 0
+    """Save every N steps (0 = only at the end / on preemption)."""
+    keep_last: int = 2
+    """Keep this many most recent checkpoints."""
+    load: Optional[str] = "auto"
+    """auto = resume from <dir>/latest if present; a path = load it; None = start fresh."""
+
+
+@dataclass
+class LoggingConfig:
+    run_dir: str = "runs/default"
+    """Run directory: resolved config, metrics.jsonl, checkpoints."""
+    log_interval: int = 10
+    """Print a metrics line every N steps."""
+    wandb_mode: Literal["disabled", "offline", "online"] = "disabled"
+    """Weights & Biases mode (online needs network)."""
+    wandb_project: str = "megalysses"
+    """Weights & Biases project."""
+    peak_tflops: float = 0.0
+    """Peak dense TFLOP/s of one device for MFU (0 = guess from the device name)."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+# ----------------------------------------------------------------------------- parsing
+
+def _nearest(name: str, choices: list[str]) -> str:
+    match = difflib.get_close_matches(name, choices, n=1, cutoff=0.5)
+    return f" (did you mean '{match[0]}'?)" if match else f" (valid: {', '.join(choices)})"
+
+
+def _coerce(value: Any, tp: Any, path: str) -> Any:
+    """Convert a YAML / override value to the field type `tp`, or raise ConfigError naming `path`."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "~")):
+            return None
+        return _coerce(value, args[0], path)
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            raise ConfigError(f"{path}: {value!r} is not one of {', '.join(map(str, allowed))}")
+        return value
+    if origin is list:
+        (inner,) = typing.get_args(tp)
+        if isinstance(value, str):
+            text = value.strip()
+            value = yaml.safe_load(text) if text.startswith("[") else [v for v in text.split(",") if v]
+        if not isinstance(value, list):
+            raise ConfigError(f"{path}: expected a list, got {value!r}")
+        return [_coerce(v, inner, f"{path}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+            return value.lower() in ("true", "yes", "1")
+        raise ConfigError(f"{path}: expected true/false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{path}: expected an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value.replace("_", ""))
+            except ValueError:
+                pass
+        raise ConfigError(f"{path}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{path}: expected a number, got {value!r}")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{path}: expected a number, got {value!r}") from None
+    if tp is str:
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"{path}: expected a string, got {value!r}")
+        return str(value)
+    raise ConfigError(f"{path}: unsupported field type {tp}")
+
+
+def _build(cls: type, data: Any, path: str) -> Any:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path or 'config'}: expected a mapping of keys, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        where = f"{path}.{key}" if path else str(key)
+        if key not in names:
+            raise ConfigError(f"unknown config key '{where}'{_nearest(str(key), names)}")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = _build(tp, value, where)
+        else:
+            kwargs[key] = _coerce(value, tp, where)
+    return cls(**kwargs)
+
+
+def config_from_dict(data: dict) -> Config:
+    """Build a Config from a nested dict, strictly (unknown keys and bad types raise ConfigError)."""
+    return _build(Config, data, "")
+
+
+def config_to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def apply_override(data: dict, override: str) -> None:
+    """Apply one `section.key=value` override to a nested dict (checked against the schema)."""
+    if "=" not in override:
+        raise ConfigError(f"override '{override}': expected section.key=value (e.g. optimizer.lr=3e-4)")
+    dotted, raw = override.split("=", 1)
+    parts = dotted.strip().split(".")
+    cls: Any = Config
+    node = data
+    for i, part in enumerate(parts):
+        where = ".".join(parts[: i + 1])
+        names = [f.name for f in dataclasses.fields(cls)]
+        if part not in names:
+            raise ConfigError(f"override '{override}': unknown config key '{where}'{_nearest(part, names)}")
+        tp = typing.get_type_hints(cls)[part]
+        last = i == len(parts) - 1
+        if dataclasses.is_dataclass(tp):
+            if last:
+                raise ConfigError(f"override '{override}': '{where}' is a section; set one of its keys")
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
+            cls = tp
+        else:
+            if not last:
+                raise ConfigError(f"override '{override}': '{where}' is a value, not a section")
+            value = yaml.safe_load(raw) if raw.strip() else ""
+            node[part] = _coerce(value if value is not None else None, tp, where)
+
+
+def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]] = None) -> Config:
+    """Read YAML (if given), apply `--set` overrides, build and validate the Config."""
+    data: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file '{p}' does not exist")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file '{p}' is not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file '{p}': the top level must be a mapping of sections")
+    for ov in overrides or []:
+        apply_override(data, ov)
+    cfg = config_from_dict(data)
+    validate_config(cfg)
+    return cfg
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(dump_config(cfg))
+
+
+# ----------------------------------------------------------------------------- validation
+
+def validate_config(cfg: Config, world_size: Optional[int] = None) -> None:
+    """Cross-field rules. With `world_size`, also the layout and batch arithmetic. Raises ConfigError."""
+    m, p, d, t = cfg.model, cfg.parallel, cfg.data, cfg.training
+    for name in ("tp", "sp", "pp", "virtual_pp"):
+        if getattr(p, name) < 1:
+            raise ConfigError(f"parallel.{name}={getattr(p, name)} must be >= 1")
+    if m.hidden_size % m.num_heads:
+        raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}")
+    if m.head_dim % 2:
+        raise ConfigError(f"model head_dim={m.head_dim} (hidden_size/num_heads) must be even for rotary embeddings")
+    if m.num_heads % m.kv_heads:
+        raise ConfigError(f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads={m.kv_heads}")
+    check_heads(m.num_heads, m.kv_heads, p.tp, p.sp)
+    if m.vocab_size % p.tp:
+        raise ConfigError(f"model.vocab_size={m.vocab_size} is not divisible by parallel.tp={p.tp}: "
+                          f"pad the vocabulary to a multiple of {p.tp}")
+    if m.ffn_size % p.tp:
+        raise ConfigError(f"MLP width {m.ffn_size} (model.ffn_hidden_size) is not divisible by parallel.tp={p.tp}")
+    shard = p.sp * (p.tp if p.tp_sequence_parallel else 1)
+    if d.seq_len % shard:
+        what = f"parallel.sp={p.sp}" + (f" * parallel.tp={p.tp} (tp_sequence_parallel)" if p.tp_sequence_parallel else "")
+        raise ConfigError(f"data.seq_len={d.seq_len} is not divisible by {what} = {shard}: "
+                          f"use a seq_len that is a multiple of {shard}")
+    stages = p.pp * p.virtual_pp
+    if m.num_layers % stages:
+        raise ConfigError(f"model.num_layers={m.num_layers} is not divisible by parallel.pp={p.pp} * "
+                          f"parallel.virtual_pp={p.virtual_pp} = {stages} pipeline chunks")
+    if p.fsdp and p.pp > 1:
+        raise ConfigError("parallel.fsdp=true is not supported with parallel.pp>1: use zero1 with pipelines")
+    if d.tokenizer == "sentencepiece" and not d.tokenizer_model:
+        raise ConfigError("data.tokenizer=sentencepiece needs data.tokenizer_model (path to the .model file)")
+    if not d.mock and not d.paths:
+        raise ConfigError("data.paths is empty: give dataset prefixes (tools/preprocess_data.py output) or set data.mock=true")
+    if t.micro_batch_size < 1 or t.global_batch_size < 1:
+        raise ConfigError("training.micro_batch_size and training.global_batch_size must be >= 1")
+    if world_size is not None:
+        mp = p.tp * p.sp * p.pp
+        if world_size % mp:
+            raise ConfigError(f"world size {world_size} is not divisible by tp*sp*pp = {p.tp}*{p.sp}*{p.pp} = {mp}: "
+                              f"launch a multiple of {mp} processes or change the layout")
+        dp = world_size // mp
+        per_step = t.micro_batch_size * dp
+        if t.global_batch_size % per_step:
+            raise ConfigError(f"training.global_batch_size={t.global_batch_size} is not divisible by "
+                              f"micro_batch_size={t.micro_batch_size} * dp={dp} = {per_step}")
+        if p.virtual_pp > 1 and (t.global_batch_size // per_step) % p.pp:
+            raise ConfigError(f"interleaved pipeline needs the number of micro-batches "
+                              f"({t.global_batch_size // per_step}) to be a multiple of parallel.pp={p.pp}")
+
+
+def check_heads(num_heads: int, kv_heads: int, tp: int, sp: int) -> None:
+    """Head-count rules for tp then Ulysses sp; raises ConfigError with the numbers and the fix."""
+    if num_heads % tp:
+        raise ConfigError(f"model.num_heads={num_heads} is not divisible by parallel.tp={tp}")
+    if (num_heads // tp) % sp:
+        raise ConfigError(f"query heads per tp rank = num_heads/tp = {num_heads}/{tp} = {num_heads // tp} "
+                          f"is not divisible by parallel.sp={sp}: Ulysses gives each sp rank whole heads; "
+                          f"choose sp dividing {num_heads // tp}")
+    if kv_heads % tp and tp % kv_heads:
+        raise ConfigError(f"model.num_kv_heads={kv_heads} and parallel.tp={tp}: one must divide the other")
+    kv_local = max(kv_heads // tp, 1)
+    if kv_local % sp and sp % kv_local:
+        raise ConfigError(f"KV heads per tp rank = {kv_local} and parallel.sp={sp}: one must divide the other "
+                          f"(KV heads are replicated up to sp when fewer); change num_kv_heads or sp")

@@ -1,0 +1,84 @@
+"""Run a function on W CPU ranks (spawn, gloo, file:// store) and collect what each rank returns.
+
+    def check(rank, world, x):          # module-level, so spawn can import it
+        ...
+        return {"loss": loss.item()}
+
+    results = run_distributed(check, world=4, tmp_dir=tmp_path, args=(x,))   # list, one per rank
+
+A rank that raises fails the call with that rank's traceback; a rank that hangs is ended by the
+short collective timeout and, failing that, by the overall `timeout`.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class DistributedTestError(AssertionError):
+    """A rank failed: the message carries its traceback."""
+
+
+def _worker(rank: int, fn: Callable, world: int, store: str, out_dir: str, args: tuple, pg_timeout: float) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    out = Path(out_dir) / f"rank{rank}.pkl"
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=pg_timeout))
+        try:
+            result = fn(rank, world, *args)
+        finally:
+            dist.destroy_process_group()
+        payload = ("ok", result)
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        payload = ("error", traceback.format_exc())
+    with open(out, "wb") as f:
+        pickle.dump(payload, f)
+
+
+def run_distributed(fn: Callable, world: int, tmp_dir: Optional[str | os.PathLike] = None, args: tuple = (),
+                    timeout: float = 240.0, pg_timeout: float = 60.0) -> list[Any]:
+    """Run `fn(rank, world, *args)` on `world` spawned gloo ranks; return the per-rank results in rank order."""
+    tmp = Path(tempfile.mkdtemp(prefix="mgl-", dir=tmp_dir))
+    store = tmp / "store"
+    ctx = mp.start_processes(_worker, args=(fn, world, str(store), str(tmp), args, pg_timeout), nprocs=world,
+                             join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    try:
+        while not ctx.join(timeout=0.2):
+            if time.monotonic() > deadline:
+                raise DistributedTestError(f"distributed run of {fn.__name__} on {world} ranks timed out after {timeout}s")
+    except mp.ProcessRaisedException as e:  # pragma: no cover - _worker catches everything
+        raise DistributedTestError(str(e)) from None
+    except mp.ProcessExitedException as e:
+        raise DistributedTestError(f"a rank of {fn.__name__} died: {e}") from None
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    results, errors = [], []
+    for rank in range(world):
+        path = tmp / f"rank{rank}.pkl"
+        if not path.exists():
+            errors.append(f"rank {rank}: produced no result")
+            continue
+        with open(path, "rb") as f:
+            status, value = pickle.load(f)
+        if status == "error":
+            errors.append(f"rank {rank} raised:\n{value}")
+        results.append(value)
+    if errors:
+        # the first failing rank's traceback usually explains the rest (timeouts on the others)
+        raise DistributedTestError(f"{fn.__name__} failed on {len(errors)}/{world} ranks\n" + "\n".join(errors[:2]))
+    return results

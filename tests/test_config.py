@@ -1,0 +1,105 @@
+"""Typed config: strict YAML, --set overrides, cross-field validation, round trip."""
+import pytest
+
+from megalysses.config import Config, ConfigError, config_from_dict, dump_config, load_config, save_config, validate_config
+
+
+def _write(tmp_path, text):
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_defaults_with_mock_data_validate():
+    load_config(overrides=["data.mock=true"])
+
+
+def test_unknown_key_names_path_and_suggestion(tmp_path):
+    p = _write(tmp_path, "model:\n  hiden_size: 64\ndata:\n  mock: true\n")
+    with pytest.raises(ConfigError, match=r"model\.hiden_size.*did you mean 'hidden_size'"):
+        load_config(p)
+    p = _write(tmp_path, "optimiser:\n  lr: 1\n")
+    with pytest.raises(ConfigError, match=r"unknown config key 'optimiser'.*'optimizer'"):
+        load_config(p)
+
+
+def test_wrong_types(tmp_path):
+    cases = {
+        "model:\n  num_layers: four\n": "model.num_layers",
+        "model:\n  num_layers: 2.5\n": "model.num_layers",
+        "optimizer:\n  lr: fast\n": "optimizer.lr",
+        "model:\n  tie_embeddings: maybe\n": "model.tie_embeddings",
+        "model:\n  norm: batchnorm\n": "model.norm",
+        "data:\n  paths: 3\n": "data.paths",
+        "model: 3\n": "model",
+    }
+    for text, field in cases.items():
+        with pytest.raises(ConfigError) as e:
+            load_config(_write(tmp_path, text))
+        assert field in str(e.value), (text, str(e.value))
+        assert "\n" not in str(e.value)
+
+
+def test_overrides_parse_by_type():
+    cfg = load_config(overrides=["data.mock=true", "optimizer.lr=3e-4", "parallel.tp=2", "model.tie_embeddings=true",
+                                 "data.paths=[0.5, a, 0.5, b]", "model.num_kv_heads=2", "checkpoint.load=none"])
+    assert cfg.optimizer.lr == 3e-4 and isinstance(cfg.optimizer.lr, float)
+    assert cfg.parallel.tp == 2 and cfg.model.tie_embeddings is True
+    assert cfg.data.paths == ["0.5", "a", "0.5", "b"]
+    assert cfg.model.num_kv_heads == 2 and cfg.checkpoint.load is None
+
+
+def test_bad_overrides():
+    for ov, needle in [("optimizer.lr", "section.key=value"), ("optimizer.lrr=1", "optimizer.lrr"),
+                       ("optimizer=1", "is a section"), ("parallel.tp=two", "parallel.tp"),
+                       ("model.hidden_size.x=1", "not a section")]:
+        with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+            load_config(overrides=["data.mock=true", ov])
+
+
+def test_yaml_float_strings_are_numbers(tmp_path):
+    cfg = load_config(_write(tmp_path, "optimizer:\n  lr: 3e-4\ndata:\n  mock: true\n"))
+    assert cfg.optimizer.lr == 3e-4
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["model.num_heads=6"], "model.num_heads=6"),                          # 256 % 6
+    (["parallel.tp=3"], "parallel.tp=3"),
+    (["parallel.sp=3"], "parallel.sp=3"),
+    (["model.num_kv_heads=3"], "num_kv_heads=3"),
+    (["parallel.sp=4", "model.num_kv_heads=2", "parallel.tp=4"], "parallel.sp=4"),
+    (["data.seq_len=100", "parallel.sp=8"], "data.seq_len=100"),
+    (["data.seq_len=36", "parallel.sp=2", "parallel.tp=4", "parallel.tp_sequence_parallel=true"], "tp_sequence_parallel"),
+    (["model.num_layers=3", "parallel.pp=2"], "model.num_layers=3"),
+    (["data.mock=false"], "data.paths"),
+    (["data.tokenizer=sentencepiece"], "tokenizer_model"),
+])
+def test_cross_field_rules(overrides, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=["data.mock=true"] + overrides)
+    assert needle in str(e.value)
+
+
+def test_world_size_rules():
+    cfg = load_config(overrides=["data.mock=true", "parallel.tp=2", "training.global_batch_size=6"])
+    with pytest.raises(ConfigError, match="world size 3"):
+        validate_config(cfg, world_size=3)
+    with pytest.raises(ConfigError, match="global_batch_size=6.*dp=4"):
+        validate_config(cfg, world_size=8)
+    validate_config(cfg, world_size=6)
+
+
+def test_round_trip(tmp_path):
+    cfg = load_config(overrides=["data.mock=true", "optimizer.lr=1e-3", "data.paths=[a,b]", "model.num_kv_heads=4"])
+    save_config(cfg, tmp_path / "out.yaml")
+    again = load_config(tmp_path / "out.yaml")
+    assert again == cfg
+    assert config_from_dict({}) == Config()
+    assert "num_kv_heads: 4" in dump_config(cfg)
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(_write(tmp_path, "model: [\n"))
