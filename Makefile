@@ -1,12 +1,14 @@
 # make test        : create .venv if missing, install CPU torch + megalysses[test], run the suite
-# make quickstart  : build the stdlib corpus + tokenizer + dataset, train a small GPT on 4 CPU processes
-PYTHON ?= python3
-VENV   ?= .venv
-PY     := $(VENV)/bin/python
+# make quickstart  : stdlib corpus -> tokenizer -> dataset (cached), train a small GPT on 4 processes
+#                    with tp=2 x sp=2, then sample text from the checkpoint
+PYTHON    ?= python3
+VENV      ?= .venv
+PY        := $(VENV)/bin/python
 TORCH_CPU ?= torch==2.13.0
-NPROC  ?= 4
+NPROC     ?= 4
+DATA      ?= data
 
-.PHONY: venv test quickstart clean
+.PHONY: venv test quickstart corpus clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,6 +21,23 @@ venv: $(VENV)/.installed
 
 test: venv
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
+
+$(DATA)/stdlib.jsonl: | venv
+	$(PY) tools/build_corpus.py --stdlib --output $@
+
+$(DATA)/stdlib_tokenizer.model: $(DATA)/stdlib.jsonl
+	$(PY) tools/train_tokenizer.py --input $< --model-prefix $(DATA)/stdlib_tokenizer --vocab-size 4096 --byte-fallback
+
+$(DATA)/stdlib_text_document.idx: $(DATA)/stdlib.jsonl $(DATA)/stdlib_tokenizer.model
+	$(PY) tools/preprocess_data.py --input $< --output-prefix $(DATA)/stdlib --json-keys text --append-eod \
+		--workers 2 --tokenizer-type sentencepiece --tokenizer-model $(DATA)/stdlib_tokenizer.model
+
+corpus: $(DATA)/stdlib_text_document.idx
+
+quickstart: venv corpus
+	rm -rf runs/quickstart
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) pretrain.py --config configs/quickstart.yaml
+	$(PY) tools/generate.py --run runs/quickstart --prompt "def " --max-new-tokens 120
 
 clean:
 	rm -rf $(VENV) runs

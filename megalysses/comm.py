@@ -12,6 +12,8 @@ Ulysses:
     all_to_all            fwd scatter one dim / gather another   bwd the inverse all-to-all
 Pipelines (no autograd; the schedule drives the backward):
     send_recv             batched isend/irecv to pipeline neighbours
+
+A group of None stands for a group of one (never the default world group).
 """
 from __future__ import annotations
 
@@ -25,11 +27,12 @@ Group = Optional[dist.ProcessGroup]
 
 
 def group_size(group: Group) -> int:
-    return dist.get_world_size(group) if dist.is_initialized() else 1
+    """Size of `group`; None means no group (a group of one), never the default world group."""
+    return 1 if group is None else dist.get_world_size(group)
 
 
 def group_rank(group: Group) -> int:
-    return dist.get_rank(group) if dist.is_initialized() else 0
+    return 0 if group is None else dist.get_rank(group)
 
 
 # ----------------------------------------------------------------------------- raw (no autograd)

@@ -81,14 +81,8 @@ class ParallelConfig:
     """Ulysses sequence-parallel degree."""
     pp: int = 1
     """Pipeline-parallel degree (stages)."""
-    virtual_pp: int = 1
-    """Interleaved model chunks per pipeline stage (1 = plain 1F1B)."""
     tp_sequence_parallel: bool = False
     """Shard norms and the residual stream over tp (Megatron 'sequence parallel')."""
-    fsdp: bool = False
-    """Shard weights too with FSDP2 fully_shard over the grad (dp x sp) group."""
-    zero1: bool = True
-    """Shard optimizer state over the grad (dp x sp) group."""
     timeout_seconds: float = 600.0
     """Collective timeout: a dead or stuck rank ends the job after this long instead of hanging."""
     backend: Literal["auto", "nccl", "gloo"] = "auto"
@@ -161,10 +155,11 @@ class TrainingConfig:
     """Compute dtype; auto = bf16 with fp32 master weights on GPU, fp32 on CPU."""
     activation_checkpointing: bool = False
     """Recompute each block in the backward instead of storing its activations."""
+    loss_chunk_tokens: int = 0
+    """Compute the LM head + loss in sequence tiles of this many tokens, recomputed in the backward
+    (0 = no tiling). Needed at long context: the full logits would be S/sp x V/tp floats."""
     nan_policy: Literal["abort", "skip"] = "abort"
     """On a NaN/Inf loss: abort the run, or skip the step."""
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    """Where to run; auto = CUDA when available."""
 
 
 @dataclass
@@ -357,7 +352,7 @@ def save_config(cfg: Config, path: str | Path) -> None:
 def validate_config(cfg: Config, world_size: Optional[int] = None) -> None:
     """Cross-field rules. With `world_size`, also the layout and batch arithmetic. Raises ConfigError."""
     m, p, d, t = cfg.model, cfg.parallel, cfg.data, cfg.training
-    for name in ("tp", "sp", "pp", "virtual_pp"):
+    for name in ("tp", "sp", "pp"):
         if getattr(p, name) < 1:
             raise ConfigError(f"parallel.{name}={getattr(p, name)} must be >= 1")
     if m.hidden_size % m.num_heads:
@@ -377,12 +372,9 @@ def validate_config(cfg: Config, world_size: Optional[int] = None) -> None:
         what = f"parallel.sp={p.sp}" + (f" * parallel.tp={p.tp} (tp_sequence_parallel)" if p.tp_sequence_parallel else "")
         raise ConfigError(f"data.seq_len={d.seq_len} is not divisible by {what} = {shard}: "
                           f"use a seq_len that is a multiple of {shard}")
-    stages = p.pp * p.virtual_pp
-    if m.num_layers % stages:
-        raise ConfigError(f"model.num_layers={m.num_layers} is not divisible by parallel.pp={p.pp} * "
-                          f"parallel.virtual_pp={p.virtual_pp} = {stages} pipeline chunks")
-    if p.fsdp and p.pp > 1:
-        raise ConfigError("parallel.fsdp=true is not supported with parallel.pp>1: use zero1 with pipelines")
+    if m.num_layers % p.pp:
+        raise ConfigError(f"model.num_layers={m.num_layers} is not divisible by parallel.pp={p.pp}: "
+                          f"every pipeline stage holds the same number of layers")
     if d.tokenizer == "sentencepiece" and not d.tokenizer_model:
         raise ConfigError("data.tokenizer=sentencepiece needs data.tokenizer_model (path to the .model file)")
     if not d.mock and not d.paths:
@@ -399,9 +391,6 @@ def validate_config(cfg: Config, world_size: Optional[int] = None) -> None:
         if t.global_batch_size % per_step:
             raise ConfigError(f"training.global_batch_size={t.global_batch_size} is not divisible by "
                               f"micro_batch_size={t.micro_batch_size} * dp={dp} = {per_step}")
-        if p.virtual_pp > 1 and (t.global_batch_size // per_step) % p.pp:
-            raise ConfigError(f"interleaved pipeline needs the number of micro-batches "
-                              f"({t.global_batch_size // per_step}) to be a multiple of parallel.pp={p.pp}")
 
 
 def check_heads(num_heads: int, kv_heads: int, tp: int, sp: int) -> None:
@@ -412,9 +401,10 @@ def check_heads(num_heads: int, kv_heads: int, tp: int, sp: int) -> None:
         raise ConfigError(f"query heads per tp rank = num_heads/tp = {num_heads}/{tp} = {num_heads // tp} "
                           f"is not divisible by parallel.sp={sp}: Ulysses gives each sp rank whole heads; "
                           f"choose sp dividing {num_heads // tp}")
-    if kv_heads % tp and tp % kv_heads:
-        raise ConfigError(f"model.num_kv_heads={kv_heads} and parallel.tp={tp}: one must divide the other")
-    kv_local = max(kv_heads // tp, 1)
+    if kv_heads % tp:
+        raise ConfigError(f"model.num_kv_heads={kv_heads} is not divisible by parallel.tp={tp}: each tp rank "
+                          f"needs whole KV heads; use tp <= {kv_heads} (a divisor) and put the rest into sp")
+    kv_local = kv_heads // tp
     if kv_local % sp and sp % kv_local:
         raise ConfigError(f"KV heads per tp rank = {kv_local} and parallel.sp={sp}: one must divide the other "
                           f"(KV heads are replicated up to sp when fewer); change num_kv_heads or sp")

@@ -17,8 +17,10 @@ import torch.distributed as dist
 
 
 def pick_backend(backend: str = "auto") -> str:
+    """auto: NCCL when every local process can have its own GPU, gloo on CPU otherwise."""
     if backend == "auto":
-        return "nccl" if torch.cuda.is_available() else "gloo"
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= local_world else "gloo"
     if backend == "nccl" and not torch.cuda.is_available():
         raise RuntimeError("parallel.backend=nccl needs CUDA, which is not available here: use gloo or auto")
     return backend

@@ -98,14 +98,19 @@ class ParallelGrid:
         self.layout = GridLayout(self.world, tp, sp, pp)
         c = self.layout.coords(self.rank)
         self.pp_rank, self.dp_rank, self.sp_rank, self.tp_rank = c["pp"], c["dp"], c["sp"], c["tp"]
-        self._groups: dict[str, dist.ProcessGroup] = {}
+        self._groups: dict[str, Optional[dist.ProcessGroup]] = {}
         self._ranks: dict[str, list[int]] = {}
-        # every rank must create every group in the same order
+        # every rank creates every group in the same order; a group of one is None (collectives skip it)
         for kind in list(GROUP_AXES) + ["embed"]:
             for ranks in self.layout.groups(kind):
-                group = dist.new_group(ranks)
+                group = dist.new_group(ranks) if len(ranks) > 1 else None
                 if self.rank in ranks:
                     self._groups[kind], self._ranks[kind] = group, ranks
+
+    @classmethod
+    def single(cls) -> "ParallelGrid":
+        """A world of one with no process groups (single-process references, tools, tests)."""
+        return cls(world=1, rank=0)
 
     # sizes and coordinates
     tp_size = property(lambda self: self.layout.tp)
@@ -130,38 +135,38 @@ class ParallelGrid:
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.layout.pp - 1
 
-    def group(self, kind: str) -> dist.ProcessGroup:
+    def group(self, kind: str) -> Optional[dist.ProcessGroup]:
         return self._groups[kind]
 
     def group_ranks(self, kind: str) -> list[int]:
         return self._ranks[kind]
 
     @property
-    def tp_group(self) -> dist.ProcessGroup:
+    def tp_group(self) -> Optional[dist.ProcessGroup]:
         return self._groups["tp"]
 
     @property
-    def sp_group(self) -> dist.ProcessGroup:
+    def sp_group(self) -> Optional[dist.ProcessGroup]:
         return self._groups["sp"]
 
     @property
-    def dp_group(self) -> dist.ProcessGroup:
+    def dp_group(self) -> Optional[dist.ProcessGroup]:
         return self._groups["dp"]
 
     @property
-    def pp_group(self) -> dist.ProcessGroup:
+    def pp_group(self) -> Optional[dist.ProcessGroup]:
         return self._groups["pp"]
 
     @property
-    def grad_group(self) -> dist.ProcessGroup:
+    def grad_group(self) -> Optional[dist.ProcessGroup]:
         return self._groups["grad"]
 
     @property
-    def mp_group(self) -> dist.ProcessGroup:
+    def mp_group(self) -> Optional[dist.ProcessGroup]:
         return self._groups["mp"]
 
     @property
-    def embed_group(self) -> dist.ProcessGroup:
+    def embed_group(self) -> Optional[dist.ProcessGroup]:
         return self._groups["embed"]
 
     def stage_rank(self, pp_rank: int) -> int:

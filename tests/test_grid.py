@@ -61,7 +61,10 @@ def _grid_worker(rank, world, tp, sp, pp):
     for kind in list(GROUP_AXES) + ["embed"]:
         # the group really connects the ranks the arithmetic says
         t = torch.tensor([float(rank)])
-        dist.all_reduce(t, group=grid.group(kind))
+        if len(grid.group_ranks(kind)) > 1:
+            dist.all_reduce(t, group=grid.group(kind))
+        else:
+            assert grid.group(kind) is None
         out[kind] = (grid.group_ranks(kind), t.item())
     return out
 

@@ -1,0 +1,1 @@
+"""The GPT model (Llama architecture) built from the parallel layers."""

@@ -1,0 +1,137 @@
+"""The GPT model (Llama architecture) as pipeline stages.
+
+A `GPTStage` holds a contiguous range of blocks under their GLOBAL layer index (`layers.7...`), plus
+the embedding on the first stage and the final norm + LM head (+ loss) on the last. With pp=1 one
+stage is the whole model. Parameter names therefore do not depend on the layout, and the
+initialisation (seeded by name, full tensor, then sliced over tp) gives the same full model at
+every (tp, sp, pp).
+
+    model = GPTStage(cfg.model, groups)                     # whole model, this rank's tp shards
+    loss_sum = model(input_ids, position_ids, doc_ids=doc_ids, labels=labels)   # sum over local tokens
+"""
+from __future__ import annotations
+
+import math
+import zlib
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from megalysses import comm
+from megalysses.config import ModelConfig
+from megalysses.kernels.attention import prepare_attention_mask
+from megalysses.kernels.rope import rope_cos_sin
+from megalysses.model.layers import Block, Norm, ParallelGroups
+from megalysses.parallel.tensor_parallel import (
+    ColumnParallelLinear, VocabParallelEmbedding, column_parallel_linear, vocab_parallel_cross_entropy)
+
+
+def stage_layers(num_layers: int, pp: int, pp_rank: int) -> range:
+    """Global indices of the blocks on pipeline stage `pp_rank` (equal split)."""
+    per = num_layers // pp
+    return range(pp_rank * per, (pp_rank + 1) * per)
+
+
+class GPTStage(nn.Module):
+    def __init__(self, cfg: ModelConfig, groups: Optional[ParallelGroups] = None,
+                 layers: Optional[range] = None, first: bool = True, last: bool = True,
+                 activation_checkpointing: bool = False, loss_chunk_tokens: int = 0) -> None:
+        super().__init__()
+        groups = groups or ParallelGroups()
+        self.cfg, self.groups = cfg, groups
+        self.first, self.last = first, last
+        self.activation_checkpointing = activation_checkpointing
+        self.loss_chunk_tokens = loss_chunk_tokens
+        layers = range(cfg.num_layers) if layers is None else layers
+        sp_ = groups.sequence_parallel
+        if first or (last and cfg.tie_embeddings):
+            # on a last stage without the first, this copy is the tied LM head (grads synced over `embed`)
+            self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, groups.tp, sp_)
+        self.layers = nn.ModuleDict({str(i): Block(cfg, groups) for i in layers})
+        if last:
+            self.final_norm = Norm(cfg, groups)
+            if not cfg.tie_embeddings:
+                self.lm_head = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, groups.tp, False, sp_)
+
+    @property
+    def vocab_start(self) -> int:
+        return comm.group_rank(self.groups.tp) * self.cfg.vocab_size // self.groups.tp_size
+
+    def forward(self, inputs: Tensor, position_ids: Tensor, doc_ids: Optional[Tensor] = None,
+                labels: Optional[Tensor] = None) -> Tensor:
+        """inputs: token ids (B, S/sp) on the first stage, else the hidden states from the previous stage.
+        position_ids: (B, S/sp) global positions of this sp rank's chunk; doc_ids: (B, S) full-sequence
+        document index for packed-document masks (None = plain causal).
+
+        Returns the hidden states (B, s, h) on a non-last stage; on the last, the local sum of token
+        losses (fp32 scalar) when labels are given, else this rank's logits (B, S/sp, V/tp)."""
+        cos, sin = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta)   # (B, S/sp, D) once
+        mask = prepare_attention_mask(doc_ids, self.cfg.attention_backend) if doc_ids is not None else None
+        x = self.embed(inputs) if self.first else inputs                               # (B, s, h)
+        for block in self.layers.values():
+            if self.activation_checkpointing and self.training:
+                x = checkpoint(block, x, cos, sin, mask, use_reentrant=False)
+            else:
+                x = block(x, cos, sin, mask)
+        if not self.last:
+            return x
+        x = self.final_norm(x)
+        if labels is None:
+            return self._logits(x)                                                     # (B, S/sp, V/tp)
+        chunk = self.loss_chunk_tokens
+        if not chunk or chunk >= x.shape[1]:
+            return self._loss_sum(x, labels)
+        return self._tiled_loss_sum(x, labels, chunk)
+
+    def _logits(self, x: Tensor) -> Tensor:
+        head = self.embed.weight if self.cfg.tie_embeddings else self.lm_head.weight
+        return column_parallel_linear(x, head, None, self.groups.tp, self.groups.sequence_parallel)
+
+    def _loss_sum(self, x: Tensor, labels: Tensor) -> Tensor:
+        losses = vocab_parallel_cross_entropy(self._logits(x), labels, self.groups.tp, self.vocab_start)  # (B, S/sp)
+        return losses.sum()
+
+    def _tiled_loss_sum(self, x: Tensor, labels: Tensor, chunk: int) -> Tensor:
+        """The loss over sequence tiles of `chunk` tokens, each recomputed in the backward, so that only
+        one tile's logits (B, chunk, V/tp) exist at a time."""
+        B, s = x.shape[:2]
+        tp = self.groups.tp_size if self.groups.sequence_parallel else 1
+        # with TP sequence sharding, tile c of every tp rank's shard is gathered together: match the labels
+        lab = labels.view(B, tp, s)
+        total = x.new_zeros((), dtype=torch.float32)
+        for lo in range(0, s, chunk):
+            tile_labels = lab[:, :, lo:lo + chunk].reshape(B, -1)
+            total = total + checkpoint(self._loss_sum, x[:, lo:lo + chunk], tile_labels, use_reentrant=False)
+        return total
+
+
+def _init_kind(name: str, cfg: ModelConfig) -> tuple[str, float]:
+    if name.endswith("bias") or "norm" in name:
+        return ("ones", 0.0) if name.endswith("norm.weight") else ("zeros", 0.0)
+    std = cfg.init_std
+    if cfg.scaled_residual_init and (name.endswith("o_proj.weight") or name.endswith("down_proj.weight")):
+        std /= math.sqrt(2 * cfg.num_layers)
+    return "normal", std
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, seed: int, tp_rank: int = 0, tp_size: int = 1) -> None:
+    """Initialise every parameter as the tp shard of a full tensor drawn from a generator seeded by
+    (seed, parameter name): the same seed gives the same full model at every layout."""
+    cfg: ModelConfig = model.cfg
+    for name, p in model.named_parameters():
+        kind, std = _init_kind(name, cfg)
+        tp_dim = getattr(p, "tp_dim", None)
+        full_shape = list(p.shape)
+        if tp_dim is not None:
+            full_shape[tp_dim] *= tp_size
+        if kind == "normal":
+            g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+            full = torch.randn(full_shape, generator=g) * std
+        else:
+            full = torch.ones(full_shape) if kind == "ones" else torch.zeros(full_shape)
+        if tp_dim is not None:
+            full = full.chunk(tp_size, dim=tp_dim)[tp_rank]
+        p.copy_(full)

@@ -1,0 +1,121 @@
+"""Transformer block pieces: norm, attention (tensor-parallel projections around Ulysses), MLP.
+
+Shapes: B batch, s local sequence length in the residual stream (S/sp, or S/(sp*tp) with TP
+sequence sharding), S/sp the sequence inside the tensor-parallel region, h hidden, D head dim,
+hq = Hq/tp and hk = Hkv/tp the tp-local head counts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from megalysses import comm
+from megalysses.comm import Group
+from megalysses.config import ModelConfig
+from megalysses.kernels.attention import core_attention
+from megalysses.kernels.norms import rms_norm
+from megalysses.kernels.rope import apply_rope
+from megalysses.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, mark_tp
+from megalysses.parallel.ulysses import ulysses_attention
+
+
+@dataclass
+class ParallelGroups:
+    """The groups a model stage needs (None = a group of one)."""
+
+    tp: Group = None
+    sp: Group = None
+    sequence_parallel: bool = False  # TP sequence sharding of the residual stream
+
+    @property
+    def tp_size(self) -> int:
+        return comm.group_size(self.tp)
+
+    @property
+    def sp_size(self) -> int:
+        return comm.group_size(self.sp)
+
+
+class Norm(nn.Module):
+    """RMSNorm or LayerNorm over the last dim. With TP sequence sharding each tp rank normalises other
+    tokens, so the weight's gradient is summed over tp (copy_to_tp on the weight)."""
+
+    def __init__(self, cfg: ModelConfig, groups: ParallelGroups) -> None:
+        super().__init__()
+        self.kind, self.eps = cfg.norm, cfg.norm_eps
+        self.tp, self.sequence_parallel = groups.tp, groups.sequence_parallel
+        self.weight = mark_tp(nn.Parameter(torch.ones(cfg.hidden_size)), None)
+        self.bias = mark_tp(nn.Parameter(torch.zeros(cfg.hidden_size)), None) if cfg.norm == "layernorm" else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        weight, bias = self.weight, self.bias
+        if self.sequence_parallel:
+            weight = comm.copy_to_tp(weight, self.tp)
+            bias = comm.copy_to_tp(bias, self.tp) if bias is not None else None
+        if self.kind == "rmsnorm":
+            return rms_norm(x, weight, self.eps)
+        return F.layer_norm(x, (x.shape[-1],), weight, bias, self.eps)
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention: column-parallel q/k/v, RoPE, Ulysses core attention, row-parallel out."""
+
+    def __init__(self, cfg: ModelConfig, groups: ParallelGroups) -> None:
+        super().__init__()
+        h, D, tp = cfg.hidden_size, cfg.head_dim, groups.tp_size
+        self.groups, self.head_dim, self.backend = groups, D, cfg.attention_backend
+        self.hq, self.hk = cfg.num_heads // tp, cfg.kv_heads // tp
+        sp_ = groups.sequence_parallel
+        self.q_proj = ColumnParallelLinear(h, cfg.num_heads * D, groups.tp, cfg.bias, sp_)
+        self.k_proj = ColumnParallelLinear(h, cfg.kv_heads * D, groups.tp, cfg.bias, sp_)
+        self.v_proj = ColumnParallelLinear(h, cfg.kv_heads * D, groups.tp, cfg.bias, sp_)
+        self.o_proj = RowParallelLinear(cfg.num_heads * D, h, groups.tp, cfg.bias, sp_)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Any) -> Tensor:
+        q = self.q_proj(x)                                   # (B, S/sp, hq*D)
+        B, s = q.shape[:2]
+        q = q.view(B, s, self.hq, self.head_dim)             # (B, S/sp, hq, D)
+        k = self.k_proj(x).view(B, s, self.hk, self.head_dim)
+        v = self.v_proj(x).view(B, s, self.hk, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)   # global positions of this chunk
+        out = ulysses_attention(q, k, v, self.groups.sp,
+                                lambda q_, k_, v_: core_attention(q_, k_, v_, mask=mask, backend=self.backend))
+        return self.o_proj(out.reshape(B, s, self.hq * self.head_dim))   # (B, s, h)
+
+
+class MLP(nn.Module):
+    """SwiGLU (down(silu(gate(x)) * up(x))) or GELU (down(gelu(up(x)))), tensor-parallel."""
+
+    def __init__(self, cfg: ModelConfig, groups: ParallelGroups) -> None:
+        super().__init__()
+        h, f, sp_ = cfg.hidden_size, cfg.ffn_size, groups.sequence_parallel
+        self.kind = cfg.mlp
+        self.gate_proj = ColumnParallelLinear(h, f, groups.tp, cfg.bias, sp_) if cfg.mlp == "swiglu" else None
+        self.up_proj = ColumnParallelLinear(h, f, groups.tp, cfg.bias, sp_)
+        self.down_proj = RowParallelLinear(f, h, groups.tp, cfg.bias, sp_)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.gate_proj is not None:
+            inner = F.silu(self.gate_proj(x)) * self.up_proj(x)        # (B, S/sp, f/tp)
+        else:
+            inner = F.gelu(self.up_proj(x), approximate="tanh")
+        return self.down_proj(inner)                                   # (B, s, h)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, groups: ParallelGroups) -> None:
+        super().__init__()
+        self.attn_norm = Norm(cfg, groups)
+        self.attn = Attention(cfg, groups)
+        self.mlp_norm = Norm(cfg, groups)
+        self.mlp = MLP(cfg, groups)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Optional[Any]) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask)
+        return x + self.mlp(self.mlp_norm(x))

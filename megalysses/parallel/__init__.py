@@ -1,0 +1,1 @@
+"""Parallel building blocks: tensor-parallel layers, Ulysses attention, pipeline schedules, data parallelism."""

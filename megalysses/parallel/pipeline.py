@@ -1,0 +1,116 @@
+"""Forward/backward over micro-batches: plain accumulation (pp=1) or the 1F1B pipeline schedule.
+
+1F1B on stage p of P with M micro-batches: min(P-p-1, M) warm-up forwards, then alternate one
+forward and one backward, then the remaining backwards. Activations travel between neighbouring
+stages point-to-point, still sequence-sharded over sp; as soon as a stage has sent an output, its
+storage is released (the autograd graph behind it stays until the backward).
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+from torch.autograd import Variable
+
+from megalysses.comm import send_recv
+
+Batch = dict[str, Tensor]
+
+
+def _forward(stage: torch.nn.Module, mb: Batch, x: Optional[Tensor], scale: float) -> Tensor:
+    out = stage(mb["input_ids"] if stage.first else x, mb["position_ids"], doc_ids=mb.get("doc_ids"),
+                labels=mb["labels"] if stage.last else None)
+    return out * scale if stage.last else out
+
+
+def forward_backward_local(stage: torch.nn.Module, microbatches: list[Batch], scale: float) -> Tensor:
+    """pp=1: forward + backward of each micro-batch, gradients accumulate. Returns the summed scaled loss."""
+    total = torch.zeros(())
+    for mb in microbatches:
+        loss = _forward(stage, mb, None, scale)
+        loss.backward()
+        total += loss.detach().float().cpu()
+    return total
+
+
+def _release(t: Tensor) -> None:
+    """Free an output's storage after it was sent; its grad_fn is kept for the backward."""
+    t.data = torch.empty((1,), device=t.device, dtype=t.dtype)
+
+
+def _backward(out: Tensor, grad: Optional[Tensor]) -> None:
+    if grad is None:                 # last stage: out is the loss
+        out.backward()
+    else:                            # bypass the shape check against the released storage
+        Variable._execution_engine.run_backward((out,), (grad,), False, False, (), True, True)
+
+
+def forward_backward_1f1b(stage: torch.nn.Module, microbatches: list[Batch], scale: float, *, pp_rank: int,
+                          pp_size: int, rank_of_stage: Callable[[int], int], hidden_shape: tuple[int, ...],
+                          dtype: torch.dtype, device: torch.device) -> Tensor:
+    """One step of 1F1B on this stage. Returns the summed scaled loss (non-zero on the last stage only)."""
+    first, last = pp_rank == 0, pp_rank == pp_size - 1
+    prev = None if first else rank_of_stage(pp_rank - 1)
+    nxt = None if last else rank_of_stage(pp_rank + 1)
+    M = len(microbatches)
+    warmup = min(pp_size - pp_rank - 1, M)
+    total = torch.zeros(())
+    pending: list[tuple[Optional[Tensor], Tensor]] = []
+
+    def buf() -> Tensor:
+        return torch.empty(hidden_shape, dtype=dtype, device=device)
+
+    def recv_forward() -> Optional[Tensor]:
+        if first:
+            return None
+        x = buf()
+        send_recv(recvs=[(x, prev)])
+        return x.requires_grad_()
+
+    def run_forward(i: int, x: Optional[Tensor]) -> Tensor:
+        nonlocal total
+        out = _forward(stage, microbatches[i], x, scale)
+        if last:
+            total += out.detach().float().cpu()
+        return out
+
+    def run_backward(x: Optional[Tensor], out: Tensor, grad: Optional[Tensor]) -> Optional[Tensor]:
+        _backward(out, grad)
+        return None if x is None else x.grad
+
+    for i in range(warmup):
+        x = recv_forward()
+        out = run_forward(i, x)
+        send_recv(sends=[(out, nxt)])
+        _release(out)
+        pending.append((x, out))
+
+    x = recv_forward() if M - warmup > 0 else None
+    for i in range(M - warmup):
+        out = run_forward(warmup + i, x)
+        grad = None
+        if not last:
+            grad = buf()
+            send_recv(sends=[(out, nxt)], recvs=[(grad, nxt)])
+            _release(out)
+        pending.append((x, out))
+        x0, out0 = pending.pop(0)
+        gx = run_backward(x0, out0, grad)
+        if i == M - warmup - 1:
+            x = None
+            if not first:
+                send_recv(sends=[(gx, prev)])
+        elif not first:
+            x = buf()
+            send_recv(sends=[(gx, prev)], recvs=[(x, prev)])
+            x.requires_grad_()
+
+    for _ in range(warmup):
+        x0, out0 = pending.pop(0)
+        grad = buf()
+        send_recv(recvs=[(grad, nxt)])
+        gx = run_backward(x0, out0, grad)
+        if not first:
+            send_recv(sends=[(gx, prev)])
+    return total

@@ -1,0 +1,204 @@
+"""Checkpoints with torch.distributed.checkpoint (DCP), under layout-independent names.
+
+Every tensor is saved as a DTensor on the (tp, grad) mesh of its pipeline stage, so its full shape
+and the coordinates of each rank's piece are recorded: parameters are Shard(tp_dim) over tp and
+replicated over grad; the ZeRO-1 optimizer state is additionally Shard(0) over grad. Names are
+global (`layers.7.attn.q_proj.weight`), so a checkpoint saved at one (tp, sp, dp, pp) loads at
+another and DCP reshards.
+
+Layout on disk:
+    <dir>/step_000100/            DCP files + meta.json (step, consumed samples, model shape)
+    <dir>/latest                  text file naming the newest complete checkpoint, written last
+A checkpoint is written to `step_000100.tmp` and renamed when every rank has finished, so it is
+complete or absent. Loading reads tensors with weights_only and the DCP metadata through an
+allow-list unpickler: nothing arbitrary is ever unpickled.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from megalysses.grid import ParallelGrid
+from megalysses.training.optimizer import ShardedAdamW
+
+LATEST = "latest"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used: missing, incomplete, or for another model shape."""
+
+
+# ----------------------------------------------------------------------------- safe metadata
+
+_SAFE_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
+                 "torch.distributed.checkpoint.planner", "torch.distributed.checkpoint.storage",
+                 "torch.distributed.checkpoint._extension", "collections", "builtins", "torch", "torch.serialization")
+_SAFE_BUILTINS = {"dict", "list", "tuple", "set", "frozenset", "int", "float", "str", "bytes", "bool", "slice"}
+
+
+class _AllowListUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "builtins" and name not in _SAFE_BUILTINS:
+            raise CheckpointError(f"checkpoint metadata refers to builtins.{name}: refusing to unpickle it")
+        if module == "torch" and not (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
+            raise CheckpointError(f"checkpoint metadata refers to torch.{name}: refusing to unpickle it")
+        if module.startswith(_SAFE_MODULES) or module in _SAFE_MODULES:
+            return super().find_class(module, name)
+        raise CheckpointError(f"checkpoint metadata refers to {module}.{name}: refusing to unpickle it")
+
+
+class SafeFileSystemReader(dcp.FileSystemReader):
+    """FileSystemReader whose metadata is read with an allow-list unpickler."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any):
+        rank = kwargs.get("rank")
+        path = Path(self.path) / (".metadata" if rank is None else f"__{rank}.metadata")
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint {self.path} has no DCP metadata ({path.name}): it is incomplete")
+        metadata = _AllowListUnpickler(io.BytesIO(path.read_bytes())).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+# ----------------------------------------------------------------------------- state as DTensors
+
+def build_mesh(grid: ParallelGrid, device: torch.device) -> DeviceMesh:
+    """The (pp, tp, grad) device mesh of the grid (grad = dp x sp in grid order)."""
+    L = grid.layout
+    ranks = L.ranks.permute(0, 3, 1, 2).reshape(L.pp, L.tp, L.dp * L.sp)
+    return DeviceMesh(device.type, ranks, mesh_dim_names=("pp", "tp", "grad"))
+
+
+def _tp_placement(p: torch.Tensor) -> Any:
+    tp_dim = getattr(p, "tp_dim", None)
+    return Replicate() if tp_dim is None else Shard(tp_dim)
+
+
+def _full_shape(p: torch.Tensor, tp: int) -> list[int]:
+    shape = list(p.shape)
+    if getattr(p, "tp_dim", None) is not None:
+        shape[p.tp_dim] *= tp
+    return shape
+
+
+def _dt(local: torch.Tensor, mesh: DeviceMesh, placements: list, shape: list[int]) -> DTensor:
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride)
+
+
+def training_state(model: torch.nn.Module, opt: ShardedAdamW, grid: ParallelGrid, mesh: DeviceMesh) -> dict:
+    """Tensors to save / load in place, keyed by layout-independent names."""
+    sub = mesh["tp", "grad"]   # this rank's pipeline stage
+    state: dict[str, Any] = {}
+    for name, p in model.named_parameters():
+        full = _full_shape(p, grid.tp_size)
+        state[f"model.{name}"] = _dt(p.data, sub, [_tp_placement(p), Replicate()], full)
+    for s in opt.slots:
+        full = _full_shape(s.param, grid.tp_size)
+        local_shape = (s.rows[1] - s.rows[0],) + tuple(s.param.shape[1:])
+        if s.master is None:
+            master = torch.empty(local_shape, dtype=torch.float32, device=s.param.device)
+            st = {"exp_avg": torch.empty_like(master), "exp_avg_sq": torch.empty_like(master)}
+        else:
+            master = s.master.data
+            st = opt.optimizer.state[s.master]
+            if not st:  # before the first step: create the state so that a load can fill it
+                st.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(master),
+                          exp_avg_sq=torch.zeros_like(master))
+        placements = [_tp_placement(s.param), Shard(0)]
+        state[f"master.{s.name}"] = _dt(master, sub, placements, full)
+        state[f"exp_avg.{s.name}"] = _dt(st["exp_avg"], sub, placements, full)
+        state[f"exp_avg_sq.{s.name}"] = _dt(st["exp_avg_sq"], sub, placements, full)
+    return state
+
+
+def set_optimizer_step(opt: ShardedAdamW, step: int) -> None:
+    for s in opt.slots:
+        if s.master is not None and "step" in opt.optimizer.state[s.master]:
+            opt.optimizer.state[s.master]["step"].fill_(float(step))
+
+
+# ----------------------------------------------------------------------------- save / load
+
+def save_checkpoint(ckpt_dir: str | Path, step: int, model: torch.nn.Module, opt: ShardedAdamW,
+                    grid: ParallelGrid, mesh: DeviceMesh, meta: dict, keep_last: int = 2) -> Path:
+    """Write <dir>/step_N atomically (tmp dir + rename), then update `latest`, then prune old ones."""
+    root = Path(ckpt_dir)
+    final = root / f"step_{step:07d}"
+    tmp = root / f"step_{step:07d}.tmp"
+    if grid.rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    dist.barrier()
+    dcp.save(training_state(model, opt, grid, mesh), storage_writer=dcp.FileSystemWriter(str(tmp)))
+    rng = {"torch": torch.get_rng_state()}
+    torch.save(rng, tmp / f"rng_rank{grid.rank}.pt")
+    dist.barrier()
+    if grid.rank == 0:
+        (tmp / "meta.json").write_text(json.dumps({**meta, "step": step}, indent=1))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        pointer = root / f"{LATEST}.tmp"
+        pointer.write_text(final.name + "\n")
+        os.replace(pointer, root / LATEST)
+        done = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
+        for old in done[:-keep_last] if keep_last > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def resolve_checkpoint(path: str | Path) -> Optional[Path]:
+    """A checkpoint directory from a path that is either the checkpoint or a directory with `latest`."""
+    p = Path(path)
+    if (p / LATEST).is_file():
+        name = (p / LATEST).read_text().strip()
+        target = p / name
+        if not (target / "meta.json").is_file():
+            raise CheckpointError(f"{p / LATEST} points to {target}, which is missing or incomplete")
+        return target
+    if (p / "meta.json").is_file():
+        return p
+    return None
+
+
+def load_model_weights(path: Path, model: torch.nn.Module, grid: ParallelGrid, mesh: DeviceMesh) -> None:
+    """Load only the model weights (inference, conversion), resharding to this layout."""
+    sub = mesh["tp", "grad"]
+    state = {f"model.{n}": _dt(p.data, sub, [_tp_placement(p), Replicate()], _full_shape(p, grid.tp_size))
+             for n, p in model.named_parameters()}
+    dcp.load(state, storage_reader=SafeFileSystemReader(str(path)))
+
+
+def load_checkpoint(path: Path, model: torch.nn.Module, opt: ShardedAdamW, grid: ParallelGrid, mesh: DeviceMesh,
+                    expect_model: dict) -> dict:
+    """Load model + optimizer (resharding to this layout) and return meta (step, consumed samples, ...)."""
+    meta = json.loads((path / "meta.json").read_text())
+    saved = meta.get("model_shape", {})
+    diff = {k: (saved.get(k), v) for k, v in expect_model.items() if saved.get(k) != v}
+    if diff:
+        detail = ", ".join(f"{k}: checkpoint {a} vs config {b}" for k, (a, b) in diff.items())
+        raise CheckpointError(f"checkpoint {path} is for a different model shape ({detail}): "
+                              f"use a matching model config or another checkpoint.load / checkpoint.dir")
+    state = training_state(model, opt, grid, mesh)
+    dcp.load(state, storage_reader=SafeFileSystemReader(str(path)))
+    set_optimizer_step(opt, meta["step"])
+    rng_file = path / f"rng_rank{grid.rank}.pt"
+    if rng_file.is_file():
+        torch.set_rng_state(torch.load(rng_file, weights_only=True)["torch"])
+    return meta

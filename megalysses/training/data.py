@@ -1,0 +1,61 @@
+"""The trainer's view of the data: global batches as lists of this rank's micro-batches, on its device."""
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+from megalysses.config import Config
+from megalysses.data import DatasetError, MockGPTDataset, build_gpt_datasets, build_tokenizer, iterate_micro_batches
+from megalysses.grid import ParallelGrid
+
+Batch = dict[str, torch.Tensor]
+
+
+class TrainingData:
+    def __init__(self, cfg: Config, grid: ParallelGrid, device: torch.device) -> None:
+        d, t = cfg.data, cfg.training
+        self.cfg, self.grid, self.device = cfg, grid, device
+        self.num_micro = t.global_batch_size // (t.micro_batch_size * grid.dp_size)
+        if d.mock:
+            self.eod_id = cfg.model.vocab_size - 1
+            n = t.train_steps * t.global_batch_size
+            self.train = MockGPTDataset(n, d.seq_len, cfg.model.vocab_size, self.eod_id, t.seed)
+            self.valid = MockGPTDataset(max(t.eval_steps, 1) * t.global_batch_size, d.seq_len, cfg.model.vocab_size,
+                                        self.eod_id, t.seed + 1)
+            return
+        tokenizer = build_tokenizer(d.tokenizer, d.tokenizer_model)
+        if tokenizer.vocab_size > cfg.model.vocab_size:
+            raise DatasetError(f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size="
+                               f"{cfg.model.vocab_size}: raise model.vocab_size (to a multiple of tp)")
+        self.eod_id = tokenizer.eod_id
+        evals = t.train_steps // t.eval_interval + 1 if t.eval_interval else 0
+        valid_samples = t.eval_steps * t.global_batch_size if evals else None
+        self.train, self.valid, _ = build_gpt_datasets(
+            d.paths, d.split, d.seq_len, t.seed, (t.train_steps * t.global_batch_size, valid_samples, None),
+            d.cache_dir)
+        if t.eval_interval and self.valid is None:
+            raise DatasetError(f"training.eval_interval={t.eval_interval} but the split '{d.split}' leaves no "
+                               f"validation data: give the valid split a share or set training.eval_interval=0")
+
+    def _micro_batches(self, dataset, consumed: int) -> Iterator[Batch]:
+        d, g = self.cfg.data, self.grid
+        for mb in iterate_micro_batches(dataset, self.cfg.training.micro_batch_size, g.dp_rank, g.dp_size, g.sp_rank,
+                                        g.sp_size, consumed, self.eod_id, d.reset_position_ids, d.document_mask,
+                                        seq_len=d.seq_len):
+            yield {k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
+
+    def train_batches(self, consumed_samples: int) -> Iterator[list[Batch]]:
+        """One list of micro-batches per optimizer step, from `consumed_samples` (global) on."""
+        it = self._micro_batches(self.train, consumed_samples)
+        while True:
+            step = [mb for _, mb in zip(range(self.num_micro), it)]
+            if len(step) < self.num_micro:
+                raise DatasetError("the training data ran out before training.train_steps: "
+                                   "the sample index was built for fewer samples")
+            yield step
+
+    def valid_batches(self) -> list[Batch]:
+        """The fixed validation set: eval_steps global batches."""
+        it = self._micro_batches(self.valid, 0)
+        return [mb for _, mb in zip(range(self.num_micro * self.cfg.training.eval_steps), it)]

@@ -1,0 +1,135 @@
+"""The training loop: build, resume, step, validate, checkpoint, stop cleanly.
+
+Stops at training.train_steps, at training.max_wall_minutes (with a checkpoint), or on SIGTERM /
+SIGUSR1 (preemption: checkpoint, then exit 0). Every rank agrees on stopping through one small
+all-reduce per step, so no rank is left waiting in a collective.
+"""
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megalysses.config import Config, save_config
+from megalysses.grid import ParallelGrid
+from megalysses.model.gpt import GPTStage, init_weights, stage_layers
+from megalysses.model.layers import ParallelGroups
+from megalysses.training.checkpoint import build_mesh, load_checkpoint, resolve_checkpoint, save_checkpoint, CheckpointError
+from megalysses.training.data import TrainingData
+from megalysses.training.metrics import MetricsLogger, print0
+from megalysses.training.optimizer import ShardedAdamW
+from megalysses.training.schedule import lr_at
+from megalysses.training.step import evaluate, train_step
+
+
+def compute_dtype(cfg: Config, device: torch.device) -> torch.dtype:
+    if cfg.training.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.training.dtype]
+
+
+def build_model(cfg: Config, grid: ParallelGrid, device: torch.device) -> GPTStage:
+    """This rank's pipeline stage with its tp shards, initialised identically at every layout."""
+    groups = ParallelGroups(tp=grid.tp_group, sp=grid.sp_group, sequence_parallel=cfg.parallel.tp_sequence_parallel)
+    model = GPTStage(cfg.model, groups, stage_layers(cfg.model.num_layers, grid.pp_size, grid.pp_rank),
+                     first=grid.is_first_stage, last=grid.is_last_stage,
+                     activation_checkpointing=cfg.training.activation_checkpointing,
+                     loss_chunk_tokens=cfg.training.loss_chunk_tokens)
+    init_weights(model, cfg.training.seed, grid.tp_rank, grid.tp_size)
+    return model.to(device)
+
+
+def build_optimizer(cfg: Config, model: GPTStage, grid: ParallelGrid) -> ShardedAdamW:
+    o = cfg.optimizer
+    tied_across_stages = cfg.model.tie_embeddings and grid.pp_size > 1
+    return ShardedAdamW(model.named_parameters(), grid.grad_group, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                        weight_decay=o.weight_decay, tp_rank=grid.tp_rank,
+                        embed_group=grid.embed_group if tied_across_stages else None,
+                        tied_head_copy=tied_across_stages and not grid.is_first_stage)
+
+
+def model_shape(cfg: Config) -> dict:
+    m = cfg.model
+    return {"vocab_size": m.vocab_size, "hidden_size": m.hidden_size, "num_layers": m.num_layers,
+            "num_heads": m.num_heads, "num_kv_heads": m.kv_heads, "ffn_size": m.ffn_size, "mlp": m.mlp,
+            "norm": m.norm, "tie_embeddings": m.tie_embeddings, "bias": m.bias}
+
+
+class _StopFlags:
+    """SIGTERM / SIGUSR1 set a flag; the loop checkpoints and exits at the end of the step."""
+
+    def __init__(self) -> None:
+        self.signalled = False
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.signalled = True
+
+
+def train(cfg: Config, grid: ParallelGrid, device: torch.device) -> dict:
+    """Run training to the end (or a stop); returns a summary {step, loss, stopped_by}."""
+    run_dir = Path(cfg.logging.run_dir)
+    ckpt_dir = Path(cfg.checkpoint.dir or run_dir / "checkpoints")
+    if grid.rank == 0:
+        save_config(cfg, run_dir / "config.yaml")
+    dtype = compute_dtype(cfg, device)
+    model = build_model(cfg, grid, device)
+    opt = build_optimizer(cfg, model, grid)
+    mesh = build_mesh(grid, device)
+    data = TrainingData(cfg, grid, device)
+
+    step, consumed = 0, 0
+    source = ckpt_dir if cfg.checkpoint.load == "auto" else cfg.checkpoint.load
+    if source is not None:
+        path = resolve_checkpoint(source)
+        if path is None and cfg.checkpoint.load != "auto":
+            raise CheckpointError(f"checkpoint.load={source}: no checkpoint there (no meta.json or latest)")
+        if path is not None:
+            meta = load_checkpoint(path, model, opt, grid, mesh, model_shape(cfg))
+            step, consumed = meta["step"], meta["consumed_samples"]
+            print0(f"resumed from {path} at step {step} ({consumed} samples consumed)")
+
+    total = cfg.training.train_steps
+    logger = MetricsLogger(cfg, run_dir, grid.world, device, total)
+    flags = _StopFlags()
+    start = time.monotonic()
+    stopped_by, loss = "train_steps", float("nan")
+
+    def save() -> None:
+        save_checkpoint(ckpt_dir, step, model, opt, grid, mesh, keep_last=cfg.checkpoint.keep_last,
+                        meta={"consumed_samples": consumed, "model_shape": model_shape(cfg),
+                              "layout": {"tp": grid.tp_size, "sp": grid.sp_size, "pp": grid.pp_size, "dp": grid.dp_size}})
+
+    batches = data.train_batches(consumed)
+    try:
+        while step < total:
+            lr = lr_at(step, cfg.optimizer, total)
+            result = train_step(model, opt, next(batches), grid, lr=lr, grad_clip=cfg.optimizer.grad_clip,
+                                dtype=dtype, nan_policy=cfg.training.nan_policy)
+            step += 1
+            consumed += cfg.training.global_batch_size
+            loss = result.loss
+            logger.step(step, result.loss, lr, result.grad_norm, result.tokens)
+            if cfg.training.eval_interval and step % cfg.training.eval_interval == 0:
+                logger.eval(step, evaluate(model, data.valid_batches(), grid, dtype))
+            over_time = cfg.training.max_wall_minutes > 0 and time.monotonic() - start > 60 * cfg.training.max_wall_minutes
+            stop = torch.tensor([float(flags.signalled), float(over_time)])
+            if dist.is_initialized():
+                dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+            if stop.any() and step < total:
+                stopped_by = "signal" if stop[0] else "max_wall_minutes"
+                save()
+                print0(f"stopping at step {step} ({stopped_by}); checkpoint saved to {ckpt_dir}")
+                break
+            if cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0:
+                save()
+        else:
+            if not (cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0):
+                save()
+    finally:
+        logger.close()
+    return {"step": step, "loss": loss, "stopped_by": stopped_by}

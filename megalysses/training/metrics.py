@@ -1,0 +1,133 @@
+"""Throughput accounting (FLOPs, MFU), the rank-0 log line, metrics.jsonl and optional wandb.
+
+FLOPs per trained token (forward + backward = 3x forward, matmuls at 2 FLOPs per multiply-add):
+    6 * N_matmul                      every weight matmul: q, k, v, o, MLP, LM head (not the embedding lookup)
+  + 6 * L * Hq * D * S                attention scores and the weighted sum, causal over the full
+                                      sequence S (2 matmuls x 2 FLOPs x S/2 average context x 3);
+                                      document masks do less work than this, so MFU is an upper bound there.
+MFU = achieved FLOP/s per device / the device's peak dense FLOP/s (bf16 on GPU).
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from megalysses.config import Config, ModelConfig
+
+# peak dense bf16 TFLOP/s by device name fragment
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "GH200": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0,
+               "B200": 2250.0, "MI300X": 1307.0}
+
+
+def is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def print0(*args: Any) -> None:
+    """The one place rank 0 prints from."""
+    if is_rank0():
+        print(*args, flush=True)
+
+
+def matmul_params(m: ModelConfig) -> int:
+    attn = m.hidden_size * m.head_dim * (2 * m.num_heads + 2 * m.kv_heads)
+    mlp = (3 if m.mlp == "swiglu" else 2) * m.hidden_size * m.ffn_size
+    return m.num_layers * (attn + mlp) + m.hidden_size * m.vocab_size
+
+
+def flops_per_token(m: ModelConfig, seq_len: int) -> float:
+    return 6.0 * matmul_params(m) + 6.0 * m.num_layers * m.num_heads * m.head_dim * seq_len
+
+
+def peak_tflops(configured: float, device: torch.device) -> Optional[float]:
+    if configured > 0:
+        return configured
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, value in PEAK_TFLOPS.items():
+            if key in name:
+                return value
+    return None
+
+
+class MetricsLogger:
+    """Rank 0 writes one JSON object per logged step to <run_dir>/metrics.jsonl, prints a line, and
+    mirrors to wandb when enabled."""
+
+    def __init__(self, cfg: Config, run_dir: Path, world: int, device: torch.device, total_steps: int) -> None:
+        self.cfg, self.world, self.device, self.total = cfg, world, device, total_steps
+        self.flops_tok = flops_per_token(cfg.model, cfg.data.seq_len)
+        self.peak = peak_tflops(cfg.logging.peak_tflops, device)
+        self.path = run_dir / "metrics.jsonl"
+        self.wandb = None
+        self.t_last, self.tokens_since, self.steps_since = time.perf_counter(), 0, 0
+        if is_rank0():
+            run_dir.mkdir(parents=True, exist_ok=True)
+            if cfg.logging.wandb_mode != "disabled":
+                import wandb  # the `wandb` extra
+
+                self.wandb = wandb.init(project=cfg.logging.wandb_project, mode=cfg.logging.wandb_mode,
+                                        dir=str(run_dir), config=_flatten(cfg))
+
+    def step(self, step: int, loss: float, lr: float, grad_norm: float, tokens: int, force: bool = False) -> None:
+        self.tokens_since += tokens
+        self.steps_since += 1
+        if not (force or step % self.cfg.logging.log_interval == 0 or step == self.total):
+            return
+        now = time.perf_counter()
+        dt = max(now - self.t_last, 1e-9)
+        tok_s = self.tokens_since / dt
+        tflops = tok_s * self.flops_tok / self.world / 1e12
+        rec = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tok_s,
+               "tokens_per_s_per_device": tok_s / self.world, "tflops_per_device": tflops,
+               "mfu": tflops / self.peak if self.peak else None, "step_time_s": dt / self.steps_since,
+               "peak_mem_gib": _peak_mem(self.device)}
+        eta = (self.total - step) * dt / self.steps_since
+        self.t_last, self.tokens_since, self.steps_since = now, 0, 0
+        self._emit(rec)
+        mfu = f"{100 * rec['mfu']:.1f}%" if rec["mfu"] is not None else "-"
+        mem = f"{rec['peak_mem_gib']:.1f}GiB"
+        print0(f"step {step:>6}/{self.total} | loss {loss:.4f} | lr {lr:.2e} | gnorm {grad_norm:.3f} | "
+               f"tok/s {tok_s:,.0f} ({tok_s / self.world:,.0f}/dev) | {tflops:.2f} TFLOP/s/dev | MFU {mfu} | "
+               f"mem {mem} | ETA {_hms(eta)}")
+
+    def eval(self, step: int, loss: float) -> None:
+        self._emit({"step": step, "val_loss": loss})
+        print0(f"step {step:>6}/{self.total} | validation loss {loss:.4f}")
+
+    def _emit(self, rec: dict) -> None:
+        if not is_rank0():
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in rec.items() if v is not None}, step=rec["step"])
+
+    def close(self) -> None:
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _peak_mem(device: torch.device) -> float:
+    """Peak GPU memory allocated, or the peak resident memory of the process on CPU (GiB)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def _hms(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def _flatten(cfg: Config) -> dict:
+    import dataclasses
+
+    return {f"{sec}.{k}": v for sec, d in dataclasses.asdict(cfg).items() for k, v in d.items()}

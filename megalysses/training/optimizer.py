@@ -1,0 +1,169 @@
+"""ZeRO-1 AdamW: fp32 master weights and optimizer state sharded over the grad (dp x sp) group.
+
+Every parameter (this rank's tp shard of it) is split along dim 0 into G chunks (torch.chunk
+semantics) over the G ranks of the grad group; rank r owns chunk r: its fp32 master copy, exp_avg and
+exp_avg_sq. One step:
+  1. tied embeddings: sum the two copies' gradients over the embed group (first + last stage);
+  2. reduce-scatter the gradients in fp32 over the grad group, in buckets (each rank receives the
+     sum of its own chunks);
+  3. global gradient norm over every rank, each element counted once (tp-replicated parameters on
+     tp rank 0 only; the tied head copy not at all), then clipping;
+  4. torch.optim.AdamW on the owned chunks;
+  5. all-gather the updated chunks back into the parameters.
+The layout (chunk r along dim 0 of the tp shard) is what checkpoints describe as DTensor placements.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from megalysses import comm
+from megalysses.comm import Group
+
+BUCKET_ELEMENTS = 32 * 1024 * 1024
+
+
+def chunk_rows(rows: int, world: int, rank: int) -> tuple[int, int]:
+    """[lo, hi) rows of chunk `rank` of `rows` split like torch.chunk into `world` pieces."""
+    size = math.ceil(rows / world)
+    lo = min(rank * size, rows)
+    return lo, min(lo + size, rows)
+
+
+@dataclass
+class _Slot:
+    name: str
+    param: nn.Parameter
+    rows: tuple[int, int]        # owned rows [lo, hi) of dim 0
+    padded: int                  # elements of one rank's padded chunk: ceil(rows/G) * row size
+    master: Optional[nn.Parameter]
+    counts_in_norm: bool
+
+
+class ShardedAdamW:
+    def __init__(self, named_params: Iterable[tuple[str, nn.Parameter]], grad_group: Group, *, lr: float,
+                 betas: tuple[float, float], eps: float, weight_decay: float, tp_rank: int = 0,
+                 embed_group: Group = None, tied_head_copy: bool = False) -> None:
+        """`tied_head_copy`: this stage holds the LM-head copy of a tied embedding (not the first stage)."""
+        self.grad_group, self.embed_group = grad_group, embed_group
+        self.G, self.r = comm.group_size(grad_group), comm.group_rank(grad_group)
+        self.slots: list[_Slot] = []
+        decay, no_decay = [], []
+        for name, p in named_params:
+            rows = p.shape[0]
+            row_size = p[0].numel() if p.dim() > 1 else 1
+            lo, hi = chunk_rows(rows, self.G, self.r)
+            master = nn.Parameter(p.detach()[lo:hi].float().clone()) if hi > lo else None
+            replicated_over_tp = getattr(p, "tp_dim", None) is None
+            counts = not (replicated_over_tp and tp_rank != 0) and not (tied_head_copy and name == "embed.weight")
+            self.slots.append(_Slot(name, p, (lo, hi), math.ceil(rows / self.G) * row_size, master, counts))
+            if master is not None:
+                (no_decay if p.dim() < 2 else decay).append(master)
+        groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=True)
+        self.tied_embed = [s.param for s in self.slots if s.name == "embed.weight"] if embed_group is not None else []
+
+    # ------------------------------------------------------------------ helpers
+    def _buckets(self) -> list[list[_Slot]]:
+        buckets, cur, size = [], [], 0
+        for s in self.slots:
+            cur.append(s)
+            size += s.padded
+            if size >= BUCKET_ELEMENTS:
+                buckets.append(cur)
+                cur, size = [], 0
+        return buckets + ([cur] if cur else [])
+
+    def _rank_chunk(self, t: Tensor, s: _Slot, rank: int) -> Tensor:
+        """Chunk `rank` of tensor t (param shaped), flattened and zero-padded to s.padded."""
+        lo, hi = chunk_rows(t.shape[0], self.G, rank)
+        flat = t[lo:hi].reshape(-1)
+        return torch.nn.functional.pad(flat, (0, s.padded - flat.numel()))
+
+    def set_lr(self, lr: float) -> None:
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+
+    def zero_grad(self) -> None:
+        for s in self.slots:
+            s.param.grad = None
+
+    # ------------------------------------------------------------------ the step
+    @torch.no_grad()
+    def reduce_gradients(self) -> None:
+        """Sum gradients over the grad group into the owned fp32 chunks (master.grad)."""
+        for p in self.tied_embed:
+            if p.grad is not None:
+                g = p.grad.float()
+                dist.all_reduce(g, group=self.embed_group)
+                p.grad = g.to(p.grad.dtype)
+        for bucket in self._buckets():
+            grads = [s.param.grad if s.param.grad is not None else torch.zeros_like(s.param) for s in bucket]
+            # rank-major layout: [chunk 0 of every param | chunk 1 of every param | ...]
+            send = torch.cat([self._rank_chunk(g.float(), s, j) for j in range(self.G) for s, g in zip(bucket, grads)])
+            mine = send.new_empty(send.numel() // self.G)
+            if self.G > 1:
+                dist.reduce_scatter_tensor(mine, send, group=self.grad_group)
+            else:
+                mine = send
+            offset = 0
+            for s in bucket:
+                if s.master is not None:
+                    s.master.grad = mine[offset:offset + s.master.numel()].view_as(s.master)
+                offset += s.padded
+
+    @torch.no_grad()
+    def grad_norm(self) -> Tensor:
+        """The true global L2 norm (every element once, all stages, shards and chunks)."""
+        local = torch.zeros((), dtype=torch.float32, device=self.slots[0].param.device if self.slots else "cpu")
+        for s in self.slots:
+            if s.master is not None and s.counts_in_norm:
+                local += s.master.grad.float().pow(2).sum()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(local)
+        return local.sqrt()
+
+    @torch.no_grad()
+    def step(self, max_norm: float = 0.0) -> float:
+        """Reduce, clip, update, all-gather. Returns the gradient norm before clipping."""
+        self.reduce_gradients()
+        norm = self.grad_norm()
+        if max_norm > 0:
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            for s in self.slots:
+                if s.master is not None:
+                    s.master.grad.mul_(coef)
+        self.optimizer.step()
+        self.gather_params()
+        self.zero_grad()
+        for s in self.slots:
+            if s.master is not None:
+                s.master.grad = None
+        return norm.item()
+
+    @torch.no_grad()
+    def gather_params(self) -> None:
+        """Copy the updated master chunks back into every rank's full parameters."""
+        for bucket in self._buckets():
+            mine = torch.cat([torch.nn.functional.pad(s.master.reshape(-1), (0, s.padded - s.master.numel()))
+                              if s.master is not None else s.param.new_zeros(s.padded, dtype=torch.float32)
+                              for s in bucket])
+            if self.G > 1:
+                full = mine.new_empty(mine.numel() * self.G)
+                dist.all_gather_into_tensor(full, mine, group=self.grad_group)
+            else:
+                full = mine
+            per_rank = full.view(self.G, -1)
+            for j in range(self.G):
+                offset = 0
+                for s in bucket:
+                    lo, hi = chunk_rows(s.param.shape[0], self.G, j)
+                    if hi > lo:
+                        n = (hi - lo) * (s.param[0].numel() if s.param.dim() > 1 else 1)
+                        s.param.data[lo:hi].copy_(per_rank[j, offset:offset + n].view_as(s.param.data[lo:hi]))
+                    offset += s.padded

@@ -1,0 +1,113 @@
+"""One optimizer step and one validation pass over a global batch, at any (tp, sp, dp, pp) layout.
+
+The loss is the sum of token losses over the global batch divided by the GLOBAL number of valid
+tokens (labels != -100), counted over the grad (dp x sp) group before the forward; the number that
+is returned (and logged) is that same number.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from megalysses.grid import ParallelGrid
+from megalysses.parallel.pipeline import Batch, _forward, forward_backward_1f1b, forward_backward_local
+from megalysses.comm import send_recv
+from megalysses.training.optimizer import ShardedAdamW
+
+
+@dataclass
+class StepResult:
+    loss: float
+    grad_norm: float
+    tokens: int          # valid tokens in the global batch
+    skipped: bool = False
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss became NaN or Inf and training.nan_policy is 'abort'."""
+
+
+def autocast(device: torch.device, dtype: torch.dtype):
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def global_token_count(microbatches: list[Batch], grid: ParallelGrid) -> Tensor:
+    count = sum(((mb["labels"] != -100).sum() for mb in microbatches), torch.zeros((), dtype=torch.long))
+    count = count.to(torch.float64).to(microbatches[0]["labels"].device)
+    if grid.grad_group is not None:
+        dist.all_reduce(count, group=grid.grad_group)
+    return count
+
+
+def _global_loss(total: Tensor, grid: ParallelGrid, device: torch.device) -> float:
+    """Sum the scaled per-rank losses over grad, then share the last stage's value along the pipeline."""
+    t = total.to(device=device, dtype=torch.float64)
+    if grid.grad_group is not None:
+        dist.all_reduce(t, group=grid.grad_group)
+    if grid.pp_group is not None:
+        dist.all_reduce(t, group=grid.pp_group)   # only the last stage contributes
+    return t.item()
+
+
+def _hidden_shape(mb: Batch, grid: ParallelGrid, hidden: int, sequence_parallel: bool) -> tuple[int, int, int]:
+    b, s = mb["position_ids"].shape
+    return (b, s // grid.tp_size if sequence_parallel else s, hidden)
+
+
+def train_step(model: torch.nn.Module, opt: ShardedAdamW, microbatches: list[Batch], grid: ParallelGrid, *,
+               lr: float, grad_clip: float, dtype: torch.dtype, nan_policy: str = "abort") -> StepResult:
+    device = microbatches[0]["labels"].device
+    count = global_token_count(microbatches, grid)
+    scale = 1.0 / max(count.item(), 1.0)
+    model.train()
+    with autocast(device, dtype):
+        if grid.pp_size == 1:
+            total = forward_backward_local(model, microbatches, scale)
+        else:
+            total = forward_backward_1f1b(
+                model, microbatches, scale, pp_rank=grid.pp_rank, pp_size=grid.pp_size,
+                rank_of_stage=grid.stage_rank, device=device, dtype=torch.float32,
+                hidden_shape=_hidden_shape(microbatches[0], grid, model.cfg.hidden_size,
+                                           model.groups.sequence_parallel))
+    loss = _global_loss(total, grid, device)
+    if not math.isfinite(loss):
+        opt.zero_grad()
+        if nan_policy == "abort":
+            raise NonFiniteLossError(f"loss is {loss}: aborting (set training.nan_policy=skip to skip such steps)")
+        return StepResult(loss, float("nan"), int(count.item()), skipped=True)
+    opt.set_lr(lr)
+    norm = opt.step(grad_clip)
+    return StepResult(loss, norm, int(count.item()))
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, microbatches: list[Batch], grid: ParallelGrid, dtype: torch.dtype) -> float:
+    """Validation loss with the same sharding as training (sequence parallelism included)."""
+    device = microbatches[0]["labels"].device
+    count = global_token_count(microbatches, grid)
+    scale = 1.0 / max(count.item(), 1.0)
+    model.eval()
+    total = torch.zeros(())
+    prev = grid.stage_rank(grid.pp_rank - 1) if not grid.is_first_stage else None
+    nxt = grid.stage_rank(grid.pp_rank + 1) if not grid.is_last_stage else None
+    with autocast(device, dtype):
+        for mb in microbatches:
+            x = None
+            if prev is not None:
+                x = torch.empty(_hidden_shape(mb, grid, model.cfg.hidden_size, model.groups.sequence_parallel),
+                                device=device)
+                send_recv(recvs=[(x, prev)])
+            out = _forward(model, mb, x, scale)
+            if nxt is not None:
+                send_recv(sends=[(out, nxt)])
+            else:
+                total += out.float().cpu()
+    model.train()
+    return _global_loss(total, grid, device)

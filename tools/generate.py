@@ -1,0 +1,85 @@
+"""Sample text from a trained checkpoint (any layout it was saved at) in one process.
+
+    python tools/generate.py --run runs/quickstart --prompt "def main(" --max-new-tokens 120
+
+Reads <run>/config.yaml and the newest checkpoint under <run>/checkpoints (or --checkpoint), loads
+the model weights into a single process (DCP reshards them), and samples with temperature / top-k.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from megalysses.config import load_config  # noqa: E402
+from megalysses.data import build_tokenizer  # noqa: E402
+from megalysses.distributed import destroy_distributed, init_distributed  # noqa: E402
+from megalysses.grid import ParallelGrid  # noqa: E402
+from megalysses.model.gpt import GPTStage, init_weights  # noqa: E402
+from megalysses.training.checkpoint import build_mesh, load_model_weights, resolve_checkpoint  # noqa: E402
+
+
+@torch.no_grad()
+def sample(model: GPTStage, ids: list[int], max_new: int, temperature: float, top_k: int, eod: int,
+           max_len: int, generator: torch.Generator) -> list[int]:
+    out = list(ids)
+    for _ in range(max_new):
+        window = torch.tensor([out[-max_len:]])
+        pos = torch.arange(window.shape[1]).unsqueeze(0)
+        logits = model(window, pos)[0, -1].float()              # (V,)
+        if temperature <= 0:
+            nxt = int(logits.argmax())
+        else:
+            logits = logits / temperature
+            if top_k > 0:
+                kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
+                logits[logits < kth] = -float("inf")
+            nxt = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator))
+        if nxt == eod:
+            break
+        out.append(nxt)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run", required=True, help="run directory (holds config.yaml and checkpoints/)")
+    p.add_argument("--checkpoint", default=None, help="a checkpoint dir or a dir with `latest` (default: <run>/checkpoints)")
+    p.add_argument("--prompt", default="def ")
+    p.add_argument("--max-new-tokens", type=int, default=100)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+
+    cfg = load_config(Path(args.run) / "config.yaml", ["parallel.tp=1", "parallel.sp=1", "parallel.pp=1",
+                                                       "parallel.tp_sequence_parallel=false"])
+    source = args.checkpoint or cfg.checkpoint.dir or Path(args.run) / "checkpoints"
+    path = resolve_checkpoint(source)
+    if path is None:
+        print(f"error: no checkpoint under {source}", file=sys.stderr)
+        return 1
+    device = init_distributed("gloo", 60.0)
+    try:
+        grid = ParallelGrid()
+        model = GPTStage(cfg.model)
+        init_weights(model, cfg.training.seed)
+        load_model_weights(path, model, grid, build_mesh(grid, device))
+        model.eval()
+        tok = build_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_model)
+        gen = torch.Generator().manual_seed(args.seed)
+        ids = sample(model, tok.encode(args.prompt), args.max_new_tokens, args.temperature, args.top_k,
+                     tok.eod_id, cfg.data.seq_len, gen)
+        print(f"--- sampled from {path} ---")
+        print(tok.decode(ids))
+    finally:
+        destroy_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
