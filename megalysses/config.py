@@ -105,6 +105,8 @@ class DataConfig:
     """Attention does not cross the EOD boundaries of packed documents."""
     reset_position_ids: bool = True
     """Position ids restart at 0 after every EOD."""
+    eod_mask_loss: bool = False
+    """Mask the label predicted at each EOD (the first token of the next document)."""
     cache_dir: Optional[str] = None
     """Where sample/shuffle indices are cached (default: beside the data)."""
     mock: bool = False

@@ -1,0 +1,30 @@
+"""Data pipeline: Megatron-format indexed datasets, tokenizers, GPT samples, blending, the DP/SP loader.
+
+The loader (which imports torch) is loaded on first use, so the numpy-only tools start fast.
+"""
+from typing import Any
+
+from megalysses.data.blend import BlendedDataset, blend_indices, parse_blend
+from megalysses.data.build import build_gpt_datasets
+from megalysses.data.gpt_dataset import GPTDataset, MockGPTDataset, build_gpt_indices, split_ranges
+from megalysses.data.indexed import (DatasetError, IndexedDataset, IndexedDatasetBuilder, merge_datasets,
+                                     optimal_dtype)
+from megalysses.data.tokenizer import ByteTokenizer, SentencePieceTokenizer, Tokenizer, build_tokenizer
+
+_LOADER_NAMES = ("IGNORE_INDEX", "build_micro_batch", "iterate_micro_batches")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LOADER_NAMES:
+        from megalysses.data import loader
+
+        return getattr(loader, name)
+    raise AttributeError(f"module 'megalysses.data' has no attribute {name!r}")
+
+
+__all__ = [
+    "BlendedDataset", "ByteTokenizer", "DatasetError", "GPTDataset", "IGNORE_INDEX", "IndexedDataset",
+    "IndexedDatasetBuilder", "MockGPTDataset", "SentencePieceTokenizer", "Tokenizer", "blend_indices",
+    "build_gpt_datasets", "build_gpt_indices", "build_micro_batch", "build_tokenizer", "iterate_micro_batches",
+    "merge_datasets", "optimal_dtype", "parse_blend", "split_ranges",
+]

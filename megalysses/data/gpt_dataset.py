@@ -1,0 +1,171 @@
+"""GPT samples: windows of seq_len + 1 tokens over shuffled, concatenated documents.
+
+    ds = IndexedDataset("data/stdlib_text_document")
+    (train_docs, _, _) = split_ranges("969,30,1", len(ds))
+    train = GPTDataset(ds, train_docs, seq_len=1024, seed=1234, num_samples=80_000, cache_dir="data/index_cache")
+    train[0]            # int array of 1025 tokens; consecutive samples overlap by one token
+
+Three indices, built with vectorised numpy and cached (see cache.py):
+- document index: the split's document ids, one seeded permutation per epoch, epochs concatenated,
+  as many epochs as `num_samples` needs (one epoch when it is None);
+- sample index [n + 1, 2]: (position in the document index, token offset in that document) of the
+  first token of each sample; sample i runs from row i to row i + 1 inclusive, so the stream of
+  samples in index order is the document stream cut every seq_len tokens;
+- shuffle index: a seeded permutation of the samples inside each epoch, epochs kept in order (a
+  sample belongs to the epoch where it starts), so no token repeats before a full pass.
+"""
+from __future__ import annotations
+
+import os
+import re
+from typing import Optional
+
+import numpy as np
+
+from megalysses.data.cache import cached_arrays
+from megalysses.data.indexed import IndexedDataset
+
+INDEX_VERSION = "gpt-indices-v1"
+
+
+def parse_split(split: str) -> list[float]:
+    """"969,30,1" -> normalised [train, valid, test] weights (missing entries are 0)."""
+    parts = [float(x) for x in re.findall(r"[.0-9]+", split)]
+    if not 1 <= len(parts) <= 3 or sum(parts) <= 0:
+        raise ValueError(f"split {split!r}: expected up to three non-negative ratios like '969,30,1'")
+    parts += [0.0] * (3 - len(parts))
+    total = sum(parts)
+    return [p / total for p in parts]
+
+
+def split_ranges(split: str, num_documents: int) -> list[tuple[int, int]]:
+    """Document [start, end) of train, valid and test, rounded as Megatron does."""
+    bounds = [0]
+    for weight in parse_split(split):
+        bounds.append(bounds[-1] + int(round(weight * float(num_documents))))
+    excess = bounds[-1] - num_documents
+    bounds = [0] + [min(max(b - excess, 0), num_documents) for b in bounds[1:]]
+    return [(bounds[i], bounds[i + 1]) for i in range(3)]
+
+
+def num_epochs_needed(tokens_per_epoch: int, seq_len: int, num_samples: Optional[int]) -> int:
+    """Epochs needed for num_samples windows of seq_len + 1 tokens (1 when num_samples is None)."""
+    if tokens_per_epoch <= 0:
+        raise ValueError("the dataset split has no tokens")
+    if num_samples is None:
+        return 1
+    needed = num_samples * seq_len + 1
+    return max(1, -(-needed // tokens_per_epoch))
+
+
+def build_gpt_indices(lengths: np.ndarray, first_document: int, seq_len: int, seed: int,
+                      num_epochs: int) -> dict[str, np.ndarray]:
+    """The document, sample and shuffle indices for documents first_document + arange(len(lengths)).
+
+    Pure numpy, no Python loop over documents, samples or epochs.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    num_docs = len(lengths)
+    tokens_per_epoch = int(lengths.sum())
+    rng = np.random.default_rng(seed)
+    id_dtype = np.int32 if first_document + num_docs < 2**31 else np.int64
+    doc = np.empty((num_epochs, num_docs), dtype=id_dtype)
+    doc[:] = np.arange(first_document, first_document + num_docs, dtype=id_dtype)
+    rng.permuted(doc, axis=1, out=doc)
+    doc = doc.reshape(-1)
+
+    ends = np.cumsum(lengths[doc - first_document])  # token position where each stream entry ends
+    num_samples = (num_epochs * tokens_per_epoch - 1) // seq_len
+    starts = np.arange(num_samples + 1, dtype=np.int64) * seq_len
+    position = np.searchsorted(ends, starts, side="right")
+    offset = starts - (ends[position] - lengths[doc[position] - first_document])
+    pos_dtype = np.int32 if len(doc) < 2**31 else np.int64
+    sample = np.stack([position, offset], axis=1).astype(pos_dtype)
+
+    epoch = starts[:-1] // tokens_per_epoch
+    shuffle = np.lexsort((rng.random(num_samples), epoch))
+    shuffle = shuffle.astype(np.uint32 if num_samples < 2**32 - 1 else np.int64)
+    return {"doc": doc, "sample": sample, "shuffle": shuffle}
+
+
+class GPTDataset:
+    """Samples of seq_len + 1 tokens from documents [start, end) of an IndexedDataset.
+
+    len() covers every full sample of the epochs built (at least num_samples); item i is the
+    shuffled sample shuffle[i]. Indices are cached in `cache_dir` (None = not cached).
+    """
+
+    def __init__(self, indexed: IndexedDataset, documents: tuple[int, int], seq_len: int, seed: int,
+                 num_samples: Optional[int] = None, cache_dir: Optional[str] = None, name: str = "train") -> None:
+        start, end = documents
+        if not 0 <= start < end <= len(indexed):
+            raise ValueError(f"{indexed.prefix}: document range [{start}, {end}) is empty or outside "
+                             f"[0, {len(indexed)})")
+        self.indexed, self.seq_len, self.name = indexed, seq_len, name
+        lengths = np.asarray(indexed.sequence_lengths[start:end])
+        self.tokens_per_epoch = int(lengths.sum(dtype=np.int64))
+        if self.tokens_per_epoch <= seq_len:
+            raise ValueError(f"{indexed.prefix} ({name}): {self.tokens_per_epoch} tokens in documents "
+                             f"[{start}, {end}) cannot fill one sample of {seq_len + 1} tokens")
+        self.num_epochs = num_epochs_needed(self.tokens_per_epoch, seq_len, num_samples)
+        key = {"version": INDEX_VERSION, "lengths": lengths, "documents": [start, end], "seq_len": seq_len,
+               "seed": seed, "num_epochs": self.num_epochs, "prefix": os.path.basename(indexed.prefix)}
+        stem = f"{os.path.basename(indexed.prefix)}-{name}"
+        arrays = cached_arrays(cache_dir, stem, key,
+                               lambda: build_gpt_indices(lengths, start, seq_len, seed, self.num_epochs),
+                               ["doc", "sample", "shuffle"])
+        self.document_index, self.sample_index = arrays["doc"], arrays["sample"]
+        self.shuffle_index = arrays["shuffle"]
+
+    def __len__(self) -> int:
+        return len(self.shuffle_index)
+
+    def unshuffled(self, i: int) -> np.ndarray:
+        """Sample i in stream order (before the shuffle)."""
+        (p0, o0), (p1, o1) = self.sample_index[i], self.sample_index[i + 1]
+        p0, o0, p1, o1 = int(p0), int(o0), int(p1), int(o1)
+        doc, get = self.document_index, self.indexed.get
+        if p0 == p1:
+            return get(int(doc[p0]), o0, o1 - o0 + 1)
+        pieces = [get(int(doc[p0]), o0)]
+        pieces += [get(int(d)) for d in doc[p0 + 1:p1]]
+        pieces.append(get(int(doc[p1]), 0, o1 + 1))
+        return np.concatenate(pieces)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        if not 0 <= i < len(self):
+            raise IndexError(f"sample {i} outside [0, {len(self)})")
+        return self.unshuffled(int(self.shuffle_index[i]))
+
+
+class MockGPTDataset:
+    """Deterministic synthetic samples: documents of arithmetic token sequences (learnable) with
+    EOD after each; sample i depends only on (seed, i), so any rank can draw any sample."""
+
+    def __init__(self, num_samples: int, seq_len: int, vocab_size: int, eod_id: int, seed: int = 1234) -> None:
+        if vocab_size < 3 or not 0 <= eod_id < vocab_size:
+            raise ValueError(f"mock data needs vocab_size >= 3 and 0 <= eod_id < vocab_size "
+                             f"(got {vocab_size}, {eod_id})")
+        self.num_samples, self.seq_len, self.vocab_size = num_samples, seq_len, vocab_size
+        self.eod_id, self.seed = eod_id, seed
+        self.min_doc = max(1, min(16, seq_len // 8))
+        self.max_doc = max(self.min_doc, seq_len // 2)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        if not 0 <= i < self.num_samples:
+            raise IndexError(f"sample {i} outside [0, {self.num_samples})")
+        rng = np.random.default_rng([self.seed, i])
+        n = self.seq_len + 1
+        max_docs = n // (self.min_doc + 1) + 1
+        lengths = rng.integers(self.min_doc, self.max_doc + 1, size=max_docs) + 1  # + 1 for the EOD
+        start = rng.integers(0, self.vocab_size - 1, size=max_docs)
+        step = rng.integers(1, 8, size=max_docs)
+        doc = np.repeat(np.arange(max_docs), lengths)[:n]
+        pos = np.arange(n) - (np.cumsum(lengths) - lengths)[doc]
+        tokens = (start[doc] + step[doc] * pos) % (self.vocab_size - 1)
+        tokens += tokens >= self.eod_id  # skip the EOD id
+        tokens[pos == lengths[doc] - 1] = self.eod_id
+        return tokens.astype(np.int64)

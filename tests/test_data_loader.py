@@ -1,0 +1,136 @@
+"""Loader: dp x sp slices reassemble the global batch, resume continues the stream, positions and
+document ids over packed documents, padding."""
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from megalysses.data.gpt_dataset import GPTDataset, MockGPTDataset
+from megalysses.data.indexed import IndexedDataset, IndexedDatasetBuilder
+from megalysses.data.loader import IGNORE_INDEX, build_micro_batch, iterate_micro_batches
+
+SEQ, EOD = 16, 999
+
+
+class Stream:
+    """Sample g is a distinct recognisable window: g * 100 + [0, SEQ], with an EOD every 5th token."""
+
+    seq_len = SEQ
+
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, g):
+        tokens = g * 100 + np.arange(SEQ + 1)
+        tokens[(np.arange(SEQ + 1) + g) % 5 == 4] = EOD
+        return tokens
+
+
+def loader(ds, mbs, dp, dp_rank, sp, sp_rank, consumed=0, **kw):
+    kw = {"reset_position_ids": True, "document_mask": True, **kw}
+    return iterate_micro_batches(ds, mbs, dp_rank, dp, sp_rank, sp, consumed, EOD, **kw)
+
+
+def reference(tokens):
+    """Per-position doc ids and reset positions by a plain loop."""
+    doc, pos, docs, positions = 0, 0, [], []
+    for j in range(SEQ):
+        docs.append(doc)
+        positions.append(pos)
+        pos += 1
+        if tokens[j] == EOD:
+            doc, pos = doc + 1, 0
+    return docs, positions
+
+
+@pytest.mark.parametrize("dp,sp,mbs", list(itertools.product((1, 2, 4), (1, 2, 4), (1, 2))))
+def test_union_of_rank_slices_is_the_global_batch(dp, sp, mbs):
+    ds, gbs, steps = Stream(64), 8, 3
+    num_micro = gbs // (mbs * dp)
+    pieces = {}  # global sample id -> {sp_rank: tensors}
+    for dp_rank, sp_rank in itertools.product(range(dp), range(sp)):
+        it = loader(ds, mbs, dp, dp_rank, sp, sp_rank)
+        for step in range(steps):
+            for micro in range(num_micro):
+                batch = next(it)
+                assert batch["input_ids"].shape == (mbs, SEQ // sp) and batch["input_ids"].dtype == torch.int64
+                assert batch["doc_ids"].shape == (mbs, SEQ) and batch["doc_ids"].dtype == torch.int32
+                for row in range(mbs):
+                    g = (step * num_micro + micro) * mbs * dp + dp_rank * mbs + row
+                    assert step * gbs <= g < (step + 1) * gbs  # the step's global batch, whatever dp is
+                    pieces.setdefault(g, {})[sp_rank] = {k: v[row] for k, v in batch.items()}
+    assert sorted(pieces) == list(range(steps * gbs))
+    for g, parts in pieces.items():
+        tokens = ds[g]
+        full = {k: torch.cat([parts[r][k] for r in range(sp)]) for k in ("input_ids", "labels", "position_ids")}
+        assert full["input_ids"].tolist() == tokens[:SEQ].tolist()
+        assert full["labels"].tolist() == tokens[1:].tolist()
+        docs, positions = reference(tokens)
+        assert full["position_ids"].tolist() == positions
+        for r in range(sp):  # every sp rank holds the same full-sequence document ids
+            assert parts[r]["doc_ids"].tolist() == docs
+
+
+def test_same_global_batches_for_dp1_and_dp2():
+    ds = Stream(48)
+
+    def step_sets(dp, mbs):
+        gbs, out = 8, []
+        streams = [loader(ds, mbs, dp, r, 1, 0) for r in range(dp)]
+        for _ in range(3):
+            seen = []
+            for _ in range(gbs // (mbs * dp)):
+                for it in streams:
+                    seen += [int(x) // 100 for x in next(it)["input_ids"][:, 0]]
+            out.append(sorted(seen))
+        return out
+
+    assert step_sets(1, 2) == step_sets(2, 2) == step_sets(2, 1) == step_sets(4, 2)
+
+
+def test_global_positions_without_reset():
+    batch = next(loader(Stream(8), 2, 1, 0, 4, 2, reset_position_ids=False, document_mask=False))
+    assert "doc_ids" not in batch
+    assert batch["position_ids"].tolist() == [list(range(8, 12))] * 2
+
+
+def test_resume_continues_the_stream():
+    ds = MockGPTDataset(40, SEQ, vocab_size=1000, eod_id=EOD, seed=1)
+    full = list(loader(ds, 2, 2, 1, 2, 1))
+    for consumed in (4, 12, 36):
+        resumed = list(loader(ds, 2, 2, 1, 2, 1, consumed=consumed))
+        assert len(resumed) == len(full) - consumed // 4
+        for a, b in zip(resumed, full[consumed // 4:]):
+            assert all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ValueError, match="not a multiple"):
+        next(loader(ds, 2, 2, 1, 2, 1, consumed=6))
+
+
+def test_padding_and_eod_mask_loss():
+    short = np.array([5, 6, EOD, 7, 8])
+    batch = build_micro_batch([short], 8, 0, 1, EOD, reset_position_ids=True, document_mask=True, eod_mask_loss=True,
+                              pad_id=0)
+    assert batch["input_ids"].tolist() == [[5, 6, EOD, 7, 8, 0, 0, 0]]
+    assert batch["labels"].tolist() == [[6, EOD, IGNORE_INDEX, 8] + [IGNORE_INDEX] * 4]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0, 1, 2]]
+    assert batch["doc_ids"].tolist() == [[0, 0, 0, 1, 1, 2, 2, 2]]
+    with pytest.raises(ValueError, match="not divisible"):
+        build_micro_batch([short], 8, 0, 3, EOD, True, True)
+
+
+def test_real_dataset_end_to_end(tmp_path):
+    builder = IndexedDatasetBuilder(tmp_path / "d.bin", np.uint16)
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        builder.add_document(np.append(rng.integers(0, 250, size=rng.integers(1, 30)), 257))
+    builder.finalize(tmp_path / "d.idx")
+    gpt = GPTDataset(IndexedDataset(tmp_path / "d"), (0, 50), 32, seed=1)
+    batches = list(iterate_micro_batches(gpt, 2, 0, 1, 1, 2, 0, 257, True, True))
+    assert len(batches) == len(gpt) // 2
+    first = gpt[0].astype(np.int64)
+    assert batches[0]["input_ids"][0].tolist() == first[16:32].tolist()
+    assert batches[0]["labels"][0].tolist() == first[17:33].tolist()

@@ -1,0 +1,132 @@
+"""tools/preprocess_data.py and tools/build_corpus.py: identical output for any worker count,
+malformed lines skipped and reported, .gz and folder inputs, no complete-looking output on failure."""
+import gzip
+import importlib.util
+import json
+import sys
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megalysses.data.indexed import IndexedDataset, IndexedDatasetBuilder
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_tool(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # worker processes find its functions by module name
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def preprocess():
+    return load_tool("preprocess_data")
+
+
+def texts(n=60, top=0x2FF):
+    rng = np.random.default_rng(0)
+    return ["".join(chr(c) for c in rng.integers(32, top, size=rng.integers(0, 200))) + f" doc {i}\n"
+            for i in range(n)]
+
+
+def write_jsonl(path, docs):
+    lines = [json.dumps({"text": t, "title": f"t{i}"}) for i, t in enumerate(docs)]
+    lines[3:3] = ['{"text": broken', '{"title": "no text"}', '{"text": 17, "title": "x"}', "", "[1, 2]"]
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "wt", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+    return str(path)
+
+
+def run(preprocess, inp, prefix, *extra):
+    return preprocess.main(["--input", str(inp), "--output-prefix", str(prefix), "--log-interval", "0", *extra])
+
+
+def read_bytes(prefix):
+    return Path(f"{prefix}.bin").read_bytes(), Path(f"{prefix}.idx").read_bytes()
+
+
+def test_workers_give_identical_output_and_skips_are_reported(tmp_path, preprocess, monkeypatch, capsys):
+    monkeypatch.setattr(preprocess, "BATCH_DOCS", 4)  # many batches, so 4 workers really interleave
+    docs = texts()
+    inp = write_jsonl(tmp_path / "in.jsonl", docs)
+    one = run(preprocess, inp, tmp_path / "w1", "--append-eod", "--workers", "1")
+    err = capsys.readouterr().err
+    four = run(preprocess, inp, tmp_path / "w4", "--append-eod", "--workers", "4")
+    assert read_bytes(tmp_path / "w1_text_document") == read_bytes(tmp_path / "w4_text_document")
+    assert one["documents"] == four["documents"] == len(docs)
+    assert one["skipped"] == {"bad JSON": 1, "missing key 'text'": 1, "non-string 'text'": 1,
+                              "blank line": 1, "not a JSON object": 1}
+    assert "skipped 5 malformed documents" in err and "4: bad JSON" in err
+    for word in ("docs/s", "MB/s", "tokens/s", "ETA"):
+        assert word in err
+    ds = IndexedDataset(tmp_path / "w1_text_document")
+    assert len(ds) == len(docs)
+    for i, text in enumerate(docs):
+        assert ds[i].tolist() == list(text.encode()) + [257]
+
+
+def test_gzip_and_multiple_keys(tmp_path, preprocess):
+    docs = texts(20)
+    run(preprocess, write_jsonl(tmp_path / "in.jsonl", docs), tmp_path / "plain", "--json-keys", "text", "title")
+    run(preprocess, write_jsonl(tmp_path / "in.jsonl.gz", docs), tmp_path / "gz", "--json-keys", "text", "title",
+        "--workers", "2")
+    for key in ("text", "title"):
+        assert read_bytes(tmp_path / f"plain_{key}_document") == read_bytes(tmp_path / f"gz_{key}_document")
+    titles = IndexedDataset(tmp_path / "plain_title_document")
+    assert [bytes(titles[i].astype(np.uint8)).decode() for i in range(len(titles))] == [f"t{i}" for i in range(20)]
+
+
+def test_folder_input(tmp_path, preprocess):
+    folder = tmp_path / "texts"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "b.txt").write_text("second")
+    (folder / "a.txt").write_text("first")
+    (folder / "sub" / "c.txt").write_text("third ✓")
+    (folder / "bad.bin").write_bytes(b"\xff\xfe\x00")
+    result = run(preprocess, folder, tmp_path / "f", "--append-eod")
+    assert result["skipped"] == {"not UTF-8": 1}
+    ds = IndexedDataset(tmp_path / "f_text_document")
+    got = [bytes(ds[i][:-1].astype(np.uint8)).decode() for i in range(len(ds))]
+    assert got == ["first", "second", "third ✓"]
+
+
+def test_sentencepiece_output_identical_across_workers(tmp_path, preprocess, monkeypatch):
+    monkeypatch.setattr(preprocess, "BATCH_DOCS", 8)
+    inp = write_jsonl(tmp_path / "in.jsonl", texts(80, top=0x7F) + ["ünïcødé ✓"])
+    model = load_tool("train_tokenizer").main(["--input", inp, "--model-prefix", str(tmp_path / "sp"),
+                                               "--vocab-size", "500", "--byte-fallback", "--num-threads", "1"])
+    args = ["--tokenizer-type", "sentencepiece", "--tokenizer-model", model, "--append-eod"]
+    run(preprocess, inp, tmp_path / "s1", *args, "--workers", "1")
+    run(preprocess, inp, tmp_path / "s3", *args, "--workers", "3")
+    assert read_bytes(tmp_path / "s1_text_document") == read_bytes(tmp_path / "s3_text_document")
+    assert IndexedDataset(tmp_path / "s1_text_document").dtype == np.uint16
+
+
+def test_interrupted_run_leaves_nothing_that_looks_complete(tmp_path, preprocess, monkeypatch):
+    inp = write_jsonl(tmp_path / "in.jsonl", texts(10))
+
+    def interrupted(self, idx_file):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(IndexedDatasetBuilder, "finalize", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run(preprocess, inp, tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
+
+
+def test_build_corpus_stdlib(tmp_path):
+    result = load_tool("build_corpus").main(["--stdlib", "--exclude-tests", "--output", str(tmp_path / "c.jsonl")])
+    rows = [json.loads(line) for line in open(tmp_path / "c.jsonl", encoding="utf-8")]
+    assert len(rows) == result["documents"] > 500
+    paths = [r["path"] for r in rows]
+    assert paths == sorted(paths) and "json/decoder.py" in paths
+    assert not any("site-packages" in p or p.startswith("test/") for p in paths)
+    root = Path(sysconfig.get_paths()["stdlib"])
+    row = rows[paths.index("json/decoder.py")]
+    assert row["text"] == (root / "json" / "decoder.py").read_text(encoding="utf-8")
