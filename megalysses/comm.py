@@ -25,6 +25,10 @@ from torch import Tensor
 
 Group = Optional[dist.ProcessGroup]
 
+# torch >= 2.13 renames the tensor-form collectives; older releases only have the old names
+all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def group_size(group: Group) -> int:
     """Size of `group`; None means no group (a group of one), never the default world group."""
@@ -52,7 +56,7 @@ def _all_gather(x: Tensor, dim: int, group: Group) -> Tensor:
         return x
     x0 = x.movedim(dim, 0).contiguous()
     out = x0.new_empty((world * x0.shape[0],) + tuple(x0.shape[1:]))
-    dist.all_gather_into_tensor(out, x0, group=group)
+    all_gather_tensor(out, x0, group=group)
     return out.movedim(0, dim)
 
 
@@ -65,7 +69,7 @@ def _reduce_scatter(x: Tensor, dim: int, group: Group) -> Tensor:
         raise ValueError(f"reduce-scatter: size {x.shape[dim]} of dim {dim} is not divisible by group size {world}")
     x0 = x.movedim(dim, 0).contiguous()
     out = x0.new_empty((x0.shape[0] // world,) + tuple(x0.shape[1:]))
-    dist.reduce_scatter_tensor(out, x0, group=group)
+    reduce_scatter_tensor(out, x0, group=group)
     return out.movedim(0, dim)
 
 

@@ -147,6 +147,9 @@ class TrainingConfig:
     """Samples per optimizer step over all dp ranks (a multiple of micro_batch_size * dp)."""
     train_steps: int = 1000
     """Optimizer steps to run."""
+    exit_at_step: int = 0
+    """Checkpoint and exit after this step (0 = off); the LR schedule still spans train_steps, so a
+    long run can be split into jobs that resume exactly."""
     max_wall_minutes: float = 0.0
     """Stop (with a checkpoint) after this many minutes (0 = no limit)."""
     eval_interval: int = 0

@@ -105,6 +105,7 @@ def train(cfg: Config, grid: ParallelGrid, device: torch.device) -> dict:
                               "layout": {"tp": grid.tp_size, "sp": grid.sp_size, "pp": grid.pp_size, "dp": grid.dp_size}})
 
     batches = data.train_batches(consumed)
+    first_step, saved_at = step, step
     try:
         while step < total:
             lr = lr_at(step, cfg.optimizer, total)
@@ -116,20 +117,20 @@ def train(cfg: Config, grid: ParallelGrid, device: torch.device) -> dict:
             logger.step(step, result.loss, lr, result.grad_norm, result.tokens)
             if cfg.training.eval_interval and step % cfg.training.eval_interval == 0:
                 logger.eval(step, evaluate(model, data.valid_batches(), grid, dtype))
+            if cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0:
+                save()
+                saved_at = step
             over_time = cfg.training.max_wall_minutes > 0 and time.monotonic() - start > 60 * cfg.training.max_wall_minutes
             stop = torch.tensor([float(flags.signalled), float(over_time)])
             if dist.is_initialized():
                 dist.all_reduce(stop, op=dist.ReduceOp.MAX)
-            if stop.any() and step < total:
-                stopped_by = "signal" if stop[0] else "max_wall_minutes"
-                save()
-                print0(f"stopping at step {step} ({stopped_by}); checkpoint saved to {ckpt_dir}")
+            if (stop.any() or step == cfg.training.exit_at_step) and step < total:
+                stopped_by = "signal" if stop[0] else "max_wall_minutes" if stop[1] else "exit_at_step"
                 break
-            if cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0:
-                save()
-        else:
-            if not (cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0):
-                save()
+        if step > first_step and saved_at != step:
+            save()
+        if stopped_by != "train_steps":
+            print0(f"stopped at step {step} ({stopped_by}); checkpoint saved to {ckpt_dir}")
     finally:
         logger.close()
     return {"step": step, "loss": loss, "stopped_by": stopped_by}

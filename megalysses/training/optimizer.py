@@ -108,7 +108,7 @@ class ShardedAdamW:
             send = torch.cat([self._rank_chunk(g.float(), s, j) for j in range(self.G) for s, g in zip(bucket, grads)])
             mine = send.new_empty(send.numel() // self.G)
             if self.G > 1:
-                dist.reduce_scatter_tensor(mine, send, group=self.grad_group)
+                comm.reduce_scatter_tensor(mine, send, group=self.grad_group)
             else:
                 mine = send
             offset = 0
@@ -155,7 +155,7 @@ class ShardedAdamW:
                               for s in bucket])
             if self.G > 1:
                 full = mine.new_empty(mine.numel() * self.G)
-                dist.all_gather_into_tensor(full, mine, group=self.grad_group)
+                comm.all_gather_tensor(full, mine, group=self.grad_group)
             else:
                 full = mine
             per_rank = full.view(self.G, -1)
