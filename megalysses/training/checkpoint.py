@@ -53,6 +53,8 @@ class _AllowListUnpickler(pickle.Unpickler):
             raise CheckpointError(f"checkpoint metadata refers to builtins.{name}: refusing to unpickle it")
         if module == "torch" and not (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
             raise CheckpointError(f"checkpoint metadata refers to torch.{name}: refusing to unpickle it")
+        if module == "pathlib" and name in ("Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"):
+            return super().find_class(module, name)
         if module.startswith(_SAFE_MODULES) or module in _SAFE_MODULES:
             return super().find_class(module, name)
         raise CheckpointError(f"checkpoint metadata refers to {module}.{name}: refusing to unpickle it")

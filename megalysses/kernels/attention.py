@@ -1,0 +1,294 @@
+"""Exact causal core attention over a full sequence: one dispatch point, four backends.
+
+This is what every rank runs after the Ulysses all-to-all. Shapes: B batch, S full sequence, Hq query
+heads, Hkv key/value heads (Hq % Hkv == 0; query head h reads KV head h // (Hq // Hkv), as in Hugging
+Face's repeat_kv), D head dim.
+
+    mask = prepare_attention_mask(doc_ids, backend)      # once per step, shared by every layer
+    out = core_attention(q, k, v, mask=mask, backend=backend)
+
+Backends:
+    reference  matmul + softmax in fp32 with explicit masks; the ground truth, O(S^2) memory.
+    sdpa       torch SDPA: is_causal without documents, a boolean (B, 1, S, S) mask with them.
+    flex       FlexAttention with a BlockMask (compiled on CUDA; eager on CPU, forward only there:
+               torch has no FlexAttention backward on CPU).
+    flash      flash-attn (CUDA, fp16/bf16): flash_attn_func, or flash_attn_varlen_func on the
+               packed documents (cu_seqlens from doc_ids).
+    auto       flash when importable on CUDA with fp16/bf16, else flex on CUDA with documents, else sdpa.
+
+Document masks: doc_ids (B, S) ints, non-decreasing along each row; position i attends j iff j <= i
+and doc_ids[b, i] == doc_ids[b, j].
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+import warnings
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+try:
+    from torch.nn.attention import flex_attention as _flex_module
+except Exception:   # torch < 2.5
+    _flex_module = None
+
+try:
+    from flash_attn import flash_attn_func, flash_attn_varlen_func
+except Exception:   # not installed, or built for another torch/CUDA
+    flash_attn_func = flash_attn_varlen_func = None
+
+BACKENDS = ("auto", "reference", "sdpa", "flex", "flash")
+_HALF = (torch.float16, torch.bfloat16)
+DeviceLike = Union[torch.device, str]
+
+
+def available_backends(device: DeviceLike = "cpu") -> tuple[str, ...]:
+    """Backends that can run on `device` in this environment ("auto" excluded).
+
+    flex on CPU is forward-only (torch has no FlexAttention backward there); flash needs fp16/bf16."""
+    on_cuda = torch.device(device).type == "cuda"
+    names = ["reference", "sdpa"]
+    if _flex_module is not None:
+        names.append("flex")
+    if flash_attn_func is not None and on_cuda:
+        names.append("flash")
+    return tuple(names)
+
+
+def resolve_backend(backend: str, device: DeviceLike, dtype: torch.dtype, has_docs: bool) -> str:
+    """The concrete backend for `backend` ("auto" or a name) on this device and dtype; raises when it cannot run."""
+    on_cuda = torch.device(device).type == "cuda"
+    if backend == "auto":
+        if flash_attn_func is not None and on_cuda and dtype in _HALF:
+            return "flash"
+        if on_cuda and has_docs and _flex_module is not None:
+            return "flex"
+        return "sdpa"
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    available = available_backends(device)
+    if backend not in available:
+        why = {"flex": "torch.nn.attention.flex_attention is missing (needs torch >= 2.5)",
+               "flash": "it needs CUDA and an importable flash_attn package"}[backend]
+        raise RuntimeError(f"attention backend {backend!r} is unavailable on {torch.device(device)}: {why}; "
+                           f"available here: {', '.join(available)}")
+    if backend == "flash" and dtype not in _HALF:
+        raise RuntimeError(f"attention backend 'flash' needs float16 or bfloat16 inputs, got {dtype}; "
+                           f"use 'sdpa' or 'flex' for {dtype}")
+    return backend
+
+
+def doc_ids_to_cu_seqlens(doc_ids: Tensor) -> Tensor:
+    """Cumulative document lengths over the flattened batch, as flash-attn's varlen functions want.
+
+    doc_ids: (B, S) or (S,) -> int32 (num_docs + 1,), starting at 0 and ending at B*S. A document ends
+    where the id changes and at the end of every row (documents never span rows)."""
+    ids = doc_ids.reshape(-1, doc_ids.shape[-1])                         # (B, S)
+    starts = torch.ones_like(ids, dtype=torch.bool)
+    starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    offsets = starts.flatten().nonzero().flatten()                        # first position of each document
+    end = offsets.new_full((1,), ids.numel())
+    return torch.cat([offsets, end]).to(torch.int32)
+
+
+class AttentionMask:
+    """The packed-document causal mask of one step, in whichever form each backend wants.
+
+    Built once per step by `prepare_attention_mask` and handed to every layer; each form (dense boolean
+    mask, FlexAttention BlockMask, flash-attn cu_seqlens) is computed on first use and then reused."""
+
+    def __init__(self, doc_ids: Tensor) -> None:
+        self.doc_ids = doc_ids                                            # (B, S) int
+        self._forms: dict[str, Any] = {}
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.doc_ids.shape)
+
+    def _cached(self, name: str, build: Callable[[], Any]) -> Any:
+        if name not in self._forms:
+            with torch.no_grad():
+                self._forms[name] = build()
+        return self._forms[name]
+
+    def dense(self) -> Tensor:
+        """(B, 1, S, S) bool, True where attention is allowed (causal and same document)."""
+        def build() -> Tensor:
+            S = self.doc_ids.shape[1]
+            causal = torch.ones(S, S, dtype=torch.bool, device=self.doc_ids.device).tril()
+            same_doc = self.doc_ids[:, :, None] == self.doc_ids[:, None, :]     # (B, S, S)
+            return (same_doc & causal)[:, None]
+        return self._cached("dense", build)
+
+    def block_mask(self) -> Any:
+        """FlexAttention BlockMask of shape (B, 1, S, S)."""
+        def build() -> Any:
+            docs = self.doc_ids
+            B, S = docs.shape
+
+            def mask_mod(b, h, q_idx, kv_idx):
+                return (kv_idx <= q_idx) & (docs[b, q_idx] == docs[b, kv_idx])
+            return _create_block_mask(mask_mod, B, S, docs.device)
+        return self._cached("block_mask", build)
+
+    def varlen(self) -> tuple[Tensor, int]:
+        """(cu_seqlens int32 (num_docs + 1,), max document length) over the flattened batch."""
+        def build() -> tuple[Tensor, int]:
+            cu = doc_ids_to_cu_seqlens(self.doc_ids)
+            return cu, int((cu[1:] - cu[:-1]).max())
+        return self._cached("varlen", build)
+
+    def build_for(self, backend: str) -> "AttentionMask":
+        """Compute now the form `backend` (a concrete name) uses; returns self."""
+        form = {"sdpa": self.dense, "flex": self.block_mask, "flash": self.varlen}.get(backend)
+        if form is not None:
+            form()
+        return self
+
+
+def prepare_attention_mask(doc_ids: Optional[Tensor], backend: str = "auto", seq_len: Optional[int] = None,
+                           device: Optional[DeviceLike] = None) -> Optional[AttentionMask]:
+    """The document mask for one step, to pass as `mask=` to every layer's `core_attention`.
+
+    doc_ids: (B, S) ints, non-decreasing per row, or None (plain causal: returns None). seq_len, when
+    given, is checked against S; device, when given, is where the mask lives (default: doc_ids'). The
+    form that `backend` will use on that device is built now; with "auto" the dtype is not known yet,
+    so the guess is flash (cu_seqlens) when flash-attn is importable on CUDA, flex on CUDA otherwise,
+    sdpa on CPU; any other form is built on first use."""
+    if doc_ids is None:
+        return None
+    if doc_ids.dim() != 2 or doc_ids.dtype.is_floating_point or doc_ids.dtype == torch.bool:
+        raise ValueError(f"doc_ids must be a (B, S) integer tensor, got {tuple(doc_ids.shape)} {doc_ids.dtype}")
+    if seq_len is not None and doc_ids.shape[1] != seq_len:
+        raise ValueError(f"doc_ids cover {doc_ids.shape[1]} positions but the sequence has {seq_len}")
+    if device is not None:
+        doc_ids = doc_ids.to(device)
+    if doc_ids.shape[1] > 1 and bool((doc_ids[:, 1:] < doc_ids[:, :-1]).any()):
+        raise ValueError("doc_ids must be non-decreasing along each row (one id per packed document)")
+    on_cuda = doc_ids.device.type == "cuda"
+    if backend == "auto":
+        guess = "flash" if on_cuda and flash_attn_func is not None else ("flex" if on_cuda else "sdpa")
+    else:
+        guess = resolve_backend(backend, doc_ids.device, torch.bfloat16, True)
+    return AttentionMask(doc_ids).build_for(guess if guess in available_backends(doc_ids.device) else "sdpa")
+
+
+def core_attention(q: Tensor, k: Tensor, v: Tensor, doc_ids: Optional[Tensor] = None, backend: str = "auto",
+                   scale: Optional[float] = None, *, mask: Optional[AttentionMask] = None) -> Tensor:
+    """Exact causal (optionally document-masked) attention; differentiable in q, k and v.
+
+    q: (B, S, Hq, D); k, v: (B, S, Hkv, D), Hq % Hkv == 0 -> (B, S, Hq, D) in q's dtype.
+    doc_ids: (B, S) document ids (builds a mask for this call only), or mask: a prepared AttentionMask
+    (build it once per step); at most one of them. scale defaults to 1/sqrt(D)."""
+    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4 or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"expected q (B, S, Hq, D) and k, v (B, S, Hkv, D); got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"query heads {q.shape[2]} are not a multiple of kv heads {k.shape[2]}")
+    if doc_ids is not None:
+        if mask is not None:
+            raise ValueError("pass doc_ids or mask, not both")
+        mask = prepare_attention_mask(doc_ids, "reference", device=q.device)
+    if mask is not None and mask.shape != tuple(q.shape[:2]):
+        raise ValueError(f"mask is for (B, S) = {mask.shape} but q has {tuple(q.shape[:2])}")
+    if mask is not None and mask.doc_ids.device != q.device:
+        raise ValueError(f"mask is on {mask.doc_ids.device} but q is on {q.device}: "
+                         f"prepare_attention_mask(..., device=q.device)")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    name = resolve_backend(backend, q.device, q.dtype, mask is not None)
+    return _BACKEND_FNS[name](q, k, v, mask, scale)
+
+
+# ---------------------------------------------------------------------------------------------------
+# backends: (q (B,S,Hq,D), k, v (B,S,Hkv,D), mask or None, scale) -> (B,S,Hq,D)
+
+def _repeat_kv(x: Tensor, rep: int) -> Tensor:
+    """(B, S, Hkv, D) -> (B, S, Hkv*rep, D), head h of the result = head h // rep of x."""
+    return x if rep == 1 else x.repeat_interleave(rep, dim=2)
+
+
+def _reference(q: Tensor, k: Tensor, v: Tensor, mask: Optional[AttentionMask], scale: float) -> Tensor:
+    rep = q.shape[2] // k.shape[2]
+    qf = q.float().transpose(1, 2)                                        # (B, Hq, S, D)
+    kf = _repeat_kv(k, rep).float().transpose(1, 2)
+    vf = _repeat_kv(v, rep).float().transpose(1, 2)
+    S = q.shape[1]
+    allowed = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()  # (S, S) causal
+    if mask is not None:
+        docs = mask.doc_ids
+        allowed = allowed & (docs[:, None, :, None] == docs[:, None, None, :])   # (B, 1, S, S)
+    scores = (qf @ kf.transpose(-1, -2)) * scale                          # (B, Hq, S, S)
+    probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
+    return (probs @ vf).transpose(1, 2).to(q.dtype)                       # (B, S, Hq, D)
+
+
+_SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
+
+
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Optional[AttentionMask], scale: float) -> Tensor:
+    rep = q.shape[2] // k.shape[2]
+    attn_mask = mask.dense() if mask is not None else None                # (B, 1, S, S) bool
+    # native GQA only where SDPA's flash kernel takes it (CUDA, half precision, no mask); elsewhere
+    # enable_gqa would fall back to the O(S^2)-memory math kernel, so expand the kv heads instead
+    native_gqa = rep > 1 and _SDPA_HAS_GQA and q.is_cuda and q.dtype in _HALF and attn_mask is None
+    if not native_gqa:
+        k, v = _repeat_kv(k, rep), _repeat_kv(v, rep)
+    q_, k_, v_ = (t.transpose(1, 2) for t in (q, k, v))                   # (B, H, S, D)
+    kwargs = {"enable_gqa": True} if native_gqa else {}
+    out = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=attn_mask, is_causal=attn_mask is None,
+                                         scale=scale, **kwargs)
+    return out.transpose(1, 2)                                            # (B, S, Hq, D)
+
+
+def _create_block_mask(mask_mod: Callable, B: Optional[int], S: int, device: torch.device) -> Any:
+    kwargs = {}
+    if torch.device(device).type == "cuda" and "_compile" in inspect.signature(_flex_module.create_block_mask).parameters:
+        kwargs["_compile"] = True   # fused: never materialises the (B, S, S) mask
+    return _flex_module.create_block_mask(mask_mod, B, None, S, S, device=device, **kwargs)
+
+
+@functools.lru_cache(maxsize=8)
+def _causal_block_mask(S: int, device: torch.device) -> Any:
+    def causal(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx
+    return _create_block_mask(causal, None, S, device)
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled_flex() -> Callable:
+    return torch.compile(_flex_module.flex_attention, dynamic=False)
+
+
+def _flex(q: Tensor, k: Tensor, v: Tensor, mask: Optional[AttentionMask], scale: float) -> Tensor:
+    if not q.is_cuda:
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            raise RuntimeError("attention backend 'flex' has no backward on CPU (torch implements FlexAttention's "
+                               "backward for CUDA only); use 'sdpa' or 'reference' for training on CPU")
+        q, k, v = q.detach(), k.detach(), v.detach()   # torch refuses inputs that require grad, even under no_grad
+    block_mask = mask.block_mask() if mask is not None else _causal_block_mask(q.shape[1], q.device)
+    q_, k_, v_ = (t.transpose(1, 2) for t in (q, k, v))                   # (B, H, S, D)
+    gqa = q.shape[2] != k.shape[2]
+    if q.is_cuda:
+        out = _compiled_flex()(q_, k_, v_, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+    else:
+        with warnings.catch_warnings():   # eager on CPU is for tests; torch warns that it is unfused
+            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+            out = _flex_module.flex_attention(q_, k_, v_, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+    return out.transpose(1, 2)                                            # (B, S, Hq, D)
+
+
+def _flash(q: Tensor, k: Tensor, v: Tensor, mask: Optional[AttentionMask], scale: float) -> Tensor:
+    if mask is None:
+        return flash_attn_func(q, k, v, softmax_scale=scale, causal=True)  # GQA native
+    B, S, Hq, D = q.shape
+    cu_seqlens, max_len = mask.varlen()
+    out = flash_attn_varlen_func(q.reshape(B * S, Hq, D), k.reshape(B * S, -1, D), v.reshape(B * S, -1, D),
+                                 cu_seqlens, cu_seqlens, max_len, max_len, softmax_scale=scale, causal=True)
+    return out.view(B, S, Hq, D)
+
+
+_BACKEND_FNS: dict[str, Callable[..., Tensor]] = {"reference": _reference, "sdpa": _sdpa, "flex": _flex, "flash": _flash}

@@ -1,0 +1,100 @@
+"""RMSNorm forward and backward in Triton; imported only when triton is (see triton_support.py).
+
+Same numbers as norms.rms_norm_torch: y = (x * rstd).to(x.dtype) * w, rstd = rsqrt(mean(x^2) + eps),
+computed in fp32. Each program loops over rows pid, pid + G, ...; the backward writes one partial
+weight gradient per program, summed afterwards.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from megalysses.kernels.triton_support import num_programs
+
+MAX_COLS = 65536
+
+
+@triton.jit
+def _add(a, b):
+    return a + b
+
+
+# The kernels call only core builtins and functions defined here (tl.reduce with _add, not tl.sum, a
+# @jit function of triton's standard library): Triton's interpreter can then run them on CPU even when
+# triton was imported before TRITON_INTERPRET was set.
+
+
+@triton.jit
+def _rms_norm_fwd(X, W, Y, RSTD, n_rows, n_cols, eps, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    in_row = cols < n_cols
+    w = tl.load(W + cols, mask=in_row, other=0.0).to(tl.float32)
+    for row in range(pid, n_rows, tl.num_programs(0)):
+        base = tl.cast(row, tl.int64) * n_cols
+        x = tl.load(X + base + cols, mask=in_row, other=0.0).to(tl.float32)
+        rstd = tl.math.rsqrt(tl.reduce(x * x, 0, _add) / n_cols + eps)
+        x_hat = (x * rstd).to(X.dtype.element_ty).to(tl.float32)     # rounded like the reference
+        tl.store(Y + base + cols, (x_hat * w).to(Y.dtype.element_ty), mask=in_row)
+        tl.store(RSTD + row, rstd)
+
+
+@triton.jit
+def _rms_norm_bwd(DY, X, W, RSTD, DX, DW_PARTIAL, n_rows, n_cols, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    in_row = cols < n_cols
+    w = tl.load(W + cols, mask=in_row, other=0.0).to(tl.float32)
+    dw = tl.full([BLOCK], 0.0, tl.float32)
+    for row in range(pid, n_rows, tl.num_programs(0)):
+        base = tl.cast(row, tl.int64) * n_cols
+        x = tl.load(X + base + cols, mask=in_row, other=0.0).to(tl.float32)
+        dy = tl.load(DY + base + cols, mask=in_row, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + row)
+        x_hat = x * rstd
+        dw += dy * x_hat.to(X.dtype.element_ty).to(tl.float32)
+        g = dy * w
+        # d/dx of w * x * rstd(x): rstd * (g - x_hat * mean(g * x_hat))
+        dx = (g - x_hat * (tl.reduce(g * x_hat, 0, _add) / n_cols)) * rstd
+        tl.store(DX + base + cols, dx.to(DX.dtype.element_ty), mask=in_row)
+    tl.store(DW_PARTIAL + pid * n_cols + cols, dw, mask=in_row)
+
+
+def _launch_config(n_cols: int) -> tuple[int, int]:
+    block = triton.next_power_of_2(n_cols)
+    return block, min(max(block // 256, 1), 16)
+
+
+class RMSNormTriton(torch.autograd.Function):
+    """y = rms_norm(x, weight, eps) over the last dim; x (..., N), weight (N,) -> (..., N) in the
+    promoted dtype of x and weight. Backward gives dx and dweight."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        n_cols = x.shape[-1]
+        if n_cols > MAX_COLS:
+            raise ValueError(f"Triton RMSNorm handles rows up to {MAX_COLS} elements, got {n_cols}")
+        x2 = x.reshape(-1, n_cols).contiguous()                          # (M, N)
+        w = weight.contiguous()
+        y = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+        rstd = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
+        block, warps = _launch_config(n_cols)
+        grid = (num_programs(x2.shape[0], x.device),)
+        _rms_norm_fwd[grid](x2, w, y, rstd, x2.shape[0], n_cols, eps, BLOCK=block, num_warps=warps)
+        ctx.save_for_backward(x2, w, rstd)
+        ctx.x_shape = x.shape
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        x2, w, rstd = ctx.saved_tensors
+        n_rows, n_cols = x2.shape
+        dy2 = dy.reshape(-1, n_cols).contiguous()
+        dx = torch.empty_like(x2)
+        block, warps = _launch_config(n_cols)
+        grid = (num_programs(n_rows, x2.device),)
+        dw_partial = torch.empty(grid[0], n_cols, dtype=torch.float32, device=x2.device)
+        _rms_norm_bwd[grid](dy2, x2, w, rstd, dx, dw_partial, n_rows, n_cols, BLOCK=block, num_warps=warps)
+        return dx.view(ctx.x_shape), dw_partial.sum(0).to(w.dtype), None

@@ -1,0 +1,57 @@
+"""When a Triton kernel can run: triton importable, and the tensor on CUDA or Triton's CPU interpreter on.
+
+Triton is optional. The kernel modules (rms_norm_triton.py, rope_triton.py) import it at the top and
+are themselves imported only on first use, so that TRITON_INTERPRET=1 set by a test before that use
+still selects the interpreter (triton reads it when a kernel is decorated)."""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+from torch import Tensor
+
+IMPLS = ("auto", "torch", "triton")
+
+
+@functools.lru_cache(maxsize=1)
+def triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:   # absent, or broken for this platform
+        return False
+    return True
+
+
+def triton_interpreting() -> bool:
+    """TRITON_INTERPRET=1: kernels run on CPU tensors through Triton's interpreter (slow; for tests)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def triton_usable(t: Tensor) -> bool:
+    return triton_importable() and (t.is_cuda or triton_interpreting())
+
+
+def choose_impl(impl: str, t: Tensor, what: str) -> str:
+    """"torch" or "triton" for `impl`. auto takes the torch reference: the Triton kernels are checked
+    against it under the interpreter only, so they are opt-in ("triton") until verified on a GPU.
+    An explicit "triton" that cannot run raises, naming why."""
+    if impl not in IMPLS:
+        raise ValueError(f"unknown {what} impl {impl!r}; choose one of {', '.join(IMPLS)}")
+    if impl == "auto":
+        return "torch"
+    if impl == "triton" and not triton_usable(t):
+        why = ("triton is not importable" if not triton_importable()
+               else f"the tensor is on {t.device} (Triton needs CUDA, or TRITON_INTERPRET=1 set before first use)")
+        raise RuntimeError(f"{what} impl 'triton' is unavailable: {why}; available: auto, torch")
+    return impl
+
+
+def num_programs(n_rows: int, device: torch.device) -> int:
+    """Grid size for the row-looping kernels: a few programs per SM on CUDA, few under the interpreter."""
+    if device.type == "cuda":
+        cap = 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        cap = 16
+    return max(1, min(n_rows, cap))

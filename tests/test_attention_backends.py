@@ -1,0 +1,205 @@
+"""Every core-attention backend equals the fp32 reference (outputs and q/k/v gradients), causal and with
+packed-document masks, for GQA, MQA and MHA; the reference itself equals per-document attention."""
+import math
+
+import pytest
+import torch
+
+from megalysses.kernels import attention
+from megalysses.kernels.attention import (AttentionMask, available_backends, core_attention, doc_ids_to_cu_seqlens,
+                                          prepare_attention_mask, resolve_backend)
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+HEADS = [(8, 2), (4, 1), (4, 4)]          # GQA, MQA, MHA
+
+
+def make_qkv(B=2, S=64, hq=8, hkv=2, D=16, dtype=torch.float32, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, S, h, D, generator=g).to(device, dtype).requires_grad_() for h in (hq, hkv, hkv))
+    return q, k, v
+
+
+def make_doc_ids(S=64, device="cpu"):
+    """Row 0: documents of 20, 30 and 14 tokens plus single-token ones; row 1: one document (id 5)."""
+    row0 = torch.tensor([0] * 20 + [1] * 30 + [2] * (S - 53) + [3, 4, 7])
+    row1 = torch.full((S,), 5)
+    return torch.stack([row0, row1]).to(device)
+
+
+def grads(out, *inputs, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    upstream = torch.randn(out.shape, generator=g).to(out.device, out.dtype)
+    return torch.autograd.grad(out, inputs, upstream)
+
+
+def tolerance(device, dtype):
+    if dtype in (torch.float16, torch.bfloat16):
+        return dict(rtol=2e-2, atol=2e-2)
+    return dict(rtol=1e-5, atol=1e-5) if device == "cpu" else dict(rtol=2e-3, atol=2e-3)   # TF32 on GPUs
+
+
+def require(backend, device, dtype=torch.float32):
+    if backend not in available_backends(device):
+        pytest.skip(f"attention backend {backend!r} unavailable on {device} "
+                    f"(available: {', '.join(available_backends(device))})")
+    if backend == "flash" and dtype not in (torch.float16, torch.bfloat16):
+        pytest.skip("flash-attn takes float16/bfloat16 only")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("docs", [False, True], ids=["causal", "documents"])
+@pytest.mark.parametrize("hq,hkv", HEADS)
+@pytest.mark.parametrize("backend", ["sdpa", "flex", "flash"])
+def test_backend_output_matches_reference(backend, hq, hkv, docs, device):
+    dtype = torch.bfloat16 if backend == "flash" else torch.float32
+    require(backend, device, dtype)
+    q, k, v = make_qkv(hq=hq, hkv=hkv, dtype=dtype, device=device)
+    mask = prepare_attention_mask(make_doc_ids(device=device), backend) if docs else None
+    with torch.no_grad():
+        want = core_attention(q, k, v, mask=mask, backend="reference")
+        got = core_attention(q, k, v, mask=mask, backend=backend)
+    assert got.shape == q.shape and got.dtype == q.dtype
+    torch.testing.assert_close(got, want, **tolerance(device, dtype))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("docs", [False, True], ids=["causal", "documents"])
+@pytest.mark.parametrize("hq,hkv", HEADS)
+@pytest.mark.parametrize("backend", ["sdpa", "flex", "flash"])
+def test_backend_gradients_match_reference(backend, hq, hkv, docs, device):
+    dtype = torch.bfloat16 if backend == "flash" else torch.float32
+    require(backend, device, dtype)
+    if backend == "flex" and device == "cpu":
+        pytest.skip("torch implements FlexAttention's backward for CUDA only (forward is checked on CPU)")
+    q, k, v = make_qkv(hq=hq, hkv=hkv, dtype=dtype, device=device)
+    mask = prepare_attention_mask(make_doc_ids(device=device), backend) if docs else None
+    want = grads(core_attention(q, k, v, mask=mask, backend="reference"), q, k, v)
+    got = grads(core_attention(q, k, v, mask=mask, backend=backend), q, k, v)
+    for name, g, w in zip("qkv", got, want):
+        torch.testing.assert_close(g, w, **tolerance(device, dtype), msg=lambda m: f"d{name}: {m}")
+
+
+@pytest.mark.parametrize("backend", ["reference", "sdpa"])
+def test_document_mask_equals_attention_per_document(backend):
+    """Independent of any mask construction: attention over each document alone, plain causal."""
+    q, k, v = make_qkv(hq=8, hkv=2)
+    doc_ids = make_doc_ids()
+    got = core_attention(q, k, v, doc_ids=doc_ids, backend=backend)
+    dq, dk, dv = grads(got, q, k, v)
+    want = torch.empty_like(got)
+    cu = doc_ids_to_cu_seqlens(doc_ids).tolist()
+    for lo, hi in zip(cu[:-1], cu[1:]):          # documents of the flattened (B*S) batch
+        b, s0, s1 = lo // q.shape[1], lo % q.shape[1], lo % q.shape[1] + hi - lo
+        part = [t[b:b + 1, s0:s1] for t in (q, k, v)]
+        want[b:b + 1, s0:s1] = core_attention(*part, backend="reference")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for g, w in zip((dq, dk, dv), grads(want, q, k, v)):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_reference_matches_naive_loop():
+    """The reference against a per-position loop over allowed keys (GQA head mapping h -> h // rep)."""
+    q, k, v = make_qkv(B=1, S=12, hq=4, hkv=2, D=8)
+    doc_ids = torch.tensor([[0] * 5 + [1] * 7])
+    got = core_attention(q, k, v, doc_ids=doc_ids, backend="reference", scale=0.3)
+    want = torch.zeros_like(got)
+    for h in range(4):
+        for i in range(12):
+            js = [j for j in range(i + 1) if doc_ids[0, j] == doc_ids[0, i]]
+            w = torch.softmax(torch.stack([q[0, i, h] @ k[0, j, h // 2] * 0.3 for j in js]), 0)
+            want[0, i, h] = sum(wj * v[0, j, h // 2] for wj, j in zip(w, js))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+def test_explicit_scale_and_doc_ids_argument(backend):
+    require(backend, "cpu")
+    q, k, v = make_qkv(hq=4, hkv=1)
+    doc_ids = make_doc_ids()
+    with torch.no_grad():
+        want = core_attention(q, k, v, doc_ids=doc_ids, backend="reference", scale=0.5)
+        got = core_attention(q, k, v, doc_ids=doc_ids, backend=backend, scale=0.5)
+        default = core_attention(q, k, v, doc_ids=doc_ids, backend=backend)
+        explicit = core_attention(q, k, v, doc_ids=doc_ids, backend=backend, scale=1 / math.sqrt(16))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(default, explicit, rtol=0, atol=0)
+
+
+def test_sdpa_bfloat16_close_to_reference():
+    q, k, v = make_qkv(hq=8, hkv=2, dtype=torch.bfloat16)
+    mask = prepare_attention_mask(make_doc_ids(), "sdpa")
+    got = core_attention(q, k, v, mask=mask, backend="sdpa")
+    want = core_attention(q, k, v, mask=mask, backend="reference")
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    for g, w in zip(grads(got, q, k, v), grads(want, q, k, v)):
+        torch.testing.assert_close(g, w, rtol=3e-2, atol=3e-2)
+
+
+def test_mask_is_built_once_and_reused():
+    doc_ids = make_doc_ids()
+    mask = prepare_attention_mask(doc_ids, "sdpa", seq_len=64, device="cpu")
+    assert isinstance(mask, AttentionMask) and mask.shape == (2, 64)
+    assert "dense" in mask._forms                   # built eagerly for the requested backend
+    dense = mask.dense()
+    assert dense is mask.dense() and dense.shape == (2, 1, 64, 64) and dense.dtype == torch.bool
+    assert not dense.requires_grad
+    causal = torch.ones(64, 64, dtype=torch.bool).tril()
+    assert torch.equal(dense[1, 0], causal)         # a single-document row is plain causal
+    assert dense[0, 0, 20, 19].item() is False and dense[0, 0, 21, 20].item() is True
+    if "flex" in available_backends("cpu"):
+        assert mask.block_mask() is mask.block_mask()
+    assert mask.varlen()[0] is mask.varlen()[0]
+    assert prepare_attention_mask(None, "sdpa") is None
+
+
+def test_doc_ids_to_cu_seqlens():
+    doc_ids = torch.tensor([[0, 0, 0, 1, 1, 2], [4, 4, 4, 4, 4, 4]])
+    cu = doc_ids_to_cu_seqlens(doc_ids)
+    assert cu.dtype == torch.int32 and cu.tolist() == [0, 3, 5, 6, 12]
+    assert doc_ids_to_cu_seqlens(torch.tensor([7, 7, 8])).tolist() == [0, 2, 3]
+    assert prepare_attention_mask(doc_ids).varlen()[1] == 6
+
+
+def test_auto_resolution(monkeypatch):
+    assert resolve_backend("auto", "cpu", torch.bfloat16, True) == "sdpa"
+    monkeypatch.setattr(attention, "flash_attn_func", None)
+    assert resolve_backend("auto", "cuda", torch.bfloat16, False) == "sdpa"
+    if attention._flex_module is not None:
+        assert resolve_backend("auto", "cuda", torch.bfloat16, True) == "flex"
+    monkeypatch.setattr(attention, "flash_attn_func", object())      # pretend flash-attn is importable
+    assert resolve_backend("auto", "cuda", torch.bfloat16, True) == "flash"
+    assert resolve_backend("auto", "cuda", torch.float32, False) == "sdpa"
+    assert resolve_backend("auto", "cpu", torch.bfloat16, False) == "sdpa"
+    assert "flash" not in available_backends("cpu")
+
+
+def test_auto_on_cpu_equals_sdpa():
+    q, k, v = make_qkv(hq=8, hkv=2)
+    mask = prepare_attention_mask(make_doc_ids())
+    with torch.no_grad():
+        torch.testing.assert_close(core_attention(q, k, v, mask=mask), core_attention(q, k, v, mask=mask, backend="sdpa"),
+                                   rtol=0, atol=0)
+
+
+def test_clear_errors():
+    q, k, v = make_qkv(hq=8, hkv=2)
+    with pytest.raises(ValueError, match="unknown attention backend 'flashy'.*reference"):
+        core_attention(q, k, v, backend="flashy")
+    if "flash" not in available_backends("cpu"):
+        with pytest.raises(RuntimeError, match="'flash' is unavailable on cpu.*available here: reference, sdpa"):
+            core_attention(q, k, v, backend="flash")
+        with pytest.raises(RuntimeError, match="'flash' is unavailable"):
+            prepare_attention_mask(make_doc_ids(), "flash")
+    if "flex" in available_backends("cpu"):
+        with pytest.raises(RuntimeError, match="'flex' has no backward on CPU"):
+            core_attention(q, k, v, backend="flex")
+    with pytest.raises(ValueError, match="non-decreasing"):
+        prepare_attention_mask(torch.tensor([[0, 1, 0, 1]]))
+    with pytest.raises(ValueError, match="sequence has 32"):
+        prepare_attention_mask(make_doc_ids(), seq_len=32)
+    with pytest.raises(ValueError, match="mask is for"):
+        core_attention(q[:, :32], k[:, :32], v[:, :32], mask=prepare_attention_mask(make_doc_ids()))
+    with pytest.raises(ValueError, match="not both"):
+        core_attention(q, k, v, doc_ids=make_doc_ids(), mask=prepare_attention_mask(make_doc_ids()))
+    with pytest.raises(ValueError, match="multiple of kv heads"):
+        core_attention(q[:, :, :3], k, v)

@@ -1,0 +1,92 @@
+"""Checkpoints: resume is exact at the same layout, close at another (resharding), and a save killed
+halfway leaves the previous checkpoint as `latest`."""
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from megalysses.testing import DistributedTestError, run_distributed
+from test_training_parity import BASE, _train_worker, full_weights, losses, rel
+
+SIX = ["training.train_steps=6", "optimizer.warmup_steps=2"]
+TP2SP2 = ["parallel.tp=2", "parallel.sp=2"]
+PP2DP2 = ["parallel.pp=2"]
+
+
+def _steps(run_dir: Path) -> list[int]:
+    return [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+
+
+def test_resume_exact_and_resharded(tmp_path):
+    straight, split, cross = tmp_path / "straight", tmp_path / "split", tmp_path / "cross"
+    runs = [
+        (str(straight), TP2SP2 + SIX),
+        (str(split), TP2SP2 + SIX + ["training.exit_at_step=3"]),              # stops with a checkpoint at 3
+        (str(split), TP2SP2 + SIX),                                            # resumes from `latest`
+        (str(cross), PP2DP2 + SIX + [f"checkpoint.load={split}/checkpoints/step_0000003"]),
+    ]
+    per_rank = run_distributed(_train_worker, 4, tmp_path, args=(runs,), timeout=400)
+    weights = [full_weights([r[i] for r in per_rank]) for i in range(len(runs))]
+
+    assert _steps(split) == [1, 2, 3, 4, 5, 6]
+    assert losses(split) == losses(straight), "resume at the same layout is not bit-for-bit"
+    for name, w in weights[0].items():
+        assert torch.equal(weights[2][name], w), f"{name} differs after resume"
+        assert not torch.equal(weights[1][name], w) or "norm" in name   # the first part really stopped at 3
+
+    assert _steps(cross) == [4, 5, 6]
+    for a, b in zip(losses(cross), losses(straight)[3:]):
+        assert abs(a - b) <= 1e-5 * abs(b)
+    bad = {n: rel(weights[3][n], w) for n, w in weights[0].items() if rel(weights[3][n], w) > 1e-5}
+    assert not bad, f"resharded resume differs: {bad}"
+
+
+def _die_during_save(rank, world, runs):
+    """Rank 0 dies abruptly while renaming the step-4 checkpoint into place."""
+    import megalysses.training.checkpoint as ckpt
+
+    real = os.replace
+
+    def replace(src, dst):
+        if rank == 0 and str(src).endswith("step_0000004.tmp"):
+            os._exit(9)
+        return real(src, dst)
+
+    ckpt.os.replace = replace
+    return _train_worker(rank, world, runs)
+
+
+def test_killed_save_keeps_previous_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    common = ["training.train_steps=4", "checkpoint.save_interval=2", "parallel.timeout_seconds=15"]
+    run_distributed(_train_worker, 2, tmp_path, args=([(str(run), common + ["training.exit_at_step=2"])],))
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_0000002"
+
+    with pytest.raises(DistributedTestError):
+        run_distributed(_die_during_save, 2, tmp_path, args=([(str(run), common)],), timeout=120)
+    ckpts = run / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "step_0000002"
+    assert not (ckpts / "step_0000004").exists()
+    logged = losses(run)                      # steps 1, 2, then 3, 4 of the run that died
+
+    run_distributed(_train_worker, 2, tmp_path, args=([(str(run), common)],))
+    assert (ckpts / "latest").read_text().strip() == "step_0000004"
+    assert _steps(run)[-2:] == [3, 4]
+    assert losses(run)[-2:] == logged[2:4], "the resumed run did not repeat steps 3-4 exactly"
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+def test_metadata_never_unpickles_arbitrary_objects(tmp_path):
+    import pickle
+
+    from megalysses.training.checkpoint import CheckpointError, SafeFileSystemReader
+
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(_Evil()))
+    with pytest.raises(CheckpointError, match="refusing to unpickle"):
+        SafeFileSystemReader(str(tmp_path)).read_metadata()

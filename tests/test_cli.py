@@ -1,0 +1,80 @@
+"""pretrain.py as users run it: torchrun, bad input ending with one clear message, preemption signals."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ["data.mock=true", "data.seq_len=32", "model.vocab_size=128", "model.hidden_size=32", "model.num_layers=2",
+        "model.num_heads=4", "training.global_batch_size=2", "training.micro_batch_size=1", "logging.log_interval=1",
+        "parallel.timeout_seconds=30"]
+
+
+def _env():
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def _sets(overrides):
+    return [a for o in overrides for a in ("--set", o)]
+
+
+def torchrun(nproc: int, overrides: list[str], timeout: int = 120) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           str(ROOT / "pretrain.py")] + _sets(overrides)
+    return subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def error_lines(out: str) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith("error:")]
+
+
+def test_missing_dataset(tmp_path):
+    r = torchrun(2, TINY + ["data.mock=false", "model.vocab_size=512", f"data.paths=[{tmp_path}/nope_text_document]",
+                            f"logging.run_dir={tmp_path}/run"])
+    assert r.returncode != 0
+    errs = error_lines(r.stdout)
+    assert len(errs) == 1 and "nope_text_document" in errs[0], r.stdout + r.stderr
+
+
+def test_layout_that_does_not_divide_the_world(tmp_path):
+    r = torchrun(2, TINY + ["parallel.sp=4", f"logging.run_dir={tmp_path}/run"])
+    assert r.returncode != 0
+    errs = error_lines(r.stdout)
+    assert len(errs) == 1 and "world size 2" in errs[0] and "tp*sp*pp" in errs[0], r.stdout + r.stderr
+
+
+def test_checkpoint_of_another_model_shape(tmp_path):
+    run = tmp_path / "run"
+    ok = torchrun(1, TINY + ["training.train_steps=1", f"logging.run_dir={run}"])
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    r = torchrun(2, TINY + ["model.hidden_size=64", f"logging.run_dir={run}"])
+    assert r.returncode != 0
+    errs = error_lines(r.stdout)
+    assert len(errs) == 1 and "different model shape" in errs[0] and "hidden_size" in errs[0], r.stdout + r.stderr
+
+
+def test_bad_config_key_fails_before_launching_anything(tmp_path):
+    r = subprocess.run([sys.executable, str(ROOT / "pretrain.py"), "--set", "model.hiden_size=3"], cwd=ROOT,
+                       env=_env(), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "did you mean 'hidden_size'" in r.stderr
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_preemption_signal_saves_and_exits(tmp_path, sig):
+    run = tmp_path / "run"
+    cmd = [sys.executable, str(ROOT / "pretrain.py")] + _sets(TINY + ["training.train_steps=100000",
+                                                                      f"logging.run_dir={run}"])
+    p = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
+    while not (run / "metrics.jsonl").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    p.send_signal(sig)
+    out, _ = p.communicate(timeout=60)
+    assert p.returncode == 0, out
+    assert "(signal)" in out
+    latest = (run / "checkpoints" / "latest").read_text().strip()
+    assert (run / "checkpoints" / latest / "meta.json").is_file()

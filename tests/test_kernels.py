@@ -1,0 +1,182 @@
+"""RMSNorm and RoPE: each implementation behind the dispatch point equals the pure-torch reference
+(forward and backward), and the references equal independent formulas (float64 RMS, complex rotation,
+Hugging Face Llama). Triton kernels run through Triton's CPU interpreter when there is no GPU."""
+import pytest
+import torch
+
+from megalysses.kernels.norms import rms_norm, rms_norm_torch
+from megalysses.kernels.rope import apply_rope, apply_rope_torch, rope_cos_sin
+from megalysses.kernels.triton_support import triton_importable
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def triton_interpreter_on_cpu():
+    """Triton reads TRITON_INTERPRET when a kernel module is first imported (lazily, by the dispatch)."""
+    with pytest.MonkeyPatch.context() as mp:
+        if DEVICE == "cpu":
+            mp.setenv("TRITON_INTERPRET", "1")
+        yield
+
+
+def require_triton():
+    if not triton_importable():
+        pytest.skip("triton is not installed (pip install triton; on CPU its interpreter runs the kernels)")
+
+
+def randn(*shape, dtype=torch.float32, seed=0, grad=False):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(DEVICE, dtype).requires_grad_(grad)
+
+
+def backward(out, *inputs, seed=1):
+    return torch.autograd.grad(out, inputs, randn(*out.shape, dtype=out.dtype, seed=seed))
+
+
+# ---------------------------------------------------------------------------------------------- RMSNorm
+
+def test_rms_norm_reference_formula():
+    x, w = randn(3, 5, 24, dtype=torch.float64), randn(24, dtype=torch.float64, seed=2)
+    want = x / torch.sqrt((x * x).sum(-1, keepdim=True) / 24 + 1e-5) * w
+    torch.testing.assert_close(rms_norm_torch(x, w, 1e-5), want)
+    torch.testing.assert_close(rms_norm(x, w, 1e-5, impl="torch"), want)
+
+
+@pytest.mark.parametrize("shape", [(2, 7, 48), (5, 100), (3, 33)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_triton_matches_torch(shape, dtype):
+    require_triton()
+    x = randn(*shape, dtype=dtype, grad=True)
+    w = (1 + 0.5 * randn(shape[-1], seed=2)).requires_grad_()            # fp32 weight, like the model's
+    got, want = rms_norm(x, w, 1e-6, impl="triton"), rms_norm_torch(x, w, 1e-6)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=3e-2)
+    torch.testing.assert_close(got, want, **tol)
+    for g, r in zip(backward(got, x, w), backward(want, x, w)):
+        torch.testing.assert_close(g, r, **tol)
+
+
+def test_rms_norm_triton_noncontiguous_input():
+    require_triton()
+    x = randn(40, 6, grad=True)
+    w = (1 + randn(40, seed=2)).requires_grad_()
+    xt = x.t()                                                             # (6, 40), not contiguous
+    got, want = rms_norm(xt, w, 1e-6, impl="triton"), rms_norm_torch(xt, w, 1e-6)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for g, r in zip(backward(got, x, w), backward(want, x, w)):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
+
+
+def test_rms_norm_dispatch(monkeypatch):
+    x, w = randn(4, 16), 1 + randn(16, seed=2)
+    if DEVICE == "cpu":   # auto never takes Triton on CPU, even with the interpreter on
+        assert torch.equal(rms_norm(x, w, 1e-6), rms_norm_torch(x, w, 1e-6))
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        with pytest.raises(RuntimeError, match="rms_norm impl 'triton' is unavailable"):
+            rms_norm(x, w, 1e-6, impl="triton")
+    with pytest.raises(ValueError, match="unknown rms_norm impl 'fused'"):
+        rms_norm(x, w, 1e-6, impl="fused")
+    with pytest.raises(ValueError, match="does not match"):
+        rms_norm(x, w[:8], 1e-6)
+
+
+# ---------------------------------------------------------------------------------------------- RoPE
+
+def angles64(pos, D, theta):
+    """pos * theta^(-2i/D) in float64, (B, S, D/2): the textbook RoPE angles."""
+    i = torch.arange(D // 2, dtype=torch.float64, device=pos.device)
+    return pos.double()[..., None] * theta ** (-2 * i / D)
+
+
+def test_rope_cos_sin_angles():
+    """HF computes the angles in fp32 (so do we, for identical logits): close to float64, not equal."""
+    pos = torch.randint(0, 5000, (2, 10), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    cos, sin = rope_cos_sin(pos, 16, 10000.0, dtype=torch.float64)
+    assert cos.shape == sin.shape == (2, 10, 16)
+    angle = angles64(pos, 16, 10000.0).repeat(1, 1, 2)                    # second half repeats the first
+    torch.testing.assert_close(cos, angle.cos(), rtol=0, atol=1e-3)      # fp32 angle error grows with pos
+    torch.testing.assert_close(sin, angle.sin(), rtol=0, atol=1e-3)
+    small = torch.arange(8, device=DEVICE)[None]
+    torch.testing.assert_close(rope_cos_sin(small, 16, 10000.0)[1], angles64(small, 16, 10000.0).repeat(1, 1, 2).sin().float())
+
+
+@pytest.mark.parametrize("impl", ["torch", "auto"])
+def test_rope_equals_complex_rotation(impl):
+    """HF's half-split rotation = multiplying (x[i] + j x[i + D/2]) by exp(j angle_i)."""
+    B, S, H, D = 2, 10, 3, 16
+    x = randn(B, S, H, D, dtype=torch.float64)
+    pos = torch.randint(0, 5000, (B, S), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    angle = angles64(pos, D, 10000.0)                                      # (B, S, D/2)
+    cos, sin = angle.cos().repeat(1, 1, 2), angle.sin().repeat(1, 1, 2)    # (B, S, D)
+    z = torch.complex(x[..., :D // 2], x[..., D // 2:]) * torch.polar(torch.ones_like(angle), angle)[:, :, None]
+    want = torch.cat([z.real, z.imag], dim=-1)
+    torch.testing.assert_close(apply_rope(x, cos, sin, impl=impl), want, rtol=1e-12, atol=1e-12)
+
+
+def test_rope_scores_depend_on_relative_position_only():
+    D = 32
+    q, k = randn(1, 1, 1, D, dtype=torch.float64), randn(1, 1, 1, D, dtype=torch.float64, seed=2)
+
+    def rotated(x, p):
+        angle = angles64(torch.tensor([[p]], device=DEVICE), D, 500000.0).repeat(1, 1, 2)
+        return apply_rope(x, angle.cos(), angle.sin())
+
+    def score(m, n):
+        return (rotated(q, m) * rotated(k, n)).sum()
+    torch.testing.assert_close(score(7, 3), score(1004, 1000))
+    torch.testing.assert_close(score(0, 0), (q * k).sum())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B,S,H,D", [(2, 12, 4, 16), (1, 9, 3, 24)])
+def test_rope_triton_matches_torch(B, S, H, D, dtype):
+    require_triton()
+    x = randn(B, S, H, D, dtype=dtype, grad=True)
+    pos = torch.arange(100, 100 + S, device=DEVICE).expand(B, S)
+    cos, sin = rope_cos_sin(pos, D, 10000.0)
+    got, want = apply_rope(x, cos, sin, impl="triton"), apply_rope_torch(x, cos, sin)
+    assert got.dtype == dtype and got.shape == x.shape
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got, want, **tol)
+    torch.testing.assert_close(backward(got, x)[0], backward(want, x)[0], **tol)
+
+
+def test_rope_backward_is_inverse_rotation():
+    x = randn(2, 6, 2, 8, dtype=torch.float64, grad=True)
+    cos, sin = rope_cos_sin(torch.arange(12, device=DEVICE).view(2, 6), 8, 10000.0, torch.float64)
+    dy = randn(2, 6, 2, 8, dtype=torch.float64, seed=5)
+    (dx,) = torch.autograd.grad(apply_rope(x, cos, sin, impl="torch"), x, dy)
+    torch.testing.assert_close(dx, apply_rope_torch(dy, cos, -sin))
+
+
+def test_rope_matches_hugging_face_llama():
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+    B, S, H, D, theta = 2, 20, 4, 16, 5000.0
+    cfg = transformers.LlamaConfig(hidden_size=H * D, num_attention_heads=H, rope_theta=theta,
+                                   max_position_embeddings=64)
+    pos = torch.arange(S).expand(B, S) + torch.tensor([[0], [7]])
+    q, k = randn(B, S, H, D).cpu(), randn(B, S, H, D, seed=2).cpu()
+    hf_cos, hf_sin = LlamaRotaryEmbedding(cfg)(q, pos)
+    cos, sin = rope_cos_sin(pos, D, theta)
+    torch.testing.assert_close(cos, hf_cos, rtol=0, atol=0)
+    torch.testing.assert_close(sin, hf_sin, rtol=0, atol=0)
+    hf_q, hf_k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), hf_cos, hf_sin)   # HF: (B, H, S, D)
+    torch.testing.assert_close(apply_rope_torch(q, cos, sin), hf_q.transpose(1, 2), rtol=0, atol=0)
+    torch.testing.assert_close(apply_rope_torch(k, cos, sin), hf_k.transpose(1, 2), rtol=0, atol=0)
+
+
+def test_rope_dispatch_errors(monkeypatch):
+    x = randn(1, 4, 2, 8)
+    cos, sin = rope_cos_sin(torch.arange(4, device=DEVICE)[None], 8, 10000.0)
+    with pytest.raises(ValueError, match="unknown apply_rope impl"):
+        apply_rope(x, cos, sin, impl="cuda")
+    with pytest.raises(ValueError, match="cos, sin must be"):
+        apply_rope(x, cos[..., :4], sin[..., :4])
+    with pytest.raises(ValueError, match="even head dim"):
+        rope_cos_sin(torch.arange(4)[None], 7, 10000.0)
+    if DEVICE == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        with pytest.raises(RuntimeError, match="apply_rope impl 'triton' is unavailable"):
+            apply_rope(x, cos, sin, impl="triton")
