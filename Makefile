@@ -37,6 +37,7 @@ corpus: $(DATA)/stdlib_text_document.idx
 quickstart: venv corpus
 	rm -rf runs/quickstart
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) pretrain.py --config configs/quickstart.yaml
+	$(PY) tools/plot_metrics.py runs/quickstart
 	$(PY) tools/generate.py --run runs/quickstart --prompt "def " --max-new-tokens 120
 
 clean:

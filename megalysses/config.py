@@ -83,6 +83,9 @@ class ParallelConfig:
     """Pipeline-parallel degree (stages)."""
     tp_sequence_parallel: bool = False
     """Shard norms and the residual stream over tp (Megatron 'sequence parallel')."""
+    fsdp: bool = False
+    """Shard parameters and gradients too (FSDP2 fully_shard over the dp x sp ranks, one unit per block),
+    not only the optimizer state (ZeRO-1, the default). For models whose weights do not fit per device."""
     timeout_seconds: float = 600.0
     """Collective timeout: a dead or stuck rank ends the job after this long instead of hanging."""
     backend: Literal["auto", "nccl", "gloo"] = "auto"

@@ -43,6 +43,34 @@ def test_resume_exact_and_resharded(tmp_path):
     assert not bad, f"resharded resume differs: {bad}"
 
 
+def test_fsdp_resume_and_interchange_with_zero1(tmp_path):
+    """FSDP resumes bit-for-bit; an FSDP checkpoint resumes under ZeRO-1 at another layout and back."""
+    fsdp = ["parallel.fsdp=true"]
+    straight, f_straight, f_split = tmp_path / "straight", tmp_path / "f_straight", tmp_path / "f_split"
+    z_split, z_from_f, f_from_z = tmp_path / "z_split", tmp_path / "z_from_f", tmp_path / "f_from_z"
+    runs = [
+        (str(straight), TP2SP2 + SIX),
+        (str(f_straight), TP2SP2 + fsdp + SIX),
+        (str(f_split), TP2SP2 + fsdp + SIX + ["training.exit_at_step=3"]),
+        (str(f_split), TP2SP2 + fsdp + SIX),
+        (str(z_split), TP2SP2 + SIX + ["training.exit_at_step=3"]),
+        (str(z_from_f), PP2DP2 + SIX + [f"checkpoint.load={f_split}/checkpoints/step_0000003"]),
+        (str(f_from_z), PP2DP2 + fsdp + SIX + [f"checkpoint.load={z_split}/checkpoints/step_0000003"]),
+    ]
+    per_rank = run_distributed(_train_worker, 4, tmp_path, args=(runs,), timeout=400)
+    weights = [full_weights([r[i] for r in per_rank]) for i in range(len(runs))]
+
+    assert losses(f_split) == losses(f_straight), "FSDP resume at the same layout is not bit-for-bit"
+    for name, w in weights[1].items():
+        assert torch.equal(weights[3][name], w), f"{name} differs after FSDP resume"
+    for run, w in ((z_from_f, weights[5]), (f_from_z, weights[6])):
+        assert _steps(run) == [4, 5, 6]
+        for a, b in zip(losses(run), losses(straight)[3:]):
+            assert abs(a - b) <= 1e-5 * abs(b), f"{run.name}: loss {a} != {b}"
+        bad = {n: rel(w[n], ref) for n, ref in weights[0].items() if rel(w[n], ref) > 1e-5}
+        assert not bad, f"{run.name}: resumed weights differ: {bad}"
+
+
 def _die_during_save(rank, world, runs):
     """Rank 0 dies abruptly while renaming the step-4 checkpoint into place."""
     import megalysses.training.checkpoint as ckpt

@@ -19,11 +19,19 @@ LAYOUTS = {  # name: (world, overrides)
     "single": (1, []),
     "tp2": (2, ["parallel.tp=2"]),
     "sp2": (2, ["parallel.sp=2"]),
-    "pp2": (2, ["parallel.pp=2"]),            # 8 micro-batches through 2 stages
+    "pp2": (2, ["parallel.pp=2", "training.activation_checkpointing=true"]),   # 8 micro-batches, 2 stages
     "dp2": (2, []),
     "sp4": (4, ["parallel.sp=4"]),            # 2 KV heads over 4 sp ranks: KV replication
     "tp2sp2pp2": (8, ["parallel.tp=2", "parallel.sp=2", "parallel.pp=2", "parallel.tp_sequence_parallel=true",
                       "model.tie_embeddings=true"]),
+    # FSDP2: weights, gradients and optimizer state sharded over dp x sp
+    "fsdp_dp2": (2, ["parallel.fsdp=true"]),
+    "fsdp_sp2": (2, ["parallel.sp=2", "parallel.fsdp=true", "training.activation_checkpointing=true",
+                     "training.loss_chunk_tokens=4"]),
+    "fsdp_tp2sp2": (4, ["parallel.tp=2", "parallel.sp=2", "parallel.tp_sequence_parallel=true", "parallel.fsdp=true"]),
+    "fsdp_pp2dp2": (4, ["parallel.pp=2", "parallel.fsdp=true"]),
+    "fsdp_tp2sp2pp2": (8, ["parallel.tp=2", "parallel.sp=2", "parallel.pp=2", "parallel.fsdp=true",
+                           "model.tie_embeddings=true"]),
 }
 
 
@@ -39,8 +47,8 @@ def _train_worker(rank, world, runs):
         shards = {}
         original = loop.build_model
 
-        def keep(cfg_, grid_, device_):
-            model = original(cfg_, grid_, device_)
+        def keep(*args):
+            model = original(*args)
             shards["model"] = model
             return model
 
@@ -49,9 +57,15 @@ def _train_worker(rank, world, runs):
             loop.train(cfg, grid, torch.device("cpu"))
         finally:
             loop.build_model = original
-        params = {n: (p.detach().clone(), getattr(p, "tp_dim", None)) for n, p in shards["model"].named_parameters()}
+        params = {n: (full_over_grad(p), getattr(p, "tp_dim", None)) for n, p in shards["model"].named_parameters()}
         out.append({"tp_rank": grid.tp_rank, "tp": grid.tp_size, "dp_sp": (grid.dp_rank, grid.sp_rank), "params": params})
     return out
+
+
+def full_over_grad(p: torch.Tensor) -> torch.Tensor:
+    """This rank's tp shard of a parameter; FSDP's dim-0 chunks are gathered over the grad group first."""
+    p = p.detach()
+    return (p.full_tensor() if hasattr(p, "full_tensor") else p).clone()
 
 
 def full_weights(results: list) -> dict:
@@ -75,6 +89,11 @@ def losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in rows if "loss" in r]
 
 
+def grad_norms(run_dir: Path) -> list[float]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["grad_norm"] for r in rows if "grad_norm" in r]
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     """Relative error in the Frobenius norm. (Adam divides each element by its own gradient scale, so
     the fp32 reassociation noise of near-zero gradients shows up element-wise, not in the norm.)"""
@@ -85,7 +104,8 @@ def run_layouts(tmp_path: Path, world: int, names: list[str]) -> dict:
     tmp_path.mkdir(parents=True, exist_ok=True)
     runs = [(str(tmp_path / n), LAYOUTS[n][1]) for n in names]
     per_rank = run_distributed(_train_worker, world, tmp_path, args=(runs,), timeout=400)
-    return {n: (losses(tmp_path / n), full_weights([r[i] for r in per_rank])) for i, n in enumerate(names)}
+    return {n: (losses(tmp_path / n), full_weights([r[i] for r in per_rank]), grad_norms(tmp_path / n))
+            for i, n in enumerate(names)}
 
 
 @pytest.fixture(scope="module")
@@ -94,11 +114,14 @@ def reference(tmp_path_factory):
 
 
 def check_against(reference, got, name):
-    ref_losses, ref_weights = reference
-    got_losses, got_weights = got
-    assert len(got_losses) == len(ref_losses) == 3
+    ref_losses, ref_weights, ref_norms = reference
+    got_losses, got_weights, got_norms = got
+    assert len(got_losses) == len(ref_losses) == len(got_norms) == 3
     for step, (a, b) in enumerate(zip(got_losses, ref_losses), 1):
         assert abs(a - b) <= 1e-5 * abs(b), f"{name}: step {step} loss {a} != {b}"
+    # Adam is blind to a uniform gradient scale: the norm is what shows a mean-instead-of-sum reduction
+    for step, (a, b) in enumerate(zip(got_norms, ref_norms), 1):
+        assert abs(a - b) <= 1e-5 * abs(b), f"{name}: step {step} gradient norm {a} != {b}"
     assert set(got_weights) == set(ref_weights)
     bad = {n: rel(got_weights[n], ref_weights[n]) for n in ref_weights if rel(got_weights[n], ref_weights[n]) > 1e-5}
     assert not bad, f"{name}: final weights differ: {bad}"
@@ -107,18 +130,20 @@ def check_against(reference, got, name):
 
 
 def test_layouts_on_2_ranks(tmp_path, reference):
-    results = run_layouts(tmp_path, 2, ["tp2", "sp2", "pp2", "dp2"])
+    results = run_layouts(tmp_path, 2, ["tp2", "sp2", "pp2", "dp2", "fsdp_dp2", "fsdp_sp2"])
     for name, got in results.items():
         check_against(reference, got, name)
 
 
-def test_sp4_kv_replication(tmp_path, reference):
-    check_against(reference, run_layouts(tmp_path, 4, ["sp4"])["sp4"], "sp4")
+def test_layouts_on_4_ranks(tmp_path, reference):
+    # sp4: 2 KV heads over 4 sp ranks (KV replication); FSDP with tp + sp and with a pipeline
+    for name, got in run_layouts(tmp_path, 4, ["sp4", "fsdp_tp2sp2", "fsdp_pp2dp2"]).items():
+        check_against(reference, got, name)
 
 
 def test_tp2_sp2_pp2_on_8_ranks(tmp_path):
     # tied embeddings and TP sequence sharding here, so the reference is its own single-process run
     LAYOUTS["single_tied"] = (1, ["model.tie_embeddings=true"])
     ref = run_layouts(tmp_path / "ref", 1, ["single_tied"])["single_tied"]
-    got = run_layouts(tmp_path, 8, ["tp2sp2pp2"])["tp2sp2pp2"]
-    check_against(ref, got, "tp2sp2pp2")
+    for name, got in run_layouts(tmp_path, 8, ["tp2sp2pp2", "fsdp_tp2sp2pp2"]).items():
+        check_against(ref, got, name)

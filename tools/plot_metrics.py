@@ -1,6 +1,7 @@
 """Draw the loss (train and validation) and throughput curves of a run to a PNG.
 
-    python tools/plot_metrics.py runs/quickstart/metrics.jsonl --output runs/quickstart/metrics.png
+    python tools/plot_metrics.py runs/quickstart                 # -> runs/quickstart/metrics.png
+    python tools/plot_metrics.py runs/quickstart/metrics.jsonl --output curves.png
 
 Needs matplotlib (`pip install megalysses[plot]`).
 """
@@ -25,11 +26,14 @@ def read_metrics(path: Path) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("metrics", type=Path, help="metrics.jsonl of a run")
+    p.add_argument("metrics", type=Path, help="a run directory or its metrics.jsonl")
     p.add_argument("--output", type=Path, default=None, help="PNG path (default: beside the metrics file)")
     args = p.parse_args(argv)
+    if args.metrics.is_dir():
+        args.metrics = args.metrics / "metrics.jsonl"
     if not args.metrics.is_file():
-        print(f"error: {args.metrics} does not exist", file=sys.stderr)
+        print(f"error: {args.metrics} does not exist: pass a run directory (logging.run_dir) or its metrics.jsonl",
+              file=sys.stderr)
         return 1
     import matplotlib
 
@@ -38,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = read_metrics(args.metrics)
     train = [r for r in rows if "loss" in r]
+    if not train:
+        print(f"error: {args.metrics} has no training steps logged yet", file=sys.stderr)
+        return 1
     val = [r for r in rows if "val_loss" in r]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     ax1.plot([r["step"] for r in train], [r["loss"] for r in train], label="train")

@@ -2,9 +2,10 @@
 
 Every tensor is saved as a DTensor on the (tp, grad) mesh of its pipeline stage, so its full shape
 and the coordinates of each rank's piece are recorded: parameters are Shard(tp_dim) over tp and
-replicated over grad; the ZeRO-1 optimizer state is additionally Shard(0) over grad. Names are
+replicated over grad (Shard(0) over grad under FSDP); the optimizer state (fp32 master, exp_avg,
+exp_avg_sq) is Shard(0) over grad under both ZeRO-1 and FSDP. Names are
 global (`layers.7.attn.q_proj.weight`), so a checkpoint saved at one (tp, sp, dp, pp) loads at
-another and DCP reshards.
+another, with or without FSDP, and DCP reshards.
 
 Layout on disk:
     <dir>/step_000100/            DCP files + meta.json (step, consumed samples, model shape)
@@ -30,7 +31,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from megalysses.grid import ParallelGrid
+from megalysses.training.fsdp import FSDPAdamW
 from megalysses.training.optimizer import ShardedAdamW
+
+Optimizer = ShardedAdamW | FSDPAdamW
 
 LATEST = "latest"
 
@@ -102,41 +106,29 @@ def _dt(local: torch.Tensor, mesh: DeviceMesh, placements: list, shape: list[int
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride)
 
 
-def training_state(model: torch.nn.Module, opt: ShardedAdamW, grid: ParallelGrid, mesh: DeviceMesh) -> dict:
+def _model_entry(p: torch.Tensor, sub: DeviceMesh, tp: int) -> DTensor:
+    """A parameter as a DTensor over (tp, grad): whole on every grad rank, or its dim-0 chunk under FSDP."""
+    full = _full_shape(p, tp)
+    if isinstance(p.data, DTensor):
+        return _dt(p.data.to_local(), sub, [_tp_placement(p), Shard(0)], full)
+    return _dt(p.data, sub, [_tp_placement(p), Replicate()], full)
+
+
+def training_state(model: torch.nn.Module, opt: Optimizer, grid: ParallelGrid, mesh: DeviceMesh) -> dict:
     """Tensors to save / load in place, keyed by layout-independent names."""
     sub = mesh["tp", "grad"]   # this rank's pipeline stage
-    state: dict[str, Any] = {}
-    for name, p in model.named_parameters():
-        full = _full_shape(p, grid.tp_size)
-        state[f"model.{name}"] = _dt(p.data, sub, [_tp_placement(p), Replicate()], full)
-    for s in opt.slots:
-        full = _full_shape(s.param, grid.tp_size)
-        local_shape = (s.rows[1] - s.rows[0],) + tuple(s.param.shape[1:])
-        if s.master is None:
-            master = torch.empty(local_shape, dtype=torch.float32, device=s.param.device)
-            st = {"exp_avg": torch.empty_like(master), "exp_avg_sq": torch.empty_like(master)}
-        else:
-            master = s.master.data
-            st = opt.optimizer.state[s.master]
-            if not st:  # before the first step: create the state so that a load can fill it
-                st.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(master),
-                          exp_avg_sq=torch.zeros_like(master))
-        placements = [_tp_placement(s.param), Shard(0)]
-        state[f"master.{s.name}"] = _dt(master, sub, placements, full)
-        state[f"exp_avg.{s.name}"] = _dt(st["exp_avg"], sub, placements, full)
-        state[f"exp_avg_sq.{s.name}"] = _dt(st["exp_avg_sq"], sub, placements, full)
+    state: dict[str, Any] = {f"model.{name}": _model_entry(p, sub, grid.tp_size) for name, p in model.named_parameters()}
+    for name, param, chunks in opt.checkpoint_slots():
+        full = _full_shape(param, grid.tp_size)
+        placements = [_tp_placement(param), Shard(0)]
+        for kind, local in chunks.items():
+            state[f"{kind}.{name}"] = _dt(local, sub, placements, full)
     return state
-
-
-def set_optimizer_step(opt: ShardedAdamW, step: int) -> None:
-    for s in opt.slots:
-        if s.master is not None and "step" in opt.optimizer.state[s.master]:
-            opt.optimizer.state[s.master]["step"].fill_(float(step))
 
 
 # ----------------------------------------------------------------------------- save / load
 
-def save_checkpoint(ckpt_dir: str | Path, step: int, model: torch.nn.Module, opt: ShardedAdamW,
+def save_checkpoint(ckpt_dir: str | Path, step: int, model: torch.nn.Module, opt: Optimizer,
                     grid: ParallelGrid, mesh: DeviceMesh, meta: dict, keep_last: int = 2) -> Path:
     """Write <dir>/step_N atomically (tmp dir + rename), then update `latest`, then prune old ones."""
     root = Path(ckpt_dir)
@@ -182,12 +174,11 @@ def resolve_checkpoint(path: str | Path) -> Optional[Path]:
 def load_model_weights(path: Path, model: torch.nn.Module, grid: ParallelGrid, mesh: DeviceMesh) -> None:
     """Load only the model weights (inference, conversion), resharding to this layout."""
     sub = mesh["tp", "grad"]
-    state = {f"model.{n}": _dt(p.data, sub, [_tp_placement(p), Replicate()], _full_shape(p, grid.tp_size))
-             for n, p in model.named_parameters()}
+    state = {f"model.{n}": _model_entry(p, sub, grid.tp_size) for n, p in model.named_parameters()}
     dcp.load(state, storage_reader=SafeFileSystemReader(str(path)))
 
 
-def load_checkpoint(path: Path, model: torch.nn.Module, opt: ShardedAdamW, grid: ParallelGrid, mesh: DeviceMesh,
+def load_checkpoint(path: Path, model: torch.nn.Module, opt: Optimizer, grid: ParallelGrid, mesh: DeviceMesh,
                     expect_model: dict) -> dict:
     """Load model + optimizer (resharding to this layout) and return meta (step, consumed samples, ...)."""
     meta = json.loads((path / "meta.json").read_text())
@@ -199,7 +190,7 @@ def load_checkpoint(path: Path, model: torch.nn.Module, opt: ShardedAdamW, grid:
                               f"use a matching model config or another checkpoint.load / checkpoint.dir")
     state = training_state(model, opt, grid, mesh)
     dcp.load(state, storage_reader=SafeFileSystemReader(str(path)))
-    set_optimizer_step(opt, meta["step"])
+    opt.set_step(meta["step"])
     rng_file = path / f"rng_rank{grid.rank}.pt"
     if rng_file.is_file():
         torch.set_rng_state(torch.load(rng_file, weights_only=True)["torch"])

@@ -12,13 +12,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from megalysses.config import Config, save_config
 from megalysses.grid import ParallelGrid
 from megalysses.model.gpt import GPTStage, init_weights, stage_layers
 from megalysses.model.layers import ParallelGroups
-from megalysses.training.checkpoint import build_mesh, load_checkpoint, resolve_checkpoint, save_checkpoint, CheckpointError
+from megalysses.training.checkpoint import Optimizer, build_mesh, load_checkpoint, resolve_checkpoint, save_checkpoint, CheckpointError
 from megalysses.training.data import TrainingData
+from megalysses.training.fsdp import FSDPAdamW, shard_model
 from megalysses.training.metrics import MetricsLogger, print0
 from megalysses.training.optimizer import ShardedAdamW
 from megalysses.training.schedule import lr_at
@@ -31,20 +33,28 @@ def compute_dtype(cfg: Config, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.training.dtype]
 
 
-def build_model(cfg: Config, grid: ParallelGrid, device: torch.device) -> GPTStage:
-    """This rank's pipeline stage with its tp shards, initialised identically at every layout."""
+def build_model(cfg: Config, grid: ParallelGrid, device: torch.device, mesh: DeviceMesh) -> GPTStage:
+    """This rank's pipeline stage with its tp shards, initialised identically at every layout
+    (then, with parallel.fsdp, sharded over the grad group)."""
     groups = ParallelGroups(tp=grid.tp_group, sp=grid.sp_group, sequence_parallel=cfg.parallel.tp_sequence_parallel)
     model = GPTStage(cfg.model, groups, stage_layers(cfg.model.num_layers, grid.pp_size, grid.pp_rank),
                      first=grid.is_first_stage, last=grid.is_last_stage,
                      activation_checkpointing=cfg.training.activation_checkpointing,
                      loss_chunk_tokens=cfg.training.loss_chunk_tokens)
     init_weights(model, cfg.training.seed, grid.tp_rank, grid.tp_size)
-    return model.to(device)
+    model = model.to(device)
+    if cfg.parallel.fsdp:
+        shard_model(model, mesh["grad"], compute_dtype(cfg, device))
+    return model
 
 
-def build_optimizer(cfg: Config, model: GPTStage, grid: ParallelGrid) -> ShardedAdamW:
+def build_optimizer(cfg: Config, model: GPTStage, grid: ParallelGrid) -> Optimizer:
     o = cfg.optimizer
     tied_across_stages = cfg.model.tie_embeddings and grid.pp_size > 1
+    if cfg.parallel.fsdp:
+        return FSDPAdamW(model, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
+                         tp_rank=grid.tp_rank, embed_group=grid.embed_group if tied_across_stages else None,
+                         tied_head_copy=tied_across_stages and not grid.is_first_stage)
     return ShardedAdamW(model.named_parameters(), grid.grad_group, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                         weight_decay=o.weight_decay, tp_rank=grid.tp_rank,
                         embed_group=grid.embed_group if tied_across_stages else None,
@@ -77,9 +87,9 @@ def train(cfg: Config, grid: ParallelGrid, device: torch.device) -> dict:
     if grid.rank == 0:
         save_config(cfg, run_dir / "config.yaml")
     dtype = compute_dtype(cfg, device)
-    model = build_model(cfg, grid, device)
-    opt = build_optimizer(cfg, model, grid)
     mesh = build_mesh(grid, device)
+    model = build_model(cfg, grid, device, mesh)
+    opt = build_optimizer(cfg, model, grid)
     data = TrainingData(cfg, grid, device)
 
     step, consumed = 0, 0

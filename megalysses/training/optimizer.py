@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -92,6 +92,24 @@ class ShardedAdamW:
     def zero_grad(self) -> None:
         for s in self.slots:
             s.param.grad = None
+
+    def set_step(self, step: int) -> None:
+        for s in self.slots:
+            if s.master is not None and "step" in self.optimizer.state[s.master]:
+                self.optimizer.state[s.master]["step"].fill_(float(step))
+
+    def checkpoint_slots(self) -> Iterator[tuple[str, nn.Parameter, dict[str, Tensor]]]:
+        """(name, parameter, {master, exp_avg, exp_avg_sq} as this rank's dim-0 chunks, possibly empty)."""
+        for s in self.slots:
+            if s.master is None:
+                empty = torch.empty((0,) + tuple(s.param.shape[1:]), dtype=torch.float32, device=s.param.device)
+                yield s.name, s.param, {"master": empty, "exp_avg": empty.clone(), "exp_avg_sq": empty.clone()}
+                continue
+            st = self.optimizer.state[s.master]
+            if not st:  # before the first step: create the state so that a load can fill it
+                st.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(s.master),
+                          exp_avg_sq=torch.zeros_like(s.master))
+            yield s.name, s.param, {"master": s.master.data, "exp_avg": st["exp_avg"], "exp_avg_sq": st["exp_avg_sq"]}
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()

@@ -1,0 +1,121 @@
+"""FSDP2 (`fully_shard`) over the grad (dp x sp) group, for runs that must shard the weights too.
+
+With parallel.fsdp=true every transformer block is one FSDP unit and the stage's remaining
+parameters (embedding, final norm, LM head) form the root unit. Each rank keeps dim-0 chunk r of
+its tp shard of every parameter (torch.chunk semantics, as ZeRO-1 does for the optimizer state),
+all-gathers a block's weights just before the block runs and frees them after, and receives its
+chunk of the gradient by reduce-scatter after each micro-batch's backward. Tensor, sequence and
+pipeline parallelism work as without FSDP: the gathered weights are this rank's tp shard.
+
+Gradients are SUMMED over the grad group (the loss is already divided by the global token count),
+reduced in fp32; on GPU the weights are gathered in the compute dtype (bf16) while the sharded fp32
+parameters are the master weights. FSDPAdamW mirrors ShardedAdamW (global-norm clipping with every
+element counted once, tied-embedding sync across pipeline stages, AdamW on the local chunks), and
+checkpoints describe the same chunks with the same names, so runs move freely between FSDP and ZeRO-1.
+"""
+from __future__ import annotations
+
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from megalysses.comm import Group
+
+try:  # public since torch 2.6
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+except ImportError:  # pragma: no cover - depends on the installed torch
+    fully_shard = None
+
+
+def shard_model(model: nn.Module, grad_mesh: DeviceMesh, compute_dtype: torch.dtype) -> nn.Module:
+    """Apply fully_shard to each block and to the stage (in place); parameters become DTensors."""
+    if fully_shard is None or not hasattr(FSDPModule, "set_force_sum_reduction_for_comms"):
+        raise RuntimeError(f"parallel.fsdp needs FSDP2 with sum reductions (torch >= 2.8); this is torch "
+                           f"{torch.__version__}: upgrade torch or set parallel.fsdp=false (ZeRO-1)")
+    tp_dims = {name: getattr(p, "tp_dim", None) for name, p in model.named_parameters()}
+    policy = MixedPrecisionPolicy(param_dtype=None if compute_dtype == torch.float32 else compute_dtype,
+                                  reduce_dtype=torch.float32)
+    for block in model.layers.values():
+        fully_shard(block, mesh=grad_mesh, mp_policy=policy)
+    fully_shard(model, mesh=grad_mesh, mp_policy=policy, reshard_after_forward=False)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)   # plain SUM (no AVG / PREMUL_SUM)
+            module.set_gradient_divide_factor(1.0)           # sum, not mean, over the grad group
+    for name, p in model.named_parameters():                 # fully_shard made new Parameter objects
+        p.tp_dim = tp_dims[name]
+    return model
+
+
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class FSDPAdamW:
+    """AdamW over the FSDP-sharded parameters; same interface and checkpoint layout as ShardedAdamW."""
+
+    def __init__(self, model: nn.Module, *, lr: float, betas: tuple[float, float], eps: float,
+                 weight_decay: float, tp_rank: int = 0, embed_group: Group = None, tied_head_copy: bool = False) -> None:
+        self.named = list(model.named_parameters())
+        self.embed_group = embed_group
+        self.tied_embed = [p for n, p in self.named if n == "embed.weight"] if embed_group is not None else []
+        self.counts = {n: not (getattr(p, "tp_dim", None) is None and tp_rank != 0)
+                       and not (tied_head_copy and n == "embed.weight") for n, p in self.named}
+        decay = [p for _, p in self.named if p.dim() >= 2]
+        no_decay = [p for _, p in self.named if p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=True)
+
+    def set_lr(self, lr: float) -> None:
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+
+    def zero_grad(self) -> None:
+        for _, p in self.named:
+            p.grad = None
+
+    @torch.no_grad()
+    def grad_norm(self) -> Tensor:
+        """The true global L2 norm: local chunks summed over every rank, each element once."""
+        local = torch.zeros((), dtype=torch.float32, device=_local(self.named[0][1]).device)
+        for n, p in self.named:
+            if p.grad is not None and self.counts[n]:
+                local += _local(p.grad).float().pow(2).sum()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(local)
+        return local.sqrt()
+
+    @torch.no_grad()
+    def step(self, max_norm: float = 0.0) -> float:
+        """Sync tied embeddings, clip, update. Returns the gradient norm before clipping."""
+        for _, p in self.named:         # a parameter that got no gradient steps like one with a zero gradient
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        for p in self.tied_embed:       # both copies hold the same chunk layout: sum chunk-wise
+            dist.all_reduce(_local(p.grad), group=self.embed_group)
+        norm = self.grad_norm()
+        if max_norm > 0:
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            for _, p in self.named:
+                _local(p.grad).mul_(coef)
+        self.optimizer.step()
+        self.zero_grad()
+        return norm.item()
+
+    def set_step(self, step: int) -> None:
+        for state in self.optimizer.state.values():
+            if "step" in state:
+                state["step"].fill_(float(step))
+
+    def checkpoint_slots(self) -> Iterator[tuple[str, nn.Parameter, Optional[dict[str, Tensor]]]]:
+        """(name, parameter, {master, exp_avg, exp_avg_sq} as this rank's dim-0 chunks)."""
+        for name, p in self.named:
+            st = self.optimizer.state[p]
+            if not st:  # before the first step: create the state so that a load can fill it
+                st.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(p),
+                          exp_avg_sq=torch.zeros_like(p))
+            yield name, p, {"master": _local(p.data), "exp_avg": _local(st["exp_avg"]),
+                            "exp_avg_sq": _local(st["exp_avg_sq"])}
