@@ -83,6 +83,11 @@ class ParallelConfig:
     """Pipeline-parallel degree (stages)."""
     tp_sequence_parallel: bool = False
     """Shard norms and the residual stream over tp (Megatron 'sequence parallel')."""
+    overlap_grad_reduce: bool = True
+    """ZeRO-1: start each gradient bucket's reduce-scatter during the last micro-batch's backward, as soon
+    as its gradients are final, instead of after the backward."""
+    grad_bucket_elements: int = 32_000_000
+    """ZeRO-1: gradient elements per reduce-scatter / all-gather bucket."""
     fsdp: bool = False
     """Shard parameters and gradients too (FSDP2 fully_shard over the dp x sp ranks, one unit per block),
     not only the optimizer state (ZeRO-1, the default). For models whose weights do not fit per device."""
@@ -387,6 +392,8 @@ def validate_config(cfg: Config, world_size: Optional[int] = None) -> None:
         raise ConfigError("data.tokenizer=sentencepiece needs data.tokenizer_model (path to the .model file)")
     if not d.mock and not d.paths:
         raise ConfigError("data.paths is empty: give dataset prefixes (tools/preprocess_data.py output) or set data.mock=true")
+    if p.grad_bucket_elements < 1:
+        raise ConfigError(f"parallel.grad_bucket_elements={p.grad_bucket_elements} must be >= 1")
     if t.micro_batch_size < 1 or t.global_batch_size < 1:
         raise ConfigError("training.micro_batch_size and training.global_batch_size must be >= 1")
     if world_size is not None:

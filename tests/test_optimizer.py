@@ -58,6 +58,54 @@ def test_zero1_matches_adamw(tmp_path, clip):
             assert math.isclose(got, want, rel_tol=1e-6)
 
 
+def _overlap_worker(rank, world):
+    """Two micro-batches through a small MLP stack: with overlap the buckets are reduce-scattered from
+    inside the second backward, and the step equals the one that reduces everything afterwards."""
+    import torch.distributed as dist
+
+    def model():
+        torch.manual_seed(0)
+        m = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
+        for p in m.parameters():
+            p.tp_dim = None
+        return m
+
+    xs = [torch.randn(3, 16, generator=torch.Generator().manual_seed(10 * rank + i)) for i in range(2)]
+    results = {}
+    for overlap in (False, True):
+        m = model()
+        opt = ShardedAdamW(m.named_parameters(), dist.group.WORLD, lr=0.1, betas=(0.9, 0.95), eps=1e-8,
+                           weight_decay=0.1, bucket_elements=200, overlap=overlap)
+        launched_during_backward, final_at_launch = [], []
+        launch = opt._launch
+
+        def spy(index, launch=launch, opt=opt):       # how many gradients were final when a bucket left
+            final_at_launch.append(sum(v == len(xs) for v in opt._fired.values()))
+            launch(index)
+
+        opt._launch = spy
+        opt.begin_step(len(xs))
+        for i, x in enumerate(xs):
+            m(x).square().sum().backward()
+            launched_during_backward.append(len(opt._launched))
+        norm = opt.step(max_norm=1.0)
+        results[overlap] = ([p.detach().clone() for p in m.parameters()], norm, launched_during_backward,
+                            len(opt.buckets), final_at_launch)
+    return results
+
+
+def test_zero1_overlapped_reduction(tmp_path):
+    for res in run_distributed(_overlap_worker, 2, tmp_path):
+        (plain, plain_norm, plain_launches, buckets, _), (ovl, ovl_norm, ovl_launches, _, final) = res[False], res[True]
+        assert buckets == 4
+        assert plain_launches == [0, 0]                 # nothing in flight before step()
+        assert ovl_launches == [0, buckets]             # all buckets launched by the last backward
+        assert final == [2, 4, 6, 8]                    # each as soon as its layer's 2 gradients were final
+        assert ovl_norm == plain_norm
+        for a, b in zip(ovl, plain):
+            assert torch.equal(a, b)
+
+
 def test_chunk_rows_matches_torch_chunk():
     for rows in range(1, 12):
         for world in range(1, 6):

@@ -14,6 +14,7 @@ BASE = [
     "model.num_heads=8", "model.num_kv_heads=2", "model.attention_backend=sdpa", "training.micro_batch_size=1",
     "training.global_batch_size=8", "training.train_steps=3", "optimizer.lr=1e-3", "optimizer.warmup_steps=1",
     "optimizer.grad_clip=0.5", "logging.log_interval=1", "parallel.timeout_seconds=60",
+    "parallel.grad_bucket_elements=5000",   # several buckets, reduce-scatters overlapped with the backward
 ]
 LAYOUTS = {  # name: (world, overrides)
     "single": (1, []),
@@ -21,6 +22,7 @@ LAYOUTS = {  # name: (world, overrides)
     "sp2": (2, ["parallel.sp=2"]),
     "pp2": (2, ["parallel.pp=2", "training.activation_checkpointing=true"]),   # 8 micro-batches, 2 stages
     "dp2": (2, []),
+    "dp2_no_overlap": (2, ["parallel.overlap_grad_reduce=false"]),
     "sp4": (4, ["parallel.sp=4"]),            # 2 KV heads over 4 sp ranks: KV replication
     "tp2sp2pp2": (8, ["parallel.tp=2", "parallel.sp=2", "parallel.pp=2", "parallel.tp_sequence_parallel=true",
                       "model.tie_embeddings=true"]),
@@ -130,7 +132,8 @@ def check_against(reference, got, name):
 
 
 def test_layouts_on_2_ranks(tmp_path, reference):
-    results = run_layouts(tmp_path, 2, ["tp2", "sp2", "pp2", "dp2", "fsdp_dp2", "fsdp_sp2"])
+    results = run_layouts(tmp_path, 2, ["tp2", "sp2", "pp2", "dp2", "dp2_no_overlap", "fsdp_dp2",
+                                             "fsdp_sp2"])
     for name, got in results.items():
         check_against(reference, got, name)
 

@@ -31,10 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from megalysses.grid import ParallelGrid
-from megalysses.training.fsdp import FSDPAdamW
-from megalysses.training.optimizer import ShardedAdamW
-
-Optimizer = ShardedAdamW | FSDPAdamW
+from megalysses.training.optimizer import Optimizer
 
 LATEST = "latest"
 

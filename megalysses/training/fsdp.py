@@ -73,6 +73,9 @@ class FSDPAdamW:
         for g in self.optimizer.param_groups:
             g["lr"] = lr
 
+    def begin_step(self, backward_passes: int) -> None:
+        """Nothing to prepare: FSDP reduce-scatters each unit's gradients during the backward already."""
+
     def zero_grad(self) -> None:
         for _, p in self.named:
             p.grad = None

@@ -18,11 +18,11 @@ from megalysses.config import Config, save_config
 from megalysses.grid import ParallelGrid
 from megalysses.model.gpt import GPTStage, init_weights, stage_layers
 from megalysses.model.layers import ParallelGroups
-from megalysses.training.checkpoint import Optimizer, build_mesh, load_checkpoint, resolve_checkpoint, save_checkpoint, CheckpointError
+from megalysses.training.checkpoint import build_mesh, load_checkpoint, resolve_checkpoint, save_checkpoint, CheckpointError
 from megalysses.training.data import TrainingData
 from megalysses.training.fsdp import FSDPAdamW, shard_model
 from megalysses.training.metrics import MetricsLogger, print0
-from megalysses.training.optimizer import ShardedAdamW
+from megalysses.training.optimizer import Optimizer, ShardedAdamW
 from megalysses.training.schedule import lr_at
 from megalysses.training.step import evaluate, train_step
 
@@ -58,7 +58,8 @@ def build_optimizer(cfg: Config, model: GPTStage, grid: ParallelGrid) -> Optimiz
     return ShardedAdamW(model.named_parameters(), grid.grad_group, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                         weight_decay=o.weight_decay, tp_rank=grid.tp_rank,
                         embed_group=grid.embed_group if tied_across_stages else None,
-                        tied_head_copy=tied_across_stages and not grid.is_first_stage)
+                        tied_head_copy=tied_across_stages and not grid.is_first_stage,
+                        bucket_elements=cfg.parallel.grad_bucket_elements, overlap=cfg.parallel.overlap_grad_reduce)
 
 
 def model_shape(cfg: Config) -> dict:

@@ -5,7 +5,9 @@ semantics) over the G ranks of the grad group; rank r owns chunk r: its fp32 mas
 exp_avg_sq. One step:
   1. tied embeddings: sum the two copies' gradients over the embed group (first + last stage);
   2. reduce-scatter the gradients in fp32 over the grad group, in buckets (each rank receives the
-     sum of its own chunks);
+     sum of its own chunks). With overlap, buckets (in reverse parameter order, the order the
+     backward produces gradients) are launched asynchronously from gradient hooks during the last
+     micro-batch's backward, as soon as each is complete, always in bucket order on every rank;
   3. global gradient norm over every rank, each element counted once (tp-replicated parameters on
      tp rank 0 only; the tied head copy not at all), then clipping;
   4. torch.optim.AdamW on the owned chunks;
@@ -24,6 +26,7 @@ from torch import Tensor, nn
 
 from megalysses import comm
 from megalysses.comm import Group
+from megalysses.training.fsdp import FSDPAdamW
 
 BUCKET_ELEMENTS = 32 * 1024 * 1024
 
@@ -48,8 +51,11 @@ class _Slot:
 class ShardedAdamW:
     def __init__(self, named_params: Iterable[tuple[str, nn.Parameter]], grad_group: Group, *, lr: float,
                  betas: tuple[float, float], eps: float, weight_decay: float, tp_rank: int = 0,
-                 embed_group: Group = None, tied_head_copy: bool = False) -> None:
-        """`tied_head_copy`: this stage holds the LM-head copy of a tied embedding (not the first stage)."""
+                 embed_group: Group = None, tied_head_copy: bool = False, bucket_elements: int = BUCKET_ELEMENTS,
+                 overlap: bool = False) -> None:
+        """`tied_head_copy`: this stage holds the LM-head copy of a tied embedding (not the first stage).
+        `overlap`: launch each bucket's reduce-scatter from the backward, as soon as the last micro-batch
+        has produced all of its gradients (see begin_step); otherwise everything is reduced in step()."""
         self.grad_group, self.embed_group = grad_group, embed_group
         self.G, self.r = comm.group_size(grad_group), comm.group_rank(grad_group)
         self.slots: list[_Slot] = []
@@ -67,14 +73,33 @@ class ShardedAdamW:
         groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=True)
         self.tied_embed = [s.param for s in self.slots if s.name == "embed.weight"] if embed_group is not None else []
+        self.buckets = self._make_buckets(bucket_elements)
+        self._expected = 0                           # backward passes per step; 0 = no overlap this step
+        self._fired: dict[int, int] = {}             # id(param) -> gradient accumulations seen this step
+        self._missing: list[int] = []                # per bucket: params still waiting for their last gradient
+        self._launched: list[tuple] = []             # (work, received chunks, bucket) in launch order
+        if overlap:
+            for index, bucket in enumerate(self.buckets):
+                if any(self._tied(s) for s in bucket):
+                    continue                         # summed over the embed group first, in step()
+                for s in bucket:
+                    s.param.register_post_accumulate_grad_hook(lambda p, i=index: self._on_grad(p, i))
 
     # ------------------------------------------------------------------ helpers
-    def _buckets(self) -> list[list[_Slot]]:
+    def _tied(self, s: _Slot) -> bool:
+        return any(s.param is t for t in self.tied_embed)
+
+    def _make_buckets(self, bucket_elements: int) -> list[list[_Slot]]:
+        """Buckets in reverse parameter order (the order the backward produces gradients); a tied
+        embedding gets a bucket of its own."""
         buckets, cur, size = [], [], 0
-        for s in self.slots:
+        for s in reversed(self.slots):
+            if self._tied(s):
+                buckets.append([s])
+                continue
             cur.append(s)
-            size += s.padded
-            if size >= BUCKET_ELEMENTS:
+            size += s.padded * self.G     # the gradient elements the bucket carries
+            if size >= bucket_elements:
                 buckets.append(cur)
                 cur, size = [], 0
         return buckets + ([cur] if cur else [])
@@ -90,6 +115,11 @@ class ShardedAdamW:
             g["lr"] = lr
 
     def zero_grad(self) -> None:
+        """Drop the gradients (and any reduction already in flight, e.g. of a skipped step)."""
+        for work, _, _ in self._launched:
+            if work is not None:
+                work.wait()
+        self._launched, self._expected = [], 0
         for s in self.slots:
             s.param.grad = None
 
@@ -112,28 +142,58 @@ class ShardedAdamW:
             yield s.name, s.param, {"master": s.master.data, "exp_avg": st["exp_avg"], "exp_avg_sq": st["exp_avg_sq"]}
 
     # ------------------------------------------------------------------ the step
+    def begin_step(self, backward_passes: int) -> None:
+        """Announce how many backward passes (micro-batches) this step will run, so that each bucket's
+        reduce-scatter starts during the last one, as soon as its gradients are final."""
+        self._expected = backward_passes
+        self._fired = {id(s.param): 0 for s in self.slots}
+        self._missing = [len(b) for b in self.buckets]
+        self._launched = []
+
+    def _on_grad(self, param: Tensor, bucket: int) -> None:
+        if not self._expected:
+            return
+        self._fired[id(param)] += 1
+        if self._fired[id(param)] == self._expected:
+            self._missing[bucket] -= 1
+            # launch in bucket order only, so every rank issues the same collectives in the same order
+            while len(self._launched) < len(self.buckets) and self._missing[len(self._launched)] == 0:
+                self._launch(len(self._launched))
+
+    @torch.no_grad()
+    def _launch(self, index: int) -> None:
+        """Start the fp32 reduce-scatter of bucket `index` (asynchronously when the group has > 1 rank)."""
+        bucket = self.buckets[index]
+        grads = [s.param.grad if s.param.grad is not None else torch.zeros_like(s.param) for s in bucket]
+        # rank-major layout: [chunk 0 of every param | chunk 1 of every param | ...]
+        send = torch.cat([self._rank_chunk(g.float(), s, j) for j in range(self.G) for s, g in zip(bucket, grads)])
+        if self.G == 1:
+            self._launched.append((None, send, bucket))
+            return
+        mine = send.new_empty(send.numel() // self.G)
+        work = comm.reduce_scatter_tensor(mine, send, group=self.grad_group, async_op=True)
+        self._launched.append((work, mine, bucket))
+
     @torch.no_grad()
     def reduce_gradients(self) -> None:
-        """Sum gradients over the grad group into the owned fp32 chunks (master.grad)."""
+        """Sum gradients over the grad group into the owned fp32 chunks (master.grad): launch the buckets
+        the backward has not launched yet, then wait for all of them."""
         for p in self.tied_embed:
             if p.grad is not None:
                 g = p.grad.float()
                 dist.all_reduce(g, group=self.embed_group)
                 p.grad = g.to(p.grad.dtype)
-        for bucket in self._buckets():
-            grads = [s.param.grad if s.param.grad is not None else torch.zeros_like(s.param) for s in bucket]
-            # rank-major layout: [chunk 0 of every param | chunk 1 of every param | ...]
-            send = torch.cat([self._rank_chunk(g.float(), s, j) for j in range(self.G) for s, g in zip(bucket, grads)])
-            mine = send.new_empty(send.numel() // self.G)
-            if self.G > 1:
-                comm.reduce_scatter_tensor(mine, send, group=self.grad_group)
-            else:
-                mine = send
+        while len(self._launched) < len(self.buckets):
+            self._launch(len(self._launched))
+        for work, mine, bucket in self._launched:
+            if work is not None:
+                work.wait()
             offset = 0
             for s in bucket:
                 if s.master is not None:
                     s.master.grad = mine[offset:offset + s.master.numel()].view_as(s.master)
                 offset += s.padded
+        self._launched, self._expected = [], 0
 
     @torch.no_grad()
     def grad_norm(self) -> Tensor:
@@ -167,7 +227,7 @@ class ShardedAdamW:
     @torch.no_grad()
     def gather_params(self) -> None:
         """Copy the updated master chunks back into every rank's full parameters."""
-        for bucket in self._buckets():
+        for bucket in self.buckets:
             mine = torch.cat([torch.nn.functional.pad(s.master.reshape(-1), (0, s.padded - s.master.numel()))
                               if s.master is not None else s.param.new_zeros(s.padded, dtype=torch.float32)
                               for s in bucket])
@@ -185,3 +245,7 @@ class ShardedAdamW:
                         n = (hi - lo) * (s.param[0].numel() if s.param.dim() > 1 else 1)
                         s.param.data[lo:hi].copy_(per_rank[j, offset:offset + n].view_as(s.param.data[lo:hi]))
                     offset += s.padded
+
+
+Optimizer = ShardedAdamW | FSDPAdamW
+"""Either optimizer: the same interface to the train step and the same chunks to checkpoints."""

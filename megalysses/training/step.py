@@ -17,7 +17,7 @@ from torch import Tensor
 from megalysses.grid import ParallelGrid
 from megalysses.parallel.pipeline import Batch, _forward, forward_backward_1f1b, forward_backward_local
 from megalysses.comm import send_recv
-from megalysses.training.optimizer import ShardedAdamW
+from megalysses.training.optimizer import Optimizer
 
 
 @dataclass
@@ -61,12 +61,13 @@ def _hidden_shape(mb: Batch, grid: ParallelGrid, hidden: int, sequence_parallel:
     return (b, s // grid.tp_size if sequence_parallel else s, hidden)
 
 
-def train_step(model: torch.nn.Module, opt: ShardedAdamW, microbatches: list[Batch], grid: ParallelGrid, *,
+def train_step(model: torch.nn.Module, opt: Optimizer, microbatches: list[Batch], grid: ParallelGrid, *,
                lr: float, grad_clip: float, dtype: torch.dtype, nan_policy: str = "abort") -> StepResult:
     device = microbatches[0]["labels"].device
     count = global_token_count(microbatches, grid)
     scale = 1.0 / max(count.item(), 1.0)
     model.train()
+    opt.begin_step(len(microbatches))
     with autocast(device, dtype):
         if grid.pp_size == 1:
             total = forward_backward_local(model, microbatches, scale)
