@@ -171,6 +171,9 @@ class TrainingConfig:
     loss_chunk_tokens: int = 0
     """Compute the LM head + loss in sequence tiles of this many tokens, recomputed in the backward
     (0 = no tiling). Needed at long context: the full logits would be S/sp x V/tp floats."""
+    mlp_chunk_tokens: int = 0
+    """Run each MLP over sequence tiles of this many (local) tokens, recomputed in the backward, so only
+    one tile's (tile x ffn/tp) intermediate exists at a time (0 = no tiling). For long context."""
     nan_policy: Literal["abort", "skip"] = "abort"
     """On a NaN/Inf loss: abort the run, or skip the step."""
 
@@ -392,6 +395,9 @@ def validate_config(cfg: Config, world_size: Optional[int] = None) -> None:
         raise ConfigError("data.tokenizer=sentencepiece needs data.tokenizer_model (path to the .model file)")
     if not d.mock and not d.paths:
         raise ConfigError("data.paths is empty: give dataset prefixes (tools/preprocess_data.py output) or set data.mock=true")
+    for name in ("loss_chunk_tokens", "mlp_chunk_tokens"):
+        if getattr(t, name) < 0:
+            raise ConfigError(f"training.{name}={getattr(t, name)} must be >= 0 (0 = no tiling)")
     if p.grad_bucket_elements < 1:
         raise ConfigError(f"parallel.grad_bucket_elements={p.grad_bucket_elements} must be >= 1")
     if t.micro_batch_size < 1 or t.global_batch_size < 1:

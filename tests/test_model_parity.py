@@ -71,7 +71,7 @@ def _parity_worker(rank, world, cases):
         ref_loss, ref_grads = reference(cfg, batch, docs)
 
         groups = ParallelGroups(tp=grid.tp_group, sp=grid.sp_group, sequence_parallel=seq_par)
-        model = GPTStage(cfg, groups, loss_chunk_tokens=tile)
+        model = GPTStage(cfg, groups, loss_chunk_tokens=tile, mlp_chunk_tokens=tile)
         init_weights(model, seed=7, tp_rank=grid.tp_rank, tp_size=grid.tp_size)
         inputs, labels, pos, doc_ids = (t[grid.dp_rank * B:(grid.dp_rank + 1) * B] for t in batch)
         if not docs:
@@ -92,7 +92,7 @@ def _parity_worker(rank, world, cases):
     return results
 
 
-# (tp, sp, packed documents, TP sequence sharding, tied embeddings, loss tile tokens); dp = world / (tp * sp)
+# (tp, sp, packed documents, TP sequence sharding, tied embeddings, loss and MLP tile tokens); dp = world / (tp * sp)
 CASES = {
     2: [(2, 1, False, False, False, 0), (2, 1, True, True, True, 4), (1, 2, False, False, False, 0),
         (1, 2, True, False, True, 0), (1, 1, True, False, False, 0)],

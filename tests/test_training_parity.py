@@ -29,7 +29,7 @@ LAYOUTS = {  # name: (world, overrides)
     # FSDP2: weights, gradients and optimizer state sharded over dp x sp
     "fsdp_dp2": (2, ["parallel.fsdp=true"]),
     "fsdp_sp2": (2, ["parallel.sp=2", "parallel.fsdp=true", "training.activation_checkpointing=true",
-                     "training.loss_chunk_tokens=4"]),
+                     "training.loss_chunk_tokens=4", "training.mlp_chunk_tokens=6"]),
     "fsdp_tp2sp2": (4, ["parallel.tp=2", "parallel.sp=2", "parallel.tp_sequence_parallel=true", "parallel.fsdp=true"]),
     "fsdp_pp2dp2": (4, ["parallel.pp=2", "parallel.fsdp=true"]),
     "fsdp_tp2sp2pp2": (8, ["parallel.tp=2", "parallel.sp=2", "parallel.pp=2", "parallel.fsdp=true",

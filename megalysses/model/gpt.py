@@ -37,7 +37,7 @@ def stage_layers(num_layers: int, pp: int, pp_rank: int) -> range:
 class GPTStage(nn.Module):
     def __init__(self, cfg: ModelConfig, groups: Optional[ParallelGroups] = None,
                  layers: Optional[range] = None, first: bool = True, last: bool = True,
-                 activation_checkpointing: bool = False, loss_chunk_tokens: int = 0) -> None:
+                 activation_checkpointing: bool = False, loss_chunk_tokens: int = 0, mlp_chunk_tokens: int = 0) -> None:
         super().__init__()
         groups = groups or ParallelGroups()
         self.cfg, self.groups = cfg, groups
@@ -49,7 +49,7 @@ class GPTStage(nn.Module):
         if first or (last and cfg.tie_embeddings):
             # on a last stage without the first, this copy is the tied LM head (grads synced over `embed`)
             self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, groups.tp, sp_)
-        self.layers = nn.ModuleDict({str(i): Block(cfg, groups) for i in layers})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, groups, mlp_chunk_tokens) for i in layers})
         if last:
             self.final_norm = Norm(cfg, groups)
             if not cfg.tie_embeddings:

@@ -12,6 +12,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from megalysses import comm
 from megalysses.comm import Group
@@ -107,15 +108,30 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(x))."""
+    """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(x)).
 
-    def __init__(self, cfg: ModelConfig, groups: ParallelGroups) -> None:
+    With `mlp_chunk_tokens` the MLP runs over sequence tiles of that many local tokens, each tile
+    recomputed in the backward, so only one tile's (B, tile, f/tp) intermediates exist at a time.
+    (The MLP is token-wise; with TP sequence sharding every tp rank tiles its shard the same way,
+    so the all-gather / reduce-scatter inside pair up tile by tile.)"""
+
+    def __init__(self, cfg: ModelConfig, groups: ParallelGroups, mlp_chunk_tokens: int = 0) -> None:
         super().__init__()
         self.attn_norm = Norm(cfg, groups)
         self.attn = Attention(cfg, groups)
         self.mlp_norm = Norm(cfg, groups)
         self.mlp = MLP(cfg, groups)
+        self.mlp_chunk_tokens = mlp_chunk_tokens
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Optional[Any]) -> Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin, mask)
-        return x + self.mlp(self.mlp_norm(x))
+        return x + self._mlp(self.mlp_norm(x))
+
+    def _mlp(self, x: Tensor) -> Tensor:
+        chunk, s = self.mlp_chunk_tokens, x.shape[1]
+        if not chunk or chunk >= s:
+            return self.mlp(x)                                                 # (B, s, h)
+        if not torch.is_grad_enabled():
+            return torch.cat([self.mlp(x[:, lo:lo + chunk]) for lo in range(0, s, chunk)], dim=1)
+        return torch.cat([checkpoint(self.mlp, x[:, lo:lo + chunk], use_reentrant=False)
+                          for lo in range(0, s, chunk)], dim=1)               # (B, s, h)

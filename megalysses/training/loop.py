@@ -40,7 +40,8 @@ def build_model(cfg: Config, grid: ParallelGrid, device: torch.device, mesh: Dev
     model = GPTStage(cfg.model, groups, stage_layers(cfg.model.num_layers, grid.pp_size, grid.pp_rank),
                      first=grid.is_first_stage, last=grid.is_last_stage,
                      activation_checkpointing=cfg.training.activation_checkpointing,
-                     loss_chunk_tokens=cfg.training.loss_chunk_tokens)
+                     loss_chunk_tokens=cfg.training.loss_chunk_tokens,
+                     mlp_chunk_tokens=cfg.training.mlp_chunk_tokens)
     init_weights(model, cfg.training.seed, grid.tp_rank, grid.tp_size)
     model = model.to(device)
     if cfg.parallel.fsdp:
