@@ -53,6 +53,9 @@ class ModelConfig:
     """Standard deviation of the normal weight init."""
     scaled_residual_init: bool = True
     """Scale the init of the residual output projections by 1/sqrt(2 * num_layers)."""
+    kernels: Literal["torch", "triton"] = "torch"
+    """RMSNorm and RoPE implementation: the torch reference, or the fused Triton kernels (CUDA, needs
+    triton; checked against the reference under Triton's CPU interpreter)."""
     attention_backend: Literal["auto", "reference", "sdpa", "flex", "flash"] = "auto"
     """Core attention implementation; auto picks flash-attn, then FlexAttention (GPU), then SDPA."""
 

@@ -180,3 +180,38 @@ def test_rope_dispatch_errors(monkeypatch):
         monkeypatch.setenv("TRITON_INTERPRET", "0")
         with pytest.raises(RuntimeError, match="apply_rope impl 'triton' is unavailable"):
             apply_rope(x, cos, sin, impl="triton")
+
+
+# ---------------------------------------------------------------------------------------------- in the model
+
+def test_model_with_triton_kernels_equals_torch(monkeypatch):
+    """model.kernels=triton routes every RMSNorm and RoPE of the GPT through the Triton kernels; the
+    loss and every gradient equal the torch reference model."""
+    require_triton()
+    from megalysses.config import ModelConfig
+    from megalysses.kernels import rms_norm_triton, rope_triton
+    from megalysses.model.gpt import GPTStage, init_weights
+
+    calls = {"rms_norm": 0, "rope": 0}
+    for key, fn in (("rms_norm", rms_norm_triton.RMSNormTriton), ("rope", rope_triton.RoPETriton)):
+        def counted(*args, _apply=fn.apply, _key=key):
+            calls[_key] += 1
+            return _apply(*args)
+        monkeypatch.setattr(fn, "apply", counted)
+
+    grads, losses = {}, {}
+    for kernels in ("torch", "triton"):
+        cfg = ModelConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2,
+                          attention_backend="sdpa", kernels=kernels)
+        model = GPTStage(cfg).to(DEVICE)
+        init_weights(model, seed=3)
+        ids = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+        pos = torch.arange(8, device=DEVICE).expand(1, 8)
+        loss = model(ids, pos, labels=ids.roll(-1, dims=1))
+        loss.backward()
+        losses[kernels] = loss.detach()
+        grads[kernels] = {n: p.grad for n, p in model.named_parameters()}
+    assert calls == {"rms_norm": 3, "rope": 2}       # 2 block norms + final norm; q and k
+    torch.testing.assert_close(losses["triton"], losses["torch"], rtol=1e-5, atol=1e-5)
+    for name, g in grads["torch"].items():
+        torch.testing.assert_close(grads["triton"][name], g, rtol=1e-4, atol=1e-6, msg=name)

@@ -24,12 +24,10 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, impl: str = "auto") -
     """RMSNorm over the last dim. x (..., N), weight (N,) -> (..., N) in the promoted dtype of x and weight.
 
     impl: "torch" (reference), "triton" (fused forward + backward; CUDA, or CPU under TRITON_INTERPRET=1),
-    or "auto" (Triton on CUDA when importable and the row fits one block, else torch)."""
+    or "auto" (the torch reference; Triton is opt-in)."""
     if weight.shape != x.shape[-1:]:
         raise ValueError(f"weight {tuple(weight.shape)} does not match the last dim of x {tuple(x.shape)}")
     if choose_impl(impl, x, "rms_norm") == "torch":
         return rms_norm_torch(x, weight, eps)
-    from megalysses.kernels.rms_norm_triton import MAX_COLS, RMSNormTriton
-    if impl == "auto" and x.shape[-1] > MAX_COLS:
-        return rms_norm_torch(x, weight, eps)
+    from megalysses.kernels.rms_norm_triton import RMSNormTriton
     return RMSNormTriton.apply(x, weight, eps)

@@ -44,7 +44,7 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, impl: str = "auto") -> Tenso
     """Rotate x (B, S, H, D) by the angles in cos, sin (B, S, D) (from rope_cos_sin) -> (B, S, H, D).
 
     impl: "torch" (reference, bit-identical to HF), "triton" (fused forward + backward in fp32; CUDA,
-    or CPU under TRITON_INTERPRET=1), or "auto" (Triton on CUDA when importable, else torch).
+    or CPU under TRITON_INTERPRET=1), or "auto" (the torch reference; Triton is opt-in).
     Gradients flow to x only."""
     if cos.shape != sin.shape or cos.shape[-1] != x.shape[-1] or cos.dim() != 3:
         raise ValueError(f"cos, sin must be (B, S, D) for x {tuple(x.shape)}; got {tuple(cos.shape)}, {tuple(sin.shape)}")

@@ -47,7 +47,7 @@ class Norm(nn.Module):
 
     def __init__(self, cfg: ModelConfig, groups: ParallelGroups) -> None:
         super().__init__()
-        self.kind, self.eps = cfg.norm, cfg.norm_eps
+        self.kind, self.eps, self.impl = cfg.norm, cfg.norm_eps, cfg.kernels
         self.tp, self.sequence_parallel = groups.tp, groups.sequence_parallel
         self.weight = mark_tp(nn.Parameter(torch.ones(cfg.hidden_size)), None)
         self.bias = mark_tp(nn.Parameter(torch.zeros(cfg.hidden_size)), None) if cfg.norm == "layernorm" else None
@@ -58,7 +58,7 @@ class Norm(nn.Module):
             weight = comm.copy_to_tp(weight, self.tp)
             bias = comm.copy_to_tp(bias, self.tp) if bias is not None else None
         if self.kind == "rmsnorm":
-            return rms_norm(x, weight, self.eps)
+            return rms_norm(x, weight, self.eps, impl=self.impl)
         return F.layer_norm(x, (x.shape[-1],), weight, bias, self.eps)
 
 
@@ -68,7 +68,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, groups: ParallelGroups) -> None:
         super().__init__()
         h, D, tp = cfg.hidden_size, cfg.head_dim, groups.tp_size
-        self.groups, self.head_dim, self.backend = groups, D, cfg.attention_backend
+        self.groups, self.head_dim, self.backend, self.impl = groups, D, cfg.attention_backend, cfg.kernels
         self.hq, self.hk = cfg.num_heads // tp, cfg.kv_heads // tp
         sp_ = groups.sequence_parallel
         self.q_proj = ColumnParallelLinear(h, cfg.num_heads * D, groups.tp, cfg.bias, sp_)
@@ -82,7 +82,7 @@ class Attention(nn.Module):
         q = q.view(B, s, self.hq, self.head_dim)             # (B, S/sp, hq, D)
         k = self.k_proj(x).view(B, s, self.hk, self.head_dim)
         v = self.v_proj(x).view(B, s, self.hk, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)   # global positions of this chunk
+        q, k = apply_rope(q, cos, sin, self.impl), apply_rope(k, cos, sin, self.impl)  # global positions
         out = ulysses_attention(q, k, v, self.groups.sp,
                                 lambda q_, k_, v_: core_attention(q_, k_, v_, mask=mask, backend=self.backend))
         return self.o_proj(out.reshape(B, s, self.hq * self.head_dim))   # (B, s, h)
