@@ -78,3 +78,26 @@ def test_preemption_signal_saves_and_exits(tmp_path, sig):
     assert "(signal)" in out
     latest = (run / "checkpoints" / "latest").read_text().strip()
     assert (run / "checkpoints" / latest / "meta.json").is_file()
+
+
+def test_generate_and_plot_from_a_run(tmp_path):
+    """tools/generate.py samples from a checkpoint saved at tp2 (resharded to one process);
+    tools/plot_metrics.py draws the run's curves; a wrong --run gives one clear message."""
+    run = tmp_path / "run"
+    ok = torchrun(2, TINY + ["model.vocab_size=512", "parallel.tp=2", "training.train_steps=2",
+                             f"logging.run_dir={run}"])
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    gen = subprocess.run([sys.executable, str(ROOT / "tools" / "generate.py"), "--run", str(run), "--prompt", "ab",
+                          "--max-new-tokens", "5", "--temperature", "0"], cwd=ROOT, env=_env(), capture_output=True,
+                         text=True, timeout=60)
+    assert gen.returncode == 0, gen.stdout + gen.stderr
+    assert "sampled from" in gen.stdout and "step_0000002" in gen.stdout
+    assert gen.stdout.splitlines()[-1].startswith("ab")
+    bad = subprocess.run([sys.executable, str(ROOT / "tools" / "generate.py"), "--run", str(tmp_path / "nope")],
+                         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and "not a run directory" in bad.stderr and "Traceback" not in bad.stderr
+    pytest.importorskip("matplotlib")
+    plot = subprocess.run([sys.executable, str(ROOT / "tools" / "plot_metrics.py"), str(run)], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=60)
+    assert plot.returncode == 0, plot.stdout + plot.stderr
+    assert (run / "metrics.png").stat().st_size > 1000

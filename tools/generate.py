@@ -56,6 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
 
+    if not (Path(args.run) / "config.yaml").is_file():
+        print(f"error: {args.run} is not a run directory (no config.yaml): pass the logging.run_dir of a run",
+              file=sys.stderr)
+        return 1
     cfg = load_config(Path(args.run) / "config.yaml", ["parallel.tp=1", "parallel.sp=1", "parallel.pp=1",
                                                        "parallel.tp_sequence_parallel=false"])
     source = args.checkpoint or cfg.checkpoint.dir or Path(args.run) / "checkpoints"

@@ -127,11 +127,13 @@ def train(cfg: Config, grid: ParallelGrid, device: torch.device) -> dict:
             consumed += cfg.training.global_batch_size
             loss = result.loss
             logger.step(step, result.loss, lr, result.grad_norm, result.tokens)
+            t0 = time.perf_counter()
             if cfg.training.eval_interval and step % cfg.training.eval_interval == 0:
                 logger.eval(step, evaluate(model, data.valid_batches(), grid, dtype))
             if cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0:
                 save()
                 saved_at = step
+            logger.exclude(time.perf_counter() - t0)   # tokens/s measures training steps only
             over_time = cfg.training.max_wall_minutes > 0 and time.monotonic() - start > 60 * cfg.training.max_wall_minutes
             stop = torch.tensor([float(flags.signalled), float(over_time)])
             if dist.is_initialized():

@@ -96,6 +96,10 @@ class MetricsLogger:
                f"tok/s {tok_s:,.0f} ({tok_s / self.world:,.0f}/dev) | {tflops:.2f} TFLOP/s/dev | MFU {mfu} | "
                f"mem {mem} | ETA {_hms(eta)}")
 
+    def exclude(self, seconds: float) -> None:
+        """Leave `seconds` (validation, checkpointing) out of the next throughput measurement."""
+        self.t_last += seconds
+
     def eval(self, step: int, loss: float) -> None:
         self._emit({"step": step, "val_loss": loss})
         print0(f"step {step:>6}/{self.total} | validation loss {loss:.4f}")
