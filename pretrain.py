@@ -8,6 +8,7 @@ layout, data, checkpoint) ends the run with one message on rank 0 and a non-zero
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch.distributed as dist
@@ -30,12 +31,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override one config value; repeatable")
     args = parser.parse_args(argv)
+    rank0 = os.environ.get("RANK", "0") == "0"     # before the process group exists
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+        if rank0:
+            print(f"config error: {e}", file=sys.stderr)
         return 2
-    device = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_seconds)
+    try:
+        device = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_seconds)
+    except RuntimeError as e:
+        if rank0:
+            print(f"error: cannot start the process group: {e}", flush=True)
+        return 1
     try:
         validate_config(cfg, world_size=dist.get_world_size())
         grid = ParallelGrid(tp=cfg.parallel.tp, sp=cfg.parallel.sp, pp=cfg.parallel.pp)

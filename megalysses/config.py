@@ -188,7 +188,7 @@ class CheckpointConfig:
     save_interval: int = 0
     """Save every N steps (0 = only at the end / on preemption)."""
     keep_last: int = 2
-    """Keep this many most recent checkpoints."""
+    """Keep this many most recent checkpoints (0 = keep all)."""
     load: Optional[str] = "auto"
     """auto = resume from <dir>/latest if present; a path = load it; None = start fresh."""
 
@@ -371,6 +371,7 @@ def save_config(cfg: Config, path: str | Path) -> None:
 def validate_config(cfg: Config, world_size: Optional[int] = None) -> None:
     """Cross-field rules. With `world_size`, also the layout and batch arithmetic. Raises ConfigError."""
     m, p, d, t = cfg.model, cfg.parallel, cfg.data, cfg.training
+    _check_ranges(cfg)
     for name in ("tp", "sp", "pp"):
         if getattr(p, name) < 1:
             raise ConfigError(f"parallel.{name}={getattr(p, name)} must be >= 1")
@@ -415,6 +416,32 @@ def validate_config(cfg: Config, world_size: Optional[int] = None) -> None:
         if t.global_batch_size % per_step:
             raise ConfigError(f"training.global_batch_size={t.global_batch_size} is not divisible by "
                               f"micro_batch_size={t.micro_batch_size} * dp={dp} = {per_step}")
+
+
+# (section, field, lowest allowed value, highest allowed value or None)
+_RANGES = [
+    ("model", "vocab_size", 1, None), ("model", "hidden_size", 1, None), ("model", "num_layers", 1, None),
+    ("model", "num_heads", 1, None), ("model", "norm_eps", 0.0, None), ("model", "init_std", 0.0, None),
+    ("data", "seq_len", 1, None),
+    ("optimizer", "lr", 0.0, None), ("optimizer", "min_lr", 0.0, None), ("optimizer", "weight_decay", 0.0, None),
+    ("optimizer", "beta1", 0.0, 1.0), ("optimizer", "beta2", 0.0, 1.0), ("optimizer", "eps", 0.0, None),
+    ("optimizer", "grad_clip", 0.0, None), ("optimizer", "warmup_steps", 0, None),
+    ("optimizer", "decay_fraction", 0.0, 1.0),
+    ("training", "train_steps", 1, None), ("training", "exit_at_step", 0, None),
+    ("training", "max_wall_minutes", 0.0, None), ("training", "eval_interval", 0, None),
+    ("training", "eval_steps", 1, None), ("checkpoint", "save_interval", 0, None), ("checkpoint", "keep_last", 0, None),
+    ("logging", "log_interval", 1, None), ("parallel", "timeout_seconds", 1.0, None),
+]
+
+
+def _check_ranges(cfg: Config) -> None:
+    for section, name, lo, hi in _RANGES:
+        value = getattr(getattr(cfg, section), name)
+        if value is None:
+            continue
+        if value < lo or (hi is not None and value > hi):
+            allowed = f">= {lo}" if hi is None else f"between {lo} and {hi}"
+            raise ConfigError(f"{section}.{name}={value} is out of range: it must be {allowed}")
 
 
 def check_heads(num_heads: int, kv_heads: int, tp: int, sp: int) -> None:

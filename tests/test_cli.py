@@ -47,6 +47,14 @@ def test_layout_that_does_not_divide_the_world(tmp_path):
     assert len(errs) == 1 and "world size 2" in errs[0] and "tp*sp*pp" in errs[0], r.stdout + r.stderr
 
 
+def test_backend_this_machine_lacks(tmp_path):
+    r = torchrun(2, TINY + ["model.attention_backend=flash", f"logging.run_dir={tmp_path}/run"])
+    assert r.returncode != 0
+    errs = error_lines(r.stdout)
+    assert len(errs) == 1 and "model.attention_backend=flash" in errs[0], r.stdout + r.stderr
+    assert "megalysses/" not in r.stdout + r.stderr     # no traceback from our code (torchrun prints its own)
+
+
 def test_checkpoint_of_another_model_shape(tmp_path):
     run = tmp_path / "run"
     ok = torchrun(1, TINY + ["training.train_steps=1", f"logging.run_dir={run}"])
@@ -92,7 +100,7 @@ def test_generate_and_plot_from_a_run(tmp_path):
                          text=True, timeout=60)
     assert gen.returncode == 0, gen.stdout + gen.stderr
     assert "sampled from" in gen.stdout and "step_0000002" in gen.stdout
-    assert gen.stdout.splitlines()[-1].startswith("ab")
+    assert gen.stdout.split("---\n", 1)[1].startswith("ab")        # the prompt, then the continuation
     bad = subprocess.run([sys.executable, str(ROOT / "tools" / "generate.py"), "--run", str(tmp_path / "nope")],
                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60)
     assert bad.returncode == 1 and "not a run directory" in bad.stderr and "Traceback" not in bad.stderr

@@ -73,6 +73,11 @@ def test_yaml_float_strings_are_numbers(tmp_path):
     (["model.num_layers=3", "parallel.pp=2"], "model.num_layers=3"),
     (["data.mock=false"], "data.paths"),
     (["data.tokenizer=sentencepiece"], "tokenizer_model"),
+    (["logging.log_interval=0"], "logging.log_interval=0"),
+    (["training.eval_steps=0"], "training.eval_steps=0"),
+    (["optimizer.decay_fraction=1.5"], "optimizer.decay_fraction=1.5"),
+    (["training.mlp_chunk_tokens=-1"], "training.mlp_chunk_tokens=-1"),
+    (["parallel.grad_bucket_elements=0"], "parallel.grad_bucket_elements=0"),
 ])
 def test_cross_field_rules(overrides, needle):
     with pytest.raises(ConfigError) as e:

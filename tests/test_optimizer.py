@@ -131,3 +131,30 @@ def test_schedules():
             assert all(b <= a + 1e-12 for a, b in zip(lrs[10:], lrs[11:]))          # never increases
         if schedule == "wsd":
             assert all(x == 1.0 for x in lrs[10:80]) and lrs[85] < 1.0
+
+
+def test_nonfinite_gradient_norm_changes_nothing():
+    params = _params()
+    for p in params.values():
+        p.tp_dim = None
+    before = {n: p.detach().clone() for n, p in params.items()}
+    opt = ShardedAdamW(params.items(), None, lr=0.1, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    for n, p in params.items():
+        p.grad = _grads(0, 0)[n]
+    params["b.weight"].grad[1, 2] = float("inf")
+    assert math.isinf(opt.step(max_norm=1.0))
+    for n, p in params.items():
+        assert torch.equal(p, before[n]) and p.grad is None, n
+    assert all(not st for st in opt.optimizer.state.values())       # no AdamW step was counted
+    for n, p in params.items():
+        p.grad = _grads(1, 0)[n]
+    assert math.isfinite(opt.step(max_norm=1.0))
+    assert not torch.equal(params["a.weight"], before["a.weight"])
+
+
+def test_wsd_decay_starts_after_warmup():
+    opt = OptimizerConfig(lr=1.0, min_lr=0.0, warmup_steps=50, schedule="wsd", decay_fraction=0.8)
+    lrs = [lr_at(s, opt, 100) for s in range(100)]
+    assert lrs[49] == pytest.approx(1.0)                          # warmup reaches the peak
+    assert all(b <= a + 1e-12 for a, b in zip(lrs[49:], lrs[50:]))
+    assert lrs[50] > 0.95 and lrs[-1] == pytest.approx(0.0)         # no jump, then decay to min_lr

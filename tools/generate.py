@@ -20,17 +20,19 @@ from megalysses.data import build_tokenizer  # noqa: E402
 from megalysses.distributed import destroy_distributed, init_distributed  # noqa: E402
 from megalysses.grid import ParallelGrid  # noqa: E402
 from megalysses.model.gpt import GPTStage, init_weights  # noqa: E402
-from megalysses.training.checkpoint import build_mesh, load_model_weights, resolve_checkpoint  # noqa: E402
+from megalysses.training.checkpoint import (  # noqa: E402
+    CheckpointError, build_mesh, check_model_shape, load_model_weights, resolve_checkpoint)
+from megalysses.training.loop import model_shape  # noqa: E402
 
 
 @torch.no_grad()
 def sample(model: GPTStage, ids: list[int], max_new: int, temperature: float, top_k: int, eod: int,
-           max_len: int, generator: torch.Generator) -> list[int]:
+           max_len: int, generator: torch.Generator, vocab: int) -> list[int]:
     out = list(ids)
     for _ in range(max_new):
-        window = torch.tensor([out[-max_len:]])
+        window = torch.tensor([out[-max_len:]], dtype=torch.long)
         pos = torch.arange(window.shape[1]).unsqueeze(0)
-        logits = model(window, pos)[0, -1].float()              # (V,)
+        logits = model(window, pos)[0, -1, :vocab].float()       # (V,): rows past the tokenizer are padding
         if temperature <= 0:
             nxt = int(logits.argmax())
         else:
@@ -60,12 +62,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {args.run} is not a run directory (no config.yaml): pass the logging.run_dir of a run",
               file=sys.stderr)
         return 1
+    if not args.prompt:
+        print("error: --prompt is empty: give at least one character to continue from", file=sys.stderr)
+        return 1
+    # one CPU process: the layout, attention backend and kernels of the run do not apply here
     cfg = load_config(Path(args.run) / "config.yaml", ["parallel.tp=1", "parallel.sp=1", "parallel.pp=1",
-                                                       "parallel.tp_sequence_parallel=false"])
+                                                       "parallel.tp_sequence_parallel=false", "parallel.fsdp=false",
+                                                       "model.attention_backend=sdpa", "model.kernels=torch"])
     source = args.checkpoint or cfg.checkpoint.dir or Path(args.run) / "checkpoints"
-    path = resolve_checkpoint(source)
-    if path is None:
-        print(f"error: no checkpoint under {source}", file=sys.stderr)
+    try:
+        path = resolve_checkpoint(source)
+        if path is None:
+            raise CheckpointError(f"no checkpoint under {source}")
+        check_model_shape(path, model_shape(cfg))
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 1
     device = init_distributed("gloo", 60.0)
     try:
@@ -77,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         tok = build_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_model)
         gen = torch.Generator().manual_seed(args.seed)
         ids = sample(model, tok.encode(args.prompt), args.max_new_tokens, args.temperature, args.top_k,
-                     tok.eod_id, cfg.data.seq_len, gen)
+                     tok.eod_id, cfg.data.seq_len, gen, tok.vocab_size)
         print(f"--- sampled from {path} ---")
         print(tok.decode(ids))
     finally:

@@ -26,6 +26,8 @@ from typing import Any, Iterator, Optional, Sequence
 import numpy as np
 import torch
 
+from megalysses.data.indexed import DatasetError
+
 IGNORE_INDEX = -100
 
 
@@ -96,8 +98,9 @@ def iterate_micro_batches(dataset: Any, micro_batch_size: int, dp_rank: int, dp_
                          f"dp_rank={dp_rank}, dp_size={dp_size}")
     chunk = micro_batch_size * dp_size
     if consumed_samples % chunk:
-        raise ValueError(f"consumed_samples={consumed_samples} is not a multiple of micro_batch_size * dp_size "
-                         f"= {micro_batch_size} * {dp_size}: resume only at step boundaries")
+        raise DatasetError(f"consumed_samples={consumed_samples} is not a multiple of micro_batch_size * dp_size "
+                           f"= {micro_batch_size} * {dp_size}: resume with a global_batch_size that the "
+                           f"checkpoint's consumed samples are a multiple of")
     seq_len = dataset.seq_len if seq_len is None else seq_len
     c = consumed_samples // chunk
     while (c + 1) * chunk <= len(dataset):

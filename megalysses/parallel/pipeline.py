@@ -19,9 +19,11 @@ Batch = dict[str, Tensor]
 
 
 def _forward(stage: torch.nn.Module, mb: Batch, x: Optional[Tensor], scale: float) -> Tensor:
+    """The scaled loss on the last stage; elsewhere the hidden states in fp32, the dtype of the pipeline
+    buffers (under autocast the residual stream is fp32 anyway; FSDP with bf16 weights makes it bf16)."""
     out = stage(mb["input_ids"] if stage.first else x, mb["position_ids"], doc_ids=mb.get("doc_ids"),
                 labels=mb["labels"] if stage.last else None)
-    return out * scale if stage.last else out
+    return out * scale if stage.last else out.float()
 
 
 def forward_backward_local(stage: torch.nn.Module, microbatches: list[Batch], scale: float) -> Tensor:

@@ -114,7 +114,8 @@ def _model_entry(p: torch.Tensor, sub: DeviceMesh, tp: int) -> DTensor:
 def training_state(model: torch.nn.Module, opt: Optimizer, grid: ParallelGrid, mesh: DeviceMesh) -> dict:
     """Tensors to save / load in place, keyed by layout-independent names."""
     sub = mesh["tp", "grad"]   # this rank's pipeline stage
-    state: dict[str, Any] = {f"model.{name}": _model_entry(p, sub, grid.tp_size) for name, p in model.named_parameters()}
+    state: dict[str, Any] = {f"model.{name}": _model_entry(p, sub, grid.tp_size)
+                             for name, p in model.named_parameters()}
     for name, param, chunks in opt.checkpoint_slots():
         full = _full_shape(param, grid.tp_size)
         placements = [_tp_placement(param), Shard(0)]
@@ -175,9 +176,8 @@ def load_model_weights(path: Path, model: torch.nn.Module, grid: ParallelGrid, m
     dcp.load(state, storage_reader=SafeFileSystemReader(str(path)))
 
 
-def load_checkpoint(path: Path, model: torch.nn.Module, opt: Optimizer, grid: ParallelGrid, mesh: DeviceMesh,
-                    expect_model: dict) -> dict:
-    """Load model + optimizer (resharding to this layout) and return meta (step, consumed samples, ...)."""
+def check_model_shape(path: Path, expect_model: dict) -> dict:
+    """The checkpoint's meta.json, after checking that it holds the model `expect_model` describes."""
     meta = json.loads((path / "meta.json").read_text())
     saved = meta.get("model_shape", {})
     diff = {k: (saved.get(k), v) for k, v in expect_model.items() if saved.get(k) != v}
@@ -185,9 +185,16 @@ def load_checkpoint(path: Path, model: torch.nn.Module, opt: Optimizer, grid: Pa
         detail = ", ".join(f"{k}: checkpoint {a} vs config {b}" for k, (a, b) in diff.items())
         raise CheckpointError(f"checkpoint {path} is for a different model shape ({detail}): "
                               f"use a matching model config or another checkpoint.load / checkpoint.dir")
+    return meta
+
+
+def load_checkpoint(path: Path, model: torch.nn.Module, opt: Optimizer, grid: ParallelGrid, mesh: DeviceMesh,
+                    expect_model: dict) -> dict:
+    """Load model + optimizer (resharding to this layout) and return meta (step, consumed samples, ...)."""
+    meta = check_model_shape(path, expect_model)
     state = training_state(model, opt, grid, mesh)
     dcp.load(state, storage_reader=SafeFileSystemReader(str(path)))
-    opt.set_step(meta["step"])
+    opt.set_step(meta.get("optimizer_steps", meta["step"]))    # AdamW's count: skipped steps excluded
     rng_file = path / f"rng_rank{grid.rank}.pt"
     if rng_file.is_file():
         torch.set_rng_state(torch.load(rng_file, weights_only=True)["torch"])

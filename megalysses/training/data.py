@@ -24,6 +24,15 @@ class TrainingData:
             self.valid = MockGPTDataset(max(t.eval_steps, 1) * t.global_batch_size, d.seq_len, cfg.model.vocab_size,
                                         self.eod_id, t.seed + 1)
             return
+        try:
+            self._build(cfg)
+        except DatasetError:
+            raise
+        except ValueError as e:   # a bad split, blend list, tokenizer model: one message naming it
+            raise DatasetError(f"data: {e}") from e
+
+    def _build(self, cfg: Config) -> None:
+        d, t = cfg.data, cfg.training
         tokenizer = build_tokenizer(d.tokenizer, d.tokenizer_model)
         if tokenizer.vocab_size > cfg.model.vocab_size:
             raise DatasetError(f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size="

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from megalysses.comm import Group
+from megalysses.config import ConfigError
 
 try:  # public since torch 2.6
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -33,7 +34,7 @@ except ImportError:  # pragma: no cover - depends on the installed torch
 def shard_model(model: nn.Module, grad_mesh: DeviceMesh, compute_dtype: torch.dtype) -> nn.Module:
     """Apply fully_shard to each block and to the stage (in place); parameters become DTensors."""
     if fully_shard is None or not hasattr(FSDPModule, "set_force_sum_reduction_for_comms"):
-        raise RuntimeError(f"parallel.fsdp needs FSDP2 with sum reductions (torch >= 2.8); this is torch "
+        raise ConfigError(f"parallel.fsdp needs FSDP2 with sum reductions (torch >= 2.8); this is torch "
                            f"{torch.__version__}: upgrade torch or set parallel.fsdp=false (ZeRO-1)")
     tp_dims = {name: getattr(p, "tp_dim", None) for name, p in model.named_parameters()}
     policy = MixedPrecisionPolicy(param_dtype=None if compute_dtype == torch.float32 else compute_dtype,
@@ -58,7 +59,8 @@ class FSDPAdamW:
     """AdamW over the FSDP-sharded parameters; same interface and checkpoint layout as ShardedAdamW."""
 
     def __init__(self, model: nn.Module, *, lr: float, betas: tuple[float, float], eps: float,
-                 weight_decay: float, tp_rank: int = 0, embed_group: Group = None, tied_head_copy: bool = False) -> None:
+                 weight_decay: float, tp_rank: int = 0, embed_group: Group = None,
+                 tied_head_copy: bool = False) -> None:
         self.named = list(model.named_parameters())
         self.embed_group = embed_group
         self.tied_embed = [p for n, p in self.named if n == "embed.weight"] if embed_group is not None else []
@@ -93,13 +95,17 @@ class FSDPAdamW:
 
     @torch.no_grad()
     def step(self, max_norm: float = 0.0) -> float:
-        """Sync tied embeddings, clip, update. Returns the gradient norm before clipping."""
+        """Sync tied embeddings, clip, update. Returns the gradient norm before clipping; a non-finite
+        norm leaves weights and state untouched."""
         for _, p in self.named:         # a parameter that got no gradient steps like one with a zero gradient
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         for p in self.tied_embed:       # both copies hold the same chunk layout: sum chunk-wise
             dist.all_reduce(_local(p.grad), group=self.embed_group)
         norm = self.grad_norm()
+        if not torch.isfinite(norm):   # the same on every rank: drop the gradients, change nothing
+            self.zero_grad()
+            return norm.item()
         if max_norm > 0:
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
             for _, p in self.named:

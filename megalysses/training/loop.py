@@ -14,8 +14,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from megalysses.config import Config, save_config
+from megalysses.config import Config, ConfigError, save_config
 from megalysses.grid import ParallelGrid
+from megalysses.kernels.attention import resolve_backend
+from megalysses.kernels.triton_support import triton_importable, triton_interpreting
 from megalysses.model.gpt import GPTStage, init_weights, stage_layers
 from megalysses.model.layers import ParallelGroups
 from megalysses.training.checkpoint import build_mesh, load_checkpoint, resolve_checkpoint, save_checkpoint, CheckpointError
@@ -25,6 +27,27 @@ from megalysses.training.metrics import MetricsLogger, print0
 from megalysses.training.optimizer import Optimizer, ShardedAdamW
 from megalysses.training.schedule import lr_at
 from megalysses.training.step import evaluate, train_step
+
+
+def check_environment(cfg: Config, device: torch.device) -> None:
+    """What the config asks of this machine, checked before anything is built; raises ConfigError."""
+    m = cfg.model
+    dtype = compute_dtype(cfg, device)
+    if m.attention_backend != "auto":
+        try:
+            resolve_backend(m.attention_backend, device, dtype, has_docs=cfg.data.document_mask)
+        except RuntimeError as e:
+            raise ConfigError(f"model.attention_backend={m.attention_backend}: {e}") from None
+    if m.kernels == "triton" and not (triton_importable() and (device.type == "cuda" or triton_interpreting())):
+        missing = "" if triton_importable() else ", triton not importable"
+        raise ConfigError(f"model.kernels=triton needs the triton package and a CUDA device (this is "
+                          f"{device.type}{missing}): use model.kernels=torch")
+    if cfg.logging.wandb_mode != "disabled":
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            raise ConfigError(f"logging.wandb_mode={cfg.logging.wandb_mode} needs wandb: pip install "
+                              f"'megalysses[wandb]', or set logging.wandb_mode=disabled") from None
 
 
 def compute_dtype(cfg: Config, device: torch.device) -> torch.dtype:
@@ -88,13 +111,14 @@ def train(cfg: Config, grid: ParallelGrid, device: torch.device) -> dict:
     ckpt_dir = Path(cfg.checkpoint.dir or run_dir / "checkpoints")
     if grid.rank == 0:
         save_config(cfg, run_dir / "config.yaml")
+    check_environment(cfg, device)
     dtype = compute_dtype(cfg, device)
     mesh = build_mesh(grid, device)
     model = build_model(cfg, grid, device, mesh)
     opt = build_optimizer(cfg, model, grid)
     data = TrainingData(cfg, grid, device)
 
-    step, consumed = 0, 0
+    step, consumed, updates = 0, 0, 0       # updates: optimizer steps taken (skipped steps excluded)
     source = ckpt_dir if cfg.checkpoint.load == "auto" else cfg.checkpoint.load
     if source is not None:
         path = resolve_checkpoint(source)
@@ -103,7 +127,12 @@ def train(cfg: Config, grid: ParallelGrid, device: torch.device) -> dict:
         if path is not None:
             meta = load_checkpoint(path, model, opt, grid, mesh, model_shape(cfg))
             step, consumed = meta["step"], meta["consumed_samples"]
+            updates = meta.get("optimizer_steps", step)
             print0(f"resumed from {path} at step {step} ({consumed} samples consumed)")
+            if 0 < cfg.training.exit_at_step <= step:
+                raise ConfigError(f"the checkpoint {path} is at step {step}, already at or past "
+                                  f"training.exit_at_step={cfg.training.exit_at_step}: raise exit_at_step "
+                                  f"(or set it to 0) to continue this run")
 
     total = cfg.training.train_steps
     logger = MetricsLogger(cfg, run_dir, grid.world, device, total)
@@ -113,8 +142,10 @@ def train(cfg: Config, grid: ParallelGrid, device: torch.device) -> dict:
 
     def save() -> None:
         save_checkpoint(ckpt_dir, step, model, opt, grid, mesh, keep_last=cfg.checkpoint.keep_last,
-                        meta={"consumed_samples": consumed, "model_shape": model_shape(cfg),
-                              "layout": {"tp": grid.tp_size, "sp": grid.sp_size, "pp": grid.pp_size, "dp": grid.dp_size}})
+                        meta={"consumed_samples": consumed, "optimizer_steps": updates,
+                              "model_shape": model_shape(cfg),
+                              "layout": {"tp": grid.tp_size, "sp": grid.sp_size, "pp": grid.pp_size,
+                                         "dp": grid.dp_size}})
 
     batches = data.train_batches(consumed)
     first_step, saved_at = step, step
@@ -124,6 +155,7 @@ def train(cfg: Config, grid: ParallelGrid, device: torch.device) -> dict:
             result = train_step(model, opt, next(batches), grid, lr=lr, grad_clip=cfg.optimizer.grad_clip,
                                 dtype=dtype, nan_policy=cfg.training.nan_policy)
             step += 1
+            updates += not result.skipped
             consumed += cfg.training.global_batch_size
             loss = result.loss
             logger.step(step, result.loss, lr, result.grad_norm, result.tokens)

@@ -208,9 +208,16 @@ class ShardedAdamW:
 
     @torch.no_grad()
     def step(self, max_norm: float = 0.0) -> float:
-        """Reduce, clip, update, all-gather. Returns the gradient norm before clipping."""
+        """Reduce, clip, update, all-gather. Returns the gradient norm before clipping; a non-finite norm
+        (the same on every rank) drops the gradients and leaves weights and state untouched."""
         self.reduce_gradients()
         norm = self.grad_norm()
+        if not torch.isfinite(norm):
+            self.zero_grad()
+            for s in self.slots:
+                if s.master is not None:
+                    s.master.grad = None
+            return norm.item()
         if max_norm > 0:
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
             for s in self.slots:

@@ -14,7 +14,8 @@ def lr_at(step: int, opt: OptimizerConfig, total_steps: int) -> float:
         return opt.lr
     if opt.schedule == "wsd":
         decay_steps = max(1, int(round(opt.decay_fraction * total_steps)))
-        decay_start = total_steps - decay_steps
+        decay_start = max(total_steps - decay_steps, opt.warmup_steps)   # never decay before warmup ends
+        decay_steps = max(1, total_steps - decay_start)
         if step < decay_start:
             return opt.lr
         frac = min(1.0, (step - decay_start + 1) / decay_steps)

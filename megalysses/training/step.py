@@ -84,7 +84,12 @@ def train_step(model: torch.nn.Module, opt: Optimizer, microbatches: list[Batch]
             raise NonFiniteLossError(f"loss is {loss}: aborting (set training.nan_policy=skip to skip such steps)")
         return StepResult(loss, float("nan"), int(count.item()), skipped=True)
     opt.set_lr(lr)
-    norm = opt.step(grad_clip)
+    norm = opt.step(grad_clip)              # a non-finite gradient norm updates nothing
+    if not math.isfinite(norm):
+        if nan_policy == "abort":
+            raise NonFiniteLossError(f"gradient norm is {norm} (loss {loss:.4f}): aborting "
+                                     f"(set training.nan_policy=skip to skip such steps)")
+        return StepResult(loss, norm, int(count.item()), skipped=True)
     return StepResult(loss, norm, int(count.item()))
 
 
