@@ -84,6 +84,9 @@ class ParallelConfig:
     """Ulysses sequence-parallel degree."""
     pp: int = 1
     """Pipeline-parallel degree (stages)."""
+    virtual_stages: int = 1
+    """Model chunks per pipeline rank (interleaved 1F1B: the bubble shrinks by this factor). Needs
+    pp >= 2, num_layers divisible by pp * virtual_stages and micro-batches per step divisible by pp."""
     tp_sequence_parallel: bool = False
     """Shard norms and the residual stream over tp (Megatron 'sequence parallel')."""
     overlap_grad_reduce: bool = True
@@ -392,6 +395,16 @@ def validate_config(cfg: Config, world_size: Optional[int] = None) -> None:
         what = f"parallel.sp={p.sp}" + (f" * parallel.tp={p.tp} (tp_sequence_parallel)" if p.tp_sequence_parallel else "")
         raise ConfigError(f"data.seq_len={d.seq_len} is not divisible by {what} = {shard}: "
                           f"use a seq_len that is a multiple of {shard}")
+    if p.virtual_stages < 1:
+        raise ConfigError(f"parallel.virtual_stages={p.virtual_stages} must be >= 1")
+    if p.virtual_stages > 1:
+        if p.pp < 2:
+            raise ConfigError(f"parallel.virtual_stages={p.virtual_stages} needs parallel.pp >= 2 (it interleaves "
+                              f"model chunks over pipeline ranks)")
+        if m.num_layers % (p.pp * p.virtual_stages):
+            raise ConfigError(f"model.num_layers={m.num_layers} is not divisible by parallel.pp * "
+                              f"parallel.virtual_stages = {p.pp} * {p.virtual_stages}: every virtual stage holds "
+                              f"the same number of layers")
     if m.num_layers % p.pp:
         raise ConfigError(f"model.num_layers={m.num_layers} is not divisible by parallel.pp={p.pp}: "
                           f"every pipeline stage holds the same number of layers")
@@ -416,6 +429,11 @@ def validate_config(cfg: Config, world_size: Optional[int] = None) -> None:
         if t.global_batch_size % per_step:
             raise ConfigError(f"training.global_batch_size={t.global_batch_size} is not divisible by "
                               f"micro_batch_size={t.micro_batch_size} * dp={dp} = {per_step}")
+        micro = t.global_batch_size // per_step
+        if p.virtual_stages > 1 and micro % p.pp:
+            raise ConfigError(f"interleaved pipeline: {micro} micro-batches per step (global_batch_size / "
+                              f"(micro_batch_size * dp)) is not a multiple of parallel.pp={p.pp}: change "
+                              f"training.global_batch_size or micro_batch_size")
 
 
 # (section, field, lowest allowed value, highest allowed value or None)

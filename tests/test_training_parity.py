@@ -15,6 +15,7 @@ BASE = [
     "training.global_batch_size=8", "training.train_steps=3", "optimizer.lr=1e-3", "optimizer.warmup_steps=1",
     "optimizer.grad_clip=0.5", "logging.log_interval=1", "parallel.timeout_seconds=60",
     "parallel.grad_bucket_elements=5000",   # several buckets, reduce-scatters overlapped with the backward
+    "training.eval_interval=3", "training.eval_steps=1",   # validation (with the layout's sharding) at step 3
 ]
 LAYOUTS = {  # name: (world, overrides)
     "single": (1, []),
@@ -23,6 +24,7 @@ LAYOUTS = {  # name: (world, overrides)
     "pp2": (2, ["parallel.pp=2", "training.activation_checkpointing=true"]),   # 8 micro-batches, 2 stages
     "dp2": (2, []),
     "dp2_no_overlap": (2, ["parallel.overlap_grad_reduce=false"]),
+    "pp2v2": (2, ["parallel.pp=2", "parallel.virtual_stages=2"]),   # interleaved 1F1B, 2 chunks per rank
     "sp4": (4, ["parallel.sp=4"]),            # 2 KV heads over 4 sp ranks: KV replication
     "tp2sp2pp2": (8, ["parallel.tp=2", "parallel.sp=2", "parallel.pp=2", "parallel.tp_sequence_parallel=true",
                       "model.tie_embeddings=true"]),
@@ -35,6 +37,9 @@ LAYOUTS = {  # name: (world, overrides)
     # bf16 autocast (CPU): FSDP gathers bf16 weights, so pipeline stages produce bf16 activations
     "bf16_pp2dp2": (4, ["parallel.pp=2", "training.dtype=bfloat16"]),
     "bf16_fsdp_pp2dp2": (4, ["parallel.pp=2", "parallel.fsdp=true", "training.dtype=bfloat16"]),
+    "fsdp_pp2v2dp2": (4, ["parallel.pp=2", "parallel.virtual_stages=2", "parallel.fsdp=true"]),
+    "tp2sp2pp2v2": (8, ["parallel.tp=2", "parallel.sp=2", "parallel.pp=2", "parallel.virtual_stages=2",
+                        "parallel.tp_sequence_parallel=true", "model.tie_embeddings=true"]),
     "fsdp_tp2sp2pp2": (8, ["parallel.tp=2", "parallel.sp=2", "parallel.pp=2", "parallel.fsdp=true",
                            "model.tie_embeddings=true"]),
 }
@@ -99,6 +104,11 @@ def grad_norms(run_dir: Path) -> list[float]:
     return [r["grad_norm"] for r in rows if "grad_norm" in r]
 
 
+def val_losses(run_dir: Path) -> list[float]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["val_loss"] for r in rows if "val_loss" in r]
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     """Relative error in the Frobenius norm. (Adam divides each element by its own gradient scale, so
     the fp32 reassociation noise of near-zero gradients shows up element-wise, not in the norm.)"""
@@ -109,8 +119,8 @@ def run_layouts(tmp_path: Path, world: int, names: list[str]) -> dict:
     tmp_path.mkdir(parents=True, exist_ok=True)
     runs = [(str(tmp_path / n), LAYOUTS[n][1]) for n in names]
     per_rank = run_distributed(_train_worker, world, tmp_path, args=(runs,), timeout=400)
-    return {n: (losses(tmp_path / n), full_weights([r[i] for r in per_rank]), grad_norms(tmp_path / n))
-            for i, n in enumerate(names)}
+    return {n: (losses(tmp_path / n), full_weights([r[i] for r in per_rank]), grad_norms(tmp_path / n),
+                val_losses(tmp_path / n)) for i, n in enumerate(names)}
 
 
 @pytest.fixture(scope="module")
@@ -119,8 +129,10 @@ def reference(tmp_path_factory):
 
 
 def check_against(reference, got, name):
-    ref_losses, ref_weights, ref_norms = reference
-    got_losses, got_weights, got_norms = got
+    ref_losses, ref_weights, ref_norms, ref_val = reference
+    got_losses, got_weights, got_norms, got_val = got
+    assert len(got_val) == len(ref_val) == 1
+    assert abs(got_val[0] - ref_val[0]) <= 1e-5 * abs(ref_val[0]), f"{name}: validation loss {got_val} != {ref_val}"
     assert len(got_losses) == len(ref_losses) == len(got_norms) == 3
     for step, (a, b) in enumerate(zip(got_losses, ref_losses), 1):
         assert abs(a - b) <= 1e-5 * abs(b), f"{name}: step {step} loss {a} != {b}"
@@ -136,18 +148,19 @@ def check_against(reference, got, name):
 
 def test_layouts_on_2_ranks(tmp_path, reference):
     results = run_layouts(tmp_path, 2, ["tp2", "sp2", "pp2", "dp2", "dp2_no_overlap", "fsdp_dp2",
-                                             "fsdp_sp2"])
+                                             "fsdp_sp2", "pp2v2"])
     for name, got in results.items():
         check_against(reference, got, name)
 
 
 def test_layouts_on_4_ranks(tmp_path, reference):
     # sp4: 2 KV heads over 4 sp ranks (KV replication); FSDP with tp + sp and with a pipeline
-    results = run_layouts(tmp_path, 4, ["sp4", "fsdp_tp2sp2", "fsdp_pp2dp2", "bf16_pp2dp2", "bf16_fsdp_pp2dp2"])
-    for name in ("sp4", "fsdp_tp2sp2", "fsdp_pp2dp2"):
+    results = run_layouts(tmp_path, 4, ["sp4", "fsdp_tp2sp2", "fsdp_pp2dp2", "fsdp_pp2v2dp2", "bf16_pp2dp2",
+                                        "bf16_fsdp_pp2dp2"])
+    for name in ("sp4", "fsdp_tp2sp2", "fsdp_pp2dp2", "fsdp_pp2v2dp2"):
         check_against(reference, results[name], name)
     # bf16: FSDP rounds the weights it gathers, so only closeness to the ZeRO-1 bf16 run is expected
-    (z_loss, _, z_norm), (f_loss, _, f_norm) = results["bf16_pp2dp2"], results["bf16_fsdp_pp2dp2"]
+    (z_loss, _, z_norm, _), (f_loss, _, f_norm, _) = results["bf16_pp2dp2"], results["bf16_fsdp_pp2dp2"]
     for a, b in zip(f_loss, z_loss):
         assert abs(a - b) <= 2e-3 * abs(b), f"bf16 FSDP pp2 losses {f_loss} vs ZeRO-1 {z_loss}"
     for a, b in zip(f_norm, z_norm):
@@ -158,5 +171,5 @@ def test_tp2_sp2_pp2_on_8_ranks(tmp_path):
     # tied embeddings and TP sequence sharding here, so the reference is its own single-process run
     LAYOUTS["single_tied"] = (1, ["model.tie_embeddings=true"])
     ref = run_layouts(tmp_path / "ref", 1, ["single_tied"])["single_tied"]
-    for name, got in run_layouts(tmp_path, 8, ["tp2sp2pp2", "fsdp_tp2sp2pp2"]).items():
+    for name, got in run_layouts(tmp_path, 8, ["tp2sp2pp2", "tp2sp2pp2v2", "fsdp_tp2sp2pp2"]).items():
         check_against(ref, got, name)

@@ -1,4 +1,5 @@
-"""Forward/backward over micro-batches: plain accumulation (pp=1) or the 1F1B pipeline schedule.
+"""Forward/backward over micro-batches: plain accumulation (pp=1) or the 1F1B pipeline schedule
+(interleaved virtual stages: interleaved.py).
 
 1F1B on stage p of P with M micro-batches: min(P-p-1, M) warm-up forwards, then alternate one
 forward and one backward, then the remaining backwards. Activations travel between neighbouring

@@ -51,6 +51,16 @@ def shard_model(model: nn.Module, grad_mesh: DeviceMesh, compute_dtype: torch.dt
     return model
 
 
+def reshard(model: nn.Module) -> None:
+    """Free the gathered weights a forward-only pass left behind (the root unit keeps them after its
+    forward, expecting a backward), so parameters are the sharded DTensors again."""
+    if fully_shard is None:
+        return
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def _local(t: Tensor) -> Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 

@@ -20,6 +20,7 @@ from megalysses.kernels.attention import resolve_backend
 from megalysses.kernels.triton_support import triton_importable, triton_interpreting
 from megalysses.model.gpt import GPTStage, init_weights, stage_layers
 from megalysses.model.layers import ParallelGroups
+from megalysses.parallel.interleaved import VirtualStages
 from megalysses.training.checkpoint import build_mesh, load_checkpoint, resolve_checkpoint, save_checkpoint, CheckpointError
 from megalysses.training.data import TrainingData
 from megalysses.training.fsdp import FSDPAdamW, shard_model
@@ -56,20 +57,25 @@ def compute_dtype(cfg: Config, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.training.dtype]
 
 
-def build_model(cfg: Config, grid: ParallelGrid, device: torch.device, mesh: DeviceMesh) -> GPTStage:
-    """This rank's pipeline stage with its tp shards, initialised identically at every layout
-    (then, with parallel.fsdp, sharded over the grad group)."""
+def build_model(cfg: Config, grid: ParallelGrid, device: torch.device, mesh: DeviceMesh) -> GPTStage | VirtualStages:
+    """This rank's pipeline stage (or its virtual stages) with its tp shards, initialised identically at
+    every layout (then, with parallel.fsdp, sharded over the grad group)."""
     groups = ParallelGroups(tp=grid.tp_group, sp=grid.sp_group, sequence_parallel=cfg.parallel.tp_sequence_parallel)
-    model = GPTStage(cfg.model, groups, stage_layers(cfg.model.num_layers, grid.pp_size, grid.pp_rank),
-                     first=grid.is_first_stage, last=grid.is_last_stage,
-                     activation_checkpointing=cfg.training.activation_checkpointing,
-                     loss_chunk_tokens=cfg.training.loss_chunk_tokens,
-                     mlp_chunk_tokens=cfg.training.mlp_chunk_tokens)
-    init_weights(model, cfg.training.seed, grid.tp_rank, grid.tp_size)
-    model = model.to(device)
-    if cfg.parallel.fsdp:
-        shard_model(model, mesh["grad"], compute_dtype(cfg, device))
-    return model
+    v = cfg.parallel.virtual_stages
+    V = grid.pp_size * v
+    chunks = []
+    for k in range(v):   # chunk k of this rank is virtual stage k * pp + pp_rank
+        vs = k * grid.pp_size + grid.pp_rank
+        chunk = GPTStage(cfg.model, groups, stage_layers(cfg.model.num_layers, V, vs), first=vs == 0,
+                         last=vs == V - 1, activation_checkpointing=cfg.training.activation_checkpointing,
+                         loss_chunk_tokens=cfg.training.loss_chunk_tokens,
+                         mlp_chunk_tokens=cfg.training.mlp_chunk_tokens)
+        init_weights(chunk, cfg.training.seed, grid.tp_rank, grid.tp_size)
+        chunk = chunk.to(device)
+        if cfg.parallel.fsdp:
+            shard_model(chunk, mesh["grad"], compute_dtype(cfg, device))
+        chunks.append(chunk)
+    return chunks[0] if v == 1 else VirtualStages(chunks)
 
 
 def build_optimizer(cfg: Config, model: GPTStage, grid: ParallelGrid) -> Optimizer:

@@ -15,8 +15,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megalysses.grid import ParallelGrid
+from megalysses.parallel.interleaved import VirtualStages, run_interleaved
 from megalysses.parallel.pipeline import Batch, _forward, forward_backward_1f1b, forward_backward_local
 from megalysses.comm import send_recv
+from megalysses.training.fsdp import reshard
 from megalysses.training.optimizer import Optimizer
 
 
@@ -71,6 +73,11 @@ def train_step(model: torch.nn.Module, opt: Optimizer, microbatches: list[Batch]
     with autocast(device, dtype):
         if grid.pp_size == 1:
             total = forward_backward_local(model, microbatches, scale)
+        elif isinstance(model, VirtualStages):
+            total = run_interleaved(model, microbatches, scale, pp_rank=grid.pp_rank, pp_size=grid.pp_size,
+                                    rank_of_stage=grid.stage_rank, device=device,
+                                    hidden_shape=_hidden_shape(microbatches[0], grid, model.cfg.hidden_size,
+                                                               model.groups.sequence_parallel))
         else:
             total = forward_backward_1f1b(
                 model, microbatches, scale, pp_rank=grid.pp_rank, pp_size=grid.pp_size,
@@ -100,6 +107,15 @@ def evaluate(model: torch.nn.Module, microbatches: list[Batch], grid: ParallelGr
     count = global_token_count(microbatches, grid)
     scale = 1.0 / max(count.item(), 1.0)
     model.eval()
+    if isinstance(model, VirtualStages):
+        with autocast(device, dtype):
+            total = run_interleaved(model, microbatches, scale, pp_rank=grid.pp_rank, pp_size=grid.pp_size,
+                                    rank_of_stage=grid.stage_rank, device=device, forward_only=True,
+                                    hidden_shape=_hidden_shape(microbatches[0], grid, model.cfg.hidden_size,
+                                                               model.groups.sequence_parallel))
+        reshard(model)
+        model.train()
+        return _global_loss(total, grid, device)
     total = torch.zeros(())
     prev = grid.stage_rank(grid.pp_rank - 1) if not grid.is_first_stage else None
     nxt = grid.stage_rank(grid.pp_rank + 1) if not grid.is_last_stage else None
@@ -115,5 +131,6 @@ def evaluate(model: torch.nn.Module, microbatches: list[Batch], grid: ParallelGr
                 send_recv(sends=[(out, nxt)])
             else:
                 total += out.float().cpu()
+    reshard(model)
     model.train()
     return _global_loss(total, grid, device)
