@@ -104,11 +104,14 @@ class _StopFlags:
 
     def __init__(self) -> None:
         self.signalled = False
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self._handle)
+        self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGUSR1)}
 
     def _handle(self, signum, frame) -> None:
         self.signalled = True
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
 
 
 def train(cfg: Config, grid: ParallelGrid, device: torch.device) -> dict:
@@ -184,5 +187,6 @@ def train(cfg: Config, grid: ParallelGrid, device: torch.device) -> dict:
         if stopped_by != "train_steps":
             print0(f"stopped at step {step} ({stopped_by}); checkpoint saved to {ckpt_dir}")
     finally:
+        flags.restore()
         logger.close()
     return {"step": step, "loss": loss, "stopped_by": stopped_by}
