@@ -207,7 +207,8 @@ class LoggingConfig:
     wandb_project: str = "megalysses"
     """Weights & Biases project."""
     peak_tflops: float = 0.0
-    """Peak dense TFLOP/s of one device for MFU (0 = guess from the device name)."""
+    """Peak dense TFLOP/s of one device for MFU (0 = the bf16 peak guessed from the GPU name, for bf16
+    runs; no MFU otherwise)."""
 
 
 @dataclass

@@ -144,7 +144,7 @@ def train(cfg: Config, grid: ParallelGrid, device: torch.device) -> dict:
                                   f"(or set it to 0) to continue this run")
 
     total = cfg.training.train_steps
-    logger = MetricsLogger(cfg, run_dir, grid.world, device, total)
+    logger = MetricsLogger(cfg, run_dir, grid.world, device, total, dtype)
     flags = _StopFlags()
     start = time.monotonic()
     stopped_by, loss = "train_steps", float("nan")

@@ -44,10 +44,12 @@ def flops_per_token(m: ModelConfig, seq_len: int) -> float:
     return 6.0 * matmul_params(m) + 6.0 * m.num_layers * m.num_heads * m.head_dim * seq_len
 
 
-def peak_tflops(configured: float, device: torch.device) -> Optional[float]:
+def peak_tflops(configured: float, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> Optional[float]:
+    """logging.peak_tflops when set; else the device's bf16 dense peak for bf16 compute on a known GPU;
+    else None (no MFU is printed rather than one against the wrong peak)."""
     if configured > 0:
         return configured
-    if device.type == "cuda":
+    if device.type == "cuda" and dtype == torch.bfloat16:
         name = torch.cuda.get_device_name(device)
         for key, value in PEAK_TFLOPS.items():
             if key in name:
@@ -59,10 +61,11 @@ class MetricsLogger:
     """Rank 0 writes one JSON object per logged step to <run_dir>/metrics.jsonl, prints a line, and
     mirrors to wandb when enabled."""
 
-    def __init__(self, cfg: Config, run_dir: Path, world: int, device: torch.device, total_steps: int) -> None:
+    def __init__(self, cfg: Config, run_dir: Path, world: int, device: torch.device, total_steps: int,
+                 dtype: torch.dtype = torch.bfloat16) -> None:
         self.cfg, self.world, self.device, self.total = cfg, world, device, total_steps
         self.flops_tok = flops_per_token(cfg.model, cfg.data.seq_len)
-        self.peak = peak_tflops(cfg.logging.peak_tflops, device)
+        self.peak = peak_tflops(cfg.logging.peak_tflops, device, dtype)
         self.path = run_dir / "metrics.jsonl"
         self.wandb = None
         self.t_last, self.tokens_since, self.steps_since = time.perf_counter(), 0, 0
