@@ -3,7 +3,8 @@
 #   docker run --gpus all --ipc=host -v $PWD/data:/workspace/megalysses/data megalysses \
 #       torchrun --nproc-per-node 8 pretrain.py --config configs/gpt_1b_32k.yaml
 # The base image brings CUDA, NCCL and a CUDA build of torch; megalysses only adds pure-Python deps.
-ARG BASE=pytorch/pytorch:2.5.1-cuda12.4-cudnn9-devel
+# Any torch >= 2.4 trains; parallel.fsdp needs a recent one (FSDP2 with sum-only reductions).
+ARG BASE=pytorch/pytorch:2.9.0-cuda12.8-cudnn9-devel
 FROM ${BASE}
 
 ARG FLASH_ATTN=0

@@ -34,8 +34,9 @@ except ImportError:  # pragma: no cover - depends on the installed torch
 def shard_model(model: nn.Module, grad_mesh: DeviceMesh, compute_dtype: torch.dtype) -> nn.Module:
     """Apply fully_shard to each block and to the stage (in place); parameters become DTensors."""
     if fully_shard is None or not hasattr(FSDPModule, "set_force_sum_reduction_for_comms"):
-        raise ConfigError(f"parallel.fsdp needs FSDP2 with sum reductions (torch >= 2.8); this is torch "
-                           f"{torch.__version__}: upgrade torch or set parallel.fsdp=false (ZeRO-1)")
+        raise ConfigError(f"parallel.fsdp needs FSDP2 with sum-only reductions "
+                          f"(FSDPModule.set_force_sum_reduction_for_comms), which torch {torch.__version__} lacks: "
+                          f"upgrade torch or set parallel.fsdp=false (ZeRO-1)")
     tp_dims = {name: getattr(p, "tp_dim", None) for name, p in model.named_parameters()}
     policy = MixedPrecisionPolicy(param_dtype=None if compute_dtype == torch.float32 else compute_dtype,
                                   reduce_dtype=torch.float32)
