@@ -167,7 +167,8 @@ def train(cfg: Config, grid: ParallelGrid, device: torch.device) -> dict:
             updates += not result.skipped
             consumed += cfg.training.global_batch_size
             loss = result.loss
-            logger.step(step, result.loss, lr, result.grad_norm, result.tokens)
+            # throughput counts every token processed (masked labels included), as the FLOPs do
+            logger.step(step, result.loss, lr, result.grad_norm, cfg.training.global_batch_size * cfg.data.seq_len)
             t0 = time.perf_counter()
             if cfg.training.eval_interval and step % cfg.training.eval_interval == 0:
                 logger.eval(step, evaluate(model, data.valid_batches(), grid, dtype))
