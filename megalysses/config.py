@@ -376,9 +376,6 @@ def validate_config(cfg: Config, world_size: Optional[int] = None) -> None:
     """Cross-field rules. With `world_size`, also the layout and batch arithmetic. Raises ConfigError."""
     m, p, d, t = cfg.model, cfg.parallel, cfg.data, cfg.training
     _check_ranges(cfg)
-    for name in ("tp", "sp", "pp"):
-        if getattr(p, name) < 1:
-            raise ConfigError(f"parallel.{name}={getattr(p, name)} must be >= 1")
     if m.hidden_size % m.num_heads:
         raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}")
     if m.head_dim % 2:
@@ -396,8 +393,6 @@ def validate_config(cfg: Config, world_size: Optional[int] = None) -> None:
         what = f"parallel.sp={p.sp}" + (f" * parallel.tp={p.tp} (tp_sequence_parallel)" if p.tp_sequence_parallel else "")
         raise ConfigError(f"data.seq_len={d.seq_len} is not divisible by {what} = {shard}: "
                           f"use a seq_len that is a multiple of {shard}")
-    if p.virtual_stages < 1:
-        raise ConfigError(f"parallel.virtual_stages={p.virtual_stages} must be >= 1")
     if p.virtual_stages > 1:
         if p.pp < 2:
             raise ConfigError(f"parallel.virtual_stages={p.virtual_stages} needs parallel.pp >= 2 (it interleaves "
@@ -413,11 +408,6 @@ def validate_config(cfg: Config, world_size: Optional[int] = None) -> None:
         raise ConfigError("data.tokenizer=sentencepiece needs data.tokenizer_model (path to the .model file)")
     if not d.mock and not d.paths:
         raise ConfigError("data.paths is empty: give dataset prefixes (tools/preprocess_data.py output) or set data.mock=true")
-    for name in ("loss_chunk_tokens", "mlp_chunk_tokens"):
-        if getattr(t, name) < 0:
-            raise ConfigError(f"training.{name}={getattr(t, name)} must be >= 0 (0 = no tiling)")
-    if p.grad_bucket_elements < 1:
-        raise ConfigError(f"parallel.grad_bucket_elements={p.grad_bucket_elements} must be >= 1")
     if t.micro_batch_size < 1 or t.global_batch_size < 1:
         raise ConfigError("training.micro_batch_size and training.global_batch_size must be >= 1")
     if world_size is not None:
@@ -449,7 +439,10 @@ _RANGES = [
     ("training", "train_steps", 1, None), ("training", "exit_at_step", 0, None),
     ("training", "max_wall_minutes", 0.0, None), ("training", "eval_interval", 0, None),
     ("training", "eval_steps", 1, None), ("checkpoint", "save_interval", 0, None), ("checkpoint", "keep_last", 0, None),
+    ("training", "loss_chunk_tokens", 0, None), ("training", "mlp_chunk_tokens", 0, None),
     ("logging", "log_interval", 1, None), ("parallel", "timeout_seconds", 1.0, None),
+    ("parallel", "tp", 1, None), ("parallel", "sp", 1, None), ("parallel", "pp", 1, None),
+    ("parallel", "virtual_stages", 1, None), ("parallel", "grad_bucket_elements", 1, None),
 ]
 
 

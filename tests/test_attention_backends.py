@@ -46,15 +46,28 @@ def require(backend, device, dtype=torch.float32):
         pytest.skip("flash-attn takes float16/bfloat16 only")
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("docs", [False, True], ids=["causal", "documents"])
-@pytest.mark.parametrize("hq,hkv", HEADS)
-@pytest.mark.parametrize("backend", ["sdpa", "flex", "flash"])
-def test_backend_output_matches_reference(backend, hq, hkv, docs, device):
+def backend_matrix(test):
+    """Every backend x head layout x mask x device."""
+    for mark in (pytest.mark.parametrize("backend", ["sdpa", "flex", "flash"]),
+                 pytest.mark.parametrize("hq,hkv", HEADS),
+                 pytest.mark.parametrize("docs", [False, True], ids=["causal", "documents"]),
+                 pytest.mark.parametrize("device", DEVICES)):
+        test = mark(test)
+    return test
+
+
+def backend_case(backend, hq, hkv, docs, device):
+    """(dtype, q, k, v, mask) for one case; skips when the backend cannot run here."""
     dtype = torch.bfloat16 if backend == "flash" else torch.float32
     require(backend, device, dtype)
     q, k, v = make_qkv(hq=hq, hkv=hkv, dtype=dtype, device=device)
     mask = prepare_attention_mask(make_doc_ids(device=device), backend) if docs else None
+    return dtype, q, k, v, mask
+
+
+@backend_matrix
+def test_backend_output_matches_reference(backend, hq, hkv, docs, device):
+    dtype, q, k, v, mask = backend_case(backend, hq, hkv, docs, device)
     with torch.no_grad():
         want = core_attention(q, k, v, mask=mask, backend="reference")
         got = core_attention(q, k, v, mask=mask, backend=backend)
@@ -62,17 +75,11 @@ def test_backend_output_matches_reference(backend, hq, hkv, docs, device):
     torch.testing.assert_close(got, want, **tolerance(device, dtype))
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("docs", [False, True], ids=["causal", "documents"])
-@pytest.mark.parametrize("hq,hkv", HEADS)
-@pytest.mark.parametrize("backend", ["sdpa", "flex", "flash"])
+@backend_matrix
 def test_backend_gradients_match_reference(backend, hq, hkv, docs, device):
-    dtype = torch.bfloat16 if backend == "flash" else torch.float32
-    require(backend, device, dtype)
     if backend == "flex" and device == "cpu":
         pytest.skip("torch implements FlexAttention's backward for CUDA only (forward is checked on CPU)")
-    q, k, v = make_qkv(hq=hq, hkv=hkv, dtype=dtype, device=device)
-    mask = prepare_attention_mask(make_doc_ids(device=device), backend) if docs else None
+    dtype, q, k, v, mask = backend_case(backend, hq, hkv, docs, device)
     want = grads(core_attention(q, k, v, mask=mask, backend="reference"), q, k, v)
     got = grads(core_attention(q, k, v, mask=mask, backend=backend), q, k, v)
     for name, g, w in zip("qkv", got, want):

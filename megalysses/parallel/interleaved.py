@@ -110,7 +110,7 @@ def run_interleaved(model: VirtualStages, microbatches: list[Batch], scale: floa
     saved: dict[tuple[int, int], tuple[Optional[Tensor], Tensor]] = {}
 
     for row in slot_schedule(P, v, M, forward_only):
-        sends, recvs, released = [], [], []
+        sends, recvs, released, received_inputs = [], [], [], []
         a = row[r]
         if a is not None:
             vs, chunk = a.chunk * P + r, model.chunks[a.chunk]
@@ -138,6 +138,7 @@ def run_interleaved(model: VirtualStages, microbatches: list[Batch], scale: floa
                 buf = torch.empty(hidden_shape, dtype=torch.float32, device=device)
                 recvs.append((buf, rank_of_stage(src)))
                 inputs[(b.mb, (vs + 1) // P)] = buf
+                received_inputs.append(buf)
             elif b.kind == "B" and vs > 0 and (vs - 1) % P == r:
                 buf = torch.empty(hidden_shape, dtype=torch.float32, device=device)
                 recvs.append((buf, rank_of_stage(src)))
@@ -145,10 +146,8 @@ def run_interleaved(model: VirtualStages, microbatches: list[Batch], scale: floa
         if sends or recvs:
             send_recv(sends=sends, recvs=recvs)
         if not forward_only:
-            for buf, _ in recvs:
-                if any(buf is t for t in inputs.values()):
-                    buf.requires_grad_()
-        for out in released:
-            if not forward_only:
+            for buf in received_inputs:
+                buf.requires_grad_()
+            for out in released:
                 _release(out)
     return total

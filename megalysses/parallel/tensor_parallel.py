@@ -105,7 +105,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: Tensor, labels: Tensor, vocab_start: int, group: Group, ignore_index: int) -> Tensor:
         ctx.dtype = logits.dtype
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))                                           # (B, S, V/tp)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))   # (B, S, V/tp)
         vmax = logits.max(dim=-1).values                                  # (B, S)
         if comm.group_size(group) > 1:
             torch.distributed.all_reduce(vmax, op=torch.distributed.ReduceOp.MAX, group=group)

@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from megalysses.config import Config, ConfigError, save_config
 from megalysses.grid import ParallelGrid
 from megalysses.kernels.attention import resolve_backend
-from megalysses.kernels.triton_support import triton_importable, triton_interpreting
+from megalysses.kernels.triton_support import choose_impl
 from megalysses.model.gpt import GPTStage, init_weights, stage_layers
 from megalysses.model.layers import ParallelGroups
 from megalysses.parallel.interleaved import VirtualStages
@@ -39,10 +39,11 @@ def check_environment(cfg: Config, device: torch.device) -> None:
             resolve_backend(m.attention_backend, device, dtype, has_docs=cfg.data.document_mask)
         except RuntimeError as e:
             raise ConfigError(f"model.attention_backend={m.attention_backend}: {e}") from None
-    if m.kernels == "triton" and not (triton_importable() and (device.type == "cuda" or triton_interpreting())):
-        missing = "" if triton_importable() else ", triton not importable"
-        raise ConfigError(f"model.kernels=triton needs the triton package and a CUDA device (this is "
-                          f"{device.type}{missing}): use model.kernels=torch")
+    if m.kernels == "triton":
+        try:
+            choose_impl("triton", torch.empty(0, device=device), "model.kernels")
+        except RuntimeError as e:
+            raise ConfigError(f"model.kernels=triton: {e}") from None
     if cfg.logging.wandb_mode != "disabled":
         try:
             import wandb  # noqa: F401
@@ -81,14 +82,12 @@ def build_model(cfg: Config, grid: ParallelGrid, device: torch.device, mesh: Dev
 def build_optimizer(cfg: Config, model: GPTStage, grid: ParallelGrid) -> Optimizer:
     o = cfg.optimizer
     tied_across_stages = cfg.model.tie_embeddings and grid.pp_size > 1
+    common = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, tp_rank=grid.tp_rank,
+                  embed_group=grid.embed_group if tied_across_stages else None,
+                  tied_head_copy=tied_across_stages and not grid.is_first_stage)
     if cfg.parallel.fsdp:
-        return FSDPAdamW(model, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
-                         tp_rank=grid.tp_rank, embed_group=grid.embed_group if tied_across_stages else None,
-                         tied_head_copy=tied_across_stages and not grid.is_first_stage)
-    return ShardedAdamW(model.named_parameters(), grid.grad_group, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                        weight_decay=o.weight_decay, tp_rank=grid.tp_rank,
-                        embed_group=grid.embed_group if tied_across_stages else None,
-                        tied_head_copy=tied_across_stages and not grid.is_first_stage,
+        return FSDPAdamW(model, **common)
+    return ShardedAdamW(model.named_parameters(), grid.grad_group, **common,
                         bucket_elements=cfg.parallel.grad_bucket_elements, overlap=cfg.parallel.overlap_grad_reduce)
 
 

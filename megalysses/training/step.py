@@ -26,7 +26,6 @@ from megalysses.training.optimizer import Optimizer
 class StepResult:
     loss: float
     grad_norm: float
-    tokens: int          # valid tokens in the global batch
     skipped: bool = False
 
 
@@ -58,9 +57,10 @@ def _global_loss(total: Tensor, grid: ParallelGrid, device: torch.device) -> flo
     return t.item()
 
 
-def _hidden_shape(mb: Batch, grid: ParallelGrid, hidden: int, sequence_parallel: bool) -> tuple[int, int, int]:
+def _hidden_shape(model: torch.nn.Module, mb: Batch, grid: ParallelGrid) -> tuple[int, int, int]:
+    """Shape of the activations passed between pipeline stages: (B, S/sp or S/(sp*tp), h)."""
     b, s = mb["position_ids"].shape
-    return (b, s // grid.tp_size if sequence_parallel else s, hidden)
+    return (b, s // grid.tp_size if model.groups.sequence_parallel else s, model.cfg.hidden_size)
 
 
 def train_step(model: torch.nn.Module, opt: Optimizer, microbatches: list[Batch], grid: ParallelGrid, *,
@@ -76,28 +76,26 @@ def train_step(model: torch.nn.Module, opt: Optimizer, microbatches: list[Batch]
         elif isinstance(model, VirtualStages):
             total = run_interleaved(model, microbatches, scale, pp_rank=grid.pp_rank, pp_size=grid.pp_size,
                                     rank_of_stage=grid.stage_rank, device=device,
-                                    hidden_shape=_hidden_shape(microbatches[0], grid, model.cfg.hidden_size,
-                                                               model.groups.sequence_parallel))
+                                    hidden_shape=_hidden_shape(model, microbatches[0], grid))
         else:
             total = forward_backward_1f1b(
                 model, microbatches, scale, pp_rank=grid.pp_rank, pp_size=grid.pp_size,
                 rank_of_stage=grid.stage_rank, device=device, dtype=torch.float32,
-                hidden_shape=_hidden_shape(microbatches[0], grid, model.cfg.hidden_size,
-                                           model.groups.sequence_parallel))
+                hidden_shape=_hidden_shape(model, microbatches[0], grid))
     loss = _global_loss(total, grid, device)
     if not math.isfinite(loss):
         opt.zero_grad()
         if nan_policy == "abort":
             raise NonFiniteLossError(f"loss is {loss}: aborting (set training.nan_policy=skip to skip such steps)")
-        return StepResult(loss, float("nan"), int(count.item()), skipped=True)
+        return StepResult(loss, float("nan"), skipped=True)
     opt.set_lr(lr)
     norm = opt.step(grad_clip)              # a non-finite gradient norm updates nothing
     if not math.isfinite(norm):
         if nan_policy == "abort":
             raise NonFiniteLossError(f"gradient norm is {norm} (loss {loss:.4f}): aborting "
                                      f"(set training.nan_policy=skip to skip such steps)")
-        return StepResult(loss, norm, int(count.item()), skipped=True)
-    return StepResult(loss, norm, int(count.item()))
+        return StepResult(loss, norm, skipped=True)
+    return StepResult(loss, norm)
 
 
 @torch.no_grad()
@@ -107,30 +105,32 @@ def evaluate(model: torch.nn.Module, microbatches: list[Batch], grid: ParallelGr
     count = global_token_count(microbatches, grid)
     scale = 1.0 / max(count.item(), 1.0)
     model.eval()
-    if isinstance(model, VirtualStages):
-        with autocast(device, dtype):
+    with autocast(device, dtype):
+        if isinstance(model, VirtualStages):
             total = run_interleaved(model, microbatches, scale, pp_rank=grid.pp_rank, pp_size=grid.pp_size,
                                     rank_of_stage=grid.stage_rank, device=device, forward_only=True,
-                                    hidden_shape=_hidden_shape(microbatches[0], grid, model.cfg.hidden_size,
-                                                               model.groups.sequence_parallel))
-        reshard(model)
-        model.train()
-        return _global_loss(total, grid, device)
-    total = torch.zeros(())
-    prev = grid.stage_rank(grid.pp_rank - 1) if not grid.is_first_stage else None
-    nxt = grid.stage_rank(grid.pp_rank + 1) if not grid.is_last_stage else None
-    with autocast(device, dtype):
-        for mb in microbatches:
-            x = None
-            if prev is not None:
-                x = torch.empty(_hidden_shape(mb, grid, model.cfg.hidden_size, model.groups.sequence_parallel),
-                                device=device)
-                send_recv(recvs=[(x, prev)])
-            out = _forward(model, mb, x, scale)
-            if nxt is not None:
-                send_recv(sends=[(out, nxt)])
-            else:
-                total += out.float().cpu()
+                                    hidden_shape=_hidden_shape(model, microbatches[0], grid))
+        else:
+            total = _forward_through_stages(model, microbatches, grid, scale, device)
     reshard(model)
     model.train()
     return _global_loss(total, grid, device)
+
+
+def _forward_through_stages(model: torch.nn.Module, microbatches: list[Batch], grid: ParallelGrid, scale: float,
+                            device: torch.device) -> Tensor:
+    """Forward only, micro-batch by micro-batch through the pipeline; the summed scaled loss on the last stage."""
+    total = torch.zeros(())
+    prev = grid.stage_rank(grid.pp_rank - 1) if not grid.is_first_stage else None
+    nxt = grid.stage_rank(grid.pp_rank + 1) if not grid.is_last_stage else None
+    for mb in microbatches:
+        x = None
+        if prev is not None:
+            x = torch.empty(_hidden_shape(model, mb, grid), device=device)
+            send_recv(recvs=[(x, prev)])
+        out = _forward(model, mb, x, scale)
+        if nxt is not None:
+            send_recv(sends=[(out, nxt)])
+        else:
+            total += out.float().cpu()
+    return total
