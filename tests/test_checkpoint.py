@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megalysses.testing import DistributedTestError, run_distributed
-from test_training_parity import BASE, _train_worker, full_weights, losses, rel
+from test_training_parity import _train_worker, full_weights, losses, rel
 
 SIX = ["training.train_steps=6", "optimizer.warmup_steps=2"]
 TP2SP2 = ["parallel.tp=2", "parallel.sp=2"]

@@ -1,9 +1,7 @@
 """tools/preprocess_data.py and tools/build_corpus.py: identical output for any worker count,
 malformed lines skipped and reported, .gz and folder inputs, no complete-looking output on failure."""
 import gzip
-import importlib.util
 import json
-import sys
 import sysconfig
 from pathlib import Path
 
@@ -11,21 +9,13 @@ import numpy as np
 import pytest
 
 from megalysses.data.indexed import IndexedDataset, IndexedDatasetBuilder
+from megalysses.tools import build_corpus, preprocess_data, train_tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def load_tool(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # worker processes find its functions by module name
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
 def preprocess():
-    return load_tool("preprocess_data")
+    return preprocess_data
 
 
 def texts(n=60, top=0x2FF):
@@ -99,7 +89,7 @@ def test_folder_input(tmp_path, preprocess):
 def test_sentencepiece_output_identical_across_workers(tmp_path, preprocess, monkeypatch):
     monkeypatch.setattr(preprocess, "BATCH_DOCS", 8)
     inp = write_jsonl(tmp_path / "in.jsonl", texts(80, top=0x7F) + ["ünïcødé ✓"])
-    model = load_tool("train_tokenizer").main(["--input", inp, "--model-prefix", str(tmp_path / "sp"),
+    model = train_tokenizer.main(["--input", inp, "--model-prefix", str(tmp_path / "sp"),
                                                "--vocab-size", "500", "--byte-fallback", "--num-threads", "1"])
     args = ["--tokenizer-type", "sentencepiece", "--tokenizer-model", model, "--append-eod"]
     run(preprocess, inp, tmp_path / "s1", *args, "--workers", "1")
@@ -121,7 +111,7 @@ def test_interrupted_run_leaves_nothing_that_looks_complete(tmp_path, preprocess
 
 
 def test_build_corpus_stdlib(tmp_path):
-    result = load_tool("build_corpus").main(["--stdlib", "--exclude-tests", "--output", str(tmp_path / "c.jsonl")])
+    result = build_corpus.main(["--stdlib", "--exclude-tests", "--output", str(tmp_path / "c.jsonl")])
     rows = [json.loads(line) for line in open(tmp_path / "c.jsonl", encoding="utf-8")]
     assert len(rows) == result["documents"] > 500
     paths = [r["path"] for r in rows]

@@ -1,23 +1,13 @@
 """Tokenizers: byte-level ids and round trips; sentencepiece training on a tiny generated corpus."""
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 from megalysses.data.tokenizer import ByteTokenizer, SentencePieceTokenizer, Tokenizer, build_tokenizer
+from megalysses.tools import train_tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
 SAMPLES = ["hello world", "", "ünïcødé ✓ 🙂", "def f(x):\n\treturn x  # two spaces\r\n\n", "a" * 1000]
-
-
-def load_tool(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # worker processes find its functions by module name
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_byte_tokenizer():
@@ -57,7 +47,7 @@ def sp_model(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sp")
     corpus = tmp / "corpus.jsonl"
     _tiny_corpus(corpus)
-    tool = load_tool("train_tokenizer")
+    tool = train_tokenizer
     path = tool.main(["--input", str(corpus), "--model-prefix", str(tmp / "tiny"), "--vocab-size", "400",
                       "--byte-fallback", "--special-tokens", "<|sep|>", "--num-threads", "1"])
     return path

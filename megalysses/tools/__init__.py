@@ -1,0 +1,10 @@
+"""The command-line tools, importable (`from megalysses.tools import preprocess_data`) and installed as
+console scripts; tools/*.py and pretrain.py at the repository root run the same `cli()` functions.
+
+    pretrain          megalysses-pretrain        torchrun ... pretrain.py --config C
+    preprocess_data   megalysses-preprocess      jsonl / text folder -> Megatron .bin/.idx
+    train_tokenizer   megalysses-train-tokenizer sentencepiece BPE from jsonl / text
+    generate          megalysses-generate        sample from a run's checkpoint
+    plot_metrics      megalysses-plot            metrics.jsonl -> PNG
+    build_corpus      megalysses-build-corpus    the stdlib corpus of the quickstart
+"""
