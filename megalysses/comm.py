@@ -12,8 +12,12 @@ Ulysses:
     all_to_all            fwd scatter one dim / gather another   bwd the inverse all-to-all
 Pipelines (no autograd; the schedule drives the backward):
     send_recv             batched isend/irecv to pipeline neighbours
+Plain collectives for the trainer (no autograd): all_reduce_, reduce_scatter_into, all_gather_into.
 
-A group of None stands for a group of one (never the default world group).
+A group of None stands for a group of one (never the default world group; `world()` names that one).
+Every tensor handed to a collective here is checked first: one on the meta device, or one that is not
+on CUDA for an NCCL group, raises at once with a message naming the collective, instead of NCCL's
+"No backend type associated with device type cpu" (or, for meta tensors on gloo, silently nothing).
 """
 from __future__ import annotations
 
@@ -39,13 +43,50 @@ def group_rank(group: Group) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
+def world() -> Group:
+    """The default group when there is more than one process, else None (a group of one)."""
+    return dist.group.WORLD if dist.is_initialized() and dist.get_world_size() > 1 else None
+
+
+def check_device(op: str, group: Group, *tensors: Tensor) -> None:
+    """Raise if a tensor cannot take part in a collective of `group`: on the meta device, or not on
+    CUDA for an NCCL group."""
+    backend = dist.get_backend(group)
+    for t in tensors:
+        if t.device.type == "meta" or (backend == "nccl" and t.device.type != "cuda"):
+            raise RuntimeError(f"{op}: a tensor on {t.device} was handed to a {backend} collective; every "
+                               f"tensor that reaches a collective must be on the run's device (create it with "
+                               f"device=...)")
+
+
+def all_reduce_(x: Tensor, group: Group, op: str = "sum", async_op: bool = False) -> Optional[dist.Work]:
+    """In-place all-reduce of x over `group` (op: sum, max, min); nothing on a group of one."""
+    if group_size(group) == 1:
+        return None
+    check_device("all_reduce", group, x)
+    reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+    return dist.all_reduce(x, op=reduce_op, group=group, async_op=async_op)
+
+
+def reduce_scatter_into(out: Tensor, x: Tensor, group: Group, async_op: bool = False) -> Optional[dist.Work]:
+    """out (n,) = this rank's chunk of the sum over `group` of x (G*n,), flat and contiguous."""
+    check_device("reduce_scatter", group, out, x)
+    return reduce_scatter_tensor(out, x, group=group, async_op=async_op)
+
+
+def all_gather_into(out: Tensor, x: Tensor, group: Group, async_op: bool = False) -> Optional[dist.Work]:
+    """out (G*n,) = every rank's x (n,) concatenated in rank order."""
+    check_device("all_gather", group, out, x)
+    return all_gather_tensor(out, x, group=group, async_op=async_op)
+
+
 # ----------------------------------------------------------------------------- raw (no autograd)
 
 def _all_reduce(x: Tensor, group: Group) -> Tensor:
     if group_size(group) == 1:
         return x
     x = x.contiguous().clone()
-    dist.all_reduce(x, group=group)
+    all_reduce_(x, group)
     return x
 
 
@@ -56,7 +97,7 @@ def _all_gather(x: Tensor, dim: int, group: Group) -> Tensor:
         return x
     x0 = x.movedim(dim, 0).contiguous()
     out = x0.new_empty((world * x0.shape[0],) + tuple(x0.shape[1:]))
-    all_gather_tensor(out, x0, group=group)
+    all_gather_into(out, x0, group)
     return out.movedim(0, dim)
 
 
@@ -69,7 +110,7 @@ def _reduce_scatter(x: Tensor, dim: int, group: Group) -> Tensor:
         raise ValueError(f"reduce-scatter: size {x.shape[dim]} of dim {dim} is not divisible by group size {world}")
     x0 = x.movedim(dim, 0).contiguous()
     out = x0.new_empty((x0.shape[0] // world,) + tuple(x0.shape[1:]))
-    reduce_scatter_tensor(out, x0, group=group)
+    reduce_scatter_into(out, x0, group)
     return out.movedim(0, dim)
 
 
@@ -96,6 +137,7 @@ def _all_to_all(x: Tensor, scatter_dim: int, gather_dim: int, group: Group) -> T
     # (P, ..., chunk, ...): chunk i of scatter_dim goes to rank i; contiguous for the collective
     send = torch.stack(x.chunk(world, dim=scatter_dim), dim=0).contiguous()
     recv = torch.empty_like(send)
+    check_device("all_to_all", group, send)
     dist.all_to_all_single(recv, send, group=group)
     # recv[i] came from rank i: place it as chunk i of gather_dim
     return torch.cat(recv.unbind(0), dim=gather_dim)
@@ -238,5 +280,6 @@ def send_recv(sends: Sequence[tuple[Tensor, int]] = (), recvs: Sequence[tuple[Te
     ops += [dist.P2POp(dist.irecv, buf, peer, group) for buf, peer in recvs]
     if not ops:
         return
+    check_device("send_recv", group, *(op.tensor for op in ops))
     for req in dist.batch_isend_irecv(ops):
         req.wait()

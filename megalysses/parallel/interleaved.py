@@ -99,12 +99,12 @@ def slot_schedule(P: int, v: int, M: int, forward_only: bool = False) -> list[li
 
 def run_interleaved(model: VirtualStages, microbatches: list[Batch], scale: float, *, pp_rank: int, pp_size: int,
                     rank_of_stage: Callable[[int], int], hidden_shape: tuple[int, ...], device: torch.device,
-                    forward_only: bool = False) -> Tensor:
+                    dtype: torch.dtype, forward_only: bool = False) -> Tensor:
     """One step (or, forward_only, one validation pass) on this rank. Returns the summed scaled loss
     (non-zero only on the rank holding the last virtual stage)."""
     P, v, M, r = pp_size, len(model.chunks), len(microbatches), pp_rank
     V = P * v
-    total = torch.zeros(())
+    total = torch.zeros((), dtype=torch.float32, device=device)
     inputs: dict[tuple[int, int], Tensor] = {}      # (mb, chunk) -> received activation
     grads: dict[tuple[int, int], Tensor] = {}       # (mb, chunk) -> received output gradient
     saved: dict[tuple[int, int], tuple[Optional[Tensor], Tensor]] = {}
@@ -118,7 +118,7 @@ def run_interleaved(model: VirtualStages, microbatches: list[Batch], scale: floa
                 x = inputs.pop((a.mb, a.chunk)) if vs > 0 else None
                 out = _forward(chunk, microbatches[a.mb], x, scale)
                 if vs == V - 1:
-                    total += out.detach().float().cpu()
+                    total += out.detach()
                 else:
                     sends.append((out, rank_of_stage((vs + 1) % P)))
                     released.append(out)
@@ -135,12 +135,12 @@ def run_interleaved(model: VirtualStages, microbatches: list[Batch], scale: floa
                 continue
             vs = b.chunk * P + src
             if b.kind == "F" and vs < V - 1 and (vs + 1) % P == r:
-                buf = torch.empty(hidden_shape, dtype=torch.float32, device=device)
+                buf = torch.empty(hidden_shape, dtype=dtype, device=device)
                 recvs.append((buf, rank_of_stage(src)))
                 inputs[(b.mb, (vs + 1) // P)] = buf
                 received_inputs.append(buf)
             elif b.kind == "B" and vs > 0 and (vs - 1) % P == r:
-                buf = torch.empty(hidden_shape, dtype=torch.float32, device=device)
+                buf = torch.empty(hidden_shape, dtype=dtype, device=device)
                 recvs.append((buf, rank_of_stage(src)))
                 grads[(b.mb, (vs - 1) // P)] = buf
         if sends or recvs:

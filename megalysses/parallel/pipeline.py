@@ -20,20 +20,21 @@ Batch = dict[str, Tensor]
 
 
 def _forward(stage: torch.nn.Module, mb: Batch, x: Optional[Tensor], scale: float) -> Tensor:
-    """The scaled loss on the last stage; elsewhere the hidden states in fp32, the dtype of the pipeline
-    buffers (under autocast the residual stream is fp32 anyway; FSDP with bf16 weights makes it bf16)."""
+    """The scaled loss (fp32) on the last stage; elsewhere the hidden states, in the compute dtype (the
+    dtype of the pipeline buffers)."""
     out = stage(mb["input_ids"] if stage.first else x, mb["position_ids"], doc_ids=mb.get("doc_ids"),
                 labels=mb["labels"] if stage.last else None)
-    return out * scale if stage.last else out.float()
+    return out * scale if stage.last else out
 
 
 def forward_backward_local(stage: torch.nn.Module, microbatches: list[Batch], scale: float) -> Tensor:
-    """pp=1: forward + backward of each micro-batch, gradients accumulate. Returns the summed scaled loss."""
-    total = torch.zeros(())
+    """pp=1: forward + backward of each micro-batch, gradients accumulate. Returns the summed scaled loss
+    (on the batch's device: no host synchronisation between micro-batches)."""
+    total = torch.zeros((), dtype=torch.float32, device=microbatches[0]["labels"].device)
     for mb in microbatches:
         loss = _forward(stage, mb, None, scale)
         loss.backward()
-        total += loss.detach().float().cpu()
+        total += loss.detach()
     return total
 
 
@@ -58,7 +59,7 @@ def forward_backward_1f1b(stage: torch.nn.Module, microbatches: list[Batch], sca
     nxt = None if last else rank_of_stage(pp_rank + 1)
     M = len(microbatches)
     warmup = min(pp_size - pp_rank - 1, M)
-    total = torch.zeros(())
+    total = torch.zeros((), dtype=torch.float32, device=device)
     pending: list[tuple[Optional[Tensor], Tensor]] = []
 
     def buf() -> Tensor:
@@ -75,7 +76,7 @@ def forward_backward_1f1b(stage: torch.nn.Module, microbatches: list[Batch], sca
         nonlocal total
         out = _forward(stage, microbatches[i], x, scale)
         if last:
-            total += out.detach().float().cpu()
+            total += out.detach()
         return out
 
     def run_backward(x: Optional[Tensor], out: Tensor, grad: Optional[Tensor]) -> Optional[Tensor]:

@@ -107,8 +107,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         ctx.dtype = logits.dtype
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))   # (B, S, V/tp)
         vmax = logits.max(dim=-1).values                                  # (B, S)
-        if comm.group_size(group) > 1:
-            torch.distributed.all_reduce(vmax, op=torch.distributed.ReduceOp.MAX, group=group)
+        comm.all_reduce_(vmax, group, op="max")
         shifted = logits - vmax.unsqueeze(-1)
         exp = shifted.exp()
         sum_exp = exp.sum(dim=-1)                                         # (B, S)
@@ -120,7 +119,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         target_logit = shifted.gather(-1, target.unsqueeze(-1)).squeeze(-1).masked_fill(~in_range, 0.0)
         if comm.group_size(group) > 1:
             both = torch.stack([sum_exp, target_logit])
-            torch.distributed.all_reduce(both, group=group)
+            comm.all_reduce_(both, group)
             sum_exp, target_logit = both[0], both[1]
         loss = (sum_exp.log() - target_logit).masked_fill(~valid, 0.0)    # (B, S)
         softmax = exp.div_(sum_exp.unsqueeze(-1))

@@ -18,10 +18,10 @@ from __future__ import annotations
 from typing import Iterator, Optional
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from megalysses import comm
 from megalysses.comm import Group
 from megalysses.config import ConfigError
 
@@ -100,8 +100,7 @@ class FSDPAdamW:
         for n, p in self.named:
             if p.grad is not None and self.counts[n]:
                 local += _local(p.grad).float().pow(2).sum()
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(local)
+        comm.all_reduce_(local, comm.world())
         return local.sqrt()
 
     @torch.no_grad()
@@ -112,7 +111,7 @@ class FSDPAdamW:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         for p in self.tied_embed:       # both copies hold the same chunk layout: sum chunk-wise
-            dist.all_reduce(_local(p.grad), group=self.embed_group)
+            comm.all_reduce_(_local(p.grad), self.embed_group)
         norm = self.grad_norm()
         if not torch.isfinite(norm):   # the same on every rank: drop the gradients, change nothing
             self.zero_grad()
@@ -135,7 +134,7 @@ class FSDPAdamW:
         for name, p in self.named:
             st = self.optimizer.state[p]
             if not st:  # before the first step: create the state so that a load can fill it
-                st.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(p),
+                st.update(step=torch.zeros((), dtype=torch.float32, device="cpu"), exp_avg=torch.zeros_like(p),
                           exp_avg_sq=torch.zeros_like(p))
             yield name, p, {"master": _local(p.data), "exp_avg": _local(st["exp_avg"]),
                             "exp_avg_sq": _local(st["exp_avg_sq"])}

@@ -1,8 +1,11 @@
 """ZeRO-1 AdamW: fp32 master weights and optimizer state sharded over the grad (dp x sp) group.
 
-Every parameter (this rank's tp shard of it) is split along dim 0 into G chunks (torch.chunk
+The model's parameters hold the compute weights (bf16 on GPU, fp32 on CPU); the optimizer alone keeps
+fp32 masters. Every parameter (this rank's tp shard of it) is split along dim 0 into G chunks (torch.chunk
 semantics) over the G ranks of the grad group; rank r owns chunk r: its fp32 master copy, exp_avg and
-exp_avg_sq. One step:
+exp_avg_sq. Gradients of low-precision parameters are accumulated over the micro-batches of a step in
+fp32 (`main_grad`, filled by a hook as each micro-batch's gradient arrives); with one micro-batch per
+step the bf16 gradient is used as it is and converted in the reduction. One step:
   1. tied embeddings: sum the two copies' gradients over the embed group (first + last stage);
   2. reduce-scatter the gradients in fp32 over the grad group, in buckets (each rank receives the
      sum of its own chunks). With overlap, buckets (in reverse parameter order, the order the
@@ -21,7 +24,6 @@ from dataclasses import dataclass
 from typing import Iterable, Iterator, Optional
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from megalysses import comm
@@ -46,6 +48,15 @@ class _Slot:
     padded: int                  # elements of one rank's padded chunk: ceil(rows/G) * row size
     master: Optional[nn.Parameter]
     counts_in_norm: bool
+    main_grad: Optional[Tensor] = None   # fp32 accumulation of a low-precision parameter's gradient
+
+    def grad(self) -> Tensor:
+        """This step's gradient (the rank's full tp shard), in fp32, zeros when none arrived."""
+        if self.main_grad is not None:
+            return self.main_grad
+        if self.param.grad is not None:
+            return self.param.grad.float()
+        return torch.zeros(self.param.shape, dtype=torch.float32, device=self.param.device)
 
 
 class ShardedAdamW:
@@ -78,12 +89,12 @@ class ShardedAdamW:
         self._fired: dict[int, int] = {}             # id(param) -> gradient accumulations seen this step
         self._missing: list[int] = []                # per bucket: params still waiting for their last gradient
         self._launched: list[tuple] = []             # (work, received chunks, bucket) in launch order
-        if overlap:
-            for index, bucket in enumerate(self.buckets):
-                if any(self._tied(s) for s in bucket):
-                    continue                         # summed over the embed group first, in step()
-                for s in bucket:
-                    s.param.register_post_accumulate_grad_hook(lambda p, i=index: self._on_grad(p, i))
+        for index, bucket in enumerate(self.buckets):
+            # a tied embedding is summed over the embed group first, in step(): never launched early
+            launch = overlap and not any(self._tied(s) for s in bucket)
+            for s in bucket:
+                s.param.register_post_accumulate_grad_hook(
+                    lambda p, s=s, i=index, launch=launch: self._on_grad(s, i if launch else None))
 
     # ------------------------------------------------------------------ helpers
     def _tied(self, s: _Slot) -> bool:
@@ -121,7 +132,7 @@ class ShardedAdamW:
                 work.wait()
         self._launched, self._expected = [], 0
         for s in self.slots:
-            s.param.grad = None
+            s.param.grad, s.main_grad = None, None
 
     def set_step(self, step: int) -> None:
         for s in self.slots:
@@ -137,7 +148,7 @@ class ShardedAdamW:
                 continue
             st = self.optimizer.state[s.master]
             if not st:  # before the first step: create the state so that a load can fill it
-                st.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(s.master),
+                st.update(step=torch.zeros((), dtype=torch.float32, device="cpu"), exp_avg=torch.zeros_like(s.master),
                           exp_avg_sq=torch.zeros_like(s.master))
             yield s.name, s.param, {"master": s.master.data, "exp_avg": st["exp_avg"], "exp_avg_sq": st["exp_avg_sq"]}
 
@@ -150,10 +161,19 @@ class ShardedAdamW:
         self._missing = [len(b) for b in self.buckets]
         self._launched = []
 
-    def _on_grad(self, param: Tensor, bucket: int) -> None:
+    def _on_grad(self, s: _Slot, bucket: Optional[int]) -> None:
+        """A micro-batch's gradient of s.param has arrived: accumulate it in fp32 when the parameter is
+        low-precision and more micro-batches follow; launch the bucket's reduction once it is complete."""
         if not self._expected:
             return
+        param = s.param
+        if self._expected > 1 and param.dtype != torch.float32:
+            grad = param.grad.float()
+            s.main_grad = grad if s.main_grad is None else s.main_grad.add_(grad)
+            param.grad = None
         self._fired[id(param)] += 1
+        if bucket is None:
+            return
         if self._fired[id(param)] == self._expected:
             self._missing[bucket] -= 1
             # launch in bucket order only, so every rank issues the same collectives in the same order
@@ -164,25 +184,24 @@ class ShardedAdamW:
     def _launch(self, index: int) -> None:
         """Start the fp32 reduce-scatter of bucket `index` (asynchronously when the group has > 1 rank)."""
         bucket = self.buckets[index]
-        grads = [s.param.grad if s.param.grad is not None else torch.zeros_like(s.param) for s in bucket]
+        grads = [s.grad() for s in bucket]
         # rank-major layout: [chunk 0 of every param | chunk 1 of every param | ...]
-        send = torch.cat([self._rank_chunk(g.float(), s, j) for j in range(self.G) for s, g in zip(bucket, grads)])
+        send = torch.cat([self._rank_chunk(g, s, j) for j in range(self.G) for s, g in zip(bucket, grads)])
         if self.G == 1:
             self._launched.append((None, send, bucket))
             return
         mine = send.new_empty(send.numel() // self.G)
-        work = comm.reduce_scatter_tensor(mine, send, group=self.grad_group, async_op=True)
+        work = comm.reduce_scatter_into(mine, send, self.grad_group, async_op=True)
         self._launched.append((work, mine, bucket))
 
     @torch.no_grad()
     def reduce_gradients(self) -> None:
         """Sum gradients over the grad group into the owned fp32 chunks (master.grad): launch the buckets
         the backward has not launched yet, then wait for all of them."""
-        for p in self.tied_embed:
-            if p.grad is not None:
-                g = p.grad.float()
-                dist.all_reduce(g, group=self.embed_group)
-                p.grad = g.to(p.grad.dtype)
+        for s in self.slots:
+            if self._tied(s):
+                s.main_grad = s.grad().clone()
+                comm.all_reduce_(s.main_grad, self.embed_group)
         while len(self._launched) < len(self.buckets):
             self._launch(len(self._launched))
         for work, mine, bucket in self._launched:
@@ -202,8 +221,7 @@ class ShardedAdamW:
         for s in self.slots:
             if s.master is not None and s.counts_in_norm:
                 local += s.master.grad.float().pow(2).sum()
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(local)
+        comm.all_reduce_(local, comm.world())
         return local.sqrt()
 
     @torch.no_grad()
@@ -240,7 +258,7 @@ class ShardedAdamW:
                               for s in bucket])
             if self.G > 1:
                 full = mine.new_empty(mine.numel() * self.G)
-                comm.all_gather_tensor(full, mine, group=self.grad_group)
+                comm.all_gather_into(full, mine, self.grad_group)
             else:
                 full = mine
             per_rank = full.view(self.G, -1)

@@ -6,14 +6,13 @@ is returned (and logged) is that same number.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
+from megalysses import comm
 from megalysses.grid import ParallelGrid
 from megalysses.parallel.interleaved import VirtualStages, run_interleaved
 from megalysses.parallel.pipeline import Batch, _forward, forward_backward_1f1b, forward_backward_local
@@ -33,17 +32,12 @@ class NonFiniteLossError(RuntimeError):
     """The loss became NaN or Inf and training.nan_policy is 'abort'."""
 
 
-def autocast(device: torch.device, dtype: torch.dtype):
-    if dtype == torch.float32:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
-
-
 def global_token_count(microbatches: list[Batch], grid: ParallelGrid) -> Tensor:
-    count = sum(((mb["labels"] != -100).sum() for mb in microbatches), torch.zeros((), dtype=torch.long))
-    count = count.to(torch.float64).to(microbatches[0]["labels"].device)
+    device = microbatches[0]["labels"].device
+    count = sum(((mb["labels"] != -100).sum() for mb in microbatches), torch.zeros((), dtype=torch.long, device=device))
+    count = count.to(torch.float64)
     if grid.grad_group is not None:
-        dist.all_reduce(count, group=grid.grad_group)
+        comm.all_reduce_(count, grid.grad_group)
     return count
 
 
@@ -51,9 +45,9 @@ def _global_loss(total: Tensor, grid: ParallelGrid, device: torch.device) -> flo
     """Sum the scaled per-rank losses over grad, then share the last stage's value along the pipeline."""
     t = total.to(device=device, dtype=torch.float64)
     if grid.grad_group is not None:
-        dist.all_reduce(t, group=grid.grad_group)
+        comm.all_reduce_(t, grid.grad_group)
     if grid.pp_group is not None:
-        dist.all_reduce(t, group=grid.pp_group)   # only the last stage contributes
+        comm.all_reduce_(t, grid.pp_group)   # only the last stage contributes
     return t.item()
 
 
@@ -70,18 +64,17 @@ def train_step(model: torch.nn.Module, opt: Optimizer, microbatches: list[Batch]
     scale = 1.0 / max(count.item(), 1.0)
     model.train()
     opt.begin_step(len(microbatches))
-    with autocast(device, dtype):
-        if grid.pp_size == 1:
-            total = forward_backward_local(model, microbatches, scale)
-        elif isinstance(model, VirtualStages):
-            total = run_interleaved(model, microbatches, scale, pp_rank=grid.pp_rank, pp_size=grid.pp_size,
-                                    rank_of_stage=grid.stage_rank, device=device,
-                                    hidden_shape=_hidden_shape(model, microbatches[0], grid))
-        else:
-            total = forward_backward_1f1b(
-                model, microbatches, scale, pp_rank=grid.pp_rank, pp_size=grid.pp_size,
-                rank_of_stage=grid.stage_rank, device=device, dtype=torch.float32,
-                hidden_shape=_hidden_shape(model, microbatches[0], grid))
+    if grid.pp_size == 1:
+        total = forward_backward_local(model, microbatches, scale)
+    elif isinstance(model, VirtualStages):
+        total = run_interleaved(model, microbatches, scale, pp_rank=grid.pp_rank, pp_size=grid.pp_size,
+                                rank_of_stage=grid.stage_rank, device=device, dtype=dtype,
+                                hidden_shape=_hidden_shape(model, microbatches[0], grid))
+    else:
+        total = forward_backward_1f1b(
+            model, microbatches, scale, pp_rank=grid.pp_rank, pp_size=grid.pp_size,
+            rank_of_stage=grid.stage_rank, device=device, dtype=dtype,
+            hidden_shape=_hidden_shape(model, microbatches[0], grid))
     loss = _global_loss(total, grid, device)
     if not math.isfinite(loss):
         opt.zero_grad()
@@ -105,32 +98,31 @@ def evaluate(model: torch.nn.Module, microbatches: list[Batch], grid: ParallelGr
     count = global_token_count(microbatches, grid)
     scale = 1.0 / max(count.item(), 1.0)
     model.eval()
-    with autocast(device, dtype):
-        if isinstance(model, VirtualStages):
-            total = run_interleaved(model, microbatches, scale, pp_rank=grid.pp_rank, pp_size=grid.pp_size,
-                                    rank_of_stage=grid.stage_rank, device=device, forward_only=True,
-                                    hidden_shape=_hidden_shape(model, microbatches[0], grid))
-        else:
-            total = _forward_through_stages(model, microbatches, grid, scale, device)
+    if isinstance(model, VirtualStages):
+        total = run_interleaved(model, microbatches, scale, pp_rank=grid.pp_rank, pp_size=grid.pp_size,
+                                rank_of_stage=grid.stage_rank, device=device, dtype=dtype, forward_only=True,
+                                hidden_shape=_hidden_shape(model, microbatches[0], grid))
+    else:
+        total = _forward_through_stages(model, microbatches, grid, scale, device, dtype)
     reshard(model)
     model.train()
     return _global_loss(total, grid, device)
 
 
 def _forward_through_stages(model: torch.nn.Module, microbatches: list[Batch], grid: ParallelGrid, scale: float,
-                            device: torch.device) -> Tensor:
+                            device: torch.device, dtype: torch.dtype) -> Tensor:
     """Forward only, micro-batch by micro-batch through the pipeline; the summed scaled loss on the last stage."""
-    total = torch.zeros(())
+    total = torch.zeros((), dtype=torch.float32, device=device)
     prev = grid.stage_rank(grid.pp_rank - 1) if not grid.is_first_stage else None
     nxt = grid.stage_rank(grid.pp_rank + 1) if not grid.is_last_stage else None
     for mb in microbatches:
         x = None
         if prev is not None:
-            x = torch.empty(_hidden_shape(model, mb, grid), device=device)
+            x = torch.empty(_hidden_shape(model, mb, grid), dtype=dtype, device=device)
             send_recv(recvs=[(x, prev)])
         out = _forward(model, mb, x, scale)
         if nxt is not None:
             send_recv(sends=[(out, nxt)])
         else:
-            total += out.float().cpu()
+            total += out.float()
     return total
