@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -26,7 +27,12 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     vocab_size: int = 4096
-    """Vocabulary size (rows of the embedding). Padded up to a multiple of tp internally is NOT done: choose a size divisible by tp."""
+    """Vocabulary size: token ids are 0 .. vocab_size-1 (at least the tokenizer's size)."""
+    vocab_pad_multiple: int = 128
+    """The embedding and LM head get rows up to a multiple of lcm(this, tp), for the kernels and an even tp
+    split; padding rows are never a label and are left out of the softmax, so the loss is that of the
+    true vocabulary. With the default, any tp dividing 128 gives the same padded size, so checkpoints
+    reshard across tp. 1 = pad only to a multiple of tp."""
     hidden_size: int = 256
     """Model width h."""
     num_layers: int = 4
@@ -47,21 +53,29 @@ class ModelConfig:
     """MLP type: SwiGLU (Llama) or GELU (GPT-2)."""
     tie_embeddings: bool = False
     """Share the input embedding with the LM head."""
-    bias: bool = False
-    """Add biases to the linear layers."""
+    attention_bias: bool = False
+    """Biases on the attention projections (QKV and output), as Hugging Face's attention_bias."""
+    mlp_bias: bool = False
+    """Biases on the MLP projections, as Hugging Face's mlp_bias."""
     init_std: float = 0.02
     """Standard deviation of the normal weight init."""
     scaled_residual_init: bool = True
     """Scale the init of the residual output projections by 1/sqrt(2 * num_layers)."""
-    kernels: Literal["torch", "triton"] = "torch"
-    """RMSNorm and RoPE implementation: the torch reference, or the fused Triton kernels (CUDA, needs
-    triton; checked against the reference under Triton's CPU interpreter)."""
+    kernels: Literal["torch", "triton", "liger", "apex"] = "torch"
+    """Implementation of the fused ops (RMSNorm and the residual add before it, RoPE on q and k, SwiGLU):
+    the torch reference; our Triton kernels (CUDA, needs triton; checked against the reference under
+    Triton's CPU interpreter); liger-kernel's; or apex's RMSNorm with our Triton kernels for the rest."""
     attention_backend: Literal["auto", "reference", "sdpa", "flex", "flash"] = "auto"
     """Core attention implementation; auto picks flash-attn, then FlexAttention (GPU), then SDPA."""
 
     @property
     def kv_heads(self) -> int:
         return self.num_kv_heads or self.num_heads
+
+    def padded_vocab_size(self, tp: int = 1) -> int:
+        """Rows of the embedding and LM head: vocab_size rounded up to a multiple of lcm(vocab_pad_multiple, tp)."""
+        multiple = math.lcm(max(self.vocab_pad_multiple, 1), tp)
+        return -(-self.vocab_size // multiple) * multiple
 
     @property
     def head_dim(self) -> int:
@@ -383,9 +397,6 @@ def validate_config(cfg: Config, world_size: Optional[int] = None) -> None:
     if m.num_heads % m.kv_heads:
         raise ConfigError(f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads={m.kv_heads}")
     check_heads(m.num_heads, m.kv_heads, p.tp, p.sp)
-    if m.vocab_size % p.tp:
-        raise ConfigError(f"model.vocab_size={m.vocab_size} is not divisible by parallel.tp={p.tp}: "
-                          f"pad the vocabulary to a multiple of {p.tp}")
     if m.ffn_size % p.tp:
         raise ConfigError(f"MLP width {m.ffn_size} (model.ffn_hidden_size) is not divisible by parallel.tp={p.tp}")
     shard = p.sp * (p.tp if p.tp_sequence_parallel else 1)
@@ -429,7 +440,7 @@ def validate_config(cfg: Config, world_size: Optional[int] = None) -> None:
 
 # (section, field, lowest allowed value, highest allowed value or None)
 _RANGES = [
-    ("model", "vocab_size", 1, None), ("model", "hidden_size", 1, None), ("model", "num_layers", 1, None),
+    ("model", "vocab_size", 1, None), ("model", "vocab_pad_multiple", 1, None), ("model", "hidden_size", 1, None), ("model", "num_layers", 1, None),
     ("model", "num_heads", 1, None), ("model", "norm_eps", 0.0, None), ("model", "init_std", 0.0, None),
     ("data", "seq_len", 1, None),
     ("optimizer", "lr", 0.0, None), ("optimizer", "min_lr", 0.0, None), ("optimizer", "weight_decay", 0.0, None),

@@ -60,8 +60,10 @@ def backend_case(backend, hq, hkv, docs, device):
     """(dtype, q, k, v, mask) for one case; skips when the backend cannot run here."""
     dtype = torch.bfloat16 if backend == "flash" else torch.float32
     require(backend, device, dtype)
-    q, k, v = make_qkv(hq=hq, hkv=hkv, dtype=dtype, device=device)
-    mask = prepare_attention_mask(make_doc_ids(device=device), backend) if docs else None
+    # on CUDA a shape compiled FlexAttention's templates take (one 128-token block, head dim 64)
+    S, D = (128, 64) if device == "cuda" else (64, 16)
+    q, k, v = make_qkv(S=S, hq=hq, hkv=hkv, D=D, dtype=dtype, device=device)
+    mask = prepare_attention_mask(make_doc_ids(S=S, device=device), backend) if docs else None
     return dtype, q, k, v, mask
 
 
@@ -165,6 +167,28 @@ def test_doc_ids_to_cu_seqlens():
     assert cu.dtype == torch.int32 and cu.tolist() == [0, 3, 5, 6, 12]
     assert doc_ids_to_cu_seqlens(torch.tensor([7, 7, 8])).tolist() == [0, 2, 3]
     assert prepare_attention_mask(doc_ids).varlen()[1] == 6
+
+
+def test_selection_follows_the_shape(monkeypatch):
+    """auto never picks a backend that cannot run the shape; an explicit one that cannot is refused, saying why."""
+    select = attention.select_backend
+    monkeypatch.setattr(attention, "flash_attn_func", object())      # pretend flash-attn is importable
+    assert select("auto", "cuda", torch.bfloat16, head_dim=128, has_docs=True)[0] == "flash"
+    assert select("auto", "cuda", torch.bfloat16, head_dim=12, has_docs=False)[0] == "sdpa"   # 12 % 8 != 0
+    assert select("auto", "cuda", torch.bfloat16, head_dim=512, has_docs=False)[0] == "sdpa"  # above 256
+    with pytest.raises(RuntimeError, match="'flash' needs a head dim that is a multiple of 8"):
+        select("flash", "cuda", torch.bfloat16, head_dim=12)
+    monkeypatch.setattr(attention, "flash_attn_func", None)
+    if attention._flex_module is not None:
+        assert select("auto", "cuda", torch.bfloat16, head_dim=64, has_docs=True)[0] == "flex"
+        for head_dim in (8, 48):                                         # Inductor's flex template refuses these
+            assert select("auto", "cuda", torch.bfloat16, head_dim=head_dim, has_docs=True)[0] == "sdpa"
+            with pytest.raises(RuntimeError, match="'flex' needs a head dim that is a power of two >= 16"):
+                select("flex", "cuda", torch.bfloat16, head_dim=head_dim)
+        with pytest.raises(RuntimeError, match="'flex' has no backward on CPU"):
+            select("flex", "cpu", torch.float32, head_dim=64, training=True)
+        assert select("flex", "cpu", torch.float32, head_dim=64, training=False)[0] == "flex"
+    assert select("auto", "cpu", torch.bfloat16, head_dim=64, has_docs=True)[0] == "sdpa"
 
 
 def test_auto_resolution(monkeypatch):

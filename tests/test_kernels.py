@@ -1,11 +1,16 @@
-"""RMSNorm and RoPE: each implementation behind the dispatch point equals the pure-torch reference
-(forward and backward), and the references equal independent formulas (float64 RMS, complex rotation,
-Hugging Face Llama). Triton kernels run through Triton's CPU interpreter when there is no GPU."""
+"""RMSNorm (alone and fused with the residual add), RoPE (alone and on a fused QKV output), SwiGLU and the
+fused LM head + cross-entropy: each implementation behind the dispatch point equals the pure-torch
+reference (forward and backward), and the references equal independent formulas (float64 RMS, complex
+rotation, Hugging Face Llama, separate ops). Triton kernels run through Triton's CPU interpreter when
+there is no GPU."""
 import pytest
 import torch
 
-from megalysses.kernels.norms import rms_norm, rms_norm_torch
-from megalysses.kernels.rope import apply_rope, apply_rope_torch, rope_cos_sin
+from megalysses.kernels.linear_cross_entropy import linear_cross_entropy
+from megalysses.kernels.norms import add_rms_norm, rms_norm, rms_norm_torch
+from megalysses.kernels.rope import apply_rope, apply_rope_torch, rope_cos_sin, rope_qkv
+from megalysses.kernels.swiglu import swiglu
+from megalysses.parallel.tensor_parallel import vocab_parallel_cross_entropy
 from megalysses.kernels.triton_support import triton_importable
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -189,11 +194,12 @@ def test_model_with_triton_kernels_equals_torch(monkeypatch):
     loss and every gradient equal the torch reference model."""
     require_triton()
     from megalysses.config import ModelConfig
-    from megalysses.kernels import rms_norm_triton, rope_triton
+    from megalysses.kernels import rms_norm_triton, rope_triton, swiglu_triton
     from megalysses.model.gpt import GPTStage, init_weights
 
-    calls = {"rms_norm": 0, "rope": 0}
-    for key, fn in (("rms_norm", rms_norm_triton.RMSNormTriton), ("rope", rope_triton.RoPETriton)):
+    calls = {"rms_norm": 0, "add_rms_norm": 0, "rope_qkv": 0, "swiglu": 0}
+    for key, fn in (("rms_norm", rms_norm_triton.RMSNormTriton), ("add_rms_norm", rms_norm_triton.AddRMSNormTriton),
+                    ("rope_qkv", rope_triton.RoPEQKVTriton), ("swiglu", swiglu_triton.SwiGLUTriton)):
         def counted(*args, _apply=fn.apply, _key=key):
             calls[_key] += 1
             return _apply(*args)
@@ -211,7 +217,128 @@ def test_model_with_triton_kernels_equals_torch(monkeypatch):
         loss.backward()
         losses[kernels] = loss.detach()
         grads[kernels] = {n: p.grad for n, p in model.named_parameters()}
-    assert calls == {"rms_norm": 3, "rope": 2}       # 2 block norms + final norm; q and k
+    # per block: the attention norm, the residual add fused with the MLP norm, q/k/v, SwiGLU; the final norm
+    assert calls == {"rms_norm": 2, "add_rms_norm": 1, "rope_qkv": 1, "swiglu": 1}
     torch.testing.assert_close(losses["triton"], losses["torch"], rtol=1e-5, atol=1e-5)
     for name, g in grads["torch"].items():
         torch.testing.assert_close(grads["triton"][name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
+# ---------------------------------------------------------------------------------------------- fused ops
+
+def upstream(*outs, seed=1):
+    return [randn(*o.shape, dtype=o.dtype, seed=seed + i) for i, o in enumerate(outs)]
+
+
+def test_fused_references_equal_separate_ops():
+    """The references of the fused ops are the unfused model's ops, exactly."""
+    x, d, w = randn(3, 5, 24), randn(3, 5, 24, seed=2), 1 + randn(24, seed=3)
+    r, y = add_rms_norm(x, d, w, 1e-6, impl="torch")
+    assert torch.equal(r, x + d) and torch.equal(y, rms_norm_torch(x + d, w, 1e-6))
+    gu = randn(3, 5, 2 * 12)
+    gate, up = gu[..., 0::2], gu[..., 1::2]
+    assert torch.equal(swiglu(gu, impl="torch"), torch.nn.functional.silu(gate) * up)
+    B, S, hk, rep, D = 2, 6, 2, 3, 8
+    qkv = randn(B, S, hk, rep + 2, D)
+    cos, sin = rope_cos_sin(torch.arange(S, device=DEVICE).expand(B, S), D, 10000.0)
+    q, k, v = rope_qkv(qkv, cos, sin, impl="torch")
+    assert q.shape == (B, S, hk * rep, D) and k.shape == v.shape == (B, S, hk, D)
+    for h in range(hk * rep):     # query head h belongs to KV group h // rep
+        assert torch.equal(q[:, :, h], apply_rope_torch(qkv[:, :, h // rep, h % rep][:, :, None], cos, sin)[:, :, 0])
+    assert torch.equal(k, apply_rope_torch(qkv[:, :, :, rep], cos, sin)) and torch.equal(v, qkv[:, :, :, rep + 1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_triton_matches_torch(dtype):
+    require_triton()
+    x, d = randn(4, 9, 40, dtype=dtype, grad=True), randn(4, 9, 40, dtype=dtype, seed=2, grad=True)
+    w = (1 + 0.5 * randn(40, seed=3)).to(dtype).requires_grad_()
+    got, want = add_rms_norm(x, d, w, 1e-6, impl="triton"), add_rms_norm(x, d, w, 1e-6, impl="torch")
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=3e-2)
+    for g, r in zip(got, want):
+        assert g.dtype == r.dtype and g.shape == r.shape
+        torch.testing.assert_close(g, r, **tol)
+    ups = upstream(*want)
+    for g, r in zip(torch.autograd.grad(got, (x, d, w), ups), torch.autograd.grad(want, (x, d, w), ups)):
+        torch.testing.assert_close(g, r, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_triton_matches_torch(dtype):
+    require_triton()
+    gu = (2 * randn(3, 7, 2 * 50, dtype=torch.float32)).to(dtype).requires_grad_()
+    got, want = swiglu(gu, impl="triton"), swiglu(gu, impl="torch")
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    assert got.dtype == want.dtype and got.shape == want.shape == (3, 7, 50)
+    torch.testing.assert_close(got, want, **tol)
+    torch.testing.assert_close(backward(got, gu)[0], backward(want, gu)[0], **tol)
+
+
+@pytest.mark.parametrize("hk,rep,D", [(2, 3, 16), (1, 4, 12), (4, 1, 8)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_qkv_triton_matches_torch(hk, rep, D, dtype):
+    require_triton()
+    B, S = 2, 5
+    qkv = randn(B, S, hk, rep + 2, D, dtype=dtype, grad=True)
+    pos = torch.randint(0, 4000, (B, S), generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    cos, sin = rope_cos_sin(pos, D, 10000.0)
+    got, want = rope_qkv(qkv, cos, sin, impl="triton"), rope_qkv(qkv, cos, sin, impl="torch")
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for g, r in zip(got, want):
+        assert g.shape == r.shape and g.dtype == r.dtype and g.is_contiguous()
+        torch.testing.assert_close(g, r, **tol)
+    ups = upstream(*want)
+    torch.testing.assert_close(torch.autograd.grad(got, qkv, ups)[0], torch.autograd.grad(want, qkv, ups)[0], **tol)
+
+
+@pytest.mark.parametrize("chunk", [0, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_cross_entropy_matches_logits_then_loss(chunk, dtype):
+    """The fused, tiled LM head + loss against materialised logits and the vocab-parallel cross-entropy;
+    rows from vocab_size on are padding (never in the softmax), label -100 is ignored."""
+    N, h, V, V_pad = 13, 16, 45, 48
+    x = randn(N, h, dtype=dtype, grad=True)
+    w = randn(V_pad, h, dtype=dtype, seed=2, grad=True)
+    labels = torch.randint(0, V, (N,), generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    labels[[2, 7]] = -100
+    got = linear_cross_entropy(x, w, labels, vocab_size=V, chunk_tokens=chunk)
+    want = torch.nn.functional.cross_entropy((x @ w[:V].t()).float(), labels, reduction="sum")
+    same_math = vocab_parallel_cross_entropy(torch.cat([(x @ w[:V].t()).float(), torch.full((N, V_pad - V),
+                                             float("-inf"), device=DEVICE)], 1), labels, None).sum()
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)
+    torch.testing.assert_close(got, want, **tol)
+    torch.testing.assert_close(got, same_math, **tol)
+    g_got, g_want = torch.autograd.grad(2.5 * got, (x, w)), torch.autograd.grad(2.5 * want, (x, w))
+    for a, b in zip(g_got, g_want):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b, **tol)
+    assert torch.equal(g_got[1][V:], torch.zeros_like(g_got[1][V:]))        # padding rows learn nothing
+    with torch.no_grad():                                                    # evaluation: no gradients kept
+        torch.testing.assert_close(linear_cross_entropy(x, w, labels, vocab_size=V, chunk_tokens=chunk), got)
+
+
+@pytest.mark.parametrize("impl", ["liger", "apex"])
+def test_library_kernels_match_torch(impl):
+    """model.kernels=liger / apex: each op the library provides (apex: RMSNorm and the add before it; the
+    rest falls to our Triton kernels) against the torch reference, forward and backward, in bf16."""
+    from megalysses.kernels.triton_support import LIBRARY_OPS, library_importable
+    if DEVICE != "cuda" or not library_importable(impl):
+        pytest.skip(f"{impl} needs its package and a CUDA device")
+    dtype, tol = torch.bfloat16, dict(rtol=2e-2, atol=3e-2)
+    x, d = randn(4, 9, 64, dtype=dtype, grad=True), randn(4, 9, 64, dtype=dtype, seed=2, grad=True)
+    w = (1 + 0.5 * randn(64, seed=3)).to(dtype).requires_grad_()
+    gu = randn(4, 9, 2 * 96, dtype=dtype, seed=4, grad=True)
+    qkv = randn(2, 8, 2, 5, 64, dtype=dtype, seed=5, grad=True)
+    cos, sin = rope_cos_sin(torch.arange(8, device=DEVICE).expand(2, 8), 64, 10000.0)
+    ops = {"rms_norm": (lambda i: (rms_norm(x, w, 1e-6, impl=i),), (x, w)),
+           "add_rms_norm": (lambda i: add_rms_norm(x, d, w, 1e-6, impl=i), (x, d, w)),
+           "swiglu": (lambda i: (swiglu(gu, impl=i),), (gu,)),
+           "rope_qkv": (lambda i: rope_qkv(qkv, cos, sin, impl=i), (qkv,))}
+    for name, (op, inputs) in ops.items():
+        got, want = op(impl), op("torch")
+        for g, r in zip(got, want):
+            torch.testing.assert_close(g, r, **tol, msg=lambda m: f"{impl} {name}: {m}")
+        ups = upstream(*want)
+        for g, r in zip(torch.autograd.grad(got, inputs, ups), torch.autograd.grad(want, inputs, ups)):
+            torch.testing.assert_close(g, r, **tol, msg=lambda m: f"{impl} {name} backward: {m}")
+    assert set(LIBRARY_OPS[impl]) <= set(ops)

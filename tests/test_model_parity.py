@@ -13,7 +13,7 @@ from megalysses.model.layers import ParallelGroups
 from megalysses.testing import run_distributed
 
 S, B = 32, 2
-CFG = dict(vocab_size=128, hidden_size=64, num_layers=2, num_heads=8, num_kv_heads=2, attention_backend="sdpa")
+CFG = dict(vocab_size=120, hidden_size=64, num_layers=2, num_heads=8, num_kv_heads=2, attention_backend="sdpa")
 
 
 def make_batch(global_batch: int, seed: int = 0, eod: int = 3):

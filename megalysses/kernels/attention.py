@@ -47,9 +47,10 @@ DeviceLike = Union[torch.device, str]
 
 
 def available_backends(device: DeviceLike = "cpu") -> tuple[str, ...]:
-    """Backends that can run on `device` in this environment ("auto" excluded).
+    """Backends importable for `device` in this environment ("auto" excluded); whether one can run a
+    given shape is `unsupported_reason`'s question.
 
-    flex on CPU is forward-only (torch has no FlexAttention backward there); flash needs fp16/bf16."""
+    flex on CPU is forward-only (torch has no FlexAttention backward there); flash needs CUDA."""
     on_cuda = torch.device(device).type == "cuda"
     names = ["reference", "sdpa"]
     if _flex_module is not None:
@@ -59,27 +60,61 @@ def available_backends(device: DeviceLike = "cpu") -> tuple[str, ...]:
     return tuple(names)
 
 
-def resolve_backend(backend: str, device: DeviceLike, dtype: torch.dtype, has_docs: bool) -> str:
-    """The concrete backend for `backend` ("auto" or a name) on this device and dtype; raises when it cannot run."""
-    on_cuda = torch.device(device).type == "cuda"
-    if backend == "auto":
-        if flash_attn_func is not None and on_cuda and dtype in _HALF:
-            return "flash"
-        if on_cuda and has_docs and _flex_module is not None:
-            return "flex"
-        return "sdpa"
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-    available = available_backends(device)
-    if backend not in available:
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def unsupported_reason(backend: str, device: DeviceLike, dtype: torch.dtype, head_dim: Optional[int] = None,
+                       training: bool = True) -> Optional[str]:
+    """Why `backend` (a concrete name) cannot run attention of this head dim and dtype on `device`, with a
+    backward when `training`; None when it can. head_dim None skips the shape rules."""
+    if backend not in BACKENDS or backend == "auto":
+        return f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}"
+    device = torch.device(device)
+    on_cuda = device.type == "cuda"
+    if backend not in available_backends(device):
         why = {"flex": "torch.nn.attention.flex_attention is missing (needs torch >= 2.5)",
                "flash": "it needs CUDA and an importable flash_attn package"}[backend]
-        raise RuntimeError(f"attention backend {backend!r} is unavailable on {torch.device(device)}: {why}; "
-                           f"available here: {', '.join(available)}")
-    if backend == "flash" and dtype not in _HALF:
-        raise RuntimeError(f"attention backend 'flash' needs float16 or bfloat16 inputs, got {dtype}; "
-                           f"use 'sdpa' or 'flex' for {dtype}")
-    return backend
+        return f"is unavailable on {device}: {why}; available here: {', '.join(available_backends(device))}"
+    if backend == "flex":
+        if not on_cuda and training:
+            return ("has no backward on CPU (torch implements FlexAttention's backward for CUDA only); use "
+                    "'sdpa' or 'reference' for training on CPU")
+        if on_cuda and head_dim is not None and (head_dim < 16 or not _power_of_two(head_dim)):
+            return f"needs a head dim that is a power of two >= 16 (compiled FlexAttention), got {head_dim}"
+    if backend == "flash":
+        if dtype not in _HALF:
+            return f"needs float16 or bfloat16 inputs, got {dtype}; use 'sdpa' or 'flex' for {dtype}"
+        if head_dim is not None and (head_dim % 8 or head_dim > 256):
+            return f"needs a head dim that is a multiple of 8 and at most 256, got {head_dim}"
+    return None
+
+
+def select_backend(backend: str, device: DeviceLike, dtype: torch.dtype, head_dim: Optional[int] = None,
+                   has_docs: bool = False, training: bool = True) -> tuple[str, str]:
+    """(concrete backend, why) for a requested one ("auto" or a name). auto picks the first that can run
+    the shape: flash-attn on CUDA in half precision; on CUDA with packed documents compiled FlexAttention
+    (a block-sparse mask, where SDPA would need a dense (S, S) one); else SDPA. An explicit backend that
+    cannot run raises RuntimeError saying why."""
+    if backend != "auto":
+        why = unsupported_reason(backend, device, dtype, head_dim, training)
+        if why is not None and why.startswith("unknown"):
+            raise ValueError(why)
+        if why is not None:
+            raise RuntimeError(f"attention backend {backend!r} {why}")
+        return backend, "requested"
+    on_cuda = torch.device(device).type == "cuda"
+    if on_cuda and unsupported_reason("flash", device, dtype, head_dim, training) is None:
+        return "flash", "flash-attn is installed and takes this shape and dtype"
+    if on_cuda and has_docs and unsupported_reason("flex", device, dtype, head_dim, training) is None:
+        return "flex", "packed documents: a block-sparse mask instead of a dense (S, S) one"
+    return "sdpa", "the portable default" if not on_cuda else "flash-attn and FlexAttention do not apply here"
+
+
+def resolve_backend(backend: str, device: DeviceLike, dtype: torch.dtype, has_docs: bool,
+                    head_dim: Optional[int] = None, training: bool = False) -> str:
+    """The concrete backend for `backend` ("auto" or a name); raises when it cannot run."""
+    return select_backend(backend, device, dtype, head_dim, has_docs, training)[0]
 
 
 def doc_ids_to_cu_seqlens(doc_ids: Tensor) -> Tensor:
@@ -199,7 +234,8 @@ def core_attention(q: Tensor, k: Tensor, v: Tensor, doc_ids: Optional[Tensor] = 
         raise ValueError(f"mask is on {mask.doc_ids.device} but q is on {q.device}: "
                          f"prepare_attention_mask(..., device=q.device)")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    name = resolve_backend(backend, q.device, q.dtype, mask is not None)
+    training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    name = resolve_backend(backend, q.device, q.dtype, mask is not None, q.shape[-1], training)
     return _BACKEND_FNS[name](q, k, v, mask, scale)
 
 
@@ -264,11 +300,8 @@ def _compiled_flex() -> Callable:
 
 
 def _flex(q: Tensor, k: Tensor, v: Tensor, mask: Optional[AttentionMask], scale: float) -> Tensor:
-    if not q.is_cuda:
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-            raise RuntimeError("attention backend 'flex' has no backward on CPU (torch implements FlexAttention's "
-                               "backward for CUDA only); use 'sdpa' or 'reference' for training on CPU")
-        q, k, v = q.detach(), k.detach(), v.detach()   # torch refuses inputs that require grad, even under no_grad
+    if not q.is_cuda:   # forward only (select_backend refuses training): torch refuses inputs requiring grad
+        q, k, v = q.detach(), k.detach(), v.detach()
     block_mask = mask.block_mask() if mask is not None else _causal_block_mask(q.shape[1], q.device)
     q_, k_, v_ = (t.transpose(1, 2) for t in (q, k, v))                   # (B, H, S, D)
     gqa = q.shape[2] != k.shape[2]

@@ -1,8 +1,11 @@
-"""RMSNorm forward and backward in Triton; imported only when triton is (see triton_support.py).
+"""RMSNorm, and the residual add fused with it, forward and backward in Triton; imported only when
+triton is (see triton_support.py).
 
 Same numbers as norms.rms_norm_torch: y = (x * rstd).to(x.dtype) * w, rstd = rsqrt(mean(x^2) + eps),
-computed in fp32. Each program loops over rows pid, pid + G, ...; the backward writes one partial
-weight gradient per program, summed afterwards.
+computed in fp32. add_rms_norm: r = (x + delta) rounded to x's dtype, written out, and normalised as
+above (one read of x and delta, one write of r and y). Each program loops over rows pid, pid + G, ...;
+the backward writes one partial weight gradient per program, summed afterwards, and for the fused
+form adds the gradient that reaches r directly (the residual path) to the norm's.
 """
 from __future__ import annotations
 
@@ -42,7 +45,27 @@ def _rms_norm_fwd(X, W, Y, RSTD, n_rows, n_cols, eps, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _rms_norm_bwd(DY, X, W, RSTD, DX, DW_PARTIAL, n_rows, n_cols, BLOCK: tl.constexpr):
+def _add_rms_norm_fwd(X, D, W, R, Y, RSTD, n_rows, n_cols, eps, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    in_row = cols < n_cols
+    w = tl.load(W + cols, mask=in_row, other=0.0).to(tl.float32)
+    for row in range(pid, n_rows, tl.num_programs(0)):
+        base = tl.cast(row, tl.int64) * n_cols
+        x = tl.load(X + base + cols, mask=in_row, other=0.0).to(tl.float32)
+        d = tl.load(D + base + cols, mask=in_row, other=0.0).to(tl.float32)
+        r = (x + d).to(R.dtype.element_ty)                             # the residual stream, rounded
+        tl.store(R + base + cols, r, mask=in_row)
+        r = r.to(tl.float32)
+        rstd = tl.math.rsqrt(tl.reduce(r * r, 0, _add) / n_cols + eps)
+        r_hat = (r * rstd).to(R.dtype.element_ty).to(tl.float32)
+        tl.store(Y + base + cols, (r_hat * w).to(Y.dtype.element_ty), mask=in_row)
+        tl.store(RSTD + row, rstd)
+
+
+@triton.jit
+def _rms_norm_bwd(DY, X, W, RSTD, DX, DW_PARTIAL, DRES, n_rows, n_cols, BLOCK: tl.constexpr,
+                  HAS_DRES: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     in_row = cols < n_cols
@@ -58,6 +81,8 @@ def _rms_norm_bwd(DY, X, W, RSTD, DX, DW_PARTIAL, n_rows, n_cols, BLOCK: tl.cons
         g = dy * w
         # d/dx of w * x * rstd(x): rstd * (g - x_hat * mean(g * x_hat))
         dx = (g - x_hat * (tl.reduce(g * x_hat, 0, _add) / n_cols)) * rstd
+        if HAS_DRES:   # the gradient that reached the residual output directly
+            dx += tl.load(DRES + base + cols, mask=in_row, other=0.0).to(tl.float32)
         tl.store(DX + base + cols, dx.to(DX.dtype.element_ty), mask=in_row)
     tl.store(DW_PARTIAL + pid * n_cols + cols, dw, mask=in_row)
 
@@ -96,5 +121,43 @@ class RMSNormTriton(torch.autograd.Function):
         block, warps = _launch_config(n_cols)
         grid = (num_programs(n_rows, x2.device),)
         dw_partial = torch.empty(grid[0], n_cols, dtype=torch.float32, device=x2.device)
-        _rms_norm_bwd[grid](dy2, x2, w, rstd, dx, dw_partial, n_rows, n_cols, BLOCK=block, num_warps=warps)
+        _rms_norm_bwd[grid](dy2, x2, w, rstd, dx, dw_partial, dx, n_rows, n_cols, BLOCK=block, HAS_DRES=False,
+                            num_warps=warps)
         return dx.view(ctx.x_shape), dw_partial.sum(0).to(w.dtype), None
+
+
+class AddRMSNormTriton(torch.autograd.Function):
+    """(r, y) = (x + delta, rms_norm(x + delta, weight, eps)) over the last dim; x, delta (..., N) of one
+    dtype, weight (N,). Backward gives dx = ddelta (the same tensor) and dweight."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, delta: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+        n_cols = x.shape[-1]
+        if n_cols > MAX_COLS:
+            raise ValueError(f"Triton RMSNorm handles rows up to {MAX_COLS} elements, got {n_cols}")
+        x2, d2 = x.reshape(-1, n_cols).contiguous(), delta.reshape(-1, n_cols).contiguous()
+        w = weight.contiguous()
+        r = torch.empty_like(x2)
+        y = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+        rstd = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
+        block, warps = _launch_config(n_cols)
+        grid = (num_programs(x2.shape[0], x.device),)
+        _add_rms_norm_fwd[grid](x2, d2, w, r, y, rstd, x2.shape[0], n_cols, eps, BLOCK=block, num_warps=warps)
+        ctx.save_for_backward(r, w, rstd)
+        ctx.x_shape = x.shape
+        return r.view(x.shape), y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dr: Tensor, dy: Tensor):
+        r, w, rstd = ctx.saved_tensors
+        n_rows, n_cols = r.shape
+        dy2 = dy.reshape(-1, n_cols).contiguous()
+        dr2 = dr.reshape(-1, n_cols).contiguous()
+        dx = torch.empty_like(r)
+        block, warps = _launch_config(n_cols)
+        grid = (num_programs(n_rows, r.device),)
+        dw_partial = torch.empty(grid[0], n_cols, dtype=torch.float32, device=r.device)
+        _rms_norm_bwd[grid](dy2, r, w, rstd, dx, dw_partial, dr2, n_rows, n_cols, BLOCK=block, HAS_DRES=True,
+                            num_warps=warps)
+        dx = dx.view(ctx.x_shape)
+        return dx, dx, dw_partial.sum(0).to(w.dtype), None

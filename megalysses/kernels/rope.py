@@ -4,6 +4,7 @@ logits. A pure-PyTorch reference and a Triton kernel behind one dispatch point.
 
     cos, sin = rope_cos_sin(position_ids, head_dim, theta)   # (B, S, D), once per step
     q = apply_rope(q, cos, sin)                               # (B, S, H, D)
+    q, k, v = rope_qkv(qkv, cos, sin)                         # split a fused QKV output, rotate q and k
 """
 from __future__ import annotations
 
@@ -52,3 +53,36 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, impl: str = "auto") -> Tenso
         return apply_rope_torch(x, cos, sin)
     from megalysses.kernels.rope_triton import RoPETriton
     return RoPETriton.apply(x, cos, sin)
+
+
+def split_qkv(qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """A fused QKV output grouped by KV head, (B, S, Hkv, rep + 2, D) (the rep query heads of group g,
+    then k_g, then v_g), as q (B, S, Hkv*rep, D), k, v (B, S, Hkv, D). Query head i reads KV head i // rep."""
+    B, S, hk, c, D = qkv.shape
+    rep = c - 2
+    return qkv[:, :, :, :rep].reshape(B, S, hk * rep, D), qkv[:, :, :, rep], qkv[:, :, :, rep + 1]
+
+
+def rope_qkv_torch(qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Reference: split_qkv, then apply_rope_torch to q and k."""
+    q, k, v = split_qkv(qkv)
+    return apply_rope_torch(q, cos, sin), apply_rope_torch(k, cos, sin), v
+
+
+def rope_qkv(qkv: Tensor, cos: Tensor, sin: Tensor, impl: str = "auto") -> tuple[Tensor, Tensor, Tensor]:
+    """Split a fused QKV projection output (B, S, Hkv, rep + 2, D) into q (B, S, Hkv*rep, D), k, v
+    (B, S, Hkv, D), with q and k rotated by cos, sin (B, S, D). impl as for apply_rope; the Triton kernel
+    reads qkv once and writes contiguous q, k and v (and the reverse in the backward)."""
+    if qkv.dim() != 5 or qkv.shape[3] < 3:
+        raise ValueError(f"qkv must be (B, S, Hkv, rep + 2, D) with rep >= 1, got {tuple(qkv.shape)}")
+    if cos.shape != sin.shape or cos.dim() != 3 or cos.shape[-1] != qkv.shape[-1]:
+        raise ValueError(f"cos, sin must be (B, S, D) for qkv {tuple(qkv.shape)}; got {tuple(cos.shape)}, "
+                         f"{tuple(sin.shape)}")
+    impl = choose_impl(impl, qkv, "rope_qkv")
+    if impl == "torch":
+        return rope_qkv_torch(qkv, cos, sin)
+    if impl == "liger":
+        from megalysses.kernels import external
+        return external.rope_qkv(qkv, cos, sin)
+    from megalysses.kernels.rope_triton import RoPEQKVTriton
+    return RoPEQKVTriton.apply(qkv, cos, sin)

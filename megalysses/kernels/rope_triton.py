@@ -72,3 +72,93 @@ class RoPETriton(torch.autograd.Function):
     def backward(ctx, dy: Tensor):
         cos, sin = ctx.saved_tensors
         return _rope(dy, cos, sin, backward=True), None, None
+
+
+@triton.jit
+def _rope_qkv_kernel(QKV, COS, SIN, Q, K, V, n_tokens, n_groups, rep, head_dim,
+                     BACKWARD: tl.constexpr, BLOCK_SLOTS: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Forward: slots of a token's qkv row (group g: rep query heads, then k_g, then v_g) -> rotated q,
+    rotated k, copied v. Backward: the same index map read the other way, dq, dk, dv -> dqkv."""
+    pid = tl.program_id(0)
+    half = head_dim // 2
+    per_group = rep + 2
+    n_slots = n_groups * per_group
+    slot = tl.arange(0, BLOCK_SLOTS)[:, None]                             # (BLOCK_SLOTS, 1)
+    dims = tl.arange(0, BLOCK_HALF)[None, :]                              # (1, BLOCK_HALF)
+    in_dims = dims < half
+    live = (slot < n_slots) & in_dims
+    g = slot // per_group
+    j = slot % per_group
+    is_q = live & (j < rep)
+    is_k = live & (j == rep)
+    is_v = live & (j == rep + 1)
+    q_off = (g * rep + j) * head_dim + dims                               # within the token's q row
+    kv_off = g * head_dim + dims
+    for tok in range(pid, n_tokens, tl.num_programs(0)):
+        t64 = tl.cast(tok, tl.int64)
+        cs = COS + t64 * head_dim + dims
+        sn = SIN + t64 * head_dim + dims
+        c1 = tl.load(cs, mask=in_dims, other=0.0).to(QKV.dtype.element_ty).to(tl.float32)
+        c2 = tl.load(cs + half, mask=in_dims, other=0.0).to(QKV.dtype.element_ty).to(tl.float32)
+        s1 = tl.load(sn, mask=in_dims, other=0.0).to(QKV.dtype.element_ty).to(tl.float32)
+        s2 = tl.load(sn + half, mask=in_dims, other=0.0).to(QKV.dtype.element_ty).to(tl.float32)
+        row = QKV + t64 * n_slots * head_dim + slot * head_dim + dims
+        q_row = Q + t64 * n_groups * rep * head_dim + q_off
+        k_row = K + t64 * n_groups * head_dim + kv_off
+        v_row = V + t64 * n_groups * head_dim + kv_off
+        rotate = is_q | is_k
+        if BACKWARD:
+            x1 = (tl.load(q_row, mask=is_q, other=0.0).to(tl.float32) + tl.load(k_row, mask=is_k, other=0.0)
+                  .to(tl.float32) + tl.load(v_row, mask=is_v, other=0.0).to(tl.float32))
+            x2 = (tl.load(q_row + half, mask=is_q, other=0.0).to(tl.float32)
+                  + tl.load(k_row + half, mask=is_k, other=0.0).to(tl.float32)
+                  + tl.load(v_row + half, mask=is_v, other=0.0).to(tl.float32))
+            y1 = tl.where(rotate, x1 * c1 + x2 * s2, x1)
+            y2 = tl.where(rotate, x2 * c2 - x1 * s1, x2)
+            tl.store(row, y1.to(QKV.dtype.element_ty), mask=live)
+            tl.store(row + half, y2.to(QKV.dtype.element_ty), mask=live)
+        else:
+            x1 = tl.load(row, mask=live, other=0.0).to(tl.float32)
+            x2 = tl.load(row + half, mask=live, other=0.0).to(tl.float32)
+            y1 = tl.where(rotate, x1 * c1 - x2 * s1, x1).to(Q.dtype.element_ty)
+            y2 = tl.where(rotate, x2 * c2 + x1 * s2, x2).to(Q.dtype.element_ty)
+            tl.store(q_row, y1, mask=is_q)
+            tl.store(q_row + half, y2, mask=is_q)
+            tl.store(k_row, y1, mask=is_k)
+            tl.store(k_row + half, y2, mask=is_k)
+            tl.store(v_row, y1, mask=is_v)
+            tl.store(v_row + half, y2, mask=is_v)
+
+
+def _launch_qkv(qkv: Tensor, cos: Tensor, sin: Tensor, q: Tensor, k: Tensor, v: Tensor, backward: bool) -> None:
+    B, S, hk, c, D = qkv.shape
+    grid = (num_programs(B * S, qkv.device),)
+    _rope_qkv_kernel[grid](qkv, cos, sin, q, k, v, B * S, hk, c - 2, D, BACKWARD=backward,
+                           BLOCK_SLOTS=triton.next_power_of_2(hk * c), BLOCK_HALF=triton.next_power_of_2(D // 2))
+
+
+class RoPEQKVTriton(torch.autograd.Function):
+    """rope_qkv: qkv (B, S, Hkv, rep + 2, D) -> rotated q (B, S, Hkv*rep, D), rotated k, v (B, S, Hkv, D),
+    contiguous, in one kernel; the backward writes dqkv in one kernel too."""
+
+    @staticmethod
+    def forward(ctx, qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        B, S, hk, c, D = qkv.shape
+        if D % 2:
+            raise ValueError(f"RoPE needs an even head dim, got {D}")
+        qkv = qkv.contiguous()
+        cos = cos.expand(B, S, D).contiguous()
+        sin = sin.expand(B, S, D).contiguous()
+        q = qkv.new_empty(B, S, hk * (c - 2), D)
+        k, v = qkv.new_empty(B, S, hk, D), qkv.new_empty(B, S, hk, D)
+        _launch_qkv(qkv, cos, sin, q, k, v, backward=False)
+        ctx.save_for_backward(cos, sin)
+        ctx.shape = qkv.shape
+        return q, k, v
+
+    @staticmethod
+    def backward(ctx, dq: Tensor, dk: Tensor, dv: Tensor):
+        cos, sin = ctx.saved_tensors
+        dqkv = dq.new_empty(ctx.shape)
+        _launch_qkv(dqkv, cos, sin, dq.contiguous(), dk.contiguous(), dv.contiguous(), backward=True)
+        return dqkv, None, None

@@ -1,6 +1,8 @@
-"""When a Triton kernel can run: triton importable, and the tensor on CUDA or Triton's CPU interpreter on.
+"""Which implementation of a fused op runs: the torch reference, our Triton kernels, or liger-kernel's
+or apex's (optional libraries), and whether it can run here.
 
-Triton is optional. The kernel modules (rms_norm_triton.py, rope_triton.py) import it at the top and
+A Triton kernel runs when triton is importable and the tensor is on CUDA or Triton's CPU interpreter is
+on; liger and apex need their package and CUDA. Triton is optional. The kernel modules (rms_norm_triton.py, rope_triton.py) import it at the top and
 are themselves imported only on first use, so that TRITON_INTERPRET=1 set by a test before that use
 still selects the interpreter (triton reads it when a kernel is decorated)."""
 from __future__ import annotations
@@ -11,7 +13,11 @@ import os
 import torch
 from torch import Tensor
 
-IMPLS = ("auto", "torch", "triton")
+IMPLS = ("auto", "torch", "triton", "liger", "apex")
+# the ops each library provides; apex has a fused RMSNorm only, so the others use our Triton kernels
+LIBRARY_OPS = {"liger": ("rms_norm", "add_rms_norm", "swiglu", "rope_qkv"),
+               "apex": ("rms_norm", "add_rms_norm")}
+_PACKAGES = {"liger": "liger_kernel", "apex": "apex"}
 
 
 @functools.lru_cache(maxsize=1)
@@ -33,14 +39,31 @@ def triton_usable(t: Tensor) -> bool:
     return triton_importable() and (t.is_cuda or triton_interpreting())
 
 
+@functools.lru_cache(maxsize=None)
+def library_importable(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(_PACKAGES[name]) is not None
+
+
 def choose_impl(impl: str, t: Tensor, what: str) -> str:
-    """"torch" or "triton" for `impl`. auto takes the torch reference: the Triton kernels are checked
-    against it under the interpreter only, so they are opt-in ("triton") until verified on a GPU.
-    An explicit "triton" that cannot run raises, naming why."""
+    """The implementation `what` (an op name) runs for `impl`: "torch", "triton", "liger" or "apex".
+
+    auto takes the torch reference: the Triton kernels are checked against it under the interpreter
+    only, so they are opt-in ("triton") until verified on a GPU. With "apex", ops apex lacks use our
+    Triton kernels. An explicit choice that cannot run raises, naming why."""
     if impl not in IMPLS:
         raise ValueError(f"unknown {what} impl {impl!r}; choose one of {', '.join(IMPLS)}")
     if impl == "auto":
         return "torch"
+    if impl in LIBRARY_OPS:
+        if not library_importable(impl) or not t.is_cuda:
+            why = f"{_PACKAGES[impl]} is not installed" if not library_importable(impl) else f"the tensor is on {t.device}"
+            raise RuntimeError(f"{what} impl {impl!r} is unavailable: {why} ({impl} runs on CUDA); "
+                               f"available: auto, torch, triton")
+        if what in LIBRARY_OPS[impl] or what.startswith("model.kernels"):
+            return impl
+        impl = "triton"
     if impl == "triton" and not triton_usable(t):
         why = ("triton is not importable" if not triton_importable()
                else f"the tensor is on {t.device} (Triton needs CUDA, or TRITON_INTERPRET=1 set before first use)")

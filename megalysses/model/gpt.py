@@ -24,8 +24,8 @@ from megalysses.config import ModelConfig
 from megalysses.kernels.attention import prepare_attention_mask
 from megalysses.kernels.rope import rope_cos_sin
 from megalysses.model.layers import Block, Norm, ParallelGroups
-from megalysses.parallel.tensor_parallel import (
-    ColumnParallelLinear, VocabParallelEmbedding, column_parallel_linear, vocab_parallel_cross_entropy)
+from megalysses.kernels.linear_cross_entropy import linear_cross_entropy
+from megalysses.parallel.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding, column_parallel_linear
 
 
 def stage_layers(num_layers: int, pp: int, pp_rank: int) -> range:
@@ -46,18 +46,20 @@ class GPTStage(nn.Module):
         self.loss_chunk_tokens = loss_chunk_tokens
         layers = range(cfg.num_layers) if layers is None else layers
         sp_ = groups.sequence_parallel
+        self.vocab_padded = cfg.padded_vocab_size(groups.tp_size)
         if first or (last and cfg.tie_embeddings):
             # on a last stage without the first, this copy is the tied LM head (grads synced over `embed`)
-            self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, groups.tp, sp_)
+            self.embed = VocabParallelEmbedding(self.vocab_padded, cfg.hidden_size, groups.tp, sp_)
         self.layers = nn.ModuleDict({str(i): Block(cfg, groups, mlp_chunk_tokens) for i in layers})
         if last:
             self.final_norm = Norm(cfg, groups)
             if not cfg.tie_embeddings:
-                self.lm_head = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, groups.tp, False, sp_)
+                self.lm_head = ColumnParallelLinear(cfg.hidden_size, self.vocab_padded, groups.tp, False, sp_)
 
     @property
     def vocab_start(self) -> int:
-        return comm.group_rank(self.groups.tp) * self.cfg.vocab_size // self.groups.tp_size
+        """First vocabulary row of this tp rank's shard of the (padded) embedding / LM head."""
+        return comm.group_rank(self.groups.tp) * self.vocab_padded // self.groups.tp_size
 
     def forward(self, inputs: Tensor, position_ids: Tensor, doc_ids: Optional[Tensor] = None,
                 labels: Optional[Tensor] = None) -> Tensor:
@@ -66,7 +68,8 @@ class GPTStage(nn.Module):
         document index for packed-document masks (None = plain causal).
 
         Returns the hidden states (B, s, h) on a non-last stage; on the last, the local sum of token
-        losses (fp32 scalar) when labels are given, else this rank's logits (B, S/sp, V/tp)."""
+        losses (fp32 scalar) when labels are given, else this rank's logits (B, S/sp, V/tp) over the padded
+        vocabulary (padding columns -inf)."""
         cos, sin = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta)   # (B, S/sp, D) once
         mask = prepare_attention_mask(doc_ids, self.cfg.attention_backend) if doc_ids is not None else None
         x = self.embed(inputs) if self.first else inputs                               # (B, s, h)
@@ -78,33 +81,19 @@ class GPTStage(nn.Module):
         if not self.last:
             return x
         x = self.final_norm(x)
-        if labels is None:
-            return self._logits(x)                                                     # (B, S/sp, V/tp)
-        chunk = self.loss_chunk_tokens
-        if not chunk or chunk >= x.shape[1]:
-            return self._loss_sum(x, labels)
-        return self._tiled_loss_sum(x, labels, chunk)
-
-    def _logits(self, x: Tensor) -> Tensor:
         head = self.embed.weight if self.cfg.tie_embeddings else self.lm_head.weight
-        return column_parallel_linear(x, head, None, self.groups.tp, self.groups.sequence_parallel)
-
-    def _loss_sum(self, x: Tensor, labels: Tensor) -> Tensor:
-        losses = vocab_parallel_cross_entropy(self._logits(x), labels, self.groups.tp, self.vocab_start)  # (B, S/sp)
-        return losses.sum()
-
-    def _tiled_loss_sum(self, x: Tensor, labels: Tensor, chunk: int) -> Tensor:
-        """The loss over sequence tiles of `chunk` tokens, each recomputed in the backward, so that only
-        one tile's logits (B, chunk, V/tp) exist at a time."""
-        B, s = x.shape[:2]
-        tp = self.groups.tp_size if self.groups.sequence_parallel else 1
-        # with TP sequence sharding, tile c of every tp rank's shard is gathered together: match the labels
-        lab = labels.view(B, tp, s)
-        total = x.new_zeros((), dtype=torch.float32)
-        for lo in range(0, s, chunk):
-            tile_labels = lab[:, :, lo:lo + chunk].reshape(B, -1)
-            total = total + checkpoint(self._loss_sum, x[:, lo:lo + chunk], tile_labels, use_reentrant=False)
-        return total
+        if labels is None:
+            logits = column_parallel_linear(x, head, None, self.groups.tp, self.groups.sequence_parallel)
+            padding = self.cfg.vocab_size - self.vocab_start
+            if padding < logits.shape[-1]:
+                logits[..., max(padding, 0):] = float("-inf")
+            return logits                                                              # (B, S/sp, V/tp)
+        if self.groups.sequence_parallel:
+            x = comm.all_gather_from_tp(x, self.groups.tp, dim=1)                    # (B, S/sp, h)
+        else:
+            x = comm.copy_to_tp(x, self.groups.tp)
+        return linear_cross_entropy(x, head, labels, self.groups.tp, self.vocab_start, self.cfg.vocab_size,
+                                    self.loss_chunk_tokens)
 
 
 def _init_kind(name: str, cfg: ModelConfig) -> tuple[str, float]:
@@ -129,9 +118,9 @@ def init_weights(model: nn.Module, seed: int, tp_rank: int = 0, tp_size: int = 1
             full_shape[tp_dim] *= tp_size
         if kind == "normal":
             g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
-            full = torch.randn(full_shape, generator=g) * std
+            full = torch.randn(full_shape, generator=g, device="cpu") * std   # the same numbers on any device
         else:
-            full = torch.ones(full_shape) if kind == "ones" else torch.zeros(full_shape)
+            full = torch.full(full_shape, 1.0 if kind == "ones" else 0.0, device="cpu")
         if tp_dim is not None:
             full = full.chunk(tp_size, dim=tp_dim)[tp_rank]
         p.copy_(full)

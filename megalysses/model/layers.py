@@ -18,8 +18,9 @@ from megalysses import comm
 from megalysses.comm import Group
 from megalysses.config import ModelConfig
 from megalysses.kernels.attention import core_attention
-from megalysses.kernels.norms import rms_norm
-from megalysses.kernels.rope import apply_rope
+from megalysses.kernels.norms import add_rms_norm, rms_norm
+from megalysses.kernels.rope import rope_qkv
+from megalysses.kernels.swiglu import swiglu
 from megalysses.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, mark_tp
 from megalysses.parallel.ulysses import ulysses_attention
 
@@ -52,56 +53,77 @@ class Norm(nn.Module):
         self.weight = mark_tp(nn.Parameter(torch.ones(cfg.hidden_size)), None)
         self.bias = mark_tp(nn.Parameter(torch.zeros(cfg.hidden_size)), None) if cfg.norm == "layernorm" else None
 
-    def forward(self, x: Tensor) -> Tensor:
+    def _params(self) -> tuple[Tensor, Optional[Tensor]]:
         weight, bias = self.weight, self.bias
         if self.sequence_parallel:
             weight = comm.copy_to_tp(weight, self.tp)
             bias = comm.copy_to_tp(bias, self.tp) if bias is not None else None
+        return weight, bias
+
+    def forward(self, x: Tensor) -> Tensor:
+        weight, bias = self._params()
         if self.kind == "rmsnorm":
             return rms_norm(x, weight, self.eps, impl=self.impl)
         return F.layer_norm(x, (x.shape[-1],), weight, bias, self.eps)
 
+    def add_forward(self, x: Tensor, delta: Tensor) -> tuple[Tensor, Tensor]:
+        """(x + delta, norm(x + delta)): the residual add fused with the norm (one kernel for RMSNorm)."""
+        if self.kind != "rmsnorm":
+            x = x + delta
+            return x, self(x)
+        weight, _ = self._params()
+        return add_rms_norm(x, delta, weight, self.eps, impl=self.impl)
+
 
 class Attention(nn.Module):
-    """Grouped-query self-attention: column-parallel q/k/v, RoPE, Ulysses core attention, row-parallel out."""
+    """Grouped-query self-attention: one column-parallel QKV projection, RoPE, Ulysses core attention,
+    row-parallel output.
+
+    The fused QKV weight ((Hq + 2 Hkv) * D, h) is grouped by KV head: for each KV head g, the rep = Hq/Hkv
+    query heads that read it, then k_g, then v_g. Splitting its rows over tp therefore gives every rank
+    whole groups (its own query heads with their KV heads), and the full tensor does not depend on tp."""
 
     def __init__(self, cfg: ModelConfig, groups: ParallelGroups) -> None:
         super().__init__()
         h, D, tp = cfg.hidden_size, cfg.head_dim, groups.tp_size
         self.groups, self.head_dim, self.backend, self.impl = groups, D, cfg.attention_backend, cfg.kernels
         self.hq, self.hk = cfg.num_heads // tp, cfg.kv_heads // tp
+        self.rep = cfg.num_heads // cfg.kv_heads
         sp_ = groups.sequence_parallel
-        self.q_proj = ColumnParallelLinear(h, cfg.num_heads * D, groups.tp, cfg.bias, sp_)
-        self.k_proj = ColumnParallelLinear(h, cfg.kv_heads * D, groups.tp, cfg.bias, sp_)
-        self.v_proj = ColumnParallelLinear(h, cfg.kv_heads * D, groups.tp, cfg.bias, sp_)
-        self.o_proj = RowParallelLinear(cfg.num_heads * D, h, groups.tp, cfg.bias, sp_)
+        self.qkv_proj = ColumnParallelLinear(h, (cfg.num_heads + 2 * cfg.kv_heads) * D, groups.tp,
+                                             cfg.attention_bias, sp_)
+        self.o_proj = RowParallelLinear(cfg.num_heads * D, h, groups.tp, cfg.attention_bias, sp_)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Any) -> Tensor:
-        q = self.q_proj(x)                                   # (B, S/sp, hq*D)
-        B, s = q.shape[:2]
-        q = q.view(B, s, self.hq, self.head_dim)             # (B, S/sp, hq, D)
-        k = self.k_proj(x).view(B, s, self.hk, self.head_dim)
-        v = self.v_proj(x).view(B, s, self.hk, self.head_dim)
-        q, k = apply_rope(q, cos, sin, self.impl), apply_rope(k, cos, sin, self.impl)  # global positions
+        qkv = self.qkv_proj(x)                                                   # (B, S/sp, hk*(rep+2)*D)
+        B, s = qkv.shape[:2]
+        qkv = qkv.view(B, s, self.hk, self.rep + 2, self.head_dim)              # (B, S/sp, hk, rep+2, D)
+        q, k, v = rope_qkv(qkv, cos, sin, impl=self.impl)                        # global positions
+        # q (B, S/sp, hq, D), k, v (B, S/sp, hk, D)
         out = ulysses_attention(q, k, v, self.groups.sp,
                                 lambda q_, k_, v_: core_attention(q_, k_, v_, mask=mask, backend=self.backend))
-        return self.o_proj(out.reshape(B, s, self.hq * self.head_dim))   # (B, s, h)
+        return self.o_proj(out.reshape(B, s, self.hq * self.head_dim))          # (B, s, h)
 
 
 class MLP(nn.Module):
-    """SwiGLU (down(silu(gate(x)) * up(x))) or GELU (down(gelu(up(x)))), tensor-parallel."""
+    """SwiGLU (down(silu(gate(x)) * up(x))) or GELU (down(gelu(up(x)))), tensor-parallel.
+
+    SwiGLU's gate and up projections are one weight (2f, h) with their rows interleaved (row 2i is gate
+    row i, row 2i+1 is up row i), so any split of its rows over tp keeps matching gate/up pairs."""
 
     def __init__(self, cfg: ModelConfig, groups: ParallelGroups) -> None:
         super().__init__()
         h, f, sp_ = cfg.hidden_size, cfg.ffn_size, groups.sequence_parallel
-        self.kind = cfg.mlp
-        self.gate_proj = ColumnParallelLinear(h, f, groups.tp, cfg.bias, sp_) if cfg.mlp == "swiglu" else None
-        self.up_proj = ColumnParallelLinear(h, f, groups.tp, cfg.bias, sp_)
-        self.down_proj = RowParallelLinear(f, h, groups.tp, cfg.bias, sp_)
+        self.kind, self.impl = cfg.mlp, cfg.kernels
+        if cfg.mlp == "swiglu":
+            self.gate_up_proj = ColumnParallelLinear(h, 2 * f, groups.tp, cfg.mlp_bias, sp_)
+        else:
+            self.up_proj = ColumnParallelLinear(h, f, groups.tp, cfg.mlp_bias, sp_)
+        self.down_proj = RowParallelLinear(f, h, groups.tp, cfg.mlp_bias, sp_)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.gate_proj is not None:
-            inner = F.silu(self.gate_proj(x)) * self.up_proj(x)        # (B, S/sp, f/tp)
+        if self.kind == "swiglu":
+            inner = swiglu(self.gate_up_proj(x), impl=self.impl)         # (B, S/sp, f/tp)
         else:
             inner = F.gelu(self.up_proj(x), approximate="tanh")
         return self.down_proj(inner)                                   # (B, s, h)
@@ -124,8 +146,9 @@ class Block(nn.Module):
         self.mlp_chunk_tokens = mlp_chunk_tokens
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Optional[Any]) -> Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, mask)
-        return x + self._mlp(self.mlp_norm(x))
+        delta = self.attn(self.attn_norm(x), cos, sin, mask)
+        x, normed = self.mlp_norm.add_forward(x, delta)                      # x + delta, then its norm
+        return x + self._mlp(normed)
 
     def _mlp(self, x: Tensor) -> Tensor:
         chunk, s = self.mlp_chunk_tokens, x.shape[1]
