@@ -8,7 +8,7 @@ TORCH_CPU ?= torch==2.13.0
 NPROC     ?= 4
 DATA      ?= data
 
-.PHONY: venv test quickstart corpus clean
+.PHONY: venv test test-gpu quickstart corpus clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,10 @@ venv: $(VENV)/.installed
 
 test: venv
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
+
+# the GPU tier alone (on a CUDA machine; `make test` there runs it too, with the rest)
+test-gpu: venv
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m gpu tests
 
 $(DATA)/stdlib.jsonl: | venv
 	$(PY) tools/build_corpus.py --stdlib --output $@

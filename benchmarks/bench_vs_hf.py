@@ -12,7 +12,8 @@ cross-entropy over the same shifted labels, backward, global-norm gradient clipp
 (the pp=1 schedule and the ZeRO-1 AdamW with fp32 master weights, here over a group of one);
 transformers runs model(input_ids, labels=...) + clip_grad_norm_ + torch.optim.AdamW.
 
-Attention is SDPA on both sides. On CUDA both run under bf16 autocast; on CPU in float32.
+Attention is SDPA on both sides. On CUDA megalysses computes with bf16 weights (fp32 masters in its
+optimizer) and transformers under bf16 autocast over fp32 weights; on CPU both in float32.
 The two are timed in alternating rounds (after warm-up steps) so that machine noise hits both
 alike; tokens/s is the median over rounds. Prints a table with the ratio and writes JSON.
 """
@@ -50,6 +51,7 @@ class Ours:
         self.model = GPTStage(cfg).to(device)
         self.model.load_state_dict(from_hf_state_dict(hf_state, cfg))
         self.opt = ShardedAdamW(self.model.named_parameters(), None, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+        self.model.to(dtype)       # compute weights; the optimizer keeps the fp32 masters
         self.grid = ParallelGrid(world=1, rank=0)
         self.dtype = dtype
 

@@ -47,8 +47,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         validate_config(cfg, world_size=dist.get_world_size())
         grid = ParallelGrid(tp=cfg.parallel.tp, sp=cfg.parallel.sp, pp=cfg.parallel.pp)
-        print0(f"megalysses: world={grid.world} tp={grid.tp_size} sp={grid.sp_size} pp={grid.pp_size} "
-               f"dp={grid.dp_size} device={device.type}")
         summary = train(cfg, grid, device)
         print0(f"done: step {summary['step']}, loss {summary['loss']:.4f} ({summary['stopped_by']})")
         return 0

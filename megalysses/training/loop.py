@@ -11,13 +11,11 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from megalysses import comm
 from megalysses.config import Config, ConfigError, save_config
 from megalysses.grid import ParallelGrid
-from megalysses.kernels.attention import resolve_backend
-from megalysses.kernels.triton_support import choose_impl
 from megalysses.model.gpt import GPTStage, init_weights, stage_layers
 from megalysses.model.layers import ParallelGroups
 from megalysses.parallel.interleaved import VirtualStages
@@ -26,55 +24,31 @@ from megalysses.training.data import TrainingData
 from megalysses.training.fsdp import FSDPAdamW, shard_model
 from megalysses.training.metrics import MetricsLogger, print0
 from megalysses.training.optimizer import Optimizer, ShardedAdamW
+from megalysses.training.runtime import Runtime, plan_runtime, startup_line, write_runtime
 from megalysses.training.schedule import lr_at
 from megalysses.training.step import evaluate, train_step
 
 
-def check_environment(cfg: Config, device: torch.device) -> None:
-    """What the config asks of this machine, checked before anything is built; raises ConfigError."""
-    m = cfg.model
-    dtype = compute_dtype(cfg, device)
-    if m.attention_backend != "auto":
-        try:
-            resolve_backend(m.attention_backend, device, dtype, has_docs=cfg.data.document_mask)
-        except RuntimeError as e:
-            raise ConfigError(f"model.attention_backend={m.attention_backend}: {e}") from None
-    if m.kernels == "triton":
-        try:
-            choose_impl("triton", torch.empty(0, device=device), "model.kernels")
-        except RuntimeError as e:
-            raise ConfigError(f"model.kernels=triton: {e}") from None
-    if cfg.logging.wandb_mode != "disabled":
-        try:
-            import wandb  # noqa: F401
-        except ImportError:
-            raise ConfigError(f"logging.wandb_mode={cfg.logging.wandb_mode} needs wandb: pip install "
-                              f"'megalysses[wandb]', or set logging.wandb_mode=disabled") from None
-
-
-def compute_dtype(cfg: Config, device: torch.device) -> torch.dtype:
-    if cfg.training.dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.training.dtype]
-
-
-def build_model(cfg: Config, grid: ParallelGrid, device: torch.device, mesh: DeviceMesh) -> GPTStage | VirtualStages:
-    """This rank's pipeline stage (or its virtual stages) with its tp shards, initialised identically at
-    every layout (then, with parallel.fsdp, sharded over the grad group)."""
+def build_model(cfg: Config, grid: ParallelGrid, device: torch.device, mesh: DeviceMesh,
+                runtime: Runtime) -> GPTStage | VirtualStages:
+    """This rank's pipeline stage (or its virtual stages) with its tp shards in fp32, initialised
+    identically at every layout (then, with parallel.fsdp, sharded over the grad group to gather in the
+    compute dtype)."""
+    model_cfg = runtime.model_config(cfg)
     groups = ParallelGroups(tp=grid.tp_group, sp=grid.sp_group, sequence_parallel=cfg.parallel.tp_sequence_parallel)
     v = cfg.parallel.virtual_stages
     V = grid.pp_size * v
     chunks = []
     for k in range(v):   # chunk k of this rank is virtual stage k * pp + pp_rank
         vs = k * grid.pp_size + grid.pp_rank
-        chunk = GPTStage(cfg.model, groups, stage_layers(cfg.model.num_layers, V, vs), first=vs == 0,
-                         last=vs == V - 1, activation_checkpointing=cfg.training.activation_checkpointing,
-                         loss_chunk_tokens=cfg.training.loss_chunk_tokens,
-                         mlp_chunk_tokens=cfg.training.mlp_chunk_tokens)
+        with torch.device(device):      # allocated where it runs, never staged through host memory
+            chunk = GPTStage(model_cfg, groups, stage_layers(cfg.model.num_layers, V, vs), first=vs == 0,
+                             last=vs == V - 1, activation_checkpointing=cfg.training.activation_checkpointing,
+                             loss_chunk_tokens=cfg.training.loss_chunk_tokens,
+                             mlp_chunk_tokens=cfg.training.mlp_chunk_tokens)
         init_weights(chunk, cfg.training.seed, grid.tp_rank, grid.tp_size)
-        chunk = chunk.to(device)
         if cfg.parallel.fsdp:
-            shard_model(chunk, mesh["grad"], compute_dtype(cfg, device))
+            shard_model(chunk, mesh["grad"], runtime.torch_dtype)
         chunks.append(chunk)
     return chunks[0] if v == 1 else VirtualStages(chunks)
 
@@ -91,11 +65,14 @@ def build_optimizer(cfg: Config, model: GPTStage, grid: ParallelGrid) -> Optimiz
                         bucket_elements=cfg.parallel.grad_bucket_elements, overlap=cfg.parallel.overlap_grad_reduce)
 
 
-def model_shape(cfg: Config) -> dict:
+def model_shape(cfg: Config, tp: int = 1) -> dict:
+    """What a checkpoint's tensors depend on (padded_vocab_size: at this tp; the same for every tp that
+    divides model.vocab_pad_multiple)."""
     m = cfg.model
-    return {"vocab_size": m.vocab_size, "hidden_size": m.hidden_size, "num_layers": m.num_layers,
+    return {"vocab_size": m.vocab_size, "padded_vocab_size": m.padded_vocab_size(tp), "hidden_size": m.hidden_size, "num_layers": m.num_layers,
             "num_heads": m.num_heads, "num_kv_heads": m.kv_heads, "ffn_size": m.ffn_size, "mlp": m.mlp,
-            "norm": m.norm, "tie_embeddings": m.tie_embeddings, "bias": m.bias}
+            "norm": m.norm, "tie_embeddings": m.tie_embeddings,
+            "attention_bias": m.attention_bias, "mlp_bias": m.mlp_bias}
 
 
 class _StopFlags:
@@ -117,13 +94,17 @@ def train(cfg: Config, grid: ParallelGrid, device: torch.device) -> dict:
     """Run training to the end (or a stop); returns a summary {step, loss, stopped_by}."""
     run_dir = Path(cfg.logging.run_dir)
     ckpt_dir = Path(cfg.checkpoint.dir or run_dir / "checkpoints")
+    runtime = plan_runtime(cfg, device)
     if grid.rank == 0:
         save_config(cfg, run_dir / "config.yaml")
-    check_environment(cfg, device)
-    dtype = compute_dtype(cfg, device)
+        write_runtime(run_dir, cfg, grid, runtime)
+    print0(startup_line(cfg, grid, runtime))
+    dtype = runtime.torch_dtype
     mesh = build_mesh(grid, device)
-    model = build_model(cfg, grid, device, mesh)
-    opt = build_optimizer(cfg, model, grid)
+    model = build_model(cfg, grid, device, mesh, runtime)
+    opt = build_optimizer(cfg, model, grid)      # fp32 masters from the fp32 initialisation
+    if not cfg.parallel.fsdp:
+        model.to(dtype)                          # compute weights (FSDP casts when it gathers)
     data = TrainingData(cfg, grid, device)
 
     step, consumed, updates = 0, 0, 0       # updates: optimizer steps taken (skipped steps excluded)
@@ -133,7 +114,7 @@ def train(cfg: Config, grid: ParallelGrid, device: torch.device) -> dict:
         if path is None and cfg.checkpoint.load != "auto":
             raise CheckpointError(f"checkpoint.load={source}: no checkpoint there (no meta.json or latest)")
         if path is not None:
-            meta = load_checkpoint(path, model, opt, grid, mesh, model_shape(cfg))
+            meta = load_checkpoint(path, model, opt, grid, mesh, model_shape(cfg, grid.tp_size))
             step, consumed = meta["step"], meta["consumed_samples"]
             updates = meta.get("optimizer_steps", step)
             print0(f"resumed from {path} at step {step} ({consumed} samples consumed)")
@@ -151,7 +132,7 @@ def train(cfg: Config, grid: ParallelGrid, device: torch.device) -> dict:
     def save() -> None:
         save_checkpoint(ckpt_dir, step, model, opt, grid, mesh, keep_last=cfg.checkpoint.keep_last,
                         meta={"consumed_samples": consumed, "optimizer_steps": updates,
-                              "model_shape": model_shape(cfg),
+                              "model_shape": model_shape(cfg, grid.tp_size),
                               "layout": {"tp": grid.tp_size, "sp": grid.sp_size, "pp": grid.pp_size,
                                          "dp": grid.dp_size}})
 
@@ -176,9 +157,8 @@ def train(cfg: Config, grid: ParallelGrid, device: torch.device) -> dict:
                 saved_at = step
             logger.exclude(time.perf_counter() - t0)   # tokens/s measures training steps only
             over_time = cfg.training.max_wall_minutes > 0 and time.monotonic() - start > 60 * cfg.training.max_wall_minutes
-            stop = torch.tensor([float(flags.signalled), float(over_time)])
-            if dist.is_initialized():
-                dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+            stop = torch.tensor([float(flags.signalled), float(over_time)], device=device)
+            comm.all_reduce_(stop, comm.world(), op="max")
             if (stop.any() or step == cfg.training.exit_at_step) and step < total:
                 stopped_by = "signal" if stop[0] else "max_wall_minutes" if stop[1] else "exit_at_step"
                 break

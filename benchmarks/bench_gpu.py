@@ -1,0 +1,326 @@
+"""One GPU, three trainers side by side: megalysses, transformers' LlamaForCausalLM, transformers + Liger.
+
+    python benchmarks/bench_gpu.py                      # Llama-3.2-1B shape, 8K/16K/32K/128K, longest length
+    python benchmarks/bench_gpu.py --lengths 16384 32768 --no-longest
+    python benchmarks/bench_gpu.py --smoke --out-dir /tmp/smoke   # a tiny shape end to end on CPU
+
+Every run is its own process (`--worker`), so one trainer's allocator state or compiled kernels never
+help or hurt another. All three train the same shape, batch 1, in bf16 on CUDA (fp32 on CPU), with
+AdamW (lr 3e-4, betas 0.9/0.95, weight decay 0.1 on matrices) and gradient clipping at 1.0:
+  - megalysses: its train step (bf16 weights, fp32 masters in the ZeRO-1 AdamW over a group of one),
+    the fused Triton kernels where Triton runs (model.kernels=triton), attention auto;
+  - transformers: fp32 weights under bf16 autocast (what its Trainer's bf16 mode does), SDPA;
+  - liger: the same, after liger_kernel's apply_liger_kernel_to_llama (RMSNorm, RoPE, SwiGLU, fused
+    linear cross-entropy), when liger-kernel is installed.
+At each length each trainer takes the first of its settings that fits (fastest first: nothing, then
+activation checkpointing, then for megalysses tiled MLP), so every row is that trainer's best.
+Then the longest trainable sequence of each is found by bisection (one step at the most memory-saving
+settings, in multiples of 8K).
+
+tokens/s is the median over timed steps after warm-up; MFU uses one formula for all
+(megalysses.training.metrics.flops_per_token: 6 N_matmul + 6 L H D S per token, causal attention
+counted in full) against the device's dense bf16 peak; peak GiB is torch.cuda.max_memory_allocated.
+Writes benchmarks/results/gpu_<device>.md and .json with the commit and the torch, CUDA and Triton
+versions.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+LR, WD, BETAS, EPS, CLIP = 3e-4, 0.1, (0.9, 0.95), 1e-8, 1.0
+LLAMA_1B = dict(vocab=128256, hidden=2048, layers=16, heads=32, kv_heads=8, ffn=8192, tied=True, theta=500000.0)
+SMOKE = dict(vocab=512, hidden=64, layers=2, heads=4, kv_heads=2, ffn=160, tied=True, theta=10000.0)
+FRAMEWORKS = ("megalysses", "transformers", "liger")
+# fastest first; a trainer takes the first that fits
+SETTINGS = {"megalysses": [{}, {"ckpt": True}, {"ckpt": True, "tiled_mlp": True}],
+            "transformers": [{}, {"ckpt": True}], "liger": [{}, {"ckpt": True}]}
+
+
+# ----------------------------------------------------------------------------------------------- worker
+
+def _model_config(shape: dict):
+    from megalysses.config import ModelConfig
+    return ModelConfig(vocab_size=shape["vocab"], hidden_size=shape["hidden"], num_layers=shape["layers"],
+                       num_heads=shape["heads"], num_kv_heads=shape["kv_heads"], ffn_hidden_size=shape["ffn"],
+                       tie_embeddings=shape["tied"], rope_theta=shape["theta"])
+
+
+def _megalysses_step(shape: dict, seq: int, opts: dict, device, dtype) -> Callable:
+    import dataclasses
+
+    import torch
+
+    from megalysses.grid import ParallelGrid
+    from megalysses.kernels.attention import select_backend
+    from megalysses.kernels.triton_support import triton_usable
+    from megalysses.model.gpt import GPTStage, init_weights
+    from megalysses.training.optimizer import ShardedAdamW
+    from megalysses.training.step import train_step
+
+    cfg = _model_config(shape)
+    kernels = "triton" if triton_usable(torch.empty(0, device=device)) else "torch"
+    backend = select_backend("auto", device, dtype, cfg.head_dim, has_docs=False)[0]
+    cfg = dataclasses.replace(cfg, kernels=kernels, attention_backend=backend)
+    with torch.device(device):
+        model = GPTStage(cfg, activation_checkpointing=bool(opts.get("ckpt")),
+                         mlp_chunk_tokens=seq // 8 if opts.get("tiled_mlp") else 0)
+    init_weights(model, seed=0)
+    opt = ShardedAdamW(model.named_parameters(), None, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    model.to(dtype)
+    grid = ParallelGrid(world=1, rank=0)
+
+    def step(tokens):
+        batch = {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:],
+                 "position_ids": torch.arange(seq, device=device)[None]}
+        return train_step(model, opt, [batch], grid, lr=LR, grad_clip=CLIP, dtype=dtype).loss
+    step.settings = f"kernels={kernels}, attention={backend}"
+    return step
+
+
+def _transformers_step(shape: dict, seq: int, opts: dict, device, dtype, liger: bool) -> Callable:
+    import torch
+    import transformers
+
+    if liger:
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+        apply_liger_kernel_to_llama()
+    cfg = transformers.LlamaConfig(vocab_size=shape["vocab"], hidden_size=shape["hidden"],
+                                   intermediate_size=shape["ffn"], num_hidden_layers=shape["layers"],
+                                   num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"],
+                                   max_position_embeddings=seq, rope_theta=shape["theta"],
+                                   tie_word_embeddings=shape["tied"], attn_implementation="sdpa")
+    with torch.device(device):
+        model = transformers.LlamaForCausalLM(cfg).train()
+    if opts.get("ckpt"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": WD},
+                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                            lr=LR, betas=BETAS, eps=EPS, foreach=True)
+
+    def step(tokens):
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            loss = model(input_ids=tokens[:, :-1], labels=tokens[:, 1:], shift_labels=tokens[:, 1:]).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+    step.settings = "sdpa, bf16 autocast" if dtype != torch.float32 else "sdpa"
+    return step
+
+
+def worker(args: argparse.Namespace) -> dict:
+    """One trainer at one length and setting: warm-up steps, then timed steps. Returns a result row."""
+    import torch
+
+    from megalysses.training.metrics import flops_per_token, peak_tflops
+
+    shape = SMOKE if args.smoke else LLAMA_1B
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    opts = json.loads(args.opts)
+    row = {"framework": args.framework, "seq_len": args.seq, "options": opts}
+    try:
+        if args.framework == "megalysses":
+            step = _megalysses_step(shape, args.seq, opts, device, dtype)
+        else:
+            step = _transformers_step(shape, args.seq, opts, device, dtype, liger=args.framework == "liger")
+        gen = torch.Generator().manual_seed(1)
+        times, loss = [], None
+        for i in range(args.warmup + args.steps):
+            tokens = torch.randint(0, shape["vocab"], (1, args.seq + 1), generator=gen).to(device)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            loss = float(step(tokens))
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if i >= args.warmup:
+                times.append(time.perf_counter() - start)
+    except torch.cuda.OutOfMemoryError:
+        return {**row, "fits": False}
+    tok_s = args.seq / statistics.median(times)
+    peak = peak_tflops(0.0, device, dtype)
+    flops = flops_per_token(_model_config(shape), args.seq)
+    row.update(fits=True, settings=step.settings, tokens_per_s=tok_s, loss=loss,
+               mfu=tok_s * flops / 1e12 / peak if peak else None,
+               peak_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None)
+    return row
+
+
+# ----------------------------------------------------------------------------------------------- driver
+
+def run_child(framework: str, seq: int, opts: dict, args: argparse.Namespace, steps: int, warmup: int) -> dict:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--framework", framework, "--seq", str(seq),
+           "--opts", json.dumps(opts), "--steps", str(steps), "--warmup", str(warmup)]
+    if args.smoke:
+        cmd.append("--smoke")
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.child_timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {"framework": framework, "seq_len": seq, "options": opts, "fits": None, "error": "timed out"}
+    lines = [x for x in p.stdout.splitlines() if x.startswith("{")]
+    if p.returncode != 0 or not lines:
+        tail = (p.stderr or p.stdout).strip().splitlines()[-1:] or ["no output"]
+        oom = "out of memory" in (p.stderr + p.stdout).lower()
+        return {"framework": framework, "seq_len": seq, "options": opts, "fits": False if oom else None,
+                "error": None if oom else tail[0][:300]}
+    return json.loads(lines[-1])
+
+
+def available(framework: str) -> Optional[str]:
+    """None when the framework can run here, else why not."""
+    import importlib.util
+
+    import torch
+    if framework in ("transformers", "liger") and importlib.util.find_spec("transformers") is None:
+        return "transformers is not installed"
+    if framework == "liger":
+        if importlib.util.find_spec("liger_kernel") is None:
+            return "liger-kernel is not installed"
+        if not torch.cuda.is_available():
+            return "liger-kernel needs CUDA"
+    return None
+
+
+def longest_fitting(fits: Callable[[int], bool], lo: int, hi: int, step: int) -> Optional[int]:
+    """The largest multiple of `step` in [lo, hi] for which fits() holds, assuming fits is monotone
+    (True up to some length, False beyond); None if not even lo fits."""
+    if not fits(lo):
+        return None
+    if fits(hi):
+        return hi
+    good, bad = lo // step, hi // step          # fits(good*step), not fits(bad*step)
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        if fits(mid * step):
+            good = mid
+        else:
+            bad = mid
+    return good * step
+
+
+def gpu_tag(name: str) -> str:
+    """h100, h200, a100, ... from a CUDA device name; else the name's letters and digits."""
+    from megalysses.training.metrics import PEAK_TFLOPS
+    for key in sorted(PEAK_TFLOPS, key=len, reverse=True):
+        if key in name:
+            return key.lower()
+    return "".join(c for c in name.lower() if c.isalnum())
+
+
+def fmt(v, spec: str, missing: str = "–") -> str:
+    return missing if v is None else format(v, spec)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--smoke", action="store_true", help="a tiny model on CPU (or GPU): checks the harness")
+    p.add_argument("--lengths", type=int, nargs="+", help="sequence lengths (default 8K 16K 32K 128K)")
+    p.add_argument("--frameworks", nargs="+", default=list(FRAMEWORKS), choices=FRAMEWORKS)
+    p.add_argument("--no-longest", action="store_true", help="skip the longest-sequence bisection")
+    p.add_argument("--longest-max", type=int, help="upper bound of the bisection (default 1M tokens)")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per run")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--child-timeout", type=float, default=300.0)
+    p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--framework", help=argparse.SUPPRESS)
+    p.add_argument("--seq", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--opts", default="{}", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(args)), flush=True)
+        return 0
+
+    import torch
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu and not args.smoke:
+        print("error: no CUDA device: run on a GPU, or pass --smoke to check the harness on CPU", file=sys.stderr)
+        return 2
+    lengths = args.lengths or ([64, 128] if args.smoke else [8192, 16384, 32768, 131072])
+    quantum = 64 if args.smoke else 8192
+    longest_max = args.longest_max or (512 if args.smoke else 1 << 20)
+    device = torch.cuda.get_device_name() if on_gpu else "cpu"
+    skipped = {f: available(f) for f in args.frameworks}
+    rows, longest = [], {}
+    start = time.time()
+    for seq in lengths:
+        for fw in args.frameworks:
+            if skipped[fw]:
+                continue
+            for opts in SETTINGS[fw]:
+                r = run_child(fw, seq, opts, args, args.steps, args.warmup)
+                print(f"  {fw:<12} {seq:>8} {json.dumps(opts):<40} "
+                      f"{'fits' if r.get('fits') else 'out of memory' if r.get('fits') is False else r.get('error')}",
+                      flush=True)
+                if r.get("fits") or r.get("fits") is None:
+                    rows.append(r)
+                    break
+            else:
+                rows.append({"framework": fw, "seq_len": seq, "options": SETTINGS[fw][-1], "fits": False})
+    if not args.no_longest:
+        for fw in args.frameworks:
+            if skipped[fw]:
+                continue
+            opts = SETTINGS[fw][-1]
+            longest[fw] = longest_fitting(lambda s: bool(run_child(fw, s, opts, args, 1, 0).get("fits")),
+                                          quantum, longest_max, quantum)
+            print(f"  longest {fw}: {longest[fw]}", flush=True)
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    versions = {"torch": torch.__version__, "cuda": torch.version.cuda, "commit": commit or None,
+                "python": platform.python_version()}
+    try:
+        import triton
+        versions["triton"] = triton.__version__
+    except ImportError:
+        versions["triton"] = None
+    shape = SMOKE if args.smoke else LLAMA_1B
+    lines = [f"# One GPU: megalysses vs transformers vs transformers + Liger ({device})", "",
+             f"`python benchmarks/bench_gpu.py{' --smoke' if args.smoke else ''}` at commit {versions['commit']}, "
+             f"torch {versions['torch']}, CUDA {versions['cuda']}, Triton {versions['triton']}; "
+             f"{time.time() - start:.0f} s in all.",
+             f"Shape: vocab {shape['vocab']}, hidden {shape['hidden']}, {shape['layers']} layers, {shape['heads']} "
+             f"heads / {shape['kv_heads']} KV, ffn {shape['ffn']}, tied embeddings; batch 1; AdamW, clip 1.0.", ""]
+    lines += ["| seq | framework | settings | tok/s | MFU | peak GiB |", "|---:|---|---|---:|---:|---:|"]
+    for r in rows:
+        what = ("out of memory" if r.get("fits") is False else r.get("error") or
+                ", ".join([k for k, v in r["options"].items() if v] or ["-"]) + f" ({r.get('settings', '')})")
+        lines.append(f"| {r['seq_len']} | {r['framework']} | {what} | {fmt(r.get('tokens_per_s'), ',.0f')} | "
+                     f"{fmt(r.get('mfu') and 100 * r['mfu'], '.1f')}{'%' if r.get('mfu') else ''} | "
+                     f"{fmt(r.get('peak_gib'), '.1f')} |")
+    for fw, why in skipped.items():
+        if why:
+            lines.append(f"| – | {fw} | not run: {why} | – | – | – |")
+    if longest:
+        lines += ["", "| framework | longest trainable sequence (one step, most memory-saving settings) |", "|---|---:|"]
+        lines += [f"| {fw} | {fmt(n, ',d', 'none')}{' (the bound)' if n == longest_max else ''} |"
+                  for fw, n in longest.items()]
+    text = "\n".join(lines) + "\n"
+    print("\n" + text)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "gpu_smoke" if args.smoke else "gpu_" + gpu_tag(device)
+    (out / f"{stem}.md").write_text(text)
+    (out / f"{stem}.json").write_text(json.dumps({"device": device, "versions": versions, "shape": shape,
+                                                  "rows": rows, "longest": longest, "skipped": skipped},
+                                                 indent=1) + "\n")
+    print(f"wrote {out / stem}.md and .json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

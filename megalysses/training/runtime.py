@@ -1,0 +1,120 @@
+"""What a run will use, decided once before anything is built: the compute dtype, the attention backend,
+the kernels. Printed on the start-up line and written to <run_dir>/runtime.json beside config.yaml.
+
+    runtime = plan_runtime(cfg, device)           # ConfigError when the machine cannot do what cfg asks
+    model_cfg = runtime.model_config(cfg)          # cfg.model with the concrete backend
+    print0(startup_line(cfg, grid, runtime))
+
+Every choice is made here from the device, the installed packages, the head dim, the dtype and the
+masks, so the model, the masks and the log agree: `auto` never picks a backend that cannot run the
+shape, and an explicit backend that cannot run it is a ConfigError before step 1.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from megalysses.config import Config, ConfigError, ModelConfig
+from megalysses.grid import ParallelGrid
+from megalysses.kernels.attention import flash_attn_func, select_backend
+from megalysses.kernels.triton_support import choose_impl, triton_importable
+
+
+@dataclass(frozen=True)
+class Runtime:
+    device: str
+    dtype: str                  # "float32" or "bfloat16": weights, activations and kernels' inputs
+    attention_backend: str      # concrete: reference, sdpa, flex or flash
+    attention_reason: str
+    kernels: str                # torch, triton, liger or apex (norms, RoPE, SwiGLU)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    def model_config(self, cfg: Config) -> ModelConfig:
+        """cfg.model with the concrete attention backend this run uses."""
+        return dataclasses.replace(cfg.model, attention_backend=self.attention_backend)
+
+
+def compute_dtype(cfg: Config, device: torch.device) -> torch.dtype:
+    """training.dtype, with auto = bf16 on CUDA, fp32 elsewhere."""
+    if cfg.training.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.training.dtype]
+
+
+def plan_runtime(cfg: Config, device: torch.device) -> Runtime:
+    """Decide dtype, attention backend and kernels for this run; ConfigError names what cannot run here."""
+    m = cfg.model
+    dtype = compute_dtype(cfg, device)
+    try:
+        backend, reason = select_backend(m.attention_backend, device, dtype, head_dim=m.head_dim,
+                                         has_docs=cfg.data.document_mask, training=True)
+    except (RuntimeError, ValueError) as e:
+        raise ConfigError(f"model.attention_backend={m.attention_backend}: {e}") from None
+    probe = torch.empty(0, device=device)
+    for impl in {"torch": [], "triton": ["triton"], "liger": ["liger"], "apex": ["apex", "triton"]}[m.kernels]:
+        try:
+            choose_impl(impl, probe, "model.kernels")
+        except RuntimeError as e:
+            raise ConfigError(f"model.kernels={m.kernels}: {e}") from None
+    if cfg.logging.wandb_mode != "disabled":
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            raise ConfigError(f"logging.wandb_mode={cfg.logging.wandb_mode} needs wandb: pip install "
+                              f"'megalysses[wandb]', or set logging.wandb_mode=disabled") from None
+    return Runtime(device=str(device), dtype=str(dtype).removeprefix("torch."), attention_backend=backend,
+                   attention_reason=reason, kernels=m.kernels)
+
+
+def memory_options(cfg: Config) -> list[str]:
+    t, p = cfg.training, cfg.parallel
+    opts = ["FSDP2" if p.fsdp else "ZeRO-1"]
+    if t.activation_checkpointing:
+        opts.append("activation checkpointing")
+    if t.mlp_chunk_tokens:
+        opts.append(f"tiled MLP ({t.mlp_chunk_tokens} tokens)")
+    if t.loss_chunk_tokens:
+        opts.append(f"tiled loss ({t.loss_chunk_tokens} tokens)")
+    if p.tp_sequence_parallel:
+        opts.append("TP sequence sharding")
+    if p.virtual_stages > 1:
+        opts.append(f"interleaved pipeline (v={p.virtual_stages})")
+    return opts
+
+
+def startup_line(cfg: Config, grid: ParallelGrid, runtime: Runtime) -> str:
+    """One line with everything that decides speed and memory."""
+    return (f"megalysses: world={grid.world} tp={grid.tp_size} sp={grid.sp_size} pp={grid.pp_size} "
+            f"dp={grid.dp_size} | {runtime.device} {runtime.dtype} | attention {runtime.attention_backend} "
+            f"({runtime.attention_reason}) | kernels {runtime.kernels} | {', '.join(memory_options(cfg))}")
+
+
+def write_runtime(run_dir: Path, cfg: Config, grid: ParallelGrid, runtime: Runtime) -> None:
+    """<run_dir>/runtime.json: the choices above, the layout and the software they were made with."""
+    versions = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+                "triton": _version("triton") if triton_importable() else None,
+                "flash_attn": _version("flash_attn") if flash_attn_func is not None else None}
+    record = {**dataclasses.asdict(runtime), "memory_options": memory_options(cfg),
+              "layout": {"world": grid.world, "tp": grid.tp_size, "sp": grid.sp_size, "pp": grid.pp_size,
+                         "dp": grid.dp_size}, "versions": versions}
+    if runtime.device.startswith("cuda"):
+        record["gpu"] = torch.cuda.get_device_name(torch.device(runtime.device))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "runtime.json").write_text(json.dumps(record, indent=1) + "\n")
+
+
+def _version(module: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(module.replace("_", "-"))
+    except PackageNotFoundError:
+        return None
