@@ -25,6 +25,21 @@ class ConfigError(ValueError):
 
 
 @dataclass
+class RopeScalingConfig:
+    type: Literal["none", "llama3"] = "none"
+    """Frequency scaling of RoPE: none, or Llama 3.1's (low frequencies divided by `factor`, high ones
+    kept, a smooth ramp between), as Hugging Face's rope_type "llama3"."""
+    factor: float = 8.0
+    """llama3: the context extension factor."""
+    low_freq_factor: float = 1.0
+    """llama3: wavelengths above original_max_position_embeddings / low_freq_factor are scaled fully."""
+    high_freq_factor: float = 4.0
+    """llama3: wavelengths below original_max_position_embeddings / high_freq_factor are kept."""
+    original_max_position_embeddings: int = 8192
+    """llama3: the context length the frequencies were trained at."""
+
+
+@dataclass
 class ModelConfig:
     vocab_size: int = 4096
     """Vocabulary size: token ids are 0 .. vocab_size-1 (at least the tokenizer's size)."""
@@ -45,6 +60,8 @@ class ModelConfig:
     """MLP inner width (None = 4h for GELU, round(8h/3) to a multiple of 64 for SwiGLU)."""
     rope_theta: float = 10000.0
     """Rotary embedding base."""
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
+    """Rotary frequency scaling (model.rope_scaling.type=llama3 for Llama 3.1+ checkpoints)."""
     norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
     """Normalisation layer type."""
     norm_eps: float = 1e-5
@@ -208,6 +225,10 @@ class CheckpointConfig:
     """Keep this many most recent checkpoints (0 = keep all)."""
     load: Optional[str] = "auto"
     """auto = resume from <dir>/latest if present; a path = load it; None = start fresh."""
+    init_from: Optional[str] = None
+    """Start from these weights (a Hugging Face model directory with config.json and safetensors, a run
+    directory or a checkpoint) with a fresh optimizer at step 0, when there is no checkpoint of this run
+    to resume (a resumed run keeps its own weights)."""
 
 
 @dataclass
@@ -397,6 +418,10 @@ def validate_config(cfg: Config, world_size: Optional[int] = None) -> None:
     if m.num_heads % m.kv_heads:
         raise ConfigError(f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads={m.kv_heads}")
     check_heads(m.num_heads, m.kv_heads, p.tp, p.sp)
+    rs = m.rope_scaling
+    if rs.type == "llama3" and rs.high_freq_factor <= rs.low_freq_factor:
+        raise ConfigError(f"model.rope_scaling: high_freq_factor={rs.high_freq_factor} must exceed "
+                          f"low_freq_factor={rs.low_freq_factor}")
     if m.ffn_size % p.tp:
         raise ConfigError(f"MLP width {m.ffn_size} (model.ffn_hidden_size) is not divisible by parallel.tp={p.tp}")
     shard = p.sp * (p.tp if p.tp_sequence_parallel else 1)
@@ -442,6 +467,9 @@ def validate_config(cfg: Config, world_size: Optional[int] = None) -> None:
 _RANGES = [
     ("model", "vocab_size", 1, None), ("model", "vocab_pad_multiple", 1, None), ("model", "hidden_size", 1, None), ("model", "num_layers", 1, None),
     ("model", "num_heads", 1, None), ("model", "norm_eps", 0.0, None), ("model", "init_std", 0.0, None),
+    ("model.rope_scaling", "factor", 1.0, None), ("model.rope_scaling", "low_freq_factor", 0.0, None),
+    ("model.rope_scaling", "high_freq_factor", 0.0, None),
+    ("model.rope_scaling", "original_max_position_embeddings", 1, None),
     ("data", "seq_len", 1, None),
     ("optimizer", "lr", 0.0, None), ("optimizer", "min_lr", 0.0, None), ("optimizer", "weight_decay", 0.0, None),
     ("optimizer", "beta1", 0.0, 1.0), ("optimizer", "beta2", 0.0, 1.0), ("optimizer", "eps", 0.0, None),
@@ -459,7 +487,10 @@ _RANGES = [
 
 def _check_ranges(cfg: Config) -> None:
     for section, name, lo, hi in _RANGES:
-        value = getattr(getattr(cfg, section), name)
+        owner = cfg
+        for part in section.split("."):
+            owner = getattr(owner, part)
+        value = getattr(owner, name)
         if value is None:
             continue
         if value < lo or (hi is not None and value > hi):

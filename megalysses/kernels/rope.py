@@ -8,20 +8,44 @@ logits. A pure-PyTorch reference and a Triton kernel behind one dispatch point.
 """
 from __future__ import annotations
 
+import math
+from typing import Any, Optional
+
 import torch
 from torch import Tensor
 
 from megalysses.kernels.triton_support import choose_impl
 
 
-def rope_cos_sin(position_ids: Tensor, head_dim: int, theta: float,
-                 dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
-    """cos and sin (B, S, D) for integer positions (B, S): angle[..., i] = pos * theta^(-2i/D) for
-    i < D/2, repeated for the second half (HF's cat(freqs, freqs)); computed in fp32, then cast."""
+def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[Any] = None,
+                  device: Optional[torch.device] = None) -> Tensor:
+    """The D/2 rotation frequencies theta^(-2i/D), in fp32 as Hugging Face computes them; with a
+    `scaling` of type llama3 (config.RopeScalingConfig), Llama 3.1's: wavelengths longer than
+    original_max_position_embeddings / low_freq_factor are divided by `factor`, shorter than
+    original / high_freq_factor kept, and those between interpolated smoothly."""
     if head_dim % 2:
         raise ValueError(f"RoPE needs an even head dim, got {head_dim}")
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=position_ids.device).float() / head_dim
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
     inv_freq = 1.0 / (theta ** exponents)                                 # (D/2,)
+    if scaling is None or scaling.type == "none":
+        return inv_freq
+    if scaling.type != "llama3":
+        raise ValueError(f"unknown RoPE scaling {scaling.type!r}")
+    old = scaling.original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old / scaling.low_freq_factor, inv_freq / scaling.factor, inv_freq)
+    smooth = (old / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = ~(wavelen < old / scaling.high_freq_factor) & ~(wavelen > old / scaling.low_freq_factor)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_cos_sin(position_ids: Tensor, head_dim: int, theta: float, dtype: torch.dtype = torch.float32,
+                 scaling: Optional[Any] = None) -> tuple[Tensor, Tensor]:
+    """cos and sin (B, S, D) for integer positions (B, S): angle[..., i] = pos * inv_freq[i] for
+    i < D/2 (rope_inv_freq, with optional scaling), repeated for the second half (HF's cat(freqs,
+    freqs)); computed in fp32, then cast."""
+    inv_freq = rope_inv_freq(head_dim, theta, scaling, position_ids.device)
     freqs = position_ids.float()[..., None] * inv_freq                    # (B, S, D/2)
     angles = torch.cat([freqs, freqs], dim=-1)                            # (B, S, D)
     return angles.cos().to(dtype), angles.sin().to(dtype)

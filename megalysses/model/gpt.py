@@ -28,6 +28,15 @@ from megalysses.kernels.linear_cross_entropy import linear_cross_entropy
 from megalysses.parallel.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding, column_parallel_linear
 
 
+def architecture(m: ModelConfig, tp: int = 1) -> dict:
+    """What the model's tensors depend on, as checkpoints record it (padded_vocab_size at this tp: the
+    same for every tp that divides model.vocab_pad_multiple)."""
+    return {"vocab_size": m.vocab_size, "padded_vocab_size": m.padded_vocab_size(tp), "hidden_size": m.hidden_size,
+            "num_layers": m.num_layers, "num_heads": m.num_heads, "num_kv_heads": m.kv_heads, "ffn_size": m.ffn_size,
+            "mlp": m.mlp, "norm": m.norm, "tie_embeddings": m.tie_embeddings, "attention_bias": m.attention_bias,
+            "mlp_bias": m.mlp_bias}
+
+
 def stage_layers(num_layers: int, pp: int, pp_rank: int) -> range:
     """Global indices of the blocks on pipeline stage `pp_rank` (equal split)."""
     per = num_layers // pp
@@ -70,7 +79,8 @@ class GPTStage(nn.Module):
         Returns the hidden states (B, s, h) on a non-last stage; on the last, the local sum of token
         losses (fp32 scalar) when labels are given, else this rank's logits (B, S/sp, V/tp) over the padded
         vocabulary (padding columns -inf)."""
-        cos, sin = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta)   # (B, S/sp, D) once
+        cos, sin = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta,
+                                scaling=self.cfg.rope_scaling)                  # (B, S/sp, D), once
         mask = prepare_attention_mask(doc_ids, self.cfg.attention_backend) if doc_ids is not None else None
         x = self.embed(inputs) if self.first else inputs                               # (B, s, h)
         for block in self.layers.values():

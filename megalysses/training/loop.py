@@ -16,12 +16,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from megalysses import comm
 from megalysses.config import Config, ConfigError, save_config
 from megalysses.grid import ParallelGrid
-from megalysses.model.gpt import GPTStage, init_weights, stage_layers
+from megalysses.model.gpt import GPTStage, architecture, init_weights, stage_layers
 from megalysses.model.layers import ParallelGroups
 from megalysses.parallel.interleaved import VirtualStages
 from megalysses.training.checkpoint import build_mesh, load_checkpoint, resolve_checkpoint, save_checkpoint, CheckpointError
 from megalysses.training.data import TrainingData
 from megalysses.training.fsdp import FSDPAdamW, shard_model
+from megalysses.training.initialize import is_weights_only, load_initial_weights
 from megalysses.training.metrics import MetricsLogger, print0
 from megalysses.training.optimizer import Optimizer, ShardedAdamW
 from megalysses.training.runtime import Runtime, plan_runtime, startup_line, write_runtime
@@ -66,13 +67,8 @@ def build_optimizer(cfg: Config, model: GPTStage, grid: ParallelGrid) -> Optimiz
 
 
 def model_shape(cfg: Config, tp: int = 1) -> dict:
-    """What a checkpoint's tensors depend on (padded_vocab_size: at this tp; the same for every tp that
-    divides model.vocab_pad_multiple)."""
-    m = cfg.model
-    return {"vocab_size": m.vocab_size, "padded_vocab_size": m.padded_vocab_size(tp), "hidden_size": m.hidden_size, "num_layers": m.num_layers,
-            "num_heads": m.num_heads, "num_kv_heads": m.kv_heads, "ffn_size": m.ffn_size, "mlp": m.mlp,
-            "norm": m.norm, "tie_embeddings": m.tie_embeddings,
-            "attention_bias": m.attention_bias, "mlp_bias": m.mlp_bias}
+    """What a checkpoint's tensors depend on (see model.gpt.architecture)."""
+    return architecture(cfg.model, tp)
 
 
 class _StopFlags:
@@ -102,26 +98,31 @@ def train(cfg: Config, grid: ParallelGrid, device: torch.device) -> dict:
     dtype = runtime.torch_dtype
     mesh = build_mesh(grid, device)
     model = build_model(cfg, grid, device, mesh, runtime)
-    opt = build_optimizer(cfg, model, grid)      # fp32 masters from the fp32 initialisation
+    source = ckpt_dir if cfg.checkpoint.load == "auto" else cfg.checkpoint.load
+    path = resolve_checkpoint(source) if source is not None else None
+    if path is None and source is not None and cfg.checkpoint.load != "auto":
+        raise CheckpointError(f"checkpoint.load={source}: no checkpoint there (no meta.json or latest)")
+    # weights without optimizer state (a converted model) start the run; so does init_from when there is
+    # no checkpoint of this run to resume
+    initial = path if path is not None and is_weights_only(path) else None if path else cfg.checkpoint.init_from
+    if initial is not None:
+        print0(load_initial_weights(initial, model, cfg, grid, mesh))
+        path = None
+    opt = build_optimizer(cfg, model, grid)      # fp32 masters from the fp32 weights
     if not cfg.parallel.fsdp:
         model.to(dtype)                          # compute weights (FSDP casts when it gathers)
     data = TrainingData(cfg, grid, device)
 
     step, consumed, updates = 0, 0, 0       # updates: optimizer steps taken (skipped steps excluded)
-    source = ckpt_dir if cfg.checkpoint.load == "auto" else cfg.checkpoint.load
-    if source is not None:
-        path = resolve_checkpoint(source)
-        if path is None and cfg.checkpoint.load != "auto":
-            raise CheckpointError(f"checkpoint.load={source}: no checkpoint there (no meta.json or latest)")
-        if path is not None:
-            meta = load_checkpoint(path, model, opt, grid, mesh, model_shape(cfg, grid.tp_size))
-            step, consumed = meta["step"], meta["consumed_samples"]
-            updates = meta.get("optimizer_steps", step)
-            print0(f"resumed from {path} at step {step} ({consumed} samples consumed)")
-            if 0 < cfg.training.exit_at_step <= step:
-                raise ConfigError(f"the checkpoint {path} is at step {step}, already at or past "
-                                  f"training.exit_at_step={cfg.training.exit_at_step}: raise exit_at_step "
-                                  f"(or set it to 0) to continue this run")
+    if path is not None:
+        meta = load_checkpoint(path, model, opt, grid, mesh, model_shape(cfg, grid.tp_size))
+        step, consumed = meta["step"], meta["consumed_samples"]
+        updates = meta.get("optimizer_steps", step)
+        print0(f"resumed from {path} at step {step} ({consumed} samples consumed)")
+        if 0 < cfg.training.exit_at_step <= step:
+            raise ConfigError(f"the checkpoint {path} is at step {step}, already at or past "
+                              f"training.exit_at_step={cfg.training.exit_at_step}: raise exit_at_step "
+                              f"(or set it to 0) to continue this run")
 
     total = cfg.training.train_steps
     logger = MetricsLogger(cfg, run_dir, grid.world, device, total, dtype)

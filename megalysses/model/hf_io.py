@@ -1,0 +1,128 @@
+"""Hugging Face model directories on disk: config.json plus safetensors (one file, or shards with
+model.safetensors.index.json), read lazily tensor by tensor and written in shards.
+
+    config, tensors = open_hf_dir("meta-llama/Llama-3.2-1B")   # a local folder
+    t = tensors.get("model.embed_tokens.weight")                # mmapped read of one tensor
+    write_hf_dir(out, named_tensors, config_dict, max_shard_bytes=5 * 2**30)
+
+Needs the `safetensors` package (a dependency of transformers; `pip install safetensors`).
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Iterable
+
+import torch
+from torch import Tensor
+
+INDEX = "model.safetensors.index.json"
+
+
+class HFFormatError(ValueError):
+    """A folder that is not a Hugging Face model directory we can read."""
+
+
+def _safetensors():
+    try:
+        import safetensors.torch  # noqa: F401
+        from safetensors import safe_open
+    except ImportError:
+        raise HFFormatError("reading or writing Hugging Face models needs safetensors: pip install safetensors") from None
+    return safe_open
+
+
+def is_hf_dir(path: str | Path) -> bool:
+    p = Path(path)
+    return (p / "config.json").is_file() and ((p / INDEX).is_file() or any(p.glob("*.safetensors")))
+
+
+class HFTensors:
+    """Lazy access to the tensors of a Hugging Face model directory (safetensors, mmapped)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder, self._open, self._files = folder, _safetensors(), {}
+        index = folder / INDEX
+        if index.is_file():
+            try:
+                self.weight_map: dict[str, str] = dict(json.loads(index.read_text())["weight_map"])
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+                raise HFFormatError(f"{index} is not a safetensors index (no weight_map): {e}") from None
+            return
+        files = sorted(folder.glob("*.safetensors"))
+        if len(files) != 1:
+            raise HFFormatError(f"{folder} has {len(files)} .safetensors files and no {INDEX}")
+        handle = self._open(str(files[0]), framework="pt")
+        self._files[files[0].name] = handle
+        self.weight_map = {k: files[0].name for k in handle.keys()}
+
+    def keys(self) -> set[str]:
+        return set(self.weight_map)
+
+    def get(self, name: str) -> Tensor:
+        if name not in self.weight_map:
+            raise KeyError(f"{self.folder} has no tensor {name}")
+        file = self.weight_map[name]
+        if file not in self._files:
+            path = self.folder / file
+            if not path.is_file():
+                raise HFFormatError(f"{self.folder}: the index names {file}, which is missing")
+            self._files[file] = self._open(str(path), framework="pt")
+        return self._files[file].get_tensor(name)
+
+
+def open_hf_dir(path: str | Path) -> tuple[dict, HFTensors]:
+    """(config.json as a dict, lazy tensors) of a Hugging Face model directory."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise HFFormatError(f"{folder} is not a directory")
+    if not (folder / "config.json").is_file():
+        raise HFFormatError(f"{folder} has no config.json: not a Hugging Face model directory")
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise HFFormatError(f"{folder / 'config.json'} is not valid JSON: {e}") from None
+    if not is_hf_dir(folder):
+        raise HFFormatError(f"{folder} has no .safetensors weights (pytorch_model.bin is not read: convert it "
+                            f"to safetensors first)")
+    return config, HFTensors(folder)
+
+
+def write_hf_dir(path: str | Path, tensors: Iterable[tuple[str, Tensor]], config: dict,
+                 max_shard_bytes: int = 5 * 2**30) -> list[Path]:
+    """Write config.json and the tensors as safetensors shards of at most max_shard_bytes (one file,
+    model.safetensors, when they fit; else model-0000i-of-0000n.safetensors and the index). Files are
+    written under temporary names and renamed when complete. Returns the weight files."""
+    _safetensors()
+    from safetensors.torch import save_file
+
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    shards: list[dict[str, Tensor]] = [{}]
+    size = 0
+    for name, t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t.contiguous()
+        size += nbytes
+    n = len(shards)
+    names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    written = []
+    for shard, name in zip(shards, names):
+        tmp = folder / (name + ".tmp")
+        save_file(shard, str(tmp), metadata={"format": "pt"})
+        os.replace(tmp, folder / name)
+        written.append(folder / name)
+    if n > 1:
+        total = sum(t.numel() * t.element_size() for shard in shards for t in shard.values())
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {k: name for shard, name in zip(shards, names) for k in shard}}
+        (folder / INDEX).write_text(json.dumps(index, indent=1) + "\n")
+    (folder / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+    return written
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

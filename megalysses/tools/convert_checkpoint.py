@@ -1,0 +1,182 @@
+"""Convert between Hugging Face Llama models and megalysses runs, in both directions.
+
+    # Hugging Face -> a megalysses run directory (config.yaml + a weights-only checkpoint at step 0)
+    python tools/convert_checkpoint.py --from-hf models/Llama-3.2-1B --to runs/llama1b [--config configs/X.yaml]
+    torchrun --nproc-per-node 8 pretrain.py --config runs/llama1b/config.yaml --set data.paths=[...]
+
+    # a megalysses run (or one checkpoint of it) -> a Hugging Face directory transformers loads
+    python tools/convert_checkpoint.py --from runs/llama1b --to-hf out/llama1b-hf [--dtype bfloat16]
+
+--from-hf reads config.json and the safetensors (one file or shards) tensor by tensor and writes our
+layout (fused QKV and gate-up projections, the padded vocabulary) as a DCP checkpoint that loads at any
+(tp, sp, pp, dp) layout, with or without FSDP; training starts from it with a fresh optimizer at step 0.
+The run's config.yaml takes its model section from the Hugging Face config and everything else from
+--config (default: the schema's defaults); set data.paths before training. (checkpoint.init_from
+points a run at a Hugging Face directory directly, without converting.)
+--to-hf takes the fp32 master weights of a training checkpoint (or the weights of a weights-only one),
+converts them back, and writes sharded safetensors, the index and config.json in --dtype.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed.checkpoint as dcp
+import yaml
+
+from megalysses.config import Config, ConfigError, apply_override, config_from_dict, config_to_dict, save_config
+from megalysses.model.gpt import GPTStage, architecture
+from megalysses.model.hf import hf_config_dict, hf_tensors, model_config_from_hf, our_names, our_tensor, check_hf_names
+from megalysses.model.hf_io import DTYPES, HFFormatError, open_hf_dir, write_hf_dir
+from megalysses.training.checkpoint import LATEST, CheckpointError, SafeFileSystemReader, resolve_checkpoint
+from megalysses.training.initialize import WEIGHTS_ONLY, is_weights_only
+
+
+class ConvertError(ValueError):
+    """Bad input to the converter: the message names it and the fix."""
+
+
+def _base_config(path: Optional[str], overrides: list[str]) -> dict:
+    data: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConvertError(f"--config {p} does not exist")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
+            raise ConvertError(f"--config {p} is not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConvertError(f"--config {p}: the top level must be a mapping of sections")
+    for ov in overrides:
+        apply_override(data, ov)
+    return data
+
+
+def from_hf(hf_dir: str, run_dir: str, config: Optional[str] = None, overrides: Optional[list[str]] = None) -> Path:
+    """Write <run_dir>/config.yaml and a weights-only checkpoint at step 0; returns the checkpoint dir."""
+    hf_config, tensors = open_hf_dir(hf_dir)
+    try:
+        model = model_config_from_hf(hf_config)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConvertError(f"{hf_dir}: {e}") from None
+    data = _base_config(config, overrides or [])
+    base_model = data.get("model") or {}
+    keep = {k: base_model[k] for k in ("kernels", "attention_backend", "vocab_pad_multiple", "init_std") if k in base_model}
+    data["model"] = {**config_to_dict(Config())["model"], **dataclasses.asdict(model), **keep}
+    data.setdefault("logging", {})["run_dir"] = str(run_dir)
+    cfg = config_from_dict(data)
+    try:
+        check_hf_names(tensors.keys(), cfg.model)
+    except KeyError as e:
+        raise ConvertError(f"{hf_dir}: {e.args[0]}") from None
+
+    run = Path(run_dir)
+    root = Path(cfg.checkpoint.dir or run / "checkpoints")
+    if resolve_checkpoint(root) is not None:
+        raise ConvertError(f"{root} already holds checkpoints: convert into a new run directory")
+    final, tmp = root / "step_0000000", root / "step_0000000.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    state = {f"model.{name}": our_tensor(name, cfg.model, tensors.get) for name in our_names(cfg.model)}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)))
+    meta = {"step": 0, "consumed_samples": 0, "optimizer_steps": 0, WEIGHTS_ONLY: True,
+            "model_shape": architecture(cfg.model), "source": str(hf_dir)}
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+    os.replace(tmp, final)
+    (root / f"{LATEST}.tmp").write_text(final.name + "\n")
+    os.replace(root / f"{LATEST}.tmp", root / LATEST)
+    save_config(cfg, run / "config.yaml")
+    return final
+
+
+def _run_config(path: Path, checkpoint: Path, config: Optional[str]) -> Config:
+    candidates = [Path(config)] if config else [path / "config.yaml", checkpoint.parent.parent / "config.yaml"]
+    for c in candidates:
+        if c.is_file():
+            try:
+                return config_from_dict(yaml.safe_load(c.read_text()) or {})
+            except (yaml.YAMLError, UnicodeDecodeError, ConfigError) as e:
+                raise ConvertError(f"{c} is not a megalysses config: {e}") from None
+    raise ConvertError(f"no config.yaml for {path}: pass the run directory, or --config with the run's config")
+
+
+def to_hf(source: str, hf_dir: str, dtype: str = "bfloat16", config: Optional[str] = None,
+          max_shard_gib: float = 5.0) -> list[Path]:
+    """Write a Hugging Face directory from a run or checkpoint; returns the weight files."""
+    path = Path(source)
+    checkpoint = None
+    if path.is_dir():
+        checkpoint = resolve_checkpoint(path / "checkpoints") if (path / "checkpoints").is_dir() else None
+        checkpoint = checkpoint or resolve_checkpoint(path)
+    if checkpoint is None:
+        raise ConvertError(f"--from {source}: no megalysses checkpoint there (a run directory, its checkpoints/ "
+                           f"folder with `latest`, or one step_N folder)")
+    cfg = _run_config(path, checkpoint, config)
+    meta = json.loads((checkpoint / "meta.json").read_text())
+    padded = meta.get("model_shape", {}).get("padded_vocab_size", cfg.model.padded_vocab_size())
+    with torch.device("meta"):
+        shapes = {n: tuple(p.shape) for n, p in GPTStage(cfg.model).named_parameters()}
+    shapes = {n: (padded,) + s[1:] if n in ("embed.weight", "lm_head.weight") else s for n, s in shapes.items()}
+    prefix = "model" if is_weights_only(checkpoint) else "master"
+    state = {f"{prefix}.{n}": torch.empty(s, dtype=torch.float32) for n, s in shapes.items()}
+    dcp.load(state, storage_reader=SafeFileSystemReader(str(checkpoint)))
+    out_dtype = DTYPES[dtype]
+    tensors = [(k, v.to(out_dtype)) for n in our_names(cfg.model)
+               for k, v in hf_tensors(n, state[f"{prefix}.{n}"], cfg.model).items()
+               if not (cfg.model.tie_embeddings and k == "lm_head.weight")]   # tied: transformers re-ties it
+    return write_hf_dir(hf_dir, tensors, hf_config_dict(cfg.model, dtype), int(max_shard_gib * 2**30))
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    # one process, no process group, on purpose: DCP's warning about it says nothing to the user
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    direction = p.add_mutually_exclusive_group(required=True)
+    direction.add_argument("--from-hf", metavar="HF_DIR", help="a Hugging Face Llama directory (config.json + safetensors)")
+    direction.add_argument("--from", dest="source", metavar="RUN_DIR", help="a megalysses run, or one checkpoint")
+    p.add_argument("--to", metavar="RUN_DIR", help="with --from-hf: the run directory to create")
+    p.add_argument("--to-hf", metavar="HF_DIR", help="with --from: the Hugging Face directory to write")
+    p.add_argument("--config", help="--from-hf: a megalysses YAML for everything but the model section; "
+                                    "--from: the run's config.yaml, when not in the run directory")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="--from-hf: override a value of the written config; repeatable")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="--to-hf: tensor dtype written")
+    p.add_argument("--max-shard-gib", type=float, default=5.0, help="--to-hf: largest safetensors file")
+    args = p.parse_args(argv)
+    try:
+        if args.from_hf:
+            if not args.to:
+                raise ConvertError("--from-hf needs --to RUN_DIR (the megalysses run directory to create)")
+            if args.to_hf:
+                raise ConvertError("--to-hf goes with --from RUN_DIR, not with --from-hf")
+            final = from_hf(args.from_hf, args.to, args.config, args.overrides)
+            print(f"wrote {final} (weights only, step 0) and {Path(args.to) / 'config.yaml'}: train with "
+                  f"pretrain.py --config {Path(args.to) / 'config.yaml'} --set data.paths=[...]")
+        else:
+            if not args.to_hf:
+                raise ConvertError("--from needs --to-hf HF_DIR (the Hugging Face directory to write)")
+            if args.max_shard_gib <= 0:
+                raise ConvertError(f"--max-shard-gib={args.max_shard_gib} must be positive")
+            files = to_hf(args.source, args.to_hf, args.dtype, args.config, args.max_shard_gib)
+            print(f"wrote {len(files)} safetensors file(s) and config.json to {args.to_hf}")
+    except (ConvertError, HFFormatError, CheckpointError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cli() -> int:
+    return main()
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

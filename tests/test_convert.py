@@ -1,0 +1,140 @@
+"""Hugging Face <-> megalysses: tools/convert_checkpoint.py both ways, checkpoint.init_from, and training
+in between; transformers loads what comes back. (fp32, CPU; a tiny Llama with GQA, llama3 RoPE scaling,
+attention biases without MLP biases, and a vocabulary that needs padding.)"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from megalysses.data import MockGPTDataset  # noqa: E402
+from megalysses.model.gpt import GPTStage  # noqa: E402
+from megalysses.model.hf import model_config_from_hf, our_tensor  # noqa: E402
+from megalysses.model.hf_io import open_hf_dir  # noqa: E402
+from megalysses.tools import convert_checkpoint  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+S, V = 48, 100
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=V, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, rope_theta=5000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, attention_bias=True, mlp_bias=False,
+        rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 16})
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("bias"):
+                p.uniform_(-0.3, 0.3)
+            elif "norm" in name:
+                p.uniform_(0.5, 1.5)
+    out = tmp_path_factory.mktemp("hf") / "tiny-llama"
+    hf.save_pretrained(out, max_shard_size="40KB")                # several shards and an index
+    return out
+
+
+def load_hf(path):
+    return transformers.LlamaForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+
+
+def test_our_model_equals_transformers_with_llama3_rope_scaling(hf_dir):
+    hf = load_hf(hf_dir)
+    config, tensors = open_hf_dir(hf_dir)
+    cfg = model_config_from_hf(config, attention_backend="reference")
+    assert cfg.rope_scaling.type == "llama3" and cfg.attention_bias and not cfg.mlp_bias
+    ours = GPTStage(cfg).eval()
+    ours.load_state_dict({n: our_tensor(n, cfg, tensors.get) for n, _ in ours.named_parameters()})
+    ids = torch.randint(0, V, (2, 120))                           # well past the original 16 positions
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids, torch.arange(120).expand(2, 120))[..., :V], hf(ids).logits,
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_round_trip_without_training_is_exact(hf_dir, tmp_path):
+    assert convert_checkpoint.main(["--from-hf", str(hf_dir), "--to", str(tmp_path / "run")]) == 0
+    meta = json.loads((tmp_path / "run" / "checkpoints" / "step_0000000" / "meta.json").read_text())
+    assert meta["weights_only"] and meta["model_shape"]["padded_vocab_size"] == 128
+    assert convert_checkpoint.main(["--from", str(tmp_path / "run"), "--to-hf", str(tmp_path / "back"),
+                                    "--dtype", "float32", "--max-shard-gib", "0.00005"]) == 0
+    assert (tmp_path / "back" / "model.safetensors.index.json").is_file()
+    ids = torch.randint(0, V, (2, 64))
+    with torch.no_grad():
+        diff = (load_hf(hf_dir)(ids).logits - load_hf(tmp_path / "back")(ids).logits).abs().max().item()
+    assert diff <= 1e-5
+
+
+def torchrun(nproc, config, overrides):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           str(ROOT / "pretrain.py"), "--config", str(config)] + [a for o in overrides for a in ("--set", o)]
+    return subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=180)
+
+
+TRAIN = ["data.mock=true", f"data.seq_len={S}", "data.document_mask=false", "data.reset_position_ids=false",
+         "training.global_batch_size=2", "training.micro_batch_size=1", "training.train_steps=2",
+         "logging.log_interval=1", "optimizer.warmup_steps=1", "model.attention_backend=sdpa",
+         "parallel.timeout_seconds=60"]
+
+
+def hf_loss_on_first_batch(path) -> float:
+    """transformers' mean loss over the first global batch of the mock data a run sees."""
+    data = MockGPTDataset(2 * 2, S, V, V - 1, 1234)
+    tokens = torch.from_numpy(np.stack([data[0], data[1]]).astype(np.int64))
+    with torch.no_grad():
+        labels = tokens[:, 1:].contiguous()
+        return load_hf(path)(input_ids=tokens[:, :-1].contiguous(), labels=labels, shift_labels=labels).loss.item()
+
+
+def first_loss(run: Path) -> float:
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r][0]
+
+
+def test_hf_to_megalysses_train_and_back(hf_dir, tmp_path):
+    """The documented path: convert, train at tp=2 (the first loss is transformers' loss on the same
+    batch), convert back; transformers loads the trained model. And init_from a Hugging Face directory
+    at another layout starts from the same weights."""
+    run = tmp_path / "run"
+    assert convert_checkpoint.main(["--from-hf", str(hf_dir), "--to", str(run)]) == 0
+    want = hf_loss_on_first_batch(hf_dir)
+    r = torchrun(2, run / "config.yaml", TRAIN + ["parallel.tp=2"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "initial weights from" in r.stdout
+    assert abs(first_loss(run) - want) <= 1e-5 * want
+    assert convert_checkpoint.main(["--from", str(run), "--to-hf", str(tmp_path / "trained"), "--dtype", "float32"]) == 0
+    trained = load_hf(tmp_path / "trained")
+    ids = torch.randint(0, V, (1, 32))
+    with torch.no_grad():
+        before, after = load_hf(hf_dir)(ids).logits, trained(ids).logits
+    assert torch.isfinite(after).all() and (before - after).abs().max() > 1e-4     # training changed it
+
+    fresh = tmp_path / "fresh"
+    r = torchrun(2, run / "config.yaml", TRAIN + ["parallel.tp=1", "parallel.sp=2", f"checkpoint.init_from={hf_dir}",
+                                                  f"logging.run_dir={fresh}", "training.train_steps=1"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert abs(first_loss(fresh) - want) <= 1e-5 * want
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--from-hf", "{tmp}/nope", "--to", "{tmp}/run"], "is not a directory"),
+    (["--from-hf", "{hf}"], "--from-hf needs --to"),
+    (["--from", "{tmp}", "--to-hf", "{tmp}/out"], "no megalysses checkpoint there"),
+    (["--from", "{tmp}/nope"], "--from needs --to-hf"),
+])
+def test_bad_arguments_get_one_message(hf_dir, tmp_path, capsys, argv, message):
+    argv = [a.format(tmp=tmp_path, hf=hf_dir) for a in argv]
+    assert convert_checkpoint.main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1, err

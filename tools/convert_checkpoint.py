@@ -1,0 +1,9 @@
+"""Runs megalysses.tools.convert_checkpoint (installed as `megalysses-convert`) from a checkout; --help lists its options."""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from megalysses.tools.convert_checkpoint import cli  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(cli())
