@@ -33,6 +33,9 @@ from megalysses.training.step import evaluate, train_step
 def check_environment(cfg: Config, device: torch.device) -> None:
     """What the config asks of this machine, checked before anything is built; raises ConfigError."""
     m = cfg.model
+    if cfg.training.activation_offload:
+        raise ConfigError("training.activation_offload=true: activation offload is not implemented yet; "
+                          "set training.activation_offload=false (tools/plan.py shows the layouts that fit without it)")
     dtype = compute_dtype(cfg, device)
     if m.attention_backend != "auto":
         try:
