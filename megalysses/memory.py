@@ -131,7 +131,9 @@ class Options:
     param_offload: bool = False
     attention: str = "flash"           # the concrete backend: flash, sdpa, flex, reference
     native_gqa: bool = True            # the kernel reads grouped KV heads as they are (no repeat to Hq)
+    dq_accumulator: bool = True        # the backward accumulates dq in fp32 (flash-attn, SDPA's CUDA kernels)
     documents: bool = False            # packed-document masks (sdpa then builds a dense S x S mask)
+    offload_prefetch: int = 1          # offloaded layers copied back ahead of the one in backward
     bucket_bytes: float = 2 * 32_000_000 * 4   # gradient buckets in flight (ZeRO-1: 2 x 32M fp32)
     implementation: str = "megalysses"
 
@@ -187,10 +189,17 @@ def _dims(m: ModelConfig, layout: Layout, opts: Options) -> dict[str, Any]:
             "impl": IMPLEMENTATIONS[opts.implementation]}
 
 
+def tiled(chunk: int, m: ModelConfig, layout: Layout, opts: Options, seq_len: int) -> bool:
+    """Whether a tile size splits the local residual sequence (S/(sp*r) tokens): model/layers.py and
+    model/gpt.py run one tile of the whole sequence when it does not (seq_len 0: unknown, assume it does)."""
+    r = layout.tp if opts.tp_sequence_parallel else 1
+    return bool(chunk) and (not seq_len or chunk < seq_len // (layout.sp * r))
+
+
 def layer_terms(m: ModelConfig, layout: Layout, opts: Options, seq_len: int = 0,
                 checkpointed: Optional[bool] = None) -> list[tuple[str, float, str]]:
-    """(name, elements per S/sp token, class) that one layer keeps for its backward. `seq_len` matters
-    only for the reference backend (S x S probabilities)."""
+    """(name, elements per S/sp token, class) that one layer keeps for its backward. `seq_len` decides
+    whether MLP tiles split the sequence, and sizes the reference backend's S x S probabilities."""
     d = _dims(m, layout, opts)
     h, r, impl = d["h"], d["r"], d["impl"]
     if opts.activation_checkpointing if checkpointed is None else checkpointed:
@@ -201,7 +210,7 @@ def layer_terms(m: ModelConfig, layout: Layout, opts: Options, seq_len: int = 0,
     terms.append(("q/k/v input (norm output" + (f", {qkv} all-gathered copies)" if qkv > 1 else ")"), h * qkv, "act"))
     terms += _attention_core_terms(d, opts, seq_len)
     terms += _norm_terms("MLP norm", h, r, impl)
-    if opts.mlp_chunk_tokens:
+    if tiled(opts.mlp_chunk_tokens, m, layout, opts, seq_len):
         terms.append(("MLP norm output (tile inputs)", h / r, "res"))
     else:
         up = (impl.mlp_projections if m.mlp == "swiglu" else 1) if gathered else 1
@@ -238,7 +247,8 @@ def _attention_core_terms(d: dict, opts: Options, seq_len: int) -> list[tuple[st
     return terms
 
 
-def stage_terms(m: ModelConfig, layout: Layout, opts: Options, first: bool, last: bool) -> list[tuple[str, float, str]]:
+def stage_terms(m: ModelConfig, layout: Layout, opts: Options, first: bool, last: bool,
+                seq_len: int = 0) -> list[tuple[str, float, str]]:
     """Per micro-batch terms of a pipeline stage outside its layers (per S/sp token)."""
     d = _dims(m, layout, opts)
     h, r = d["h"], d["r"]
@@ -249,7 +259,7 @@ def stage_terms(m: ModelConfig, layout: Layout, opts: Options, first: bool, last
             terms += [("local token ids", 1, "i64"), ("vocabulary mask", 1, "bool")]
     if last:
         terms += _norm_terms("final norm", h, r, d["impl"])
-        if opts.loss_chunk_tokens or d["impl"].fused_loss:
+        if tiled(opts.loss_chunk_tokens, m, layout, opts, seq_len) or d["impl"].fused_loss:
             terms.append(("final norm output (loss tiles)", h / r, "res"))
         else:
             terms += [("LM head input", h, "act"), ("softmax over V/tp (loss)", d["V"], "f32"),
@@ -274,7 +284,7 @@ def retained_activation_bytes(m: ModelConfig, layout: Layout, opts: Options, pre
     n = stage_layers(m, layout) if layers is None else layers
     tokens = micro_batch_size * seq_len / layout.sp
     per_layer = bytes_per_token(layer_terms(m, layout, opts, seq_len), prec, impl)
-    return tokens * (n * per_layer + bytes_per_token(stage_terms(m, layout, opts, first, last), prec, impl))
+    return tokens * (n * per_layer + bytes_per_token(stage_terms(m, layout, opts, first, last, seq_len), prec, impl))
 
 
 # ----------------------------------------------------------------------------- parameters and pipeline
@@ -355,14 +365,14 @@ def _backward_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precisi
         terms.append(Term("recomputed layer activations", tokens * redo, f"{tokens:.4g} tok x {redo:.4g} B"))
     # flash-attn's backward writes dk, dv at the query-head count when a rank has fewer KV heads (GQA)
     kv_grads = q if d["expand"] or (opts.attention == "flash" and q != kv) else kv
-    accumulator = 4 * q if opts.attention in ("flash", "flex") else 0
+    accumulator = 4 * q if opts.dq_accumulator else 0
     kernel = tokens * ((2 * q + 2 * kv_grads) * a + accumulator)
-    parts = {"attention kernel backward (dout, dq/dk/dv, fp32 dq accumulator)": kernel}
+    parts = {"attention kernel backward (dout, dq/dk/dv" + (", fp32 dq accumulator)" if accumulator else ")"): kernel}
     if d["P"] > 1:
         width = q + 2 * kv if impl.packed_all_to_all else max(q, kv)
         parts["all-to-all of dq/dk/dv (gradients, send, receive)"] = tokens * ((q + 2 * kv) + 2 * width) * a
-    if opts.mlp_chunk_tokens:
-        tile = min(opts.mlp_chunk_tokens * r, tokens)
+    if tiled(opts.mlp_chunk_tokens, m, layout, opts, seq_len):
+        tile = opts.mlp_chunk_tokens * r
         parts["MLP tile backward (recomputed tile + gradients)"] = tile * (2 * h + 7 * f) * a
     else:
         parts["MLP backward (gradients of ffn/tp intermediates)"] = tokens * (h + 3 * f) * a
@@ -374,10 +384,11 @@ def _backward_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precisi
     return terms
 
 
-def _loss_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, tokens: float) -> list[Term]:
+def _loss_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, tokens: float,
+                seq_len: int) -> list[Term]:
     impl = IMPLEMENTATIONS[opts.implementation]
     V, r = m.vocab_size / layout.tp, layout.tp if opts.tp_sequence_parallel else 1
-    tile = min(opts.loss_chunk_tokens * r, tokens) if opts.loss_chunk_tokens else tokens
+    tile = opts.loss_chunk_tokens * r if tiled(opts.loss_chunk_tokens, m, layout, opts, seq_len) else tokens
     if impl.fused_loss:
         return [Term("loss tile (logits and their gradient)", tile * V * 2 * prec.act, f"{tile:.4g} tok x {V:.4g} x 2 x {prec.act} B"),
                 Term("head-input gradient (computed in the forward)", tokens * m.hidden_size * prec.act,
@@ -399,16 +410,21 @@ def _stage_estimate(m: ModelConfig, layout: Layout, opts: Options, prec: Precisi
     tokens = work.micro_batch_size * work.seq_len / layout.sp          # one micro-batch, S/sp tokens
     n_layers = stage_layers(m, layout)
     layer_tok = bytes_per_token(layer_terms(m, layout, opts, work.seq_len), prec, impl)
-    stage_tok = bytes_per_token(stage_terms(m, layout, opts, first, False), prec, impl)
-    head_tok = (bytes_per_token(stage_terms(m, layout, opts, False, True), prec, impl)
-                - bytes_per_token(stage_terms(m, layout, opts, False, False), prec, impl)) if last else 0.0
+    S = work.seq_len
+    stage_tok = bytes_per_token(stage_terms(m, layout, opts, first, False, S), prec, impl)
+    head_tok = (bytes_per_token(stage_terms(m, layout, opts, False, True, S), prec, impl)
+                - bytes_per_token(stage_terms(m, layout, opts, False, False, S), prec, impl)) if last else 0.0
     flight = in_flight(layout, stage, work.micro_batches)
     layers = flight * tokens * n_layers * layer_tok
     what = f"{flight:g} mb x {n_layers} layers x {tokens:.4g} tok x {layer_tok:.4g} B"
     act = []
     if opts.activation_offload:
-        window = min(2, n_layers) * tokens * layer_tok
-        act += [Term("offload window (2 layers)", window, f"2 x {tokens:.4g} tok x {layer_tok:.4g} B"),
+        # the layers copied back ahead of the one in backward (which its recomputation counts under
+        # checkpointing; without, its own saved activations are on the device too)
+        ahead = min(opts.offload_prefetch + (0 if opts.activation_checkpointing else 1), n_layers)
+        window = ahead * tokens * layer_tok
+        act += [Term(f"offload window ({ahead} layer{'' if ahead == 1 else 's'} on the device)", window,
+                     f"{ahead} x {tokens:.4g} tok x {layer_tok:.4g} B"),
                 Term("offloaded layer activations", layers, what, host=True)]
     else:
         act.append(Term("layer activations", layers, what))
@@ -427,7 +443,7 @@ def _stage_estimate(m: ModelConfig, layout: Layout, opts: Options, prec: Precisi
               "optimizer": [Term("AdamW temporaries (gradient shard, sqrt of v)", n * 2 * 4 / G if states_on_device else 0.0,
                                  f"{n:.4g} x 2 x 4 B / {G}")]}
     if last:
-        phases["loss"] = _loss_terms(m, layout, opts, prec, tokens)
+        phases["loss"] = _loss_terms(m, layout, opts, prec, tokens, S)
     # what each phase sees besides its own transients: the loss all activations; a layer's backward
     # those of the layers (the head's were freed first); the optimizer step none
     seen = {"loss": fixed + act, "backward": fixed + [t for t in act if not t.name.startswith("final norm")],
@@ -443,14 +459,19 @@ def _stage_estimate(m: ModelConfig, layout: Layout, opts: Options, prec: Precisi
 
 def longest_sequence(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, budget: float,
                      micro_batch_size: int = 1, micro_batches: int = 1, multiple: int = 1,
-                     limit: int = 1 << 34) -> int:
-    """The longest sequence (a multiple of `multiple`) whose predicted peak fits in `budget` bytes; 0 if none."""
+                     limit: int = 1 << 34, max_elements: Optional[int] = None) -> int:
+    """The longest sequence (a multiple of `multiple`) whose predicted peak fits in `budget` bytes; 0 if
+    none. `max_elements`: kernels that index with 32-bit offsets fail on a (tokens x hidden) activation
+    of more elements than this, whatever the memory (2**31 for such kernels)."""
+    if max_elements is not None:
+        limit = min(limit, max_elements * layout.sp // (micro_batch_size * m.hidden_size))
+
     def fits(units: int) -> bool:
         work = Workload(units * multiple, micro_batch_size, micro_batches)
         return estimate(m, layout, opts, prec, work).peak <= budget
 
-    lo, hi = 0, limit // multiple
-    if not fits(1):
+    hi = limit // multiple
+    if hi < 1 or not fits(1):
         return 0
     lo = 1
     while lo < hi:
@@ -470,13 +491,15 @@ def precision_for(cfg: Config, device: str = "cuda") -> Precision:
     return PRECISIONS["bf16" if dtype == "bfloat16" else "fp32"]
 
 
-def attention_for(cfg: Config, device: str = "cuda") -> tuple[str, bool]:
-    """(concrete backend, native grouped-query attention) that `cfg` runs on `device` (kernels/attention.py)."""
+def attention_for(cfg: Config, device: str = "cuda") -> tuple[str, bool, bool]:
+    """(concrete backend, native grouped-query attention, fp32 dq accumulator) that `cfg` runs on
+    `device` (kernels/attention.py; auto assumes flash-attn is installed on GPUs)."""
     backend = cfg.model.attention_backend
     if backend == "auto":
         backend = ("flex" if cfg.data.document_mask else "flash") if device == "cuda" else "sdpa"
-    native = backend in ("flash", "flex") or (backend == "sdpa" and device == "cuda" and not cfg.data.document_mask)
-    return backend, native
+    cuda_sdpa = backend == "sdpa" and device == "cuda"
+    native = backend in ("flash", "flex") or (cuda_sdpa and not cfg.data.document_mask)
+    return backend, native, backend == "flash" or cuda_sdpa
 
 
 def layout_of(cfg: Config, world_size: int) -> Layout:
@@ -487,10 +510,11 @@ def layout_of(cfg: Config, world_size: int) -> Layout:
 
 def options_of(cfg: Config, device: str = "cuda") -> Options:
     t, p = cfg.training, cfg.parallel
-    backend, native = attention_for(cfg, device)
+    backend, native, accumulator = attention_for(cfg, device)
     return Options(activation_checkpointing=t.activation_checkpointing, activation_offload=t.activation_offload,
                    mlp_chunk_tokens=t.mlp_chunk_tokens, loss_chunk_tokens=t.loss_chunk_tokens,
                    tp_sequence_parallel=p.tp_sequence_parallel, fsdp=p.fsdp, attention=backend, native_gqa=native,
+                   dq_accumulator=accumulator,
                    documents=cfg.data.document_mask, bucket_bytes=0 if p.fsdp else 2 * p.grad_bucket_elements * 4)
 
 
@@ -549,7 +573,7 @@ def measure_retained(forward: Callable[[], Any], exclude: tuple = ()) -> tuple[A
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), Track():
         out = forward()
-    gc.collect()
+    gc.collect(0)          # the young generation holds any cycle the forward made; a full pass is slow
     skip |= {t.untyped_storage()._cdata for t in tree_leaves(out) if isinstance(t, torch.Tensor)}
     alive = {k: v for k, v in {**saved, **created}.items() if k not in skip and not v[0].expired()}
     saved_bytes = sum(v[1] for k, v in saved.items() if k not in skip)

@@ -4,6 +4,8 @@ saved-tensor hooks (deduplicated by storage) on CPU with SDPA, against the memor
 Fails if any retained activation grows as S^2 (measured at S and 2S) or is left unsharded under
 Ulysses sp (per-rank bytes must scale as 1/sp)."""
 import functools
+import importlib.util
+import json
 
 import pytest
 import torch
@@ -175,3 +177,16 @@ def test_training_refuses_activation_offload_until_it_exists():
     cfg.training.activation_offload = True
     with pytest.raises(ConfigError, match="activation offload is not implemented yet"):
         check_environment(cfg, torch.device("cpu"))
+
+
+def test_bench_memory_smoke(tmp_path):
+    """benchmarks/bench_memory.py --smoke: the GPU benchmark's harness end to end on CPU."""
+    spec = importlib.util.spec_from_file_location("bench_memory", "benchmarks/bench_memory.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "memory.json"
+    assert bench.main(["--smoke", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["seq_len"] for r in rows] == [128, 256]
+    for r in rows:
+        assert abs(r["error"]) <= 0.10 and r["loss"] > 0, r
