@@ -95,9 +95,6 @@ def run_length(cfg: Config, device: torch.device, implementation: str) -> dict:
         row["measured"] = "memory.measure_retained (CPU)"
         row["loss"] = train_step(model, opt, [batch(cfg, device, 1)], grid, **step).loss
     row["error"] = row["predicted_gib"] / row["measured_gib"] - 1
-    del model, opt
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
     return row
 
 
@@ -136,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'seq_len':>9} {'precision':>9} {'attention':>9} {'predicted':>12} {'measured':>12} {'error':>7}  phase")
     for S in lengths:
         row = run_length(replace(base, data=replace(base.data, seq_len=S)), device, args.implementation)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()                    # the previous length's model and optimizer are gone
         rows.append(row)
         print(f"{S:>9} {row['precision']:>9} {row['attention']:>9} {fmt_bytes(row['predicted_gib'] * GIB):>12} "
               f"{fmt_bytes(row['measured_gib'] * GIB):>12} {row['error']:>+7.1%}  {row['predicted_phase']}")

@@ -6,14 +6,16 @@ Ulysses sp (per-rank bytes must scale as 1/sp)."""
 import functools
 import importlib.util
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from megalysses.config import Config, ConfigError, ModelConfig, load_config
-from megalysses.memory import (IMPLEMENTATIONS, PRECISIONS, Layout, Options, bytes_per_token, estimate, estimate_config, in_flight,
-                               layer_terms, measure_retained, retained_activation_bytes, Workload)
+from megalysses.memory import (IMPLEMENTATIONS, PRECISIONS, Layout, Options, Retained, Workload, bytes_per_token,
+                               estimate, estimate_config, in_flight, layer_terms, measure_retained,
+                               retained_activation_bytes)
 from megalysses.model.gpt import GPTStage, init_weights
 from megalysses.model.layers import ParallelGroups
 from megalysses.parallel.interleaved import rank_order
@@ -31,13 +33,13 @@ OPTIONS = {
 }
 
 
-def _model_cfg(layers: int = 2, backend: str = "sdpa") -> ModelConfig:
-    return ModelConfig(vocab_size=256, hidden_size=64, num_layers=layers, num_heads=4, num_kv_heads=2,
+def _model_cfg(layers: int = 2, backend: str = "sdpa", kv_heads: int = 2) -> ModelConfig:
+    return ModelConfig(vocab_size=256, hidden_size=64, num_layers=layers, num_heads=4, num_kv_heads=kv_heads,
                        ffn_hidden_size=160, attention_backend=backend)
 
 
 def _measure(cfg: ModelConfig, seq: int, opts: dict, groups: ParallelGroups = ParallelGroups(), tp_rank: int = 0,
-             sp_rank: int = 0) -> tuple:
+             sp_rank: int = 0) -> Retained:
     """One forward of a whole-model stage on this rank's shard of a length-`seq` sequence: the Retained
     measurement (bytes, storages)."""
     torch.manual_seed(0)
@@ -111,7 +113,12 @@ LAYOUTS = {   # name: (tp, sp, TP sequence sharding, memory options)
     "sp2": (1, 2, False, "none"),
     "sp2, tiled MLP": (1, 2, False, "tiled MLP"),
     "sp2, checkpointing + tiles": (1, 2, False, "all three"),
+    "sp2, one KV head (replicated to each sp rank)": (1, 2, False, "none"),
 }
+
+
+def _layout_cfg(name: str) -> ModelConfig:
+    return _model_cfg(kv_heads=1 if "one KV head" in name else 2)
 
 
 def _measure_layouts(rank: int, world: int) -> dict:
@@ -120,23 +127,22 @@ def _measure_layouts(rank: int, world: int) -> dict:
     for name, (tp, sp, seq_par, option) in LAYOUTS.items():
         opts = OPTIONS[option]
         groups = ParallelGroups(tp=group if tp > 1 else None, sp=group if sp > 1 else None, sequence_parallel=seq_par)
-        out[name] = [_measure(_model_cfg(), n, opts, groups, tp_rank=rank if tp > 1 else 0,
+        out[name] = [_measure(_layout_cfg(name), n, opts, groups, tp_rank=rank if tp > 1 else 0,
                               sp_rank=rank if sp > 1 else 0) for n in (S, 2 * S)]
     return out
 
 
 def test_layouts_match_the_model_and_shard_over_sp(tmp_path):
     ranks = run_distributed(_measure_layouts, 2, tmp_dir=tmp_path)
-    cfg = _model_cfg()
     for name, (tp, sp, seq_par, option) in LAYOUTS.items():
-        opts = OPTIONS[option]
+        opts, cfg = OPTIONS[option], _layout_cfg(name)
         for rank, measured in enumerate(ranks):
             small, large = measured[name]
             _close(small.bytes, _predicted(cfg, S, opts, tp, sp, seq_par), f"{name}, rank {rank}, S={S}")
             _close(large.bytes, _predicted(cfg, 2 * S, opts, tp, sp, seq_par), f"{name}, rank {rank}, S={2 * S}")
             assert not grows_quadratically(small, large), f"{name}: {small.storages[:3]} -> {large.storages[:3]}"
         if sp > 1:   # per rank, about 1/sp of one process's bytes (sp adds the all-to-all buffer and a copy of o)
-            single = _single(option, S).bytes
+            single = _measure(cfg, S, opts).bytes
             for rank, measured in enumerate(ranks):
                 assert measured[name][0].bytes <= 1.2 * single / sp, (name, rank, measured[name][0].bytes, single)
 
@@ -159,17 +165,16 @@ def test_in_flight_matches_the_schedules():
 def test_estimate_breakdown_adds_up_and_offload_moves_activations_to_host():
     cfg = load_config("configs/llama3_8b_128k.yaml", ["data.mock=true", "data.paths=[]"])
     est = estimate_config(cfg, world_size=32)
-    device_terms = [t for t in est.terms if not t.host]
-    assert abs(sum(t.bytes for t in device_terms) - est.peak) < 1.0
-    m, layout = cfg.model, Layout(sp=8, dp=4)
-    work = Workload(seq_len=cfg.data.seq_len)
-    base = Options(activation_checkpointing=True, mlp_chunk_tokens=16384, loss_chunk_tokens=8192)
-    on_device = estimate(m, layout, base, PRECISIONS["bf16"], work)
-    offloaded = estimate(m, layout, Options(**{**base.__dict__, "activation_offload": True}), PRECISIONS["bf16"], work)
-    assert offloaded.peak < on_device.peak and offloaded.host > 0
-    # doubling the sequence roughly doubles the activation part, and sp=8 holds 1/8 of the tokens
-    longer = estimate(m, layout, base, PRECISIONS["bf16"], Workload(seq_len=2 * cfg.data.seq_len))
-    assert longer.peak > on_device.peak
+    assert abs(sum(t.bytes for t in est.terms if not t.host) - est.peak) < 1.0
+    m, layout, bf16 = cfg.model, Layout(sp=8, dp=4), PRECISIONS["bf16"]
+    base = Options(activation_checkpointing=True, loss_chunk_tokens=8192)
+    kept = {S: {t.name: t.bytes for t in estimate(m, layout, base, bf16, Workload(S)).terms} for S in (2 ** 17, 2 ** 18)}
+    assert kept[2 ** 18]["layer activations"] == 2 * kept[2 ** 17]["layer activations"]
+    assert kept[2 ** 18]["weights"] == kept[2 ** 17]["weights"]
+    on_device = estimate(m, layout, base, bf16, Workload(2 ** 17))
+    offloaded = estimate(m, layout, replace(base, activation_offload=True), bf16, Workload(2 ** 17))
+    assert offloaded.peak < on_device.peak
+    assert offloaded.host == kept[2 ** 17]["layer activations"]
 
 
 def test_training_refuses_activation_offload_until_it_exists():
