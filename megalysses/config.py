@@ -211,6 +211,11 @@ class TrainingConfig:
     mlp_chunk_tokens: int = 0
     """Run each MLP over sequence tiles of this many (local) tokens, recomputed in the backward, so only
     one tile's (tile x ffn/tp) intermediate exists at a time (0 = no tiling). For long context."""
+    activation_offload: bool = False
+    """Keep the activations saved for the backward (with activation_checkpointing: the block inputs) in
+    pinned host memory instead of on the device, copied out during the forward and back ahead of the
+    backward. Not implemented yet: a run with it set stops with a config error; tools/plan.py already
+    predicts its memory (host and device)."""
     nan_policy: Literal["abort", "skip"] = "abort"
     """On a NaN/Inf loss: abort the run, or skip the step."""
 

@@ -7,4 +7,5 @@ console scripts; tools/*.py and pretrain.py at the repository root run the same 
     generate          megalysses-generate        sample from a run's checkpoint
     plot_metrics      megalysses-plot            metrics.jsonl -> PNG
     build_corpus      megalysses-build-corpus    the stdlib corpus of the quickstart
+    plan              megalysses-plan            layouts that fit a model at a length, ranked by throughput
 """

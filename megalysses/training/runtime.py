@@ -52,6 +52,9 @@ def compute_dtype(cfg: Config, device: torch.device) -> torch.dtype:
 def plan_runtime(cfg: Config, device: torch.device) -> Runtime:
     """Decide dtype, attention backend and kernels for this run; ConfigError names what cannot run here."""
     m = cfg.model
+    if cfg.training.activation_offload:
+        raise ConfigError("training.activation_offload=true: activation offload is not implemented yet; "
+                          "set training.activation_offload=false (tools/plan.py shows the layouts that fit without it)")
     dtype = compute_dtype(cfg, device)
     try:
         backend, reason = select_backend(m.attention_backend, device, dtype, head_dim=m.head_dim,
