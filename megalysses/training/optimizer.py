@@ -185,11 +185,11 @@ class ShardedAdamW:
         """Start the fp32 reduce-scatter of bucket `index` (asynchronously when the group has > 1 rank)."""
         bucket = self.buckets[index]
         grads = [s.grad() for s in bucket]
+        if self.G == 1:                       # nothing to reduce: each master takes its gradient as it is
+            self._launched.append((None, grads, bucket))
+            return
         # rank-major layout: [chunk 0 of every param | chunk 1 of every param | ...]
         send = torch.cat([self._rank_chunk(g, s, j) for j in range(self.G) for s, g in zip(bucket, grads)])
-        if self.G == 1:
-            self._launched.append((None, send, bucket))
-            return
         mine = send.new_empty(send.numel() // self.G)
         work = comm.reduce_scatter_into(mine, send, self.grad_group, async_op=True)
         self._launched.append((work, mine, bucket))
@@ -207,6 +207,10 @@ class ShardedAdamW:
         for work, mine, bucket in self._launched:
             if work is not None:
                 work.wait()
+            if isinstance(mine, list):        # a group of one: the full gradients themselves
+                for s, g in zip(bucket, mine):
+                    s.master.grad = g
+                continue
             offset = 0
             for s in bucket:
                 if s.master is not None:
@@ -217,10 +221,10 @@ class ShardedAdamW:
     @torch.no_grad()
     def grad_norm(self) -> Tensor:
         """The true global L2 norm (every element once, all stages, shards and chunks)."""
-        local = torch.zeros((), dtype=torch.float32, device=self.slots[0].param.device if self.slots else "cpu")
-        for s in self.slots:
-            if s.master is not None and s.counts_in_norm:
-                local += s.master.grad.float().pow(2).sum()
+        grads = [s.master.grad for s in self.slots if s.master is not None and s.counts_in_norm]
+        device = self.slots[0].param.device if self.slots else torch.device("cpu")
+        local = (torch.stack(torch._foreach_norm(grads)).pow(2).sum() if grads
+                 else torch.zeros((), dtype=torch.float32, device=device))
         comm.all_reduce_(local, comm.world())
         return local.sqrt()
 
@@ -252,6 +256,11 @@ class ShardedAdamW:
     @torch.no_grad()
     def gather_params(self) -> None:
         """Copy the updated master chunks back into every rank's full parameters."""
+        if self.G == 1:
+            for s in self.slots:
+                if s.master is not None:
+                    s.param.data.copy_(s.master.data)
+            return
         for bucket in self.buckets:
             mine = torch.cat([torch.nn.functional.pad(s.master.reshape(-1), (0, s.padded - s.master.numel()))
                               if s.master is not None else s.param.new_zeros(s.padded, dtype=torch.float32)
