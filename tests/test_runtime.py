@@ -7,7 +7,7 @@ from megalysses.config import ConfigError, load_config
 from megalysses.grid import ParallelGrid
 from megalysses.training.runtime import plan_runtime, startup_line
 
-BASE = ["data.mock=true", "data.seq_len=32", "model.hidden_size=64", "model.num_heads=4"]
+BASE = ["data.mock=true", "data.seq_len=32", "model.hidden_size=64", "model.num_heads=4", "model.vocab_size=1000"]
 
 
 def test_auto_on_cpu():
@@ -17,7 +17,7 @@ def test_auto_on_cpu():
     assert rt.model_config(cfg).attention_backend == "sdpa" and cfg.model.attention_backend == "auto"
     line = startup_line(cfg, ParallelGrid.single(), rt)
     for part in ("world=1 tp=1 sp=1 pp=1 dp=1", "cpu float32", "attention sdpa", "kernels torch", "ZeRO-1",
-                 "activation checkpointing", "tiled loss (8 tokens)"):
+                 "activation checkpointing", "tiled loss (8 tokens)", "vocab 1000 (padded to 1024)"):
         assert part in line, (part, line)
 
 

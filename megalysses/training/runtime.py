@@ -95,9 +95,12 @@ def memory_options(cfg: Config) -> list[str]:
 
 def startup_line(cfg: Config, grid: ParallelGrid, runtime: Runtime) -> str:
     """One line with everything that decides speed and memory."""
+    m = cfg.model
+    padded = m.padded_vocab_size(grid.tp_size)
+    vocab = f"vocab {m.vocab_size}" + (f" (padded to {padded})" if padded != m.vocab_size else "")
     return (f"megalysses: world={grid.world} tp={grid.tp_size} sp={grid.sp_size} pp={grid.pp_size} "
             f"dp={grid.dp_size} | {runtime.device} {runtime.dtype} | attention {runtime.attention_backend} "
-            f"({runtime.attention_reason}) | kernels {runtime.kernels} | {', '.join(memory_options(cfg))}")
+            f"({runtime.attention_reason}) | kernels {runtime.kernels} | {vocab} | {', '.join(memory_options(cfg))}")
 
 
 def write_runtime(run_dir: Path, cfg: Config, grid: ParallelGrid, runtime: Runtime) -> None:
