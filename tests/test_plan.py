@@ -3,6 +3,7 @@
 The published points are modelled with the settings those systems used; the planner's figures
 (megalysses.tools.plan.Hardware: H100 SXM) and the memory model are the same for every point."""
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -22,8 +23,9 @@ def test_alst_longest_sequences(gpus, published):
     DeepSpeed ZeRO-3 with the optimizer in host memory (and, on one GPU, the parameters too), Ulysses
     sp = GPUs, activation checkpointing with the checkpointed hidden states offloaded to host memory and
     copied back when their layer recomputes (no prefetch), TiledMLP (tiles of `hidden` tokens), Liger
-    kernels with the fused linear + cross-entropy (Liger's chunk: 16K tokens at these lengths),
-    FlashAttention-2, bf16, DeepSpeed's 5e8-element bf16 reduce bucket.
+    kernels (model.kernels=liger: what Liger's norms, RoPE and SwiGLU keep) with the fused linear +
+    cross-entropy that computes its gradients in the forward, as ours does (Liger's chunk: 16K tokens at
+    these lengths), FlashAttention-2, bf16, DeepSpeed's 5e8-element bf16 reduce bucket.
 
     Liger's Triton kernels index with 32-bit offsets, so a (tokens x hidden) activation of 2^31 elements
     or more fails whatever the memory: 524,288 tokens per rank at hidden 4096 (their one-GPU recipe notes
@@ -32,7 +34,7 @@ def test_alst_longest_sequences(gpus, published):
     opts = Options(activation_checkpointing=True, activation_offload=True, offload_prefetch=0,
                    mlp_chunk_tokens=LLAMA3_8B.hidden_size, loss_chunk_tokens=16384, fsdp=True, optimizer_offload=True,
                    param_offload=gpus == 1, attention="flash", native_gqa=True, bucket_bytes=5e8 * 2,
-                   implementation="fused")
+                   kernels="liger")
     layout, budget = Layout(sp=gpus), Hardware().usable_bytes(80)
     memory_only = longest_sequence(LLAMA3_8B, layout, opts, PRECISIONS["bf16"], budget, multiple=gpus * 1024)
     longest = longest_sequence(LLAMA3_8B, layout, opts, PRECISIONS["bf16"], budget, multiple=gpus * 1024,
@@ -63,7 +65,7 @@ def test_megatron_core_h100_mfu(name, heads, hidden, layers, tp, pp, batch, publ
     m = ModelConfig(vocab_size=V, hidden_size=hidden, num_layers=layers, num_heads=heads,
                     ffn_hidden_size=4 * hidden, mlp="gelu")
     layout = Layout(tp=tp, pp=pp, dp=dp)
-    opts = Options(tp_sequence_parallel=tp > 1, attention="flash", implementation="fused")
+    opts = Options(tp_sequence_parallel=tp > 1, attention="flash", kernels="triton")
     hw = Hardware()
     step = step_time(m, layout, opts, PRECISIONS["bf16"], Workload(S, 1, batch // dp), hw,
                      Overlap(tp=True, ulysses=True, p2p=True, grad_reduce=True, param_gather=True))
@@ -76,18 +78,28 @@ def _load(path: str, **sets):
     return load_config(path, [f"{k}={v}" for k, v in sets.items()])
 
 
-@pytest.mark.parametrize("path, gpus, host_gib, implementation", [
-    ("configs/llama3_8b_1m.yaml", 64, None, "megalysses"),
-    ("configs/gpt_1b_8gpu.yaml", 8, None, "megalysses"),
-    # activation offload lands after the fused kernels of the GPU work; today's kernels reach ~860K
-    ("configs/gpt_1b_1m_offload.yaml", 1, 256, "fused"),
+@pytest.mark.parametrize("path, gpus, host_gib", [
+    ("configs/llama3_8b_1m.yaml", 64, None),
+    ("configs/gpt_1b_8gpu.yaml", 8, None),
+    ("configs/gpt_1b_1m_offload.yaml", 1, 256),
 ])
-def test_configs_fit_at_their_own_layout(path, gpus, host_gib, implementation):
+def test_configs_fit_at_their_own_layout(path, gpus, host_gib):
     cfg = load_config(path)
     validate_config(cfg, world_size=gpus)
-    p = evaluate(cfg, gpus, 80, host_gib, Hardware(), implementation)
+    p = evaluate(cfg, gpus, 80, host_gib, Hardware())
     assert p.fits, f"{path}: {p.why_not}"
     assert cfg.data.seq_len == 1048576
+
+
+def test_one_gpu_config_needs_offload_and_its_kernels():
+    """The 1M-token single-GPU config fits only with its memory options: activation offload, and the
+    fused kernels (the torch references keep fp32 copies of every norm input)."""
+    cfg = load_config("configs/gpt_1b_1m_offload.yaml")
+    assert cfg.training.activation_offload and cfg.model.kernels == "triton"
+    on_device = replace(cfg, training=replace(cfg.training, activation_offload=False))
+    assert not evaluate(on_device, 1, 80, 256, Hardware()).fits
+    torch_kernels = replace(cfg, model=replace(cfg.model, kernels="torch"))
+    assert not evaluate(torch_kernels, 1, 80, 256, Hardware()).fits
 
 
 def test_planned_layouts_obey_the_layout_rules():
@@ -120,9 +132,9 @@ def test_cli_json_best_and_null(capsys):
 
 def test_cli_explain_shows_the_arithmetic(capsys):
     assert main(["--config", "configs/gpt_1b_1m_offload.yaml", "--gpus", "1", "--gpu-memory-gib", "80",
-                 "--seq-len", "1048576", "--host-memory-gib", "256", "--implementation", "fused", "--explain"]) == 0
+                 "--seq-len", "1048576", "--host-memory-gib", "256", "--explain"]) == 0
     out = capsys.readouterr().out
-    assert "offloaded layer activations" in out and "recomputed layer activations" in out
+    assert "offloaded block inputs" in out and "recomputed activations" in out and "offload window" in out
     assert "TFLOP/s" in out and "tokens/s" in out and "peak" in out
 
 
@@ -140,6 +152,18 @@ def test_cli_bad_input_is_one_error_line(capsys, argv, message):
 def test_offload_needs_host_memory():
     """Offload layouts are only planned with --host-memory-gib, and must fit in it."""
     cfg = load_config("configs/gpt_1b_1m_offload.yaml")
-    p = evaluate(cfg, 1, 80, None, Hardware(), "fused")
+    p = evaluate(cfg, 1, 80, None, Hardware())
     assert not p.fits and "host" in p.why_not
-    assert not evaluate(cfg, 1, 80, 32, Hardware(), "fused").fits          # 64 GiB offloaded > 32 GiB
+    assert not evaluate(cfg, 1, 80, 32, Hardware()).fits          # 64 GiB offloaded > 32 GiB
+
+
+def test_optimizer_offload_is_planned_when_the_states_do_not_fit(capsys):
+    """Llama-3-8B on one 80 GB GPU: weights, gradients and ZeRO-1 state (~16 B per parameter) do not fit;
+    with host memory the planner moves masters and moments there and the step fits."""
+    argv = ["--config", "configs/llama3_8b_1m.yaml", "--gpus", "1", "--gpu-memory-gib", "80", "--seq-len", "8192",
+            "--json"]
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["best"] is None
+    assert main(argv + ["--host-memory-gib", "512"]) == 0
+    best = json.loads(capsys.readouterr().out)["best"]
+    assert best["optimizer_offload"] and not best["fsdp"] and best["peak_gib"] <= 80

@@ -3,13 +3,14 @@ length on N GPUs, ranked by predicted throughput.
 
     python tools/plan.py --config configs/llama3_8b_1m.yaml --gpus 64 --gpu-memory-gib 80 --seq-len 1048576
     python tools/plan.py --config configs/gpt_1b_1m_offload.yaml --gpus 1 --gpu-memory-gib 80 \\
-        --seq-len 1048576 --host-memory-gib 1024 --explain
+        --seq-len 1048576 --host-memory-gib 256 --explain
     python tools/plan.py --config C --gpus 8 --gpu-memory-gib 80 --seq-len 131072 --json   # {"best": ... | null}
 
-The model, batch (training.global_batch_size and micro_batch_size), dtype and attention backend come
-from the config; the layout and memory options (checkpointing, tiled MLP and loss, TP sequence
-sharding, FSDP vs ZeRO-1, and activation offload when --host-memory-gib is given) are enumerated
-under the config's own layout rules (config.validate_config). The config's own layout is evaluated too.
+The model, batch (training.global_batch_size and micro_batch_size), dtype, kernels (model.kernels, or
+--kernels) and attention backend come from the config; the layout and memory options (checkpointing,
+tiled MLP, TP sequence sharding, FSDP vs ZeRO-1, and activation and optimizer offload when
+--host-memory-gib is given) are enumerated under the config's own layout rules
+(config.validate_config). The config's own layout is evaluated too.
 
 Memory is megalysses.memory's prediction. A layout fits when its peak is at most the usable device
 memory (--gpu-memory-gib less --fragmentation of it and --reserve-gib for the CUDA context, NCCL and
@@ -17,7 +18,8 @@ cuBLAS) and, with activation offload, the --host-memory-gib of a node holds what
 Step time = the compute at stated sustained FLOP/s + the communication megalysses does not overlap
 (tp collectives, Ulysses all-to-alls, pipeline p2p, ZeRO-1's parameter all-gather; the gradient
 reduce-scatter beyond the last backward; FSDP beyond its micro-batch) at stated bandwidths + the
-pipeline bubble + host copies beyond the compute (offload). Defaults: H100 SXM nodes of 8.
+pipeline bubble + activation-offload copies beyond the compute + the optimizer step (on the host's cores
+with optimizer offload). Defaults: H100 SXM nodes of 8.
 """
 from __future__ import annotations
 
@@ -29,9 +31,9 @@ from dataclasses import dataclass, replace
 from typing import Iterator, Optional
 
 from megalysses.config import Config, ConfigError, ModelConfig, check_heads, load_config, validate_config
-from megalysses.memory import (GIB, IMPLEMENTATIONS, Estimate, Layout, Options, Precision, Workload, estimate,
-                               fmt_bytes, kv_replication, layer_params, layout_of, options_of, precision_for,
-                               stage_layers, stage_params, tiled, workload_of)
+from megalysses.memory import (GIB, KERNELS, Estimate, Layout, Options, Precision, Workload, estimate, fmt_bytes,
+                               kv_replication, layer_params, layout_of, options_of, precision_for, stage_layers,
+                               stage_params, tiled, workload_of)
 from megalysses.training.metrics import flops_per_token
 
 
@@ -47,6 +49,8 @@ class Hardware:
     intra_node_gbs: float = 360.0         # NVLink bus bandwidth per GPU (80% of 450 GB/s per direction)
     inter_node_gbs: float = 40.0          # network per GPU (80% of 400 Gb/s)
     host_gbs: float = 50.0                # host <-> device copies per GPU (PCIe Gen5 x16)
+    host_adam_gparams: float = 0.25       # billions of parameters per second that one GPU's share of the
+                                          # host's cores updates with torch's foreach AdamW (optimizer offload)
     hbm_gbs: float = 2680.0               # device memory bandwidth (80% of 3.35 TB/s): the optimizer step
     gpus_per_node: int = 8
     reserve_gib: float = 1.5              # CUDA context, NCCL buffers, cuBLAS workspaces
@@ -90,7 +94,6 @@ def step_time(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, wo
     """Predicted seconds per optimizer step on the busiest rank. `retained`: activation bytes per step
     that activation offload copies out and back."""
     t, P, v, M = layout.tp, layout.sp, layout.virtual_stages, work.micro_batches
-    impl = IMPLEMENTATIONS[opts.implementation]
     tokens = work.micro_batch_size * work.seq_len / P                 # per micro-batch per rank
     L = stage_layers(m, layout)
     dense = layer_params(m, t) - 2 * m.hidden_size
@@ -98,11 +101,9 @@ def step_time(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, wo
     q, kv = m.num_heads * m.head_dim / t, m.kv_heads / t * kv_replication(m.kv_heads // t, P) * m.head_dim
     fwd_mm = L * 2 * dense * tokens
     fwd_attn = L * 2 * work.micro_batch_size * work.seq_len ** 2 * q / P        # causal: half of 4 S^2 q
-    head = 2 * m.vocab_size / t * m.hidden_size * tokens
+    head = 2 * m.padded_vocab_size(t) / t * m.hidden_size * tokens
     redo_mm = (fwd_mm if opts.activation_checkpointing else 0.0)
-    if tiled(opts.loss_chunk_tokens, m, layout, opts, work.seq_len):
-        redo_mm += head
-    if tiled(opts.mlp_chunk_tokens, m, layout, opts, work.seq_len):
+    if tiled(opts.mlp_chunk_tokens, layout, opts, work.seq_len):
         redo_mm += L * 2 * mlp * tokens * (2 if opts.activation_checkpointing else 1)
     mm = M * (3 * (fwd_mm + head) + redo_mm)
     attn = M * fwd_attn * (4 if opts.activation_checkpointing else 3)
@@ -119,8 +120,7 @@ def step_time(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, wo
     if t > 1:
         per = (t - 1) / t * tokens * m.hidden_size * a
         if opts.tp_sequence_parallel:
-            gathers = impl.qkv_projections + (impl.mlp_projections if m.mlp == "swiglu" else 1)
-            tp = per * (gathers + 2) * L * passes * M
+            tp = per * (2 + 2) * L * passes * M                            # QKV, gate-up gathers; 2 reduce-scatters
         else:
             tp = 2 * per * 2 * L * passes * M                              # 2 all-reduces, ring 2(t-1)/t
         nbytes["all_reduce"] += tp
@@ -151,7 +151,12 @@ def step_time(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, wo
     comm_mb = sum(exposed.get(k, 0.0) for k in ("Ulysses all-to-all", "tensor-parallel collectives",
                                                  "pipeline p2p")) / M
     bubble = (layout.pp - 1) / v * (per_mb + comm_mb)
-    optimizer = n / G * (prec.master + prec.moments + 4) * 3 / (hw.hbm_gbs * 1e9)
+    if opts.optimizer_offload:       # gradients down, weights back up, the update on the host's cores
+        moved = n / G * 4 + n * prec.weight / G
+        nbytes["host"] += moved
+        optimizer = moved / (hw.host_gbs * 1e9) + n / G / (hw.host_adam_gparams * 1e9)
+    else:
+        optimizer = n / G * (prec.master + prec.moments + 4) * 3 / (hw.hbm_gbs * 1e9)
     return StepTime(compute=compute, exposed=exposed, bubble=bubble, optimizer=optimizer, bytes=nbytes,
                     flops={"matmul": mm, "attention": attn})
 
@@ -172,10 +177,12 @@ def divisors(n: int) -> list[int]:
 
 
 def candidate_configs(cfg: Config, gpus: int, offload: bool, gpus_per_node: int = 8) -> Iterator[Config]:
-    """Every layout and memory-option combination of `cfg` on `gpus` ranks that its rules allow."""
+    """Every layout and memory-option combination of `cfg` on `gpus` ranks that its rules allow: tp, sp,
+    pp, virtual stages, checkpointing, MLP tiles (the config's size, else 8192 tokens), TP sequence
+    sharding, FSDP or ZeRO-1, and with host memory (`offload`) activation and optimizer offload. The LM
+    head + loss keeps the config's tile."""
     m, t = cfg.model, cfg.training
     mlp_tile = t.mlp_chunk_tokens or 8192
-    loss_tile = t.loss_chunk_tokens or 4096
     S = cfg.data.seq_len
     for tp in divisors(gpus):
         if tp > gpus_per_node:
@@ -185,18 +192,16 @@ def candidate_configs(cfg: Config, gpus: int, offload: bool, gpus_per_node: int 
                 continue
             for pp in divisors(gpus // (tp * sp)):
                 for v in ([1] + [x for x in (2, 4) if pp > 1]):
-                    for ckpt in (False, True):
-                        for offl in ((False, True) if offload and ckpt else (False,)):
-                            for tiles in sorted({(a, b) for a in (0, mlp_tile if mlp_tile < S // sp else 0)
-                                                 for b in (0, loss_tile if loss_tile < S // sp else 0)}):
-                                for tsp in ((False, True) if tp > 1 else (False,)):
-                                    for fsdp in (False, True):
-                                        yield replace(
-                                            cfg,
-                                            parallel=replace(cfg.parallel, tp=tp, sp=sp, pp=pp, virtual_stages=v,
-                                                             tp_sequence_parallel=tsp, fsdp=fsdp),
-                                            training=replace(t, activation_checkpointing=ckpt, activation_offload=offl,
-                                                             mlp_chunk_tokens=tiles[0], loss_chunk_tokens=tiles[1]))
+                    for ckpt, offl in ((False, False), (True, False)) + (((True, True),) if offload else ()):
+                        for tile in sorted({0, mlp_tile if mlp_tile < S // sp else 0}):
+                            for tsp in ((False, True) if tp > 1 else (False,)):
+                                for fsdp, opt_off in ((False, False), (True, False)) + (((False, True),) if offload else ()):
+                                    yield replace(
+                                        cfg,
+                                        parallel=replace(cfg.parallel, tp=tp, sp=sp, pp=pp, virtual_stages=v,
+                                                         tp_sequence_parallel=tsp, fsdp=fsdp),
+                                        training=replace(t, activation_checkpointing=ckpt, activation_offload=offl,
+                                                         optimizer_offload=opt_off, mlp_chunk_tokens=tile))
 
 
 @dataclass
@@ -216,7 +221,7 @@ class Plan:
         return {"tp": layout.tp, "sp": layout.sp, "pp": layout.pp, "dp": layout.dp,
                 "virtual_stages": layout.virtual_stages, "micro_batches": workload_of(c, layout).micro_batches,
                 "activation_checkpointing": c.training.activation_checkpointing,
-                "activation_offload": c.training.activation_offload,
+                "activation_offload": c.training.activation_offload, "optimizer_offload": c.training.optimizer_offload,
                 "mlp_chunk_tokens": c.training.mlp_chunk_tokens, "loss_chunk_tokens": c.training.loss_chunk_tokens,
                 "tp_sequence_parallel": c.parallel.tp_sequence_parallel, "fsdp": c.parallel.fsdp,
                 "peak_gib": round(self.estimate.peak / GIB, 2), "peak_phase": self.estimate.phase,
@@ -226,12 +231,10 @@ class Plan:
                 "mfu": round(mfu, 4), "fits": self.fits}
 
 
-def evaluate(cfg: Config, gpus: int, gpu_memory_gib: float, host_memory_gib: Optional[float], hw: Hardware,
-             implementation: str = "megalysses") -> Plan:
-    """Memory, fit and step time of `cfg` at its own layout and options on `gpus` GPUs."""
+def evaluate(cfg: Config, gpus: int, gpu_memory_gib: float, host_memory_gib: Optional[float], hw: Hardware) -> Plan:
+    """Memory, fit and step time of `cfg` at its own layout, options and kernels on `gpus` GPUs."""
     layout = layout_of(cfg, gpus)
-    opts = replace(options_of(cfg), implementation=implementation)
-    est = estimate(cfg.model, layout, opts, precision_for(cfg), workload_of(cfg, layout))
+    est = estimate(cfg.model, layout, options_of(cfg), precision_for(cfg), workload_of(cfg, layout))
     offloaded = sum(t.bytes for t in est.terms if t.host and t.name.startswith("offloaded"))
     step = step_time(cfg.model, layout, est.options, precision_for(cfg), workload_of(cfg, layout), hw,
                      Overlap(grad_reduce=cfg.parallel.overlap_grad_reduce), retained=offloaded)
@@ -245,7 +248,7 @@ def evaluate(cfg: Config, gpus: int, gpu_memory_gib: float, host_memory_gib: Opt
 
 
 def plan(cfg: Config, gpus: int, seq_len: int, gpu_memory_gib: float, host_memory_gib: Optional[float] = None,
-         hw: Hardware = Hardware(), implementation: str = "megalysses") -> tuple[list[Plan], int]:
+         hw: Hardware = Hardware()) -> tuple[list[Plan], int]:
     """(the layouts that fit, best first; how many were considered)."""
     cfg = replace(cfg, data=replace(cfg.data, seq_len=seq_len))
     fitting, considered = [], 0
@@ -255,7 +258,7 @@ def plan(cfg: Config, gpus: int, seq_len: int, gpu_memory_gib: float, host_memor
         except ConfigError:
             continue
         considered += 1
-        p = evaluate(cand, gpus, gpu_memory_gib, host_memory_gib, hw, implementation)
+        p = evaluate(cand, gpus, gpu_memory_gib, host_memory_gib, hw)
         if p.fits:
             fitting.append(p)
     fitting.sort(key=lambda p: (p.step.total, p.estimate.peak))
@@ -265,8 +268,9 @@ def plan(cfg: Config, gpus: int, seq_len: int, gpu_memory_gib: float, host_memor
 # ----------------------------------------------------------------------------- output
 
 def _flags(r: dict) -> str:
-    parts = [name for key, name in (("activation_checkpointing", "ckpt"), ("activation_offload", "offload"),
-                                    ("tp_sequence_parallel", "tp-seq"), ("fsdp", "fsdp")) if r[key]]
+    parts = [name for key, name in (("activation_checkpointing", "ckpt"), ("activation_offload", "act-offload"),
+                                    ("optimizer_offload", "opt-offload"), ("tp_sequence_parallel", "tp-seq"),
+                                    ("fsdp", "fsdp")) if r[key]]
     parts += [f"{name}{r[key] // 1024}k" if r[key] >= 1024 else f"{name}{r[key]}"
               for key, name in (("mlp_chunk_tokens", "mlp-tile"), ("loss_chunk_tokens", "loss-tile")) if r[key]]
     return ",".join(parts) or "-"
@@ -314,12 +318,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--gpu-memory-gib", type=float, required=True, help="memory of one GPU (80 for an H100 80GB)")
     p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
     p.add_argument("--host-memory-gib", type=float, default=None,
-                   help="host memory per node; activation offload is considered only when given")
+                   help="host memory per node; activation and optimizer offload are considered only when given")
     p.add_argument("--json", action="store_true", help="print one JSON object: best (or null), layouts, config_layout")
     p.add_argument("--explain", action="store_true", help="show the arithmetic of the top layout")
     p.add_argument("--top", type=int, default=10, help="layouts to list")
-    p.add_argument("--implementation", choices=sorted(IMPLEMENTATIONS), default="megalysses",
-                   help="what the kernels keep: megalysses (today's code) or fused (fused norm, projections, loss)")
+    p.add_argument("--kernels", choices=sorted(KERNELS), default=None,
+                   help="model.kernels to plan for (what the norms, RoPE and SwiGLU keep); default: the config's")
     for f in dataclasses.fields(Hardware):
         p.add_argument("--" + f.name.replace("_", "-"), type=type(getattr(d, f.name)), default=getattr(d, f.name),
                        help=f"default {getattr(d, f.name)}")
@@ -336,20 +340,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    if args.kernels is not None:
+        cfg = replace(cfg, model=replace(cfg.model, kernels=args.kernels))
     hw = Hardware(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Hardware)})
-    fitting, considered = plan(cfg, args.gpus, args.seq_len, args.gpu_memory_gib, args.host_memory_gib, hw,
-                               args.implementation)
+    fitting, considered = plan(cfg, args.gpus, args.seq_len, args.gpu_memory_gib, args.host_memory_gib, hw)
     own = replace(cfg, data=replace(cfg.data, seq_len=args.seq_len))
     try:
         validate_config(own, world_size=args.gpus)
-        mine = evaluate(own, args.gpus, args.gpu_memory_gib, args.host_memory_gib, hw, args.implementation)
+        mine = evaluate(own, args.gpus, args.gpu_memory_gib, args.host_memory_gib, hw)
         own_row = {**mine.row(), "why_not": mine.why_not}
     except ConfigError as e:
         own_row = {"fits": False, "why_not": str(e)}
     rows = [f.row() for f in fitting[:args.top]]
     if args.json:
         print(json.dumps({"config": args.config, "gpus": args.gpus, "seq_len": args.seq_len,
-                          "implementation": args.implementation,
+                          "kernels": cfg.model.kernels,
                           "gpu_memory_gib": args.gpu_memory_gib, "host_memory_gib": args.host_memory_gib,
                           "hardware": dataclasses.asdict(hw), "considered": considered, "fitting": len(fitting),
                           "best": rows[0] if rows else None, "layouts": rows, "config_layout": own_row}, indent=1))
@@ -361,7 +366,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if rows:
         print(table(rows))
     else:
-        print("no layout fits: more GPUs, a shorter sequence, or --host-memory-gib for activation offload")
+        print("no layout fits: more GPUs, a shorter sequence, or --host-memory-gib for activation and optimizer offload")
     verdict = "fits" if own_row["fits"] else f"does not fit ({own_row['why_not']})"
     extra = f", peak {own_row['peak_gib']:.1f} GiB, {own_row['tokens_per_s']:.0f} tok/s" if "peak_gib" in own_row else ""
     print(f"the config's own layout {verdict}{extra}")

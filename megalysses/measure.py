@@ -1,0 +1,115 @@
+"""Measured memory, to check megalysses.memory's predictions against: what a forward leaves for its
+backward, and the peak of live tensor bytes over any piece of code, on CPU as on GPU.
+
+    out, kept = measure_retained(lambda: model(ids, pos, labels=ids), exclude=tuple(model.parameters()))
+    peak = measure_peak(lambda: train_step(...), baseline=tensors_that_exist_before)
+
+Both watch every tensor the dispatcher produces (a TorchDispatchMode) and follow storages by weak
+reference, so views are counted once and nothing is kept alive by the measurement. measure_peak is the
+CPU's torch.cuda.max_memory_allocated: live bytes after every op, the maximum over the run (memory an op
+allocates and frees inside its own kernel, such as a fused attention backward's workspace, is not seen).
+"""
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+@dataclass
+class Retained:
+    """What one forward left alive for its backward: storages autograd saved (deduplicated) plus those
+    created during the forward that are still referenced (checkpoint inputs are kept by closures, not
+    saved tensors). Parameters and the forward's inputs and outputs are not counted."""
+
+    bytes: int
+    saved_bytes: int
+    storages: list[tuple[int, tuple, str]]    # (bytes, shape, op) per retained storage, largest first
+
+
+def measure_retained(forward: Callable[[], Any], exclude: tuple = ()) -> tuple[Any, Retained]:
+    """Run `forward()` and measure the activation bytes it retains; `exclude`: tensors whose storage is
+    not counted (parameters, inputs, host copies). Returns (forward's output, Retained)."""
+    skip = {t.untyped_storage()._cdata for t in exclude}
+    created: dict[int, tuple] = {}
+    saved: dict[int, tuple] = {}
+
+    class Track(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                    st = t.untyped_storage()
+                    seen = created.get(st._cdata)
+                    if seen is None or seen[0].expired():     # first sight of this storage: who made it
+                        created[st._cdata] = (StorageWeakRef(st), st.nbytes(), tuple(t.shape), str(func))
+            return out
+
+    def pack(t):
+        st = t.untyped_storage()
+        saved.setdefault(st._cdata, (StorageWeakRef(st), st.nbytes(), tuple(t.shape), "saved"))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), Track():
+        out = forward()
+    gc.collect()           # a reference cycle the forward made must not count as retained
+    skip |= {t.untyped_storage()._cdata for t in tree_leaves(out) if isinstance(t, torch.Tensor)}
+    alive = {k: v for k, v in {**saved, **created}.items() if k not in skip and not v[0].expired()}
+    saved_bytes = sum(v[1] for k, v in saved.items() if k not in skip)
+    rows = sorted(((v[1], v[2], v[3]) for v in alive.values()), reverse=True)
+    return out, Retained(bytes=sum(r[0] for r in rows), saved_bytes=saved_bytes, storages=rows)
+
+
+@dataclass
+class Peak:
+    """The most live bytes seen, and what was alive then."""
+
+    bytes: int = 0
+    op: str = ""                                      # the op after which the peak was seen
+    storages: list[tuple[int, tuple, str]] = None     # (bytes, shape, op that made it), largest first
+    timeline: list[tuple[str, int]] = None             # (op, live bytes after it), with timeline=True
+
+
+def measure_peak(run: Callable[[], Any], baseline: Iterable[torch.Tensor] = (), device: str = "cpu",
+                 timeline: bool = False, exclude: Iterable[torch.Tensor] = ()) -> tuple[Any, Peak]:
+    """Run `run()` and return (its result, the peak of live tensor bytes on `device`): the `baseline`
+    tensors (weights, optimizer state: whatever exists before) while they live, plus every tensor made
+    during the run while it lives, except the storages of `exclude` (on CPU: host copies standing for
+    another memory). `timeline`: also record the live bytes after every op."""
+    skip = {t.untyped_storage()._cdata for t in exclude}
+    live: dict[int, tuple] = {}
+    for t in baseline:
+        if t.device.type == device:
+            st = t.untyped_storage()
+            live[st._cdata] = (StorageWeakRef(st), st.nbytes(), tuple(t.shape), "before")
+    peak = Peak(storages=[], timeline=[] if timeline else None)
+
+    class Track(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.device.type == device:
+                    st = t.untyped_storage()
+                    if st._cdata in skip:
+                        continue
+                    seen = live.get(st._cdata)
+                    if seen is None or seen[0].expired():
+                        live[st._cdata] = (StorageWeakRef(st), st.nbytes(), tuple(t.shape), str(func))
+            for key in [k for k, v in live.items() if v[0].expired()]:
+                del live[key]
+            now = sum(v[1] for v in live.values())
+            if timeline:
+                peak.timeline.append((str(func), now))
+            if now > peak.bytes:
+                peak.bytes, peak.op = now, str(func)
+                peak.storages = sorted(((v[1], v[2], v[3]) for v in live.values()), reverse=True)
+            return out
+
+    with Track():
+        out = run()
+    return out, peak
