@@ -1,19 +1,23 @@
-"""The memory model against a real training step: predicted vs measured peak memory on one GPU.
+"""The memory model and activation offload against real training steps: predicted vs measured peak memory,
+and tokens/s and MFU by sequence length, on one GPU.
 
-    python benchmarks/bench_memory.py                      # Llama-3.2-1B shape, 32K and 128K tokens
-    python benchmarks/bench_memory.py --config configs/gpt_1b_1m_offload.yaml --lengths 32768 131072 262144 \\
-        --set training.activation_offload=false [--implementation fused] [--json benchmarks/results/memory_h100.json]
-    python benchmarks/bench_memory.py --smoke              # a tiny shape on CPU: the harness end to end
+    python benchmarks/bench_memory.py              # gpt_1b_1m_offload: Llama-3.2-1B shape, 32K..1M tokens
+    python benchmarks/bench_memory.py --lengths 32768 131072 --set training.activation_offload=false \\
+        --set model.kernels=torch [--json benchmarks/results/memory_h100.json]
+    python benchmarks/bench_memory.py --smoke      # a tiny shape on CPU: the harness end to end (the suite runs it)
 
-For each length, one process builds the model and optimizer as pretrain does (tp = sp = pp = 1, a world
-of one), runs two optimizer steps on random tokens, and compares torch.cuda.max_memory_allocated over
-the second step with megalysses.memory's predicted peak (the precision scheme is read off the built
-model: fp32 weights under bf16 compute are today's autocast path). Prints predicted, measured and the
-error per length and writes JSON with the commit, the device and the torch / CUDA versions.
+Each length runs in its own process, built as pretrain builds it (tp = sp = pp = 1, a world of one):
+two optimizer steps on random tokens; the second is measured. Columns: the predicted peak
+(megalysses.memory) and the measured one (torch.cuda.max_memory_allocated over the second step) with
+their error, the host memory offload used, the step time, tokens/s and MFU (the 6N + 6LHDS FLOPs per
+token of training/metrics.py against the GPU's bf16 peak). A length that runs out of memory is a row
+saying so. Then the issue's targets: the longest length that trained, the MFU at 512K within 15% of the
+MFU at 128K (offload hidden behind compute), and every error within 10%. Writes JSON with the commit,
+the device and the torch / CUDA versions.
 
-On CPU (--smoke) there is no allocator statistic: the measured column is the activation bytes one
-forward leaves for the backward (megalysses.memory.measure_retained) against the model's retained
-activations, and the full step still runs, so the harness stays tested without a GPU.
+On CPU (--smoke) there is no allocator statistic: the measured column is the peak of live tensor bytes
+(megalysses.measure.measure_peak, host copies of offload excluded), so the same comparison runs without
+a GPU.
 """
 from __future__ import annotations
 
@@ -22,6 +26,8 @@ import json
 import platform
 import subprocess
 import sys
+import tempfile
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -31,71 +37,120 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from megalysses.config import Config, ConfigError, load_config, validate_config  # noqa: E402
-from megalysses.grid import ParallelGrid  # noqa: E402
-from megalysses.kernels.attention import resolve_backend  # noqa: E402
-from megalysses.memory import (GIB, PRECISIONS, estimate, fmt_bytes, layout_of, measure_retained, options_of,  # noqa: E402
-                               retained_activation_bytes, workload_of)
-from megalysses.training.loop import build_model, build_optimizer, compute_dtype  # noqa: E402
-from megalysses.training.step import train_step  # noqa: E402
+from megalysses.memory import GIB, estimate_config, fmt_bytes  # noqa: E402
 
-SMOKE = ["model.vocab_size=256", "model.hidden_size=64", "model.num_layers=2", "model.num_heads=4",
-         "model.num_kv_heads=2", "model.ffn_hidden_size=160", "model.attention_backend=sdpa",
-         "training.global_batch_size=1", "training.micro_batch_size=1", "training.dtype=float32"]
+SMOKE = ["model.vocab_size=256", "model.hidden_size=64", "model.num_layers=4", "model.num_heads=4",
+         "model.num_kv_heads=2", "model.ffn_hidden_size=160", "model.attention_backend=sdpa", "model.kernels=torch",
+         "training.global_batch_size=1", "training.micro_batch_size=1", "training.dtype=bfloat16",
+         "training.mlp_chunk_tokens=64", "training.loss_chunk_tokens=64"]
+TARGET_LENGTHS = (131072, 524288)           # the MFU at the second within 15% of the first
 
 
-def scheme(model: torch.nn.Module, dtype: torch.dtype) -> str:
-    """The precision scheme of the built model: PRECISIONS' key."""
-    weights = next(model.parameters()).dtype
-    if dtype == torch.float32:
-        return "fp32"
-    return "autocast" if weights == torch.float32 else "bf16"
-
-
-def batch(cfg: Config, device: torch.device, seed: int) -> dict:
+def batch(cfg: Config, device: torch.device, seed: int) -> list[dict]:
     g = torch.Generator().manual_seed(seed)
     B, S = cfg.training.micro_batch_size, cfg.data.seq_len
     tokens = torch.randint(0, cfg.model.vocab_size, (B, S + 1), generator=g).to(device)
-    return {"input_ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
-            "position_ids": torch.arange(S, device=device).expand(B, S)}
+    return [{"input_ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
+             "position_ids": torch.arange(S, device=device).expand(B, S)}]
 
 
-def run_length(cfg: Config, device: torch.device, implementation: str) -> dict:
-    """One length: build, step twice, measure; returns a result row."""
-    cfg = replace(cfg, model=replace(cfg.model, attention_backend=resolve_backend(
-        cfg.model.attention_backend, device, compute_dtype(cfg, device), has_docs=False)))
+def run_length(cfg: Config, device: torch.device) -> dict:
+    """One length in this process: build, step twice, measure the second step."""
+    import torch.distributed as dist
+
+    from megalysses.grid import ParallelGrid
+    from megalysses.measure import measure_peak
+    from megalysses.training.checkpoint import build_mesh
+    from megalysses.training.loop import build_model, build_optimizer
+    from megalysses.training.metrics import flops_per_token, peak_tflops
+    from megalysses.training.runtime import plan_runtime
+    from megalysses.training.step import train_step
+
     validate_config(cfg, world_size=1)
-    grid = ParallelGrid(world=1, rank=0)
-    dtype = compute_dtype(cfg, device)
-    model = build_model(cfg, grid, device, mesh=None)
+    mesh = None
+    if cfg.parallel.fsdp:                    # FSDP2 shards over a device mesh: a process group of one
+        if not dist.is_initialized():
+            store = Path(tempfile.mkdtemp()) / "store"
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{store}",
+                                    rank=0, world_size=1)
+    runtime = plan_runtime(cfg, device)
+    grid = ParallelGrid.single()
+    if cfg.parallel.fsdp:
+        mesh = build_mesh(grid, device)
+    model = build_model(cfg, grid, device, mesh, runtime)
     opt = build_optimizer(cfg, model, grid)
-    prec = PRECISIONS[scheme(model, dtype)]
-    opts = replace(options_of(cfg, device.type), implementation=implementation)
-    layout = layout_of(cfg, 1)
-    predicted = estimate(cfg.model, layout, opts, prec, workload_of(cfg, layout))
-    step = dict(lr=cfg.optimizer.lr, grad_clip=cfg.optimizer.grad_clip, dtype=dtype)
-    row = {"seq_len": cfg.data.seq_len, "precision": prec.name, "attention": opts.attention,
-           "predicted_gib": predicted.peak / GIB, "predicted_phase": predicted.phase}
+    model.to(runtime.torch_dtype)
+    predicted = estimate_config(cfg, 1, device.type)
+    step = dict(lr=cfg.optimizer.lr, grad_clip=cfg.optimizer.grad_clip, dtype=runtime.torch_dtype)
+    S = cfg.data.seq_len
+    row = {"seq_len": S, "dtype": runtime.dtype, "attention": runtime.attention_backend, "kernels": runtime.kernels,
+           "activation_offload": cfg.training.activation_offload, "optimizer_offload": cfg.training.optimizer_offload,
+           "predicted_gib": predicted.peak / GIB, "predicted_phase": predicted.phase,
+           "predicted_host_gib": predicted.host / GIB}
+    train_step(model, opt, batch(cfg, device, 0), grid, **step)          # the optimizer state exists after this
+    second = batch(cfg, device, 1)
     if device.type == "cuda":
-        train_step(model, opt, [batch(cfg, device, 0)], grid, **step)        # optimizer state exists after this
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-        train_step(model, opt, [batch(cfg, device, 1)], grid, **step)
+        start = time.perf_counter()
+        result = train_step(model, opt, second, grid, **step)
         torch.cuda.synchronize(device)
+        row["step_s"] = time.perf_counter() - start
         row["measured_gib"] = torch.cuda.max_memory_allocated(device) / GIB
         row["measured"] = "torch.cuda.max_memory_allocated"
     else:
-        mb = batch(cfg, device, 0)
-        params = tuple(model.parameters())
-        _, kept = measure_retained(lambda: model(mb["input_ids"], mb["position_ids"], labels=mb["labels"]),
-                                   exclude=params + (mb["position_ids"],))
-        row["predicted_gib"] = retained_activation_bytes(cfg.model, layout, opts, prec, cfg.data.seq_len,
-                                                         cfg.training.micro_batch_size) / GIB
-        row["predicted_phase"] = "retained activations"
-        row["measured_gib"] = kept.bytes / GIB
-        row["measured"] = "memory.measure_retained (CPU)"
-        row["loss"] = train_step(model, opt, [batch(cfg, device, 1)], grid, **step).loss
+        state = [t for st in opt.optimizer.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+        masters = [s.master for s in getattr(opt, "slots", []) if s.master is not None]
+        before = list(model.parameters()) + state + masters + [t for mb in second for t in mb.values()]
+        host = model.offload.host_buffers() if model.offload is not None else []
+        start = time.perf_counter()
+        result, peak = measure_peak(lambda: train_step(model, opt, second, grid, **step), before, exclude=host)
+        row["step_s"] = time.perf_counter() - start
+        row["measured_gib"] = peak.bytes / GIB
+        row["measured"] = "megalysses.measure.measure_peak (CPU)"
+    if model.offload is not None:
+        row["host_gib"] = sum(t.numel() * t.element_size() for t in model.offload.host_buffers()) / GIB
+        row["prefetched"], row["on_demand"] = model.offload.stats.prefetched, model.offload.stats.on_demand
+    row["loss"] = result.loss
     row["error"] = row["predicted_gib"] / row["measured_gib"] - 1
+    row["tokens_per_s"] = S * cfg.training.global_batch_size / row["step_s"]
+    peak_flops = peak_tflops(cfg.logging.peak_tflops, device, runtime.torch_dtype)
+    row["mfu"] = flops_per_token(cfg.model, S) * row["tokens_per_s"] / (peak_flops * 1e12) if peak_flops else None
     return row
+
+
+def child(args: argparse.Namespace, overrides: list[str]) -> int:
+    """--child: one length, one JSON line on stdout (out of memory is a row too)."""
+    cfg = load_config(args.config, overrides + [f"data.seq_len={args.child}"])
+    try:
+        row = run_length(cfg, torch.device("cuda"))
+    except torch.cuda.OutOfMemoryError as e:
+        row = {"seq_len": args.child, "error_text": f"out of memory: {str(e).splitlines()[0]}",
+               "predicted_gib": estimate_config(cfg, 1, "cuda").peak / GIB}
+    print("ROW " + json.dumps(row), flush=True)
+    return 0
+
+
+def in_subprocess(args: argparse.Namespace, length: int) -> dict:
+    cmd = [sys.executable, __file__, "--config", args.config, "--child", str(length)]
+    cmd += [a for o in args.overrides for a in ("--set", o)]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    rows = [json.loads(line[4:]) for line in done.stdout.splitlines() if line.startswith("ROW ")]
+    if not rows:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+        return {"seq_len": length, "error_text": f"exit {done.returncode}: {tail[0]}"}
+    return rows[0]
+
+
+def targets(rows: list[dict]) -> dict:
+    ran = [r for r in rows if "measured_gib" in r]
+    out = {"longest_trained": max((r["seq_len"] for r in ran), default=0),
+           "max_abs_error": max((abs(r["error"]) for r in ran), default=None)}
+    mfu = {r["seq_len"]: r.get("mfu") for r in ran}
+    short, long_ = TARGET_LENGTHS
+    if mfu.get(short) and mfu.get(long_):
+        out["mfu_ratio_512k_to_128k"] = mfu[long_] / mfu[short]
+    return out
 
 
 def commit() -> str:
@@ -109,42 +164,49 @@ def commit() -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=str(ROOT / "configs" / "gpt_1b_1m_offload.yaml"))
-    p.add_argument("--lengths", type=int, nargs="+", default=[32768, 131072])
+    p.add_argument("--lengths", type=int, nargs="+", default=[32768, 131072, 524288, 1048576])
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    p.add_argument("--implementation", default="megalysses", help="memory-model kernel table (megalysses or fused)")
-    p.add_argument("--smoke", action="store_true", help="tiny shape on CPU, lengths 128 and 256")
+    p.add_argument("--smoke", action="store_true", help="tiny shape on CPU, lengths 512 and 2048, in this process")
     p.add_argument("--json", default=None, help="where to write the results (default benchmarks/results/memory_<device>.json)")
+    p.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
-    overrides = ["data.mock=true", "data.document_mask=false", "training.activation_offload=false"] + args.overrides
-    lengths = [128, 256] if args.smoke else args.lengths
-    if args.smoke:
-        overrides += SMOKE
+    overrides = ["data.mock=true", "data.document_mask=false"] + (SMOKE if args.smoke else []) + args.overrides
+    if args.child is not None:
+        return child(args, overrides)
     try:
         base = load_config(args.config, overrides)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    if device.type == "cpu" and not args.smoke:
+    if not args.smoke and not torch.cuda.is_available():
         print("error: no GPU here: this benchmark measures torch.cuda.max_memory_allocated; use --smoke on CPU",
               file=sys.stderr)
         return 1
+    lengths = [512, 2048] if args.smoke else args.lengths
+    print(f"{'seq_len':>9} {'predicted':>11} {'measured':>11} {'error':>7} {'host':>10} {'step s':>8} {'tok/s':>9} "
+          f"{'MFU':>6}  phase")
     rows = []
-    print(f"{'seq_len':>9} {'precision':>9} {'attention':>9} {'predicted':>12} {'measured':>12} {'error':>7}  phase")
     for S in lengths:
-        row = run_length(replace(base, data=replace(base.data, seq_len=S)), device, args.implementation)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()                    # the previous length's model and optimizer are gone
+        if args.smoke:
+            row = run_length(replace(base, data=replace(base.data, seq_len=S)), torch.device("cpu"))
+        else:
+            row = in_subprocess(args, S)
         rows.append(row)
-        print(f"{S:>9} {row['precision']:>9} {row['attention']:>9} {fmt_bytes(row['predicted_gib'] * GIB):>12} "
-              f"{fmt_bytes(row['measured_gib'] * GIB):>12} {row['error']:>+7.1%}  {row['predicted_phase']}")
-    name = torch.cuda.get_device_name(device).replace(" ", "_") if device.type == "cuda" else "cpu"
+        if "measured_gib" not in row:
+            print(f"{S:>9} {fmt_bytes(row.get('predicted_gib', 0) * GIB):>11}  {row['error_text']}")
+            continue
+        mfu = f"{row['mfu']:.1%}" if row["mfu"] else "-"
+        print(f"{S:>9} {fmt_bytes(row['predicted_gib'] * GIB):>11} {fmt_bytes(row['measured_gib'] * GIB):>11} "
+              f"{row['error']:>+7.1%} {fmt_bytes(row.get('host_gib', 0) * GIB):>10} {row['step_s']:>8.2f} "
+              f"{row['tokens_per_s']:>9.0f} {mfu:>6}  {row['predicted_phase']}")
+    summary = targets(rows)
+    print("targets: " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()))
+    name = torch.cuda.get_device_name().replace(" ", "_") if not args.smoke else "cpu"
     out = Path(args.json) if args.json else ROOT / "benchmarks" / "results" / f"memory_{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"config": args.config, "overrides": overrides, "implementation": args.implementation,
-                               "device": name, "commit": commit(), "torch": torch.__version__,
-                               "cuda": torch.version.cuda, "python": platform.python_version(), "rows": rows},
-                              indent=1))
+    out.write_text(json.dumps({"config": args.config, "overrides": overrides, "device": name, "commit": commit(),
+                               "torch": torch.__version__, "cuda": torch.version.cuda,
+                               "python": platform.python_version(), "rows": rows, "targets": summary}, indent=1))
     print(f"wrote {out}")
     return 0
 

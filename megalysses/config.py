@@ -212,10 +212,12 @@ class TrainingConfig:
     """Run each MLP over sequence tiles of this many (local) tokens, recomputed in the backward, so only
     one tile's (tile x ffn/tp) intermediate exists at a time (0 = no tiling). For long context."""
     activation_offload: bool = False
-    """Keep the activations saved for the backward (with activation_checkpointing: the block inputs) in
-    pinned host memory instead of on the device, copied out during the forward and back ahead of the
-    backward. Not implemented yet: a run with it set stops with a config error; tools/plan.py already
-    predicts its memory (host and device)."""
+    """Keep the checkpointed block inputs in pinned host memory instead of on the device: copied out on a
+    side stream during the forward, copied back one block ahead of the backward. Needs
+    activation_checkpointing (the block inputs are all a checkpointed forward keeps)."""
+    optimizer_offload: bool = False
+    """ZeRO-1: keep the fp32 master weights, AdamW's moments and the reduced gradients in pinned host
+    memory and run the AdamW update on the CPU; the device holds the compute weights and gradients only."""
     nan_policy: Literal["abort", "skip"] = "abort"
     """On a NaN/Inf loss: abort the run, or skip the step."""
 

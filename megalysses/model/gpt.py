@@ -25,6 +25,7 @@ from megalysses.kernels.attention import prepare_attention_mask
 from megalysses.kernels.rope import rope_cos_sin
 from megalysses.model.layers import Block, Norm, ParallelGroups
 from megalysses.kernels.linear_cross_entropy import linear_cross_entropy
+from megalysses.parallel.offload import ActivationOffload
 from megalysses.parallel.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding, column_parallel_linear
 
 
@@ -46,12 +47,15 @@ def stage_layers(num_layers: int, pp: int, pp_rank: int) -> range:
 class GPTStage(nn.Module):
     def __init__(self, cfg: ModelConfig, groups: Optional[ParallelGroups] = None,
                  layers: Optional[range] = None, first: bool = True, last: bool = True,
-                 activation_checkpointing: bool = False, loss_chunk_tokens: int = 0, mlp_chunk_tokens: int = 0) -> None:
+                 activation_checkpointing: bool = False, loss_chunk_tokens: int = 0, mlp_chunk_tokens: int = 0,
+                 activation_offload: bool = False) -> None:
         super().__init__()
         groups = groups or ParallelGroups()
         self.cfg, self.groups = cfg, groups
         self.first, self.last = first, last
         self.activation_checkpointing = activation_checkpointing
+        # checkpointed block inputs in host memory until the backward (parallel/offload.py)
+        self.offload = ActivationOffload() if activation_offload else None
         self.loss_chunk_tokens = loss_chunk_tokens
         layers = range(cfg.num_layers) if layers is None else layers
         sp_ = groups.sequence_parallel
@@ -84,7 +88,9 @@ class GPTStage(nn.Module):
         mask = prepare_attention_mask(doc_ids, self.cfg.attention_backend) if doc_ids is not None else None
         x = self.embed(inputs) if self.first else inputs                               # (B, s, h)
         for block in self.layers.values():
-            if self.activation_checkpointing and self.training:
+            if self.activation_checkpointing and self.training and self.offload is not None:
+                x = self.offload.checkpoint(block, x, cos, sin, mask)
+            elif self.activation_checkpointing and self.training:
                 x = checkpoint(block, x, cos, sin, mask, use_reentrant=False)
             else:
                 x = block(x, cos, sin, mask)

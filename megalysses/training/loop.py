@@ -46,7 +46,8 @@ def build_model(cfg: Config, grid: ParallelGrid, device: torch.device, mesh: Dev
             chunk = GPTStage(model_cfg, groups, stage_layers(cfg.model.num_layers, V, vs), first=vs == 0,
                              last=vs == V - 1, activation_checkpointing=cfg.training.activation_checkpointing,
                              loss_chunk_tokens=cfg.training.loss_chunk_tokens,
-                             mlp_chunk_tokens=cfg.training.mlp_chunk_tokens)
+                             mlp_chunk_tokens=cfg.training.mlp_chunk_tokens,
+                             activation_offload=cfg.training.activation_offload)
         init_weights(chunk, cfg.training.seed, grid.tp_rank, grid.tp_size)
         if cfg.parallel.fsdp:
             shard_model(chunk, mesh["grad"], runtime.torch_dtype)
@@ -63,7 +64,8 @@ def build_optimizer(cfg: Config, model: GPTStage, grid: ParallelGrid) -> Optimiz
     if cfg.parallel.fsdp:
         return FSDPAdamW(model, **common)
     return ShardedAdamW(model.named_parameters(), grid.grad_group, **common,
-                        bucket_elements=cfg.parallel.grad_bucket_elements, overlap=cfg.parallel.overlap_grad_reduce)
+                        bucket_elements=cfg.parallel.grad_bucket_elements, overlap=cfg.parallel.overlap_grad_reduce,
+                        offload=cfg.training.optimizer_offload)
 
 
 def model_shape(cfg: Config, tp: int = 1) -> dict:

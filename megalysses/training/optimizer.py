@@ -16,6 +16,11 @@ step the bf16 gradient is used as it is and converted in the reduction. One step
   4. torch.optim.AdamW on the owned chunks;
   5. all-gather the updated chunks back into the parameters.
 The layout (chunk r along dim 0 of the tp shard) is what checkpoints describe as DTensor placements.
+
+With `offload` (training.optimizer_offload) the masters, moments and reduced gradients live in host
+memory (pinned on CUDA): each bucket's reduced chunk is copied there, the norm, the clipping and the
+AdamW update run on the CPU, and the updated chunks are copied back for the all-gather. The device holds
+the compute weights and gradients only; the arithmetic is the same (tests/test_optimizer_offload.py).
 """
 from __future__ import annotations
 
@@ -49,6 +54,7 @@ class _Slot:
     master: Optional[nn.Parameter]
     counts_in_norm: bool
     main_grad: Optional[Tensor] = None   # fp32 accumulation of a low-precision parameter's gradient
+    host_grad: Optional[Tensor] = None   # offload: where the reduced fp32 chunk is copied
 
     def grad(self) -> Tensor:
         """This step's gradient (the rank's full tp shard), in fp32, zeros when none arrived."""
@@ -63,22 +69,26 @@ class ShardedAdamW:
     def __init__(self, named_params: Iterable[tuple[str, nn.Parameter]], grad_group: Group, *, lr: float,
                  betas: tuple[float, float], eps: float, weight_decay: float, tp_rank: int = 0,
                  embed_group: Group = None, tied_head_copy: bool = False, bucket_elements: int = BUCKET_ELEMENTS,
-                 overlap: bool = False) -> None:
+                 overlap: bool = False, offload: bool = False) -> None:
         """`tied_head_copy`: this stage holds the LM-head copy of a tied embedding (not the first stage).
         `overlap`: launch each bucket's reduce-scatter from the backward, as soon as the last micro-batch
-        has produced all of its gradients (see begin_step); otherwise everything is reduced in step()."""
+        has produced all of its gradients (see begin_step); otherwise everything is reduced in step().
+        `offload`: masters, moments and reduced gradients in host memory, the update on the CPU."""
         self.grad_group, self.embed_group = grad_group, embed_group
         self.G, self.r = comm.group_size(grad_group), comm.group_rank(grad_group)
+        self.offload = offload
         self.slots: list[_Slot] = []
         decay, no_decay = [], []
         for name, p in named_params:
             rows = p.shape[0]
             row_size = p[0].numel() if p.dim() > 1 else 1
             lo, hi = chunk_rows(rows, self.G, self.r)
-            master = nn.Parameter(p.detach()[lo:hi].float().clone()) if hi > lo else None
+            master = nn.Parameter(self._state_tensor(p.detach()[lo:hi])) if hi > lo else None
             replicated_over_tp = getattr(p, "tp_dim", None) is None
             counts = not (replicated_over_tp and tp_rank != 0) and not (tied_head_copy and name == "embed.weight")
             self.slots.append(_Slot(name, p, (lo, hi), math.ceil(rows / self.G) * row_size, master, counts))
+            if master is not None and offload:
+                self.slots[-1].host_grad = torch.empty_like(master, pin_memory=p.is_cuda)
             if master is not None:
                 (no_decay if p.dim() < 2 else decay).append(master)
         groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -97,6 +107,14 @@ class ShardedAdamW:
                     lambda p, s=s, i=index, launch=launch: self._on_grad(s, i if launch else None))
 
     # ------------------------------------------------------------------ helpers
+    def _state_tensor(self, chunk: Tensor) -> Tensor:
+        """An fp32 copy of a parameter chunk where the optimizer state lives: beside it, or (offload) in
+        host memory, pinned when the parameter is on a GPU."""
+        if not self.offload:
+            return chunk.float().clone()
+        host = torch.empty(chunk.shape, dtype=torch.float32, device="cpu", pin_memory=chunk.is_cuda)
+        return host.copy_(chunk)
+
     def _tied(self, s: _Slot) -> bool:
         return any(s.param is t for t in self.tied_embed)
 
@@ -114,6 +132,23 @@ class ShardedAdamW:
                 buckets.append(cur)
                 cur, size = [], 0
         return buckets + ([cur] if cur else [])
+
+    @staticmethod
+    def _raw_grad(s: _Slot) -> Tensor:
+        """This step's gradient on the device in whatever dtype it has (fp32 main_grad, else .grad)."""
+        if s.main_grad is not None:
+            return s.main_grad
+        if s.param.grad is not None:
+            return s.param.grad
+        return torch.zeros_like(s.param)
+
+    def _take(self, s: _Slot, grad: Tensor) -> None:
+        """master.grad := this rank's reduced fp32 chunk (offload: copied to its host buffer)."""
+        if self.offload:
+            s.master.grad = s.host_grad
+            s.host_grad.copy_(grad.view_as(s.host_grad), non_blocking=True)
+        else:
+            s.master.grad = grad.view_as(s.master)
 
     def _rank_chunk(self, t: Tensor, s: _Slot, rank: int) -> Tensor:
         """Chunk `rank` of tensor t (param shaped), flattened and zero-padded to s.padded."""
@@ -143,7 +178,8 @@ class ShardedAdamW:
         """(name, parameter, {master, exp_avg, exp_avg_sq} as this rank's dim-0 chunks, possibly empty)."""
         for s in self.slots:
             if s.master is None:
-                empty = torch.empty((0,) + tuple(s.param.shape[1:]), dtype=torch.float32, device=s.param.device)
+                where = "cpu" if self.offload else s.param.device
+                empty = torch.empty((0,) + tuple(s.param.shape[1:]), dtype=torch.float32, device=where)
                 yield s.name, s.param, {"master": empty, "exp_avg": empty.clone(), "exp_avg_sq": empty.clone()}
                 continue
             st = self.optimizer.state[s.master]
@@ -184,10 +220,12 @@ class ShardedAdamW:
     def _launch(self, index: int) -> None:
         """Start the fp32 reduce-scatter of bucket `index` (asynchronously when the group has > 1 rank)."""
         bucket = self.buckets[index]
-        grads = [s.grad() for s in bucket]
         if self.G == 1:                       # nothing to reduce: each master takes its gradient as it is
+            # (offload: as it is on the device; the copy to host memory converts it)
+            grads = [self._raw_grad(s) if self.offload else s.grad() for s in bucket]
             self._launched.append((None, grads, bucket))
             return
+        grads = [s.grad() for s in bucket]
         # rank-major layout: [chunk 0 of every param | chunk 1 of every param | ...]
         send = torch.cat([self._rank_chunk(g, s, j) for j in range(self.G) for s, g in zip(bucket, grads)])
         mine = send.new_empty(send.numel() // self.G)
@@ -209,13 +247,15 @@ class ShardedAdamW:
                 work.wait()
             if isinstance(mine, list):        # a group of one: the full gradients themselves
                 for s, g in zip(bucket, mine):
-                    s.master.grad = g
+                    self._take(s, g)
                 continue
             offset = 0
             for s in bucket:
                 if s.master is not None:
-                    s.master.grad = mine[offset:offset + s.master.numel()].view_as(s.master)
+                    self._take(s, mine[offset:offset + s.master.numel()])
                 offset += s.padded
+        if self.offload and self.slots and self.slots[0].param.is_cuda:
+            torch.cuda.current_stream(self.slots[0].param.device).synchronize()   # the host copies are done
         self._launched, self._expected = [], 0
 
     @torch.no_grad()
@@ -224,7 +264,8 @@ class ShardedAdamW:
         grads = [s.master.grad for s in self.slots if s.master is not None and s.counts_in_norm]
         device = self.slots[0].param.device if self.slots else torch.device("cpu")
         local = (torch.stack(torch._foreach_norm(grads)).pow(2).sum() if grads
-                 else torch.zeros((), dtype=torch.float32, device=device))
+                 else torch.zeros((), dtype=torch.float32))
+        local = local.to(device)                  # offload: the host's sum, reduced on the run's device
         comm.all_reduce_(local, comm.world())
         return local.sqrt()
 
@@ -242,6 +283,8 @@ class ShardedAdamW:
             return norm.item()
         if max_norm > 0:
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            if self.offload:
+                coef = coef.cpu()
             for s in self.slots:
                 if s.master is not None:
                     s.master.grad.mul_(coef)
@@ -259,17 +302,16 @@ class ShardedAdamW:
         if self.G == 1:
             for s in self.slots:
                 if s.master is not None:
-                    s.param.data.copy_(s.master.data)
+                    s.param.data.copy_(s.master.data, non_blocking=True)
             return
         for bucket in self.buckets:
+            where = torch.device("cpu") if self.offload else bucket[0].param.device
             mine = torch.cat([torch.nn.functional.pad(s.master.reshape(-1), (0, s.padded - s.master.numel()))
-                              if s.master is not None else s.param.new_zeros(s.padded, dtype=torch.float32)
+                              if s.master is not None else torch.zeros(s.padded, dtype=torch.float32, device=where)
                               for s in bucket])
-            if self.G > 1:
-                full = mine.new_empty(mine.numel() * self.G)
-                comm.all_gather_into(full, mine, self.grad_group)
-            else:
-                full = mine
+            mine = mine.to(bucket[0].param.device)   # offload: the updated chunks back to the device
+            full = mine.new_empty(mine.numel() * self.G)
+            comm.all_gather_into(full, mine, self.grad_group)
             per_rank = full.view(self.G, -1)
             for j in range(self.G):
                 offset = 0

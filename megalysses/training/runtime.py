@@ -52,9 +52,13 @@ def compute_dtype(cfg: Config, device: torch.device) -> torch.dtype:
 def plan_runtime(cfg: Config, device: torch.device) -> Runtime:
     """Decide dtype, attention backend and kernels for this run; ConfigError names what cannot run here."""
     m = cfg.model
-    if cfg.training.activation_offload:
-        raise ConfigError("training.activation_offload=true: activation offload is not implemented yet; "
-                          "set training.activation_offload=false (tools/plan.py shows the layouts that fit without it)")
+    t = cfg.training
+    if t.activation_offload and not t.activation_checkpointing:
+        raise ConfigError("training.activation_offload=true needs training.activation_checkpointing=true: the "
+                          "offloaded tensors are the checkpointed block inputs (set both, or neither)")
+    if t.optimizer_offload and cfg.parallel.fsdp:
+        raise ConfigError("training.optimizer_offload=true is for ZeRO-1: with parallel.fsdp=true the optimizer "
+                          "state is already sharded with the weights; set one of them to false")
     dtype = compute_dtype(cfg, device)
     try:
         backend, reason = select_backend(m.attention_backend, device, dtype, head_dim=m.head_dim,
@@ -81,7 +85,9 @@ def memory_options(cfg: Config) -> list[str]:
     t, p = cfg.training, cfg.parallel
     opts = ["FSDP2" if p.fsdp else "ZeRO-1"]
     if t.activation_checkpointing:
-        opts.append("activation checkpointing")
+        opts.append("activation checkpointing" + (" (inputs offloaded to host memory)" if t.activation_offload else ""))
+    if t.optimizer_offload:
+        opts.append("optimizer state and update on the host")
     if t.mlp_chunk_tokens:
         opts.append(f"tiled MLP ({t.mlp_chunk_tokens} tokens)")
     if t.loss_chunk_tokens:

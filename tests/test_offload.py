@@ -1,0 +1,268 @@
+"""Activation offload (training.activation_offload): the checkpointed block inputs wait in host memory
+between the forward and the backward (megalysses/parallel/offload.py).
+
+On CPU the host copy is a separate CPU tensor: the losses and every gradient of a training step must be
+exactly those without offload, at every layout, pipeline schedule and memory option, and what the
+forward leaves on the "device" must drop to what the memory model says. The GPU tier checks the side
+streams: the copies overlap compute and the device memory drops."""
+import pytest
+import torch
+
+from megalysses.config import ConfigError, load_config
+from megalysses.grid import ParallelGrid
+from megalysses.measure import measure_peak, measure_retained
+from megalysses.memory import PRECISIONS, Layout, Options, estimate_config, retained_activation_bytes
+from megalysses.model.gpt import GPTStage, init_weights
+from megalysses.model.layers import ParallelGroups
+from megalysses.parallel.offload import ActivationOffload
+from megalysses.testing import run_distributed
+from megalysses.training.runtime import plan_runtime
+
+BASE = ["data.mock=true", "data.seq_len=32", "model.vocab_size=128", "model.hidden_size=64", "model.num_layers=4",
+        "model.num_heads=8", "model.num_kv_heads=2", "model.attention_backend=sdpa", "training.micro_batch_size=1",
+        "training.global_batch_size=8", "training.train_steps=2", "training.activation_checkpointing=true",
+        "parallel.grad_bucket_elements=5000", "parallel.timeout_seconds=60", "data.document_mask=true"]
+LAYOUTS = {   # name: overrides on 4 ranks
+    "tp2 sp2, TP sequence sharding, tiled MLP and loss": ["parallel.tp=2", "parallel.sp=2",
+                                                          "parallel.tp_sequence_parallel=true",
+                                                          "training.mlp_chunk_tokens=4", "training.loss_chunk_tokens=4"],
+    "pp2 dp2, 1F1B (4 micro-batches in flight)": ["parallel.pp=2"],
+    "pp2 dp2, interleaved (2 chunks per rank)": ["parallel.pp=2", "parallel.virtual_stages=2"],
+    "pp4, 1F1B": ["parallel.pp=4"],
+    "sp2 dp2, FSDP, tiled MLP": ["parallel.sp=2", "parallel.fsdp=true", "training.mlp_chunk_tokens=8"],
+    "tp2 pp2, bf16, tied embeddings": ["parallel.tp=2", "parallel.pp=2", "training.dtype=bfloat16",
+                                       "model.tie_embeddings=true"],
+}
+
+
+def one_step(overrides: list[str], world: int) -> dict:
+    """Build the model and optimizer of a run, take one training step and return its loss, the reduced
+    gradients (this rank's fp32 shards, before the update) and the offloaders' statistics."""
+    from megalysses.training import loop
+    from megalysses.training.checkpoint import build_mesh
+    from megalysses.training.data import TrainingData
+    from megalysses.training.step import train_step
+
+    cfg = load_config(overrides=BASE + overrides)
+    device = torch.device("cpu")
+    p = cfg.parallel
+    grid = ParallelGrid(tp=p.tp, sp=p.sp, pp=p.pp) if world > 1 else ParallelGrid.single()
+    runtime = plan_runtime(cfg, device)
+    model = loop.build_model(cfg, grid, device, build_mesh(grid, device), runtime)
+    opt = loop.build_optimizer(cfg, model, grid)
+    if not p.fsdp:
+        model.to(runtime.torch_dtype)
+    got = {}
+
+    def capture(max_norm: float) -> float:        # the optimizer's step, up to the update
+        if p.fsdp:
+            got["grads"] = {n: q.grad.to_local().clone() for n, q in model.named_parameters()}
+        else:
+            opt.reduce_gradients()
+            got["grads"] = {s.name: s.master.grad.clone() for s in opt.slots if s.master is not None}
+        norm = opt.grad_norm().item()
+        opt.zero_grad()
+        return norm
+
+    opt.step = capture
+    batches = next(TrainingData(cfg, grid, device).train_batches(0))
+    result = train_step(model, opt, batches, grid, lr=1e-3, grad_clip=1.0, dtype=runtime.torch_dtype)
+    chunks = model.chunks if hasattr(model, "chunks") else [model]
+    got.update(loss=result.loss, norm=result.grad_norm, stats=[c.offload.stats for c in chunks if c.offload])
+    return got
+
+
+def _parity_worker(rank: int, world: int) -> dict:
+    return {name: (one_step(overrides, world), one_step(overrides + ["training.activation_offload=true"], world))
+            for name, overrides in LAYOUTS.items()}
+
+
+def _check_same(name: str, plain: dict, offloaded: dict) -> None:
+    assert offloaded["loss"] == plain["loss"], (name, offloaded["loss"], plain["loss"])
+    assert offloaded["norm"] == plain["norm"], (name, offloaded["norm"], plain["norm"])
+    assert plain["grads"].keys() == offloaded["grads"].keys() and plain["grads"], name
+    for key, g in plain["grads"].items():
+        assert torch.equal(offloaded["grads"][key], g), f"{name}: the gradient of {key} differs with offload"
+    assert not plain["stats"] and offloaded["stats"], name
+
+
+def test_offload_gives_the_same_losses_and_gradients_at_every_layout(tmp_path):
+    ranks = run_distributed(_parity_worker, 4, tmp_dir=tmp_path, timeout=400)
+    for rank, results in enumerate(ranks):
+        for name, (plain, offloaded) in results.items():
+            _check_same(f"{name}, rank {rank}", plain, offloaded)
+            stats = offloaded["stats"]
+            moved = sum(s.offloaded_bytes for s in stats)
+            assert moved == sum(s.fetched_bytes for s in stats), (name, rank, stats)
+            assert moved > 0 or all(s.kept for s in stats), (name, rank, stats)
+            # every block input came back once, prefetched unless it was the first of its backward
+            assert all(s.prefetched + s.on_demand == s.offloaded for s in stats), (name, rank, stats)
+            if "pp" not in name:     # 4 blocks per forward, 1 of them copied back on demand
+                assert all(s.prefetched == 3 * s.on_demand > 0 for s in stats), (name, rank, stats)
+    # pipeline stages after the first keep their received input on the device (the schedule holds it)
+    stats_pp4 = [r["pp4, 1F1B"][1]["stats"][0] for r in ranks]
+    assert stats_pp4[0].kept == 0 and all(s.kept == 8 for s in stats_pp4[1:]), stats_pp4     # 8 micro-batches
+
+
+ONE_PROCESS = {   # name: overrides, one process, one micro-batch unless said
+    "fp32": [],
+    "tiled MLP and loss": ["training.mlp_chunk_tokens=8", "training.loss_chunk_tokens=8"],
+    "bf16": ["training.dtype=bfloat16"],
+    "bf16, 2 micro-batches (fp32 main_grad)": ["training.dtype=bfloat16", "training.global_batch_size=2"],
+}
+PEAK = ["training.dtype=float32", "training.global_batch_size=1", "training.activation_checkpointing=true",
+        "model.num_layers=8", "data.seq_len=2048", "model.hidden_size=32", "model.ffn_hidden_size=64",
+        "model.vocab_size=128"]    # many block inputs, few parameters: the activations decide the peak
+BLOCK_INPUT = 2048 * 32 * 4
+
+
+def _one_process_worker(rank: int, world: int) -> dict:
+    from tests.test_memory_model import measured_step_peak
+
+    steps = {name: (one_step(["training.global_batch_size=1"] + extra, 1),
+                    one_step(["training.global_batch_size=1", "training.activation_offload=true"] + extra, 1))
+             for name, extra in ONE_PROCESS.items()}
+    peaks = (measured_step_peak(PEAK), measured_step_peak(PEAK + ["training.activation_offload=true"], exclude_host=True))
+    return {"steps": steps, "peaks": peaks}
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    (result,) = run_distributed(_one_process_worker, 1, tmp_dir=tmp_path_factory.mktemp("one"))
+    return result
+
+
+def test_offload_on_one_process_every_memory_option(one_process):
+    for name, (plain, offloaded) in one_process["steps"].items():
+        _check_same(f"one process, {name}", plain, offloaded)
+        (stats,) = offloaded["stats"]
+        M = 2 if "2 micro-batches" in name else 1    # per backward of 4 blocks: 1 on demand, 3 prefetched
+        assert (stats.prefetched, stats.on_demand) == (3 * M, M), (name, stats)
+
+
+def test_offload_lowers_the_peak_of_a_training_step_as_predicted(one_process):
+    """The measured peak of live bytes on the 'device' (host copies excluded) drops with offload, and
+    both peaks are the model's within 10%."""
+    without, with_offload = one_process["peaks"]
+    for (measured, predicted), what in ((without, "on the device"), (with_offload, "offloaded")):
+        assert abs(predicted - measured) <= 0.10 * measured, (what, measured, predicted)
+    assert with_offload[0] < without[0] - 3 * BLOCK_INPUT and with_offload[1] < without[1] - 3 * BLOCK_INPUT
+
+
+def _model(layers: int = 4) -> GPTStage:
+    from megalysses.config import ModelConfig
+    cfg = ModelConfig(vocab_size=256, hidden_size=64, num_layers=layers, num_heads=4, num_kv_heads=2,
+                      ffn_hidden_size=160, attention_backend="sdpa")
+    torch.manual_seed(0)
+    model = GPTStage(cfg, ParallelGroups(), activation_checkpointing=True, activation_offload=True)
+    init_weights(model, 0)
+    return model
+
+
+def test_the_device_keeps_what_the_memory_model_says():
+    """With offload a forward leaves no block input on the device: only the stage's own tensors (cos/sin,
+    the final norm's, the loss gradients) and the host copies, which the model counts as host bytes."""
+    model = _model()
+    S = 64
+    ids, pos = torch.randint(0, 256, (1, S)), torch.arange(S)[None]
+    _, kept = measure_retained(lambda: model(ids, pos, labels=ids), exclude=tuple(model.parameters()) + (pos, ids))
+    host = model.offload.host_buffers()
+    host_bytes = sum(t.numel() * t.element_size() for t in host)
+    device = kept.bytes - host_bytes
+    opts = Options(activation_checkpointing=True, activation_offload=True, attention="sdpa", native_gqa=False)
+    fp32 = PRECISIONS["fp32"]
+    assert device == retained_activation_bytes(model.cfg, Layout(), opts, fp32, S), kept.storages
+    assert host_bytes == 4 * S * 64 * 4                                       # 4 block inputs, fp32
+    on_device = retained_activation_bytes(model.cfg, Layout(), Options(activation_checkpointing=True, attention="sdpa",
+                                                                       native_gqa=False), fp32, S)
+    assert on_device - device == host_bytes
+
+
+def test_offload_without_checkpointing_is_a_config_error():
+    cfg = load_config(overrides=["data.mock=true", "training.activation_offload=true"])
+    with pytest.raises(ConfigError, match="training.activation_offload=true needs training.activation_checkpointing"):
+        plan_runtime(cfg, torch.device("cpu"))
+    cfg = load_config(overrides=["data.mock=true", "training.optimizer_offload=true", "parallel.fsdp=true"])
+    with pytest.raises(ConfigError, match="training.optimizer_offload=true is for ZeRO-1"):
+        plan_runtime(cfg, torch.device("cpu"))
+
+
+def test_a_block_input_comes_back_once():
+    model = _model(layers=2)
+    ids, pos = torch.randint(0, 256, (1, 32)), torch.arange(32)[None]
+    loss = model(ids, pos, labels=ids)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="fetched twice"):
+        loss.backward()
+
+
+# ----------------------------------------------------------------------------- the GPU tier
+
+def _gpu_model(offload: bool, layers: int = 8, seq: int = 8192):
+    from megalysses.config import ModelConfig
+    cfg = ModelConfig(vocab_size=1024, hidden_size=1024, num_layers=layers, num_heads=8, num_kv_heads=2,
+                      attention_backend="sdpa")
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = GPTStage(cfg, ParallelGroups(), activation_checkpointing=True, activation_offload=offload,
+                         mlp_chunk_tokens=2048)
+    init_weights(model, 0)
+    model.to(torch.bfloat16)
+    ids = torch.randint(0, cfg.vocab_size, (1, seq), device="cuda")
+    return model, ids, torch.arange(seq, device="cuda")[None]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the GPU tier)")
+def test_gpu_offload_drops_device_memory_and_keeps_the_gradients():
+    peaks, grads, losses = {}, {}, {}
+    for offload in (False, True):
+        model, ids, pos = _gpu_model(offload)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        loss = model(ids, pos, labels=ids)
+        torch.cuda.synchronize()
+        torch.empty(1, device="cuda")     # the allocator releases blocks whose side-stream copies are done
+        after_forward = torch.cuda.memory_allocated() - base
+        loss.backward()
+        torch.cuda.synchronize()
+        peaks[offload] = (after_forward, torch.cuda.max_memory_allocated() - base)
+        grads[offload] = {n: p.grad.float() for n, p in model.named_parameters()}
+        losses[offload] = loss.item()
+        if offload:
+            stats = model.offload.stats
+            assert (stats.prefetched, stats.on_demand) == (7, 1), stats
+            assert all(t.is_pinned() for t in model.offload.host_buffers())
+    block_input = 8192 * 1024 * 2
+    assert peaks[False][0] - peaks[True][0] >= 7 * block_input, peaks        # 8 inputs, 1 on the way out at most
+    assert peaks[True][1] < peaks[False][1], peaks
+    # the same arithmetic; SDPA's CUDA backward accumulates with atomics, so bitwise equality is not promised
+    assert abs(losses[True] - losses[False]) <= 1e-3 * abs(losses[False])
+    for n, g in grads[False].items():
+        assert (grads[True][n] - g).norm() <= 1e-2 * g.norm() + 1e-6, n
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the GPU tier)")
+def test_gpu_copies_run_on_side_streams_and_overlap_compute():
+    """The profiler's device timeline: the block inputs' copies to the host and back run while kernels run
+    (on a stream of their own, else they could not overlap)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model, ids, pos = _gpu_model(True)
+    model(ids, pos, labels=ids).backward()            # warm up (kernels, pinned buffers)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        model(ids, pos, labels=ids).backward()
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    copies = [e for e in events if "Memcpy" in e.name and ("DtoH" in e.name or "HtoD" in e.name)]
+    kernels = [e for e in events if "Memcpy" not in e.name and "Memset" not in e.name]
+    assert len([e for e in copies if "DtoH" in e.name]) >= 7 and len([e for e in copies if "HtoD" in e.name]) >= 7
+
+    def overlaps(a, b) -> bool:
+        return a.time_range.start < b.time_range.end and b.time_range.start < a.time_range.end
+
+    hidden = [c for c in copies if any(overlaps(c, k) for k in kernels)]
+    assert len(hidden) >= len(copies) // 2, f"{len(hidden)} of {len(copies)} copies overlap a kernel"
