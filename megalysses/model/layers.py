@@ -21,6 +21,7 @@ from megalysses.kernels.attention import core_attention
 from megalysses.kernels.norms import add_rms_norm, rms_norm
 from megalysses.kernels.rope import rope_qkv
 from megalysses.kernels.swiglu import swiglu
+from megalysses.model.kv_cache import LayerKV
 from megalysses.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, mark_tp
 from megalysses.parallel.ulysses import ulysses_attention
 
@@ -94,14 +95,17 @@ class Attention(nn.Module):
                                              cfg.attention_bias, sp_)
         self.o_proj = RowParallelLinear(cfg.num_heads * D, h, groups.tp, cfg.attention_bias, sp_)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Any) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Any, cache: Optional[LayerKV] = None) -> Tensor:
         qkv = self.qkv_proj(x)                                                   # (B, S/sp, hk*(rep+2)*D)
         B, s = qkv.shape[:2]
         qkv = qkv.view(B, s, self.hk, self.rep + 2, self.head_dim)              # (B, S/sp, hk, rep+2, D)
         q, k, v = rope_qkv(qkv, cos, sin, impl=self.impl)                        # global positions
         # q (B, S/sp, hq, D), k, v (B, S/sp, hk, D)
-        out = ulysses_attention(q, k, v, self.groups.sp,
-                                lambda q_, k_, v_: core_attention(q_, k_, v_, mask=mask, backend=self.backend))
+        if cache is not None:                                                    # generation, one process
+            out = cache.attend(q, k, v)
+        else:
+            out = ulysses_attention(q, k, v, self.groups.sp,
+                                    lambda q_, k_, v_: core_attention(q_, k_, v_, mask=mask, backend=self.backend))
         return self.o_proj(out.reshape(B, s, self.hq * self.head_dim))          # (B, s, h)
 
 
@@ -145,8 +149,9 @@ class Block(nn.Module):
         self.mlp = MLP(cfg, groups)
         self.mlp_chunk_tokens = mlp_chunk_tokens
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Optional[Any]) -> Tensor:
-        delta = self.attn(self.attn_norm(x), cos, sin, mask)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Optional[Any],
+                cache: Optional[LayerKV] = None) -> Tensor:
+        delta = self.attn(self.attn_norm(x), cos, sin, mask, cache)
         x, normed = self.mlp_norm.add_forward(x, delta)                      # x + delta, then its norm
         return x + self._mlp(normed)
 
