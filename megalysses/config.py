@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -61,7 +62,7 @@ class ModelConfig:
 
     @property
     def kv_heads(self) -> int:
-        return self.num_kv_heads or self.num_heads
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
 
     @property
     def head_dim(self) -> int:
@@ -191,9 +192,13 @@ class CheckpointConfig:
     save_interval: int = 0
     """Save every N steps (0 = only at the end / on preemption)."""
     keep_last: int = 2
-    """Keep this many most recent checkpoints (0 = keep all)."""
+    """Keep this many checkpoints, counting back from the one just saved (0 = keep all); the one `latest`
+    names is never deleted."""
     load: Optional[str] = "auto"
     """auto = resume from <dir>/latest if present; a path = load it; None = start fresh."""
+    fallback: bool = True
+    """When the checkpoint to resume from fails its checksums (or `latest` is missing or damaged), resume
+    from the newest older checkpoint that verifies, saying so; false = stop with the error."""
 
 
 @dataclass
@@ -273,9 +278,12 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         if isinstance(value, bool):
             raise ConfigError(f"{path}: expected a number, got {value!r}")
         try:
-            return float(value)
+            number = float(value)
         except (TypeError, ValueError):
             raise ConfigError(f"{path}: expected a number, got {value!r}") from None
+        if not math.isfinite(number):
+            raise ConfigError(f"{path}: {value!r} is not a finite number")
+        return number
     if tp is str:
         if isinstance(value, (dict, list)):
             raise ConfigError(f"{path}: expected a string, got {value!r}")
@@ -345,20 +353,51 @@ def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]
     """Read YAML (if given), apply `--set` overrides, build and validate the Config."""
     data: dict = {}
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file '{p}' does not exist")
-        try:
-            data = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file '{p}' is not valid YAML: {e}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"config file '{p}': the top level must be a mapping of sections")
+        data = read_yaml(Path(path))
     for ov in overrides or []:
         apply_override(data, ov)
     cfg = config_from_dict(data)
     validate_config(cfg)
     return cfg
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice in one mapping (YAML would keep the last silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise ConfigError(f"the key '{key}' appears twice (lines {seen[key]} and "
+                                  f"{key_node.start_mark.line + 1}): keep one")
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep)
+
+
+def read_yaml(p: Path) -> dict:
+    """The config file as a dict: UTF-8 text, valid YAML, no duplicate keys, a mapping at the top."""
+    if p.is_dir():
+        raise ConfigError(f"config file '{p}' is a directory: give the path of a YAML file")
+    if not p.is_file():
+        raise ConfigError(f"config file '{p}' does not exist")
+    try:
+        text = p.read_bytes().decode("utf-8")
+    except OSError as e:
+        raise ConfigError(f"config file '{p}' cannot be read: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file '{p}' is not UTF-8 text (byte {e.start}): save it as UTF-8 YAML") from None
+    try:
+        data = yaml.load(text, Loader=_StrictLoader)
+    except ConfigError as e:
+        raise ConfigError(f"config file '{p}': {e}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file '{p}' is not valid YAML: {' '.join(str(e).split())}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file '{p}': the top level must be a mapping of sections")
+    return data
 
 
 def dump_config(cfg: Config) -> str:
@@ -427,11 +466,15 @@ def validate_config(cfg: Config, world_size: Optional[int] = None) -> None:
                               f"training.global_batch_size or micro_batch_size")
 
 
+MAX_SEQ_LEN = 2**31 - 2
+"""Longest sample: token positions and sample-index offsets are 32-bit."""
+
 # (section, field, lowest allowed value, highest allowed value or None)
 _RANGES = [
     ("model", "vocab_size", 1, None), ("model", "hidden_size", 1, None), ("model", "num_layers", 1, None),
-    ("model", "num_heads", 1, None), ("model", "norm_eps", 0.0, None), ("model", "init_std", 0.0, None),
-    ("data", "seq_len", 1, None),
+    ("model", "num_heads", 1, None), ("model", "num_kv_heads", 1, None), ("model", "ffn_hidden_size", 1, None),
+    ("model", "norm_eps", 0.0, None), ("model", "init_std", 0.0, None), ("model", "rope_theta", 1.0, None),
+    ("data", "seq_len", 1, MAX_SEQ_LEN),
     ("optimizer", "lr", 0.0, None), ("optimizer", "min_lr", 0.0, None), ("optimizer", "weight_decay", 0.0, None),
     ("optimizer", "beta1", 0.0, 1.0), ("optimizer", "beta2", 0.0, 1.0), ("optimizer", "eps", 0.0, None),
     ("optimizer", "grad_clip", 0.0, None), ("optimizer", "warmup_steps", 0, None),
@@ -447,6 +490,11 @@ _RANGES = [
 
 
 def _check_ranges(cfg: Config) -> None:
+    for section in dataclasses.fields(cfg):     # every float, also of a Config built in code
+        for f in dataclasses.fields(getattr(cfg, section.name)):
+            value = getattr(getattr(cfg, section.name), f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{section.name}.{f.name}={value} is not a finite number")
     for section, name, lo, hi in _RANGES:
         value = getattr(getattr(cfg, section), name)
         if value is None:
@@ -454,6 +502,21 @@ def _check_ranges(cfg: Config) -> None:
         if value < lo or (hi is not None and value > hi):
             allowed = f">= {lo}" if hi is None else f"between {lo} and {hi}"
             raise ConfigError(f"{section}.{name}={value} is out of range: it must be {allowed}")
+
+
+def config_warnings(cfg: Config) -> list[str]:
+    """Settings that are legal but almost certainly not what was meant (printed once, by rank 0)."""
+    o, t = cfg.optimizer, cfg.training
+    notes = []
+    if o.lr == 0:
+        notes.append("optimizer.lr=0: the weights will not change")
+    elif o.min_lr > o.lr:
+        notes.append(f"optimizer.min_lr={o.min_lr:g} is above optimizer.lr={o.lr:g}: the learning rate will rise "
+                     f"during the decay")
+    if o.warmup_steps > t.train_steps:
+        notes.append(f"optimizer.warmup_steps={o.warmup_steps} is more than training.train_steps={t.train_steps}: "
+                     f"the learning rate never reaches optimizer.lr")
+    return notes
 
 
 def check_heads(num_heads: int, kv_heads: int, tp: int, sp: int) -> None:
