@@ -57,6 +57,7 @@ class Watchdog:
         self._beat = 0
         self._failing = threading.Lock()
         self._stopped = threading.Event()
+        self._changed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="megalysses-watchdog", daemon=True)
 
     @classmethod
@@ -69,6 +70,7 @@ class Watchdog:
     def doing(self, what: str) -> None:
         """What the main thread does from now on (shown if the job has to end while it does it)."""
         self._phase = (what, time.monotonic(), self._phase[2] + 1)
+        self._changed.set()
 
     @property
     def current(self) -> str:
@@ -90,8 +92,16 @@ class Watchdog:
     def _run(self) -> None:
         neighbour = (self.rank + 1) % self.world
         seen, changed, store_down = None, time.monotonic(), None
-        while not self._stopped.wait(self.interval):
+        due = time.monotonic() + self.interval
+        while not self._stopped.is_set():
+            # publish a new phase soon after it starts (at most 4 times an interval), check every interval
+            self._changed.wait(max(0.0, due - time.monotonic()))
+            self._changed.clear()
+            if self._stopped.wait(self.interval / 4) or time.monotonic() < due:
+                self._publish()
+                continue
             now = time.monotonic()
+            due = now + self.interval
             what, since, _ = self._phase
             try:
                 self._beat_once()
@@ -114,6 +124,12 @@ class Watchdog:
                 self.fail(f"rank {self.rank} has spent {now - since:.0f} s {what}")
             if self.world > 1 and self.store is not None and now - changed > self.timeout:
                 self.fail(f"rank {neighbour} stopped responding (no heartbeat for {now - changed:.0f} s)")
+
+    def _publish(self) -> None:
+        try:
+            self._beat_once()
+        except Exception:  # noqa: BLE001 - the next check reports a store that stays unreachable
+            pass
 
     def _quit(self) -> NoReturn:
         try:
