@@ -282,7 +282,7 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         except (TypeError, ValueError):
             raise ConfigError(f"{path}: expected a number, got {value!r}") from None
         if not math.isfinite(number):
-            raise ConfigError(f"{path}: {value!r} is not a finite number")
+            raise ConfigError(f"{path}: {value!r} is not a finite number: give a real value")
         return number
     if tp is str:
         if isinstance(value, (dict, list)):
@@ -338,8 +338,10 @@ def apply_override(data: dict, override: str) -> None:
         if dataclasses.is_dataclass(tp):
             if last:
                 raise ConfigError(f"override '{override}': '{where}' is a section; set one of its keys")
-            if not isinstance(node.get(part), dict):
+            if part not in node or node[part] is None:
                 node[part] = {}
+            elif not isinstance(node[part], dict):
+                raise ConfigError(f"{where}: expected a mapping of keys, got {node[part]!r}")
             node = node[part]
             cls = tp
         else:
@@ -387,12 +389,16 @@ def read_yaml(p: Path) -> dict:
         raise ConfigError(f"config file '{p}' cannot be read: {e.strerror}") from None
     except UnicodeDecodeError as e:
         raise ConfigError(f"config file '{p}' is not UTF-8 text (byte {e.start}): save it as UTF-8 YAML") from None
+    loader = _StrictLoader(text)
+    loader.name = str(p)     # YAML errors then point at the file, not "<unicode string>"
     try:
-        data = yaml.load(text, Loader=_StrictLoader)
+        data = loader.get_single_data()
     except ConfigError as e:
         raise ConfigError(f"config file '{p}': {e}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"config file '{p}' is not valid YAML: {' '.join(str(e).split())}") from None
+    finally:
+        loader.dispose()
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -447,6 +453,10 @@ def validate_config(cfg: Config, world_size: Optional[int] = None) -> None:
         raise ConfigError("data.tokenizer=sentencepiece needs data.tokenizer_model (path to the .model file)")
     if not d.mock and not d.paths:
         raise ConfigError("data.paths is empty: give dataset prefixes (tools/preprocess_data.py output) or set data.mock=true")
+    if d.mock and m.vocab_size < 3:
+        raise ConfigError(f"model.vocab_size={m.vocab_size}: data.mock needs at least 3 tokens (two and the EOD)")
+    if not cfg.logging.run_dir.strip():
+        raise ConfigError("logging.run_dir is empty: give the run directory (config, metrics, checkpoints)")
     if t.micro_batch_size < 1 or t.global_batch_size < 1:
         raise ConfigError("training.micro_batch_size and training.global_batch_size must be >= 1")
     if world_size is not None:
@@ -479,7 +489,7 @@ _RANGES = [
     ("optimizer", "beta1", 0.0, 1.0), ("optimizer", "beta2", 0.0, 1.0), ("optimizer", "eps", 0.0, None),
     ("optimizer", "grad_clip", 0.0, None), ("optimizer", "warmup_steps", 0, None),
     ("optimizer", "decay_fraction", 0.0, 1.0),
-    ("training", "train_steps", 1, None), ("training", "exit_at_step", 0, None),
+    ("training", "seed", 0, 2**63 - 1), ("training", "train_steps", 1, None), ("training", "exit_at_step", 0, None),
     ("training", "max_wall_minutes", 0.0, None), ("training", "eval_interval", 0, None),
     ("training", "eval_steps", 1, None), ("checkpoint", "save_interval", 0, None), ("checkpoint", "keep_last", 0, None),
     ("training", "loss_chunk_tokens", 0, None), ("training", "mlp_chunk_tokens", 0, None),
@@ -494,7 +504,7 @@ def _check_ranges(cfg: Config) -> None:
         for f in dataclasses.fields(getattr(cfg, section.name)):
             value = getattr(getattr(cfg, section.name), f.name)
             if isinstance(value, float) and not math.isfinite(value):
-                raise ConfigError(f"{section.name}.{f.name}={value} is not a finite number")
+                raise ConfigError(f"{section.name}.{f.name}={value} is not a finite number: give a real value")
     for section, name, lo, hi in _RANGES:
         value = getattr(getattr(cfg, section), name)
         if value is None:

@@ -24,7 +24,7 @@ def check_writable(path: Path, what: str) -> None:
     for parent in (path, *path.parents):
         if parent.exists():
             if not parent.is_dir():
-                where = "is a file" if parent == path else f"lies below {parent}, which is a file"
+                where = "is not a directory" if parent == path else f"lies below {parent}, which is not a directory"
                 raise ConfigError(f"{what}={path} {where}: give a directory")
             break
     probe = path / f".write-test-{os.getpid()}"
