@@ -455,6 +455,8 @@ def validate_config(cfg: Config, world_size: Optional[int] = None) -> None:
         raise ConfigError("data.paths is empty: give dataset prefixes (tools/preprocess_data.py output) or set data.mock=true")
     if d.mock and m.vocab_size < 3:
         raise ConfigError(f"model.vocab_size={m.vocab_size}: data.mock needs at least 3 tokens (two and the EOD)")
+    if cfg.checkpoint.load is not None and not cfg.checkpoint.load.strip():
+        raise ConfigError("checkpoint.load is empty: give auto, none (start afresh) or the path of a checkpoint")
     if not cfg.logging.run_dir.strip():
         raise ConfigError("logging.run_dir is empty: give the run directory (config, metrics, checkpoints)")
     if t.micro_batch_size < 1 or t.global_batch_size < 1:
@@ -493,7 +495,7 @@ _RANGES = [
     ("training", "max_wall_minutes", 0.0, None), ("training", "eval_interval", 0, None),
     ("training", "eval_steps", 1, None), ("checkpoint", "save_interval", 0, None), ("checkpoint", "keep_last", 0, None),
     ("training", "loss_chunk_tokens", 0, None), ("training", "mlp_chunk_tokens", 0, None),
-    ("logging", "log_interval", 1, None), ("parallel", "timeout_seconds", 1.0, None),
+    ("logging", "log_interval", 1, None), ("logging", "peak_tflops", 0.0, None), ("parallel", "timeout_seconds", 1.0, None),
     ("parallel", "tp", 1, None), ("parallel", "sp", 1, None), ("parallel", "pp", 1, None),
     ("parallel", "virtual_stages", 1, None), ("parallel", "grad_bucket_elements", 1, None),
 ]

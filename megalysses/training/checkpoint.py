@@ -73,8 +73,8 @@ class SafeFileSystemReader(dcp.FileSystemReader):
         from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
         try:
             metadata = _AllowListUnpickler(io.BytesIO(path.read_bytes())).load()
-        except CheckpointError:
-            raise
+        except CheckpointError as e:
+            raise CheckpointError(f"{path}: {e}") from None
         except Exception:  # noqa: BLE001 - whatever a damaged pickle raises
             metadata = None
         if not isinstance(metadata, Metadata):
@@ -184,6 +184,7 @@ def resolve_checkpoint(path: str | Path) -> Optional[Path]:
 
 def _load(state: dict, path: Path) -> None:
     """dcp.load that fails with one CheckpointError naming the checkpoint and the first cause."""
+    SafeFileSystemReader(str(path)).read_metadata()      # its own message, not DCP's fallback tracebacks
     try:
         dcp.load(state, storage_reader=SafeFileSystemReader(str(path)))
     except CheckpointError:
@@ -194,8 +195,9 @@ def _load(state: dict, path: Path) -> None:
         if isinstance(cause, CheckpointError):
             raise CheckpointError(str(cause)) from None
         first = (str(cause).strip().splitlines() or [""])[0][:300]
-        raise CheckpointError(f"checkpoint {path} cannot be loaded ({type(cause).__name__}: {first}): it is "
-                              f"damaged or was not written by megalysses") from None
+        what = f"{type(cause).__name__}: {first}" if first else type(cause).__name__
+        raise CheckpointError(f"checkpoint {path} cannot be loaded ({what}): it is damaged or was not written "
+                              f"by megalysses") from None
 
 
 def load_model_weights(path: Path, model: torch.nn.Module, grid: ParallelGrid, mesh: DeviceMesh) -> None:

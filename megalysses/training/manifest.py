@@ -233,7 +233,9 @@ def _plan(source: Path, explicit: bool) -> tuple[list[str], Optional[str], bool]
         return [str(head)] + [str(p) for p in reversed(older)], None, False
     if not steps and not (source / LATEST).exists():
         if explicit:
-            raise CheckpointError(f"checkpoint.load={source}: no checkpoint there (no step_* directory, no latest)")
+            hint = f": did you mean {source / 'checkpoints'}?" if checkpoints_in(source / "checkpoints") else ""
+            raise CheckpointError(f"checkpoint.load={source}: no checkpoint there (no step_* directory, no "
+                                  f"latest){hint}")
         return [], None, False
     return [str(p) for p in reversed(steps)], problem, False
 

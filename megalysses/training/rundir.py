@@ -21,6 +21,9 @@ from megalysses.config import ConfigError
 
 def check_writable(path: Path, what: str) -> None:
     """Create directory `path` if needed and write a file in it; ConfigError naming `what` otherwise."""
+    if path.is_symlink() and not path.exists():
+        raise ConfigError(f"{what}={path} is a symbolic link to {os.readlink(path)}, which does not exist: "
+                          f"create its target or choose another directory")
     for parent in (path, *path.parents):
         if parent.exists():
             if not parent.is_dir():

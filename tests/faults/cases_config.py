@@ -57,6 +57,8 @@ FILES = [
     Case("config/yaml_unknown_key", with_file("training:\n  train_step: 5\n"), "did you mean 'train_steps'"),
     Case("config/yaml_lr_nan", with_file("optimizer:\n  lr: .nan\n"), "optimizer.lr"),
     Case("config/yaml_lr_inf", with_file("optimizer:\n  lr: .inf\n"), "optimizer.lr"),
+    Case("config/yaml_lr_blank", with_file("optimizer:\n  lr:\n"), "optimizer.lr"),
+    Case("config/yaml_flow_key_twice", with_file("optimizer: {lr: 1.0e-3, lr: 3.0e-4}\n"), "'lr' appears twice"),
     Case("config/yaml_warmup_list", with_file("optimizer:\n  warmup_steps: [2, 4]\n"), "optimizer.warmup_steps"),
 ]
 
@@ -67,6 +69,8 @@ OVERRIDES = [
     Case("config/override_unknown_section", pretrain("optimiser.lr=1e-3"), "optimizer"),
     Case("config/override_section_itself", pretrain("optimizer=1"), "is a section"),
     Case("config/override_below_a_value", pretrain("model.hidden_size.x=1"), "not a section"),
+    Case("config/override_without_key", pretrain("=3"), "unknown config key"),
+    Case("config/override_empty_segment", pretrain("model..hidden_size=3"), "unknown config key"),
 ]
 
 TYPES = [
@@ -86,6 +90,16 @@ TYPES = [
         ("schedule_step", "optimizer.schedule=step", "optimizer.schedule"),
         ("steps_word", "training.train_steps=many", "training.train_steps"),
         ("batch_bool", "training.global_batch_size=true", "training.global_batch_size"),
+        ("fsdp_maybe", "parallel.fsdp=maybe", "parallel.fsdp"),
+        ("overlap_two", "parallel.overlap_grad_reduce=2", "parallel.overlap_grad_reduce"),
+        ("fallback_maybe", "checkpoint.fallback=maybe", "checkpoint.fallback"),
+        ("keep_last_word", "checkpoint.keep_last=two", "checkpoint.keep_last"),
+        ("wandb_cloud", "logging.wandb_mode=cloud", "logging.wandb_mode"),
+        ("log_interval_fraction", "logging.log_interval=1.5", "logging.log_interval"),
+        ("timeout_word", "parallel.timeout_seconds=ten", "parallel.timeout_seconds"),
+        ("kv_heads_list", "model.num_kv_heads=[2]", "model.num_kv_heads"),
+        ("ffn_word", "model.ffn_hidden_size=big", "model.ffn_hidden_size"),
+        ("exit_at_word", "training.exit_at_step=last", "training.exit_at_step"),
     ]
 ]
 
@@ -115,7 +129,8 @@ RANGES = [
         ("checkpoint.save_interval", "-1"), ("checkpoint.keep_last", "-1"), ("logging.log_interval", "0"),
         ("parallel.timeout_seconds", "0.0"), ("parallel.tp", "0"), ("parallel.sp", "-1"), ("parallel.pp", "0"),
         ("parallel.virtual_stages", "0"), ("parallel.grad_bucket_elements", "0"), ("model.rope_theta", "0.0"),
-        ("model.norm_eps", "-1.0"),
+        ("model.norm_eps", "-1.0"), ("parallel.grad_bucket_elements", "-5"), ("model.init_std", "-0.02"),
+        ("optimizer.min_lr", "-1e-05"), ("optimizer.weight_decay", "-0.1"), ("logging.peak_tflops", "-5.0"),
     ]
 ]
 
@@ -129,12 +144,19 @@ RULES = [
     Case("config/seq_len_not_divisible_by_sp", pretrain("data.seq_len=30", "parallel.sp=4"), "seq_len=30"),
     Case("config/layers_not_divisible_by_pp", pretrain("model.num_layers=3", "parallel.pp=2"), "num_layers=3"),
     Case("config/virtual_stages_without_pp", pretrain("parallel.virtual_stages=2"), "virtual_stages=2"),
+    Case("config/kv_heads_not_divisible_by_tp", pretrain("model.num_kv_heads=1", "parallel.tp=2"), "num_kv_heads=1"),
+    Case("config/query_heads_per_tp_rank_not_divisible_by_sp", pretrain("model.num_heads=6", "model.hidden_size=48",
+                                                                        "parallel.sp=4"), "parallel.sp=4"),
+    Case("config/seq_len_not_divisible_by_tp_sequence_parallel",
+         pretrain("data.seq_len=34", "parallel.tp=4", "parallel.tp_sequence_parallel=true"), "tp_sequence_parallel"),
     Case("config/micro_batch_zero", pretrain("training.micro_batch_size=0"), "micro_batch_size"),
+    Case("config/global_batch_negative", pretrain("training.global_batch_size=-2"), "global_batch_size"),
     Case("config/global_batch_not_divisible", pretrain("training.micro_batch_size=2", "training.global_batch_size=3"),
          "global_batch_size=3"),
     Case("config/no_data", pretrain("data.mock=false"), "data.paths"),
     Case("config/mock_vocab_too_small", pretrain("model.vocab_size=2"), "vocab_size=2"),
     Case("config/run_dir_empty", pretrain("logging.run_dir="), "run_dir is empty"),
+    Case("config/checkpoint_load_empty", pretrain("checkpoint.load="), "checkpoint.load is empty"),
     Case("config/layout_larger_than_world", pretrain("parallel.tp=2"), "world size 1"),
     Case("config/sp_larger_than_world", pretrain("parallel.sp=2"), "world size 1"),
     Case("config/pp_larger_than_world", pretrain("parallel.pp=2"), "world size 1"),
