@@ -99,7 +99,8 @@ class ParallelConfig:
     """Shard parameters and gradients too (FSDP2 fully_shard over the dp x sp ranks, one unit per block),
     not only the optimizer state (ZeRO-1, the default). For models whose weights do not fit per device."""
     timeout_seconds: float = 600.0
-    """Collective timeout: a dead or stuck rank ends the job after this long instead of hanging."""
+    """A dead or stuck rank ends the job after this long instead of hanging: the timeout of every
+    collective, and the longest any rank may spend in one phase of the loop (a step, a save, loading)."""
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     """Process-group backend; auto = NCCL when CUDA is available, gloo otherwise."""
 

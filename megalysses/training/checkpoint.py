@@ -37,9 +37,6 @@ from megalysses.training.manifest import (FORMAT, LATEST, CheckpointError, check
                                           write_manifest)
 from megalysses.training.optimizer import Optimizer
 
-__all__ = ["CheckpointError", "LATEST", "build_mesh", "save_checkpoint", "load_checkpoint", "load_model_weights",
-           "resolve_checkpoint", "check_model_shape"]
-
 
 # ----------------------------------------------------------------------------- safe metadata
 
