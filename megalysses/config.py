@@ -370,6 +370,8 @@ class _StrictLoader(yaml.SafeLoader):
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen: dict = {}
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":      # `<<: *anchor`: merged keys may be overridden
+                continue
             key = self.construct_object(key_node, deep=True)
             if key in seen:
                 raise ConfigError(f"the key '{key}' appears twice (lines {seen[key]} and "

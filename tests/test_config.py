@@ -2,7 +2,7 @@
 import pytest
 
 from megalysses.config import (Config, ConfigError, config_from_dict, config_warnings, dump_config, load_config,
-                               save_config, validate_config)
+                               read_yaml, save_config, validate_config)
 
 
 def _write(tmp_path, text):
@@ -141,6 +141,8 @@ def test_duplicate_keys_and_encodings(tmp_path):
         load_config(p)
     with pytest.raises(ConfigError, match="is a directory"):
         load_config(tmp_path)
+    merged = "base: &b\n  num_layers: 2\n  hidden_size: 64\nmodel:\n  <<: *b\n  num_layers: 4\n"
+    assert read_yaml(_write(tmp_path, merged))["model"] == {"num_layers": 4, "hidden_size": 64}   # YAML merge keys
     with pytest.raises(ConfigError, match="model: expected a mapping"):   # not silently replaced by the override
         load_config(_write(tmp_path, "model: 3\ndata:\n  mock: true\n"), overrides=["model.num_layers=2"])
 
