@@ -5,8 +5,9 @@ every time, and compare every step's loss and gradient norm with an uninterrupte
     python benchmarks/soak.py --kills 3 --nproc 1 --steps 10 --json soak.json
 
 Each kill takes down the whole job at once, the launcher and every worker (as a node crash would).
-Half of the kills wait for a random step; the other half wait until a checkpoint is being written
-(its `step_N.tmp` directory exists) and strike a few milliseconds later. After each kill the
+Half of the kills wait until the checkpoint of a random step is complete and strike within the next
+50 ms (the next step, or the next save: a checkpoint is saved every step); the other half wait until
+a checkpoint is being written (its `step_N.tmp` directory exists) and strike a few milliseconds later. After each kill the
 checkpoint that `latest` names must verify (every file against its manifest checksum), and the next
 launch resumes from it. The killed job's steps appear in metrics.jsonl again after the resume; the
 start marks there say which records supersede which. Prints one row per kill, then the comparison,
@@ -58,11 +59,15 @@ def job_processes(p: subprocess.Popen) -> list[int]:
     return [p.pid] + [int(c) for c in children]
 
 
-def logged_steps(run: Path) -> int:
+def records(run: Path, skip: int = 0) -> list[dict]:
+    """metrics.jsonl from line `skip` on."""
     path = run / "metrics.jsonl"
-    if not path.exists():
-        return 0
-    steps = [json.loads(x).get("step", 0) for x in path.read_text().splitlines() if '"loss"' in x]
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [json.loads(x) for x in lines[skip:] if x.strip()]
+
+
+def last_step(recs: list[dict]) -> int:
+    steps = [r["step"] for r in recs if "loss" in r]
     return steps[-1] if steps else 0
 
 
@@ -84,35 +89,45 @@ def kill_job(p: subprocess.Popen) -> None:
     p.wait()
 
 
-def saving(ckpts: Path, at_least: int) -> str:
-    """The checkpoint being written (its .tmp directory) if it is for step `at_least` or later."""
+def saving(ckpts: Path, at_least: int, since: float) -> str:
+    """The checkpoint being written (its .tmp directory, made after `since`) if it is for step `at_least`
+    or later."""
     for tmp in ckpts.glob("step_*.tmp"):
         step = step_of(tmp.with_name(tmp.name[:-len(".tmp")]))
-        if step is not None and step >= at_least:
+        try:
+            fresh = tmp.stat().st_mtime >= since
+        except OSError:
+            continue
+        if fresh and step is not None and step >= at_least:
             return tmp.name
     return ""
 
 
 def strike(p: subprocess.Popen, run: Path, mode: str, rng: random.Random, timeout: float) -> dict:
-    """Wait for the moment of `mode` in this launch, then kill the job; what was seen at that moment."""
+    """Launched just now: wait for the moment of `mode` in this launch, then kill the whole job."""
     ckpts = run / "checkpoints"
+    since, skip = time.time(), len(records(run))
     latest, _ = read_latest(ckpts)
     base = step_of(latest) if latest else 0
     target = base + rng.randint(1, 3) + (mode == "save")
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and p.poll() is None:
-        if mode == "step" and logged_steps(run) >= target:
-            time.sleep(rng.uniform(0, 0.05))
-            break
-        if mode == "save" and saving(ckpts, target):
+        done = read_latest(ckpts)[0] if mode == "step" else None
+        if done is not None and step_of(done) >= target:
+            time.sleep(rng.uniform(0, 0.05))        # the checkpoint of the target step is complete: strike
+            break                                   # within the next step or the next save
+        if mode == "save" and saving(ckpts, target, since):
             time.sleep(rng.uniform(0, 0.02))
             break
         time.sleep(0.002)
     if p.poll() is not None:
         return {"missed": True}
-    being_written = saving(ckpts, 0)
+    being_written = saving(ckpts, 0, since)
     kill_job(p)
-    return {"missed": False, "logged_step": logged_steps(run), "saving": being_written}
+    mine = records(run, skip)
+    start = [r["step"] for r in mine if r.get("event") == "start"]
+    return {"missed": False, "started_at": start[0] if start else None, "logged_step": last_step(mine),
+            "saving": being_written}
 
 
 def soak(kills: int, nproc: int, tp: int, seed: int, work: Path, timeout: float, steps: int = 0) -> dict:
@@ -134,7 +149,8 @@ def soak(kills: int, nproc: int, tp: int, seed: int, work: Path, timeout: float,
         if latest is None and not checkpoints_in(run / "checkpoints"):
             problem = None                     # killed before its first checkpoint: the next launch starts afresh
         problems = [problem] if problem else verify_checkpoint(latest) if latest else []
-        rows.append({"kill": len(rows) + 1, "mode": mode, "logged_step": seen["logged_step"],
+        rows.append({"kill": len(rows) + 1, "mode": mode, "started_at": seen["started_at"],
+                     "logged_step": seen["logged_step"],
                      "during_save": seen["saving"], "latest": latest.name if latest else "-",
                      "verifies": not problems, "problems": problems,
                      "leftover_tmp": [t.name for t in (run / "checkpoints").glob("*.tmp")]})
@@ -145,11 +161,15 @@ def soak(kills: int, nproc: int, tp: int, seed: int, work: Path, timeout: float,
     same_loss = sum(got.get(s, (None,))[0] == v[0] for s, v in ref.items())
     same_norm = sum(got.get(s, (None, None))[1] == v[1] for s, v in ref.items())
     delta = max((abs(got[s][0] - v[0]) for s, v in ref.items() if s in got), default=float("nan"))
-    marks = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"event"' in x]
+    marks = [r for r in records(run) if r.get("event") == "start"]
+    starts = [r["started_at"] for r in rows[1:]] + [marks[-1]["step"]]
+    resumed_ok = all(at is not None and (row["latest"] == "-" and at == 0 or row["latest"] == f"step_{at:07d}")
+                     for row, at in zip(rows, starts))
     return {"kills": rows, "steps": steps, "nproc": nproc, "tp": tp, "seed": seed,
-            "launches": len(marks), "resumed_from": [m["step"] for m in marks],
+            "launches": len(marks),
             "during_saves": sum(bool(r["during_save"]) for r in rows),
-            "all_verify": all(r["verifies"] for r in rows), "steps_compared": len(ref),
+            "all_verify": all(r["verifies"] for r in rows), "resumed_from_latest": resumed_ok,
+            "steps_compared": len(ref),
             "identical_losses": same_loss, "identical_grad_norms": same_norm, "max_abs_loss_delta": delta,
             "final_checkpoints": [p.name for p in checkpoints_in(run / "checkpoints")],
             "seconds": time.monotonic() - t0,
@@ -157,17 +177,18 @@ def soak(kills: int, nproc: int, tp: int, seed: int, work: Path, timeout: float,
 
 
 def table(result: dict) -> str:
-    lines = ["| kill | strikes | last logged step | checkpoint being written | latest after | verifies | resumed from |",
-             "|---:|---|---:|---|---|---|---:|"]
-    for row, resumed in zip(result["kills"], result["resumed_from"][1:]):
-        lines.append(f"| {row['kill']} | {'in a save' if row['mode'] == 'save' else 'at a step'} | "
-                     f"{row['logged_step']} | {row['during_save'] or '-'} | {row['latest']} | "
-                     f"{'yes' if row['verifies'] else 'NO: ' + '; '.join(row['problems'])} | {resumed} |")
+    lines = ["| kill | strikes | launch resumed at step | last step it logged | checkpoint being written | "
+             "`latest` after the kill | verifies |", "|---:|---|---:|---:|---|---|---|"]
+    for row in result["kills"]:
+        lines.append(f"| {row['kill']} | {'in a save' if row['mode'] == 'save' else 'after a step'} | "
+                     f"{row['started_at']} | {row['logged_step']} | {row['during_save'] or '-'} | {row['latest']} | "
+                     f"{'yes' if row['verifies'] else 'NO: ' + '; '.join(row['problems'])} |")
     r = result
     lines += ["", f"{len(r['kills'])} kills ({r['during_saves']} while a checkpoint was being written), "
                   f"{r['launches']} launches, {r['nproc']} process(es) at tp={r['tp']}, {r['steps']} steps, "
                   f"{r['seconds']:.0f} s ({r['machine']})",
-              f"- `latest` verified after every kill: {'yes' if r['all_verify'] else 'NO'}",
+              f"- `latest` verified after every kill: {'yes' if r['all_verify'] else 'NO'}; every launch resumed "
+              f"from the `latest` of the kill before it: {'yes' if r['resumed_from_latest'] else 'NO'}",
               f"- losses identical to the uninterrupted run: {r['identical_losses']}/{r['steps_compared']} steps "
               f"(max |Δ| {r['max_abs_loss_delta']:.3g}); gradient norms identical: "
               f"{r['identical_grad_norms']}/{r['steps_compared']}"]
@@ -194,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     print(table(result))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
-    ok = result["all_verify"] and result["identical_losses"] == result["steps_compared"]
+    ok = (result["all_verify"] and result["resumed_from_latest"]
+          and result["identical_losses"] == result["steps_compared"])
     return 0 if ok else 1
 
 

@@ -12,6 +12,5 @@ def test_small_soak(tmp_path):
     result = soak.soak(kills=2, nproc=1, tp=1, seed=1, work=tmp_path, timeout=120, steps=8)
     assert [r["mode"] for r in result["kills"]] == ["step", "save"]
     assert result["during_saves"] >= 1 and result["all_verify"], result["kills"]
-    resumed = [0 if r["latest"] == "-" else int(r["latest"][len("step_"):]) for r in result["kills"]]
-    assert result["launches"] == 3 and result["resumed_from"][1:] == resumed
+    assert result["launches"] == 3 and result["resumed_from_latest"]
     assert result["identical_losses"] == result["identical_grad_norms"] == result["steps_compared"] == 8
