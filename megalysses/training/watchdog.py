@@ -47,6 +47,10 @@ def _store(rank: int, timeout: float) -> Optional[dist.Store]:
     return dist.PrefixStore(f"megalysses/watchdog/{run}/", store)
 
 
+class _Ended(BaseException):
+    """The job was ended but the process lives on (an `exit` that returns, in tests)."""
+
+
 class Watchdog:
     def __init__(self, rank: int, world: int, timeout: float, store: Optional[dist.Store],
                  interval: Optional[float] = None, exit: Callable[[int], None] = os._exit) -> None:
@@ -77,19 +81,30 @@ class Watchdog:
         return self._phase[0]
 
     def stop(self) -> None:
+        """The run is over on this rank: stop watching, and tell the others this rank leaves on purpose."""
         self._stopped.set()
+        try:
+            self._beat_once(leaving=True)
+        except Exception:  # noqa: BLE001 - the store may already be gone with the launcher
+            pass
 
     # ------------------------------------------------------------------------- the thread
 
-    def _beat_once(self) -> None:
+    def _beat_once(self, leaving: bool = False) -> None:
         what, since, ticks = self._phase
         self._beat += 1
         if self.store is not None:
             record = {"beat": self._beat, "doing": what, "for": round(time.monotonic() - since, 1), "ticks": ticks,
-                      "host": socket.gethostname(), "pid": os.getpid()}
+                      "host": socket.gethostname(), "pid": os.getpid(), "leaving": leaving}
             self.store.set(f"hb/{self.rank}", json.dumps(record))
 
     def _run(self) -> None:
+        try:
+            self._watch()
+        except _Ended:
+            pass
+
+    def _watch(self) -> None:
         neighbour = (self.rank + 1) % self.world
         seen, changed, store_down = None, time.monotonic(), None
         due = time.monotonic() + self.interval
@@ -109,9 +124,9 @@ class Watchdog:
                     if self.store.check(["abort"]):
                         self._quit()
                     if self.world > 1 and self.store.check([f"hb/{neighbour}"]):
-                        beat = json.loads(self.store.get(f"hb/{neighbour}"))["beat"]
-                        if beat != seen:
-                            seen, changed = beat, now
+                        rec = json.loads(self.store.get(f"hb/{neighbour}"))
+                        if rec["beat"] != seen or rec.get("leaving"):    # alive, or finished on purpose
+                            seen, changed = rec["beat"], now
                 store_down = None
             except Exception as e:  # noqa: BLE001 - the store (on the first node's launcher) is unreachable
                 store_down = store_down or now
@@ -131,14 +146,19 @@ class Watchdog:
         except Exception:  # noqa: BLE001 - the next check reports a store that stays unreachable
             pass
 
-    def _quit(self) -> NoReturn:
+    def _quit(self, wait: float = 0.0) -> NoReturn:
+        """Another rank reports: wait (up to `wait` s) for its verdict, kill the frozen ranks it names, exit."""
+        frozen: list = []
+        deadline = time.monotonic() + wait
         try:
+            while not self.store.check(["abort"]) and time.monotonic() < deadline:
+                time.sleep(0.2)
             frozen = json.loads(self.store.get("frozen")) if self.store.check(["frozen"]) else []
-        except Exception:  # noqa: BLE001
-            frozen = []
+        except Exception:  # noqa: BLE001 - the store is gone: nothing more to learn
+            pass
         self._kill_frozen({rec["rank"]: rec for rec in frozen})
         self._exit(1)
-        raise SystemExit(1)   # only reached when `exit` is replaced (tests)
+        raise _Ended()   # only reached when `exit` is replaced (tests)
 
     # ------------------------------------------------------------------------- ending the job
 
@@ -152,7 +172,10 @@ class Watchdog:
         if self.store is not None:
             try:
                 claimed = self.store.add("claim", 1) == 1
-                if claimed and diagnose:
+                if not claimed:                    # say so, so that the reporter does not take us for frozen
+                    self._beat_once(leaving=True)
+                    self._quit(wait=3 * self.interval + 10)
+                if diagnose:
                     records = self._diagnosis()
             except Exception:  # noqa: BLE001 - no store: every rank reports what it knows
                 claimed = True
@@ -170,7 +193,7 @@ class Watchdog:
                     pass
         self._kill_frozen(records)
         self._exit(1)
-        raise SystemExit(1)
+        raise _Ended()
 
     def _heartbeats(self) -> dict[int, dict]:
         out = {}
@@ -191,7 +214,8 @@ class Watchdog:
         second = self._heartbeats()
         for r in range(self.world):
             rec = second.get(r) or first.get(r) or {"beat": None, "doing": "starting up", "ticks": -1, "for": 0}
-            rec["frozen"] = r not in second or first.get(r, {}).get("beat") == second[r]["beat"]
+            rec["frozen"] = not rec.get("leaving") and (r not in second or
+                                                        first.get(r, {}).get("beat") == second[r]["beat"])
             second[r] = rec
         second[self.rank]["frozen"] = False
         return second
