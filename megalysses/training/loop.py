@@ -145,7 +145,8 @@ def train(cfg: Config, grid: ParallelGrid, device: torch.device, signals: Option
             step, consumed = meta["step"], meta["consumed_samples"]
             updates = meta.get("optimizer_steps", step)
             if step >= total:
-                return {"step": step, "loss": meta.get("loss") or float("nan"), "stopped_by": "already_finished"}
+                last = meta.get("loss")
+                return {"step": step, "loss": float("nan") if last is None else last, "stopped_by": "already_finished"}
             print0(f"resumed from {path} at step {step} ({consumed} samples consumed)")
             if 0 < cfg.training.exit_at_step <= step:
                 raise ConfigError(f"the checkpoint {path} is at step {step}, already at or past "
@@ -201,8 +202,8 @@ def train(cfg: Config, grid: ParallelGrid, device: torch.device, signals: Option
                 break
         if updates == first_updates and step > first_step and stopped_by != "signal":
             raise NonFiniteLossError(f"every step of this run (steps {first_step + 1} to {step}) was skipped: the "
-                                     f"loss or the gradient norm was never finite, so nothing was learned and no "
-                                     f"checkpoint was saved; lower optimizer.lr or check the data")
+                                     f"loss or the gradient norm was never finite, so nothing was learned; lower "
+                                     f"optimizer.lr or check the data")
         if step > first_step and saved_at != step:
             save()
         if stopped_by != "train_steps":
