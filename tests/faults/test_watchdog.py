@@ -25,14 +25,17 @@ def _pair(timeout=1.5):
     return dogs, exits
 
 
-def _run(dogs, seconds):
+def _run(dogs, exits, seconds):
+    """Start the watchdogs; return what they printed once every one has ended the job (or after `seconds`)."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         for d in dogs:
             d._beat_once()
         for d in dogs:
             d._thread.start()
-        time.sleep(seconds)
+        deadline = time.monotonic() + seconds
+        while len(exits) < len(dogs) and time.monotonic() < deadline:
+            time.sleep(0.05)
         for d in dogs:
             d.stop()
     return out.getvalue()
@@ -44,7 +47,7 @@ def test_rank_stuck_outside_collectives_is_named_with_its_phase():
     dogs[0].doing("training step 12")
     dogs[0].doing("waiting for every rank to finish step 12")
     dogs[1].doing("reading the batch of step 12")
-    out = _run(dogs, 4)
+    out = _run(dogs, exits, 10)
     errors = error_lines(out)
     assert len(errors) == 1, out
     assert "rank 1 has spent" in errors[0] and "reading the batch of step 12" in errors[0], errors
@@ -72,10 +75,10 @@ def test_frozen_rank_is_named_by_its_neighbour():
 
 
 def test_single_process_stuck_in_one_phase():
-    dog = Watchdog(0, 1, 1.0, None, interval=0.2, exit=lambda code: exits.append(code))
     exits = []
+    dog = Watchdog(0, 1, 1.0, None, interval=0.2, exit=lambda code: exits.append(code))
     dog.doing("opening the datasets")
-    out = _run([dog], 2.0)
+    out = _run([dog], exits, 10)
     assert exits == [1] and error_lines(out) == [error_lines(out)[0]]
     assert "rank 0 has spent" in out and "opening the datasets" in out
 
@@ -95,7 +98,7 @@ def _groups_time_out(rank, world):
                 dist.all_reduce(torch.ones(1), group=group)
             took.append(time.monotonic() - t0)
     else:
-        time.sleep(8)
+        time.sleep(5)
     return took
 
 
