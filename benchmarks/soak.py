@@ -7,11 +7,12 @@ every time, and compare every step's loss and gradient norm with an uninterrupte
 Each kill takes down the whole job at once, the launcher and every worker (as a node crash would).
 Half of the kills wait until the checkpoint of a random step is complete and strike within the next
 50 ms (the next step, or the next save: a checkpoint is saved every step); the other half wait until
-a checkpoint is being written (its `step_N.tmp` directory exists) and strike a few milliseconds later. After each kill the
-checkpoint that `latest` names must verify (every file against its manifest checksum), and the next
-launch resumes from it. The killed job's steps appear in metrics.jsonl again after the resume; the
-start marks there say which records supersede which. Prints one row per kill, then the comparison,
-and writes the rows as JSON with --json.
+a checkpoint is being written (its `step_N.tmp` directory exists) and strike a few milliseconds
+later. After each kill the checkpoint that `latest` names must verify (every file against its
+manifest checksum), and the next launch resumes from it. The killed job's steps appear in
+metrics.jsonl again after the resume; the start marks there say which records supersede which.
+Prints one row per kill, then the comparison, and writes the result as JSON with --json; exits 1
+unless every checkpoint verified and every loss is identical.
 """
 from __future__ import annotations
 

@@ -498,7 +498,8 @@ _RANGES = [
     ("training", "max_wall_minutes", 0.0, None), ("training", "eval_interval", 0, None),
     ("training", "eval_steps", 1, None), ("checkpoint", "save_interval", 0, None), ("checkpoint", "keep_last", 0, None),
     ("training", "loss_chunk_tokens", 0, None), ("training", "mlp_chunk_tokens", 0, None),
-    ("logging", "log_interval", 1, None), ("logging", "peak_tflops", 0.0, None), ("parallel", "timeout_seconds", 1.0, None),
+    ("logging", "log_interval", 1, None), ("logging", "peak_tflops", 0.0, None),
+    ("parallel", "timeout_seconds", 1.0, None),
     ("parallel", "tp", 1, None), ("parallel", "sp", 1, None), ("parallel", "pp", 1, None),
     ("parallel", "virtual_stages", 1, None), ("parallel", "grad_bucket_elements", 1, None),
 ]

@@ -12,7 +12,7 @@ import pytest
 
 from megalysses.training.manifest import MANIFEST, read_latest, verify_checkpoint
 from megalysses.testing import run_distributed
-from tests.faults.launch import TINY, error_lines
+from tests.faults.launch import TINY
 
 
 def _pretrain(run: Path, *overrides: str) -> tuple[int, str]:
@@ -134,7 +134,8 @@ def _lifecycle(rank, world, root):
     go("older", "run", "training.train_steps=5", "training.exit_at_step=3",
        f"checkpoint.load={ckpts / 'step_0000002'}")               # a new timeline from step 2
     seen["dirs"] = sorted(p.name for p in ckpts.iterdir())
-    seen["abandoned"] = sorted(p.name for p in (ckpts / "abandoned").iterdir()) if (ckpts / "abandoned").exists() else []
+    aside = ckpts / "abandoned"
+    seen["abandoned"] = sorted(p.name for p in aside.iterdir()) if aside.exists() else []
     if rank == 0:
         (ckpts / "latest").unlink()
     dist.barrier()

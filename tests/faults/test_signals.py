@@ -73,8 +73,9 @@ def test_sigterm_to_the_step_task_and_its_group(tmp_path):
     """Slurm's SIGTERM (time limit, scancel, preemption) to the step's task and its process group: torchrun
     ignores it, torchrun_node.sh passes it to the worker, which saves; everything exits 0."""
     run = tmp_path / "run"
+    overrides = TINY + ["training.train_steps=100000", f"logging.run_dir={run}"]
     cmd = ["bash", str(ROOT / "examples/slurm/torchrun_node.sh")] + torchrun_cmd(
-        1, TINY + ["training.train_steps=100000", f"logging.run_dir={run}"], "--signals-to-handle=SIGINT,SIGHUP,SIGQUIT")
+        1, overrides, "--signals-to-handle=SIGINT,SIGHUP,SIGQUIT")
     p = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          start_new_session=True)
     try:

@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import time
-from datetime import timedelta
 
 import pytest
 import torch
