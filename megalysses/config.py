@@ -87,7 +87,7 @@ class ModelConfig:
 
     @property
     def kv_heads(self) -> int:
-        return self.num_kv_heads or self.num_heads
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
 
     def padded_vocab_size(self, tp: int = 1) -> int:
         """Rows of the embedding and LM head: vocab_size rounded up to a multiple of lcm(vocab_pad_multiple, tp)."""
@@ -129,7 +129,8 @@ class ParallelConfig:
     """Shard parameters and gradients too (FSDP2 fully_shard over the dp x sp ranks, one unit per block),
     not only the optimizer state (ZeRO-1, the default). For models whose weights do not fit per device."""
     timeout_seconds: float = 600.0
-    """Collective timeout: a dead or stuck rank ends the job after this long instead of hanging."""
+    """A dead or stuck rank ends the job after this long instead of hanging: the timeout of every
+    collective, and the longest any rank may spend in one phase of the loop (a step, a save, loading)."""
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     """Process-group backend; auto = NCCL when CUDA is available, gloo otherwise."""
 
@@ -227,13 +228,17 @@ class CheckpointConfig:
     save_interval: int = 0
     """Save every N steps (0 = only at the end / on preemption)."""
     keep_last: int = 2
-    """Keep this many most recent checkpoints (0 = keep all)."""
+    """Keep this many checkpoints, counting back from the one just saved (0 = keep all); the one `latest`
+    names is never deleted."""
     load: Optional[str] = "auto"
     """auto = resume from <dir>/latest if present; a path = load it; None = start fresh."""
     init_from: Optional[str] = None
     """Start from these weights (a Hugging Face model directory with config.json and safetensors, a run
     directory or a checkpoint) with a fresh optimizer at step 0, when there is no checkpoint of this run
     to resume (a resumed run keeps its own weights)."""
+    fallback: bool = True
+    """When the checkpoint to resume from fails its checksums (or `latest` is missing or damaged), resume
+    from the newest older checkpoint that verifies, saying so; false = stop with the error."""
 
 
 @dataclass
@@ -313,9 +318,12 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         if isinstance(value, bool):
             raise ConfigError(f"{path}: expected a number, got {value!r}")
         try:
-            return float(value)
+            number = float(value)
         except (TypeError, ValueError):
             raise ConfigError(f"{path}: expected a number, got {value!r}") from None
+        if not math.isfinite(number):
+            raise ConfigError(f"{path}: {value!r} is not a finite number: give a real value")
+        return number
     if tp is str:
         if isinstance(value, (dict, list)):
             raise ConfigError(f"{path}: expected a string, got {value!r}")
@@ -370,8 +378,10 @@ def apply_override(data: dict, override: str) -> None:
         if dataclasses.is_dataclass(tp):
             if last:
                 raise ConfigError(f"override '{override}': '{where}' is a section; set one of its keys")
-            if not isinstance(node.get(part), dict):
+            if part not in node or node[part] is None:
                 node[part] = {}
+            elif not isinstance(node[part], dict):
+                raise ConfigError(f"{where}: expected a mapping of keys, got {node[part]!r}")
             node = node[part]
             cls = tp
         else:
@@ -385,20 +395,57 @@ def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]
     """Read YAML (if given), apply `--set` overrides, build and validate the Config."""
     data: dict = {}
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file '{p}' does not exist")
-        try:
-            data = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file '{p}' is not valid YAML: {e}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"config file '{p}': the top level must be a mapping of sections")
+        data = read_yaml(Path(path))
     for ov in overrides or []:
         apply_override(data, ov)
     cfg = config_from_dict(data)
     validate_config(cfg)
     return cfg
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice in one mapping (YAML would keep the last silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":      # `<<: *anchor`: merged keys may be overridden
+                continue
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise ConfigError(f"the key '{key}' appears twice (lines {seen[key]} and "
+                                  f"{key_node.start_mark.line + 1}): keep one")
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep)
+
+
+def read_yaml(p: Path) -> dict:
+    """The config file as a dict: UTF-8 text, valid YAML, no duplicate keys, a mapping at the top."""
+    if p.is_dir():
+        raise ConfigError(f"config file '{p}' is a directory: give the path of a YAML file")
+    if not p.is_file():
+        raise ConfigError(f"config file '{p}' does not exist")
+    try:
+        text = p.read_bytes().decode("utf-8")
+    except OSError as e:
+        raise ConfigError(f"config file '{p}' cannot be read: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file '{p}' is not UTF-8 text (byte {e.start}): save it as UTF-8 YAML") from None
+    loader = _StrictLoader(text)
+    loader.name = str(p)     # YAML errors then point at the file, not "<unicode string>"
+    try:
+        data = loader.get_single_data()
+    except ConfigError as e:
+        raise ConfigError(f"config file '{p}': {e}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file '{p}' is not valid YAML: {' '.join(str(e).split())}") from None
+    finally:
+        loader.dispose()
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file '{p}': the top level must be a mapping of sections")
+    return data
 
 
 def dump_config(cfg: Config) -> str:
@@ -449,6 +496,12 @@ def validate_config(cfg: Config, world_size: Optional[int] = None) -> None:
         raise ConfigError("data.tokenizer=sentencepiece needs data.tokenizer_model (path to the .model file)")
     if not d.mock and not d.paths:
         raise ConfigError("data.paths is empty: give dataset prefixes (tools/preprocess_data.py output) or set data.mock=true")
+    if d.mock and m.vocab_size < 3:
+        raise ConfigError(f"model.vocab_size={m.vocab_size}: data.mock needs at least 3 tokens (two and the EOD)")
+    if cfg.checkpoint.load is not None and not cfg.checkpoint.load.strip():
+        raise ConfigError("checkpoint.load is empty: give auto, none (start afresh) or the path of a checkpoint")
+    if not cfg.logging.run_dir.strip():
+        raise ConfigError("logging.run_dir is empty: give the run directory (config, metrics, checkpoints)")
     if t.micro_batch_size < 1 or t.global_batch_size < 1:
         raise ConfigError("training.micro_batch_size and training.global_batch_size must be >= 1")
     if world_size is not None:
@@ -468,29 +521,40 @@ def validate_config(cfg: Config, world_size: Optional[int] = None) -> None:
                               f"training.global_batch_size or micro_batch_size")
 
 
+MAX_SEQ_LEN = 2**31 - 2
+"""Longest sample: token positions and sample-index offsets are 32-bit."""
+
 # (section, field, lowest allowed value, highest allowed value or None)
 _RANGES = [
-    ("model", "vocab_size", 1, None), ("model", "vocab_pad_multiple", 1, None), ("model", "hidden_size", 1, None), ("model", "num_layers", 1, None),
-    ("model", "num_heads", 1, None), ("model", "norm_eps", 0.0, None), ("model", "init_std", 0.0, None),
+    ("model", "vocab_size", 1, None), ("model", "vocab_pad_multiple", 1, None), ("model", "hidden_size", 1, None),
+    ("model", "num_layers", 1, None), ("model", "num_heads", 1, None), ("model", "num_kv_heads", 1, None),
+    ("model", "ffn_hidden_size", 1, None), ("model", "norm_eps", 0.0, None), ("model", "init_std", 0.0, None),
+    ("model", "rope_theta", 1.0, None),
     ("model.rope_scaling", "factor", 1.0, None), ("model.rope_scaling", "low_freq_factor", 0.0, None),
     ("model.rope_scaling", "high_freq_factor", 0.0, None),
     ("model.rope_scaling", "original_max_position_embeddings", 1, None),
-    ("data", "seq_len", 1, None),
+    ("data", "seq_len", 1, MAX_SEQ_LEN),
     ("optimizer", "lr", 0.0, None), ("optimizer", "min_lr", 0.0, None), ("optimizer", "weight_decay", 0.0, None),
     ("optimizer", "beta1", 0.0, 1.0), ("optimizer", "beta2", 0.0, 1.0), ("optimizer", "eps", 0.0, None),
     ("optimizer", "grad_clip", 0.0, None), ("optimizer", "warmup_steps", 0, None),
     ("optimizer", "decay_fraction", 0.0, 1.0),
-    ("training", "train_steps", 1, None), ("training", "exit_at_step", 0, None),
+    ("training", "seed", 0, 2**63 - 1), ("training", "train_steps", 1, None), ("training", "exit_at_step", 0, None),
     ("training", "max_wall_minutes", 0.0, None), ("training", "eval_interval", 0, None),
     ("training", "eval_steps", 1, None), ("checkpoint", "save_interval", 0, None), ("checkpoint", "keep_last", 0, None),
     ("training", "loss_chunk_tokens", 0, None), ("training", "mlp_chunk_tokens", 0, None),
-    ("logging", "log_interval", 1, None), ("parallel", "timeout_seconds", 1.0, None),
+    ("logging", "log_interval", 1, None), ("logging", "peak_tflops", 0.0, None),
+    ("parallel", "timeout_seconds", 1.0, None),
     ("parallel", "tp", 1, None), ("parallel", "sp", 1, None), ("parallel", "pp", 1, None),
     ("parallel", "virtual_stages", 1, None), ("parallel", "grad_bucket_elements", 1, None),
 ]
 
 
 def _check_ranges(cfg: Config) -> None:
+    for section in dataclasses.fields(cfg):     # every float, also of a Config built in code
+        for f in dataclasses.fields(getattr(cfg, section.name)):
+            value = getattr(getattr(cfg, section.name), f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{section.name}.{f.name}={value} is not a finite number: give a real value")
     for section, name, lo, hi in _RANGES:
         owner = cfg
         for part in section.split("."):
@@ -501,6 +565,21 @@ def _check_ranges(cfg: Config) -> None:
         if value < lo or (hi is not None and value > hi):
             allowed = f">= {lo}" if hi is None else f"between {lo} and {hi}"
             raise ConfigError(f"{section}.{name}={value} is out of range: it must be {allowed}")
+
+
+def config_warnings(cfg: Config) -> list[str]:
+    """Settings that are legal but almost certainly not what was meant (printed once, by rank 0)."""
+    o, t = cfg.optimizer, cfg.training
+    notes = []
+    if o.lr == 0:
+        notes.append("optimizer.lr=0: the weights will not change")
+    elif o.min_lr > o.lr:
+        notes.append(f"optimizer.min_lr={o.min_lr:g} is above optimizer.lr={o.lr:g}: the learning rate will rise "
+                     f"during the decay")
+    if o.warmup_steps > t.train_steps:
+        notes.append(f"optimizer.warmup_steps={o.warmup_steps} is more than training.train_steps={t.train_steps}: "
+                     f"the learning rate never reaches optimizer.lr")
+    return notes
 
 
 def check_heads(num_heads: int, kv_heads: int, tp: int, sp: int) -> None:

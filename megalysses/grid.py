@@ -17,6 +17,7 @@ Groups by purpose:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from functools import cached_property
 from typing import Optional
 
@@ -92,9 +93,12 @@ class ParallelGrid:
     """This rank's coordinates and process groups. Build once after init_process_group; pass it around."""
 
     def __init__(self, tp: int = 1, sp: int = 1, pp: int = 1, world: Optional[int] = None,
-                 rank: Optional[int] = None) -> None:
+                 rank: Optional[int] = None, timeout_seconds: Optional[float] = None) -> None:
         self.world = dist.get_world_size() if world is None else world
         self.rank = dist.get_rank() if rank is None else rank
+        # every group ends a collective that waits longer than this (parallel.timeout_seconds);
+        # None leaves torch's default (30 minutes on gloo)
+        self.timeout = None if timeout_seconds is None else timedelta(seconds=timeout_seconds)
         self.layout = GridLayout(self.world, tp, sp, pp)
         c = self.layout.coords(self.rank)
         self.pp_rank, self.dp_rank, self.sp_rank, self.tp_rank = c["pp"], c["dp"], c["sp"], c["tp"]
@@ -103,7 +107,7 @@ class ParallelGrid:
         # every rank creates every group in the same order; a group of one is None (collectives skip it)
         for kind in list(GROUP_AXES) + ["embed"]:
             for ranks in self.layout.groups(kind):
-                group = dist.new_group(ranks) if len(ranks) > 1 else None
+                group = dist.new_group(ranks, timeout=self.timeout) if len(ranks) > 1 else None
                 if self.rank in ranks:
                     self._groups[kind], self._ranks[kind] = group, ranks
 

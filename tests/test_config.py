@@ -1,7 +1,8 @@
 """Typed config: strict YAML, --set overrides, cross-field validation, round trip."""
 import pytest
 
-from megalysses.config import Config, ConfigError, config_from_dict, dump_config, load_config, save_config, validate_config
+from megalysses.config import (Config, ConfigError, config_from_dict, config_warnings, dump_config, load_config,
+                               read_yaml, save_config, validate_config)
 
 
 def _write(tmp_path, text):
@@ -108,3 +109,47 @@ def test_missing_file_and_bad_yaml(tmp_path):
         load_config(tmp_path / "nope.yaml")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(_write(tmp_path, "model: [\n"))
+
+
+def test_no_float_field_takes_nan_or_inf(tmp_path):
+    """Every float field, however the value arrives: --set, YAML, or a Config built in code."""
+    import dataclasses
+
+    defaults = Config()
+    floats = [(sec.name, f.name) for sec in dataclasses.fields(defaults)
+              for f in dataclasses.fields(getattr(defaults, sec.name))
+              if isinstance(getattr(getattr(defaults, sec.name), f.name), float)]
+    assert len(floats) >= 14
+    for section, name in floats:
+        for bad in ("nan", "inf", "-inf"):
+            with pytest.raises(ConfigError, match=f"{section}.{name}.*not a finite number"):
+                load_config(overrides=["data.mock=true", f"{section}.{name}={bad}"])
+        cfg = load_config(overrides=["data.mock=true"])
+        setattr(getattr(cfg, section), name, float("nan"))
+        with pytest.raises(ConfigError, match=f"{section}.{name}=nan"):
+            validate_config(cfg)
+    with pytest.raises(ConfigError, match="optimizer.lr"):
+        load_config(_write(tmp_path, "optimizer:\n  lr: .nan\ndata:\n  mock: true\n"))
+
+
+def test_duplicate_keys_and_encodings(tmp_path):
+    with pytest.raises(ConfigError, match="'model' appears twice"):
+        load_config(_write(tmp_path, "model:\n  num_layers: 2\ndata:\n  mock: true\nmodel:\n  hidden_size: 64\n"))
+    p = tmp_path / "latin1.yaml"
+    p.write_bytes("model:\n  norm: rmsnorm # \xe9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        load_config(p)
+    with pytest.raises(ConfigError, match="is a directory"):
+        load_config(tmp_path)
+    merged = "base: &b\n  num_layers: 2\n  hidden_size: 64\nmodel:\n  <<: *b\n  num_layers: 4\n"
+    assert read_yaml(_write(tmp_path, merged))["model"] == {"num_layers": 4, "hidden_size": 64}   # YAML merge keys
+    with pytest.raises(ConfigError, match="model: expected a mapping"):   # not silently replaced by the override
+        load_config(_write(tmp_path, "model: 3\ndata:\n  mock: true\n"), overrides=["model.num_layers=2"])
+
+
+def test_warnings_for_legal_but_suspicious_settings():
+    assert config_warnings(load_config(overrides=["data.mock=true"])) == []
+    notes = config_warnings(load_config(overrides=["data.mock=true", "optimizer.lr=0", "training.train_steps=10"]))
+    assert len(notes) == 2 and "optimizer.lr=0" in notes[0] and "warmup_steps=100" in notes[1]
+    notes = config_warnings(load_config(overrides=["data.mock=true", "optimizer.min_lr=1e-2"]))
+    assert notes == [notes[0]] and "min_lr=0.01 is above optimizer.lr" in notes[0]
