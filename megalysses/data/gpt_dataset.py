@@ -16,6 +16,7 @@ Three indices, built with vectorised numpy and cached (see cache.py):
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 from typing import Optional
@@ -29,10 +30,23 @@ INDEX_VERSION = "gpt-indices-v1"
 
 
 def parse_split(split: str) -> list[float]:
-    """"969,30,1" -> normalised [train, valid, test] weights (missing entries are 0)."""
-    parts = [float(x) for x in re.findall(r"[.0-9]+", split)]
-    if not 1 <= len(parts) <= 3 or sum(parts) <= 0:
-        raise ValueError(f"split {split!r}: expected up to three non-negative ratios like '969,30,1'")
+    """"969,30,1" (or "969/30/1") -> normalised [train, valid, test] weights (missing entries are 0)."""
+    text = str(split).strip()
+    usage = "give up to three non-negative ratios for train,valid,test like '969,30,1'"
+    items = [x.strip() for x in re.split(r"[,/]", text)] if text else []
+    if not 1 <= len(items) <= 3:
+        raise ValueError(f"split {split!r}: {len(items)} ratios; {usage}")
+    parts = []
+    for item in items:
+        try:
+            value = float(item)
+        except ValueError:
+            raise ValueError(f"split {split!r}: {item!r} is not a number; {usage}") from None
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"split {split!r}: ratio {item} is {'negative' if value < 0 else 'not finite'}; {usage}")
+        parts.append(value)
+    if sum(parts) <= 0:
+        raise ValueError(f"split {split!r}: the ratios sum to 0; {usage}")
     parts += [0.0] * (3 - len(parts))
     total = sum(parts)
     return [p / total for p in parts]
@@ -62,29 +76,54 @@ def build_gpt_indices(lengths: np.ndarray, first_document: int, seq_len: int, se
                       num_epochs: int) -> dict[str, np.ndarray]:
     """The document, sample and shuffle indices for documents first_document + arange(len(lengths)).
 
-    Pure numpy, no Python loop over documents, samples or epochs.
+    Pure numpy, no Python loop over documents or samples (one short loop over epochs). The random
+    draws are fixed: the document ids of each epoch are shuffled by one `Generator.permuted` over an
+    (epochs, documents) array, then one uniform number per sample orders the samples inside their
+    epoch (stable on ties).
     """
-    lengths = np.asarray(lengths, dtype=np.int64)
+    lengths = np.asarray(lengths)
     num_docs = len(lengths)
-    tokens_per_epoch = int(lengths.sum())
+    tokens_per_epoch = int(lengths.sum(dtype=np.int64))
     rng = np.random.default_rng(seed)
-    id_dtype = np.int32 if first_document + num_docs < 2**31 else np.int64
-    doc = np.empty((num_epochs, num_docs), dtype=id_dtype)
-    doc[:] = np.arange(first_document, first_document + num_docs, dtype=id_dtype)
-    rng.permuted(doc, axis=1, out=doc)
-    doc = doc.reshape(-1)
+    if first_document + num_docs < 2**31:
+        # (document id, length) int32 pairs shuffled as single 8-byte items: the permutation is the one
+        # the ids alone would get (it depends only on the array's shape and the generator), and the
+        # lengths come out in stream order without a random-access gather.
+        pairs = np.empty((num_epochs, num_docs, 2), dtype=np.int32)
+        pairs[:, :, 0] = np.arange(first_document, first_document + num_docs, dtype=np.int32)
+        pairs[:, :, 1] = lengths
+        items = pairs.view(np.int64)[:, :, 0]
+        rng.permuted(items, axis=1, out=items)
+        doc = np.ascontiguousarray(pairs[:, :, 0]).reshape(-1)
+        stream = np.ascontiguousarray(pairs[:, :, 1]).reshape(-1)
+        del pairs, items
+    else:
+        doc = np.empty((num_epochs, num_docs), dtype=np.int64)
+        doc[:] = np.arange(first_document, first_document + num_docs, dtype=np.int64)
+        rng.permuted(doc, axis=1, out=doc)
+        doc = doc.reshape(-1)
+        stream = np.take(lengths, doc - first_document)
 
-    ends = np.cumsum(lengths[doc - first_document])  # token position where each stream entry ends
+    ends = np.cumsum(stream, dtype=np.int64)  # token position where each stream entry ends
     num_samples = (num_epochs * tokens_per_epoch - 1) // seq_len
     starts = np.arange(num_samples + 1, dtype=np.int64) * seq_len
     position = np.searchsorted(ends, starts, side="right")
-    offset = starts - (ends[position] - lengths[doc[position] - first_document])
-    pos_dtype = np.int32 if len(doc) < 2**31 else np.int64
-    sample = np.stack([position, offset], axis=1).astype(pos_dtype)
+    sample = np.empty((num_samples + 1, 2), dtype=np.int32 if len(doc) < 2**31 else np.int64)
+    sample[:, 0] = position
+    sample[:, 1] = starts - ends[position] + stream[position]
+    del ends, stream
 
-    epoch = starts[:-1] // tokens_per_epoch
-    shuffle = np.lexsort((rng.random(num_samples), epoch))
-    shuffle = shuffle.astype(np.uint32 if num_samples < 2**32 - 1 else np.int64)
+    # a sample belongs to the epoch where it starts; samples are shuffled inside their epoch
+    random = rng.random(num_samples)
+    shuffle = np.empty(num_samples, dtype=np.uint32 if num_samples < 2**32 - 1 else np.int64)
+    bounds = np.searchsorted(starts[:-1], np.arange(num_epochs + 1, dtype=np.int64) * tokens_per_epoch)
+    for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+        keys = random[a:b]
+        order = np.argsort(keys)
+        ranked = keys[order]
+        if np.any(ranked[1:] == ranked[:-1]):  # equal draws keep their sample order, as a stable sort does
+            order = np.argsort(keys, kind="stable")
+        shuffle[a:b] = order + a
     return {"doc": doc, "sample": sample, "shuffle": shuffle}
 
 
