@@ -86,3 +86,17 @@ def test_index_checks_find_the_first_bad_entry(tmp_path):
     open(tmp_path / "i.idx", "wb").write(raw)
     with pytest.raises(DatasetError, match="sequence 1 has a negative length -3"):
         IndexedDataset(tmp_path / "i")
+
+
+def test_index_checks_across_chunks(tmp_path, monkeypatch):
+    import struct
+
+    from megalysses.data import indexed
+    monkeypatch.setattr(indexed, "CHECK_CHUNK", 3)
+    ds = make(tmp_path / "k", [list(range(n)) for n in (2, 0, 5, 1, 3, 4, 0, 2)])
+    assert len(ds) == 8 and IndexedDataset(tmp_path / "k").num_tokens == 17
+    raw = bytearray(open(tmp_path / "k.idx", "rb").read())
+    raw[34 + 8 * 4 + 4 * 8:34 + 8 * 4 + 5 * 8] = struct.pack("<q", 999)    # pointer of sequence 4
+    open(tmp_path / "k.idx", "wb").write(raw)
+    with pytest.raises(DatasetError, match="sequence 4 points at byte 999 .* end at byte 16"):
+        IndexedDataset(tmp_path / "k")

@@ -87,3 +87,12 @@ def check_token_ids(ds: IndexedDataset, vocab_size: int, cache_dir: Optional[str
                   f"(the size of that tokenizer), or re-tokenize the data")
     raise DatasetError(f"{ds.bin_file}: token id {token} (document {document}, sequence {sequence}; largest id "
                        f"{hi}) is outside the vocabulary of {vocab_size} ids ({vocabulary}): {fix}")
+
+
+def check_dtype_holds(ds: IndexedDataset, vocab_size: int, vocabulary: str) -> None:
+    """Raise DatasetError when the dataset's integer dtype cannot hold the ids of a vocabulary: such a
+    file was written for a smaller vocabulary (preprocessing picks uint16 below 65,500 ids, else int32)."""
+    if ds.dtype.kind in "iu" and vocab_size - 1 > np.iinfo(ds.dtype).max:
+        raise DatasetError(f"{ds.idx_file}: token ids are stored as {ds.dtype}, which holds ids up to "
+                           f"{np.iinfo(ds.dtype).max}, but {vocabulary} has {vocab_size} ids: the dataset was made "
+                           f"with another tokenizer; set data.tokenizer to that one, or re-tokenize the data")

@@ -14,8 +14,8 @@ import torch
 from megalysses.config import Config
 from megalysses.data import DatasetError, MockGPTDataset, build_gpt_datasets, iterate_micro_batches
 from megalysses.data.indexed import IndexedDataset
-from megalysses.data.tokenizer import tokenizer_from_config
-from megalysses.data.validate import check_token_ids
+from megalysses.data.tokenizer import NullTokenizer, tokenizer_from_config
+from megalysses.data.validate import check_dtype_holds, check_token_ids
 from megalysses.grid import ParallelGrid
 
 Batch = dict[str, torch.Tensor]
@@ -49,6 +49,8 @@ class TrainingData:
         self.eod_id = tokenizer.eod_id
 
         def validate(ds: IndexedDataset, cache_dir: str) -> None:
+            if not isinstance(tokenizer, NullTokenizer):   # its vocabulary is the model's, not the data's maker
+                check_dtype_holds(ds, tokenizer.vocab_size, f"data.tokenizer={d.tokenizer}")
             check_token_ids(ds, vocab, cache_dir, "model.vocab_size")
             check_token_ids(ds, tokenizer.vocab_size, cache_dir, f"data.tokenizer={d.tokenizer}",
                             f"the data was not made with this tokenizer: set data.tokenizer (and "

@@ -155,6 +155,7 @@ CASES = [
          "negative token id"),
     Case("data/uint8_token_ids_past_vocab", pretrain_on(with_ids([100], np.uint8), "data.tokenizer=NullTokenizer",
                                                         "model.vocab_size=64"), "outside the vocabulary"),
+    Case("data/uint8_data_for_a_larger_tokenizer", pretrain_on(with_ids([1], np.uint8)), "another tokenizer"),
     Case("data/float64_token_ids", pretrain_on(dtype_code(6)), "float64"),
     Case("data/float32_token_ids", pretrain_on(dtype_code(7)), "float32"),
     Case("data/tokenizer_larger_than_model", sp_small_model, "raise model.vocab_size"),
