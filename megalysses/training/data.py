@@ -53,8 +53,8 @@ class TrainingData:
                 check_dtype_holds(ds, tokenizer.vocab_size, f"data.tokenizer={d.tokenizer}")
             check_token_ids(ds, vocab, cache_dir, "model.vocab_size")
             check_token_ids(ds, tokenizer.vocab_size, cache_dir, f"data.tokenizer={d.tokenizer}",
-                            f"the data was not made with this tokenizer: set data.tokenizer (and "
-                            f"data.tokenizer_model) to the one tools/preprocess_data.py used")
+                            "the data was not made with this tokenizer: set data.tokenizer (and "
+                            "data.tokenizer_model) to the one tools/preprocess_data.py used")
 
         evals = t.train_steps // t.eval_interval + 1 if t.eval_interval else 0
         valid_samples = t.eval_steps * t.global_batch_size if evals else None
