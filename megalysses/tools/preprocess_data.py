@@ -269,7 +269,7 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--output-prefix {args.output_prefix}: {parent} is a file, not a directory")
 
 
-def _empty_message(args: argparse.Namespace, docs: int, skipped: collections.Counter,
+def _empty_message(args: argparse.Namespace, key: str, docs: int, skipped: collections.Counter,
                    examples: list[str], seen_keys: set) -> str:
     where = args.input
     if not docs and skipped:
@@ -284,8 +284,8 @@ def _empty_message(args: argparse.Namespace, docs: int, skipped: collections.Cou
         return f"no tokens written: every document of {where} was skipped ({reasons}; first: {examples[0]}){hint}"
     if not docs:
         return f"no tokens written: {where} holds no documents"
-    return (f"no tokens written: all {docs} documents of {where} are empty after tokenization "
-            f"(--json-keys {' '.join(args.json_keys)}): check the key and the text")
+    return (f"no tokens written for '{key}': all {docs} documents of {where} are empty after tokenization "
+            f"under that key: check --json-keys and the text")
 
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
@@ -306,10 +306,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
                 "merge_file": args.merge_file, "vocab_size": args.vocab_size, "append_eod": args.append_eod,
                 "eod": args.eod if args.eod is not None else args.null_tokenizer_eod_id, "bos": args.bos,
                 "special": not args.tokenizer_hf_no_include_special_tokens}
-    tok = _tokenizer(tok_args)
-    if args.bos is not None and tok.bos_id is None:
-        raise TokenizerError(f"--bos {args.bos}: not a token of the tokenizer")
-    dtype = optimal_dtype(tok.vocab_size)
+    dtype = optimal_dtype(_tokenizer(tok_args).vocab_size)
     Path(args.output_prefix).parent.mkdir(parents=True, exist_ok=True)
     finals = {k: f"{args.output_prefix}_{k}_document" for k in args.json_keys}
     tag = f".tmp-{os.getpid()}"
@@ -321,7 +318,8 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     temp = {k: f"{f}{tag}" for k, f in finals.items()}      # every temporary file starts with this
     parts_of = {(k, q): f"{temp[k]}.part{q}" for k in finals for q in range(parts)}
     builders = {kq: IndexedDatasetBuilder(bin_path(prefix), dtype) for kq, prefix in parts_of.items()}
-    docs = tokens = nbytes = empty = 0
+    docs = nbytes = empty = 0
+    tokens = dict.fromkeys(args.json_keys, 0)
     skipped: collections.Counter = collections.Counter()
     examples: list[str] = []
     empty_example, seen_keys = None, set()
@@ -333,7 +331,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             part = (result["ordinals"] // block if block else result["ordinals"] % parts) if parts > 1 else None
             for key in args.json_keys:
                 toks, lengths, per_doc = result[key]
-                tokens += len(toks)
+                tokens[key] += len(toks)
                 if part is None:
                     builders[key, 0].add_documents(toks, lengths, per_doc)
                     continue
@@ -350,10 +348,11 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             seen_keys.update(result["seen_keys"])
             examples += result["examples"][:5 - len(examples)]
             if docs >= next_log:
-                _progress(start, docs, nbytes, tokens, result["position"], reader.total, final=False)
+                _progress(start, docs, nbytes, sum(tokens.values()), result["position"], reader.total, final=False)
                 next_log = docs + args.log_interval
-        if tokens == 0:
-            raise InputError(_empty_message(args, docs, skipped, examples, seen_keys))
+        for key, count in tokens.items():
+            if count == 0:
+                raise InputError(_empty_message(args, key, docs, skipped, examples, seen_keys))
         for kq, builder in builders.items():
             builder.finalize(idx_path(parts_of[kq]))
         for key, final in finals.items():
@@ -371,7 +370,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         for prefix in temp.values():
             for leftover in glob.glob(glob.escape(prefix) + "*"):
                 os.remove(leftover)
-    _progress(start, docs, nbytes, tokens, reader.position.done, reader.total, final=True)
+    _progress(start, docs, nbytes, sum(tokens.values()), reader.position.done, reader.total, final=True)
     if skipped:
         reasons = ", ".join(f"{n} {reason}" for reason, n in sorted(skipped.items()))
         print(f"skipped {sum(skipped.values())} malformed documents ({reasons}); first: {'; '.join(examples)}",
@@ -382,7 +381,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
               file=sys.stderr)
     for final in finals.values():
         print(f"wrote {bin_path(final)} and {idx_path(final)}", file=sys.stderr)
-    return {"documents": docs, "tokens": tokens, "bytes": nbytes, "skipped": dict(skipped), "empty": empty,
+    return {"documents": docs, "tokens": sum(tokens.values()), "bytes": nbytes, "skipped": dict(skipped), "empty": empty,
             "seconds": time.time() - start, "outputs": list(finals.values())}
 
 

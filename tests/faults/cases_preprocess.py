@@ -107,6 +107,8 @@ CASES = [
     Case("preprocess/list_of_numbers_value", preprocess(jsonl('{"text": [1, 2, 3]}\n')), "non-string"),
     Case("preprocess/every_document_empty", preprocess(jsonl('{"text": ""}\n{"text": ""}\n')),
          "empty after tokenization"),
+    Case("preprocess/second_key_always_empty", preprocess(jsonl('{"text": "abc", "title": ""}\n' * 3), "--json-keys",
+                                                          "text", "title"), "for 'title'"),
     Case("preprocess/every_document_an_empty_list", preprocess(jsonl('{"text": []}\n{"text": [""]}\n')),
          "empty after tokenization"),
     Case("preprocess/lines_are_json_arrays", preprocess(jsonl('{"text": "a"}\n'.replace("{", "[{").replace("}", "}]")
