@@ -141,7 +141,7 @@ def test_gpt2_bpe_command_line(corpus, tokenizers_dir, tmp_path):
     out = tmp_path / "gpt2"
     run_cmd(f"python tools/preprocess_data.py --input {corpus['jsonl']} --output-prefix {out} --vocab-file "
             f"{tokenizers_dir['vocab']} --merge-file {tokenizers_dir['merges']} --tokenizer-type GPT2BPETokenizer "
-            f"--append-eod --workers 1", tmp_path)
+            f"--append-eod --workers 1 --dataset-impl mmap", tmp_path)
     check(out, "text", megatron_bytes([r["text"] for r in corpus["rows"]], lambda t: ref(t).input_ids,
                                       ref.convert_tokens_to_ids("<|endoftext|>"), len(ref)))
 

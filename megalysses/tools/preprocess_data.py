@@ -227,6 +227,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--log-interval", type=int, default=10000, help="documents between progress lines (0 = every batch)")
     p.add_argument("--keep-newlines", action="store_true", help="Megatron-LM: only acts with --split-sentences")
     p.add_argument("--lang", default="english", help="Megatron-LM: only acts with --split-sentences")
+    p.add_argument("--dataset-impl", choices=["mmap"], default="mmap",
+                   help="older Megatron-LM: the indexed format, of which only mmap (this one) is written")
     t = p.add_argument_group("tokenizer")
     t.add_argument("--tokenizer-type", default="byte",
                    help="byte, sentencepiece, huggingface, gpt2bpe, null, or a Megatron-LM name")

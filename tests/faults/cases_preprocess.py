@@ -154,6 +154,7 @@ CASES = [
     Case("preprocess/hf_no_use_fast", preprocess(jsonl(GOOD), "--tokenizer-hf-no-use-fast"), "fast"),
     Case("preprocess/tokenizer_special_tokens", preprocess(jsonl(GOOD), "--tokenizer-special-tokens", "<x>"),
          "special tokens"),
+    Case("preprocess/dataset_impl_lazy", preprocess(jsonl(GOOD), "--dataset-impl", "lazy"), "--dataset-impl"),
     Case("preprocess/vocab_extra_ids", preprocess(jsonl(GOOD), "--vocab-extra-ids", "100"), "--vocab-extra-ids"),
     # tokenizers
     Case("preprocess/unknown_tokenizer_type", preprocess(jsonl(GOOD), "--tokenizer-type", "GPT3Tokenizer"),
