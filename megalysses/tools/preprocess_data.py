@@ -132,23 +132,33 @@ def encode_batch(batch: tuple[int, list[bytes], int]) -> dict[str, Any]:
                            "position": position, "ordinals": np.asarray(ordinals, dtype=np.int64),
                            "seen_keys": sorted(seen_keys), "empty": 0, "empty_example": None}
     for k, key in enumerate(keys):
-        sentences = [s for doc in parsed for s in doc[k]]
-        encoded = iter(_encode(sentences))
+        encoded = _encode([s for doc in parsed for s in doc[k]])
         bos_arr, eod_arr = np.asarray(bos, dtype=dtype), np.asarray(eod, dtype=dtype)
-        pieces, lengths, per_doc = [], [], []
+        pieces: list[np.ndarray] = []
+        lengths: list[int] = []
+        per_doc = np.zeros(len(parsed), dtype=np.int64)
+        i = 0
         for d, doc in enumerate(parsed):
-            seqs = [x for x in (next(encoded) for _ in doc[k]) if len(x)]
-            if seqs:
-                seqs[0] = np.concatenate([bos_arr, seqs[0]]) if bos else seqs[0]
-                seqs[-1] = np.concatenate([seqs[-1], eod_arr]) if eod else seqs[-1]
-            elif k == 0:
-                out["empty"] += 1
-                out["empty_example"] = out["empty_example"] or f"{ordinals[d] + 1}"
-            pieces += seqs
-            lengths += [len(x) for x in seqs]
-            per_doc.append(len(seqs))
+            first = len(lengths)
+            for x in encoded[i:i + len(doc[k])]:
+                if len(x):
+                    pieces.append(x)
+                    lengths.append(len(x))
+            i += len(doc[k])
+            per_doc[d] = len(lengths) - first
+            if not per_doc[d]:
+                if k == 0:
+                    out["empty"] += 1
+                    out["empty_example"] = out["empty_example"] or f"{ordinals[d] + 1}"
+                continue
+            if bos:   # before the document's first sequence, as its first token
+                pieces.insert(len(pieces) - per_doc[d], bos_arr)
+                lengths[first] += len(bos)
+            if eod:
+                pieces.append(eod_arr)
+                lengths[-1] += len(eod)
         tokens = np.concatenate(pieces).astype(dtype) if pieces else np.zeros(0, dtype)
-        out[key] = (tokens, np.asarray(lengths, dtype=np.int32), np.asarray(per_doc, dtype=np.int64))
+        out[key] = (tokens, np.asarray(lengths, dtype=np.int32), per_doc)
     return out
 
 
