@@ -195,6 +195,7 @@ def main() -> None:
     p.add_argument("--skip-preprocess", action="store_true", help="only the index and blend measurements")
     p.add_argument("--json", default="benchmarks/results/data.json")
     args = p.parse_args()
+    load = os.getloadavg()[0]   # other work on the machine inflates every timing; recorded with them
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         corpus = args.corpus
@@ -211,11 +212,13 @@ def main() -> None:
         info = {"python": platform.python_version(), "numpy": np.__version__, "cpus": os.cpu_count(),
                 "machine": platform.machine(), "processor": platform.processor() or platform.machine(),
                 "megatron_helper": "imported" if helper is not None else "not importable",
+                "load_average_at_start": round(load, 2), "load_average_at_end": round(os.getloadavg()[0], 2),
                 "corpus": None if args.skip_preprocess else
                 (Path(args.corpus).name if args.corpus else "stdlib (tools/build_corpus.py --stdlib)"),
                 "corpus_mb": None if args.skip_preprocess else os.path.getsize(corpus) / 1e6}
     print(f"corpus: {info['corpus']}, {info['corpus_mb'] or 0:.1f} MB jsonl; {info['cpus']} CPUs, Python "
-          f"{info['python']}, numpy {info['numpy']}; megatron-core helper {info['megatron_helper']}")
+          f"{info['python']}, numpy {info['numpy']}; megatron-core helper {info['megatron_helper']}; load average "
+          f"{info['load_average_at_start']} -> {info['load_average_at_end']}")
     print(table(rows, helper is not None))
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({"info": info, "rows": rows}, indent=2))

@@ -87,7 +87,7 @@ def with_ids(ids: list[int], dtype: type = np.uint16) -> Callable[[Path], str]:
 
 
 def sp_model(tmp: Path) -> str:
-    """A small sentencepiece model (400 pieces, more than TINY's model.vocab_size=... when lowered)."""
+    """A small sentencepiece model of 300 pieces."""
     from megalysses.tools.train_tokenizer import train
     corpus = tmp / "corpus.jsonl"
     words = ["alpha", "beta", "gamma", "delta", "token", "stream", "model", "data"]
