@@ -152,7 +152,8 @@ def main(argv: list[str] | None = None) -> dict:
     for row in rows:
         print(f"| {row['framework']} | {row['ms_per_step']:.1f} | {row['tokens_per_s']:.0f} | {row['first_step_loss']:.6f} |")
     print(f"\nmegalysses / transformers tokens/s: {ratio:.2f}x")
-    result = {"args": vars(args), "device": device.type, "dtype": str(dtype), "threads": torch.get_num_threads(),
+    recorded = {k: v for k, v in vars(args).items() if k != "json"}   # the output path names the machine
+    result = {"args": recorded, "device": device.type, "dtype": str(dtype), "threads": torch.get_num_threads(),
               "rows": rows, "ratio": ratio, "machine": platform.platform(), "torch": torch.__version__,
               "transformers": transformers.__version__}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

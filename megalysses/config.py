@@ -143,10 +143,22 @@ class DataConfig:
     """train,valid,test ratios over documents."""
     seq_len: int = 1024
     """Tokens per sample (the model sees seq_len tokens and predicts seq_len labels)."""
-    tokenizer: Literal["sentencepiece", "byte"] = "byte"
-    """Tokenizer type: a sentencepiece model file, or byte-level (no file needed)."""
+    tokenizer: str = "byte"
+    """Tokenizer type: byte (no file), sentencepiece (a .model), huggingface (a tokenizer.json or a folder
+    holding one), gpt2bpe (vocab_file + merge_file) or null (token ids as text); Megatron-LM's
+    --tokenizer-type names (HuggingFaceTokenizer, SentencePieceTokenizer, GPT2BPETokenizer, ...) too."""
     tokenizer_model: Optional[str] = None
-    """Path to the sentencepiece .model file."""
+    """The sentencepiece .model file, or the tokenizer.json (or its folder) of a huggingface tokenizer."""
+    vocab_file: Optional[str] = None
+    """gpt2bpe: the vocab.json file."""
+    merge_file: Optional[str] = None
+    """gpt2bpe: the merges.txt file."""
+    eod: Optional[str] = None
+    """End-of-document token ('<|end_of_text|>') or id ('128001') that separates packed documents
+    (default: the tokenizer's EOS)."""
+    bos: Optional[str] = None
+    """BOS token or id that starts every document, as written by tools/preprocess_data.py --bos; generation
+    then starts prompts with it too (default: none besides what the tokenizer itself adds)."""
     document_mask: bool = True
     """Attention does not cross the EOD boundaries of packed documents."""
     reset_position_ids: bool = True
@@ -492,8 +504,7 @@ def validate_config(cfg: Config, world_size: Optional[int] = None) -> None:
     if m.num_layers % p.pp:
         raise ConfigError(f"model.num_layers={m.num_layers} is not divisible by parallel.pp={p.pp}: "
                           f"every pipeline stage holds the same number of layers")
-    if d.tokenizer == "sentencepiece" and not d.tokenizer_model:
-        raise ConfigError("data.tokenizer=sentencepiece needs data.tokenizer_model (path to the .model file)")
+    _check_tokenizer(d)
     if not d.mock and not d.paths:
         raise ConfigError("data.paths is empty: give dataset prefixes (tools/preprocess_data.py output) or set data.mock=true")
     if d.mock and m.vocab_size < 3:
@@ -502,6 +513,7 @@ def validate_config(cfg: Config, world_size: Optional[int] = None) -> None:
         raise ConfigError("checkpoint.load is empty: give auto, none (start afresh) or the path of a checkpoint")
     if not cfg.logging.run_dir.strip():
         raise ConfigError("logging.run_dir is empty: give the run directory (config, metrics, checkpoints)")
+    _check_data(d)
     if t.micro_batch_size < 1 or t.global_batch_size < 1:
         raise ConfigError("training.micro_batch_size and training.global_batch_size must be >= 1")
     if world_size is not None:
@@ -580,6 +592,33 @@ def config_warnings(cfg: Config) -> list[str]:
         notes.append(f"optimizer.warmup_steps={o.warmup_steps} is more than training.train_steps={t.train_steps}: "
                      f"the learning rate never reaches optimizer.lr")
     return notes
+
+
+def _check_data(d: DataConfig) -> None:
+    from megalysses.data.blend import parse_blend
+    from megalysses.data.gpt_dataset import parse_split
+
+    try:
+        parse_split(d.split)
+        if not d.mock and d.paths:
+            parse_blend(d.paths)
+    except ValueError as e:
+        raise ConfigError(f"data.{'split' if str(e).startswith('split') else 'paths'}: {e}") from None
+
+
+def _check_tokenizer(d: DataConfig) -> None:
+    from megalysses.data.tokenizer import TokenizerError, canonical_kind
+
+    try:
+        kind = canonical_kind(d.tokenizer)
+    except TokenizerError as e:
+        raise ConfigError(f"data.tokenizer: {e}") from None
+    if kind in ("sentencepiece", "huggingface") and not d.tokenizer_model:
+        what = "the .model file" if kind == "sentencepiece" else "a tokenizer.json or the folder holding it"
+        raise ConfigError(f"data.tokenizer={d.tokenizer} needs data.tokenizer_model ({what})")
+    if kind == "gpt2bpe" and not (d.vocab_file and d.merge_file):
+        raise ConfigError(f"data.tokenizer={d.tokenizer} needs data.vocab_file (vocab.json) and data.merge_file "
+                          f"(merges.txt)")
 
 
 def check_heads(num_heads: int, kv_heads: int, tp: int, sp: int) -> None:

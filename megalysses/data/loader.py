@@ -80,6 +80,16 @@ def build_micro_batch(samples: Sequence[np.ndarray], seq_len: int, sp_rank: int,
     return out
 
 
+def check_sample_ids(samples: Sequence[np.ndarray], ids: Sequence[int], vocab_size: int) -> None:
+    """Raise DatasetError when a sample holds a token id outside [0, vocab_size)."""
+    for g, sample in zip(ids, samples):
+        if len(sample) and (int(sample.min()) < 0 or int(sample.max()) >= vocab_size):
+            bad = sample[(sample < 0) | (sample >= vocab_size)][0]
+            raise DatasetError(f"sample {g} of the stream holds token id {int(bad)}, outside the model's vocabulary "
+                               f"[0, {vocab_size}) (model.vocab_size): the data does not belong to this model; "
+                               f"re-tokenize it or fix model.vocab_size")
+
+
 def rank_sample_ids(chunk: int, micro_batch_size: int, dp_rank: int, dp_size: int) -> range:
     """Global stream indices of dp rank `dp_rank`'s micro-batch number `chunk` (from the stream start)."""
     first = chunk * micro_batch_size * dp_size + dp_rank * micro_batch_size
@@ -89,10 +99,12 @@ def rank_sample_ids(chunk: int, micro_batch_size: int, dp_rank: int, dp_size: in
 def iterate_micro_batches(dataset: Any, micro_batch_size: int, dp_rank: int, dp_size: int, sp_rank: int,
                           sp_size: int, consumed_samples: int, eod_id: int, reset_position_ids: bool,
                           document_mask: bool, seq_len: Optional[int] = None, eod_mask_loss: bool = False,
-                          pad_id: Optional[int] = None) -> Iterator[dict[str, torch.Tensor]]:
+                          pad_id: Optional[int] = None, vocab_size: Optional[int] = None,
+                          ) -> Iterator[dict[str, torch.Tensor]]:
     """Yield this rank's micro-batches from `consumed_samples` on, until the dataset cannot fill a
     whole chunk of micro_batch_size * dp_size samples. `dataset[g]` is sample g of the stream (seq_len
-    + 1 tokens); seq_len defaults to `dataset.seq_len`."""
+    + 1 tokens); seq_len defaults to `dataset.seq_len`. With vocab_size, a sample holding a token id
+    outside [0, vocab_size) raises DatasetError instead of reaching the model."""
     if micro_batch_size < 1 or not 0 <= dp_rank < dp_size:
         raise ValueError(f"bad data-parallel position: micro_batch_size={micro_batch_size}, "
                          f"dp_rank={dp_rank}, dp_size={dp_size}")
@@ -104,7 +116,10 @@ def iterate_micro_batches(dataset: Any, micro_batch_size: int, dp_rank: int, dp_
     seq_len = dataset.seq_len if seq_len is None else seq_len
     c = consumed_samples // chunk
     while (c + 1) * chunk <= len(dataset):
-        samples = [dataset[g] for g in rank_sample_ids(c, micro_batch_size, dp_rank, dp_size)]
+        ids = rank_sample_ids(c, micro_batch_size, dp_rank, dp_size)
+        samples = [dataset[g] for g in ids]
+        if vocab_size is not None:
+            check_sample_ids(samples, ids, vocab_size)
         yield build_micro_batch(samples, seq_len, sp_rank, sp_size, eod_id, reset_position_ids,
                                 document_mask, eod_mask_loss, pad_id)
         c += 1
