@@ -1,6 +1,7 @@
 """Data-pipeline benchmark: preprocessing throughput and GPT index build time.
 
-    python benchmarks/bench_data.py [--corpus data/stdlib.jsonl] [--index-docs 10000000] [--json benchmarks/results/data.json]
+    python benchmarks/bench_data.py [--corpus data/stdlib.jsonl] [--index-docs 10000000] \
+        [--json benchmarks/results/data.json]
 
 1. Preprocessing: tools/preprocess_data.py on the stdlib corpus (built with tools/build_corpus.py
    when --corpus is not given) at 1 and 2 workers, with the byte tokenizer and with a sentencepiece

@@ -26,7 +26,8 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     vocab_size: int = 4096
-    """Vocabulary size (rows of the embedding). Padded up to a multiple of tp internally is NOT done: choose a size divisible by tp."""
+    """Vocabulary size (rows of the embedding). Padded up to a multiple of tp internally is NOT done: choose a size
+    divisible by tp."""
     hidden_size: int = 256
     """Model width h."""
     num_layers: int = 4
@@ -106,7 +107,8 @@ class ParallelConfig:
 @dataclass
 class DataConfig:
     paths: list[str] = field(default_factory=list)
-    """Dataset prefixes (without .bin/.idx), optionally weighted: ["0.7", "a_text_document", "0.3", "b_text_document"]."""
+    """Dataset prefixes (without .bin/.idx), optionally weighted:
+    ["0.7", "a_text_document", "0.3", "b_text_document"]."""
     split: str = "969,30,1"
     """train,valid,test ratios over documents."""
     seq_len: int = 1024
@@ -390,7 +392,8 @@ def validate_config(cfg: Config, world_size: Optional[int] = None) -> None:
         raise ConfigError(f"MLP width {m.ffn_size} (model.ffn_hidden_size) is not divisible by parallel.tp={p.tp}")
     shard = p.sp * (p.tp if p.tp_sequence_parallel else 1)
     if d.seq_len % shard:
-        what = f"parallel.sp={p.sp}" + (f" * parallel.tp={p.tp} (tp_sequence_parallel)" if p.tp_sequence_parallel else "")
+        what = f"parallel.sp={p.sp}" + (f" * parallel.tp={p.tp} (tp_sequence_parallel)"
+                                        if p.tp_sequence_parallel else "")
         raise ConfigError(f"data.seq_len={d.seq_len} is not divisible by {what} = {shard}: "
                           f"use a seq_len that is a multiple of {shard}")
     if p.virtual_stages > 1:
@@ -407,7 +410,8 @@ def validate_config(cfg: Config, world_size: Optional[int] = None) -> None:
     if d.tokenizer == "sentencepiece" and not d.tokenizer_model:
         raise ConfigError("data.tokenizer=sentencepiece needs data.tokenizer_model (path to the .model file)")
     if not d.mock and not d.paths:
-        raise ConfigError("data.paths is empty: give dataset prefixes (tools/preprocess_data.py output) or set data.mock=true")
+        raise ConfigError("data.paths is empty: give dataset prefixes (tools/preprocess_data.py output) "
+                          "or set data.mock=true")
     if t.micro_batch_size < 1 or t.global_batch_size < 1:
         raise ConfigError("training.micro_batch_size and training.global_batch_size must be >= 1")
     if world_size is not None:

@@ -1,7 +1,8 @@
 """Typed config: strict YAML, --set overrides, cross-field validation, round trip."""
 import pytest
 
-from megalysses.config import Config, ConfigError, config_from_dict, dump_config, load_config, save_config, validate_config
+from megalysses.config import (Config, ConfigError, config_from_dict, dump_config, load_config, save_config,
+                               validate_config)
 
 
 def _write(tmp_path, text):
@@ -69,7 +70,8 @@ def test_yaml_float_strings_are_numbers(tmp_path):
     (["model.num_kv_heads=3"], "num_kv_heads=3"),
     (["parallel.sp=4", "model.num_kv_heads=2", "parallel.tp=4"], "parallel.sp=4"),
     (["data.seq_len=100", "parallel.sp=8"], "data.seq_len=100"),
-    (["data.seq_len=36", "parallel.sp=2", "parallel.tp=4", "parallel.tp_sequence_parallel=true"], "tp_sequence_parallel"),
+    (["data.seq_len=36", "parallel.sp=2", "parallel.tp=4", "parallel.tp_sequence_parallel=true"],
+     "tp_sequence_parallel"),
     (["model.num_layers=3", "parallel.pp=2"], "model.num_layers=3"),
     (["data.mock=false"], "data.paths"),
     (["data.tokenizer=sentencepiece"], "tokenizer_model"),

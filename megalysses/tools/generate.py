@@ -49,7 +49,8 @@ def sample(model: GPTStage, ids: list[int], max_new: int, temperature: float, to
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", required=True, help="run directory (holds config.yaml and checkpoints/)")
-    p.add_argument("--checkpoint", default=None, help="a checkpoint dir or a dir with `latest` (default: <run>/checkpoints)")
+    p.add_argument("--checkpoint", default=None,
+                   help="a checkpoint dir or a dir with `latest` (default: <run>/checkpoints)")
     p.add_argument("--prompt", default="def ")
     p.add_argument("--max-new-tokens", type=int, default=100)
     p.add_argument("--temperature", type=float, default=0.8)

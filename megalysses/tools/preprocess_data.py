@@ -206,7 +206,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                 last = time.time()
         for key, builder in builders.items():
             builder.finalize(idx_path(finals[key]) + tag)
-        for key, final in finals.items():
+        for final in finals.values():
             if os.path.exists(idx_path(final)):
                 os.remove(idx_path(final))
             os.replace(bin_path(final) + tag, bin_path(final))

@@ -21,7 +21,8 @@ from megalysses.kernels.triton_support import choose_impl
 from megalysses.model.gpt import GPTStage, init_weights, stage_layers
 from megalysses.model.layers import ParallelGroups
 from megalysses.parallel.interleaved import VirtualStages
-from megalysses.training.checkpoint import build_mesh, load_checkpoint, resolve_checkpoint, save_checkpoint, CheckpointError
+from megalysses.training.checkpoint import (
+    CheckpointError, build_mesh, load_checkpoint, resolve_checkpoint, save_checkpoint)
 from megalysses.training.data import TrainingData
 from megalysses.training.fsdp import FSDPAdamW, shard_model
 from megalysses.training.metrics import MetricsLogger, print0
@@ -175,7 +176,8 @@ def train(cfg: Config, grid: ParallelGrid, device: torch.device) -> dict:
                 save()
                 saved_at = step
             logger.exclude(time.perf_counter() - t0)   # tokens/s measures training steps only
-            over_time = cfg.training.max_wall_minutes > 0 and time.monotonic() - start > 60 * cfg.training.max_wall_minutes
+            wall_limit = 60 * cfg.training.max_wall_minutes
+            over_time = wall_limit > 0 and time.monotonic() - start > wall_limit
             stop = torch.tensor([float(flags.signalled), float(over_time)])
             if dist.is_initialized():
                 dist.all_reduce(stop, op=dist.ReduceOp.MAX)
