@@ -208,6 +208,9 @@ class LoggingConfig:
     """Weights & Biases mode (online needs network)."""
     wandb_project: str = "megalysses"
     """Weights & Biases project."""
+    tensorboard: bool = False
+    """Also write the logged scalars as TensorBoard event files to <run_dir>/tensorboard (the `tensorboard`
+    extra)."""
     peak_tflops: float = 0.0
     """Peak dense TFLOP/s of one device for MFU (0 = the bf16 peak guessed from the GPU name, for bf16
     runs; no MFU otherwise)."""

@@ -25,7 +25,7 @@ from megalysses.training.checkpoint import (
     CheckpointError, build_mesh, load_checkpoint, resolve_checkpoint, save_checkpoint)
 from megalysses.training.data import TrainingData
 from megalysses.training.fsdp import FSDPAdamW, shard_model
-from megalysses.training.metrics import MetricsLogger, print0
+from megalysses.training.metrics import MetricsLogger, check_logging_backends, print0
 from megalysses.training.optimizer import Optimizer, ShardedAdamW
 from megalysses.training.schedule import lr_at
 from megalysses.training.step import evaluate, train_step
@@ -45,12 +45,7 @@ def check_environment(cfg: Config, device: torch.device) -> None:
             choose_impl("triton", torch.empty(0, device=device), "model.kernels")
         except RuntimeError as e:
             raise ConfigError(f"model.kernels=triton: {e}") from None
-    if cfg.logging.wandb_mode != "disabled":
-        try:
-            import wandb  # noqa: F401
-        except ImportError:
-            raise ConfigError(f"logging.wandb_mode={cfg.logging.wandb_mode} needs wandb: pip install "
-                              f"'megalysses[wandb]', or set logging.wandb_mode=disabled") from None
+    check_logging_backends(cfg)
 
 
 def compute_dtype(cfg: Config, device: torch.device) -> torch.dtype:
