@@ -60,7 +60,8 @@ class ByteCounter:
             return self._a2a(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
 
         def p2p(ops):
-            self.sent += sum(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op in (dist.isend, dist.send))
+            self.sent += sum(op.tensor.numel() * op.tensor.element_size() for op in ops
+                             if op.op in (dist.isend, dist.send))
             return self._p2p(ops)
 
         dist.all_to_all_single, dist.batch_isend_irecv = a2a, p2p
@@ -155,7 +156,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         u, rg = r["ulysses_fwd"] + r["ulysses_bwd"], r["ring_fwd"] + r["ring_bwd"]
-        print(f"| {r['sp']} | {r['kv_replication']} | {r['ulysses_fwd'] / mib:.2f} ({r['theory_ulysses_fwd'] / mib:.2f}) "
+        print(f"| {r['sp']} | {r['kv_replication']} "
+              f"| {r['ulysses_fwd'] / mib:.2f} ({r['theory_ulysses_fwd'] / mib:.2f}) "
               f"| {r['ring_fwd'] / mib:.2f} ({r['theory_ring_fwd'] / mib:.2f}) | {u / mib:.2f} | {rg / mib:.2f} "
               f"| {rg / u:.2f} |")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -138,7 +138,8 @@ class ParallelConfig:
 @dataclass
 class DataConfig:
     paths: list[str] = field(default_factory=list)
-    """Dataset prefixes (without .bin/.idx), optionally weighted: ["0.7", "a_text_document", "0.3", "b_text_document"]."""
+    """Dataset prefixes (without .bin/.idx), optionally weighted:
+    ["0.7", "a_text_document", "0.3", "b_text_document"]."""
     split: str = "969,30,1"
     """train,valid,test ratios over documents."""
     seq_len: int = 1024
@@ -263,6 +264,9 @@ class LoggingConfig:
     """Weights & Biases mode (online needs network)."""
     wandb_project: str = "megalysses"
     """Weights & Biases project."""
+    tensorboard: bool = False
+    """Also write the logged scalars as TensorBoard event files to <run_dir>/tensorboard (the `tensorboard`
+    extra)."""
     peak_tflops: float = 0.0
     """Peak dense TFLOP/s of one device for MFU (0 = the bf16 peak guessed from the GPU name, for bf16
     runs; no MFU otherwise)."""
@@ -490,7 +494,8 @@ def validate_config(cfg: Config, world_size: Optional[int] = None) -> None:
         raise ConfigError(f"MLP width {m.ffn_size} (model.ffn_hidden_size) is not divisible by parallel.tp={p.tp}")
     shard = p.sp * (p.tp if p.tp_sequence_parallel else 1)
     if d.seq_len % shard:
-        what = f"parallel.sp={p.sp}" + (f" * parallel.tp={p.tp} (tp_sequence_parallel)" if p.tp_sequence_parallel else "")
+        what = f"parallel.sp={p.sp}" + (f" * parallel.tp={p.tp} (tp_sequence_parallel)"
+                                        if p.tp_sequence_parallel else "")
         raise ConfigError(f"data.seq_len={d.seq_len} is not divisible by {what} = {shard}: "
                           f"use a seq_len that is a multiple of {shard}")
     if p.virtual_stages > 1:

@@ -50,7 +50,8 @@ class GridLayout:
     pp: int = 1
 
     def __post_init__(self) -> None:
-        bad = [f"{n}={v}" for n, v in (("world", self.world), ("tp", self.tp), ("sp", self.sp), ("pp", self.pp)) if v < 1]
+        sizes = (("world", self.world), ("tp", self.tp), ("sp", self.sp), ("pp", self.pp))
+        bad = [f"{n}={v}" for n, v in sizes if v < 1]
         mp = self.tp * self.sp * self.pp
         if bad or self.world % mp:
             rule = f"{', '.join(bad)} must be >= 1" if bad else f"world must be a multiple of tp*sp*pp = {mp}"
@@ -179,4 +180,5 @@ class ParallelGrid:
 
     def __repr__(self) -> str:
         return (f"ParallelGrid(rank={self.rank}/{self.world}, pp={self.pp_rank}/{self.pp_size}, "
-                f"dp={self.dp_rank}/{self.dp_size}, sp={self.sp_rank}/{self.sp_size}, tp={self.tp_rank}/{self.tp_size})")
+                f"dp={self.dp_rank}/{self.dp_size}, sp={self.sp_rank}/{self.sp_size}, "
+                f"tp={self.tp_rank}/{self.tp_size})")

@@ -103,7 +103,8 @@ def test_rope_cos_sin_angles():
     torch.testing.assert_close(cos, angle.cos(), rtol=0, atol=1e-3)      # fp32 angle error grows with pos
     torch.testing.assert_close(sin, angle.sin(), rtol=0, atol=1e-3)
     small = torch.arange(8, device=DEVICE)[None]
-    torch.testing.assert_close(rope_cos_sin(small, 16, 10000.0)[1], angles64(small, 16, 10000.0).repeat(1, 1, 2).sin().float())
+    torch.testing.assert_close(rope_cos_sin(small, 16, 10000.0)[1],
+                               angles64(small, 16, 10000.0).repeat(1, 1, 2).sin().float())
 
 
 @pytest.mark.parametrize("impl", ["torch", "auto"])

@@ -61,7 +61,7 @@ def _train_worker(rank, world, runs):
         shards = {}
         original = loop.build_model
 
-        def keep(*args):
+        def keep(*args, original=original, shards=shards):
             model = original(*args)
             shards["model"] = model
             return model
@@ -72,7 +72,8 @@ def _train_worker(rank, world, runs):
         finally:
             loop.build_model = original
         params = {n: (full_over_grad(p), getattr(p, "tp_dim", None)) for n, p in shards["model"].named_parameters()}
-        out.append({"tp_rank": grid.tp_rank, "tp": grid.tp_size, "dp_sp": (grid.dp_rank, grid.sp_rank), "params": params})
+        out.append({"tp_rank": grid.tp_rank, "tp": grid.tp_size, "dp_sp": (grid.dp_rank, grid.sp_rank),
+                    "params": params})
     return out
 
 

@@ -282,7 +282,8 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Optional[AttentionMask], scale:
 
 def _create_block_mask(mask_mod: Callable, B: Optional[int], S: int, device: torch.device) -> Any:
     kwargs = {}
-    if torch.device(device).type == "cuda" and "_compile" in inspect.signature(_flex_module.create_block_mask).parameters:
+    params = inspect.signature(_flex_module.create_block_mask).parameters
+    if torch.device(device).type == "cuda" and "_compile" in params:
         kwargs["_compile"] = True   # fused: never materialises the (B, S, S) mask
     return _flex_module.create_block_mask(mask_mod, B, None, S, S, device=device, **kwargs)
 
@@ -324,4 +325,5 @@ def _flash(q: Tensor, k: Tensor, v: Tensor, mask: Optional[AttentionMask], scale
     return out.view(B, S, Hq, D)
 
 
-_BACKEND_FNS: dict[str, Callable[..., Tensor]] = {"reference": _reference, "sdpa": _sdpa, "flex": _flex, "flash": _flash}
+_BACKEND_FNS: dict[str, Callable[..., Tensor]] = {"reference": _reference, "sdpa": _sdpa, "flex": _flex,
+                                                  "flash": _flash}

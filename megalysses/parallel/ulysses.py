@@ -27,7 +27,8 @@ def kv_replication(kv_heads: int, sp: int) -> int:
     return sp // kv_heads
 
 
-def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, sp_group: Group, attn: Callable[[Tensor, Tensor, Tensor], Tensor]) -> Tensor:
+def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, sp_group: Group,
+                      attn: Callable[[Tensor, Tensor, Tensor], Tensor]) -> Tensor:
     """Exact attention over the full sequence from sequence-sharded q, k, v.
 
     q: (B, S/P, Hq, D), k, v: (B, S/P, Hkv, D) -> (B, S/P, Hq, D). `attn` maps full-sequence

@@ -92,7 +92,8 @@ def prompt_ids(tok: Any, prompt: str, bos: Optional[str]) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", required=True, help="run directory (holds config.yaml and checkpoints/)")
-    p.add_argument("--checkpoint", default=None, help="a checkpoint dir or a dir with `latest` (default: <run>/checkpoints)")
+    p.add_argument("--checkpoint", default=None,
+                   help="a checkpoint dir or a dir with `latest` (default: <run>/checkpoints)")
     p.add_argument("--prompt", default="def ")
     p.add_argument("--max-new-tokens", type=int, default=100)
     p.add_argument("--temperature", type=float, default=0.8)

@@ -88,7 +88,9 @@ def build_mesh(grid: ParallelGrid, device: torch.device) -> DeviceMesh:
     """The (pp, tp, grad) device mesh of the grid (grad = dp x sp in grid order)."""
     L = grid.layout
     ranks = L.ranks.permute(0, 3, 1, 2).reshape(L.pp, L.tp, L.dp * L.sp)
-    mesh = DeviceMesh(device.type, ranks, mesh_dim_names=("pp", "tp", "grad"))
+    # fresh row-major strides: torch 2.11 takes the mesh layout from them, and a size-1 dim of the
+    # permuted view keeps a stride that makes mesh["tp", "grad"] fail as out of order
+    mesh = DeviceMesh(device.type, ranks.flatten().view(ranks.shape), mesh_dim_names=("pp", "tp", "grad"))
     if grid.timeout is not None:    # DeviceMesh creates its groups with torch's default timeout
         from torch.distributed.distributed_c10d import _set_pg_timeout
         for name in ("pp", "tp", "grad"):

@@ -177,7 +177,8 @@ def train(cfg: Config, grid: ParallelGrid, device: torch.device, signals: Option
                 save()
                 saved_at = step
             logger.exclude(time.perf_counter() - t0)   # tokens/s measures training steps only
-            over_time = cfg.training.max_wall_minutes > 0 and time.monotonic() - start > 60 * cfg.training.max_wall_minutes
+            wall_limit = 60 * cfg.training.max_wall_minutes
+            over_time = wall_limit > 0 and time.monotonic() - start > wall_limit
             stop = torch.tensor([float(flags.signalled), float(over_time)], device=device)
             doing(f"waiting for every rank to finish step {step}")
             comm.all_reduce_(stop, comm.world(), op="max")

@@ -23,6 +23,7 @@ from megalysses.config import Config, ConfigError, ModelConfig
 from megalysses.grid import ParallelGrid
 from megalysses.kernels.attention import flash_attn_func, select_backend
 from megalysses.kernels.triton_support import choose_impl, triton_importable
+from megalysses.training.metrics import check_logging_backends
 
 
 @dataclass(frozen=True)
@@ -67,12 +68,7 @@ def plan_runtime(cfg: Config, device: torch.device) -> Runtime:
             choose_impl(impl, probe, "model.kernels")
         except RuntimeError as e:
             raise ConfigError(f"model.kernels={m.kernels}: {e}") from None
-    if cfg.logging.wandb_mode != "disabled":
-        try:
-            import wandb  # noqa: F401
-        except ImportError:
-            raise ConfigError(f"logging.wandb_mode={cfg.logging.wandb_mode} needs wandb: pip install "
-                              f"'megalysses[wandb]', or set logging.wandb_mode=disabled") from None
+    check_logging_backends(cfg)
     return Runtime(device=str(device), dtype=str(dtype).removeprefix("torch."), attention_backend=backend,
                    attention_reason=reason, kernels=m.kernels)
 
