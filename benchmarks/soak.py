@@ -178,21 +178,21 @@ def soak(kills: int, nproc: int, tp: int, seed: int, work: Path, timeout: float,
 
 
 def table(result: dict) -> str:
-    lines = ["| kill | strikes | launch resumed at step | last step it logged | checkpoint being written | "
-             "`latest` after the kill | verifies |", "|---:|---|---:|---:|---|---|---|"]
+    lines = [("| kill | strikes | launch resumed at step | last step it logged | checkpoint being written | "
+              "`latest` after the kill | verifies |"), "|---:|---|---:|---:|---|---|---|"]
     for row in result["kills"]:
         lines.append(f"| {row['kill']} | {'in a save' if row['mode'] == 'save' else 'after a step'} | "
                      f"{row['started_at']} | {row['logged_step']} | {row['during_save'] or '-'} | {row['latest']} | "
                      f"{'yes' if row['verifies'] else 'NO: ' + '; '.join(row['problems'])} |")
     r = result
-    lines += ["", f"{len(r['kills'])} kills ({r['during_saves']} while a checkpoint was being written), "
-                  f"{r['launches']} launches, {r['nproc']} process(es) at tp={r['tp']}, {r['steps']} steps, "
-                  f"{r['seconds']:.0f} s ({r['machine']})",
-              f"- `latest` verified after every kill: {'yes' if r['all_verify'] else 'NO'}; every launch resumed "
-              f"from the `latest` of the kill before it: {'yes' if r['resumed_from_latest'] else 'NO'}",
-              f"- losses identical to the uninterrupted run: {r['identical_losses']}/{r['steps_compared']} steps "
-              f"(max |Δ| {r['max_abs_loss_delta']:.3g}); gradient norms identical: "
-              f"{r['identical_grad_norms']}/{r['steps_compared']}"]
+    lines += ["", (f"{len(r['kills'])} kills ({r['during_saves']} while a checkpoint was being written), "
+                   f"{r['launches']} launches, {r['nproc']} process(es) at tp={r['tp']}, {r['steps']} steps, "
+                   f"{r['seconds']:.0f} s ({r['machine']})"),
+              (f"- `latest` verified after every kill: {'yes' if r['all_verify'] else 'NO'}; every launch resumed "
+               f"from the `latest` of the kill before it: {'yes' if r['resumed_from_latest'] else 'NO'}"),
+              (f"- losses identical to the uninterrupted run: {r['identical_losses']}/{r['steps_compared']} steps "
+               f"(max |Δ| {r['max_abs_loss_delta']:.3g}); gradient norms identical: "
+               f"{r['identical_grad_norms']}/{r['steps_compared']}")]
     return "\n".join(lines)
 
 

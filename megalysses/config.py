@@ -511,7 +511,8 @@ def validate_config(cfg: Config, world_size: Optional[int] = None) -> None:
                           f"every pipeline stage holds the same number of layers")
     _check_tokenizer(d)
     if not d.mock and not d.paths:
-        raise ConfigError("data.paths is empty: give dataset prefixes (tools/preprocess_data.py output) or set data.mock=true")
+        raise ConfigError("data.paths is empty: give dataset prefixes (tools/preprocess_data.py output) "
+                          "or set data.mock=true")
     if d.mock and m.vocab_size < 3:
         raise ConfigError(f"model.vocab_size={m.vocab_size}: data.mock needs at least 3 tokens (two and the EOD)")
     if cfg.checkpoint.load is not None and not cfg.checkpoint.load.strip():

@@ -39,7 +39,8 @@ def test_special_tokens_from_the_folder(tmp_path):
     assert (tok.bos_id, tok.eos_id, tok.eod_id, tok.pad_id, tok.vocab_size) == (1, 4, 4, 4, 7)
     assert tok.encode("hello world") == [1, 5, 6]               # the post-processor's BOS, as AutoTokenizer adds it
     assert build_tokenizer("huggingface", str(folder), add_special_tokens=False).encode("hello") == [5]
-    (folder / "special_tokens_map.json").write_text(json.dumps({"eos_token": {"content": "</s>"}, "pad_token": "<pad>"}))
+    special = {"eos_token": {"content": "</s>"}, "pad_token": "<pad>"}
+    (folder / "special_tokens_map.json").write_text(json.dumps(special))
     tok = build_tokenizer("HuggingFaceTokenizer", str(folder / "tokenizer.json"))
     assert (tok.eos_id, tok.eod_id, tok.pad_id) == (2, 2, 3)
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|end_of_text|>"}))

@@ -55,7 +55,8 @@ def tokenizers_dir(corpus):
     (tmp / "llama").mkdir()
     hf.save(str(tmp / "llama" / "tokenizer.json"))
     (tmp / "llama" / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}))
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>",
+        "eos_token": "<|end_of_text|>"}))
     gpt2 = ByteLevelBPETokenizer()
     gpt2.train_from_iterator(texts, vocab_size=300, special_tokens=["<|endoftext|>"])
     (tmp / "gpt2").mkdir()

@@ -338,8 +338,8 @@ def test_library_kernels_match_torch(impl):
     for name, (op, inputs) in ops.items():
         got, want = op(impl), op("torch")
         for g, r in zip(got, want):
-            torch.testing.assert_close(g, r, **tol, msg=lambda m: f"{impl} {name}: {m}")
+            torch.testing.assert_close(g, r, **tol, msg=lambda m, name=name: f"{impl} {name}: {m}")
         ups = upstream(*want)
         for g, r in zip(torch.autograd.grad(got, inputs, ups), torch.autograd.grad(want, inputs, ups)):
-            torch.testing.assert_close(g, r, **tol, msg=lambda m: f"{impl} {name} backward: {m}")
+            torch.testing.assert_close(g, r, **tol, msg=lambda m, name=name: f"{impl} {name} backward: {m}")
     assert set(LIBRARY_OPS[impl]) <= set(ops)

@@ -185,7 +185,8 @@ class HFTokenizer:
             raise TokenizerFileNotFound(f"{path}: no such file or folder; Hugging Face Hub names are not fetched "
                                         f"here: download the tokenizer first (huggingface-cli download {path} "
                                         f"tokenizer.json tokenizer_config.json --local-dir DIR) and pass DIR")
-        path = _model_file(path, "Hugging Face tokenizer.json (or its folder)", "--tokenizer-model / data.tokenizer_model")
+        path = _model_file(path, "Hugging Face tokenizer.json (or its folder)",
+                           "--tokenizer-model / data.tokenizer_model")
         folder = Path(path) if os.path.isdir(path) else Path(path).parent
         file = Path(path) / "tokenizer.json" if os.path.isdir(path) else Path(path)
         if not file.is_file():

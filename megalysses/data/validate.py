@@ -34,7 +34,7 @@ def scan_token_range(ds: IndexedDataset) -> np.ndarray:
     """[smallest id, largest id] over every token of the dataset ([0, -1] when it has none)."""
     lo, hi = 0, -1
     signed = ds.dtype.kind == "i"
-    for start, chunk in _chunks(ds):
+    for _start, chunk in _chunks(ds):
         if not len(chunk):
             continue
         chunk_hi = int(chunk.max())

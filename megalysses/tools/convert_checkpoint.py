@@ -71,7 +71,8 @@ def from_hf(hf_dir: str, run_dir: str, config: Optional[str] = None, overrides: 
         raise ConvertError(f"{hf_dir}: {e}") from None
     data = _base_config(config, overrides or [])
     base_model = data.get("model") or {}
-    keep = {k: base_model[k] for k in ("kernels", "attention_backend", "vocab_pad_multiple", "init_std") if k in base_model}
+    kept = ("kernels", "attention_backend", "vocab_pad_multiple", "init_std")
+    keep = {k: base_model[k] for k in kept if k in base_model}
     data["model"] = {**config_to_dict(Config())["model"], **dataclasses.asdict(model), **keep}
     data.setdefault("logging", {})["run_dir"] = str(run_dir)
     cfg = config_from_dict(data)
@@ -146,7 +147,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     direction = p.add_mutually_exclusive_group(required=True)
-    direction.add_argument("--from-hf", metavar="HF_DIR", help="a Hugging Face Llama directory (config.json + safetensors)")
+    direction.add_argument("--from-hf", metavar="HF_DIR",
+                           help="a Hugging Face Llama directory (config.json + safetensors)")
     direction.add_argument("--from", dest="source", metavar="RUN_DIR", help="a megalysses run, or one checkpoint")
     p.add_argument("--to", metavar="RUN_DIR", help="with --from-hf: the run directory to create")
     p.add_argument("--to-hf", metavar="HF_DIR", help="with --from: the Hugging Face directory to write")

@@ -393,7 +393,8 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
               file=sys.stderr)
     for final in finals.values():
         print(f"wrote {bin_path(final)} and {idx_path(final)}", file=sys.stderr)
-    return {"documents": docs, "tokens": sum(tokens.values()), "bytes": nbytes, "skipped": dict(skipped), "empty": empty,
+    return {"documents": docs, "tokens": sum(tokens.values()), "bytes": nbytes, "skipped": dict(skipped),
+            "empty": empty,
             "seconds": time.time() - start, "outputs": list(finals.values())}
 
 

@@ -119,7 +119,8 @@ def train(inputs: list[str], model_prefix: str, vocab_size: int, json_key: str =
             raise documents.error from None
         if documents.count == 0:
             raise InputError(f"no text to train on: {', '.join(inputs)} gave no documents with a string "
-                             f"'{json_key}' ({documents.skipped} lines skipped): check --input and --json-key") from None
+                             f"'{json_key}' ({documents.skipped} lines skipped): check --input and "
+                             f"--json-key") from None
         raise ValueError(f"sentencepiece cannot train this tokenizer: {_trainer_message(err)}") from None
     if documents.error is not None:
         raise documents.error

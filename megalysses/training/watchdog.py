@@ -180,8 +180,8 @@ class Watchdog:
             except Exception:  # noqa: BLE001 - no store: every rank reports what it knows
                 claimed = True
         if claimed:
-            message = f"error: {self._culprit(reason, records)}; ending the job (parallel.timeout_seconds=" \
-                      f"{self.timeout:g}: raise it if this phase is legitimately that slow)"
+            message = (f"error: {self._culprit(reason, records)}; ending the job (parallel.timeout_seconds="
+                       f"{self.timeout:g}: raise it if this phase is legitimately that slow)")
             print(message, flush=True)
             sys.stderr.flush()
             if self.store is not None:
@@ -244,7 +244,7 @@ class Watchdog:
             me = open("/proc/self/cmdline", "rb").read()
         except OSError:
             return
-        for r, rec in records.items():
+        for rec in records.values():
             pid = rec.get("pid")
             if not rec.get("frozen") or rec.get("host") != host or not pid or pid == os.getpid():
                 continue
