@@ -84,6 +84,11 @@ CASES = [
     Case("tools/generate_temperature_inf", generate("--temperature", "inf"), "--temperature"),
     Case("tools/generate_temperature_negative", generate("--temperature", "-1"), "--temperature"),
     Case("tools/generate_top_k_negative", generate("--top-k", "-3"), "--top-k"),
+    Case("tools/generate_top_p_zero", generate("--top-p", "0"), "--top-p"),
+    Case("tools/generate_top_p_above_one", generate("--top-p", "1.5"), "--top-p"),
+    Case("tools/generate_prompts_file_missing", generate("--prompts-file", "{tmp}/none.txt"), "--prompts-file"),
+    Case("tools/generate_hf_dir_missing", lambda tmp: __import__("megalysses.tools.generate", fromlist=["main"]).main(
+        ["--hf", str(tmp / "nope")]), "not a directory"),
     Case("tools/generate_empty_prompt", generate("--prompt", ""), "--prompt"),
     Case("tools/generate_seed_not_a_number", generate("--seed", "abc"), "--seed"),
     # generate: the run directory
