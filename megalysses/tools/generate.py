@@ -20,7 +20,7 @@ from megalysses.distributed import destroy_distributed, init_distributed
 from megalysses.grid import ParallelGrid
 from megalysses.model.gpt import GPTStage, init_weights
 from megalysses.training.checkpoint import (
-    CheckpointError, build_mesh, check_model_shape, load_model_weights, resolve_checkpoint)
+    CheckpointError, check_model_shape, load_model_weights, resolve_checkpoint)
 from megalysses.training.loop import model_shape
 
 
@@ -65,9 +65,11 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --prompt is empty: give at least one character to continue from", file=sys.stderr)
         return 1
     # one CPU process: the layout, attention backend and kernels of the run do not apply here
-    cfg = load_config(Path(args.run) / "config.yaml", ["parallel.tp=1", "parallel.sp=1", "parallel.pp=1",
-                                                       "parallel.tp_sequence_parallel=false", "parallel.fsdp=false",
-                                                       "model.attention_backend=sdpa", "model.kernels=torch"])
+    # (a single process needs no padding: at sp=1 the model takes any prompt length)
+    cfg = load_config(Path(args.run) / "config.yaml", ["parallel.tp=1", "parallel.sp=1", "parallel.sp_ring=0",
+                                                       "parallel.pp=1", "parallel.tp_sequence_parallel=false",
+                                                       "parallel.fsdp=false", "model.attention_backend=sdpa",
+                                                       "model.kernels=torch"])
     source = args.checkpoint or cfg.checkpoint.dir or Path(args.run) / "checkpoints"
     try:
         path = resolve_checkpoint(source)
@@ -82,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         grid = ParallelGrid()
         model = GPTStage(cfg.model)
         init_weights(model, cfg.training.seed)
-        load_model_weights(path, model, grid, build_mesh(grid, device))
+        load_model_weights(path, model, grid, grid.device_mesh(device))
         model.eval()
         tok = build_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_model)
         gen = torch.Generator().manual_seed(args.seed)

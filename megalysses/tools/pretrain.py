@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     try:
         validate_config(cfg, world_size=dist.get_world_size())
-        grid = ParallelGrid(tp=cfg.parallel.tp, sp=cfg.parallel.sp, pp=cfg.parallel.pp)
+        grid = ParallelGrid.for_config(cfg)
         summary = train(cfg, grid, device)
         print0(f"done: step {summary['step']}, loss {summary['loss']:.4f} ({summary['stopped_by']})")
         return 0

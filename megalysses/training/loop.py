@@ -19,7 +19,7 @@ from megalysses.grid import ParallelGrid
 from megalysses.model.gpt import GPTStage, init_weights, stage_layers
 from megalysses.model.layers import ParallelGroups
 from megalysses.parallel.interleaved import VirtualStages
-from megalysses.training.checkpoint import build_mesh, load_checkpoint, resolve_checkpoint, save_checkpoint, CheckpointError
+from megalysses.training.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint, CheckpointError
 from megalysses.training.data import TrainingData
 from megalysses.training.fsdp import FSDPAdamW, shard_model
 from megalysses.training.metrics import MetricsLogger, print0
@@ -35,7 +35,8 @@ def build_model(cfg: Config, grid: ParallelGrid, device: torch.device, mesh: Dev
     identically at every layout (then, with parallel.fsdp, sharded over the grad group to gather in the
     compute dtype)."""
     model_cfg = runtime.model_config(cfg)
-    groups = ParallelGroups(tp=grid.tp_group, sp=grid.sp_group, sequence_parallel=cfg.parallel.tp_sequence_parallel)
+    groups = ParallelGroups(tp=grid.tp_group, ulysses=grid.ulysses_group, ring=grid.ring_group,
+                            sequence_parallel=cfg.parallel.tp_sequence_parallel)
     v = cfg.parallel.virtual_stages
     V = grid.pp_size * v
     chunks = []
@@ -94,13 +95,13 @@ def train(cfg: Config, grid: ParallelGrid, device: torch.device) -> dict:
     """Run training to the end (or a stop); returns a summary {step, loss, stopped_by}."""
     run_dir = Path(cfg.logging.run_dir)
     ckpt_dir = Path(cfg.checkpoint.dir or run_dir / "checkpoints")
-    runtime = plan_runtime(cfg, device)
+    runtime = plan_runtime(cfg, device, grid)
     if grid.rank == 0:
         save_config(cfg, run_dir / "config.yaml")
         write_runtime(run_dir, cfg, grid, runtime)
     print0(startup_line(cfg, grid, runtime))
     dtype = runtime.torch_dtype
-    mesh = build_mesh(grid, device)
+    mesh = grid.device_mesh(device)
     model = build_model(cfg, grid, device, mesh, runtime)
     opt = build_optimizer(cfg, model, grid)      # fp32 masters from the fp32 initialisation
     if not cfg.parallel.fsdp:
