@@ -3,7 +3,8 @@
 Each spawned group runs several layouts (tp, sp = ulysses x ring, dp) and variants (packed documents, TP
 sequence sharding, tied embeddings, GQA / MQA, sequence lengths the layout does not divide); every rank
 also builds the single-process reference from the same seed. A case may use fewer ranks than the group
-(sp = 3, 5, 6, 7 inside the 8-rank group): the others only take part in creating the process groups.
+(sp = 3, 5, 6, 7 inside test_ring.py's group of 8 ranks): the others only take part in creating the
+process groups.
 """
 import pytest
 import torch
@@ -120,32 +121,29 @@ CASES = {
     2: [case(2, 1), case(2, 1, True, True, True, 4), case(1, 2), case(1, 2, True, tied=True), case(1, 1, True),
         case(1, 2, True, sp_ring=2, seq_len=31),                          # ring alone, a length sp does not divide
         case(1, 2, True, model=ONE_HEAD, seq_len=29)],                    # one head: a ring is the only way
-    4: [case(1, 4), case(1, 4, True), case(2, 2, tied=True), case(2, 2, True, True), case(2, 2, True, tied=True, tile=3),
-        case(2, 1, True, True),                                            # sp=4 with 2 KV heads: KV replication
+    4: [case(1, 4), case(1, 4, True),                                    # sp=4 with 2 KV heads: KV replication
+        case(2, 2, tied=True), case(2, 2, True, True), case(2, 2, True, tied=True, tile=3), case(2, 1, True, True),
         case(1, 4, True, model=MQA, seq_len=250),                         # ulysses 2 x ring 2, 250 tokens
         case(1, 4, True, model=ONE_HEAD, seq_len=30),                     # ring 4
         case(2, 2, True, True, sp_ring=2, seq_len=29),                    # tp x ring with TP sequence sharding
         case(1, 2, False, sp_ring=2, model=MQA, seq_len=33)],             # ring 2 x dp 2, plain causal
-    8: [case(1, 8, True, model=MQA, seq_len=250),                         # ulysses 2 x ring 4
-        case(2, 4, True, True, tied=True, sp_ring=2, seq_len=61),         # tp 2 x ulysses 2 x ring 2
-        case(1, 8, True, sp_ring=8, seq_len=47, tile=5),                  # ring 8, GQA
-        case(1, 4, True, model=MQA, sp_ring=4, seq_len=37),               # ring 4 x dp 2, MQA
-        case(1, 3, True, seq_len=40, world=3),                            # 8 heads over 3 ranks: ring 3
-        case(1, 5, True, model=ONE_HEAD, seq_len=23, world=5),
-        case(1, 6, True, model=THREE_HEADS, seq_len=50, world=6),         # ulysses 3 x ring 2
-        case(1, 7, False, model=MQA, seq_len=45, world=7)],
 }
 
 
-@pytest.mark.parametrize("world", [2, 4, 8])
-def test_parity_matrix(tmp_path, world):
-    results = run_distributed(_parity_worker, world, tmp_path, args=(CASES[world],), timeout=400)
+def check_parity(results: list, cases: list) -> None:
+    """Every case ran, and every rank's loss and gradients equal the reference's within 1e-5 relative."""
     ran = {tuple(sorted((k, str(v)) for k, v in layout.items())) for rank_results in results for layout, _ in rank_results}
-    assert len(ran) == len(CASES[world])
+    assert len(ran) == len(cases)
     for rank_results in results:
         for layout, errs in rank_results:
             bad = {k: v for k, v in errs.items() if v > 1e-5}
             assert not bad, f"{layout}: relative errors {bad}"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_parity_matrix(tmp_path, world):
+    # the 8-rank matrix (sp = 3, 5, 6, 7, 8) runs in test_ring.py's group of 8 ranks
+    check_parity(run_distributed(_parity_worker, world, tmp_path, args=(CASES[world],), timeout=400), CASES[world])
 
 
 def test_document_mask_changes_the_loss():

@@ -22,11 +22,25 @@ from megalysses.parallel.ring import blockwise_attention
 from megalysses.parallel.sequence_layout import IGNORE_INDEX, SequenceLayout, shard_sample
 from megalysses.testing import run_distributed
 from megalysses.training.runtime import plan_runtime, startup_line, write_runtime
+from test_model_parity import MQA, ONE_HEAD, THREE_HEADS, _parity_worker, case, check_parity
 
 ROOT = Path(__file__).resolve().parent.parent
 spec = importlib.util.spec_from_file_location("bench_ulysses_comm", ROOT / "benchmarks" / "bench_ulysses_comm.py")
 bench = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(bench)
+
+
+# the model matrix at sp up to 8 (see test_model_parity.py); cases on fewer ranks leave the rest idle
+PARITY_ON_8 = [
+    case(1, 8, True, model=MQA, seq_len=250),                         # ulysses 2 x ring 4
+    case(2, 4, True, True, tied=True, sp_ring=2, seq_len=61),         # tp 2 x ulysses 2 x ring 2
+    case(1, 8, True, sp_ring=8, seq_len=47, tile=5),                  # ring 8, GQA
+    case(1, 4, True, model=MQA, sp_ring=4, seq_len=37),               # ring 4 x dp 2, MQA
+    case(1, 3, True, seq_len=40, world=3),                            # 8 heads over 3 ranks: ring 3
+    case(1, 5, True, model=ONE_HEAD, seq_len=23, world=5),
+    case(1, 6, True, model=THREE_HEADS, seq_len=50, world=6),         # ulysses 3 x ring 2
+    case(1, 7, False, model=MQA, seq_len=45, world=7),
+]
 
 
 def qkv(B=2, S=48, hq=4, hkv=2, D=8, seed=0, dtype=torch.float32):
@@ -114,10 +128,9 @@ def test_flex_blocks_forward_and_their_backward_formula(monkeypatch):
     if "flex" not in attention.available_backends("cpu"):
         pytest.skip("this torch has no FlexAttention")
     q, k, v = qkv(D=16)
-    with torch.no_grad():
-        for docs in (None, doc_ids()):
-            want = core_attention(q, k, v, doc_ids=docs, backend="reference")
-            assert close(blockwise_attention(q, k, v, 3, doc_ids=docs, backend="flex"), want)
+    with torch.no_grad():                     # documents: blocks of every shape, masked, with empty rows
+        want = core_attention(q, k, v, doc_ids=doc_ids(), backend="reference")
+        assert close(blockwise_attention(q, k, v, 2, doc_ids=doc_ids(), backend="flex"), want)
 
     # the stand-in: reference math with out and LSE both differentiable, shaped as FlexAttention's
     def stand_in(q_, k_, v_, block, scale):
@@ -193,14 +206,14 @@ def test_run_plan_prints_and_records_the_factorisation(tmp_path):
 
 # ----------------------------------------------------------------------------- on gloo ranks
 
-def _ring_worker(rank, world, shape):
+def _ring_worker(rank, world, shape, parity_cases):
     from megalysses.parallel import ring as ring_module
     from megalysses.parallel.ring import RingMask, ring_attention
     from megalysses.parallel.ulysses import prepare_sequence_mask, ulysses_attention
 
     out = {}
-    # sp = 4 as ring 4, and as ulysses 2 x ring 2 (the Ulysses all-to-all around the ring)
-    for ring in (4, 2):
+    # sp = 8 as ring 8, ulysses 2 x ring 4 and ulysses 4 x ring 2 (the all-to-all around the ring)
+    for ring in (8, 4, 2):
         grid = ParallelGrid(sp=world, ring=ring)
         layout = grid.sequence_layout(False)
         for backend, dtype in (("reference", torch.float32), ("sdpa", torch.float32), ("sdpa", torch.bfloat16)):
@@ -234,7 +247,7 @@ def _ring_worker(rank, world, shape):
     ring_module.block_attention = lambda *a: (events.append("fwd"), real_forward(*a))[1]
     ring_module.block_attention_backward = lambda *a: (events.append("bwd"), real_backward(*a))[1]
     try:
-        q, k, v = (t.detach()[:, :12].clone().requires_grad_() for t in qkv())
+        q, k, v = (t.detach()[:, :6].clone().requires_grad_() for t in qkv())
         ring_attention(q, k, v, grid.ring_group, RingMask(None, grid.ring_rank, world, 48)).sum().backward()
     finally:
         ring_module.comm.ring_exchange, ring_module.block_attention = real_exchange, real_forward
@@ -243,25 +256,29 @@ def _ring_worker(rank, world, shape):
 
     # bytes sent by one attention layer at each split of sp, counted on gloo
     out["bytes"] = {ring: bench.count_layer(rank, world, shape, ring) for _, ring in bench.factorisations(shape, world)}
+    # the whole model at sp up to 8 (test_model_parity's matrix), in the same group of ranks
+    out["parity"] = _parity_worker(rank, world, parity_cases)
     return out
 
 
-def test_ring_on_4_ranks(tmp_path):
+def test_ring_on_8_ranks(tmp_path):
     shape = {"seq_len": 64, "batch": 1, "hidden": 64, "heads": 4, "kv_heads": 1}
-    results = run_distributed(_ring_worker, 4, tmp_path, args=(shape,), timeout=400)
+    results = run_distributed(_ring_worker, 8, tmp_path, args=(shape, PARITY_ON_8), timeout=600)
     for out in results:
         bad = [key for key, ok in out.items() if isinstance(key, tuple) and not ok]
         assert not bad, f"(ring, backend, dtype, documents) differing from the reference: {bad}"
-        # forward: post, fwd x 3, then the last block without an exchange; backward: post before every block
-        assert out["events"] == ["post", "fwd"] * 3 + ["fwd"] + ["post", "bwd"] * 4 + ["post"], out["events"]
-    splits = bench.factorisations(shape, 4)
-    assert [r for _, r in splits] == [1, 2, 4]                              # 4 x 1, 2 x 2, 1 x 4 with one KV head
+        # forward: post + block, the last block without an exchange; backward: post before every block,
+        # then the hop that brings dK/dV home
+        assert out["events"] == ["post", "fwd"] * 7 + ["fwd"] + ["post", "bwd"] * 8 + ["post"], out["events"]
+    splits = bench.factorisations(shape, 8)
+    assert [r for _, r in splits] == [2, 4, 8]                              # 4 x 2, 2 x 4, 1 x 8 with 4 query heads
     for u, r in splits:
-        want = bench.closed_form(shape, 4, u, r)
+        want = bench.closed_form(shape, 8, u, r)
+        assert want["ring_fwd"] > 0 and (u == 1) == (want["ulysses_fwd"] == 0)
         for out in results:
             got = out["bytes"][r]
             assert all(got[key] == want[key] for key in bench.KEYS), (u, r, got, want)
-    assert results[0]["bytes"][4]["ring_fwd"] > 0 and results[0]["bytes"][1]["ring_fwd"] == 0
+    check_parity([out["parity"] for out in results], PARITY_ON_8)
 
 
 # ----------------------------------------------------------------------------- through torchrun
