@@ -289,14 +289,15 @@ def _metrics(run: Path) -> list[dict]:
 
 def test_torchrun_ulysses_times_ring_equals_one_process(tmp_path):
     """The issue's example, 2 query heads and 1 KV head at sp=4 with 250 tokens (ulysses 2 x ring 2, padded
-    to 252), trains as one process does: losses, gradient norms and the validation loss in metrics.jsonl."""
-    sets = ["data.mock=true", "data.seq_len=250", "model.vocab_size=128", "model.hidden_size=32", "model.num_layers=2",
+    to 252), trains as one process does: losses, gradient norms and the validation loss in metrics.jsonl;
+    tools/generate.py then samples from its checkpoint in one process."""
+    sets = ["data.mock=true", "data.seq_len=250", "model.vocab_size=512", "model.hidden_size=32", "model.num_layers=2",
             "model.num_heads=2", "model.num_kv_heads=1", "training.global_batch_size=2", "training.micro_batch_size=1",
             "training.train_steps=2", "optimizer.warmup_steps=1", "logging.log_interval=1", "training.eval_interval=2",
             "training.eval_steps=1", "parallel.timeout_seconds=60", "checkpoint.save_interval=0"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     runs = {}
-    for name, nproc, extra in (("one", 1, []), ("sp4", 4, ["parallel.sp=4"])):
+    for name, nproc, extra in (("one", 1, []), ("sp4", 4, ["parallel.sp=4", "parallel.sp_ring=2"])):
         run = tmp_path / name
         args = [a for s in sets + extra + [f"logging.run_dir={run}"] for a in ("--set", s)]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
@@ -309,3 +310,7 @@ def test_torchrun_ulysses_times_ring_equals_one_process(tmp_path):
     for key in ("loss", "grad_norm", "val_loss"):
         a, b = [row[key] for row in one if key in row], [row[key] for row in sp4 if key in row]
         assert len(a) == len(b) > 0 and all(abs(x - y) <= 1e-5 * abs(x) for x, y in zip(a, b)), (key, a, b)
+    gen = subprocess.run([sys.executable, str(ROOT / "tools" / "generate.py"), "--run", str(tmp_path / "sp4"),
+                          "--prompt", "ab", "--max-new-tokens", "3", "--temperature", "0"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert gen.returncode == 0 and "sampled from" in gen.stdout, gen.stdout + gen.stderr

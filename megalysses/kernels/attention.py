@@ -89,9 +89,8 @@ def unsupported_reason(backend: str, device: DeviceLike, dtype: torch.dtype, hea
             return f"needs a head dim that is a power of two >= 16 (compiled FlexAttention), got {head_dim}"
     if backend == "flash":
         if ring:
-            return ("cannot run the blocks of ring attention (parallel.sp_ring > 1): flash-attn's public functions "
-                    "give no backward against the log-sum-exp merged over the blocks; use auto, sdpa, flex or "
-                    "reference")
+            return ("cannot run the blocks of ring attention: flash-attn's public functions give no backward "
+                    "against the log-sum-exp merged over the blocks; use auto, sdpa, flex or reference")
         if dtype not in _HALF:
             return f"needs float16 or bfloat16 inputs, got {dtype}; use 'sdpa' or 'flex' for {dtype}"
         if head_dim is not None and (head_dim % 8 or head_dim > 256):

@@ -176,7 +176,8 @@ def _sdpa_forward(q, k, v, block, scale):
 
 def _sdpa_backward(dout, q, k, v, out, lse, block, scale, aux):
     k_, v_, rep = _expand_kv(q, k, v)
-    args = [_heads_first(t) for t in (dout.to(q.dtype), q, k_, v_, out.to(q.dtype))] + [lse.float().contiguous()]
+    dout, out = dout.to(q.dtype).contiguous(), out.to(q.dtype)          # the kernels want a unit last stride
+    args = [_heads_first(t) for t in (dout, q, k_, v_, out)] + [lse.float().contiguous()]
     if q.is_cuda:
         seed, offset = aux
         dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(

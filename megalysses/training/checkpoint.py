@@ -1,6 +1,6 @@
 """Checkpoints with torch.distributed.checkpoint (DCP), under layout-independent names.
 
-Every tensor is saved as a DTensor on the (tp, grad) mesh of its pipeline stage (ParallelGrid.device_mesh), so its full shape
+Every tensor is saved as a DTensor on the (tp, grad) mesh of its pipeline stage, so its full shape
 and the coordinates of each rank's piece are recorded: parameters are Shard(tp_dim) over tp and
 replicated over grad (Shard(0) over grad under FSDP); the optimizer state (fp32 master, exp_avg,
 exp_avg_sq) is Shard(0) over grad under both ZeRO-1 and FSDP. Names are
