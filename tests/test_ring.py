@@ -300,8 +300,8 @@ def test_torchrun_ulysses_times_ring_equals_one_process(tmp_path):
     for name, nproc, extra in (("one", 1, []), ("sp4", 4, ["parallel.sp=4", "parallel.sp_ring=2"])):
         run = tmp_path / name
         args = [a for s in sets + extra + [f"logging.run_dir={run}"] for a in ("--set", s)]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               str(ROOT / "pretrain.py"), *args]
+        launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else []
+        cmd = [sys.executable, *launch, str(ROOT / "pretrain.py"), *args]
         r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stdout + r.stderr
         runs[name] = (r.stdout, _metrics(run))
