@@ -128,8 +128,8 @@ def write_runtime(run_dir: Path, cfg: Config, grid: ParallelGrid, runtime: Runti
                 "triton": _version("triton") if triton_importable() else None,
                 "flash_attn": _version("flash_attn") if flash_attn_func is not None else None}
     record = {**dataclasses.asdict(runtime), "memory_options": memory_options(cfg),
-              "layout": {"world": grid.world, "tp": grid.tp_size, "sp": grid.sp_size, "ulysses": grid.ulysses_size,
-                         "ring": grid.ring_size, "pp": grid.pp_size, "dp": grid.dp_size}, "versions": versions}
+              "layout": {"world": grid.world, "tp": grid.tp_size, "sp": grid.sp_size, "pp": grid.pp_size,
+                         "dp": grid.dp_size}, "versions": versions}
     if runtime.device.startswith("cuda"):
         record["gpu"] = torch.cuda.get_device_name(torch.device(runtime.device))
     run_dir.mkdir(parents=True, exist_ok=True)
