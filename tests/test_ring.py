@@ -199,6 +199,11 @@ def test_run_plan_prints_and_records_the_factorisation(tmp_path):
     with pytest.raises(ConfigError, match="ulysses 1 x ring 1 but the config resolves to ulysses 2 x ring 2"):
         plan_runtime(cfg, torch.device("cpu"), grid)
     assert "sp = ulysses 2 x ring 2, seq_len 250 padded to 252" in startup_line(cfg, grid, rt)
+    flash = load_config(overrides=["data.mock=true", "model.hidden_size=64", "model.num_heads=2",
+                                   "model.num_kv_heads=1", "parallel.sp=4", "model.attention_backend=flash"])
+    with pytest.raises(ConfigError, match=r"model.attention_backend=flash: .* \(this layout runs ring attention: "
+                                          r"parallel.sp=4 = ulysses 2 x ring 2\)"):
+        plan_runtime(flash, torch.device("cpu"))
     write_runtime(tmp_path, cfg, grid, rt)
     record = json.loads((tmp_path / "runtime.json").read_text())
     assert (record["ulysses"], record["ring"], record["padded_seq_len"]) == (2, 2, 252)
