@@ -112,7 +112,11 @@ class ParallelConfig:
     tp: int = 1
     """Tensor-parallel degree (keep inside a node)."""
     sp: int = 1
-    """Ulysses sequence-parallel degree."""
+    """Sequence-parallel degree = ulysses x ring: Ulysses (all-to-all onto heads, inside a node) as far as
+    the heads allow, ring attention (K/V blocks passed around, log-sum-exp merge) for the rest."""
+    sp_ring: int = 0
+    """Ring degree r of sp (a divisor of sp; Ulysses gets sp / r). 0 = automatic: the largest Ulysses degree
+    the heads allow (query heads per tp rank divisible by it, KV heads dividing it or divisible by it)."""
     pp: int = 1
     """Pipeline-parallel degree (stages)."""
     virtual_stages: int = 1
@@ -485,19 +489,14 @@ def validate_config(cfg: Config, world_size: Optional[int] = None) -> None:
         raise ConfigError(f"model head_dim={m.head_dim} (hidden_size/num_heads) must be even for rotary embeddings")
     if m.num_heads % m.kv_heads:
         raise ConfigError(f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads={m.kv_heads}")
-    check_heads(m.num_heads, m.kv_heads, p.tp, p.sp)
+    check_heads(m.num_heads, m.kv_heads, p.tp, p.sp, p.sp_ring)
     rs = m.rope_scaling
     if rs.type == "llama3" and rs.high_freq_factor <= rs.low_freq_factor:
         raise ConfigError(f"model.rope_scaling: high_freq_factor={rs.high_freq_factor} must exceed "
                           f"low_freq_factor={rs.low_freq_factor}")
     if m.ffn_size % p.tp:
         raise ConfigError(f"MLP width {m.ffn_size} (model.ffn_hidden_size) is not divisible by parallel.tp={p.tp}")
-    shard = p.sp * (p.tp if p.tp_sequence_parallel else 1)
-    if d.seq_len % shard:
-        what = f"parallel.sp={p.sp}" + (f" * parallel.tp={p.tp} (tp_sequence_parallel)"
-                                        if p.tp_sequence_parallel else "")
-        raise ConfigError(f"data.seq_len={d.seq_len} is not divisible by {what} = {shard}: "
-                          f"use a seq_len that is a multiple of {shard}")
+    # any data.seq_len works: samples are padded to the layout's multiple (parallel/sequence_layout.py)
     if p.virtual_stages > 1:
         if p.pp < 2:
             raise ConfigError(f"parallel.virtual_stages={p.virtual_stages} needs parallel.pp >= 2 (it interleaves "
@@ -562,7 +561,8 @@ _RANGES = [
     ("training", "loss_chunk_tokens", 0, None), ("training", "mlp_chunk_tokens", 0, None),
     ("logging", "log_interval", 1, None), ("logging", "peak_tflops", 0.0, None),
     ("parallel", "timeout_seconds", 1.0, None),
-    ("parallel", "tp", 1, None), ("parallel", "sp", 1, None), ("parallel", "pp", 1, None),
+    ("parallel", "tp", 1, None), ("parallel", "sp", 1, None), ("parallel", "sp_ring", 0, None),
+    ("parallel", "pp", 1, None),
     ("parallel", "virtual_stages", 1, None), ("parallel", "grad_bucket_elements", 1, None),
 ]
 
@@ -627,18 +627,38 @@ def _check_tokenizer(d: DataConfig) -> None:
                           f"(merges.txt)")
 
 
-def check_heads(num_heads: int, kv_heads: int, tp: int, sp: int) -> None:
-    """Head-count rules for tp then Ulysses sp; raises ConfigError with the numbers and the fix."""
+def check_heads(num_heads: int, kv_heads: int, tp: int, sp: int, sp_ring: int = 0) -> tuple[int, int]:
+    """Head-count rules for tp, then sp = ulysses x ring; returns (ulysses, ring) or raises ConfigError with
+    the numbers and the fix. Ulysses gives each of its ranks whole query heads (query heads per tp rank
+    divisible by ulysses) and whole KV heads (replicated up to ulysses when fewer, so one must divide the
+    other); the ring has no head rule. sp_ring=0 picks the largest Ulysses degree, so any sp is possible."""
     if num_heads % tp:
         raise ConfigError(f"model.num_heads={num_heads} is not divisible by parallel.tp={tp}")
-    if (num_heads // tp) % sp:
-        raise ConfigError(f"query heads per tp rank = num_heads/tp = {num_heads}/{tp} = {num_heads // tp} "
-                          f"is not divisible by parallel.sp={sp}: Ulysses gives each sp rank whole heads; "
-                          f"choose sp dividing {num_heads // tp}")
     if kv_heads % tp:
         raise ConfigError(f"model.num_kv_heads={kv_heads} is not divisible by parallel.tp={tp}: each tp rank "
                           f"needs whole KV heads; use tp <= {kv_heads} (a divisor) and put the rest into sp")
-    kv_local = kv_heads // tp
-    if kv_local % sp and sp % kv_local:
-        raise ConfigError(f"KV heads per tp rank = {kv_local} and parallel.sp={sp}: one must divide the other "
-                          f"(KV heads are replicated up to sp when fewer); change num_kv_heads or sp")
+    hq, hk = num_heads // tp, kv_heads // tp
+
+    def fits(u: int) -> bool:
+        return hq % u == 0 and (hk % u == 0 or u % hk == 0)
+
+    if sp_ring == 0:
+        ulysses = max(u for u in range(1, sp + 1) if sp % u == 0 and fits(u))
+        return ulysses, sp // ulysses
+    if sp % sp_ring:
+        raise ConfigError(f"parallel.sp_ring={sp_ring} does not divide parallel.sp={sp}: sp = ulysses x ring; "
+                          f"choose a divisor of {sp} (or 0 for automatic)")
+    ulysses = sp // sp_ring
+    if not fits(ulysses):
+        rings = [sp // u for u in range(1, sp + 1) if sp % u == 0 and fits(u)]
+        raise ConfigError(f"parallel.sp={sp} with parallel.sp_ring={sp_ring} leaves a Ulysses degree of {ulysses}, "
+                          f"which the heads do not allow: query heads per tp rank = {hq} must be divisible by it and "
+                          f"KV heads per tp rank = {hk} must divide it or be divisible by it; sp_ring can be one of "
+                          f"{', '.join(map(str, sorted(rings)))} (or 0 for automatic)")
+    return ulysses, sp_ring
+
+
+def ulysses_ring(cfg: Config) -> tuple[int, int]:
+    """(ulysses, ring) degrees of cfg's sequence parallelism: sp = ulysses x ring (see check_heads)."""
+    m, p = cfg.model, cfg.parallel
+    return check_heads(m.num_heads, m.kv_heads, p.tp, p.sp, p.sp_ring)

@@ -66,12 +66,11 @@ def test_yaml_float_strings_are_numbers(tmp_path):
 @pytest.mark.parametrize("overrides,needle", [
     (["model.num_heads=6"], "model.num_heads=6"),                          # 256 % 6
     (["parallel.tp=3"], "parallel.tp=3"),
-    (["parallel.sp=3"], "parallel.sp=3"),
     (["model.num_kv_heads=3"], "num_kv_heads=3"),
-    (["parallel.sp=4", "model.num_kv_heads=2", "parallel.tp=4"], "parallel.sp=4"),
-    (["data.seq_len=100", "parallel.sp=8"], "data.seq_len=100"),
-    (["data.seq_len=36", "parallel.sp=2", "parallel.tp=4", "parallel.tp_sequence_parallel=true"],
-     "tp_sequence_parallel"),
+    (["parallel.sp=4", "model.num_kv_heads=2", "parallel.tp=4"], "num_kv_heads=2 is not divisible by parallel.tp=4"),
+    (["parallel.sp=4", "parallel.sp_ring=3"], "parallel.sp_ring=3 does not divide parallel.sp=4"),
+    (["parallel.sp=16", "parallel.sp_ring=1"], "parallel.sp_ring=1 leaves a Ulysses degree of 16"),
+    (["parallel.sp_ring=-1"], "parallel.sp_ring=-1"),
     (["model.num_layers=3", "parallel.pp=2"], "model.num_layers=3"),
     (["data.mock=false"], "data.paths"),
     (["data.tokenizer=sentencepiece"], "tokenizer_model"),
@@ -85,6 +84,25 @@ def test_cross_field_rules(overrides, needle):
     with pytest.raises(ConfigError) as e:
         load_config(overrides=["data.mock=true"] + overrides)
     assert needle in str(e.value)
+
+
+def test_sp_is_ulysses_times_ring_and_any_length_is_valid():
+    """Layouts Ulysses alone cannot run get a ring; an explicit ring is honoured when the heads allow it."""
+    from megalysses.config import check_heads, ulysses_ring
+
+    assert check_heads(8, 8, 1, 3) == (1, 3)                 # 8 heads over 3 ranks: ring only
+    assert check_heads(2, 1, 1, 4) == (2, 2)                 # the issue's MQA example
+    assert check_heads(32, 8, 1, 16) == (16, 1)              # Llama-3-8B: KV heads replicated up to 16
+    assert check_heads(32, 8, 4, 16) == (8, 2)               # 8 query heads per tp rank
+    assert check_heads(1, 1, 1, 8) == (1, 8)
+    assert check_heads(8, 2, 1, 8, sp_ring=4) == (2, 4)
+    for overrides in (["parallel.sp=3"], ["data.seq_len=100", "parallel.sp=8"],
+                      ["data.seq_len=36", "parallel.sp=2", "parallel.tp=4", "parallel.tp_sequence_parallel=true"],
+                      ["model.num_heads=2", "model.hidden_size=64", "model.num_kv_heads=1", "parallel.sp=4",
+                       "data.seq_len=250"]):
+        cfg = load_config(overrides=["data.mock=true"] + overrides)
+        u, r = ulysses_ring(cfg)
+        assert u * r == cfg.parallel.sp
 
 
 def test_world_size_rules():

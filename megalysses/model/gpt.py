@@ -21,12 +21,12 @@ from torch.utils.checkpoint import checkpoint
 
 from megalysses import comm
 from megalysses.config import ModelConfig
-from megalysses.kernels.attention import prepare_attention_mask
 from megalysses.kernels.rope import rope_cos_sin
 from megalysses.model.kv_cache import KVCache
 from megalysses.model.layers import Block, Norm, ParallelGroups
 from megalysses.kernels.linear_cross_entropy import linear_cross_entropy
 from megalysses.parallel.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding, column_parallel_linear
+from megalysses.parallel.ulysses import prepare_sequence_mask
 
 
 def architecture(m: ModelConfig, tp: int = 1) -> dict:
@@ -74,8 +74,8 @@ class GPTStage(nn.Module):
     def forward(self, inputs: Tensor, position_ids: Tensor, doc_ids: Optional[Tensor] = None,
                 labels: Optional[Tensor] = None, cache: Optional[KVCache] = None) -> Tensor:
         """inputs: token ids (B, S/sp) on the first stage, else the hidden states from the previous stage.
-        position_ids: (B, S/sp) global positions of this sp rank's chunk; doc_ids: (B, S) full-sequence
-        document index for packed-document masks (None = plain causal).
+        position_ids: (B, S/sp) global positions of this sp rank's tokens (SequenceLayout.positions);
+        doc_ids: (B, S) full-sequence document index for packed-document masks (None = plain causal).
 
         Returns the hidden states (B, s, h) on a non-last stage; on the last, the local sum of token
         losses (fp32 scalar) when labels are given, else this rank's logits (B, S/sp, V/tp) over the padded
@@ -83,7 +83,8 @@ class GPTStage(nn.Module):
         tokens after those already cached."""
         cos, sin = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta,
                                 scaling=self.cfg.rope_scaling)                  # (B, S/sp, D), once
-        mask = prepare_attention_mask(doc_ids, self.cfg.attention_backend) if doc_ids is not None else None
+        mask = prepare_sequence_mask(doc_ids, self.cfg.attention_backend, self.groups.ulysses, self.groups.ring,
+                                     position_ids.shape[1])                           # once per step
         x = self.embed(inputs) if self.first else inputs                               # (B, s, h)
         for index, block in self.layers.items():
             if self.activation_checkpointing and self.training:

@@ -32,7 +32,7 @@ from megalysses.model.hf import model_config_from_hf, our_tensor
 from megalysses.model.hf_io import HFFormatError, open_hf_dir
 from megalysses.model.kv_cache import KVCache
 from megalysses.training.checkpoint import (
-    CheckpointError, build_mesh, check_model_shape, load_model_weights, resolve_checkpoint)
+    CheckpointError, check_model_shape, load_model_weights, resolve_checkpoint)
 from megalysses.training.loop import model_shape
 
 
@@ -112,8 +112,9 @@ def load_run(run: Path) -> tuple[Config, Any]:
         raise ValueError(f"{run} is not a run directory (no config.yaml): pass the logging.run_dir of a run")
     # one CPU process: the layout, attention backend and kernels of the run do not apply here
     try:
-        cfg = load_config(run / "config.yaml", ["parallel.tp=1", "parallel.sp=1", "parallel.pp=1",
-                                                "parallel.tp_sequence_parallel=false", "parallel.fsdp=false",
+        cfg = load_config(run / "config.yaml", ["parallel.tp=1", "parallel.sp=1", "parallel.sp_ring=0",
+                                                "parallel.pp=1", "parallel.tp_sequence_parallel=false",
+                                                "parallel.fsdp=false",
                                                 "model.attention_backend=sdpa", "model.kernels=torch"])
     except (ConfigError, OSError, UnicodeDecodeError) as e:
         raise ValueError(f"{run / 'config.yaml'} cannot be read as a run config: {e}") from None
@@ -148,7 +149,7 @@ def _from_run(args: argparse.Namespace) -> tuple[GPTStage, Any, Optional[str], s
         grid = ParallelGrid()
         model = GPTStage(cfg.model)
         init_weights(model, cfg.training.seed)
-        load_model_weights(path, model, grid, build_mesh(grid, device))
+        load_model_weights(path, model, grid, grid.device_mesh(device))
     finally:
         destroy_distributed()
     return model, tok, cfg.data.bos, str(path)

@@ -77,8 +77,7 @@ def _run(args: argparse.Namespace, signals: StopSignals) -> int:
         for note in config_warnings(cfg):
             print0(f"warning: {note}")
         validate_config(cfg, world_size=dist.get_world_size())
-        grid = ParallelGrid(tp=cfg.parallel.tp, sp=cfg.parallel.sp, pp=cfg.parallel.pp,
-                            timeout_seconds=cfg.parallel.timeout_seconds)
+        grid = ParallelGrid.for_config(cfg)
         summary = train(cfg, grid, device, signals=signals, watchdog=watchdog)
         if summary["stopped_by"] == "already_finished":
             print0(f"done: this run already finished: its checkpoint is at step {summary['step']} "

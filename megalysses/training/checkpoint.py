@@ -84,20 +84,6 @@ class SafeFileSystemReader(dcp.FileSystemReader):
 
 # ----------------------------------------------------------------------------- state as DTensors
 
-def build_mesh(grid: ParallelGrid, device: torch.device) -> DeviceMesh:
-    """The (pp, tp, grad) device mesh of the grid (grad = dp x sp in grid order)."""
-    L = grid.layout
-    ranks = L.ranks.permute(0, 3, 1, 2).reshape(L.pp, L.tp, L.dp * L.sp)
-    # fresh row-major strides: torch 2.11 takes the mesh layout from them, and a size-1 dim of the
-    # permuted view keeps a stride that makes mesh["tp", "grad"] fail as out of order
-    mesh = DeviceMesh(device.type, ranks.flatten().view(ranks.shape), mesh_dim_names=("pp", "tp", "grad"))
-    if grid.timeout is not None:    # DeviceMesh creates its groups with torch's default timeout
-        from torch.distributed.distributed_c10d import _set_pg_timeout
-        for name in ("pp", "tp", "grad"):
-            _set_pg_timeout(grid.timeout, mesh.get_group(name))
-    return mesh
-
-
 def _tp_placement(p: torch.Tensor) -> Any:
     tp_dim = getattr(p, "tp_dim", None)
     return Replicate() if tp_dim is None else Shard(tp_dim)

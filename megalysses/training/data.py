@@ -70,7 +70,8 @@ class TrainingData:
         for mb in iterate_micro_batches(dataset, self.cfg.training.micro_batch_size, g.dp_rank, g.dp_size, g.sp_rank,
                                         g.sp_size, consumed, self.eod_id, d.reset_position_ids, d.document_mask,
                                         seq_len=d.seq_len, eod_mask_loss=d.eod_mask_loss,
-                                        vocab_size=self.cfg.model.vocab_size):
+                                        vocab_size=self.cfg.model.vocab_size,
+                                        layout=g.sequence_layout(self.cfg.parallel.tp_sequence_parallel)):
             yield {k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
 
     def train_batches(self, consumed_samples: int) -> Iterator[list[Batch]]:

@@ -22,7 +22,7 @@ from megalysses.grid import ParallelGrid
 from megalysses.model.gpt import GPTStage, architecture, init_weights, stage_layers
 from megalysses.model.layers import ParallelGroups
 from megalysses.parallel.interleaved import VirtualStages
-from megalysses.training.checkpoint import build_mesh, load_checkpoint, save_checkpoint
+from megalysses.training.checkpoint import load_checkpoint, save_checkpoint
 from megalysses.training.data import TrainingData
 from megalysses.training.fsdp import FSDPAdamW, shard_model
 from megalysses.training.initialize import is_weights_only, load_initial_weights
@@ -43,7 +43,8 @@ def build_model(cfg: Config, grid: ParallelGrid, device: torch.device, mesh: Dev
     identically at every layout (then, with parallel.fsdp, sharded over the grad group to gather in the
     compute dtype)."""
     model_cfg = runtime.model_config(cfg)
-    groups = ParallelGroups(tp=grid.tp_group, sp=grid.sp_group, sequence_parallel=cfg.parallel.tp_sequence_parallel)
+    groups = ParallelGroups(tp=grid.tp_group, ulysses=grid.ulysses_group, ring=grid.ring_group,
+                            sequence_parallel=cfg.parallel.tp_sequence_parallel)
     v = cfg.parallel.virtual_stages
     V = grid.pp_size * v
     chunks = []
@@ -96,13 +97,13 @@ def train(cfg: Config, grid: ParallelGrid, device: torch.device, signals: Option
     doing = watchdog.doing if watchdog is not None else (lambda what: None)
     doing("checking the run directory")
     on_rank0(lambda: _prepare_dirs(cfg, run_dir, ckpt_dir))
-    runtime = plan_runtime(cfg, device)
+    runtime = plan_runtime(cfg, device, grid)
     if grid.rank == 0:
         write_runtime(run_dir, cfg, grid, runtime)
     print0(startup_line(cfg, grid, runtime))
     dtype = runtime.torch_dtype
     doing("building the model")
-    mesh = build_mesh(grid, device)
+    mesh = grid.device_mesh(device)
     model = build_model(cfg, grid, device, mesh, runtime)
 
     step, consumed, updates = 0, 0, 0       # updates: optimizer steps taken (skipped steps excluded)

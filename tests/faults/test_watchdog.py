@@ -85,10 +85,9 @@ def test_single_process_stuck_in_one_phase():
 def _groups_time_out(rank, world):
     """Rank 1 never joins; rank 0's collectives on a grid group and on a mesh group end in ~2 s."""
     from megalysses.grid import ParallelGrid
-    from megalysses.training.checkpoint import build_mesh
 
     grid = ParallelGrid(tp=2, timeout_seconds=2)
-    mesh = build_mesh(grid, torch.device("cpu"))
+    mesh = grid.device_mesh(torch.device("cpu"))
     took = []
     if rank == 0:
         for group in (grid.tp_group, mesh.get_group("tp")):
