@@ -1,4 +1,5 @@
 # make test        : create .venv if missing, install CPU torch + megalysses[test], run the suite
+# make lint        : ruff (rules in pyproject.toml) on the Python code, hadolint on the Dockerfile
 # make quickstart  : stdlib corpus -> tokenizer -> dataset (cached), train a small GPT on 4 processes
 #                    with tp=2 x sp=2, then sample text from the checkpoint
 PYTHON    ?= python3
@@ -8,7 +9,7 @@ TORCH_CPU ?= torch==2.13.0
 NPROC     ?= 4
 DATA      ?= data
 
-.PHONY: venv test test-gpu quickstart corpus clean
+.PHONY: venv test test-gpu lint quickstart corpus clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +26,14 @@ test: venv
 # the GPU tier alone (on a CUDA machine; `make test` there runs it too, with the rest)
 test-gpu: venv
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m gpu tests
+
+$(VENV)/.lint: pyproject.toml $(VENV)/.installed
+	$(PY) -m pip install --quiet -e ".[lint]"
+	touch $@
+
+lint: $(VENV)/.lint
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/hadolint Dockerfile
 
 $(DATA)/stdlib.jsonl: | venv
 	$(PY) tools/build_corpus.py --stdlib --output $@

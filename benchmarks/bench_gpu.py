@@ -276,11 +276,13 @@ def main(argv: Optional[list[str]] = None) -> int:
             if skipped[fw]:
                 continue
             opts = SETTINGS[fw][-1]
-            longest[fw] = longest_fitting(lambda s: bool(run_child(fw, s, opts, args, 1, 0).get("fits")),
-                                          quantum, longest_max, quantum)
+            def fits(s: int, fw: str = fw, opts: dict = opts) -> bool:
+                return bool(run_child(fw, s, opts, args, 1, 0).get("fits"))
+            longest[fw] = longest_fitting(fits, quantum, longest_max, quantum)
             print(f"  longest {fw}: {longest[fw]}", flush=True)
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
     versions = {"torch": torch.__version__, "cuda": torch.version.cuda, "commit": commit or None,
                 "python": platform.python_version()}
     try:
@@ -290,11 +292,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         versions["triton"] = None
     shape = SMOKE if args.smoke else LLAMA_1B
     lines = [f"# One GPU: megalysses vs transformers vs transformers + Liger ({device})", "",
-             f"`python benchmarks/bench_gpu.py{' --smoke' if args.smoke else ''}` at commit {versions['commit']}, "
-             f"torch {versions['torch']}, CUDA {versions['cuda']}, Triton {versions['triton']}; "
-             f"{time.time() - start:.0f} s in all.",
-             f"Shape: vocab {shape['vocab']}, hidden {shape['hidden']}, {shape['layers']} layers, {shape['heads']} "
-             f"heads / {shape['kv_heads']} KV, ffn {shape['ffn']}, tied embeddings; batch 1; AdamW, clip 1.0.", ""]
+             (f"`python benchmarks/bench_gpu.py{' --smoke' if args.smoke else ''}` at commit {versions['commit']}, "
+              f"torch {versions['torch']}, CUDA {versions['cuda']}, Triton {versions['triton']}; "
+              f"{time.time() - start:.0f} s in all."),
+             (f"Shape: vocab {shape['vocab']}, hidden {shape['hidden']}, {shape['layers']} layers, {shape['heads']} "
+              f"heads / {shape['kv_heads']} KV, ffn {shape['ffn']}, tied embeddings; batch 1; AdamW, clip 1.0."), ""]
     lines += ["| seq | framework | settings | tok/s | MFU | peak GiB |", "|---:|---|---|---:|---:|---:|"]
     for r in rows:
         what = ("out of memory" if r.get("fits") is False else r.get("error") or
@@ -306,7 +308,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         if why:
             lines.append(f"| – | {fw} | not run: {why} | – | – | – |")
     if longest:
-        lines += ["", "| framework | longest trainable sequence (one step, most memory-saving settings) |", "|---|---:|"]
+        lines += ["", "| framework | longest trainable sequence (one step, most memory-saving settings) |",
+                  "|---|---:|"]
         lines += [f"| {fw} | {fmt(n, ',d', 'none')}{' (the bound)' if n == longest_max else ''} |"
                   for fw, n in longest.items()]
     text = "\n".join(lines) + "\n"

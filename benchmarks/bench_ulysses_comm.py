@@ -1,32 +1,33 @@
-"""Communication volume of Ulysses attention against a ring-attention pass over the same shapes.
+"""Communication volume of sequence parallelism, sp = ulysses x ring, for every factorisation of sp.
 
     python benchmarks/bench_ulysses_comm.py [--seq-len 4096] [--hidden 1024] [--heads 16] [--kv-heads 4]
                                             [--sp 2 4 8] [--json benchmarks/results/ulysses_comm.json]
 
-For each sequence-parallel degree P the script spawns P gloo ranks on this machine and, on every
-rank, counts the bytes that actually leave the rank (payload sent to the other P-1 ranks):
+For each sequence-parallel degree sp the script spawns sp gloo ranks on this machine and, for every
+split sp = u x r that the heads allow (u: Ulysses degree, r: ring degree), runs one attention layer of
+megalysses (fused QKV projection, RoPE, the packed q/k/v all-to-all over the Ulysses group, ring
+attention over the ring group, the inverse all-to-all, output projection), forward and backward through
+autograd, on the grid's real `ulysses` and `ring` groups. On every rank it counts the bytes that leave
+the rank: the all-to-alls by wrapping torch.distributed.all_to_all_single, the ring's K/V blocks and
+dK/dV accumulators by wrapping torch.distributed.batch_isend_irecv. Both columns are measured.
 
-* Ulysses: one attention layer of megalysses (q/k/v projections, RoPE, the packed q/k/v all-to-all,
-  core attention, the inverse all-to-all, output projection), forward and backward through
-  autograd. Counted by wrapping torch.distributed.all_to_all_single.
-* Ring: the K/V traffic of ring attention over the same local shards, driven through the same
-  point-to-point primitive the pipeline uses (batched isend/irecv). Forward: P-1 steps, each
-  passing the (B, S/P, Hkv, D) K and V blocks to the next rank. Backward (as in the usual ring
-  implementations): P-1 steps of K and V again plus P steps of the dK/dV accumulators (the last
-  one brings them home). Counted by wrapping torch.distributed.batch_isend_irecv.
-
-Beside each measurement the closed forms, per rank, in elements (times the element size):
-    Ulysses fwd  (P-1)/P * B*S/P * (2*Hq + 2*Hkv') * D      Hkv' = max(Hkv, P) after KV replication
-    Ring fwd     (P-1)   * B*S/P * 2*Hkv * D
-so Ulysses sends O(S*h/P) per rank while ring sends O(S*h_kv), flat in P. The backward of each
-doubles (Ulysses: the two inverse all-to-alls; ring: K/V plus dK/dV).
-Prints a markdown table and writes the numbers as JSON.
+Beside each measurement the closed forms per rank per layer, in elements (times the element size),
+with h_q = Hq*D, h_kv = Hkv'*D (Hkv' = Hkv times its replication up to u) and S/sp local tokens:
+    Ulysses fwd  (u-1)/u * S/sp * (2*h_q + 2*h_kv)     q, k, v out, the output back
+    Ulysses bwd  the same                               the two inverse all-to-alls
+    Ring fwd     (r-1) * S/r * 2*h_kv/u                 the K and V block, r-1 hops
+    Ring bwd     (2r-1) * S/r * 2*h_kv/u  (r > 1)       K and V again (r-1 hops), dK/dV (r hops, fp32)
+Ulysses volume falls as 1/u; the ring's stays near 2*S*h_kv/u whatever r is, and it travels to one
+neighbour, overlapped with the block computation. Prints a markdown table and writes the numbers as
+JSON; exits non-zero if a count differs from its closed form.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -34,21 +35,23 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megalysses import comm
-from megalysses.config import ModelConfig, check_heads
+from megalysses.config import ConfigError, ModelConfig, check_heads
+from megalysses.grid import ParallelGrid
 from megalysses.kernels.rope import rope_cos_sin
 from megalysses.model.layers import Attention, ParallelGroups
-from megalysses.parallel.ulysses import kv_replication
+from megalysses.parallel.sequence_layout import SequenceLayout
+from megalysses.parallel.ulysses import kv_replication, prepare_sequence_mask
 from megalysses.testing import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
+KEYS = ("ulysses_fwd", "ring_fwd", "ulysses_bwd", "ring_bwd")   # the table's column order
 
 
 class ByteCounter:
-    """Wraps the two collectives and adds up the bytes this rank sends to other ranks."""
+    """Wraps the all-to-all and the batched p2p and adds up the bytes this rank sends to other ranks."""
 
     def __init__(self) -> None:
-        self.sent = 0
+        self.a2a = self.p2p = 0
         self._a2a, self._p2p = dist.all_to_all_single, dist.batch_isend_irecv
 
     def __enter__(self) -> "ByteCounter":
@@ -56,11 +59,12 @@ class ByteCounter:
             world, me = dist.get_world_size(group), dist.get_rank(group)
             rows = input_split_sizes or [input.shape[0] // world] * world
             row_bytes = input[0].numel() * input.element_size() if input.shape[0] else 0
-            self.sent += sum(r for i, r in enumerate(rows) if i != me) * row_bytes
+            self.a2a += sum(r for i, r in enumerate(rows) if i != me) * row_bytes
             return self._a2a(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
 
         def p2p(ops):
-            self.sent += sum(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op in (dist.isend, dist.send))
+            self.p2p += sum(op.tensor.numel() * op.tensor.element_size() for op in ops
+                            if op.op in (dist.isend, dist.send))
             return self._p2p(ops)
 
         dist.all_to_all_single, dist.batch_isend_irecv = a2a, p2p
@@ -69,58 +73,63 @@ class ByteCounter:
     def __exit__(self, *exc) -> None:
         dist.all_to_all_single, dist.batch_isend_irecv = self._a2a, self._p2p
 
-    def take(self) -> int:
-        sent, self.sent = self.sent, 0
-        return sent
+    def take(self) -> tuple[int, int]:
+        """(all-to-all bytes, p2p bytes) since the last take."""
+        out = (self.a2a, self.p2p)
+        self.a2a = self.p2p = 0
+        return out
 
 
-def ring_pass(blocks: list[torch.Tensor], steps: int, group: dist.ProcessGroup) -> list[torch.Tensor]:
-    """Rotate `blocks` `steps` times around the ring (each rank sends to rank+1, receives from rank-1)."""
-    world, me = dist.get_world_size(group), dist.get_rank(group)
-    nxt = dist.get_global_rank(group, (me + 1) % world)
-    prv = dist.get_global_rank(group, (me - 1) % world)
-    for _ in range(steps):
-        recv = [torch.empty_like(b) for b in blocks]
-        comm.send_recv(sends=[(b, nxt) for b in blocks], recvs=[(r, prv) for r in recv])
-        blocks = recv
-    return blocks
+def factorisations(shape: dict, sp: int) -> list[tuple[int, int]]:
+    """Every (ulysses, ring) with ulysses * ring = sp that the heads allow, Ulysses-heaviest first."""
+    out = []
+    for ring in range(1, sp + 1):
+        if sp % ring == 0:
+            try:
+                out.append(check_heads(shape["heads"], shape["kv_heads"], 1, sp, ring))
+            except ConfigError:
+                pass
+    return out
 
 
-def measure(rank: int, world: int, shape: dict) -> dict:
+def count_layer(rank: int, world: int, shape: dict, ring: int) -> dict:
+    """Bytes this rank sends for one attention layer, forward and backward, at sp = world = (world/ring) x ring."""
     torch.manual_seed(rank)
-    group = dist.new_group(list(range(world)))
+    grid = ParallelGrid(sp=world, ring=ring)
     cfg = ModelConfig(hidden_size=shape["hidden"], num_heads=shape["heads"], num_kv_heads=shape["kv_heads"],
                       attention_backend="sdpa")
-    attn = Attention(cfg, ParallelGroups(sp=group))
-    B, s, D = shape["batch"], shape["seq_len"] // world, cfg.head_dim
-    x = torch.randn(B, s, cfg.hidden_size, requires_grad=True)            # (B, S/P, h)
-    pos = torch.arange(rank * s, (rank + 1) * s).expand(B, s)             # global positions of this chunk
-    cos, sin = rope_cos_sin(pos, D, cfg.rope_theta)
+    attn = Attention(cfg, ParallelGroups(ulysses=grid.ulysses_group, ring=grid.ring_group))
+    layout = grid.sequence_layout(False)
+    S = layout.padded_len(shape["seq_len"])
+    pos = torch.from_numpy(layout.positions(S, grid.sp_rank)).expand(shape["batch"], -1)   # this rank's positions
+    x = torch.randn(shape["batch"], pos.shape[1], cfg.hidden_size, requires_grad=True)     # (B, S/sp, h)
+    cos, sin = rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta)
+    mask = prepare_sequence_mask(None, "sdpa", grid.ulysses_group, grid.ring_group, pos.shape[1])
     with ByteCounter() as counter:
         start = time.perf_counter()
-        out = attn(x, cos, sin, None)                                     # (B, S/P, h)
-        ulysses_fwd = counter.take()
+        out = attn(x, cos, sin, mask)
+        ulysses_fwd, ring_fwd = counter.take()
         out.square().mean().backward()
-        ulysses_bwd = counter.take()
-        ulysses_s = time.perf_counter() - start
-        k = torch.randn(B, s, cfg.kv_heads, D)                            # (B, S/P, Hkv, D)
-        v = torch.randn_like(k)
-        ring_pass([k, v], world - 1, group)
-        ring_fwd = counter.take()
-        ring_pass([k, v], world - 1, group)
-        ring_pass([torch.zeros_like(k), torch.zeros_like(v)], world, group)  # dK, dV accumulators
-        ring_bwd = counter.take()
+        ulysses_bwd, ring_bwd = counter.take()
+        seconds = time.perf_counter() - start
     return {"ulysses_fwd": ulysses_fwd, "ulysses_bwd": ulysses_bwd, "ring_fwd": ring_fwd, "ring_bwd": ring_bwd,
-            "ulysses_seconds": ulysses_s}
+            "seconds": seconds}
 
 
-def theory(shape: dict, P: int, elem: int = 4) -> dict:
+def _measure(rank: int, world: int, shape: dict, splits: list[tuple[int, int]]) -> list[dict]:
+    return [count_layer(rank, world, shape, ring) for _, ring in splits]
+
+
+def closed_form(shape: dict, sp: int, ulysses: int, ring: int, elem: int = 4) -> dict:
+    """The per-rank bytes of the module docstring's formulas."""
     B, S, Hq, Hkv = shape["batch"], shape["seq_len"], shape["heads"], shape["kv_heads"]
     D = shape["hidden"] // Hq
-    Hkv_rep = Hkv * kv_replication(Hkv, P)
-    ulysses = (P - 1) / P * B * S / P * (2 * Hq + 2 * Hkv_rep) * D * elem
-    ring = (P - 1) * B * S / P * 2 * Hkv * D * elem
-    return {"ulysses_fwd": ulysses, "ring_fwd": ring, "kv_replication": kv_replication(Hkv, P)}
+    rep = kv_replication(Hkv, ulysses)
+    h_q, h_kv = Hq * D, Hkv * rep * D
+    uly = (ulysses - 1) / ulysses * B * S / sp * (2 * h_q + 2 * h_kv) * elem
+    block = B * S / ring * 2 * h_kv / ulysses * elem
+    return {"ulysses_fwd": uly, "ulysses_bwd": uly, "ring_fwd": (ring - 1) * block,
+            "ring_bwd": (2 * ring - 1) * block if ring > 1 else 0, "kv_replication": rep}
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -136,32 +145,44 @@ def main(argv: list[str] | None = None) -> list[dict]:
     shape = {"seq_len": args.seq_len, "batch": args.batch, "hidden": args.hidden, "heads": args.heads,
              "kv_heads": args.kv_heads}
     rows = []
-    for P in args.sp:
-        check_heads(args.heads, args.kv_heads, 1, P)
-        if args.seq_len % P:
-            raise SystemExit(f"--seq-len {args.seq_len} is not divisible by sp={P}")
+    for sp in args.sp:
+        splits = factorisations(shape, sp)
+        multiple = math.lcm(*(SequenceLayout(sp, r).multiple for _, r in splits))
+        if args.seq_len % multiple:
+            raise SystemExit(f"error: --seq-len {args.seq_len} is not a multiple of {multiple}: every split of sp={sp} "
+                             f"must run unpadded for the closed forms to apply")
         with tempfile.TemporaryDirectory() as tmp:
-            per_rank = run_distributed(measure, world=P, tmp_dir=tmp, args=(shape,), timeout=900, pg_timeout=600)
-        th = theory(shape, P)
-        worst = {key: max(r[key] for r in per_rank) for key in per_rank[0]}
-        rows.append({"sp": P, **worst, "theory_ulysses_fwd": th["ulysses_fwd"], "theory_ring_fwd": th["ring_fwd"],
-                     "kv_replication": th["kv_replication"]})
+            per_rank = run_distributed(_measure, world=sp, tmp_dir=tmp, args=(shape, splits), timeout=1800,
+                                       pg_timeout=900)
+        for i, (u, r) in enumerate(splits):
+            worst = {key: max(ranks[i][key] for ranks in per_rank) for key in KEYS + ("seconds",)}
+            theory = closed_form(shape, sp, u, r)
+            rows.append({"sp": sp, "ulysses": u, "ring": r, **worst,
+                         **{f"closed_form_{k}": theory[k] for k in KEYS}, "kv_replication": theory["kv_replication"]})
     mib = 2 ** 20
     S, h = args.seq_len, args.hidden
-    print(f"\nPer-rank bytes sent by one attention layer, fp32, B={args.batch} S={S} h={h} "
-          f"heads={args.heads} kv_heads={args.kv_heads} (S*h*4 = {S * h * 4 / mib:.1f} MiB)\n")
-    print("| sp | KV repl | Ulysses fwd MiB (theory) | Ring fwd MiB (theory) | Ulysses fwd+bwd MiB | Ring fwd+bwd MiB "
-          "| ring / Ulysses |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    print(f"\nPer-rank bytes sent by one attention layer, fp32, B={args.batch} S={S} h={h} heads={args.heads} "
+          f"kv_heads={args.kv_heads} (S*h*4 = {S * h * 4 / mib:.1f} MiB); closed forms in parentheses\n")
+    print("| sp | u x r | KV repl | Ulysses fwd MiB | Ring fwd MiB | Ulysses bwd MiB | Ring bwd MiB | fwd+bwd MiB |")
+    print("|---:|:---:|---:|---:|---:|---:|---:|---:|")
+    mismatches = []
     for r in rows:
-        u, rg = r["ulysses_fwd"] + r["ulysses_bwd"], r["ring_fwd"] + r["ring_bwd"]
-        print(f"| {r['sp']} | {r['kv_replication']} | {r['ulysses_fwd'] / mib:.2f} ({r['theory_ulysses_fwd'] / mib:.2f}) "
-              f"| {r['ring_fwd'] / mib:.2f} ({r['theory_ring_fwd'] / mib:.2f}) | {u / mib:.2f} | {rg / mib:.2f} "
-              f"| {rg / u:.2f} |")
+        cells = []
+        for key in KEYS:
+            cells.append(f"{r[key] / mib:.2f} ({r['closed_form_' + key] / mib:.2f})")
+            if r[key] != r["closed_form_" + key]:
+                mismatches.append(f"sp={r['sp']} {r['ulysses']}x{r['ring']} {key}: {r[key]} != "
+                                  f"{r['closed_form_' + key]}")
+        total = sum(r[key] for key in KEYS)
+        print(f"| {r['sp']} | {r['ulysses']} x {r['ring']} | {r['kv_replication']} | {' | '.join(cells)} "
+              f"| {total / mib:.2f} |")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({"shape": shape, "rows": rows, "machine": platform.platform(),
                                            "torch": torch.__version__}, indent=2) + "\n")
     print(f"\nwrote {args.json}")
+    if mismatches:
+        print("error: counted bytes differ from the closed form: " + "; ".join(mismatches), file=sys.stderr)
+        raise SystemExit(1)
     return rows
 
 

@@ -111,7 +111,8 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         import transformers
     except ImportError:
-        raise SystemExit("transformers is not installed: pip install -e '.[test]' (it is the benchmark's peer)") from None
+        raise SystemExit("transformers is not installed: pip install -e '.[test]' "
+                         "(it is the benchmark's peer)") from None
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -146,13 +147,16 @@ def main(argv: list[str] | None = None) -> dict:
     ratio = rows[0]["tokens_per_s"] / rows[1]["tokens_per_s"]
     print(f"\nTraining step, {device.type} {str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads: "
           f"vocab {args.vocab}, h {args.hidden}, {args.layers} layers, {args.heads} heads ({args.kv_heads} kv), "
-          f"ffn {args.ffn}, batch {args.batch} x seq {args.seq_len}; median of {args.rounds} rounds x {args.steps} steps\n")
+          f"ffn {args.ffn}, batch {args.batch} x seq {args.seq_len}; "
+          f"median of {args.rounds} rounds x {args.steps} steps\n")
     print("| framework | ms / step | tokens / s | first-step loss |")
     print("|---|---:|---:|---:|")
     for row in rows:
-        print(f"| {row['framework']} | {row['ms_per_step']:.1f} | {row['tokens_per_s']:.0f} | {row['first_step_loss']:.6f} |")
+        print(f"| {row['framework']} | {row['ms_per_step']:.1f} | {row['tokens_per_s']:.0f} "
+              f"| {row['first_step_loss']:.6f} |")
     print(f"\nmegalysses / transformers tokens/s: {ratio:.2f}x")
-    result = {"args": vars(args), "device": device.type, "dtype": str(dtype), "threads": torch.get_num_threads(),
+    recorded = {k: v for k, v in vars(args).items() if k != "json"}   # the output path names the machine
+    result = {"args": recorded, "device": device.type, "dtype": str(dtype), "threads": torch.get_num_threads(),
               "rows": rows, "ratio": ratio, "machine": platform.platform(), "torch": torch.__version__,
               "transformers": transformers.__version__}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -12,6 +12,9 @@ Ulysses:
     all_to_all            fwd scatter one dim / gather another   bwd the inverse all-to-all
 Pipelines (no autograd; the schedule drives the backward):
     send_recv             batched isend/irecv to pipeline neighbours
+Ring attention (no autograd; ring attention's own autograd.Function drives the backward):
+    ring_exchange         post sends to the next rank of a group and receives from the previous one;
+                          returns at once, `.wait()` hands over what arrived (overlap with compute)
 Plain collectives for the trainer (no autograd): all_reduce_, reduce_scatter_into, all_gather_into.
 
 A group of None stands for a group of one (never the default world group; `world()` names that one).
@@ -283,3 +286,35 @@ def send_recv(sends: Sequence[tuple[Tensor, int]] = (), recvs: Sequence[tuple[Te
     check_device("send_recv", group, *(op.tensor for op in ops))
     for req in dist.batch_isend_irecv(ops):
         req.wait()
+
+
+# ----------------------------------------------------------------------------- ring p2p
+
+class PendingExchange:
+    """Receives posted by `ring_exchange`; `wait()` blocks until every send and receive is done and returns
+    the received tensors (in the order of the tensors that were sent)."""
+
+    def __init__(self, works: list, sent: list[Tensor], received: list[Tensor]) -> None:
+        self._works, self._sent, self._received = works, sent, received   # the sent buffers live until wait()
+
+    def wait(self) -> list[Tensor]:
+        for work in self._works:
+            work.wait()
+        return self._received
+
+
+def ring_exchange(tensors: Sequence[Tensor], group: Group) -> PendingExchange:
+    """Send each tensor to the next rank of `group` ((rank + 1) % size) and receive a tensor of the same
+    shape and dtype from the previous one, all as one batch of isend/irecv, without waiting: compute can
+    run while the blocks travel. The sent tensors must not be modified until `wait()` returns."""
+    size, me = group_size(group), group_rank(group)
+    if size == 1:
+        raise ValueError("ring_exchange needs a group of at least two ranks")
+    nxt = dist.get_global_rank(group, (me + 1) % size)
+    prev = dist.get_global_rank(group, (me - 1) % size)
+    sends = [t.contiguous() for t in tensors]
+    received = [torch.empty_like(t) for t in sends]
+    ops = [dist.P2POp(dist.isend, t, nxt, group) for t in sends]
+    ops += [dist.P2POp(dist.irecv, buf, prev, group) for buf in received]
+    check_device("ring_exchange", group, *sends)
+    return PendingExchange(dist.batch_isend_irecv(ops), sends, received)

@@ -87,7 +87,7 @@ class ModelConfig:
 
     @property
     def kv_heads(self) -> int:
-        return self.num_kv_heads or self.num_heads
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
 
     def padded_vocab_size(self, tp: int = 1) -> int:
         """Rows of the embedding and LM head: vocab_size rounded up to a multiple of lcm(vocab_pad_multiple, tp)."""
@@ -112,7 +112,11 @@ class ParallelConfig:
     tp: int = 1
     """Tensor-parallel degree (keep inside a node)."""
     sp: int = 1
-    """Ulysses sequence-parallel degree."""
+    """Sequence-parallel degree = ulysses x ring: Ulysses (all-to-all onto heads, inside a node) as far as
+    the heads allow, ring attention (K/V blocks passed around, log-sum-exp merge) for the rest."""
+    sp_ring: int = 0
+    """Ring degree r of sp (a divisor of sp; Ulysses gets sp / r). 0 = automatic: the largest Ulysses degree
+    the heads allow (query heads per tp rank divisible by it, KV heads dividing it or divisible by it)."""
     pp: int = 1
     """Pipeline-parallel degree (stages)."""
     virtual_stages: int = 1
@@ -129,7 +133,8 @@ class ParallelConfig:
     """Shard parameters and gradients too (FSDP2 fully_shard over the dp x sp ranks, one unit per block),
     not only the optimizer state (ZeRO-1, the default). For models whose weights do not fit per device."""
     timeout_seconds: float = 600.0
-    """Collective timeout: a dead or stuck rank ends the job after this long instead of hanging."""
+    """A dead or stuck rank ends the job after this long instead of hanging: the timeout of every
+    collective, and the longest any rank may spend in one phase of the loop (a step, a save, loading)."""
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     """Process-group backend; auto = NCCL when CUDA is available, gloo otherwise."""
 
@@ -137,15 +142,28 @@ class ParallelConfig:
 @dataclass
 class DataConfig:
     paths: list[str] = field(default_factory=list)
-    """Dataset prefixes (without .bin/.idx), optionally weighted: ["0.7", "a_text_document", "0.3", "b_text_document"]."""
+    """Dataset prefixes (without .bin/.idx), optionally weighted:
+    ["0.7", "a_text_document", "0.3", "b_text_document"]."""
     split: str = "969,30,1"
     """train,valid,test ratios over documents."""
     seq_len: int = 1024
     """Tokens per sample (the model sees seq_len tokens and predicts seq_len labels)."""
-    tokenizer: Literal["sentencepiece", "byte"] = "byte"
-    """Tokenizer type: a sentencepiece model file, or byte-level (no file needed)."""
+    tokenizer: str = "byte"
+    """Tokenizer type: byte (no file), sentencepiece (a .model), huggingface (a tokenizer.json or a folder
+    holding one), gpt2bpe (vocab_file + merge_file) or null (token ids as text); Megatron-LM's
+    --tokenizer-type names (HuggingFaceTokenizer, SentencePieceTokenizer, GPT2BPETokenizer, ...) too."""
     tokenizer_model: Optional[str] = None
-    """Path to the sentencepiece .model file."""
+    """The sentencepiece .model file, or the tokenizer.json (or its folder) of a huggingface tokenizer."""
+    vocab_file: Optional[str] = None
+    """gpt2bpe: the vocab.json file."""
+    merge_file: Optional[str] = None
+    """gpt2bpe: the merges.txt file."""
+    eod: Optional[str] = None
+    """End-of-document token ('<|end_of_text|>') or id ('128001') that separates packed documents
+    (default: the tokenizer's EOS)."""
+    bos: Optional[str] = None
+    """BOS token or id that starts every document, as written by tools/preprocess_data.py --bos; generation
+    then starts prompts with it too (default: none besides what the tokenizer itself adds)."""
     document_mask: bool = True
     """Attention does not cross the EOD boundaries of packed documents."""
     reset_position_ids: bool = True
@@ -229,13 +247,17 @@ class CheckpointConfig:
     save_interval: int = 0
     """Save every N steps (0 = only at the end / on preemption)."""
     keep_last: int = 2
-    """Keep this many most recent checkpoints (0 = keep all)."""
+    """Keep this many checkpoints, counting back from the one just saved (0 = keep all); the one `latest`
+    names is never deleted."""
     load: Optional[str] = "auto"
     """auto = resume from <dir>/latest if present; a path = load it; None = start fresh."""
     init_from: Optional[str] = None
     """Start from these weights (a Hugging Face model directory with config.json and safetensors, a run
     directory or a checkpoint) with a fresh optimizer at step 0, when there is no checkpoint of this run
     to resume (a resumed run keeps its own weights)."""
+    fallback: bool = True
+    """When the checkpoint to resume from fails its checksums (or `latest` is missing or damaged), resume
+    from the newest older checkpoint that verifies, saying so; false = stop with the error."""
 
 
 @dataclass
@@ -248,6 +270,9 @@ class LoggingConfig:
     """Weights & Biases mode (online needs network)."""
     wandb_project: str = "megalysses"
     """Weights & Biases project."""
+    tensorboard: bool = False
+    """Also write the logged scalars as TensorBoard event files to <run_dir>/tensorboard (the `tensorboard`
+    extra)."""
     peak_tflops: float = 0.0
     """Peak dense TFLOP/s of one device for MFU (0 = the bf16 peak guessed from the GPU name, for bf16
     runs; no MFU otherwise)."""
@@ -315,9 +340,12 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         if isinstance(value, bool):
             raise ConfigError(f"{path}: expected a number, got {value!r}")
         try:
-            return float(value)
+            number = float(value)
         except (TypeError, ValueError):
             raise ConfigError(f"{path}: expected a number, got {value!r}") from None
+        if not math.isfinite(number):
+            raise ConfigError(f"{path}: {value!r} is not a finite number: give a real value")
+        return number
     if tp is str:
         if isinstance(value, (dict, list)):
             raise ConfigError(f"{path}: expected a string, got {value!r}")
@@ -372,8 +400,10 @@ def apply_override(data: dict, override: str) -> None:
         if dataclasses.is_dataclass(tp):
             if last:
                 raise ConfigError(f"override '{override}': '{where}' is a section; set one of its keys")
-            if not isinstance(node.get(part), dict):
+            if part not in node or node[part] is None:
                 node[part] = {}
+            elif not isinstance(node[part], dict):
+                raise ConfigError(f"{where}: expected a mapping of keys, got {node[part]!r}")
             node = node[part]
             cls = tp
         else:
@@ -387,20 +417,57 @@ def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]
     """Read YAML (if given), apply `--set` overrides, build and validate the Config."""
     data: dict = {}
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file '{p}' does not exist")
-        try:
-            data = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file '{p}' is not valid YAML: {e}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"config file '{p}': the top level must be a mapping of sections")
+        data = read_yaml(Path(path))
     for ov in overrides or []:
         apply_override(data, ov)
     cfg = config_from_dict(data)
     validate_config(cfg)
     return cfg
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice in one mapping (YAML would keep the last silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":      # `<<: *anchor`: merged keys may be overridden
+                continue
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise ConfigError(f"the key '{key}' appears twice (lines {seen[key]} and "
+                                  f"{key_node.start_mark.line + 1}): keep one")
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep)
+
+
+def read_yaml(p: Path) -> dict:
+    """The config file as a dict: UTF-8 text, valid YAML, no duplicate keys, a mapping at the top."""
+    if p.is_dir():
+        raise ConfigError(f"config file '{p}' is a directory: give the path of a YAML file")
+    if not p.is_file():
+        raise ConfigError(f"config file '{p}' does not exist")
+    try:
+        text = p.read_bytes().decode("utf-8")
+    except OSError as e:
+        raise ConfigError(f"config file '{p}' cannot be read: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file '{p}' is not UTF-8 text (byte {e.start}): save it as UTF-8 YAML") from None
+    loader = _StrictLoader(text)
+    loader.name = str(p)     # YAML errors then point at the file, not "<unicode string>"
+    try:
+        data = loader.get_single_data()
+    except ConfigError as e:
+        raise ConfigError(f"config file '{p}': {e}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file '{p}' is not valid YAML: {' '.join(str(e).split())}") from None
+    finally:
+        loader.dispose()
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file '{p}': the top level must be a mapping of sections")
+    return data
 
 
 def dump_config(cfg: Config) -> str:
@@ -424,18 +491,14 @@ def validate_config(cfg: Config, world_size: Optional[int] = None) -> None:
         raise ConfigError(f"model head_dim={m.head_dim} (hidden_size/num_heads) must be even for rotary embeddings")
     if m.num_heads % m.kv_heads:
         raise ConfigError(f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads={m.kv_heads}")
-    check_heads(m.num_heads, m.kv_heads, p.tp, p.sp)
+    check_heads(m.num_heads, m.kv_heads, p.tp, p.sp, p.sp_ring)
     rs = m.rope_scaling
     if rs.type == "llama3" and rs.high_freq_factor <= rs.low_freq_factor:
         raise ConfigError(f"model.rope_scaling: high_freq_factor={rs.high_freq_factor} must exceed "
                           f"low_freq_factor={rs.low_freq_factor}")
     if m.ffn_size % p.tp:
         raise ConfigError(f"MLP width {m.ffn_size} (model.ffn_hidden_size) is not divisible by parallel.tp={p.tp}")
-    shard = p.sp * (p.tp if p.tp_sequence_parallel else 1)
-    if d.seq_len % shard:
-        what = f"parallel.sp={p.sp}" + (f" * parallel.tp={p.tp} (tp_sequence_parallel)" if p.tp_sequence_parallel else "")
-        raise ConfigError(f"data.seq_len={d.seq_len} is not divisible by {what} = {shard}: "
-                          f"use a seq_len that is a multiple of {shard}")
+    # any data.seq_len works: samples are padded to the layout's multiple (parallel/sequence_layout.py)
     if p.virtual_stages > 1:
         if p.pp < 2:
             raise ConfigError(f"parallel.virtual_stages={p.virtual_stages} needs parallel.pp >= 2 (it interleaves "
@@ -447,10 +510,17 @@ def validate_config(cfg: Config, world_size: Optional[int] = None) -> None:
     if m.num_layers % p.pp:
         raise ConfigError(f"model.num_layers={m.num_layers} is not divisible by parallel.pp={p.pp}: "
                           f"every pipeline stage holds the same number of layers")
-    if d.tokenizer == "sentencepiece" and not d.tokenizer_model:
-        raise ConfigError("data.tokenizer=sentencepiece needs data.tokenizer_model (path to the .model file)")
+    _check_tokenizer(d)
     if not d.mock and not d.paths:
-        raise ConfigError("data.paths is empty: give dataset prefixes (tools/preprocess_data.py output) or set data.mock=true")
+        raise ConfigError("data.paths is empty: give dataset prefixes (tools/preprocess_data.py output) "
+                          "or set data.mock=true")
+    if d.mock and m.vocab_size < 3:
+        raise ConfigError(f"model.vocab_size={m.vocab_size}: data.mock needs at least 3 tokens (two and the EOD)")
+    if cfg.checkpoint.load is not None and not cfg.checkpoint.load.strip():
+        raise ConfigError("checkpoint.load is empty: give auto, none (start afresh) or the path of a checkpoint")
+    if not cfg.logging.run_dir.strip():
+        raise ConfigError("logging.run_dir is empty: give the run directory (config, metrics, checkpoints)")
+    _check_data(d)
     if t.micro_batch_size < 1 or t.global_batch_size < 1:
         raise ConfigError("training.micro_batch_size and training.global_batch_size must be >= 1")
     if world_size is not None:
@@ -470,29 +540,41 @@ def validate_config(cfg: Config, world_size: Optional[int] = None) -> None:
                               f"training.global_batch_size or micro_batch_size")
 
 
+MAX_SEQ_LEN = 2**31 - 2
+"""Longest sample: token positions and sample-index offsets are 32-bit."""
+
 # (section, field, lowest allowed value, highest allowed value or None)
 _RANGES = [
-    ("model", "vocab_size", 1, None), ("model", "vocab_pad_multiple", 1, None), ("model", "hidden_size", 1, None), ("model", "num_layers", 1, None),
-    ("model", "num_heads", 1, None), ("model", "norm_eps", 0.0, None), ("model", "init_std", 0.0, None),
+    ("model", "vocab_size", 1, None), ("model", "vocab_pad_multiple", 1, None), ("model", "hidden_size", 1, None),
+    ("model", "num_layers", 1, None), ("model", "num_heads", 1, None), ("model", "num_kv_heads", 1, None),
+    ("model", "ffn_hidden_size", 1, None), ("model", "norm_eps", 0.0, None), ("model", "init_std", 0.0, None),
+    ("model", "rope_theta", 1.0, None),
     ("model.rope_scaling", "factor", 1.0, None), ("model.rope_scaling", "low_freq_factor", 0.0, None),
     ("model.rope_scaling", "high_freq_factor", 0.0, None),
     ("model.rope_scaling", "original_max_position_embeddings", 1, None),
-    ("data", "seq_len", 1, None),
+    ("data", "seq_len", 1, MAX_SEQ_LEN),
     ("optimizer", "lr", 0.0, None), ("optimizer", "min_lr", 0.0, None), ("optimizer", "weight_decay", 0.0, None),
     ("optimizer", "beta1", 0.0, 1.0), ("optimizer", "beta2", 0.0, 1.0), ("optimizer", "eps", 0.0, None),
     ("optimizer", "grad_clip", 0.0, None), ("optimizer", "warmup_steps", 0, None),
     ("optimizer", "decay_fraction", 0.0, 1.0),
-    ("training", "train_steps", 1, None), ("training", "exit_at_step", 0, None),
+    ("training", "seed", 0, 2**63 - 1), ("training", "train_steps", 1, None), ("training", "exit_at_step", 0, None),
     ("training", "max_wall_minutes", 0.0, None), ("training", "eval_interval", 0, None),
     ("training", "eval_steps", 1, None), ("checkpoint", "save_interval", 0, None), ("checkpoint", "keep_last", 0, None),
     ("training", "loss_chunk_tokens", 0, None), ("training", "mlp_chunk_tokens", 0, None),
-    ("logging", "log_interval", 1, None), ("parallel", "timeout_seconds", 1.0, None),
-    ("parallel", "tp", 1, None), ("parallel", "sp", 1, None), ("parallel", "pp", 1, None),
+    ("logging", "log_interval", 1, None), ("logging", "peak_tflops", 0.0, None),
+    ("parallel", "timeout_seconds", 1.0, None),
+    ("parallel", "tp", 1, None), ("parallel", "sp", 1, None), ("parallel", "sp_ring", 0, None),
+    ("parallel", "pp", 1, None),
     ("parallel", "virtual_stages", 1, None), ("parallel", "grad_bucket_elements", 1, None),
 ]
 
 
 def _check_ranges(cfg: Config) -> None:
+    for section in dataclasses.fields(cfg):     # every float, also of a Config built in code
+        for f in dataclasses.fields(getattr(cfg, section.name)):
+            value = getattr(getattr(cfg, section.name), f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{section.name}.{f.name}={value} is not a finite number: give a real value")
     for section, name, lo, hi in _RANGES:
         owner = cfg
         for part in section.split("."):
@@ -505,18 +587,80 @@ def _check_ranges(cfg: Config) -> None:
             raise ConfigError(f"{section}.{name}={value} is out of range: it must be {allowed}")
 
 
-def check_heads(num_heads: int, kv_heads: int, tp: int, sp: int) -> None:
-    """Head-count rules for tp then Ulysses sp; raises ConfigError with the numbers and the fix."""
+def config_warnings(cfg: Config) -> list[str]:
+    """Settings that are legal but almost certainly not what was meant (printed once, by rank 0)."""
+    o, t = cfg.optimizer, cfg.training
+    notes = []
+    if o.lr == 0:
+        notes.append("optimizer.lr=0: the weights will not change")
+    elif o.min_lr > o.lr:
+        notes.append(f"optimizer.min_lr={o.min_lr:g} is above optimizer.lr={o.lr:g}: the learning rate will rise "
+                     f"during the decay")
+    if o.warmup_steps > t.train_steps:
+        notes.append(f"optimizer.warmup_steps={o.warmup_steps} is more than training.train_steps={t.train_steps}: "
+                     f"the learning rate never reaches optimizer.lr")
+    return notes
+
+
+def _check_data(d: DataConfig) -> None:
+    from megalysses.data.blend import parse_blend
+    from megalysses.data.gpt_dataset import parse_split
+
+    try:
+        parse_split(d.split)
+        if not d.mock and d.paths:
+            parse_blend(d.paths)
+    except ValueError as e:
+        raise ConfigError(f"data.{'split' if str(e).startswith('split') else 'paths'}: {e}") from None
+
+
+def _check_tokenizer(d: DataConfig) -> None:
+    from megalysses.data.tokenizer import TokenizerError, canonical_kind
+
+    try:
+        kind = canonical_kind(d.tokenizer)
+    except TokenizerError as e:
+        raise ConfigError(f"data.tokenizer: {e}") from None
+    if kind in ("sentencepiece", "huggingface") and not d.tokenizer_model:
+        what = "the .model file" if kind == "sentencepiece" else "a tokenizer.json or the folder holding it"
+        raise ConfigError(f"data.tokenizer={d.tokenizer} needs data.tokenizer_model ({what})")
+    if kind == "gpt2bpe" and not (d.vocab_file and d.merge_file):
+        raise ConfigError(f"data.tokenizer={d.tokenizer} needs data.vocab_file (vocab.json) and data.merge_file "
+                          f"(merges.txt)")
+
+
+def check_heads(num_heads: int, kv_heads: int, tp: int, sp: int, sp_ring: int = 0) -> tuple[int, int]:
+    """Head-count rules for tp, then sp = ulysses x ring; returns (ulysses, ring) or raises ConfigError with
+    the numbers and the fix. Ulysses gives each of its ranks whole query heads (query heads per tp rank
+    divisible by ulysses) and whole KV heads (replicated up to ulysses when fewer, so one must divide the
+    other); the ring has no head rule. sp_ring=0 picks the largest Ulysses degree, so any sp is possible."""
     if num_heads % tp:
         raise ConfigError(f"model.num_heads={num_heads} is not divisible by parallel.tp={tp}")
-    if (num_heads // tp) % sp:
-        raise ConfigError(f"query heads per tp rank = num_heads/tp = {num_heads}/{tp} = {num_heads // tp} "
-                          f"is not divisible by parallel.sp={sp}: Ulysses gives each sp rank whole heads; "
-                          f"choose sp dividing {num_heads // tp}")
     if kv_heads % tp:
         raise ConfigError(f"model.num_kv_heads={kv_heads} is not divisible by parallel.tp={tp}: each tp rank "
                           f"needs whole KV heads; use tp <= {kv_heads} (a divisor) and put the rest into sp")
-    kv_local = kv_heads // tp
-    if kv_local % sp and sp % kv_local:
-        raise ConfigError(f"KV heads per tp rank = {kv_local} and parallel.sp={sp}: one must divide the other "
-                          f"(KV heads are replicated up to sp when fewer); change num_kv_heads or sp")
+    hq, hk = num_heads // tp, kv_heads // tp
+
+    def fits(u: int) -> bool:
+        return hq % u == 0 and (hk % u == 0 or u % hk == 0)
+
+    if sp_ring == 0:
+        ulysses = max(u for u in range(1, sp + 1) if sp % u == 0 and fits(u))
+        return ulysses, sp // ulysses
+    if sp % sp_ring:
+        raise ConfigError(f"parallel.sp_ring={sp_ring} does not divide parallel.sp={sp}: sp = ulysses x ring; "
+                          f"choose a divisor of {sp} (or 0 for automatic)")
+    ulysses = sp // sp_ring
+    if not fits(ulysses):
+        rings = [sp // u for u in range(1, sp + 1) if sp % u == 0 and fits(u)]
+        raise ConfigError(f"parallel.sp={sp} with parallel.sp_ring={sp_ring} leaves a Ulysses degree of {ulysses}, "
+                          f"which the heads do not allow: query heads per tp rank = {hq} must be divisible by it and "
+                          f"KV heads per tp rank = {hk} must divide it or be divisible by it; sp_ring can be one of "
+                          f"{', '.join(map(str, sorted(rings)))} (or 0 for automatic)")
+    return ulysses, sp_ring
+
+
+def ulysses_ring(cfg: Config) -> tuple[int, int]:
+    """(ulysses, ring) degrees of cfg's sequence parallelism: sp = ulysses x ring (see check_heads)."""
+    m, p = cfg.model, cfg.parallel
+    return check_heads(m.num_heads, m.kv_heads, p.tp, p.sp, p.sp_ring)

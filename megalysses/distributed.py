@@ -5,16 +5,23 @@
     destroy_distributed()
 
 A short collective timeout turns a dead or stuck rank into an error instead of a 30-minute hang.
+A worker started by a launcher (torchrun) asks the kernel for SIGTERM when the launcher dies, so no
+worker outlives it: the training loop treats that SIGTERM as a stop (checkpoint, exit).
 """
 from __future__ import annotations
 
+import ctypes
 import os
+import pickle
+import signal
+import sys
 from datetime import timedelta
-from typing import Optional
+from typing import Callable, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
 
+T = TypeVar("T")
 
 def pick_backend(backend: str = "auto") -> str:
     """auto: NCCL when every local process can have its own GPU, gloo on CPU otherwise."""
@@ -46,16 +53,49 @@ def init_distributed(backend: str = "auto", timeout_seconds: float = 600.0, init
         rank = int(os.environ.get("RANK", 0))
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", 1))
-    if init_method is None and "MASTER_ADDR" not in os.environ:
-        # a single process launched without torchrun
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(29400 + os.getpid() % 1000))
+    store = None
+    if init_method is None and "MASTER_ADDR" not in os.environ and world_size == 1:
+        store = dist.HashStore()     # a single process launched without torchrun: no port to claim
     dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=timeout_seconds),
+                            timeout=timedelta(seconds=timeout_seconds), store=store,
                             device_id=device if backend == "nccl" else None)
     return device
+
+
+def die_with_launcher() -> None:
+    """Under a launcher (torchrun sets LOCAL_RANK), have the kernel send this process SIGTERM when the
+    launcher exits, however it exits (kill -9 included); end at once if it is already gone."""
+    if "LOCAL_RANK" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    PR_SET_PDEATHSIG = 1
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() == 1:      # re-parented to init before prctl took effect: the launcher is gone
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def destroy_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def on_rank0(fn: Callable[[], T]) -> T:
+    """Run `fn` on rank 0 only (file-system work) and give every rank its result, or raise its exception
+    on every rank, so that no rank goes on to a collective that the others never reach."""
+    result, error = None, None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            result = fn()
+        except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
+            error = e
+            try:
+                pickle.dumps(e)
+            except Exception:  # noqa: BLE001
+                error = RuntimeError(f"{type(e).__name__}: {e}")
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [(result, error)]
+        dist.broadcast_object_list(box, src=0)
+        result, error = box[0]
+    if error is not None:
+        raise error
+    return result

@@ -1,36 +1,52 @@
 """The 4-D process grid: rank <-> (pp, dp, sp, tp) coordinates and every process group by purpose.
 
 Ranks are laid out as `arange(world).view(pp, dp, sp, tp)`: tp varies fastest (keep it inside a
-node), then sp, then dp, then pp. `GridLayout` is the pure arithmetic (no process group needed);
-`ParallelGrid` adds the torch.distributed groups and is passed explicitly to whoever needs them.
+node), then sp, then dp, then pp. sp itself is ring x ulysses, `view(pp, dp, ring, ulysses, tp)`:
+Ulysses (an all-to-all per layer) varies fastest, so it stays inside a node next to tp, and the ring
+(neighbour p2p, overlapped with compute) spans the larger distances. `GridLayout` is the pure arithmetic
+(no process group needed); `ParallelGrid` adds the torch.distributed groups and the device mesh and is
+passed explicitly to whoever needs them.
 
 Groups by purpose:
-    tp     tensor-parallel shards of weights
-    sp     Ulysses all-to-all (sequence-sharded <-> head-sharded)
-    dp     different samples; the data loader shards over this group
-    pp     pipeline neighbours
-    grad   dp x sp: weights are replicated over both, so gradients, the global loss and the
-           global token count are reduced here, and optimizer state is sharded here
-    mp     pp x tp: the ranks that together hold one copy of the model (global grad norm)
-    embed  first + last pipeline stage (tied input/output embeddings)
+    tp       tensor-parallel shards of weights
+    sp       every sequence shard of a sample (ulysses x ring): the loader's sequence split
+    ulysses  Ulysses all-to-all (sequence-sharded <-> head-sharded)
+    ring     ring attention: K/V blocks (and in the backward dK/dV) passed on to the next rank
+    dp       different samples; the data loader shards over this group
+    pp       pipeline neighbours
+    grad     dp x sp: weights are replicated over both, so gradients, the global loss and the
+             global token count are reduced here, and optimizer state is sharded here
+    mp       pp x tp: the ranks that together hold one copy of the model (global grad norm)
+    embed    first + last pipeline stage (tied input/output embeddings)
+
+`device_mesh` builds the (pp, tp, grad) DeviceMesh that checkpoints and FSDP place tensors on.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from functools import cached_property
 from typing import Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from megalysses.config import Config, ulysses_ring
+from megalysses.parallel.sequence_layout import SequenceLayout
 
 AXES = ("pp", "dp", "sp", "tp")
-# which axes vary inside one group of each kind
+# the grid with sp split into its ring and Ulysses parts (Ulysses fastest)
+FINE_AXES = ("pp", "dp", "ring", "ulysses", "tp")
+# which (fine) axes vary inside one group of each kind
 GROUP_AXES = {
     "tp": ("tp",),
-    "sp": ("sp",),
+    "sp": ("ring", "ulysses"),
+    "ulysses": ("ulysses",),
+    "ring": ("ring",),
     "dp": ("dp",),
     "pp": ("pp",),
-    "grad": ("dp", "sp"),
+    "grad": ("dp", "ring", "ulysses"),
     "mp": ("pp", "tp"),
 }
 
@@ -47,28 +63,48 @@ class GridLayout:
     tp: int = 1
     sp: int = 1
     pp: int = 1
+    ring: int = 1   # ring degree of sp (sp = ulysses x ring)
 
     def __post_init__(self) -> None:
-        bad = [f"{n}={v}" for n, v in (("world", self.world), ("tp", self.tp), ("sp", self.sp), ("pp", self.pp)) if v < 1]
+        sizes = (("world", self.world), ("tp", self.tp), ("sp", self.sp), ("pp", self.pp), ("ring", self.ring))
+        bad = [f"{n}={v}" for n, v in sizes if v < 1]
         mp = self.tp * self.sp * self.pp
         if bad or self.world % mp:
             rule = f"{', '.join(bad)} must be >= 1" if bad else f"world must be a multiple of tp*sp*pp = {mp}"
             raise LayoutError(
                 f"invalid parallel layout: world={self.world}, tp={self.tp}, sp={self.sp}, pp={self.pp}, "
                 f"dp=world/(tp*sp*pp)={self.world / max(mp, 1):g}: {rule} (world = tp*sp*dp*pp)")
+        if self.sp % self.ring:
+            raise LayoutError(f"invalid parallel layout: ring={self.ring} does not divide sp={self.sp} "
+                              f"(sp = ulysses x ring)")
 
     @property
     def dp(self) -> int:
         return self.world // (self.tp * self.sp * self.pp)
+
+    @property
+    def ulysses(self) -> int:
+        return self.sp // self.ring
 
     @cached_property
     def ranks(self) -> torch.Tensor:
         """(pp, dp, sp, tp) tensor of world ranks."""
         return torch.arange(self.world).view(self.pp, self.dp, self.sp, self.tp)
 
+    @cached_property
+    def fine_ranks(self) -> torch.Tensor:
+        """(pp, dp, ring, ulysses, tp) tensor of world ranks: the same order, sp split in two."""
+        return self.ranks.view(self.pp, self.dp, self.ring, self.ulysses, self.tp)
+
     def coords(self, rank: int) -> dict[str, int]:
-        idx = (self.ranks == rank).nonzero()[0].tolist()
-        return dict(zip(AXES, idx))
+        """{pp, dp, sp, tp, ring, ulysses} coordinates of `rank` (sp = ring * ulysses_size + ulysses)."""
+        if not 0 <= rank < self.world:
+            raise ValueError(f"rank {rank} outside a world of {self.world}")
+        c = {}
+        for axis, size in zip(FINE_AXES[::-1], (self.tp, self.ulysses, self.ring, self.dp, self.pp)):
+            rank, c[axis] = divmod(rank, size)
+        c["sp"] = c["ring"] * self.ulysses + c["ulysses"]
+        return c
 
     def groups(self, kind: str) -> list[list[int]]:
         """Every group of one kind, as sorted rank lists that partition the world (embed excepted)."""
@@ -76,9 +112,9 @@ class GridLayout:
             first, last = self.ranks[0].reshape(-1), self.ranks[-1].reshape(-1)
             return [sorted({int(a), int(b)}) for a, b in zip(first, last)]
         vary = GROUP_AXES[kind]
-        keep = [a for a in AXES if a not in vary]
-        perm = [AXES.index(a) for a in keep] + [AXES.index(a) for a in vary]
-        t = self.ranks.permute(*perm)
+        keep = [a for a in FINE_AXES if a not in vary]
+        perm = [FINE_AXES.index(a) for a in keep] + [FINE_AXES.index(a) for a in vary]
+        t = self.fine_ranks.permute(*perm)
         return [sorted(g.tolist()) for g in t.reshape(-1, t.shape[len(keep):].numel())]
 
     def group_of(self, kind: str, rank: int) -> list[int]:
@@ -92,20 +128,37 @@ class ParallelGrid:
     """This rank's coordinates and process groups. Build once after init_process_group; pass it around."""
 
     def __init__(self, tp: int = 1, sp: int = 1, pp: int = 1, world: Optional[int] = None,
-                 rank: Optional[int] = None) -> None:
+                 rank: Optional[int] = None, ring: int = 1, timeout_seconds: Optional[float] = None) -> None:
         self.world = dist.get_world_size() if world is None else world
         self.rank = dist.get_rank() if rank is None else rank
-        self.layout = GridLayout(self.world, tp, sp, pp)
+        # every group ends a collective that waits longer than this (parallel.timeout_seconds);
+        # None leaves torch's default (30 minutes on gloo)
+        self.timeout = None if timeout_seconds is None else timedelta(seconds=timeout_seconds)
+        self.layout = GridLayout(self.world, tp, sp, pp, ring)
         c = self.layout.coords(self.rank)
         self.pp_rank, self.dp_rank, self.sp_rank, self.tp_rank = c["pp"], c["dp"], c["sp"], c["tp"]
+        self.ring_rank, self.ulysses_rank = c["ring"], c["ulysses"]
         self._groups: dict[str, Optional[dist.ProcessGroup]] = {}
         self._ranks: dict[str, list[int]] = {}
-        # every rank creates every group in the same order; a group of one is None (collectives skip it)
+        sp_groups: dict[tuple[int, ...], Optional[dist.ProcessGroup]] = {}
+        # every rank creates every group in the same order; a group of one is None (collectives skip it).
+        # A ulysses or ring group with the ranks of an sp group (the other factor is 1) is that group.
         for kind in list(GROUP_AXES) + ["embed"]:
             for ranks in self.layout.groups(kind):
-                group = dist.new_group(ranks) if len(ranks) > 1 else None
+                if kind in ("ulysses", "ring") and tuple(ranks) in sp_groups:
+                    group = sp_groups[tuple(ranks)]
+                else:
+                    group = dist.new_group(ranks, timeout=self.timeout) if len(ranks) > 1 else None
+                if kind == "sp":
+                    sp_groups[tuple(ranks)] = group
                 if self.rank in ranks:
                     self._groups[kind], self._ranks[kind] = group, ranks
+
+    @classmethod
+    def for_config(cls, cfg: Config) -> "ParallelGrid":
+        """The grid of cfg.parallel, with sp split into ulysses x ring as the config resolves it."""
+        p = cfg.parallel
+        return cls(tp=p.tp, sp=p.sp, pp=p.pp, ring=ulysses_ring(cfg)[1], timeout_seconds=p.timeout_seconds)
 
     @classmethod
     def single(cls) -> "ParallelGrid":
@@ -115,6 +168,8 @@ class ParallelGrid:
     # sizes and coordinates
     tp_size = property(lambda self: self.layout.tp)
     sp_size = property(lambda self: self.layout.sp)
+    ulysses_size = property(lambda self: self.layout.ulysses)
+    ring_size = property(lambda self: self.layout.ring)
     pp_size = property(lambda self: self.layout.pp)
     dp_size = property(lambda self: self.layout.dp)
 
@@ -150,6 +205,14 @@ class ParallelGrid:
         return self._groups["sp"]
 
     @property
+    def ulysses_group(self) -> Optional[dist.ProcessGroup]:
+        return self._groups["ulysses"]
+
+    @property
+    def ring_group(self) -> Optional[dist.ProcessGroup]:
+        return self._groups["ring"]
+
+    @property
     def dp_group(self) -> Optional[dist.ProcessGroup]:
         return self._groups["dp"]
 
@@ -169,10 +232,31 @@ class ParallelGrid:
     def embed_group(self) -> Optional[dist.ProcessGroup]:
         return self._groups["embed"]
 
+    def device_mesh(self, device: torch.device) -> DeviceMesh:
+        """The (pp, tp, grad) device mesh of the grid (grad = dp x sp in grid order): checkpoints place every
+        tensor on its stage's (tp, grad) sub-mesh, FSDP shards over grad."""
+        L = self.layout
+        ranks = L.ranks.permute(0, 3, 1, 2).reshape(L.pp, L.tp, L.dp * L.sp)
+        # fresh row-major strides: torch 2.11 takes the mesh layout from them, and a size-1 dim of the
+        # permuted view keeps a stride that makes mesh["tp", "grad"] fail as out of order
+        mesh = DeviceMesh(device.type, ranks.flatten().view(ranks.shape), mesh_dim_names=("pp", "tp", "grad"))
+        if self.timeout is not None:    # DeviceMesh creates its groups with torch's default timeout
+            from torch.distributed.distributed_c10d import _set_pg_timeout
+            for name in ("pp", "tp", "grad"):
+                _set_pg_timeout(self.timeout, mesh.get_group(name))
+        return mesh
+
+    def sequence_layout(self, tp_sequence_parallel: bool) -> SequenceLayout:
+        """Which positions of a sample each sp rank holds, and the multiple samples are padded to."""
+        return SequenceLayout(sp=self.sp_size, ring=self.ring_size,
+                              tp_shard=self.tp_size if tp_sequence_parallel else 1)
+
     def stage_rank(self, pp_rank: int) -> int:
         """World rank of the same (dp, sp, tp) position at pipeline stage `pp_rank`."""
         return int(self.layout.ranks[pp_rank, self.dp_rank, self.sp_rank, self.tp_rank])
 
     def __repr__(self) -> str:
         return (f"ParallelGrid(rank={self.rank}/{self.world}, pp={self.pp_rank}/{self.pp_size}, "
-                f"dp={self.dp_rank}/{self.dp_size}, sp={self.sp_rank}/{self.sp_size}, tp={self.tp_rank}/{self.tp_size})")
+                f"dp={self.dp_rank}/{self.dp_size}, sp={self.sp_rank}/{self.sp_size} (ring={self.ring_rank}/"
+                f"{self.ring_size}, ulysses={self.ulysses_rank}/{self.ulysses_size}), "
+                f"tp={self.tp_rank}/{self.tp_size})")

@@ -58,7 +58,8 @@ def run_distributed(fn: Callable, world: int, tmp_dir: Optional[str | os.PathLik
     try:
         while not ctx.join(timeout=0.2):
             if time.monotonic() > deadline:
-                raise DistributedTestError(f"distributed run of {fn.__name__} on {world} ranks timed out after {timeout}s")
+                raise DistributedTestError(f"distributed run of {fn.__name__} on {world} ranks "
+                                           f"timed out after {timeout}s")
     except mp.ProcessRaisedException as e:  # pragma: no cover - _worker catches everything
         raise DistributedTestError(str(e)) from None
     except mp.ProcessExitedException as e:

@@ -85,7 +85,7 @@ def test_backend_gradients_match_reference(backend, hq, hkv, docs, device):
     want = grads(core_attention(q, k, v, mask=mask, backend="reference"), q, k, v)
     got = grads(core_attention(q, k, v, mask=mask, backend=backend), q, k, v)
     for name, g, w in zip("qkv", got, want):
-        torch.testing.assert_close(g, w, **tolerance(device, dtype), msg=lambda m: f"d{name}: {m}")
+        torch.testing.assert_close(g, w, **tolerance(device, dtype), msg=lambda m, name=name: f"d{name}: {m}")
 
 
 @pytest.mark.parametrize("backend", ["reference", "sdpa"])
@@ -208,8 +208,8 @@ def test_auto_on_cpu_equals_sdpa():
     q, k, v = make_qkv(hq=8, hkv=2)
     mask = prepare_attention_mask(make_doc_ids())
     with torch.no_grad():
-        torch.testing.assert_close(core_attention(q, k, v, mask=mask), core_attention(q, k, v, mask=mask, backend="sdpa"),
-                                   rtol=0, atol=0)
+        torch.testing.assert_close(core_attention(q, k, v, mask=mask),
+                                   core_attention(q, k, v, mask=mask, backend="sdpa"), rtol=0, atol=0)
 
 
 def test_clear_errors():

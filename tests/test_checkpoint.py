@@ -21,11 +21,16 @@ def _steps(run_dir: Path) -> list[int]:
 
 def test_resume_exact_and_resharded(tmp_path):
     straight, split, cross = tmp_path / "straight", tmp_path / "split", tmp_path / "cross"
+    ring_split, ring_cross = tmp_path / "ring_split", tmp_path / "ring_cross"
     runs = [
         (str(straight), TP2SP2 + SIX),
         (str(split), TP2SP2 + SIX + ["training.exit_at_step=3"]),              # stops with a checkpoint at 3
         (str(split), TP2SP2 + SIX),                                            # resumes from `latest`
         (str(cross), PP2DP2 + SIX + [f"checkpoint.load={split}/checkpoints/step_0000003"]),
+        # sp=4 saved as ulysses 2 x ring 2, resumed as ring 4
+        (str(ring_split), ["parallel.sp=4", "parallel.sp_ring=2"] + SIX + ["training.exit_at_step=3"]),
+        (str(ring_cross), ["parallel.sp=4", "parallel.sp_ring=4"] + SIX +
+         [f"checkpoint.load={ring_split}/checkpoints/step_0000003"]),
     ]
     per_rank = run_distributed(_train_worker, 4, tmp_path, args=(runs,), timeout=400)
     weights = [full_weights([r[i] for r in per_rank]) for i in range(len(runs))]
@@ -36,11 +41,12 @@ def test_resume_exact_and_resharded(tmp_path):
         assert torch.equal(weights[2][name], w), f"{name} differs after resume"
         assert not torch.equal(weights[1][name], w) or "norm" in name   # the first part really stopped at 3
 
-    assert _steps(cross) == [4, 5, 6]
-    for a, b in zip(losses(cross), losses(straight)[3:]):
-        assert abs(a - b) <= 1e-5 * abs(b)
-    bad = {n: rel(weights[3][n], w) for n, w in weights[0].items() if rel(weights[3][n], w) > 1e-5}
-    assert not bad, f"resharded resume differs: {bad}"
+    for run, w, first in ((cross, weights[3], 4), (ring_cross, weights[5], 4), (ring_split, None, 1)):
+        assert _steps(run) == list(range(first, first + 3))
+        for a, b in zip(losses(run), losses(straight)[first - 1:]):
+            assert abs(a - b) <= 1e-5 * abs(b), f"{run.name}: loss {a} != {b}"
+        bad = {n: rel(w[n], ref) for n, ref in weights[0].items() if w is not None and rel(w[n], ref) > 1e-5}
+        assert not bad, f"{run.name}: resharded resume differs: {bad}"
 
 
 def test_fsdp_resume_and_interchange_with_zero1(tmp_path):

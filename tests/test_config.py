@@ -1,7 +1,8 @@
 """Typed config: strict YAML, --set overrides, cross-field validation, round trip."""
 import pytest
 
-from megalysses.config import Config, ConfigError, config_from_dict, dump_config, load_config, save_config, validate_config
+from megalysses.config import (Config, ConfigError, config_from_dict, config_warnings, dump_config, load_config,
+                               read_yaml, save_config, validate_config)
 
 
 def _write(tmp_path, text):
@@ -65,11 +66,11 @@ def test_yaml_float_strings_are_numbers(tmp_path):
 @pytest.mark.parametrize("overrides,needle", [
     (["model.num_heads=6"], "model.num_heads=6"),                          # 256 % 6
     (["parallel.tp=3"], "parallel.tp=3"),
-    (["parallel.sp=3"], "parallel.sp=3"),
     (["model.num_kv_heads=3"], "num_kv_heads=3"),
-    (["parallel.sp=4", "model.num_kv_heads=2", "parallel.tp=4"], "parallel.sp=4"),
-    (["data.seq_len=100", "parallel.sp=8"], "data.seq_len=100"),
-    (["data.seq_len=36", "parallel.sp=2", "parallel.tp=4", "parallel.tp_sequence_parallel=true"], "tp_sequence_parallel"),
+    (["parallel.sp=4", "model.num_kv_heads=2", "parallel.tp=4"], "num_kv_heads=2 is not divisible by parallel.tp=4"),
+    (["parallel.sp=4", "parallel.sp_ring=3"], "parallel.sp_ring=3 does not divide parallel.sp=4"),
+    (["parallel.sp=16", "parallel.sp_ring=1"], "parallel.sp_ring=1 leaves a Ulysses degree of 16"),
+    (["parallel.sp_ring=-1"], "parallel.sp_ring=-1"),
     (["model.num_layers=3", "parallel.pp=2"], "model.num_layers=3"),
     (["data.mock=false"], "data.paths"),
     (["data.tokenizer=sentencepiece"], "tokenizer_model"),
@@ -83,6 +84,25 @@ def test_cross_field_rules(overrides, needle):
     with pytest.raises(ConfigError) as e:
         load_config(overrides=["data.mock=true"] + overrides)
     assert needle in str(e.value)
+
+
+def test_sp_is_ulysses_times_ring_and_any_length_is_valid():
+    """Layouts Ulysses alone cannot run get a ring; an explicit ring is honoured when the heads allow it."""
+    from megalysses.config import check_heads, ulysses_ring
+
+    assert check_heads(8, 8, 1, 3) == (1, 3)                 # 8 heads over 3 ranks: ring only
+    assert check_heads(2, 1, 1, 4) == (2, 2)                 # the issue's MQA example
+    assert check_heads(32, 8, 1, 16) == (16, 1)              # Llama-3-8B: KV heads replicated up to 16
+    assert check_heads(32, 8, 4, 16) == (8, 2)               # 8 query heads per tp rank
+    assert check_heads(1, 1, 1, 8) == (1, 8)
+    assert check_heads(8, 2, 1, 8, sp_ring=4) == (2, 4)
+    for overrides in (["parallel.sp=3"], ["data.seq_len=100", "parallel.sp=8"],
+                      ["data.seq_len=36", "parallel.sp=2", "parallel.tp=4", "parallel.tp_sequence_parallel=true"],
+                      ["model.num_heads=2", "model.hidden_size=64", "model.num_kv_heads=1", "parallel.sp=4",
+                       "data.seq_len=250"]):
+        cfg = load_config(overrides=["data.mock=true"] + overrides)
+        u, r = ulysses_ring(cfg)
+        assert u * r == cfg.parallel.sp
 
 
 def test_world_size_rules():
@@ -108,3 +128,47 @@ def test_missing_file_and_bad_yaml(tmp_path):
         load_config(tmp_path / "nope.yaml")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(_write(tmp_path, "model: [\n"))
+
+
+def test_no_float_field_takes_nan_or_inf(tmp_path):
+    """Every float field, however the value arrives: --set, YAML, or a Config built in code."""
+    import dataclasses
+
+    defaults = Config()
+    floats = [(sec.name, f.name) for sec in dataclasses.fields(defaults)
+              for f in dataclasses.fields(getattr(defaults, sec.name))
+              if isinstance(getattr(getattr(defaults, sec.name), f.name), float)]
+    assert len(floats) >= 14
+    for section, name in floats:
+        for bad in ("nan", "inf", "-inf"):
+            with pytest.raises(ConfigError, match=f"{section}.{name}.*not a finite number"):
+                load_config(overrides=["data.mock=true", f"{section}.{name}={bad}"])
+        cfg = load_config(overrides=["data.mock=true"])
+        setattr(getattr(cfg, section), name, float("nan"))
+        with pytest.raises(ConfigError, match=f"{section}.{name}=nan"):
+            validate_config(cfg)
+    with pytest.raises(ConfigError, match="optimizer.lr"):
+        load_config(_write(tmp_path, "optimizer:\n  lr: .nan\ndata:\n  mock: true\n"))
+
+
+def test_duplicate_keys_and_encodings(tmp_path):
+    with pytest.raises(ConfigError, match="'model' appears twice"):
+        load_config(_write(tmp_path, "model:\n  num_layers: 2\ndata:\n  mock: true\nmodel:\n  hidden_size: 64\n"))
+    p = tmp_path / "latin1.yaml"
+    p.write_bytes("model:\n  norm: rmsnorm # \xe9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        load_config(p)
+    with pytest.raises(ConfigError, match="is a directory"):
+        load_config(tmp_path)
+    merged = "base: &b\n  num_layers: 2\n  hidden_size: 64\nmodel:\n  <<: *b\n  num_layers: 4\n"
+    assert read_yaml(_write(tmp_path, merged))["model"] == {"num_layers": 4, "hidden_size": 64}   # YAML merge keys
+    with pytest.raises(ConfigError, match="model: expected a mapping"):   # not silently replaced by the override
+        load_config(_write(tmp_path, "model: 3\ndata:\n  mock: true\n"), overrides=["model.num_layers=2"])
+
+
+def test_warnings_for_legal_but_suspicious_settings():
+    assert config_warnings(load_config(overrides=["data.mock=true"])) == []
+    notes = config_warnings(load_config(overrides=["data.mock=true", "optimizer.lr=0", "training.train_steps=10"]))
+    assert len(notes) == 2 and "optimizer.lr=0" in notes[0] and "warmup_steps=100" in notes[1]
+    notes = config_warnings(load_config(overrides=["data.mock=true", "optimizer.min_lr=1e-2"]))
+    assert notes == [notes[0]] and "min_lr=0.01 is above optimizer.lr" in notes[0]

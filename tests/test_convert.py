@@ -113,7 +113,8 @@ def test_hf_to_megalysses_train_and_back(hf_dir, tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "initial weights from" in r.stdout
     assert abs(first_loss(run) - want) <= 1e-5 * want
-    assert convert_checkpoint.main(["--from", str(run), "--to-hf", str(tmp_path / "trained"), "--dtype", "float32"]) == 0
+    back = ["--from", str(run), "--to-hf", str(tmp_path / "trained"), "--dtype", "float32"]
+    assert convert_checkpoint.main(back) == 0
     trained = load_hf(tmp_path / "trained")
     ids = torch.randint(0, V, (1, 32))
     with torch.no_grad():

@@ -7,7 +7,7 @@ import pytest
 
 from megalysses.data.build import build_gpt_datasets
 from megalysses.data.gpt_dataset import (GPTDataset, MockGPTDataset, build_gpt_indices, num_epochs_needed,
-                                         split_ranges)
+                                         split_ranges, stable_order)
 from megalysses.data.indexed import IndexedDataset, IndexedDatasetBuilder
 
 
@@ -161,3 +161,69 @@ def test_mock_dataset_is_deterministic():
     assert not np.array_equal(a[0], c[0])
     with pytest.raises(IndexError):
         a[100]
+
+
+def reference_indices(lengths, first, seq_len, seed, epochs):
+    """The indices by their definition: ids shuffled per epoch (Generator.permuted), Megatron's sample
+    loop, samples ordered inside their epoch by one uniform draw each (lexsort, stable on ties)."""
+    rng = np.random.default_rng(seed)
+    doc = np.tile(np.arange(first, first + len(lengths)), (epochs, 1))
+    rng.permuted(doc, axis=1, out=doc)
+    doc = doc.reshape(-1)
+    n = (epochs * int(np.sum(lengths)) - 1) // seq_len
+    sample = megatron_sample_index(np.asarray(lengths)[doc - first], seq_len, n)
+    epoch = np.arange(n) * seq_len // int(np.sum(lengths))
+    return doc, sample, np.lexsort((rng.random(n), epoch))
+
+
+class TiedDraws:
+    """A generator whose uniform draws keep only 7 bits (still multiples of 2**-53 in [0, 1)): many ties."""
+
+    make = np.random.default_rng
+
+    def __init__(self, seed):
+        self.rng = TiedDraws.make(seed)
+
+    def permuted(self, *args, **kwargs):
+        return self.rng.permuted(*args, **kwargs)
+
+    def random(self, n):
+        return np.floor(self.rng.random(n) * 128) / 128
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_indices_equal_their_definition(monkeypatch, ties):
+    if ties:
+        monkeypatch.setattr(np.random, "default_rng", TiedDraws)
+    rng = np.random.RandomState(7)
+    for _ in range(25):
+        lengths = rng.randint(0, 50, size=rng.randint(2, 300))
+        lengths[0] += 2
+        first, seq_len, seed, epochs = rng.randint(0, 1000), rng.randint(1, 70), rng.randint(0, 99), rng.randint(1, 5)
+        ix = build_gpt_indices(lengths, first, seq_len, seed, epochs)
+        doc, sample, shuffle = reference_indices(lengths, first, seq_len, seed, epochs)
+        np.testing.assert_array_equal(ix["doc"], doc)
+        np.testing.assert_array_equal(ix["sample"], sample)
+        np.testing.assert_array_equal(ix["shuffle"], shuffle)
+        assert ix["doc"].dtype == np.int32 and ix["sample"].dtype == np.int32 and ix["shuffle"].dtype == np.uint32
+
+
+def test_split_parsing_is_strict():
+    assert split_ranges("8/1/1", 10) == [(0, 8), (8, 9), (9, 10)]
+    assert split_ranges(" 98, 2 ", 100) == [(0, 98), (98, 100), (100, 100)]
+    for bad, message in (("-1,2,0", "negative"), ("1,1,1,1", "4 ratios"), ("a,b", "not a number"),
+                         ("nan,1", "not finite"), ("0,0", "sum to 0"), ("", "0 ratios")):
+        with pytest.raises(ValueError, match=message):
+            split_ranges(bad, 10)
+
+
+def test_stable_order_is_a_stable_argsort():
+    rng = np.random.default_rng(3)
+    for n in (1, 2, 4096, 5000, 70000):
+        units = (rng.random(n) * 2.0**53).astype(np.uint64)
+        if n > 2:   # leading bits shared, low bits different; and exact ties
+            i, j = rng.integers(0, n, size=(2, n // 10))
+            units[j] = units[i] ^ rng.integers(0, 64, size=len(i)).astype(np.uint64)
+            units[rng.integers(0, n, size=5)] = units[0]
+        draws = units.astype(np.float64) / 2.0**53
+        np.testing.assert_array_equal(stable_order(draws), np.argsort(draws, kind="stable"))

@@ -118,8 +118,11 @@ def test_padding_and_eod_mask_loss():
     assert batch["labels"].tolist() == [[6, EOD, IGNORE_INDEX, 8] + [IGNORE_INDEX] * 4]
     assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0, 1, 2]]
     assert batch["doc_ids"].tolist() == [[0, 0, 0, 1, 1, 2, 2, 2]]
-    with pytest.raises(ValueError, match="not divisible"):
-        build_micro_batch([short], 8, 0, 3, EOD, True, True)
+    # a length sp does not divide is padded at the end: pad tokens, labels -100, a document of their own
+    parts = [build_micro_batch([short], 8, r, 3, EOD, True, True, pad_id=0) for r in range(3)]
+    assert torch.cat([p["input_ids"] for p in parts], 1).tolist() == [[5, 6, EOD, 7, 8, 0, 0, 0, 0]]
+    assert torch.cat([p["labels"] for p in parts], 1).tolist() == [[6, EOD, 7, 8] + [IGNORE_INDEX] * 5]
+    assert parts[2]["doc_ids"].tolist() == [[0, 0, 0, 1, 1, 2, 2, 2, 3]]
 
 
 def test_real_dataset_end_to_end(tmp_path):

@@ -120,3 +120,33 @@ def test_build_corpus_stdlib(tmp_path):
     root = Path(sysconfig.get_paths()["stdlib"])
     row = rows[paths.index("json/decoder.py")]
     assert row["text"] == (root / "json" / "decoder.py").read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize("name,compress", [("in.jsonl", gzip.compress), ("in.jsonl.bz2", __import__("bz2").compress),
+                                           ("in.xz", __import__("lzma").compress)])
+def test_compressed_input_is_recognised_by_its_bytes(tmp_path, preprocess, name, compress):
+    docs = texts(12)
+    plain = write_jsonl(tmp_path / "plain.jsonl", docs)
+    (tmp_path / name).write_bytes(compress(open(plain, "rb").read()))
+    run(preprocess, plain, tmp_path / "a")
+    run(preprocess, tmp_path / name, tmp_path / "b")
+    assert read_bytes(tmp_path / "a_text_document") == read_bytes(tmp_path / "b_text_document")
+
+
+def test_glob_input_list_documents_and_bos(tmp_path, preprocess):
+    for i in range(3):
+        (tmp_path / f"shard_{i}.jsonl").write_text(json.dumps({"text": [f"s{i}a", "", f"s{i}b"]}) + "\n"
+                                                   + json.dumps({"text": f"doc{i}"}) + "\n")
+    result = run(preprocess, tmp_path / "shard_*.jsonl", tmp_path / "g", "--append-eod", "--bos", "256")
+    ds = IndexedDataset(tmp_path / "g_text_document")
+    assert result["documents"] == 6 and ds.num_documents == 6 and len(ds) == 9   # 2 sentences + 1 per shard
+    assert ds[0].tolist() == [256] + list(b"s0a") and ds[1].tolist() == list(b"s0b") + [257]
+    assert ds[2].tolist() == [256] + list(b"doc0") + [257]
+
+
+def test_refused_run_leaves_no_files(tmp_path, preprocess, capsys):
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"title": "a"}\n{"title": "b"}\n')
+    with pytest.raises(SystemExit, match="missing key 'text'.*keys are title"):
+        run(preprocess, inp, tmp_path / "out", "--partitions", "2")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]

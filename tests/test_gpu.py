@@ -36,7 +36,8 @@ def _metrics(run: Path) -> list[dict]:
 def test_pretrain_on_one_gpu_with_nccl_kernels_eval_checkpoint_and_resume(tmp_path):
     """torchrun on one GPU: NCCL, bf16 weights, Triton kernels, validation, a checkpoint, a resume."""
     run = tmp_path / "run"
-    base = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", str(ROOT / "pretrain.py")]
+    base = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+            str(ROOT / "pretrain.py")]
     sets = TINY + ["model.kernels=triton", "training.eval_interval=4", "training.eval_steps=1",
                    "checkpoint.save_interval=4", f"logging.run_dir={run}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -50,7 +51,7 @@ def test_pretrain_on_one_gpu_with_nccl_kernels_eval_checkpoint_and_resume(tmp_pa
     assert second.returncode == 0, second.stdout + second.stderr
     assert "resumed from" in second.stdout
     losses = [r["loss"] for r in _metrics(run) if "loss" in r]
-    assert len(losses) == 8 and all(l == l and l < 1e3 for l in losses)
+    assert len(losses) == 8 and all(x == x and x < 1e3 for x in losses)
     assert any("val_loss" in r for r in _metrics(run))
 
 
@@ -107,7 +108,8 @@ def test_attention_auto_on_this_gpu_can_run_every_head_dim():
 
     for D in (8, 16, 48, 64, 128):
         backend = select_backend("auto", "cuda", torch.bfloat16, head_dim=D, has_docs=True)[0]
-        q, k, v = (torch.randn(1, 256, h, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for h in (4, 2, 2))
+        q, k, v = (torch.randn(1, 256, h, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                   for h in (4, 2, 2))
         doc_ids = torch.cat([torch.zeros(100, dtype=torch.long), torch.ones(156, dtype=torch.long)])[None].cuda()
         mask = prepare_attention_mask(doc_ids, backend)
         core_attention(q, k, v, mask=mask, backend=backend).float().square().sum().backward()

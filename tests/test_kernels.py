@@ -103,7 +103,8 @@ def test_rope_cos_sin_angles():
     torch.testing.assert_close(cos, angle.cos(), rtol=0, atol=1e-3)      # fp32 angle error grows with pos
     torch.testing.assert_close(sin, angle.sin(), rtol=0, atol=1e-3)
     small = torch.arange(8, device=DEVICE)[None]
-    torch.testing.assert_close(rope_cos_sin(small, 16, 10000.0)[1], angles64(small, 16, 10000.0).repeat(1, 1, 2).sin().float())
+    torch.testing.assert_close(rope_cos_sin(small, 16, 10000.0)[1],
+                               angles64(small, 16, 10000.0).repeat(1, 1, 2).sin().float())
 
 
 @pytest.mark.parametrize("impl", ["torch", "auto"])
@@ -337,8 +338,8 @@ def test_library_kernels_match_torch(impl):
     for name, (op, inputs) in ops.items():
         got, want = op(impl), op("torch")
         for g, r in zip(got, want):
-            torch.testing.assert_close(g, r, **tol, msg=lambda m: f"{impl} {name}: {m}")
+            torch.testing.assert_close(g, r, **tol, msg=lambda m, name=name: f"{impl} {name}: {m}")
         ups = upstream(*want)
         for g, r in zip(torch.autograd.grad(got, inputs, ups), torch.autograd.grad(want, inputs, ups)):
-            torch.testing.assert_close(g, r, **tol, msg=lambda m: f"{impl} {name} backward: {m}")
+            torch.testing.assert_close(g, r, **tol, msg=lambda m, name=name: f"{impl} {name} backward: {m}")
     assert set(LIBRARY_OPS[impl]) <= set(ops)

@@ -79,13 +79,13 @@ def _overlap_worker(rank, world):
         launched_during_backward, final_at_launch = [], []
         launch = opt._launch
 
-        def spy(index, launch=launch, opt=opt):       # how many gradients were final when a bucket left
+        def spy(index, launch=launch, opt=opt, final_at_launch=final_at_launch):   # gradients final at a launch
             final_at_launch.append(sum(v == len(xs) for v in opt._fired.values()))
             launch(index)
 
         opt._launch = spy
         opt.begin_step(len(xs))
-        for i, x in enumerate(xs):
+        for x in xs:
             m(x).square().sum().backward()
             launched_during_backward.append(len(opt._launched))
         norm = opt.step(max_norm=1.0)

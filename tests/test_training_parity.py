@@ -46,6 +46,12 @@ LAYOUTS = {  # name: (world, overrides)
                         "parallel.tp_sequence_parallel=true", "model.tie_embeddings=true"]),
     "fsdp_tp2sp2pp2": (8, ["parallel.tp=2", "parallel.sp=2", "parallel.pp=2", "parallel.fsdp=true",
                            "model.tie_embeddings=true"]),
+    # sp = ulysses x ring: ring attention alone, and under Ulysses, with pp, dp, FSDP, tp
+    "ring2": (2, ["parallel.sp=2", "parallel.sp_ring=2"]),
+    "ring2pp2": (4, ["parallel.sp=2", "parallel.sp_ring=2", "parallel.pp=2", "training.activation_checkpointing=true"]),
+    "fsdp_u2ring2": (4, ["parallel.sp=4", "parallel.sp_ring=2", "parallel.fsdp=true"]),
+    "tp2u2ring2": (8, ["parallel.tp=2", "parallel.sp=4", "parallel.sp_ring=2", "parallel.tp_sequence_parallel=true",
+                       "model.tie_embeddings=true"]),
 }
 
 
@@ -57,11 +63,11 @@ def _train_worker(rank, world, runs):
     out = []
     for run_dir, overrides in runs:
         cfg = load_config(overrides=BASE + overrides + [f"logging.run_dir={run_dir}"])
-        grid = ParallelGrid(tp=cfg.parallel.tp, sp=cfg.parallel.sp, pp=cfg.parallel.pp)
+        grid = ParallelGrid.for_config(cfg)
         shards = {}
         original = loop.build_model
 
-        def keep(*args):
+        def keep(*args, original=original, shards=shards):
             model = original(*args)
             shards["model"] = model
             return model
@@ -72,7 +78,8 @@ def _train_worker(rank, world, runs):
         finally:
             loop.build_model = original
         params = {n: (full_over_grad(p), getattr(p, "tp_dim", None)) for n, p in shards["model"].named_parameters()}
-        out.append({"tp_rank": grid.tp_rank, "tp": grid.tp_size, "dp_sp": (grid.dp_rank, grid.sp_rank), "params": params})
+        out.append({"tp_rank": grid.tp_rank, "tp": grid.tp_size, "dp_sp": (grid.dp_rank, grid.sp_rank),
+                    "params": params})
     return out
 
 
@@ -152,7 +159,7 @@ def check_against(reference, got, name):
 
 def test_layouts_on_2_ranks(tmp_path, reference):
     results = run_layouts(tmp_path, 2, ["tp2", "sp2", "pp2", "dp2", "dp2_no_overlap", "fsdp_dp2",
-                                             "fsdp_sp2", "pp2v2"])
+                                             "fsdp_sp2", "pp2v2", "ring2"])
     for name, got in results.items():
         check_against(reference, got, name)
 
@@ -160,8 +167,8 @@ def test_layouts_on_2_ranks(tmp_path, reference):
 def test_layouts_on_4_ranks(tmp_path, reference):
     # sp4: 2 KV heads over 4 sp ranks (KV replication); FSDP with tp + sp and with a pipeline
     results = run_layouts(tmp_path, 4, ["sp4", "fsdp_tp2sp2", "fsdp_pp2dp2", "fsdp_pp2v2dp2", "bf16_pp2dp2",
-                                        "bf16_fsdp_pp2dp2"])
-    for name in ("sp4", "fsdp_tp2sp2", "fsdp_pp2dp2", "fsdp_pp2v2dp2"):
+                                        "bf16_fsdp_pp2dp2", "ring2pp2", "fsdp_u2ring2"])
+    for name in ("sp4", "fsdp_tp2sp2", "fsdp_pp2dp2", "fsdp_pp2v2dp2", "ring2pp2", "fsdp_u2ring2"):
         check_against(reference, results[name], name)
     # bf16: FSDP rounds the weights it gathers, so only closeness to the ZeRO-1 bf16 run is expected
     (z_loss, _, z_norm, _), (f_loss, _, f_norm, _) = results["bf16_pp2dp2"], results["bf16_fsdp_pp2dp2"]
@@ -175,5 +182,5 @@ def test_tp2_sp2_pp2_on_8_ranks(tmp_path):
     # tied embeddings and TP sequence sharding here, so the reference is its own single-process run
     LAYOUTS["single_tied"] = (1, ["model.tie_embeddings=true"])
     ref = run_layouts(tmp_path / "ref", 1, ["single_tied"])["single_tied"]
-    for name, got in run_layouts(tmp_path, 8, ["tp2sp2pp2", "tp2sp2pp2v2", "fsdp_tp2sp2pp2"]).items():
+    for name, got in run_layouts(tmp_path, 8, ["tp2sp2pp2", "tp2sp2pp2v2", "fsdp_tp2sp2pp2", "tp2u2ring2"]).items():
         check_against(ref, got, name)

@@ -1,4 +1,5 @@
-"""Runs megalysses.tools.build_corpus (installed as `megalysses-build-corpus`) from a checkout; --help lists its options."""
+"""Runs megalysses.tools.build_corpus (installed as `megalysses-build-corpus`) from a checkout;
+--help lists its options."""
 import sys
 from pathlib import Path
 

@@ -1,4 +1,5 @@
-"""Runs megalysses.tools.convert_checkpoint (installed as `megalysses-convert`) from a checkout; --help lists its options."""
+"""Runs megalysses.tools.convert_checkpoint (installed as `megalysses-convert`) from a checkout; --help lists
+its options."""
 import sys
 from pathlib import Path
 

@@ -1,4 +1,5 @@
-"""Runs megalysses.tools.preprocess_data (installed as `megalysses-preprocess`) from a checkout; --help lists its options."""
+"""Runs megalysses.tools.preprocess_data (installed as `megalysses-preprocess`) from a checkout;
+--help lists its options."""
 import sys
 from pathlib import Path
 

@@ -1,4 +1,5 @@
-"""Runs megalysses.tools.train_tokenizer (installed as `megalysses-train-tokenizer`) from a checkout; --help lists its options."""
+"""Runs megalysses.tools.train_tokenizer (installed as `megalysses-train-tokenizer`) from a checkout;
+--help lists its options."""
 import sys
 from pathlib import Path
 

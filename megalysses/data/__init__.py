@@ -9,7 +9,10 @@ from megalysses.data.build import build_gpt_datasets
 from megalysses.data.gpt_dataset import GPTDataset, MockGPTDataset, build_gpt_indices, split_ranges
 from megalysses.data.indexed import (DatasetError, IndexedDataset, IndexedDatasetBuilder, merge_datasets,
                                      optimal_dtype)
-from megalysses.data.tokenizer import ByteTokenizer, SentencePieceTokenizer, Tokenizer, build_tokenizer
+from megalysses.data.tokenizer import (ByteTokenizer, GPT2BPETokenizer, HFTokenizer, NullTokenizer,
+                                       SentencePieceTokenizer, Tokenizer, TokenizerError, build_tokenizer,
+                                       tokenizer_from_config)
+from megalysses.data.validate import check_token_ids
 
 _LOADER_NAMES = ("IGNORE_INDEX", "build_micro_batch", "iterate_micro_batches")
 
@@ -23,8 +26,9 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "BlendedDataset", "ByteTokenizer", "DatasetError", "GPTDataset", "IGNORE_INDEX", "IndexedDataset",
-    "IndexedDatasetBuilder", "MockGPTDataset", "SentencePieceTokenizer", "Tokenizer", "blend_indices",
-    "build_gpt_datasets", "build_gpt_indices", "build_micro_batch", "build_tokenizer", "iterate_micro_batches",
-    "merge_datasets", "optimal_dtype", "parse_blend", "split_ranges",
+    "BlendedDataset", "ByteTokenizer", "DatasetError", "GPT2BPETokenizer", "GPTDataset", "HFTokenizer",
+    "IGNORE_INDEX", "IndexedDataset", "IndexedDatasetBuilder", "MockGPTDataset", "NullTokenizer",
+    "SentencePieceTokenizer", "Tokenizer", "TokenizerError", "blend_indices", "build_gpt_datasets",
+    "build_gpt_indices", "build_micro_batch", "build_tokenizer", "check_token_ids", "iterate_micro_batches",
+    "merge_datasets", "optimal_dtype", "parse_blend", "split_ranges", "tokenizer_from_config",
 ]

@@ -52,8 +52,11 @@ def parse_blend(spec: Sequence[str]) -> tuple[list[str], list[float]]:
     if len(items) % 2 or not all(is_number(w) and not is_number(p) for w, p in zip(items[::2], items[1::2])):
         raise ValueError(f"dataset list {items}: expected weight, path pairs like ['0.7', 'a', '0.3', 'b']")
     weights = [float(w) for w in items[::2]]
-    if any(w < 0 for w in weights) or sum(weights) <= 0:
-        raise ValueError(f"dataset list {items}: weights must be non-negative with a positive sum")
+    for w, path in zip(items[::2], items[1::2]):
+        if not math.isfinite(float(w)) or float(w) < 0:
+            raise ValueError(f"dataset list {items}: the weight {w} of {path} is not a finite non-negative number")
+    if sum(weights) <= 0:
+        raise ValueError(f"dataset list {items}: the weights sum to 0; give at least one dataset a positive weight")
     total = sum(weights)
     return items[1::2], [w / total for w in weights]
 
@@ -100,7 +103,7 @@ def blend_indices(weights: Sequence[float], size: int) -> tuple[np.ndarray, np.n
     """(dataset_index, dataset_sample_index) of a stream of `size` samples: which dataset each sample
     comes from and which sample of that dataset (its running count)."""
     w = np.asarray(weights, dtype=np.float64)
-    if w.ndim != 1 or len(w) == 0 or np.any(w < 0) or w.sum() <= 0:
+    if w.ndim != 1 or len(w) == 0 or not np.all(np.isfinite(w)) or np.any(w < 0) or w.sum() <= 0:
         raise ValueError(f"blend weights {list(weights)} must be non-negative with a positive sum")
     w = w / w.sum()
     active = np.flatnonzero(w > 0)

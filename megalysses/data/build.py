@@ -13,11 +13,11 @@ from __future__ import annotations
 import logging
 import math
 import os
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from megalysses.data.blend import BlendedDataset, parse_blend, required_samples
 from megalysses.data.gpt_dataset import GPTDataset, split_ranges
-from megalysses.data.indexed import IndexedDataset
+from megalysses.data.indexed import DatasetError, IndexedDataset
 
 log = logging.getLogger(__name__)
 SPLIT_NAMES = ("train", "valid", "test")
@@ -29,15 +29,28 @@ def default_cache_dir(prefix: str) -> str:
 
 def build_gpt_datasets(paths: Sequence[str], split: str, seq_len: int, seed: int,
                        num_samples: Sequence[Optional[int]], cache_dir: Optional[str] = None,
+                       validate: Optional[Callable[[IndexedDataset, str], None]] = None,
                        ) -> list[GPTDataset | BlendedDataset | None]:
     """[train, valid, test]; num_samples[i] is the samples that split must provide (None = one epoch).
 
-    A split with no documents is None; a valid/test split too small for one sample is None (logged);
-    a train split too small raises ValueError.
+    `validate(indexed, cache_dir)` is called on every dataset once it is open (the trainer checks the
+    token ids against the vocabulary there). An empty dataset, or a split that gives the train set no
+    documents, raises DatasetError. A valid/test split with no documents is None; one too small for one
+    sample is None (logged); a train split too small raises ValueError.
     """
     prefixes, weights = parse_blend(paths)
     indexed = [IndexedDataset(p) for p in prefixes]
+    for ds in indexed:
+        if ds.num_tokens == 0:
+            raise DatasetError(f"{ds.prefix}: the dataset is empty ({len(ds)} sequences, 0 tokens), nothing to "
+                               f"train on: re-run tools/preprocess_data.py on a corpus that yields tokens")
+        if validate is not None:
+            validate(ds, cache_dir or default_cache_dir(ds.prefix))
     ranges = [split_ranges(split, len(ds)) for ds in indexed]
+    if not any(w > 0 and rng[0][1] > rng[0][0] for rng, w in zip(ranges, weights)):
+        counts = ", ".join(f"{len(ds)} in {ds.prefix}" for ds in indexed)
+        raise DatasetError(f"split '{split}' gives the training set no sequences ({counts}): give the first "
+                           f"(train) ratio a share large enough for at least one sequence, e.g. '969,30,1'")
     out: list[GPTDataset | BlendedDataset | None] = []
     for s, name in enumerate(SPLIT_NAMES):
         members = [(ds, rng[s], w) for ds, rng, w in zip(indexed, ranges, weights) if w > 0 and rng[s][1] > rng[s][0]]

@@ -7,9 +7,11 @@
     ds[0]                 # array([1, 2, 3, 2], dtype=uint16), a read-only view on the mmap
     ds.get(0, offset=1, length=2)
 
-The byte layout is documented in /work/shared/DATA_FORMAT.md and matches Megatron-LM's
+The byte layout is documented in docs/DATA_FORMAT.md and matches Megatron-LM's
 `indexed_dataset.py` in both directions. Every structural problem with a file pair raises
-`DatasetError` naming the file and what is wrong with it.
+`DatasetError` naming the file and what is wrong with it; the index is checked whole when it is
+opened (vectorised: lengths, pointers, document boundaries, the .bin size), so a corrupt pair never
+reaches training.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import numpy as np
 INDEX_MAGIC = b"MMIDIDX\x00\x00"
 INDEX_VERSION = 1
 HEADER_BYTES = 34  # magic 9 + version 8 + dtype 1 + sequence count 8 + document count 8
+CHECK_CHUNK = 1 << 24  # index entries checked per vectorised step when a dataset is opened
 
 DTYPE_CODES: dict[int, type] = {
     1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32,
@@ -89,7 +92,10 @@ class IndexedDataset:
         self.idx_file, self.bin_file = idx_path(prefix), bin_path(prefix)
         for path in (self.idx_file, self.bin_file):
             if not os.path.isfile(path):
-                raise DatasetError(f"{path}: file not found (dataset prefix {self.prefix!r})")
+                stem, ext = os.path.splitext(self.prefix)
+                hint = (f": give the prefix without .bin/.idx ({stem!r})"
+                        if ext in (".bin", ".idx") and os.path.isfile(idx_path(stem)) else "")
+                raise DatasetError(f"{path}: file not found (dataset prefix {self.prefix!r}){hint}")
         self._read_index()
         self._check_bin()
 
@@ -131,10 +137,42 @@ class IndexedDataset:
         if d == 0 or self.document_indices[0] != 0 or self.document_indices[-1] != n:
             raise DatasetError(f"{path}: corrupt document index: it must start at 0 and end at the "
                                f"sequence count {n}")
+        self._check_arrays()
+
+    def _check_arrays(self) -> None:
+        """Lengths >= 0, sequences stored back to back (as every Megatron writer stores them), and
+        document boundaries that never go backwards. Vectorised over chunks, so memory stays bounded."""
+        path, lengths, docs = self.idx_file, self.sequence_lengths, self.document_indices
+        end = 0   # where the sequences before the chunk end, in bytes
+        for start in range(0, len(lengths), CHECK_CHUNK):
+            chunk = lengths[start:start + CHECK_CHUNK]
+            bad = np.flatnonzero(chunk < 0)
+            if len(bad):
+                i = start + int(bad[0])
+                raise DatasetError(f"{path}: corrupt index: sequence {i} has a negative length {int(lengths[i])}; "
+                                   f"rebuild the dataset with tools/preprocess_data.py")
+            expected = np.cumsum(chunk, dtype=np.int64) * self.dtype.itemsize
+            expected -= chunk.astype(np.int64) * self.dtype.itemsize
+            expected += end
+            bad = np.flatnonzero(self.sequence_pointers[start:start + CHECK_CHUNK] != expected)
+            if len(bad):
+                i = start + int(bad[0])
+                raise DatasetError(f"{path}: corrupt index: sequence {i} points at byte "
+                                   f"{int(self.sequence_pointers[i])} of the .bin but the sequences before it end "
+                                   f"at byte {int(expected[bad[0]])} (pointers disagree with the lengths); "
+                                   f"rebuild the dataset")
+            end = int(expected[-1]) + int(chunk[-1]) * self.dtype.itemsize
+        for start in range(0, len(docs) - 1, CHECK_CHUNK):
+            bad = np.flatnonzero(np.diff(docs[start:start + CHECK_CHUNK + 1]) < 0)
+            if len(bad):
+                i = start + int(bad[0])
+                raise DatasetError(f"{path}: corrupt document index: document {i} ends at sequence "
+                                   f"{int(docs[i + 1])}, before it starts at sequence {int(docs[i])}; rebuild the "
+                                   f"dataset")
 
     def _check_bin(self) -> None:
         n = len(self.sequence_lengths)
-        need = 0 if n == 0 else int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * self.dtype.itemsize
+        need = self.num_tokens * self.dtype.itemsize
         size = os.path.getsize(self.bin_file)
         if size < need:
             raise DatasetError(f"{self.bin_file}: .bin is {size} bytes but {self.idx_file} says its "
@@ -206,15 +244,25 @@ class IndexedDatasetBuilder:
                 start += n
         self.end_document()
 
-    def add_documents(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
-        """Append many one-sequence documents at once: `tokens` concatenated, `lengths` per document."""
+    def add_documents(self, tokens: np.ndarray, lengths: np.ndarray,
+                      sequences_per_document: Optional[np.ndarray] = None) -> None:
+        """Append many documents at once: `tokens` concatenated, `lengths` per sequence, and how many
+        sequences each document has (default: one each). A document of zero sequences is an empty
+        document, stored as Megatron-LM's preprocessing stores one: a document boundary, no tokens."""
         lengths = np.asarray(lengths, dtype=np.int32)
         if int(lengths.sum(dtype=np.int64)) != len(tokens):
-            raise ValueError(f"document lengths sum to {int(lengths.sum())} but {len(tokens)} tokens were given")
+            raise ValueError(f"sequence lengths sum to {int(lengths.sum())} but {len(tokens)} tokens were given")
+        if sequences_per_document is None:
+            ends = np.arange(1, len(lengths) + 1, dtype=np.int64)
+        else:
+            ends = np.cumsum(sequences_per_document, dtype=np.int64)
+            if (ends[-1] if len(ends) else 0) != len(lengths):
+                raise ValueError(f"documents hold {int(ends[-1]) if len(ends) else 0} sequences but "
+                                 f"{len(lengths)} sequence lengths were given")
         self._out.write(np.asarray(tokens, dtype=self.dtype).tobytes(order="C"))
         self._flush_lists()
         self._length_chunks.append(lengths)
-        self._doc_chunks.append(self._num_sequences + 1 + np.arange(len(lengths), dtype=np.int64))
+        self._doc_chunks.append(self._num_sequences + ends)
         self._num_sequences += len(lengths)
 
     def add_index(self, prefix: str | os.PathLike) -> None:

@@ -15,9 +15,11 @@ dp rank r takes samples c * mbs * dp + r * mbs + [0, mbs), i.e. sample g goes to
 whatever dp and mbs are: dp=2 with k micro-batches sees the same global batch as dp=1 with 2k.
 Resuming at consumed_samples (global, a multiple of mbs * dp) continues the exact same stream.
 
-Sequence parallelism. Every sp rank reads the same samples (mmap, cheap) and keeps its contiguous
-slice [sp_rank * S/sp, (sp_rank + 1) * S/sp); document ids and reset positions are computed over the
-full sample first, so nothing is all-gathered. A new document starts after each EOD token.
+Sequence parallelism. Every sp rank reads the same samples (mmap, cheap) and keeps its own positions
+(`SequenceLayout`: a contiguous slice [sp_rank * S/sp, (sp_rank + 1) * S/sp) for Ulysses alone, zigzag
+chunks with a ring); document ids and reset positions are computed over the full sample first, so
+nothing is all-gathered. A length the layout does not divide is padded at the end (labels -100). A new
+document starts after each EOD token.
 """
 from __future__ import annotations
 
@@ -27,23 +29,27 @@ import numpy as np
 import torch
 
 from megalysses.data.indexed import DatasetError
+from megalysses.parallel.sequence_layout import SequenceLayout, shard_sample
 
 IGNORE_INDEX = -100
 
 
 def build_micro_batch(samples: Sequence[np.ndarray], seq_len: int, sp_rank: int, sp_size: int, eod_id: int,
                       reset_position_ids: bool, document_mask: bool, eod_mask_loss: bool = False,
-                      pad_id: Optional[int] = None) -> dict[str, torch.Tensor]:
+                      pad_id: Optional[int] = None, layout: Optional[SequenceLayout] = None) -> dict[str, torch.Tensor]:
     """Turn samples of (up to) seq_len + 1 tokens into this sp rank's tensors.
 
     Shorter samples are padded with pad_id (default eod_id) and their missing labels are -100;
     eod_mask_loss also masks the label predicted from each EOD (the first token of the next document).
+    layout (default: Ulysses over sp_size ranks) says which positions this rank keeps and the multiple
+    the sequence is padded to.
     """
-    if seq_len % sp_size:
-        raise ValueError(f"seq_len={seq_len} is not divisible by sp_size={sp_size}")
+    layout = SequenceLayout(sp=sp_size) if layout is None else layout
+    if layout.sp != sp_size:
+        raise ValueError(f"the sequence layout is for sp={layout.sp}, not sp_size={sp_size}")
     if not 0 <= sp_rank < sp_size:
         raise ValueError(f"sp_rank={sp_rank} outside [0, {sp_size})")
-    batch, local = len(samples), seq_len // sp_size
+    batch = len(samples)
     pad = eod_id if pad_id is None else pad_id
     tokens = np.full((batch, seq_len + 1), pad, dtype=np.int64)
     lengths = np.empty(batch, dtype=np.int64)
@@ -68,16 +74,19 @@ def build_micro_batch(samples: Sequence[np.ndarray], seq_len: int, sp_rank: int,
     else:
         pos = np.broadcast_to(positions, (batch, seq_len))
 
-    sl = slice(sp_rank * local, (sp_rank + 1) * local)
-    out = {
-        "input_ids": torch.from_numpy(np.ascontiguousarray(inputs[:, sl])),
-        "labels": torch.from_numpy(np.ascontiguousarray(labels[:, sl])),
-        "position_ids": torch.from_numpy(np.ascontiguousarray(pos[:, sl], dtype=np.int64)),
-    }
-    if document_mask:
-        doc_ids = np.cumsum(starts, axis=1, dtype=np.int32) - 1
-        out["doc_ids"] = torch.from_numpy(doc_ids)
-    return out
+    doc_ids = np.cumsum(starts, axis=1, dtype=np.int32) - 1 if document_mask else None
+    shard = shard_sample(layout, sp_rank, inputs, labels, np.asarray(pos), doc_ids, pad)
+    return {k: torch.from_numpy(v) for k, v in shard.items()}
+
+
+def check_sample_ids(samples: Sequence[np.ndarray], ids: Sequence[int], vocab_size: int) -> None:
+    """Raise DatasetError when a sample holds a token id outside [0, vocab_size)."""
+    for g, sample in zip(ids, samples):
+        if len(sample) and (int(sample.min()) < 0 or int(sample.max()) >= vocab_size):
+            bad = sample[(sample < 0) | (sample >= vocab_size)][0]
+            raise DatasetError(f"sample {g} of the stream holds token id {int(bad)}, outside the model's vocabulary "
+                               f"[0, {vocab_size}) (model.vocab_size): the data does not belong to this model; "
+                               f"re-tokenize it or fix model.vocab_size")
 
 
 def rank_sample_ids(chunk: int, micro_batch_size: int, dp_rank: int, dp_size: int) -> range:
@@ -89,10 +98,12 @@ def rank_sample_ids(chunk: int, micro_batch_size: int, dp_rank: int, dp_size: in
 def iterate_micro_batches(dataset: Any, micro_batch_size: int, dp_rank: int, dp_size: int, sp_rank: int,
                           sp_size: int, consumed_samples: int, eod_id: int, reset_position_ids: bool,
                           document_mask: bool, seq_len: Optional[int] = None, eod_mask_loss: bool = False,
-                          pad_id: Optional[int] = None) -> Iterator[dict[str, torch.Tensor]]:
+                          pad_id: Optional[int] = None, vocab_size: Optional[int] = None,
+                          layout: Optional[SequenceLayout] = None) -> Iterator[dict[str, torch.Tensor]]:
     """Yield this rank's micro-batches from `consumed_samples` on, until the dataset cannot fill a
     whole chunk of micro_batch_size * dp_size samples. `dataset[g]` is sample g of the stream (seq_len
-    + 1 tokens); seq_len defaults to `dataset.seq_len`."""
+    + 1 tokens); seq_len defaults to `dataset.seq_len`; layout as for build_micro_batch. With vocab_size,
+    a sample holding a token id outside [0, vocab_size) raises DatasetError instead of reaching the model."""
     if micro_batch_size < 1 or not 0 <= dp_rank < dp_size:
         raise ValueError(f"bad data-parallel position: micro_batch_size={micro_batch_size}, "
                          f"dp_rank={dp_rank}, dp_size={dp_size}")
@@ -104,7 +115,10 @@ def iterate_micro_batches(dataset: Any, micro_batch_size: int, dp_rank: int, dp_
     seq_len = dataset.seq_len if seq_len is None else seq_len
     c = consumed_samples // chunk
     while (c + 1) * chunk <= len(dataset):
-        samples = [dataset[g] for g in rank_sample_ids(c, micro_batch_size, dp_rank, dp_size)]
+        ids = rank_sample_ids(c, micro_batch_size, dp_rank, dp_size)
+        samples = [dataset[g] for g in ids]
+        if vocab_size is not None:
+            check_sample_ids(samples, ids, vocab_size)
         yield build_micro_batch(samples, seq_len, sp_rank, sp_size, eod_id, reset_position_ids,
-                                document_mask, eod_mask_loss, pad_id)
+                                document_mask, eod_mask_loss, pad_id, layout)
         c += 1

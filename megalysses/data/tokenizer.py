@@ -1,36 +1,91 @@
-"""Tokenizers behind one interface: a sentencepiece model, or raw UTF-8 bytes (no model file).
+"""Tokenizers behind one interface: raw UTF-8 bytes, sentencepiece, Hugging Face `tokenizers`
+(a tokenizer.json), GPT-2 BPE from vocab.json + merges.txt, and Megatron's null tokenizer.
 
-    tok = build_tokenizer("byte")                       # ids 0..255 bytes, 256 BOS, 257 EOS=EOD, 258 PAD
+    tok = build_tokenizer("byte")                                   # ids 0..255 bytes, 256 BOS, 257 EOS=EOD, 258 PAD
     tok = build_tokenizer("sentencepiece", "tok.model")
+    tok = build_tokenizer("huggingface", "Llama-3-8B/")             # a folder holding tokenizer.json, or the file
+    tok = build_tokenizer("GPT2BPETokenizer", vocab_file="vocab.json", merge_file="merges.txt")
+    tok = build_tokenizer("NullTokenizer", vocab_size=32000)        # text is space-separated token ids
     ids = tok.encode("hello"); tok.decode(ids) == "hello"
 
-Every tokenizer exposes vocab_size, bos_id, eos_id, eod_id (= eos_id, the document separator
-the data pipeline appends), pad_id, encode and decode.
+Kinds: byte, sentencepiece, huggingface, gpt2bpe, null, and Megatron-LM's --tokenizer-type names for
+them (HuggingFaceTokenizer, SentencePieceTokenizer, GPTSentencePieceTokenizer, Llama2Tokenizer,
+GPT2BPETokenizer, NullTokenizer). Every tokenizer encodes as Megatron-LM's of the same name does
+(Hugging Face: with the special tokens its post-processor adds, e.g. Llama-3's BOS; sentencepiece:
+no BOS) and exposes vocab_size (the true number of ids, before any padding of the model's
+vocabulary), bos_id (None when it has none), eos_id, eod_id (the document separator the data
+pipeline appends; = EOS), pad_id, encode, encode_batch and decode. EOD and BOS come from the
+tokenizer's own files (a Hugging Face folder's tokenizer_config.json, special_tokens_map.json or
+config.json; the sentencepiece model) or from `eod=` / `bos=` (a token or an id).
 """
 from __future__ import annotations
 
+import json
 import os
-from typing import Optional, Protocol, Sequence, runtime_checkable
+from pathlib import Path
+from typing import Any, Optional, Protocol, Sequence, runtime_checkable
+
+KINDS = ("byte", "sentencepiece", "huggingface", "gpt2bpe", "null")
+_MEGATRON_KINDS = {
+    "huggingfacetokenizer": "huggingface", "sentencepiecetokenizer": "sentencepiece",
+    "gptsentencepiecetokenizer": "sentencepiece", "llama2tokenizer": "sentencepiece",
+    "gpt2bpetokenizer": "gpt2bpe", "nulltokenizer": "null", "hf": "huggingface", "tokenizers": "huggingface",
+}
+_UNSUPPORTED_KINDS = {
+    "tiktokenizer": "tiktoken vocabularies are not supported: use the model's tokenizer.json with HuggingFaceTokenizer",
+    "bertwordpiecelowercase": "BERT word-piece tokenizers are for BERT data, not GPT pretraining",
+    "bertwordpiececase": "BERT word-piece tokenizers are for BERT data, not GPT pretraining",
+    "multimodaltokenizer": "multimodal tokenizers are not supported (text GPT pretraining only)",
+    "nullmultimodaltokenizer": "multimodal tokenizers are not supported (text GPT pretraining only)",
+    "sfttokenizer": "the SFT tokenizer is for fine-tuning conversations, not pretraining",
+}
+# well-known special tokens, tried when a tokenizer.json comes without the files that name them
+_EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|end▁of▁sentence|>")
+_BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>", "<|begin▁of▁sentence|>")
+
+
+class TokenizerError(ValueError):
+    """A missing, unreadable or unsuitable tokenizer; the message names the file and the fix."""
+
+
+class TokenizerFileNotFound(TokenizerError, FileNotFoundError):
+    """A tokenizer file that does not exist."""
 
 
 @runtime_checkable
 class Tokenizer(Protocol):
     vocab_size: int
-    bos_id: int
+    bos_id: Optional[int]
     eos_id: int
     eod_id: int
     pad_id: int
 
     def encode(self, text: str) -> list[int]: ...
 
+    def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
+
     def decode(self, ids: Sequence[int]) -> str: ...
+
+
+def canonical_kind(kind: str) -> str:
+    """One of KINDS for our names and Megatron-LM's --tokenizer-type names (case-insensitive)."""
+    key = str(kind).strip().lower()
+    if key in KINDS:
+        return key
+    if key in _MEGATRON_KINDS:
+        return _MEGATRON_KINDS[key]
+    if key in _UNSUPPORTED_KINDS:
+        raise TokenizerError(f"tokenizer type {kind!r}: {_UNSUPPORTED_KINDS[key]}")
+    raise TokenizerError(f"unknown tokenizer kind {kind!r}: expected one of {', '.join(KINDS[:-1])} or Megatron-LM's "
+                         f"NullTokenizer, HuggingFaceTokenizer, SentencePieceTokenizer, GPTSentencePieceTokenizer, "
+                         f"Llama2Tokenizer, GPT2BPETokenizer")
 
 
 class ByteTokenizer:
     """UTF-8 bytes as ids 0..255, then BOS=256, EOS=EOD=257, PAD=258 (vocab_size 259)."""
 
     vocab_size = 259
-    bos_id = 256
+    bos_id: Optional[int] = 256
     eos_id = 257
     eod_id = 257
     pad_id = 258
@@ -48,25 +103,40 @@ class ByteTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
 
+    def token_to_id(self, token: str) -> Optional[int]:
+        return None
+
+
+def _model_file(path: Optional[str], what: str, flag: str) -> str:
+    if not path:
+        raise TokenizerError(f"the tokenizer needs a model path, its {what}: pass {flag}")
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise TokenizerFileNotFound(f"{path}: {what} not found ({flag})")
+    return path
+
 
 class SentencePieceTokenizer:
-    """A trained sentencepiece model (see tools/train_tokenizer.py). PAD falls back to EOS when the
-    model has no pad piece; a model without an EOS piece is refused (documents need a separator)."""
+    """A sentencepiece model (see tools/train_tokenizer.py). PAD falls back to EOS when the model has
+    no pad piece; EOD is the EOS piece."""
 
     def __init__(self, model_path: str | os.PathLike) -> None:
         import sentencepiece as spm
 
-        path = os.fspath(model_path)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"{path}: sentencepiece model file not found")
+        path = _model_file(os.fspath(model_path), "sentencepiece model", "--tokenizer-model / data.tokenizer_model")
+        if os.path.isdir(path):
+            raise TokenizerError(f"{path}: is a directory, not a sentencepiece .model file: pass the .model file "
+                                 f"inside it (a folder with tokenizer.json is --tokenizer-type huggingface)")
         self.model_path = path
-        self.sp = spm.SentencePieceProcessor(model_file=path)
+        try:
+            self.sp = spm.SentencePieceProcessor(model_file=path)
+        except (RuntimeError, OSError) as err:
+            raise TokenizerError(f"{path}: not a sentencepiece model ({str(err).strip()}): pass the .model file "
+                                 f"written by tools/train_tokenizer.py or by sentencepiece") from None
         self.vocab_size = int(self.sp.vocab_size())
-        self.bos_id = int(self.sp.bos_id())
+        bos = int(self.sp.bos_id())
+        self.bos_id = bos if bos >= 0 else None
         self.eos_id = int(self.sp.eos_id())
-        if self.eos_id < 0:
-            raise ValueError(f"{path}: the sentencepiece model has no EOS piece (eos_id=-1); "
-                             "retrain it with an eos id so documents can be separated")
         self.eod_id = self.eos_id
         pad = int(self.sp.pad_id())
         self.pad_id = pad if pad >= 0 else self.eos_id
@@ -81,13 +151,232 @@ class SentencePieceTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self.sp.decode([int(i) for i in ids])
 
+    def token_to_id(self, token: str) -> Optional[int]:
+        i = int(self.sp.piece_to_id(token))
+        return i if self.sp.id_to_piece(i) == token else None
 
-def build_tokenizer(kind: str, model_path: Optional[str] = None) -> ByteTokenizer | SentencePieceTokenizer:
-    """`kind` is "byte" (no file) or "sentencepiece" (needs `model_path`)."""
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise TokenizerError(f"{path}: unreadable ({err}): fix or remove the file") from None
+    return data if isinstance(data, dict) else {}
+
+
+def _token_name(value: Any) -> Optional[str]:
+    """A special token as tokenizer_config.json writes it: a string, or {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class HFTokenizer:
+    """A Hugging Face `tokenizers` tokenizer: tokenizer.json, or a folder holding it (special tokens are
+    read from the folder's tokenizer_config.json / special_tokens_map.json / config.json). Encodes as
+    Megatron-LM's HuggingFaceTokenizer (`AutoTokenizer(text).input_ids`): with the special tokens the
+    post-processor adds, unless add_special_tokens is False."""
+
+    def __init__(self, path: str | os.PathLike, add_special_tokens: bool = True) -> None:
+        from tokenizers import Tokenizer as _HF
+
+        path = os.fspath(path)
+        if not os.path.exists(path) and path.count("/") == 1 and not path.startswith("."):
+            raise TokenizerFileNotFound(f"{path}: no such file or folder; Hugging Face Hub names are not fetched "
+                                        f"here: download the tokenizer first (huggingface-cli download {path} "
+                                        f"tokenizer.json tokenizer_config.json --local-dir DIR) and pass DIR")
+        path = _model_file(path, "Hugging Face tokenizer.json (or its folder)",
+                           "--tokenizer-model / data.tokenizer_model")
+        folder = Path(path) if os.path.isdir(path) else Path(path).parent
+        file = Path(path) / "tokenizer.json" if os.path.isdir(path) else Path(path)
+        if not file.is_file():
+            hint = ("it holds tokenizer.model: use --tokenizer-type sentencepiece with that file"
+                    if (folder / "tokenizer.model").is_file() else
+                    "it holds vocab.json and merges.txt: use --tokenizer-type GPT2BPETokenizer --vocab-file "
+                    "--merge-file" if (folder / "vocab.json").is_file() else
+                    "download the model's tokenizer files into it (e.g. huggingface-cli download NAME tokenizer.json "
+                    "tokenizer_config.json)")
+            raise TokenizerError(f"{path}: no tokenizer.json in this folder; {hint}")
+        try:
+            tok = _HF.from_file(str(file))
+        except Exception as err:  # noqa: BLE001 - the tokenizers library raises a bare Exception
+            raise TokenizerError(f"{file}: not a Hugging Face tokenizer.json ({err}): pass the tokenizer.json "
+                                 f"of the model, or the folder holding it") from None
+        self.path = str(file)
+        self._setup(tok, add_special_tokens, self._special_tokens(folder if os.path.isdir(path) or
+                                                                   file.name == "tokenizer.json" else None))
+
+    def _setup(self, tok: Any, add_special_tokens: bool, special: dict[str, Any]) -> None:
+        self.tok, self.add_special_tokens = tok, add_special_tokens
+        vocab = tok.get_vocab(with_added_tokens=True)
+        if not vocab:
+            raise TokenizerError(f"{self.path}: the tokenizer has an empty vocabulary")
+        self.vocab_size = max(vocab.values()) + 1
+
+        def resolve(key: str, names: Sequence[str]) -> Optional[int]:
+            value = special.get(key)
+            if isinstance(value, list):
+                value = value[0] if value else None
+            if isinstance(value, int) and 0 <= value < self.vocab_size:
+                return value
+            for name in ([value] if isinstance(value, str) else []) + list(names):
+                i = tok.token_to_id(name)
+                if i is not None:
+                    return int(i)
+            return None
+
+        self.eos_id = resolve("eos", _EOS_NAMES)
+        if self.eos_id is None:
+            self.eos_id = resolve("sep", ())
+        self.bos_id = resolve("bos", _BOS_NAMES)
+        self.eod_id = self.eos_id
+        pad = resolve("pad", ())
+        self.pad_id = pad if pad is not None else self.eos_id
+
+    @staticmethod
+    def _special_tokens(folder: Optional[Path]) -> dict[str, Any]:
+        """bos/eos/sep/pad as token strings or ids, from the files a Hugging Face folder keeps them in."""
+        found: dict[str, Any] = {}
+        if folder is None:
+            return found
+        for name in ("tokenizer_config.json", "special_tokens_map.json"):
+            if (folder / name).is_file():
+                data = _read_json(folder / name)
+                for key in ("bos", "eos", "sep", "pad"):
+                    token = _token_name(data.get(f"{key}_token"))
+                    if token is not None:
+                        found.setdefault(key, token)
+        for name in ("generation_config.json", "config.json"):
+            if (folder / name).is_file():
+                data = _read_json(folder / name)
+                for key in ("bos", "eos", "pad"):
+                    value = data.get(f"{key}_token_id")
+                    if isinstance(value, (int, list)) and not isinstance(value, bool):
+                        found.setdefault(key, value)
+        return found
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=self.add_special_tokens).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=self.add_special_tokens)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def token_to_id(self, token: str) -> Optional[int]:
+        i = self.tok.token_to_id(token)
+        return None if i is None else int(i)
+
+
+class GPT2BPETokenizer(HFTokenizer):
+    """GPT-2's byte-level BPE from vocab.json + merges.txt (Megatron-LM's GPT2BPETokenizer): EOD is
+    <|endoftext|>, no special tokens are added."""
+
+    def __init__(self, vocab_file: Optional[str], merge_file: Optional[str]) -> None:
+        from tokenizers import Tokenizer as _HF
+        from tokenizers import decoders, models, pre_tokenizers
+
+        vocab = _model_file(vocab_file, "GPT-2 vocab.json", "--vocab-file / data.vocab_file")
+        merges = _model_file(merge_file, "GPT-2 merges.txt", "--merge-file / data.merge_file")
+        try:
+            tok = _HF(models.BPE.from_file(vocab, merges))
+        except Exception as err:  # noqa: BLE001 - the tokenizers library raises a bare Exception
+            raise TokenizerError(f"{vocab} / {merges}: not a GPT-2 vocab.json and merges.txt ({err})") from None
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        if tok.token_to_id("<|endoftext|>") is not None:
+            tok.add_special_tokens(["<|endoftext|>"])
+        self.path = vocab
+        self._setup(tok, False, {"eos": "<|endoftext|>"})
+
+
+class NullTokenizer:
+    """Megatron-LM's NullTokenizer: the text is already token ids separated by spaces; EOD is
+    vocab_size - 1 unless given."""
+
+    bos_id: Optional[int] = None
+
+    def __init__(self, vocab_size: Optional[int]) -> None:
+        if vocab_size is None or vocab_size < 1:
+            raise TokenizerError(f"the null tokenizer needs the vocabulary size (--vocab-size N), got {vocab_size}")
+        self.vocab_size = int(vocab_size)
+        self.eos_id = self.eod_id = self.pad_id = self.vocab_size - 1
+
+    def encode(self, text: str) -> list[int]:
+        try:
+            ids = [int(x) for x in text.split()]
+        except ValueError:
+            raise TokenizerError(f"null tokenizer: the text {text[:40]!r} is not space-separated integer token "
+                                 f"ids") from None
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise TokenizerError(f"null tokenizer: token id {bad[0]} is outside [0, {self.vocab_size}) "
+                                 f"(--vocab-size {self.vocab_size})")
+        return ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+    def token_to_id(self, token: str) -> Optional[int]:
+        return None
+
+
+def _special_id(tok: Any, value: str | int, what: str) -> int:
+    """A token of the vocabulary ('<|end_of_text|>') or an id ('128001', 128001) -> its id."""
+    if isinstance(value, int) or str(value).strip().lstrip("-").isdigit():
+        i: Optional[int] = int(value)
+    else:
+        i = tok.token_to_id(str(value))
+        if i is None:
+            raise TokenizerError(f"{what} {value!r}: no such token in the tokenizer's vocabulary; give a token of "
+                                 f"it or an id")
+    if not 0 <= i < tok.vocab_size:
+        raise TokenizerError(f"{what} {value!r}: id {i} is outside the tokenizer's vocabulary [0, {tok.vocab_size})")
+    return i
+
+
+def build_tokenizer(kind: str, model_path: Optional[str] = None, *, vocab_file: Optional[str] = None,
+                    merge_file: Optional[str] = None, vocab_size: Optional[int] = None,
+                    eod: Optional[str | int] = None, bos: Optional[str | int] = None,
+                    add_special_tokens: bool = True, need_eod: bool = True) -> Any:
+    """A tokenizer of `kind` (see KINDS; Megatron-LM names accepted). `model_path` is the sentencepiece
+    .model or the tokenizer.json (or its folder); gpt2bpe takes vocab_file and merge_file, null takes
+    vocab_size. `eod` / `bos` (a token or an id) replace the tokenizer's own. With need_eod a tokenizer
+    that cannot tell its end-of-document token is refused. Raises TokenizerError."""
+    kind = canonical_kind(kind)
     if kind == "byte":
-        return ByteTokenizer()
-    if kind == "sentencepiece":
+        tok: Any = ByteTokenizer()
+    elif kind == "sentencepiece":
+        tok = SentencePieceTokenizer(_model_file(model_path, "sentencepiece model",
+                                                 "--tokenizer-model / data.tokenizer_model"))
+    elif kind == "huggingface":
         if not model_path:
-            raise ValueError("tokenizer kind 'sentencepiece' needs a model path (--tokenizer-model)")
-        return SentencePieceTokenizer(model_path)
-    raise ValueError(f"unknown tokenizer kind {kind!r}: expected 'sentencepiece' or 'byte'")
+            raise TokenizerError("the Hugging Face tokenizer needs a model path: pass --tokenizer-model / "
+                                 "data.tokenizer_model (a tokenizer.json or the folder holding it)")
+        tok = HFTokenizer(model_path, add_special_tokens)
+    elif kind == "gpt2bpe":
+        tok = GPT2BPETokenizer(vocab_file, merge_file)
+    else:
+        tok = NullTokenizer(vocab_size)
+    if eod is not None:
+        tok.eod_id = _special_id(tok, eod, "EOD token")
+    if bos is not None:
+        tok.bos_id = _special_id(tok, bos, "BOS token")
+    if need_eod and (tok.eod_id is None or tok.eod_id < 0):
+        raise TokenizerError(f"{getattr(tok, 'path', kind)}: cannot tell which token ends a document (no EOS in "
+                             f"the tokenizer or the files beside it): name it with --eod TOKEN (preprocessing) or "
+                             f"data.eod (training)")
+    if tok.pad_id is None or tok.pad_id < 0:
+        tok.pad_id = tok.eod_id
+    return tok
+
+
+def tokenizer_from_config(data: Any, model_vocab_size: Optional[int] = None) -> Any:
+    """The tokenizer a DataConfig names (data.tokenizer, tokenizer_model, vocab_file, merge_file, eod, bos);
+    the null tokenizer's vocabulary is the model's."""
+    return build_tokenizer(data.tokenizer, data.tokenizer_model, vocab_file=data.vocab_file,
+                           merge_file=data.merge_file, vocab_size=model_vocab_size, eod=data.eod, bos=data.bos)

@@ -16,6 +16,9 @@ Backends:
                packed documents (cu_seqlens from doc_ids).
     auto       flash when importable on CUDA with fp16/bf16, else flex on CUDA with documents, else sdpa.
 
+Ring attention runs attention block by block and merges the blocks with their log-sum-exp; those
+block kernels live in block_attention.py, and select_backend(..., ring=True) picks among them.
+
 Document masks: doc_ids (B, S) ints, non-decreasing along each row; position i attends j iff j <= i
 and doc_ids[b, i] == doc_ids[b, j].
 """
@@ -65,9 +68,11 @@ def _power_of_two(n: int) -> bool:
 
 
 def unsupported_reason(backend: str, device: DeviceLike, dtype: torch.dtype, head_dim: Optional[int] = None,
-                       training: bool = True) -> Optional[str]:
+                       training: bool = True, has_docs: bool = False, ring: bool = False) -> Optional[str]:
     """Why `backend` (a concrete name) cannot run attention of this head dim and dtype on `device`, with a
-    backward when `training`; None when it can. head_dim None skips the shape rules."""
+    backward when `training`; None when it can. head_dim None skips the shape rules. ring: the blocks of
+    ring attention, which need each block's log-sum-exp and a backward against the merged one
+    (kernels/block_attention.py); has_docs: with packed-document masks."""
     if backend not in BACKENDS or backend == "auto":
         return f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}"
     device = torch.device(device)
@@ -83,27 +88,47 @@ def unsupported_reason(backend: str, device: DeviceLike, dtype: torch.dtype, hea
         if on_cuda and head_dim is not None and (head_dim < 16 or not _power_of_two(head_dim)):
             return f"needs a head dim that is a power of two >= 16 (compiled FlexAttention), got {head_dim}"
     if backend == "flash":
+        if ring:
+            return ("cannot run the blocks of ring attention: flash-attn's public functions give no backward "
+                    "against the log-sum-exp merged over the blocks; use auto, sdpa, flex or reference")
         if dtype not in _HALF:
             return f"needs float16 or bfloat16 inputs, got {dtype}; use 'sdpa' or 'flex' for {dtype}"
         if head_dim is not None and (head_dim % 8 or head_dim > 256):
             return f"needs a head dim that is a multiple of 8 and at most 256, got {head_dim}"
+    if backend == "sdpa" and ring and on_cuda:
+        kernel = ("runs ring-attention blocks on CUDA with torch's flash kernel (the SDPA kernel that returns "
+                  "the log-sum-exp)")
+        if has_docs:
+            return f"{kernel}, which takes no packed-document mask; use flex (auto picks it) or reference"
+        if dtype not in _HALF:
+            return f"{kernel}, which takes float16 or bfloat16 only, got {dtype}; use flex or reference"
+        if head_dim is not None and (head_dim % 8 or head_dim > 256):
+            return f"{kernel}, which needs a head dim that is a multiple of 8 and at most 256, got {head_dim}"
     return None
 
 
 def select_backend(backend: str, device: DeviceLike, dtype: torch.dtype, head_dim: Optional[int] = None,
-                   has_docs: bool = False, training: bool = True) -> tuple[str, str]:
+                   has_docs: bool = False, training: bool = True, ring: bool = False) -> tuple[str, str]:
     """(concrete backend, why) for a requested one ("auto" or a name). auto picks the first that can run
     the shape: flash-attn on CUDA in half precision; on CUDA with packed documents compiled FlexAttention
-    (a block-sparse mask, where SDPA would need a dense (S, S) one); else SDPA. An explicit backend that
-    cannot run raises RuntimeError saying why."""
+    (a block-sparse mask, where SDPA would need a dense (S, S) one); else SDPA. For the blocks of ring
+    attention (ring=True) only backends that return the log-sum-exp qualify: torch's SDPA flash kernel
+    (CPU; CUDA without documents, half precision), then FlexAttention, then the reference. An explicit
+    backend that cannot run raises RuntimeError saying why."""
     if backend != "auto":
-        why = unsupported_reason(backend, device, dtype, head_dim, training)
+        why = unsupported_reason(backend, device, dtype, head_dim, training, has_docs, ring)
         if why is not None and why.startswith("unknown"):
             raise ValueError(why)
         if why is not None:
             raise RuntimeError(f"attention backend {backend!r} {why}")
         return backend, "requested"
     on_cuda = torch.device(device).type == "cuda"
+    if ring:
+        for name, why in (("sdpa", "ring blocks: torch's flash kernel returns the log-sum-exp"),
+                          ("flex", "ring blocks: FlexAttention returns the log-sum-exp")):
+            if unsupported_reason(name, device, dtype, head_dim, training, has_docs, ring) is None:
+                return name, why
+        return "reference", "ring blocks: no fused kernel returns the log-sum-exp for this shape here"
     if on_cuda and unsupported_reason("flash", device, dtype, head_dim, training) is None:
         return "flash", "flash-attn is installed and takes this shape and dtype"
     if on_cuda and has_docs and unsupported_reason("flex", device, dtype, head_dim, training) is None:
@@ -280,11 +305,15 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Optional[AttentionMask], scale:
     return out.transpose(1, 2)                                            # (B, S, Hq, D)
 
 
-def _create_block_mask(mask_mod: Callable, B: Optional[int], S: int, device: torch.device) -> Any:
+def _create_block_mask(mask_mod: Callable, B: Optional[int], S: int, device: torch.device,
+                       kv_len: Optional[int] = None) -> Any:
+    """A BlockMask for S queries and kv_len (default S) keys."""
     kwargs = {}
-    if torch.device(device).type == "cuda" and "_compile" in inspect.signature(_flex_module.create_block_mask).parameters:
+    params = inspect.signature(_flex_module.create_block_mask).parameters
+    if torch.device(device).type == "cuda" and "_compile" in params:
         kwargs["_compile"] = True   # fused: never materialises the (B, S, S) mask
-    return _flex_module.create_block_mask(mask_mod, B, None, S, S, device=device, **kwargs)
+    return _flex_module.create_block_mask(mask_mod, B, None, S, S if kv_len is None else kv_len, device=device,
+                                          **kwargs)
 
 
 @functools.lru_cache(maxsize=8)
@@ -324,4 +353,5 @@ def _flash(q: Tensor, k: Tensor, v: Tensor, mask: Optional[AttentionMask], scale
     return out.view(B, S, Hq, D)
 
 
-_BACKEND_FNS: dict[str, Callable[..., Tensor]] = {"reference": _reference, "sdpa": _sdpa, "flex": _flex, "flash": _flash}
+_BACKEND_FNS: dict[str, Callable[..., Tensor]] = {"reference": _reference, "sdpa": _sdpa, "flex": _flex,
+                                                  "flash": _flash}

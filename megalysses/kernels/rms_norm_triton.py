@@ -30,7 +30,8 @@ def _add(a, b):
 
 
 @triton.jit
-def _rms_norm_fwd(X, W, Y, RSTD, n_rows, n_cols, eps, BLOCK: tl.constexpr):
+def _rms_norm_fwd(X, D, W, R, Y, RSTD, n_rows, n_cols, eps, BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr):
+    """y = rms_norm(x); with HAS_DELTA, first r = x + d rounded to x's dtype (stored to R), y = rms_norm(r)."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     in_row = cols < n_cols
@@ -38,28 +39,13 @@ def _rms_norm_fwd(X, W, Y, RSTD, n_rows, n_cols, eps, BLOCK: tl.constexpr):
     for row in range(pid, n_rows, tl.num_programs(0)):
         base = tl.cast(row, tl.int64) * n_cols
         x = tl.load(X + base + cols, mask=in_row, other=0.0).to(tl.float32)
+        if HAS_DELTA:
+            x = (x + tl.load(D + base + cols, mask=in_row, other=0.0).to(tl.float32)).to(R.dtype.element_ty)
+            tl.store(R + base + cols, x, mask=in_row)                   # the residual stream, rounded
+            x = x.to(tl.float32)
         rstd = tl.math.rsqrt(tl.reduce(x * x, 0, _add) / n_cols + eps)
         x_hat = (x * rstd).to(X.dtype.element_ty).to(tl.float32)     # rounded like the reference
         tl.store(Y + base + cols, (x_hat * w).to(Y.dtype.element_ty), mask=in_row)
-        tl.store(RSTD + row, rstd)
-
-
-@triton.jit
-def _add_rms_norm_fwd(X, D, W, R, Y, RSTD, n_rows, n_cols, eps, BLOCK: tl.constexpr):
-    pid = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    in_row = cols < n_cols
-    w = tl.load(W + cols, mask=in_row, other=0.0).to(tl.float32)
-    for row in range(pid, n_rows, tl.num_programs(0)):
-        base = tl.cast(row, tl.int64) * n_cols
-        x = tl.load(X + base + cols, mask=in_row, other=0.0).to(tl.float32)
-        d = tl.load(D + base + cols, mask=in_row, other=0.0).to(tl.float32)
-        r = (x + d).to(R.dtype.element_ty)                             # the residual stream, rounded
-        tl.store(R + base + cols, r, mask=in_row)
-        r = r.to(tl.float32)
-        rstd = tl.math.rsqrt(tl.reduce(r * r, 0, _add) / n_cols + eps)
-        r_hat = (r * rstd).to(R.dtype.element_ty).to(tl.float32)
-        tl.store(Y + base + cols, (r_hat * w).to(Y.dtype.element_ty), mask=in_row)
         tl.store(RSTD + row, rstd)
 
 
@@ -107,7 +93,8 @@ class RMSNormTriton(torch.autograd.Function):
         rstd = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
         block, warps = _launch_config(n_cols)
         grid = (num_programs(x2.shape[0], x.device),)
-        _rms_norm_fwd[grid](x2, w, y, rstd, x2.shape[0], n_cols, eps, BLOCK=block, num_warps=warps)
+        _rms_norm_fwd[grid](x2, x2, w, x2, y, rstd, x2.shape[0], n_cols, eps, BLOCK=block, HAS_DELTA=False,
+                            num_warps=warps)
         ctx.save_for_backward(x2, w, rstd)
         ctx.x_shape = x.shape
         return y.view(x.shape)
@@ -142,7 +129,8 @@ class AddRMSNormTriton(torch.autograd.Function):
         rstd = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
         block, warps = _launch_config(n_cols)
         grid = (num_programs(x2.shape[0], x.device),)
-        _add_rms_norm_fwd[grid](x2, d2, w, r, y, rstd, x2.shape[0], n_cols, eps, BLOCK=block, num_warps=warps)
+        _rms_norm_fwd[grid](x2, d2, w, r, y, rstd, x2.shape[0], n_cols, eps, BLOCK=block, HAS_DELTA=True,
+                            num_warps=warps)
         ctx.save_for_backward(r, w, rstd)
         ctx.x_shape = x.shape
         return r.view(x.shape), y.view(x.shape)

@@ -72,7 +72,8 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, impl: str = "auto") -> Tenso
     or CPU under TRITON_INTERPRET=1), or "auto" (the torch reference; Triton is opt-in).
     Gradients flow to x only."""
     if cos.shape != sin.shape or cos.shape[-1] != x.shape[-1] or cos.dim() != 3:
-        raise ValueError(f"cos, sin must be (B, S, D) for x {tuple(x.shape)}; got {tuple(cos.shape)}, {tuple(sin.shape)}")
+        raise ValueError(f"cos, sin must be (B, S, D) for x {tuple(x.shape)}; "
+                         f"got {tuple(cos.shape)}, {tuple(sin.shape)}")
     if choose_impl(impl, x, "apply_rope") == "torch":
         return apply_rope_torch(x, cos, sin)
     from megalysses.kernels.rope_triton import RoPETriton

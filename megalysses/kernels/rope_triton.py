@@ -16,6 +16,18 @@ from megalysses.kernels.triton_support import num_programs
 
 
 @triton.jit
+def _cos_sin(COS, SIN, t64, head_dim, half, dims, in_dims, dtype: tl.constexpr):
+    """Token t64's cos and sin halves, rounded to the input dtype (as Hugging Face does), in fp32."""
+    cs = COS + t64 * head_dim + dims
+    sn = SIN + t64 * head_dim + dims
+    c1 = tl.load(cs, mask=in_dims, other=0.0).to(dtype).to(tl.float32)
+    c2 = tl.load(cs + half, mask=in_dims, other=0.0).to(dtype).to(tl.float32)
+    s1 = tl.load(sn, mask=in_dims, other=0.0).to(dtype).to(tl.float32)
+    s2 = tl.load(sn + half, mask=in_dims, other=0.0).to(dtype).to(tl.float32)
+    return c1, c2, s1, s2
+
+
+@triton.jit
 def _rope_kernel(X, COS, SIN, Y, n_tokens, n_heads, head_dim,
                  BACKWARD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
     pid = tl.program_id(0)
@@ -26,12 +38,7 @@ def _rope_kernel(X, COS, SIN, Y, n_tokens, n_heads, head_dim,
     in_x = (heads < n_heads) & in_dims
     for tok in range(pid, n_tokens, tl.num_programs(0)):
         t64 = tl.cast(tok, tl.int64)
-        cs = COS + t64 * head_dim + dims
-        sn = SIN + t64 * head_dim + dims
-        c1 = tl.load(cs, mask=in_dims, other=0.0).to(X.dtype.element_ty).to(tl.float32)
-        c2 = tl.load(cs + half, mask=in_dims, other=0.0).to(X.dtype.element_ty).to(tl.float32)
-        s1 = tl.load(sn, mask=in_dims, other=0.0).to(X.dtype.element_ty).to(tl.float32)
-        s2 = tl.load(sn + half, mask=in_dims, other=0.0).to(X.dtype.element_ty).to(tl.float32)
+        c1, c2, s1, s2 = _cos_sin(COS, SIN, t64, head_dim, half, dims, in_dims, X.dtype.element_ty)
         offs = t64 * n_heads * head_dim + heads * head_dim + dims
         x1 = tl.load(X + offs, mask=in_x, other=0.0).to(tl.float32)
         x2 = tl.load(X + offs + half, mask=in_x, other=0.0).to(tl.float32)
@@ -96,12 +103,7 @@ def _rope_qkv_kernel(QKV, COS, SIN, Q, K, V, n_tokens, n_groups, rep, head_dim,
     kv_off = g * head_dim + dims
     for tok in range(pid, n_tokens, tl.num_programs(0)):
         t64 = tl.cast(tok, tl.int64)
-        cs = COS + t64 * head_dim + dims
-        sn = SIN + t64 * head_dim + dims
-        c1 = tl.load(cs, mask=in_dims, other=0.0).to(QKV.dtype.element_ty).to(tl.float32)
-        c2 = tl.load(cs + half, mask=in_dims, other=0.0).to(QKV.dtype.element_ty).to(tl.float32)
-        s1 = tl.load(sn, mask=in_dims, other=0.0).to(QKV.dtype.element_ty).to(tl.float32)
-        s2 = tl.load(sn + half, mask=in_dims, other=0.0).to(QKV.dtype.element_ty).to(tl.float32)
+        c1, c2, s1, s2 = _cos_sin(COS, SIN, t64, head_dim, half, dims, in_dims, QKV.dtype.element_ty)
         row = QKV + t64 * n_slots * head_dim + slot * head_dim + dims
         q_row = Q + t64 * n_groups * rep * head_dim + q_off
         k_row = K + t64 * n_groups * head_dim + kv_off

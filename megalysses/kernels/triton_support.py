@@ -2,7 +2,8 @@
 or apex's (optional libraries), and whether it can run here.
 
 A Triton kernel runs when triton is importable and the tensor is on CUDA or Triton's CPU interpreter is
-on; liger and apex need their package and CUDA. Triton is optional. The kernel modules (rms_norm_triton.py, rope_triton.py) import it at the top and
+on; liger and apex need their package and CUDA. Triton is optional. The kernel modules (rms_norm_triton.py,
+rope_triton.py, swiglu_triton.py) import it at the top and
 are themselves imported only on first use, so that TRITON_INTERPRET=1 set by a test before that use
 still selects the interpreter (triton reads it when a kernel is decorated)."""
 from __future__ import annotations
@@ -58,7 +59,8 @@ def choose_impl(impl: str, t: Tensor, what: str) -> str:
         return "torch"
     if impl in LIBRARY_OPS:
         if not library_importable(impl) or not t.is_cuda:
-            why = f"{_PACKAGES[impl]} is not installed" if not library_importable(impl) else f"the tensor is on {t.device}"
+            why = (f"{_PACKAGES[impl]} is not installed" if not library_importable(impl)
+                   else f"the tensor is on {t.device}")
             raise RuntimeError(f"{what} impl {impl!r} is unavailable: {why} ({impl} runs on CUDA); "
                                f"available: auto, torch, triton")
         if what in LIBRARY_OPS[impl] or what.startswith("model.kernels"):

@@ -21,12 +21,13 @@ from torch.utils.checkpoint import checkpoint
 
 from megalysses import comm
 from megalysses.config import ModelConfig
-from megalysses.kernels.attention import prepare_attention_mask
 from megalysses.kernels.rope import rope_cos_sin
+from megalysses.model.kv_cache import KVCache
 from megalysses.model.layers import Block, Norm, ParallelGroups
 from megalysses.kernels.linear_cross_entropy import linear_cross_entropy
 from megalysses.parallel.offload import ActivationOffload
 from megalysses.parallel.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding, column_parallel_linear
+from megalysses.parallel.ulysses import prepare_sequence_mask
 
 
 def architecture(m: ModelConfig, tp: int = 1) -> dict:
@@ -75,25 +76,29 @@ class GPTStage(nn.Module):
         return comm.group_rank(self.groups.tp) * self.vocab_padded // self.groups.tp_size
 
     def forward(self, inputs: Tensor, position_ids: Tensor, doc_ids: Optional[Tensor] = None,
-                labels: Optional[Tensor] = None) -> Tensor:
+                labels: Optional[Tensor] = None, cache: Optional[KVCache] = None) -> Tensor:
         """inputs: token ids (B, S/sp) on the first stage, else the hidden states from the previous stage.
-        position_ids: (B, S/sp) global positions of this sp rank's chunk; doc_ids: (B, S) full-sequence
-        document index for packed-document masks (None = plain causal).
+        position_ids: (B, S/sp) global positions of this sp rank's tokens (SequenceLayout.positions);
+        doc_ids: (B, S) full-sequence document index for packed-document masks (None = plain causal).
 
         Returns the hidden states (B, s, h) on a non-last stage; on the last, the local sum of token
         losses (fp32 scalar) when labels are given, else this rank's logits (B, S/sp, V/tp) over the padded
-        vocabulary (padding columns -inf)."""
+        vocabulary (padding columns -inf). With a KV cache (generation, one process), inputs are the next
+        tokens after those already cached."""
         cos, sin = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta,
                                 scaling=self.cfg.rope_scaling)                  # (B, S/sp, D), once
-        mask = prepare_attention_mask(doc_ids, self.cfg.attention_backend) if doc_ids is not None else None
+        mask = prepare_sequence_mask(doc_ids, self.cfg.attention_backend, self.groups.ulysses, self.groups.ring,
+                                     position_ids.shape[1])                           # once per step
         x = self.embed(inputs) if self.first else inputs                               # (B, s, h)
-        for block in self.layers.values():
+        for index, block in self.layers.items():
             if self.activation_checkpointing and self.training and self.offload is not None:
                 x = self.offload.checkpoint(block, x, cos, sin, mask)
             elif self.activation_checkpointing and self.training:
                 x = checkpoint(block, x, cos, sin, mask, use_reentrant=False)
             else:
-                x = block(x, cos, sin, mask)
+                x = block(x, cos, sin, mask, cache.layer(int(index)) if cache is not None else None)
+        if cache is not None:
+            cache.advance(x.shape[1])
         if not self.last:
             return x
         x = self.final_norm(x)

@@ -108,12 +108,14 @@ def model_config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
         raise ValueError(f"head_dim={head_dim} differs from hidden_size/num_heads = {hidden // heads}: not supported")
     theta, scaling = _rope(hf_config)
     fields = dict(
-        vocab_size=_field(hf_config, "vocab_size"), hidden_size=hidden, num_layers=_field(hf_config, "num_hidden_layers"),
+        vocab_size=_field(hf_config, "vocab_size"), hidden_size=hidden,
+        num_layers=_field(hf_config, "num_hidden_layers"),
         num_heads=heads, num_kv_heads=_field(hf_config, "num_key_value_heads") or heads,
         ffn_hidden_size=_field(hf_config, "intermediate_size"), rope_theta=theta, rope_scaling=scaling,
         norm="rmsnorm", norm_eps=float(_field(hf_config, "rms_norm_eps", 1e-6)), mlp="swiglu",
         tie_embeddings=bool(_field(hf_config, "tie_word_embeddings", False)),
-        attention_bias=bool(_field(hf_config, "attention_bias", False)), mlp_bias=bool(_field(hf_config, "mlp_bias", False)))
+        attention_bias=bool(_field(hf_config, "attention_bias", False)),
+        mlp_bias=bool(_field(hf_config, "mlp_bias", False)))
     fields.update(overrides)
     return ModelConfig(**fields)
 

@@ -29,7 +29,8 @@ def _safetensors():
         import safetensors.torch  # noqa: F401
         from safetensors import safe_open
     except ImportError:
-        raise HFFormatError("reading or writing Hugging Face models needs safetensors: pip install safetensors") from None
+        raise HFFormatError("reading or writing Hugging Face models needs safetensors: "
+                            "pip install safetensors") from None
     return safe_open
 
 

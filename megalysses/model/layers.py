@@ -21,16 +21,19 @@ from megalysses.kernels.attention import core_attention
 from megalysses.kernels.norms import add_rms_norm, rms_norm
 from megalysses.kernels.rope import rope_qkv
 from megalysses.kernels.swiglu import swiglu
+from megalysses.model.kv_cache import LayerKV
 from megalysses.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, mark_tp
+from megalysses.parallel.ring import ring_attention
 from megalysses.parallel.ulysses import ulysses_attention
 
 
 @dataclass
 class ParallelGroups:
-    """The groups a model stage needs (None = a group of one)."""
+    """The groups a model stage needs (None = a group of one). Sequence parallelism is ulysses x ring."""
 
     tp: Group = None
-    sp: Group = None
+    ulysses: Group = None
+    ring: Group = None
     sequence_parallel: bool = False  # TP sequence sharding of the residual stream
 
     @property
@@ -39,7 +42,7 @@ class ParallelGroups:
 
     @property
     def sp_size(self) -> int:
-        return comm.group_size(self.sp)
+        return comm.group_size(self.ulysses) * comm.group_size(self.ring)
 
 
 class Norm(nn.Module):
@@ -76,8 +79,8 @@ class Norm(nn.Module):
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention: one column-parallel QKV projection, RoPE, Ulysses core attention,
-    row-parallel output.
+    """Grouped-query self-attention: one column-parallel QKV projection, RoPE, Ulysses around core
+    attention (or around ring attention, with a ring), row-parallel output.
 
     The fused QKV weight ((Hq + 2 Hkv) * D, h) is grouped by KV head: for each KV head g, the rep = Hq/Hkv
     query heads that read it, then k_g, then v_g. Splitting its rows over tp therefore gives every rank
@@ -94,14 +97,23 @@ class Attention(nn.Module):
                                              cfg.attention_bias, sp_)
         self.o_proj = RowParallelLinear(cfg.num_heads * D, h, groups.tp, cfg.attention_bias, sp_)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Any) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Any, cache: Optional[LayerKV] = None) -> Tensor:
         qkv = self.qkv_proj(x)                                                   # (B, S/sp, hk*(rep+2)*D)
         B, s = qkv.shape[:2]
         qkv = qkv.view(B, s, self.hk, self.rep + 2, self.head_dim)              # (B, S/sp, hk, rep+2, D)
         q, k, v = rope_qkv(qkv, cos, sin, impl=self.impl)                        # global positions
         # q (B, S/sp, hq, D), k, v (B, S/sp, hk, D)
-        out = ulysses_attention(q, k, v, self.groups.sp,
-                                lambda q_, k_, v_: core_attention(q_, k_, v_, mask=mask, backend=self.backend))
+        ring = self.groups.ring
+        if cache is not None:                                                    # generation, one process
+            out = cache.attend(q, k, v)
+        else:
+            if comm.group_size(ring) > 1:       # the Ulysses group's tokens are one block of the ring
+                def attn(q_: Tensor, k_: Tensor, v_: Tensor) -> Tensor:
+                    return ring_attention(q_, k_, v_, ring, mask, self.backend)
+            else:                               # the Ulysses group's tokens are the whole sequence
+                def attn(q_: Tensor, k_: Tensor, v_: Tensor) -> Tensor:
+                    return core_attention(q_, k_, v_, mask=mask, backend=self.backend)
+            out = ulysses_attention(q, k, v, self.groups.ulysses, attn)
         return self.o_proj(out.reshape(B, s, self.hq * self.head_dim))          # (B, s, h)
 
 
@@ -145,8 +157,9 @@ class Block(nn.Module):
         self.mlp = MLP(cfg, groups)
         self.mlp_chunk_tokens = mlp_chunk_tokens
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Optional[Any]) -> Tensor:
-        delta = self.attn(self.attn_norm(x), cos, sin, mask)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Optional[Any],
+                cache: Optional[LayerKV] = None) -> Tensor:
+        delta = self.attn(self.attn_norm(x), cos, sin, mask, cache)
         x, normed = self.mlp_norm.add_forward(x, delta)                      # x + delta, then its norm
         return x + self._mlp(normed)
 

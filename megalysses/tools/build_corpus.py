@@ -50,6 +50,13 @@ def main(argv: Optional[list[str]] = None) -> dict[str, int]:
 
     root = sysconfig.get_paths()["stdlib"]
     out = Path(args.output)
+    if out.is_dir() or args.output.endswith(os.sep):
+        p.error(f"--output {args.output} is a directory: give a file path, e.g. {out / 'stdlib.jsonl'}")
+    parent = out.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        p.error(f"--output {args.output}: {parent} is a file, not a directory")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     written = skipped = nbytes = 0

@@ -38,6 +38,7 @@ from megalysses.model.hf import hf_config_dict, hf_tensors, model_config_from_hf
 from megalysses.model.hf_io import DTYPES, HFFormatError, open_hf_dir, write_hf_dir
 from megalysses.training.checkpoint import LATEST, CheckpointError, SafeFileSystemReader, resolve_checkpoint
 from megalysses.training.initialize import WEIGHTS_ONLY, is_weights_only
+from megalysses.training.manifest import FORMAT, verify_checkpoint, write_manifest
 
 
 class ConvertError(ValueError):
@@ -70,7 +71,8 @@ def from_hf(hf_dir: str, run_dir: str, config: Optional[str] = None, overrides: 
         raise ConvertError(f"{hf_dir}: {e}") from None
     data = _base_config(config, overrides or [])
     base_model = data.get("model") or {}
-    keep = {k: base_model[k] for k in ("kernels", "attention_backend", "vocab_pad_multiple", "init_std") if k in base_model}
+    kept = ("kernels", "attention_backend", "vocab_pad_multiple", "init_std")
+    keep = {k: base_model[k] for k in kept if k in base_model}
     data["model"] = {**config_to_dict(Config())["model"], **dataclasses.asdict(model), **keep}
     data.setdefault("logging", {})["run_dir"] = str(run_dir)
     cfg = config_from_dict(data)
@@ -89,8 +91,9 @@ def from_hf(hf_dir: str, run_dir: str, config: Optional[str] = None, overrides: 
     state = {f"model.{name}": our_tensor(name, cfg.model, tensors.get) for name in our_names(cfg.model)}
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)))
     meta = {"step": 0, "consumed_samples": 0, "optimizer_steps": 0, WEIGHTS_ONLY: True,
-            "model_shape": architecture(cfg.model), "source": str(hf_dir)}
+            "model_shape": architecture(cfg.model), "source": str(hf_dir), "format": FORMAT}
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+    write_manifest(tmp, {})
     os.replace(tmp, final)
     (root / f"{LATEST}.tmp").write_text(final.name + "\n")
     os.replace(root / f"{LATEST}.tmp", root / LATEST)
@@ -120,6 +123,9 @@ def to_hf(source: str, hf_dir: str, dtype: str = "bfloat16", config: Optional[st
     if checkpoint is None:
         raise ConvertError(f"--from {source}: no megalysses checkpoint there (a run directory, its checkpoints/ "
                            f"folder with `latest`, or one step_N folder)")
+    problems = verify_checkpoint(checkpoint)
+    if problems:
+        raise ConvertError(f"checkpoint {checkpoint} is corrupt or incomplete: {problems[0]}")
     cfg = _run_config(path, checkpoint, config)
     meta = json.loads((checkpoint / "meta.json").read_text())
     padded = meta.get("model_shape", {}).get("padded_vocab_size", cfg.model.padded_vocab_size())
@@ -141,7 +147,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     direction = p.add_mutually_exclusive_group(required=True)
-    direction.add_argument("--from-hf", metavar="HF_DIR", help="a Hugging Face Llama directory (config.json + safetensors)")
+    direction.add_argument("--from-hf", metavar="HF_DIR",
+                           help="a Hugging Face Llama directory (config.json + safetensors)")
     direction.add_argument("--from", dest="source", metavar="RUN_DIR", help="a megalysses run, or one checkpoint")
     p.add_argument("--to", metavar="RUN_DIR", help="with --from-hf: the run directory to create")
     p.add_argument("--to-hf", metavar="HF_DIR", help="with --from: the Hugging Face directory to write")

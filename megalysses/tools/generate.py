@@ -1,97 +1,210 @@
-"""Sample text from a trained checkpoint (any layout it was saved at) in one process.
+"""Sample text from a trained checkpoint (any layout it was saved at) or a Hugging Face Llama, in one process.
 
     python tools/generate.py --run runs/quickstart --prompt "def main(" --max-new-tokens 120
+    python tools/generate.py --hf models/Llama-3.2-1B --prompt "Paris is" --prompt "Once upon" --top-p 0.9
 
-Reads <run>/config.yaml and the newest checkpoint under <run>/checkpoints (or --checkpoint), loads
-the model weights into a single process (DCP reshards them), and samples with temperature / top-k.
+--run reads <run>/config.yaml and the newest checkpoint under <run>/checkpoints (or --checkpoint) and
+loads the model weights into a single process (DCP reshards them); the prompts are encoded with the
+run's tokenizer (data.tokenizer: byte, sentencepiece, a Hugging Face tokenizer.json, ...) as its
+training documents were. --hf reads config.json, the safetensors and tokenizer.json of a Hugging Face
+model directory. All prompts are sampled together, left-padded, with a KV cache (the prompt once, then
+one token per step); each stops at the end-of-document token or after --max-new-tokens. Sampling:
+temperature (0 = greedy), then top-k and top-p (nucleus) cuts.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
+from typing import Any, Optional
 
 import torch
 
+from torch import Tensor
 
-from megalysses.config import load_config
-from megalysses.data import build_tokenizer
+from megalysses.config import Config, ConfigError, load_config
+from megalysses.data.tokenizer import TokenizerError, build_tokenizer, tokenizer_from_config
 from megalysses.distributed import destroy_distributed, init_distributed
 from megalysses.grid import ParallelGrid
 from megalysses.model.gpt import GPTStage, init_weights
+from megalysses.model.hf import model_config_from_hf, our_tensor
+from megalysses.model.hf_io import HFFormatError, open_hf_dir
+from megalysses.model.kv_cache import KVCache
 from megalysses.training.checkpoint import (
-    CheckpointError, build_mesh, check_model_shape, load_model_weights, resolve_checkpoint)
+    CheckpointError, check_model_shape, load_model_weights, resolve_checkpoint)
 from megalysses.training.loop import model_shape
 
 
+def _filter(logits: Tensor, top_k: int, top_p: float) -> Tensor:
+    """logits (B, V) with everything outside the top-k and outside the smallest set of top-p mass at -inf."""
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        ordered, order = torch.sort(logits, dim=-1, descending=True)
+        probs = ordered.softmax(-1)
+        outside = (probs.cumsum(-1) - probs) >= top_p            # the mass before it already reaches top_p
+        logits = logits.masked_fill(outside.scatter(-1, order, outside), float("-inf"))
+    return logits
+
+
 @torch.no_grad()
-def sample(model: GPTStage, ids: list[int], max_new: int, temperature: float, top_k: int, eod: int,
-           max_len: int, generator: torch.Generator, vocab: int) -> list[int]:
-    out = list(ids)
+def generate(model: GPTStage, prompts: list[list[int]], max_new: int, *, temperature: float, top_k: int,
+             top_p: float, eod: Optional[int], vocab: int, generator: torch.Generator, device: torch.device,
+             dtype: torch.dtype) -> list[list[int]]:
+    """Each prompt followed by its sampled continuation (up to, not including, eod)."""
+    B, P = len(prompts), max(len(p) for p in prompts)
+    ids = torch.zeros(B, P, dtype=torch.long)
+    valid = torch.zeros(B, P, dtype=torch.bool)
+    for b, p in enumerate(prompts):                              # left padding: every prompt ends at P - 1
+        ids[b, P - len(p):], valid[b, P - len(p):] = torch.tensor(p), True
+    ids, valid = ids.to(device), valid.to(device)
+    pos = (valid.long().cumsum(1) - 1).clamp_min(0)               # each prompt's own positions from 0
+    cache = KVCache(model.cfg, B, P + max_new, device, dtype, key_valid=valid)
+    logits = model(ids, pos, cache=cache)[:, -1]
+    out = [list(p) for p in prompts]
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    nxt_pos = pos[:, -1:] + 1
     for _ in range(max_new):
-        window = torch.tensor([out[-max_len:]], dtype=torch.long)
-        pos = torch.arange(window.shape[1]).unsqueeze(0)
-        logits = model(window, pos)[0, -1, :vocab].float()       # (V,): rows past the tokenizer are padding
+        scores = logits[:, :vocab].float()                         # columns past the tokenizer are padding
         if temperature <= 0:
-            nxt = int(logits.argmax())
+            nxt = scores.argmax(-1)
         else:
-            logits = logits / temperature
-            if top_k > 0:
-                kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
-                logits[logits < kth] = -float("inf")
-            nxt = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator))
-        if nxt == eod:
+            probs = _filter(scores / temperature, top_k, top_p).softmax(-1)
+            nxt = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(device)
+        if eod is not None:
+            done |= nxt == eod
+        for b in (~done).nonzero().flatten().tolist():
+            out[b].append(int(nxt[b]))
+        if bool(done.all()):
             break
-        out.append(nxt)
+        logits = model(nxt[:, None], nxt_pos, cache=cache)[:, -1]
+        nxt_pos = nxt_pos + 1
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--run", required=True, help="run directory (holds config.yaml and checkpoints/)")
-    p.add_argument("--checkpoint", default=None, help="a checkpoint dir or a dir with `latest` (default: <run>/checkpoints)")
-    p.add_argument("--prompt", default="def ")
-    p.add_argument("--max-new-tokens", type=int, default=100)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=40)
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
+def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.max_new_tokens < 1:
+        p.error(f"--max-new-tokens {args.max_new_tokens}: give at least 1 token to generate")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        p.error(f"--temperature {args.temperature}: give a finite number >= 0 (0 = greedy)")
+    if args.top_k < 0:
+        p.error(f"--top-k {args.top_k}: give a number >= 0 (0 = no top-k cut)")
+    if not 0 < args.top_p <= 1:
+        p.error(f"--top-p {args.top_p}: give a number in (0, 1] (1 = no nucleus cut)")
+    if args.prompts_file is not None:
+        try:
+            with open(args.prompts_file, encoding="utf-8") as f:
+                args.prompt += [line.rstrip("\n") for line in f if line.strip()]
+        except (OSError, UnicodeDecodeError) as e:
+            p.error(f"--prompts-file {args.prompts_file}: cannot be read ({e})")
+        if not args.prompt:
+            p.error(f"--prompts-file {args.prompts_file} holds no prompt (one per line)")
+    args.prompt = args.prompt or ["def "]
+    if not all(args.prompt):
+        p.error("--prompt is empty: give at least one character to continue from")
 
-    if not (Path(args.run) / "config.yaml").is_file():
-        print(f"error: {args.run} is not a run directory (no config.yaml): pass the logging.run_dir of a run",
-              file=sys.stderr)
-        return 1
-    if not args.prompt:
-        print("error: --prompt is empty: give at least one character to continue from", file=sys.stderr)
-        return 1
+
+def load_run(run: Path) -> tuple[Config, Any]:
+    """The run's config (forced to one CPU process) and its tokenizer; raises ValueError naming the problem."""
+    if not (run / "config.yaml").is_file():
+        raise ValueError(f"{run} is not a run directory (no config.yaml): pass the logging.run_dir of a run")
     # one CPU process: the layout, attention backend and kernels of the run do not apply here
-    cfg = load_config(Path(args.run) / "config.yaml", ["parallel.tp=1", "parallel.sp=1", "parallel.pp=1",
-                                                       "parallel.tp_sequence_parallel=false", "parallel.fsdp=false",
-                                                       "model.attention_backend=sdpa", "model.kernels=torch"])
-    source = args.checkpoint or cfg.checkpoint.dir or Path(args.run) / "checkpoints"
     try:
-        path = resolve_checkpoint(source)
-        if path is None:
-            raise CheckpointError(f"no checkpoint under {source}")
-        check_model_shape(path, model_shape(cfg))
-    except CheckpointError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        cfg = load_config(run / "config.yaml", ["parallel.tp=1", "parallel.sp=1", "parallel.sp_ring=0",
+                                                "parallel.pp=1", "parallel.tp_sequence_parallel=false",
+                                                "parallel.fsdp=false",
+                                                "model.attention_backend=sdpa", "model.kernels=torch"])
+    except (ConfigError, OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{run / 'config.yaml'} cannot be read as a run config: {e}") from None
+    try:
+        tok = tokenizer_from_config(cfg.data, cfg.model.vocab_size)
+    except TokenizerError as e:
+        raise ValueError(f"the run's tokenizer (data.tokenizer={cfg.data.tokenizer}): {e}") from None
+    if tok.vocab_size > cfg.model.vocab_size:
+        raise ValueError(f"the run's tokenizer has {tok.vocab_size} ids but model.vocab_size={cfg.model.vocab_size}: "
+                         f"this is not the tokenizer the run trained with; fix data.tokenizer in {run / 'config.yaml'}")
+    return cfg, tok
+
+
+def prompt_ids(tok: Any, prompt: str, bos: Optional[str]) -> list[int]:
+    """The prompt as the training documents began: with the run's data.bos in front when it has one."""
+    ids = tok.encode(prompt)
+    if bos is not None and tok.bos_id is not None and ids[:1] != [tok.bos_id]:
+        ids = [tok.bos_id] + ids
+    return ids
+
+
+def _from_run(args: argparse.Namespace) -> tuple[GPTStage, Any, Optional[str], str]:
+    """(model, tokenizer, bos, where) from a run directory."""
+    cfg, tok = load_run(Path(args.run))
+    source = args.checkpoint or cfg.checkpoint.dir or Path(args.run) / "checkpoints"
+    path = resolve_checkpoint(source)
+    if path is None:
+        raise CheckpointError(f"no checkpoint under {source}")
+    check_model_shape(path, model_shape(cfg))
     device = init_distributed("gloo", 60.0)
     try:
         grid = ParallelGrid()
         model = GPTStage(cfg.model)
         init_weights(model, cfg.training.seed)
-        load_model_weights(path, model, grid, build_mesh(grid, device))
-        model.eval()
-        tok = build_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_model)
-        gen = torch.Generator().manual_seed(args.seed)
-        ids = sample(model, tok.encode(args.prompt), args.max_new_tokens, args.temperature, args.top_k,
-                     tok.eod_id, cfg.data.seq_len, gen, tok.vocab_size)
-        print(f"--- sampled from {path} ---")
-        print(tok.decode(ids))
+        load_model_weights(path, model, grid, grid.device_mesh(device))
     finally:
         destroy_distributed()
+    return model, tok, cfg.data.bos, str(path)
+
+
+def _from_hf(folder: str) -> tuple[GPTStage, Any, Optional[str], str]:
+    """(model, tokenizer, bos, where) from a Hugging Face model directory."""
+    try:
+        config, tensors = open_hf_dir(folder)
+        cfg = model_config_from_hf(config, attention_backend="sdpa")
+    except (HFFormatError, KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"--hf {folder}: {e}") from None
+    try:
+        tok = build_tokenizer("huggingface", folder)
+    except TokenizerError as e:
+        raise ValueError(f"--hf {folder}: its tokenizer: {e}") from None
+    model = GPTStage(cfg)
+    model.load_state_dict({n: our_tensor(n, cfg, tensors.get).float() for n, _ in model.named_parameters()})
+    return model, tok, None, folder
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--run", help="run directory (holds config.yaml and checkpoints/)")
+    source.add_argument("--hf", help="a Hugging Face Llama directory (config.json, safetensors, tokenizer.json)")
+    p.add_argument("--checkpoint", default=None,
+                   help="with --run: a checkpoint dir or a dir with `latest` (default: <run>/checkpoints)")
+    p.add_argument("--prompt", action="append", default=[], help="a prompt; repeat for a batch (default 'def ')")
+    p.add_argument("--prompts-file", help="a text file with one prompt per line")
+    p.add_argument("--max-new-tokens", type=int, default=100)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    _check_args(p, args)
+    try:
+        model, tok, bos, where = _from_hf(args.hf) if args.hf else _from_run(args)
+        prompts = [prompt_ids(tok, text, bos) for text in args.prompt]
+        empty = [text for text, ids in zip(args.prompt, prompts) if not ids]
+        if empty:
+            raise ValueError(f"--prompt {empty[0]!r} encodes to no tokens: give some text")
+    except (ValueError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = model.to(device, dtype).eval()
+    gen = torch.Generator().manual_seed(args.seed)
+    outs = generate(model, prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                    top_p=args.top_p, eod=tok.eod_id, vocab=tok.vocab_size, generator=gen, device=device,
+                    dtype=dtype)
+    print(f"--- sampled from {where} ---")
+    print("\n---\n".join(tok.decode(ids) for ids in outs))
     return 0
 
 

@@ -13,21 +13,35 @@ import sys
 from pathlib import Path
 
 
-def read_metrics(path: Path) -> list[dict]:
-    rows = []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                print(f"warning: {path}:{i} is not JSON; skipped", file=sys.stderr)
-    return rows
+FORMATS = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def read_metrics(path: Path) -> tuple[list[dict], int]:
+    """The rows of a metrics.jsonl that are JSON objects with a numeric step, and how many lines were
+    skipped (not JSON, not UTF-8, cut short by a crash, or without a step)."""
+    rows, skipped = [], 0
+    for line in path.read_bytes().splitlines():
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            row = None
+        if isinstance(row, dict) and _number(row.get("step")):
+            rows.append(row)
+        else:
+            skipped += 1
+    return rows, skipped
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("metrics", type=Path, help="a run directory or its metrics.jsonl")
-    p.add_argument("--output", type=Path, default=None, help="PNG path (default: beside the metrics file)")
+    p.add_argument("--output", type=Path, default=None, help="image path, .png/.pdf/.svg (default: beside the metrics)")
     args = p.parse_args(argv)
     if args.metrics.is_dir():
         args.metrics = args.metrics / "metrics.jsonl"
@@ -35,28 +49,50 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {args.metrics} does not exist: pass a run directory (logging.run_dir) or its metrics.jsonl",
               file=sys.stderr)
         return 1
-    import matplotlib
-
+    out = args.output or args.metrics.with_suffix(".png")
+    if out.suffix.lower() not in FORMATS:
+        print(f"error: --output {out}: unsupported image type {out.suffix or '(none)'!r}: use one of "
+              f"{', '.join(FORMATS)}", file=sys.stderr)
+        return 1
+    if not out.parent.is_dir() or out.is_dir():
+        where = f"{out} is a directory" if out.is_dir() else f"the directory {out.parent} does not exist"
+        print(f"error: --output {out}: {where}: give a file path in an existing directory", file=sys.stderr)
+        return 1
+    rows, skipped = read_metrics(args.metrics)
+    if skipped:
+        print(f"warning: {args.metrics}: skipped {skipped} lines that are not metric rows (not JSON, or cut "
+              f"short)", file=sys.stderr)
+    train = [r for r in rows if _number(r.get("loss"))]
+    if not train:
+        print(f"error: {args.metrics} has no training steps logged (no lines with a step and a loss): is it the "
+              f"metrics.jsonl of a run that has trained?", file=sys.stderr)
+        return 1
+    try:
+        import matplotlib
+    except ImportError:
+        print("error: plotting needs matplotlib: pip install 'megalysses[plot]'", file=sys.stderr)
+        return 1
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = read_metrics(args.metrics)
-    train = [r for r in rows if "loss" in r]
-    if not train:
-        print(f"error: {args.metrics} has no training steps logged yet", file=sys.stderr)
-        return 1
-    val = [r for r in rows if "val_loss" in r]
+    val = [r for r in rows if _number(r.get("val_loss"))]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     ax1.plot([r["step"] for r in train], [r["loss"] for r in train], label="train")
     if val:
         ax1.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation")
     ax1.set(xlabel="step", ylabel="loss", title="loss")
     ax1.legend()
-    ax2.plot([r["step"] for r in train], [r.get("tokens_per_s", 0) for r in train])
+    ax2.plot([r["step"] for r in train], [r["tokens_per_s"] if _number(r.get("tokens_per_s")) else float("nan")
+                                          for r in train])
     ax2.set(xlabel="step", ylabel="tokens/s (all devices)", title="throughput")
     fig.tight_layout()
-    out = args.output or args.metrics.with_suffix(".png")
-    fig.savefig(out, dpi=100)
+    try:
+        fig.savefig(out, dpi=100)
+    except OSError as e:
+        print(f"error: --output {out}: cannot write it ({e.strerror or e})", file=sys.stderr)
+        return 1
+    finally:
+        plt.close(fig)
     print(f"wrote {out}")
     return 0
 

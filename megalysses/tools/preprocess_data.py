@@ -1,22 +1,32 @@
-"""Tokenize jsonl (plain or .gz) or a folder of text files into Megatron-format .bin/.idx datasets.
+"""Tokenize JSON Lines (plain, gzip, bz2 or xz) or a folder of text files into Megatron-format .bin/.idx.
 
     python tools/preprocess_data.py --input data/stdlib.jsonl --output-prefix data/stdlib \\
         --tokenizer-type byte --append-eod --workers 2
-    # -> data/stdlib_text_document.bin / .idx (one per --json-keys entry)
+    # -> data/stdlib_text_document.bin / .idx (one pair per --json-keys entry)
 
-Each jsonl line is one document; a folder gives one document per file (key "text"). Lines that are
-not JSON, lack a key or hold a non-string are skipped, counted and reported at the end (a line is
-skipped whole, so the per-key outputs stay aligned). Output is byte-identical for any --workers:
-batches are formed by the reader and written in input order. Files are written under temporary
-names and renamed at the very end, the .idx last, so an interrupted run never leaves a dataset that
-looks complete.
+Megatron-LM's tools/preprocess_data.py command lines run unchanged and write the same bytes:
+--tokenizer-type HuggingFaceTokenizer / SentencePieceTokenizer / GPTSentencePieceTokenizer /
+Llama2Tokenizer / GPT2BPETokenizer (--vocab-file, --merge-file) / NullTokenizer (--vocab-size), and
+--json-keys, --append-eod, --workers, --partitions (documents dealt to partitions round-robin, or in
+blocks with --keep-sequential-samples, then merged in partition order), --log-interval (documents),
+--keep-newlines and --lang (they only act with --split-sentences, as in Megatron-LM). Flags that
+cannot be honoured (--split-sentences, --find-optimal-num-workers, slow or remote-code Hugging Face
+tokenizers, ...) are refused with the reason.
+
+As in Megatron-LM, a document whose text is empty after tokenization is an empty document: a
+document boundary with no tokens and no EOD; a JSON list of strings is a pre-split document, one
+sequence per non-empty string. Lines that are not JSON, lack a key or hold a non-string are skipped,
+counted and reported (a line is skipped whole, so the per-key outputs stay aligned); empty documents
+are counted and reported. A run that would write no tokens is refused. Output is byte-identical for
+any --workers. Files are written under temporary names and renamed at the very end, the .idx last.
 """
 from __future__ import annotations
 
 import argparse
 import collections
-import gzip
+import glob
 import json
+import math
 import multiprocessing as mp
 import os
 import sys
@@ -26,129 +36,177 @@ from typing import Any, Iterator, Optional
 
 import numpy as np
 
-from megalysses.data.indexed import IndexedDatasetBuilder, bin_path, idx_path, optimal_dtype
-from megalysses.data.tokenizer import ByteTokenizer, build_tokenizer
+from megalysses.data.indexed import (DatasetError, IndexedDatasetBuilder, bin_path, idx_path, merge_datasets,
+                                     optimal_dtype)
+from megalysses.data.text_input import InputError, Position, check_jsonl, input_files, read_file, read_lines
+from megalysses.data.tokenizer import ByteTokenizer, TokenizerError, build_tokenizer
 
 BATCH_BYTES = 1 << 20
 BATCH_DOCS = 1024
 _STATE: dict[str, Any] = {}
+_USER_ERRORS = (InputError, TokenizerError, DatasetError, OSError)
+# Megatron-LM flags that cannot be honoured here, with the reason
+_REFUSED = {
+    "--split-sentences": "NLTK sentence splitting (for BERT-style data) is not supported: GPT pretraining reads "
+                         "whole documents; drop the flag, or give each document as a JSON list of sentences",
+    "--find-optimal-num-workers": "worker-count search is not supported: pass --workers N",
+    "--workers-to-check": "worker-count search is not supported: pass --workers N",
+    "--max-documents": "worker-count search is not supported: pass --workers N",
+    "--tokenizer-hf-no-use-fast": "only the fast (tokenizers) Hugging Face tokenizers are supported",
+    "--trust-remote-code": "tokenizers that need remote Python code are not supported: use their tokenizer.json",
+    "--tokenizer-sentencepiece-legacy": "legacy sentencepiece special-token handling is not supported",
+    "--tokenizer-special-tokens": "adding special tokens at preprocessing is not supported: train them into the "
+                                  "tokenizer (tools/train_tokenizer.py --special-tokens)",
+    "--tokenizer-metadata": "tokenizer metadata files are not supported: pass --tokenizer-type and the model files",
+}
 
 
-def _init_worker(kind: str, model: Optional[str], keys: list[str], append_eod: bool, folder: bool) -> None:
-    tok = build_tokenizer(kind, model)
-    _STATE.update(tok=tok, keys=keys, append_eod=append_eod, folder=folder,
-                  dtype=optimal_dtype(tok.vocab_size))
+def _tokenizer(t: dict[str, Any]) -> Any:
+    return build_tokenizer(t["type"], t["model"], vocab_file=t["vocab_file"], merge_file=t["merge_file"],
+                           vocab_size=t["vocab_size"], eod=t["eod"], bos=t["bos"],
+                           add_special_tokens=t["special"], need_eod=t["append_eod"])
 
 
-def _parse(raw: bytes, keys: list[str], folder: bool) -> tuple[Optional[list[str]], Optional[str]]:
-    """The texts of one document, or (None, reason it is malformed)."""
+def _init_worker(tok_args: dict[str, Any], keys: list[str], folder: bool, parallel: bool) -> None:
+    if parallel:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"   # one tokenizer thread per worker process
+    tok = _tokenizer(tok_args)
+    _STATE.update(tok=tok, keys=keys, folder=folder, dtype=optimal_dtype(tok.vocab_size),
+                  eod=[tok.eod_id] if tok_args["append_eod"] else [], bos=[tok.bos_id] if tok_args["bos"] else [])
+
+
+def _parse(raw: bytes, keys: list[str], folder: bool) -> tuple[Optional[list[list[str]]], str]:
+    """Per key the texts (sentences) of one document, or (None, why it is malformed)."""
     try:
         if folder:
-            return [raw.decode("utf-8")], None
+            return [[raw.decode("utf-8")]], ""
         if not raw.strip():
             return None, "blank line"
         doc = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        return None, "not UTF-8" if folder else "bad JSON"
+    except UnicodeDecodeError:
+        return None, "not UTF-8"
+    except json.JSONDecodeError:
+        return None, "bad JSON"
     if not isinstance(doc, dict):
         return None, "not a JSON object"
     texts = []
     for key in keys:
         if key not in doc:
             return None, f"missing key '{key}'"
-        if not isinstance(doc[key], str):
+        value = doc[key]
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            texts.append(value)
+        elif isinstance(value, str):
+            texts.append([value])
+        else:
             return None, f"non-string '{key}'"
-        texts.append(doc[key])
-    return texts, None
+    return texts, ""
+
+
+def _encode(texts: list[str]) -> list[np.ndarray]:
+    tok = _STATE["tok"]
+    if isinstance(tok, ByteTokenizer):
+        return [np.frombuffer(tok.encode_bytes(t), np.uint8) for t in texts]
+    return [np.asarray(ids, dtype=np.int64) for ids in tok.encode_batch(texts)]
 
 
 def encode_batch(batch: tuple[int, list[bytes], int]) -> dict[str, Any]:
-    """Tokenize one batch of raw documents: per key the concatenated tokens and document lengths."""
-    first_line, items, position = batch
-    tok, keys, dtype = _STATE["tok"], _STATE["keys"], _STATE["dtype"]
-    eod = [tok.eod_id] if _STATE["append_eod"] else []
-    texts: list[list[str]] = [[] for _ in keys]
+    """Tokenize one batch of raw documents. Per key: the concatenated tokens, the sequence lengths and
+    the sequences of each document (0 for an empty one); plus the input ordinal of each kept document."""
+    first, items, position = batch
+    keys, dtype, eod, bos = _STATE["keys"], _STATE["dtype"], _STATE["eod"], _STATE["bos"]
+    parsed, ordinals = [], []
     skipped: collections.Counter = collections.Counter()
-    examples = []
+    examples, seen_keys = [], set()
     for i, raw in enumerate(items):
-        parsed, reason = _parse(raw, keys, _STATE["folder"])
-        if parsed is None:
+        texts, reason = _parse(raw, keys, _STATE["folder"])
+        if texts is None:
             skipped[reason] += 1
-            examples.append(f"{first_line + i}: {reason}")
+            examples.append(f"{first + i + 1}: {reason}")
+            if reason.startswith("missing key") and len(seen_keys) < 20:
+                seen_keys.update(json.loads(raw))
             continue
-        for k, text in enumerate(parsed):
-            texts[k].append(text)
+        parsed.append(texts)
+        ordinals.append(first + i)
     out: dict[str, Any] = {"skipped": skipped, "examples": examples[:5], "bytes": sum(map(len, items)),
-                           "position": position}
+                           "position": position, "ordinals": np.asarray(ordinals, dtype=np.int64),
+                           "seen_keys": sorted(seen_keys), "empty": 0, "empty_example": None}
     for k, key in enumerate(keys):
-        if isinstance(tok, ByteTokenizer):
-            pieces = [np.frombuffer(tok.encode_bytes(t), np.uint8) for t in texts[k]]
-        else:
-            pieces = [np.asarray(ids, dtype=np.int64) for ids in tok.encode_batch(texts[k])]
-        lengths = np.array([len(p) + len(eod) for p in pieces], dtype=np.int32)
-        if eod:
-            eod_arr = np.asarray(eod, dtype=dtype)
-            pieces = [x for p in pieces for x in (p, eod_arr)]
+        encoded = _encode([s for doc in parsed for s in doc[k]])
+        bos_arr, eod_arr = np.asarray(bos, dtype=dtype), np.asarray(eod, dtype=dtype)
+        pieces: list[np.ndarray] = []
+        lengths: list[int] = []
+        per_doc = np.zeros(len(parsed), dtype=np.int64)
+        i = 0
+        for d, doc in enumerate(parsed):
+            first = len(lengths)
+            for x in encoded[i:i + len(doc[k])]:
+                if len(x):
+                    pieces.append(x)
+                    lengths.append(len(x))
+            i += len(doc[k])
+            per_doc[d] = len(lengths) - first
+            if not per_doc[d]:
+                if k == 0:
+                    out["empty"] += 1
+                    out["empty_example"] = out["empty_example"] or f"{ordinals[d] + 1}"
+                continue
+            if bos:   # before the document's first sequence, as its first token
+                pieces.insert(len(pieces) - per_doc[d], bos_arr)
+                lengths[first] += len(bos)
+            if eod:
+                pieces.append(eod_arr)
+                lengths[-1] += len(eod)
         tokens = np.concatenate(pieces).astype(dtype) if pieces else np.zeros(0, dtype)
-        out[key] = (tokens, lengths)
+        out[key] = (tokens, np.asarray(lengths, dtype=np.int32), per_doc)
     return out
 
 
 class _Reader:
-    """Batches of raw documents with the input position reached, for progress and ETA."""
+    """Batches of raw documents (jsonl lines, or whole files of a folder) with their input ordinals."""
 
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.folder = os.path.isdir(path)
-        if self.folder:
-            self.files = sorted(str(p) for p in Path(path).rglob("*") if p.is_file())
-            self.total = sum(os.path.getsize(f) for f in self.files)
-        elif os.path.isfile(path):
-            self.total = os.path.getsize(path)
-        else:
-            raise SystemExit(f"error: --input {path}: no such file or directory")
-        self.position = 0
-
-    def _documents(self) -> Iterator[bytes]:
-        if self.folder:
+    def __init__(self, spec: str) -> None:
+        self.files, self.folder = input_files(spec)
+        if not self.folder:
             for f in self.files:
-                data = Path(f).read_bytes()
-                self.position += os.path.getsize(f)
-                yield data
-            return
-        with open(self.path, "rb") as raw:
-            stream = gzip.GzipFile(fileobj=raw) if self.path.endswith(".gz") else raw
-            for line in stream:
-                self.position = raw.tell()
-                yield line
+                check_jsonl(f)
+        self.total = sum(os.path.getsize(f) for f in self.files)
+        self.position = Position()
+
+    def documents(self) -> Iterator[bytes]:
+        for f in self.files:
+            if self.folder:
+                yield read_file(f, self.position)
+            else:
+                yield from read_lines(f, self.position)
 
     def batches(self) -> Iterator[tuple[int, list[bytes], int]]:
-        """(number of the first document, raw documents, input position after them)."""
+        """(ordinal of the first document, raw documents, input position after them)."""
         batch: list[bytes] = []
-        size, line = 0, 1
-        for doc in self._documents():
+        size, ordinal = 0, 0
+        for doc in self.documents():
             batch.append(doc)
             size += len(doc)
             if size >= BATCH_BYTES or len(batch) >= BATCH_DOCS:
-                yield line, batch, self.position
-                line += len(batch)
+                yield ordinal, batch, self.position.done
+                ordinal += len(batch)
                 batch, size = [], 0
         if batch:
-            yield line, batch, self.position
+            yield ordinal, batch, self.position.done
 
 
-def _ordered_results(reader: _Reader, args: argparse.Namespace, init_args: tuple) -> Iterator[dict[str, Any]]:
+def _ordered_results(reader: _Reader, workers: int, init_args: tuple) -> Iterator[dict[str, Any]]:
     """encode_batch over the reader's batches, in order; at most 4 batches per worker in flight."""
-    if args.workers <= 1:
+    if workers <= 1:
         _init_worker(*init_args)
         for batch in reader.batches():
             yield encode_batch(batch)
         return
-    with mp.get_context("fork").Pool(args.workers, _init_worker, init_args) as pool:
+    with mp.get_context("fork").Pool(workers, _init_worker, init_args) as pool:
         in_flight: collections.deque = collections.deque()
         for batch in reader.batches():
             in_flight.append(pool.apply_async(encode_batch, (batch,)))
-            if len(in_flight) >= 4 * args.workers:
+            if len(in_flight) >= 4 * workers:
                 yield in_flight.popleft().get()
         while in_flight:
             yield in_flight.popleft().get()
@@ -165,66 +223,178 @@ def _progress(start: float, docs: int, nbytes: int, tokens: int, position: int, 
     print(("done: " if final else "") + line + f" | {elapsed:,.1f}s", file=sys.stderr, flush=True)
 
 
-def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--input", required=True, help="a .jsonl / .jsonl.gz file, or a folder of text files")
+    p.add_argument("--input", required=True, help="a .jsonl file (plain, .gz, .bz2, .xz), a glob of them, or a "
+                                                  "folder of text files (one document per file)")
     p.add_argument("--output-prefix", required=True, help="writes {prefix}_{key}_document.bin/.idx")
     p.add_argument("--json-keys", nargs="+", default=["text"], help="jsonl keys to tokenize (default: text)")
-    p.add_argument("--append-eod", action="store_true", help="append the EOD token to every document")
+    p.add_argument("--append-eod", action="store_true", help="append the EOD token to every non-empty document")
     p.add_argument("--workers", type=int, default=1, help="tokenizer processes (output is identical for any)")
-    p.add_argument("--tokenizer-type", choices=["byte", "sentencepiece"], default="byte")
-    p.add_argument("--tokenizer-model", default=None, help="sentencepiece .model file")
-    p.add_argument("--log-interval", type=float, default=2.0, help="seconds between progress lines")
-    args = p.parse_args(argv)
+    p.add_argument("--partitions", type=int, default=1, help="Megatron-LM's input partitions (output order only)")
+    p.add_argument("--keep-sequential-samples", action="store_true",
+                   help="with --partitions: consecutive blocks of documents per partition, not round-robin")
+    p.add_argument("--log-interval", type=int, default=10000, help="documents between progress lines (0 = every batch)")
+    p.add_argument("--keep-newlines", action="store_true", help="Megatron-LM: only acts with --split-sentences")
+    p.add_argument("--lang", default="english", help="Megatron-LM: only acts with --split-sentences")
+    p.add_argument("--dataset-impl", choices=["mmap"], default="mmap",
+                   help="older Megatron-LM: the indexed format, of which only mmap (this one) is written")
+    t = p.add_argument_group("tokenizer")
+    t.add_argument("--tokenizer-type", default="byte",
+                   help="byte, sentencepiece, huggingface, gpt2bpe, null, or a Megatron-LM name")
+    t.add_argument("--tokenizer-model", default=None, help="sentencepiece .model, or a tokenizer.json or its folder")
+    t.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: vocab.json")
+    t.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt")
+    t.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer: the vocabulary size")
+    t.add_argument("--null-tokenizer-eod-id", type=int, default=None, help="NullTokenizer: EOD id (default vocab-1)")
+    t.add_argument("--null-tokenizer-pad-id", type=int, default=None, help="NullTokenizer: unused in preprocessing")
+    t.add_argument("--vocab-extra-ids", type=int, default=0, help="Megatron-LM T5 sentinels: only 0 is supported")
+    t.add_argument("--tokenizer-hf-no-include-special-tokens", action="store_true",
+                   help="Hugging Face: do not add the post-processor's special tokens (e.g. BOS)")
+    t.add_argument("--eod", default=None, help="the EOD token or id (default: the tokenizer's EOS)")
+    t.add_argument("--bos", default=None, help="a BOS token or id to start every non-empty document with "
+                                               "(default: only what the tokenizer adds)")
+    for flag in _REFUSED:
+        p.add_argument(flag, nargs="*", default=None, help=argparse.SUPPRESS)
+    return p
 
+
+def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    for flag in _REFUSED:
+        if getattr(args, flag[2:].replace("-", "_")) is not None:
+            p.error(f"{flag}: {_REFUSED[flag]}")
+    if args.workers < 1:
+        p.error(f"--workers {args.workers}: give at least 1 worker process")
+    if args.partitions < 1:
+        p.error(f"--partitions {args.partitions}: give at least 1 partition")
+    if args.log_interval < 0:
+        p.error(f"--log-interval {args.log_interval}: give a number of documents >= 0")
+    if args.vocab_extra_ids:
+        p.error(f"--vocab-extra-ids {args.vocab_extra_ids}: T5 sentinel tokens are not supported; use 0")
+    if not args.output_prefix or os.path.isdir(args.output_prefix) or args.output_prefix.endswith(os.sep):
+        p.error(f"--output-prefix {args.output_prefix!r} is a directory: give a path prefix inside it, e.g. "
+                f"{os.path.join(args.output_prefix or '.', 'corpus')}")
+    parent = Path(args.output_prefix).parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        p.error(f"--output-prefix {args.output_prefix}: {parent} is a file, not a directory")
+
+
+def _empty_message(args: argparse.Namespace, key: str, docs: int, skipped: collections.Counter,
+                   examples: list[str], seen_keys: set) -> str:
+    where = args.input
+    if not docs and skipped:
+        reasons = ", ".join(f"{n} {r}" for r, n in sorted(skipped.items()))
+        hint = ""
+        if any(r.startswith("missing key") for r in skipped) and seen_keys:
+            hint = f"; the documents' keys are {', '.join(sorted(seen_keys)[:10])}: pass one with --json-keys"
+        elif "not UTF-8" in skipped:
+            hint = "; convert the input to UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+        elif any(r.startswith("non-string") for r in skipped):
+            hint = "; the values must be strings (or lists of strings)"
+        return f"no tokens written: every document of {where} was skipped ({reasons}; first: {examples[0]}){hint}"
+    if not docs:
+        return f"no tokens written: {where} holds no documents"
+    return (f"no tokens written for '{key}': all {docs} documents of {where} are empty after tokenization "
+            f"under that key: check --json-keys and the text")
+
+
+def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
+    p = _parser()
+    args = p.parse_args(argv)
+    _check_args(p, args)
+    try:
+        return _run(args)
+    except _USER_ERRORS as e:
+        raise SystemExit(f"error: {e}") from None
+
+
+def _run(args: argparse.Namespace) -> dict[str, Any]:
     reader = _Reader(args.input)
     if reader.folder and len(args.json_keys) != 1:
-        raise SystemExit("error: a folder input gives one text per file: pass a single --json-keys name")
-    tok = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
-    dtype = optimal_dtype(tok.vocab_size)
+        raise InputError("a folder input gives one text per file: pass a single --json-keys name")
+    tok_args = {"type": args.tokenizer_type, "model": args.tokenizer_model, "vocab_file": args.vocab_file,
+                "merge_file": args.merge_file, "vocab_size": args.vocab_size, "append_eod": args.append_eod,
+                "eod": args.eod if args.eod is not None else args.null_tokenizer_eod_id, "bos": args.bos,
+                "special": not args.tokenizer_hf_no_include_special_tokens}
+    dtype = optimal_dtype(_tokenizer(tok_args).vocab_size)
     Path(args.output_prefix).parent.mkdir(parents=True, exist_ok=True)
     finals = {k: f"{args.output_prefix}_{k}_document" for k in args.json_keys}
     tag = f".tmp-{os.getpid()}"
-    builders = {k: IndexedDatasetBuilder(bin_path(f) + tag, dtype) for k, f in finals.items()}
-    docs = tokens = nbytes = 0
+    parts = args.partitions
+    block = None
+    if parts > 1 and args.keep_sequential_samples:
+        block = max(1, math.ceil(sum(1 for _ in reader.documents()) / parts))
+        reader.position = Position()
+    temp = {k: f"{f}{tag}" for k, f in finals.items()}      # every temporary file starts with this
+    parts_of = {(k, q): f"{temp[k]}.part{q}" for k in finals for q in range(parts)}
+    builders = {kq: IndexedDatasetBuilder(bin_path(prefix), dtype) for kq, prefix in parts_of.items()}
+    docs = nbytes = empty = 0
+    tokens = dict.fromkeys(args.json_keys, 0)
     skipped: collections.Counter = collections.Counter()
     examples: list[str] = []
-    start = last = time.time()
-    init_args = (args.tokenizer_type, args.tokenizer_model, args.json_keys, args.append_eod, reader.folder)
+    empty_example, seen_keys = None, set()
+    start = time.time()
+    next_log = args.log_interval
+    init_args = (tok_args, args.json_keys, reader.folder, args.workers > 1)
     try:
-        for result in _ordered_results(reader, args, init_args):
-            for key, builder in builders.items():
-                builder.add_documents(*result[key])
-            first = result[args.json_keys[0]]
-            docs += len(first[1])
-            tokens += sum(len(result[k][0]) for k in args.json_keys)
+        for result in _ordered_results(reader, args.workers, init_args):
+            part = (result["ordinals"] // block if block else result["ordinals"] % parts) if parts > 1 else None
+            for key in args.json_keys:
+                toks, lengths, per_doc = result[key]
+                tokens[key] += len(toks)
+                if part is None:
+                    builders[key, 0].add_documents(toks, lengths, per_doc)
+                    continue
+                for q in range(parts):
+                    mine = part == q
+                    seq_mine = np.repeat(mine, per_doc)
+                    builders[key, q].add_documents(toks[np.repeat(seq_mine, lengths)], lengths[seq_mine],
+                                                   per_doc[mine])
+            docs += len(result["ordinals"])
             nbytes += result["bytes"]
+            empty += result["empty"]
+            empty_example = empty_example or result["empty_example"]
             skipped.update(result["skipped"])
+            seen_keys.update(result["seen_keys"])
             examples += result["examples"][:5 - len(examples)]
-            if time.time() - last >= args.log_interval:
-                _progress(start, docs, nbytes, tokens, result["position"], reader.total, final=False)
-                last = time.time()
-        for key, builder in builders.items():
-            builder.finalize(idx_path(finals[key]) + tag)
+            if docs >= next_log:
+                _progress(start, docs, nbytes, sum(tokens.values()), result["position"], reader.total, final=False)
+                next_log = docs + args.log_interval
+        for key, count in tokens.items():
+            if count == 0:
+                raise InputError(_empty_message(args, key, docs, skipped, examples, seen_keys))
+        for kq, builder in builders.items():
+            builder.finalize(idx_path(parts_of[kq]))
         for key, final in finals.items():
+            source = parts_of[key, 0]
+            if parts > 1:   # Megatron-LM merges its partitions' outputs in partition order
+                source = temp[key]
+                merge_datasets([parts_of[key, q] for q in range(parts)], source)
             if os.path.exists(idx_path(final)):
                 os.remove(idx_path(final))
-            os.replace(bin_path(final) + tag, bin_path(final))
-            os.replace(idx_path(final) + tag, idx_path(final))
+            os.replace(bin_path(source), bin_path(final))
+            os.replace(idx_path(source), idx_path(final))
     finally:
-        for key, builder in builders.items():
+        for builder in builders.values():
             builder.close()
-            for path in (bin_path(finals[key]) + tag, idx_path(finals[key]) + tag):
-                if os.path.exists(path):
-                    os.remove(path)
-    _progress(start, docs, nbytes, tokens, reader.position, reader.total, final=True)
+        for prefix in temp.values():
+            for leftover in glob.glob(glob.escape(prefix) + "*"):
+                os.remove(leftover)
+    _progress(start, docs, nbytes, sum(tokens.values()), reader.position.done, reader.total, final=True)
     if skipped:
         reasons = ", ".join(f"{n} {reason}" for reason, n in sorted(skipped.items()))
         print(f"skipped {sum(skipped.values())} malformed documents ({reasons}); first: {'; '.join(examples)}",
               file=sys.stderr)
+    if empty:
+        print(f"warning: {empty} documents are empty after tokenization (first: document {empty_example}); they "
+              f"are written as Megatron-LM writes them, a document boundary with no tokens and no EOD",
+              file=sys.stderr)
     for final in finals.values():
         print(f"wrote {bin_path(final)} and {idx_path(final)}", file=sys.stderr)
-    return {"documents": docs, "tokens": tokens, "bytes": nbytes, "skipped": dict(skipped),
+    return {"documents": docs, "tokens": sum(tokens.values()), "bytes": nbytes, "skipped": dict(skipped),
+            "empty": empty,
             "seconds": time.time() - start, "outputs": list(finals.values())}
 
 

@@ -11,18 +11,36 @@ import argparse
 import os
 import sys
 
+import torch
 import torch.distributed as dist
 
-from megalysses.config import ConfigError, load_config, validate_config
-from megalysses.distributed import destroy_distributed, init_distributed
+from megalysses.config import ConfigError, config_warnings, load_config, validate_config
+from megalysses.data import DatasetError
+from megalysses.distributed import destroy_distributed, die_with_launcher, init_distributed
 from megalysses.grid import LayoutError, ParallelGrid
 from megalysses.training.checkpoint import CheckpointError
 from megalysses.training.loop import train
 from megalysses.training.metrics import print0
+from megalysses.training.signals import StopSignals
 from megalysses.training.step import NonFiniteLossError
-from megalysses.data import DatasetError
+from megalysses.training.watchdog import Watchdog
 
 USER_ERRORS = (ConfigError, LayoutError, CheckpointError, DatasetError, NonFiniteLossError, FileNotFoundError)
+
+
+def _from_collective(e: BaseException) -> bool:
+    """A timeout or a lost peer, raised inside torch.distributed (not a programming error there)."""
+    if isinstance(e, dist.DistError):
+        return True
+    text = str(e).lower()
+    if not any(s in text for s in ("timed out", "timeout", "connection", "closed", "peer", "nccl")):
+        return False
+    tb = e.__traceback__
+    while tb is not None:
+        if "torch/distributed/" in tb.tb_frame.f_code.co_filename.replace("\\", "/"):
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,6 +49,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override one config value; repeatable")
     args = parser.parse_args(argv)
+    signals = StopSignals()        # first: a preemption signal during start-up is kept, not fatal
+    try:
+        return _run(args, signals)
+    finally:
+        signals.restore()
+
+
+def _run(args: argparse.Namespace, signals: StopSignals) -> int:
     rank0 = os.environ.get("RANK", "0") == "0"     # before the process group exists
     try:
         cfg = load_config(args.config, args.overrides)
@@ -38,22 +64,46 @@ def main(argv: list[str] | None = None) -> int:
         if rank0:
             print(f"config error: {e}", file=sys.stderr)
         return 2
+    die_with_launcher()
     try:
         device = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_seconds)
-    except RuntimeError as e:
+    except (RuntimeError, ValueError) as e:
         if rank0:
-            print(f"error: cannot start the process group: {e}", flush=True)
+            print(f"error: cannot start the process group: {' '.join(str(e).split())[:300]}", flush=True)
         return 1
+    watchdog = None
     try:
+        watchdog = Watchdog.start(dist.get_rank(), dist.get_world_size(), cfg.parallel.timeout_seconds)
+        for note in config_warnings(cfg):
+            print0(f"warning: {note}")
         validate_config(cfg, world_size=dist.get_world_size())
-        grid = ParallelGrid(tp=cfg.parallel.tp, sp=cfg.parallel.sp, pp=cfg.parallel.pp)
-        summary = train(cfg, grid, device)
-        print0(f"done: step {summary['step']}, loss {summary['loss']:.4f} ({summary['stopped_by']})")
+        grid = ParallelGrid.for_config(cfg)
+        summary = train(cfg, grid, device, signals=signals, watchdog=watchdog)
+        if summary["stopped_by"] == "already_finished":
+            print0(f"done: this run already finished: its checkpoint is at step {summary['step']} "
+                   f"(training.train_steps={cfg.training.train_steps}); raise training.train_steps to train further")
+        else:
+            print0(f"done: step {summary['step']}, loss {summary['loss']:.4f} ({summary['stopped_by']})")
         return 0
     except USER_ERRORS as e:
         print0(f"error: {e}")
         return 1
+    except MemoryError:
+        print0(f"error: out of host memory while {watchdog.current}: lower data.seq_len or "
+               f"training.micro_batch_size, or use more ranks")
+        return 1
+    except torch.OutOfMemoryError:
+        print0(f"error: out of GPU memory while {watchdog.current}: lower training.micro_batch_size, enable "
+               f"training.activation_checkpointing, or shard more (parallel.fsdp, tp, sp, pp)")
+        return 1
+    except RuntimeError as e:
+        if watchdog is not None and _from_collective(e):
+            watchdog.fail(f"a collective failed on rank {dist.get_rank()} while {watchdog.current} "
+                          f"({' '.join(str(e).split())[:200]})")
+        raise
     finally:
+        if watchdog is not None:
+            watchdog.stop()
         destroy_distributed()
 
 

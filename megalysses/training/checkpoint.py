@@ -11,8 +11,9 @@ Layout on disk:
     <dir>/step_000100/            DCP files + meta.json (step, consumed samples, model shape)
     <dir>/latest                  text file naming the newest complete checkpoint, written last
 A checkpoint is written to `step_000100.tmp` and renamed when every rank has finished, so it is
-complete or absent. Loading reads tensors with weights_only and the DCP metadata through an
-allow-list unpickler: nothing arbitrary is ever unpickled.
+complete or absent; its manifest.json records a CRC-32 of every file, verified before loading, and
+`manifest.py` chooses the checkpoint to resume from and prunes old ones. Loading reads tensors with
+weights_only and the DCP metadata through an allow-list unpickler: nothing arbitrary is ever unpickled.
 """
 from __future__ import annotations
 
@@ -27,17 +28,14 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from megalysses.grid import ParallelGrid
+from megalysses.training.manifest import (FORMAT, LATEST, CheckpointError, checksums, own_files, prune, read_latest,
+                                          write_manifest)
 from megalysses.training.optimizer import Optimizer
-
-LATEST = "latest"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used: missing, incomplete, or for another model shape."""
 
 
 # ----------------------------------------------------------------------------- safe metadata
@@ -69,22 +67,22 @@ class SafeFileSystemReader(dcp.FileSystemReader):
         path = Path(self.path) / (".metadata" if rank is None else f"__{rank}.metadata")
         if not path.is_file():
             raise CheckpointError(f"checkpoint {self.path} has no DCP metadata ({path.name}): it is incomplete")
-        metadata = _AllowListUnpickler(io.BytesIO(path.read_bytes())).load()
+        from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+        try:
+            metadata = _AllowListUnpickler(io.BytesIO(path.read_bytes())).load()
+        except CheckpointError as e:
+            raise CheckpointError(f"{path}: {e}") from None
+        except Exception:  # noqa: BLE001 - whatever a damaged pickle raises
+            metadata = None
+        if not isinstance(metadata, Metadata):
+            raise CheckpointError(f"{path} is not DCP metadata: the checkpoint is damaged")
         if getattr(metadata, "storage_meta", None) is None:
-            from torch.distributed.checkpoint.metadata import StorageMeta
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
 
 # ----------------------------------------------------------------------------- state as DTensors
-
-def build_mesh(grid: ParallelGrid, device: torch.device) -> DeviceMesh:
-    """The (pp, tp, grad) device mesh of the grid (grad = dp x sp in grid order)."""
-    L = grid.layout
-    ranks = L.ranks.permute(0, 3, 1, 2).reshape(L.pp, L.tp, L.dp * L.sp)
-    return DeviceMesh(device.type, ranks, mesh_dim_names=("pp", "tp", "grad"))
-
 
 def _tp_placement(p: torch.Tensor) -> Any:
     tp_dim = getattr(p, "tp_dim", None)
@@ -128,7 +126,7 @@ def training_state(model: torch.nn.Module, opt: Optimizer, grid: ParallelGrid, m
 
 def save_checkpoint(ckpt_dir: str | Path, step: int, model: torch.nn.Module, opt: Optimizer,
                     grid: ParallelGrid, mesh: DeviceMesh, meta: dict, keep_last: int = 2) -> Path:
-    """Write <dir>/step_N atomically (tmp dir + rename), then update `latest`, then prune old ones."""
+    """Write <dir>/step_N atomically (tmp dir + manifest + rename), then update `latest`, then prune."""
     root = Path(ckpt_dir)
     final = root / f"step_{step:07d}"
     tmp = root / f"step_{step:07d}.tmp"
@@ -140,17 +138,18 @@ def save_checkpoint(ckpt_dir: str | Path, step: int, model: torch.nn.Module, opt
     dcp.save(training_state(model, opt, grid, mesh), storage_writer=dcp.FileSystemWriter(str(tmp)))
     rng = {"torch": torch.get_rng_state()}
     torch.save(rng, tmp / f"rng_rank{grid.rank}.pt")
-    dist.barrier()
+    mine = checksums(tmp, own_files(tmp, grid.rank))      # read back from the page cache
+    every: Optional[list] = [None] * dist.get_world_size() if grid.rank == 0 else None
+    dist.gather_object(mine, every, dst=0)
     if grid.rank == 0:
-        (tmp / "meta.json").write_text(json.dumps({**meta, "step": step}, indent=1))
+        (tmp / "meta.json").write_text(json.dumps({**meta, "step": step, "format": FORMAT}, indent=1))
+        write_manifest(tmp, {name: v for part in every for name, v in part.items()})
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         pointer = root / f"{LATEST}.tmp"
         pointer.write_text(final.name + "\n")
         os.replace(pointer, root / LATEST)
-        done = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
-        for old in done[:-keep_last] if keep_last > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
+        prune(root, final, keep_last)
     dist.barrier()
     return final
 
@@ -158,28 +157,61 @@ def save_checkpoint(ckpt_dir: str | Path, step: int, model: torch.nn.Module, opt
 def resolve_checkpoint(path: str | Path) -> Optional[Path]:
     """A checkpoint directory from a path that is either the checkpoint or a directory with `latest`."""
     p = Path(path)
-    if (p / LATEST).is_file():
-        name = (p / LATEST).read_text().strip()
-        target = p / name
-        if not (target / "meta.json").is_file():
-            raise CheckpointError(f"{p / LATEST} points to {target}, which is missing or incomplete")
+    if (p / LATEST).exists():
+        target, problem = read_latest(p)
+        if problem:
+            raise CheckpointError(problem)
         return target
     if (p / "meta.json").is_file():
         return p
     return None
 
 
+def _load(state: dict, path: Path) -> None:
+    """dcp.load that fails with one CheckpointError naming the checkpoint and the first cause."""
+    SafeFileSystemReader(str(path)).read_metadata()      # its own message, not DCP's fallback tracebacks
+    try:
+        dcp.load(state, storage_reader=SafeFileSystemReader(str(path)))
+    except CheckpointError:
+        raise
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        failures = getattr(e, "failures", None)
+        cause = next(iter(failures.values()))[0] if failures else e
+        if isinstance(cause, CheckpointError):
+            raise CheckpointError(str(cause)) from None
+        first = (str(cause).strip().splitlines() or [""])[0][:300]
+        what = f"{type(cause).__name__}: {first}" if first else type(cause).__name__
+        raise CheckpointError(f"checkpoint {path} cannot be loaded ({what}): it is damaged or was not written "
+                              f"by megalysses") from None
+
+
 def load_model_weights(path: Path, model: torch.nn.Module, grid: ParallelGrid, mesh: DeviceMesh) -> None:
     """Load only the model weights (inference, conversion), resharding to this layout."""
     sub = mesh["tp", "grad"]
     state = {f"model.{n}": _model_entry(p, sub, grid.tp_size) for n, p in model.named_parameters()}
-    dcp.load(state, storage_reader=SafeFileSystemReader(str(path)))
+    _load(state, path)
+
+
+def read_meta(path: Path) -> dict:
+    """A checkpoint's meta.json; CheckpointError naming it when it is missing, empty or not what we wrote."""
+    file = path / "meta.json"
+    try:
+        meta = json.loads(file.read_bytes().decode("utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{file} is missing: the checkpoint is incomplete") from None
+    except (OSError, ValueError):
+        raise CheckpointError(f"{file} is not valid JSON: the checkpoint is damaged") from None
+    if not isinstance(meta, dict) or type(meta.get("step")) is not int or meta["step"] < 0:
+        raise CheckpointError(f"{file} does not record the step: the checkpoint is damaged or incomplete")
+    return meta
 
 
 def check_model_shape(path: Path, expect_model: dict) -> dict:
     """The checkpoint's meta.json, after checking that it holds the model `expect_model` describes."""
-    meta = json.loads((path / "meta.json").read_text())
+    meta = read_meta(path)
     saved = meta.get("model_shape", {})
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"{path / 'meta.json'} does not record the model shape: the checkpoint is damaged")
     diff = {k: (saved.get(k), v) for k, v in expect_model.items() if saved.get(k) != v}
     if diff:
         detail = ", ".join(f"{k}: checkpoint {a} vs config {b}" for k, (a, b) in diff.items())
@@ -193,9 +225,13 @@ def load_checkpoint(path: Path, model: torch.nn.Module, opt: Optimizer, grid: Pa
     """Load model + optimizer (resharding to this layout) and return meta (step, consumed samples, ...)."""
     meta = check_model_shape(path, expect_model)
     state = training_state(model, opt, grid, mesh)
-    dcp.load(state, storage_reader=SafeFileSystemReader(str(path)))
+    _load(state, path)
     opt.set_step(meta.get("optimizer_steps", meta["step"]))    # AdamW's count: skipped steps excluded
     rng_file = path / f"rng_rank{grid.rank}.pt"
     if rng_file.is_file():
-        torch.set_rng_state(torch.load(rng_file, weights_only=True)["torch"])
+        try:
+            rng = torch.load(rng_file, weights_only=True)["torch"]
+            torch.set_rng_state(rng)
+        except Exception:  # noqa: BLE001 - any failure to read it means the file is damaged
+            raise CheckpointError(f"{rng_file} is not a saved RNG state: the checkpoint is damaged") from None
     return meta

@@ -1,4 +1,10 @@
-"""The trainer's view of the data: global batches as lists of this rank's micro-batches, on its device."""
+"""The trainer's view of the data: global batches as lists of this rank's micro-batches, on its device.
+
+Every dataset is validated when it is opened, on every rank alike (so a bad dataset ends the run
+with the same message everywhere, before the first step): the index structure (indexed.py), the
+dtype and every token id against the tokenizer's and the model's vocabulary (validate.py, cached),
+and each micro-batch is checked against the model's vocabulary once more as it is built.
+"""
 from __future__ import annotations
 
 from typing import Iterator
@@ -6,7 +12,10 @@ from typing import Iterator
 import torch
 
 from megalysses.config import Config
-from megalysses.data import DatasetError, MockGPTDataset, build_gpt_datasets, build_tokenizer, iterate_micro_batches
+from megalysses.data import DatasetError, MockGPTDataset, build_gpt_datasets, iterate_micro_batches
+from megalysses.data.indexed import IndexedDataset
+from megalysses.data.tokenizer import NullTokenizer, tokenizer_from_config
+from megalysses.data.validate import check_dtype_holds, check_token_ids
 from megalysses.grid import ParallelGrid
 
 Batch = dict[str, torch.Tensor]
@@ -32,17 +41,26 @@ class TrainingData:
             raise DatasetError(f"data: {e}") from e
 
     def _build(self, cfg: Config) -> None:
-        d, t = cfg.data, cfg.training
-        tokenizer = build_tokenizer(d.tokenizer, d.tokenizer_model)
-        if tokenizer.vocab_size > cfg.model.vocab_size:
+        d, t, vocab = cfg.data, cfg.training, cfg.model.vocab_size
+        tokenizer = tokenizer_from_config(d, vocab)
+        if tokenizer.vocab_size > vocab:
             raise DatasetError(f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size="
-                               f"{cfg.model.vocab_size}: raise model.vocab_size (to a multiple of tp)")
+                               f"{vocab}: raise model.vocab_size (to a multiple of tp)")
         self.eod_id = tokenizer.eod_id
+
+        def validate(ds: IndexedDataset, cache_dir: str) -> None:
+            if not isinstance(tokenizer, NullTokenizer):   # its vocabulary is the model's, not the data's maker
+                check_dtype_holds(ds, tokenizer.vocab_size, f"data.tokenizer={d.tokenizer}")
+            check_token_ids(ds, vocab, cache_dir, "model.vocab_size")
+            check_token_ids(ds, tokenizer.vocab_size, cache_dir, f"data.tokenizer={d.tokenizer}",
+                            "the data was not made with this tokenizer: set data.tokenizer (and "
+                            "data.tokenizer_model) to the one tools/preprocess_data.py used")
+
         evals = t.train_steps // t.eval_interval + 1 if t.eval_interval else 0
         valid_samples = t.eval_steps * t.global_batch_size if evals else None
         self.train, self.valid, _ = build_gpt_datasets(
             d.paths, d.split, d.seq_len, t.seed, (t.train_steps * t.global_batch_size, valid_samples, None),
-            d.cache_dir)
+            d.cache_dir, validate)
         if t.eval_interval and self.valid is None:
             raise DatasetError(f"training.eval_interval={t.eval_interval} but the split '{d.split}' leaves no "
                                f"validation data: give the valid split a share or set training.eval_interval=0")
@@ -51,7 +69,9 @@ class TrainingData:
         d, g = self.cfg.data, self.grid
         for mb in iterate_micro_batches(dataset, self.cfg.training.micro_batch_size, g.dp_rank, g.dp_size, g.sp_rank,
                                         g.sp_size, consumed, self.eod_id, d.reset_position_ids, d.document_mask,
-                                        seq_len=d.seq_len, eod_mask_loss=d.eod_mask_loss):
+                                        seq_len=d.seq_len, eod_mask_loss=d.eod_mask_loss,
+                                        vocab_size=self.cfg.model.vocab_size,
+                                        layout=g.sequence_layout(self.cfg.parallel.tp_sequence_parallel)):
             yield {k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
 
     def train_batches(self, consumed_samples: int) -> Iterator[list[Batch]]:

@@ -61,7 +61,8 @@ def _from_hf(folder: Path, model: nn.Module, cfg: Config, grid: ParallelGrid) ->
     ours_arch, their_arch = architecture(cfg.model), architecture(theirs)
     diff = {k: (their_arch[k], v) for k, v in ours_arch.items() if their_arch[k] != v}
     if theirs.rope_theta != cfg.model.rope_theta or theirs.rope_scaling != cfg.model.rope_scaling:
-        diff["rope"] = ((theirs.rope_theta, theirs.rope_scaling.type), (cfg.model.rope_theta, cfg.model.rope_scaling.type))
+        diff["rope"] = ((theirs.rope_theta, theirs.rope_scaling.type),
+                        (cfg.model.rope_theta, cfg.model.rope_scaling.type))
     if diff:
         detail = ", ".join(f"{k}: model {a} vs config {b}" for k, (a, b) in diff.items())
         raise ConfigError(f"checkpoint.init_from={folder} holds another model ({detail}): set the model section "

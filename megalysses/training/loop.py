@@ -2,32 +2,39 @@
 
 Stops at training.train_steps, at training.max_wall_minutes (with a checkpoint), or on SIGTERM /
 SIGUSR1 (preemption: checkpoint, then exit 0). Every rank agrees on stopping through one small
-all-reduce per step, so no rank is left waiting in a collective.
+all-reduce per step, so no rank is left waiting in a collective. With a watchdog, the loop tells it
+what it is doing, so that a stuck rank is named with its phase.
 """
 from __future__ import annotations
 
-import signal
+import math
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from megalysses import comm
 from megalysses.config import Config, ConfigError, save_config
+from megalysses.distributed import on_rank0
 from megalysses.grid import ParallelGrid
 from megalysses.model.gpt import GPTStage, architecture, init_weights, stage_layers
 from megalysses.model.layers import ParallelGroups
 from megalysses.parallel.interleaved import VirtualStages
-from megalysses.training.checkpoint import build_mesh, load_checkpoint, resolve_checkpoint, save_checkpoint, CheckpointError
+from megalysses.training.checkpoint import load_checkpoint, save_checkpoint
 from megalysses.training.data import TrainingData
 from megalysses.training.fsdp import FSDPAdamW, shard_model
 from megalysses.training.initialize import is_weights_only, load_initial_weights
+from megalysses.training.manifest import choose_checkpoint
 from megalysses.training.metrics import MetricsLogger, print0
 from megalysses.training.optimizer import Optimizer, ShardedAdamW
+from megalysses.training.rundir import check_writable, mark_start
 from megalysses.training.runtime import Runtime, plan_runtime, startup_line, write_runtime
 from megalysses.training.schedule import lr_at
-from megalysses.training.step import evaluate, train_step
+from megalysses.training.signals import StopSignals
+from megalysses.training.step import NonFiniteLossError, evaluate, train_step
+from megalysses.training.watchdog import Watchdog
 
 
 def build_model(cfg: Config, grid: ParallelGrid, device: torch.device, mesh: DeviceMesh,
@@ -36,7 +43,8 @@ def build_model(cfg: Config, grid: ParallelGrid, device: torch.device, mesh: Dev
     identically at every layout (then, with parallel.fsdp, sharded over the grad group to gather in the
     compute dtype)."""
     model_cfg = runtime.model_config(cfg)
-    groups = ParallelGroups(tp=grid.tp_group, sp=grid.sp_group, sequence_parallel=cfg.parallel.tp_sequence_parallel)
+    groups = ParallelGroups(tp=grid.tp_group, ulysses=grid.ulysses_group, ring=grid.ring_group,
+                            sequence_parallel=cfg.parallel.tp_sequence_parallel)
     v = cfg.parallel.virtual_stages
     V = grid.pp_size * v
     chunks = []
@@ -73,103 +81,123 @@ def model_shape(cfg: Config, tp: int = 1) -> dict:
     return architecture(cfg.model, tp)
 
 
-class _StopFlags:
-    """SIGTERM / SIGUSR1 set a flag; the loop checkpoints and exits at the end of the step."""
-
-    def __init__(self) -> None:
-        self.signalled = False
-        self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGUSR1)}
-
-    def _handle(self, signum, frame) -> None:
-        self.signalled = True
-
-    def restore(self) -> None:
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
+def _prepare_dirs(cfg: Config, run_dir: Path, ckpt_dir: Path) -> None:
+    """Rank 0: both directories writable before anything is trained; the resolved config saved."""
+    check_writable(run_dir, "logging.run_dir")
+    check_writable(ckpt_dir, "checkpoint.dir" if cfg.checkpoint.dir else "checkpoint.dir (<run_dir>/checkpoints)")
+    save_config(cfg, run_dir / "config.yaml")
 
 
-def train(cfg: Config, grid: ParallelGrid, device: torch.device) -> dict:
-    """Run training to the end (or a stop); returns a summary {step, loss, stopped_by}."""
+def train(cfg: Config, grid: ParallelGrid, device: torch.device, signals: Optional[StopSignals] = None,
+          watchdog: Optional[Watchdog] = None) -> dict:
+    """Run training to the end (or a stop); returns a summary {step, loss, stopped_by}.
+
+    `signals` carries signals received before training started (the entry point creates it first thing);
+    `watchdog` is told what the loop does."""
     run_dir = Path(cfg.logging.run_dir)
     ckpt_dir = Path(cfg.checkpoint.dir or run_dir / "checkpoints")
-    runtime = plan_runtime(cfg, device)
+    doing = watchdog.doing if watchdog is not None else (lambda what: None)
+    doing("checking the run directory")
+    on_rank0(lambda: _prepare_dirs(cfg, run_dir, ckpt_dir))
+    runtime = plan_runtime(cfg, device, grid)
     if grid.rank == 0:
-        save_config(cfg, run_dir / "config.yaml")
         write_runtime(run_dir, cfg, grid, runtime)
     print0(startup_line(cfg, grid, runtime))
     dtype = runtime.torch_dtype
-    mesh = build_mesh(grid, device)
+    doing("building the model")
+    mesh = grid.device_mesh(device)
     model = build_model(cfg, grid, device, mesh, runtime)
+
+    step, consumed, updates = 0, 0, 0       # updates: optimizer steps taken (skipped steps excluded)
+    total = cfg.training.train_steps
     source = ckpt_dir if cfg.checkpoint.load == "auto" else cfg.checkpoint.load
-    path = resolve_checkpoint(source) if source is not None else None
-    if path is None and source is not None and cfg.checkpoint.load != "auto":
-        raise CheckpointError(f"checkpoint.load={source}: no checkpoint there (no meta.json or latest)")
+    path = None
+    if source is not None:
+        doing(f"verifying the checkpoints in {source}")
+        path = choose_checkpoint(source, explicit=cfg.checkpoint.load != "auto", fallback=cfg.checkpoint.fallback)
     # weights without optimizer state (a converted model) start the run; so does init_from when there is
     # no checkpoint of this run to resume
     initial = path if path is not None and is_weights_only(path) else None if path else cfg.checkpoint.init_from
     if initial is not None:
+        doing(f"loading the initial weights {initial}")
         print0(load_initial_weights(initial, model, cfg, grid, mesh))
         path = None
     opt = build_optimizer(cfg, model, grid)      # fp32 masters from the fp32 weights
     if not cfg.parallel.fsdp:
         model.to(dtype)                          # compute weights (FSDP casts when it gathers)
+    doing("opening the datasets")
     data = TrainingData(cfg, grid, device)
-
-    step, consumed, updates = 0, 0, 0       # updates: optimizer steps taken (skipped steps excluded)
     if path is not None:
+        doing(f"loading the checkpoint {path}")
         meta = load_checkpoint(path, model, opt, grid, mesh, model_shape(cfg, grid.tp_size))
         step, consumed = meta["step"], meta["consumed_samples"]
         updates = meta.get("optimizer_steps", step)
+        if step >= total:
+            last = meta.get("loss")
+            return {"step": step, "loss": float("nan") if last is None else last, "stopped_by": "already_finished"}
         print0(f"resumed from {path} at step {step} ({consumed} samples consumed)")
         if 0 < cfg.training.exit_at_step <= step:
             raise ConfigError(f"the checkpoint {path} is at step {step}, already at or past "
                               f"training.exit_at_step={cfg.training.exit_at_step}: raise exit_at_step "
                               f"(or set it to 0) to continue this run")
 
-    total = cfg.training.train_steps
+    on_rank0(lambda: mark_start(run_dir, step, path))
     logger = MetricsLogger(cfg, run_dir, grid.world, device, total, dtype)
-    flags = _StopFlags()
+    flags = signals or StopSignals()
     start = time.monotonic()
     stopped_by, loss = "train_steps", float("nan")
 
     def save() -> None:
+        doing(f"saving the checkpoint of step {step}")
         save_checkpoint(ckpt_dir, step, model, opt, grid, mesh, keep_last=cfg.checkpoint.keep_last,
                         meta={"consumed_samples": consumed, "optimizer_steps": updates,
+                              "loss": loss if math.isfinite(loss) else None,
                               "model_shape": model_shape(cfg, grid.tp_size),
                               "layout": {"tp": grid.tp_size, "sp": grid.sp_size, "pp": grid.pp_size,
                                          "dp": grid.dp_size}})
 
     batches = data.train_batches(consumed)
-    first_step, saved_at = step, step
+    first_step, saved_at, first_updates = step, step, updates
     try:
         while step < total:
             lr = lr_at(step, cfg.optimizer, total)
-            result = train_step(model, opt, next(batches), grid, lr=lr, grad_clip=cfg.optimizer.grad_clip,
+            doing(f"reading the batch of step {step + 1}")
+            batch = next(batches)
+            doing(f"training step {step + 1}")
+            result = train_step(model, opt, batch, grid, lr=lr, grad_clip=cfg.optimizer.grad_clip,
                                 dtype=dtype, nan_policy=cfg.training.nan_policy)
             step += 1
             updates += not result.skipped
             consumed += cfg.training.global_batch_size
-            loss = result.loss
+            loss = result.loss if math.isfinite(result.loss) else loss   # the last finite loss
             # throughput counts every token processed (masked labels included), as the FLOPs do
             logger.step(step, result.loss, lr, result.grad_norm, cfg.training.global_batch_size * cfg.data.seq_len)
             t0 = time.perf_counter()
             if cfg.training.eval_interval and step % cfg.training.eval_interval == 0:
+                doing(f"validating at step {step}")
                 logger.eval(step, evaluate(model, data.valid_batches(), grid, dtype))
             if cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0:
                 save()
                 saved_at = step
             logger.exclude(time.perf_counter() - t0)   # tokens/s measures training steps only
-            over_time = cfg.training.max_wall_minutes > 0 and time.monotonic() - start > 60 * cfg.training.max_wall_minutes
+            wall_limit = 60 * cfg.training.max_wall_minutes
+            over_time = wall_limit > 0 and time.monotonic() - start > wall_limit
             stop = torch.tensor([float(flags.signalled), float(over_time)], device=device)
+            doing(f"waiting for every rank to finish step {step}")
             comm.all_reduce_(stop, comm.world(), op="max")
             if (stop.any() or step == cfg.training.exit_at_step) and step < total:
                 stopped_by = "signal" if stop[0] else "max_wall_minutes" if stop[1] else "exit_at_step"
                 break
+        if updates == first_updates and step > first_step and stopped_by != "signal":
+            raise NonFiniteLossError(f"every step of this run (steps {first_step + 1} to {step}) was skipped: the "
+                                     f"loss or the gradient norm was never finite, so nothing was learned; lower "
+                                     f"optimizer.lr or check the data")
         if step > first_step and saved_at != step:
             save()
         if stopped_by != "train_steps":
             print0(f"stopped at step {step} ({stopped_by}); checkpoint saved to {ckpt_dir}")
     finally:
-        flags.restore()
+        if signals is None:
+            flags.restore()
         logger.close()
     return {"step": step, "loss": loss, "stopped_by": stopped_by}

@@ -1,4 +1,4 @@
-"""Throughput accounting (FLOPs, MFU), the rank-0 log line, metrics.jsonl and optional wandb.
+"""Throughput accounting (FLOPs, MFU), the rank-0 log line, metrics.jsonl, optional wandb and TensorBoard.
 
 FLOPs per trained token (forward + backward = 3x forward, matmuls at 2 FLOPs per multiply-add):
     6 * N_matmul                      every weight matmul: q, k, v, o, MLP, LM head (not the embedding lookup)
@@ -17,7 +17,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from megalysses.config import Config, ModelConfig
+from megalysses.config import Config, ConfigError, ModelConfig
 
 # peak dense bf16 TFLOP/s by device name fragment
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "GH200": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0,
@@ -57,9 +57,26 @@ def peak_tflops(configured: float, device: torch.device, dtype: torch.dtype = to
     return None
 
 
+def check_logging_backends(cfg: Config) -> None:
+    """The optional logging packages the config asks for are importable; raises ConfigError naming the fix."""
+    if cfg.logging.wandb_mode != "disabled":
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            raise ConfigError(f"logging.wandb_mode={cfg.logging.wandb_mode} needs wandb: pip install "
+                              f"'megalysses[wandb]', or set logging.wandb_mode=disabled") from None
+    if cfg.logging.tensorboard:
+        try:
+            from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+        except ImportError:
+            raise ConfigError("logging.tensorboard=true needs tensorboard: pip install 'megalysses[tensorboard]', "
+                              "or set logging.tensorboard=false") from None
+
+
 class MetricsLogger:
     """Rank 0 writes one JSON object per logged step to <run_dir>/metrics.jsonl, prints a line, and
-    mirrors to wandb when enabled."""
+    mirrors the same scalars, under the same names, to wandb and to TensorBoard event files in
+    <run_dir>/tensorboard when enabled."""
 
     def __init__(self, cfg: Config, run_dir: Path, world: int, device: torch.device, total_steps: int,
                  dtype: torch.dtype = torch.bfloat16) -> None:
@@ -67,7 +84,7 @@ class MetricsLogger:
         self.flops_tok = flops_per_token(cfg.model, cfg.data.seq_len)
         self.peak = peak_tflops(cfg.logging.peak_tflops, device, dtype)
         self.path = run_dir / "metrics.jsonl"
-        self.wandb = None
+        self.wandb = self.tensorboard = None
         self.t_last, self.tokens_since, self.steps_since = time.perf_counter(), 0, 0
         if is_rank0():
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -76,6 +93,10 @@ class MetricsLogger:
 
                 self.wandb = wandb.init(project=cfg.logging.wandb_project, mode=cfg.logging.wandb_mode,
                                         dir=str(run_dir), config=_flatten(cfg))
+            if cfg.logging.tensorboard:
+                from torch.utils.tensorboard import SummaryWriter  # the `tensorboard` extra
+
+                self.tensorboard = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
 
     def step(self, step: int, loss: float, lr: float, grad_norm: float, tokens: int, force: bool = False) -> None:
         self.tokens_since += tokens
@@ -112,12 +133,19 @@ class MetricsLogger:
             return
         with open(self.path, "a") as f:
             f.write(json.dumps(rec) + "\n")
+        scalars = {k: v for k, v in rec.items() if k != "step" and v is not None}
         if self.wandb is not None:
-            self.wandb.log({k: v for k, v in rec.items() if v is not None}, step=rec["step"])
+            self.wandb.log(scalars, step=rec["step"])
+        if self.tensorboard is not None:
+            for k, v in scalars.items():
+                self.tensorboard.add_scalar(k, v, global_step=rec["step"])
+            self.tensorboard.flush()   # a preempted or killed run keeps what it logged
 
     def close(self) -> None:
         if self.wandb is not None:
             self.wandb.finish()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
 
 
 def _peak_mem(device: torch.device) -> float:

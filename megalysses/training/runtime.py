@@ -1,13 +1,15 @@
-"""What a run will use, decided once before anything is built: the compute dtype, the attention backend,
-the kernels. Printed on the start-up line and written to <run_dir>/runtime.json beside config.yaml.
+"""What a run will use, decided once before anything is built: the compute dtype, the sequence-parallel
+factorisation (sp = ulysses x ring) and the padded sequence length, the attention backend, the kernels.
+Printed on the start-up line and written to <run_dir>/runtime.json beside config.yaml.
 
-    runtime = plan_runtime(cfg, device)           # ConfigError when the machine cannot do what cfg asks
+    runtime = plan_runtime(cfg, device, grid)     # ConfigError when the machine cannot do what cfg asks
     model_cfg = runtime.model_config(cfg)          # cfg.model with the concrete backend
     print0(startup_line(cfg, grid, runtime))
 
-Every choice is made here from the device, the installed packages, the head dim, the dtype and the
-masks, so the model, the masks and the log agree: `auto` never picks a backend that cannot run the
-shape, and an explicit backend that cannot run it is a ConfigError before step 1.
+Every choice is made here from the device, the installed packages, the head dim, the dtype, the masks
+and the layout, so the model, the masks and the log agree: `auto` never picks a backend that cannot run
+the shape (with a ring, one that returns the log-sum-exp), and an explicit backend that cannot run it is
+a ConfigError before step 1.
 """
 from __future__ import annotations
 
@@ -19,10 +21,12 @@ from pathlib import Path
 
 import torch
 
-from megalysses.config import Config, ConfigError, ModelConfig
+from megalysses.config import Config, ConfigError, ModelConfig, ulysses_ring
 from megalysses.grid import ParallelGrid
 from megalysses.kernels.attention import flash_attn_func, select_backend
 from megalysses.kernels.triton_support import choose_impl, triton_importable
+from megalysses.training.metrics import check_logging_backends
+from megalysses.parallel.sequence_layout import SequenceLayout
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,9 @@ class Runtime:
     attention_backend: str      # concrete: reference, sdpa, flex or flash
     attention_reason: str
     kernels: str                # torch, triton, liger or apex (norms, RoPE, SwiGLU)
+    ulysses: int = 1            # sp = ulysses x ring
+    ring: int = 1
+    padded_seq_len: int = 0     # data.seq_len rounded up to the layout's multiple (padding labels masked)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -49,36 +56,40 @@ def compute_dtype(cfg: Config, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.training.dtype]
 
 
-def plan_runtime(cfg: Config, device: torch.device) -> Runtime:
-    """Decide dtype, attention backend and kernels for this run; ConfigError names what cannot run here."""
-    m = cfg.model
-    t = cfg.training
+def plan_runtime(cfg: Config, device: torch.device, grid: ParallelGrid | None = None) -> Runtime:
+    """Decide dtype, sp factorisation, attention backend and kernels for this run; ConfigError names what
+    cannot run here. With `grid`, also check that it was built with the same factorisation."""
+    m, p, t = cfg.model, cfg.parallel, cfg.training
     if t.activation_offload and not t.activation_checkpointing:
         raise ConfigError("training.activation_offload=true needs training.activation_checkpointing=true: the "
                           "offloaded tensors are the checkpointed block inputs (set both, or neither)")
-    if t.optimizer_offload and cfg.parallel.fsdp:
+    if t.optimizer_offload and p.fsdp:
         raise ConfigError("training.optimizer_offload=true is for ZeRO-1: with parallel.fsdp=true the optimizer "
                           "state is already sharded with the weights; set one of them to false")
     dtype = compute_dtype(cfg, device)
+    ulysses, ring = ulysses_ring(cfg)
+    if grid is not None and (grid.ulysses_size, grid.ring_size) != (ulysses, ring):
+        raise ConfigError(f"the process grid splits sp={grid.sp_size} as ulysses {grid.ulysses_size} x ring "
+                          f"{grid.ring_size} but the config resolves to ulysses {ulysses} x ring {ring}: build it "
+                          f"with ParallelGrid.for_config(cfg)")
     try:
         backend, reason = select_backend(m.attention_backend, device, dtype, head_dim=m.head_dim,
-                                         has_docs=cfg.data.document_mask, training=True)
+                                         has_docs=cfg.data.document_mask, training=True, ring=ring > 1)
     except (RuntimeError, ValueError) as e:
-        raise ConfigError(f"model.attention_backend={m.attention_backend}: {e}") from None
+        where = f" (this layout runs ring attention: parallel.sp={p.sp} = ulysses {ulysses} x ring {ring})" \
+            if ring > 1 else ""
+        raise ConfigError(f"model.attention_backend={m.attention_backend}: {e}{where}") from None
+    sequence = SequenceLayout(p.sp, ring, p.tp if p.tp_sequence_parallel else 1)
     probe = torch.empty(0, device=device)
     for impl in {"torch": [], "triton": ["triton"], "liger": ["liger"], "apex": ["apex", "triton"]}[m.kernels]:
         try:
             choose_impl(impl, probe, "model.kernels")
         except RuntimeError as e:
             raise ConfigError(f"model.kernels={m.kernels}: {e}") from None
-    if cfg.logging.wandb_mode != "disabled":
-        try:
-            import wandb  # noqa: F401
-        except ImportError:
-            raise ConfigError(f"logging.wandb_mode={cfg.logging.wandb_mode} needs wandb: pip install "
-                              f"'megalysses[wandb]', or set logging.wandb_mode=disabled") from None
+    check_logging_backends(cfg)
     return Runtime(device=str(device), dtype=str(dtype).removeprefix("torch."), attention_backend=backend,
-                   attention_reason=reason, kernels=m.kernels)
+                   attention_reason=reason, kernels=m.kernels, ulysses=ulysses, ring=ring,
+                   padded_seq_len=sequence.padded_len(cfg.data.seq_len))
 
 
 def memory_options(cfg: Config) -> list[str]:
@@ -99,14 +110,23 @@ def memory_options(cfg: Config) -> list[str]:
     return opts
 
 
+def sequence_summary(cfg: Config, runtime: Runtime) -> str:
+    """How the sequence is split: 'sp = ulysses 2 x ring 2, seq_len 250 padded to 256'."""
+    text = f"sp = ulysses {runtime.ulysses} x ring {runtime.ring}"
+    if runtime.padded_seq_len != cfg.data.seq_len:
+        text += f", seq_len {cfg.data.seq_len} padded to {runtime.padded_seq_len}"
+    return text
+
+
 def startup_line(cfg: Config, grid: ParallelGrid, runtime: Runtime) -> str:
     """One line with everything that decides speed and memory."""
     m = cfg.model
     padded = m.padded_vocab_size(grid.tp_size)
     vocab = f"vocab {m.vocab_size}" + (f" (padded to {padded})" if padded != m.vocab_size else "")
     return (f"megalysses: world={grid.world} tp={grid.tp_size} sp={grid.sp_size} pp={grid.pp_size} "
-            f"dp={grid.dp_size} | {runtime.device} {runtime.dtype} | attention {runtime.attention_backend} "
-            f"({runtime.attention_reason}) | kernels {runtime.kernels} | {vocab} | {', '.join(memory_options(cfg))}")
+            f"dp={grid.dp_size} | {sequence_summary(cfg, runtime)} | {runtime.device} {runtime.dtype} | attention "
+            f"{runtime.attention_backend} ({runtime.attention_reason}) | kernels {runtime.kernels} | {vocab} | "
+            f"{', '.join(memory_options(cfg))}")
 
 
 def write_runtime(run_dir: Path, cfg: Config, grid: ParallelGrid, runtime: Runtime) -> None:

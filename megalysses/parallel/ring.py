@@ -1,0 +1,249 @@
+"""Ring attention: exact causal attention over a sequence split across the ring group.
+
+Each of the r ring ranks holds the queries, keys and values of its block of S/r positions (after the
+Ulysses all-to-all, for its share of the heads). The K/V blocks travel around the ring by p2p while
+every rank attends its queries to the block it holds; the partial results are merged with their
+log-sum-exp (online softmax), so the result is exact.
+
+Zigzag partition (parallel/sequence_layout.py): the sequence is cut into 2r chunks of c = S/(2r) and
+ring rank i holds chunks i and 2r-1-i. Against the block of ring rank j:
+    j == i   the whole block, causal (the queries and keys are the same positions, in order)
+    j <  i   every query of i sees the first chunk of j (j < i), none of its second (2r-1-j > 2r-1-i)
+    j >  i   only the second chunk of i (2r-1-i > j) sees, and it sees all of j
+so every step but the first costs half a block, on every rank: the causal work is balanced.
+
+Packed documents: the full-sequence doc_ids, which every rank already has, give the document of every
+position, so each rank knows the mask of every block it will receive (`RingMask`, built once per step
+and shared by every layer); nothing but K and V travels.
+
+Forward (r steps): post the exchange that brings the next K/V block (send to rank i+1, receive from
+i-1), attend to the current block, merge, wait. Backward: the K/V blocks travel the same way again;
+each rank adds its dQ and its part of the held block's dK/dV, and the dK/dV accumulators travel one
+step behind the blocks, so after the last step one more hop brings each home (r-1 K/V hops and r dK/dV
+hops). Only q, k, v, the output and the LSE of the local block are kept for the backward.
+
+    mask = RingMask(doc_ids, ring_rank, ring_size, seq_len)           # once per step
+    out = ring_attention(q, k, v, ring_group, mask, backend)          # (B, S/r, Hq, D)
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable, Iterator, Optional
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from megalysses import comm
+from megalysses.comm import Group
+from megalysses.kernels.attention import select_backend
+from megalysses.kernels.block_attention import AttentionBlock, block_attention, block_attention_backward, merge_block
+from megalysses.parallel.sequence_layout import SequenceLayout
+
+
+class RingMask:
+    """The blocks ring rank `ring_rank` attends to over a (padded) sequence of `seq_len` positions: which
+    rows and columns of each block take part and which pairs may attend (causal, same document).
+
+    doc_ids: (B, seq_len) document id of every position of the full sequence, or None (plain causal)."""
+
+    def __init__(self, doc_ids: Optional[Tensor], ring_rank: int, ring_size: int, seq_len: int,
+                 device: Optional[torch.device] = None) -> None:
+        if seq_len % (2 * ring_size):
+            raise ValueError(f"ring attention: sequence length {seq_len} is not a multiple of 2 * ring = "
+                             f"{2 * ring_size} (zigzag chunks); pad it (SequenceLayout.padded_len)")
+        if doc_ids is not None and doc_ids.shape[-1] != seq_len:
+            raise ValueError(f"doc_ids cover {doc_ids.shape[-1]} positions but the sequence has {seq_len}")
+        self.rank, self.size, self.seq_len = ring_rank, ring_size, seq_len
+        self.half = seq_len // (2 * ring_size)
+        self.device = doc_ids.device if device is None and doc_ids is not None else device
+        self.doc_ids = doc_ids
+        self._layout = SequenceLayout(sp=ring_size, ring=ring_size)
+        self._blocks: dict[int, AttentionBlock] = {}
+
+    def docs_of(self, ring_rank: int) -> Optional[Tensor]:
+        """(B, S/r) document ids of ring rank `ring_rank`'s block."""
+        if self.doc_ids is None:
+            return None
+        idx = torch.from_numpy(self._layout.ring_positions(self.seq_len, ring_rank)).to(self.doc_ids.device)
+        return self.doc_ids.index_select(1, idx)
+
+    def rows(self, j: int) -> slice:
+        """The query rows of this rank that attend to block j."""
+        return slice(self.half, None) if j > self.rank else slice(None)
+
+    def cols(self, j: int) -> slice:
+        """The key columns of block j that this rank's queries attend to."""
+        return slice(None, self.half) if j < self.rank else slice(None)
+
+    def block(self, j: int) -> AttentionBlock:
+        if j not in self._blocks:
+            mine, theirs = self.docs_of(self.rank), self.docs_of(j)
+            q_docs = None if mine is None else mine[:, self.rows(j)]
+            k_docs = None if theirs is None else theirs[:, self.cols(j)]
+            self._blocks[j] = AttentionBlock(causal=j == self.rank, q_docs=q_docs, k_docs=k_docs)
+        return self._blocks[j]
+
+
+def _schedule(rank: int, size: int) -> list[int]:
+    """The ring rank whose block this rank holds at each step: its own, then i-1, i-2, ..."""
+    return [(rank - t) % size for t in range(size)]
+
+
+def _rotate(kv: Tensor, group: Group) -> Iterator[Tensor]:
+    """This rank's K/V block, then each block arriving from the previous rank; the exchange bringing the
+    next one is posted before the current one is handed out, so it travels while the caller computes."""
+    size = comm.group_size(group)
+    for t in range(size):
+        pending = comm.ring_exchange([kv], group) if t + 1 < size else None
+        yield kv
+        if pending is not None:
+            (kv,) = pending.wait()
+
+
+def _forward_blocks(q: Tensor, blocks: Iterable[tuple[int, Tensor]], mask: RingMask, backend: str,
+                    scale: float) -> tuple[Tensor, Tensor, object]:
+    """Attend q (B, S/r, Hq, D) to every (j, kv (2, B, S/r, Hkv, D)) in turn and merge: fp32 out and
+    lse (B, Hq, S/r), plus the first block's aux (kernel state the backward hands back)."""
+    B, s, H, D = q.shape
+    out = torch.zeros(B, s, H, D, dtype=torch.float32, device=q.device)
+    lse = torch.full((B, H, s), float("-inf"), dtype=torch.float32, device=q.device)
+    aux = None
+    for j, kv in blocks:
+        rows, cols = mask.rows(j), mask.cols(j)
+        o, block_lse, block_aux = block_attention(q[:, rows], kv[0][:, cols], kv[1][:, cols], mask.block(j), backend,
+                                                  scale)
+        merge_block(out[:, rows], lse[:, :, rows], o, block_lse)
+        aux = block_aux if aux is None else aux
+    return out, lse, aux
+
+
+def _backward_block(dq: Tensor, dout: Tensor, q: Tensor, kv: Tensor, out: Tensor, lse: Tensor, mask: RingMask,
+                    j: int, backend: str, scale: float, aux: object) -> Tensor:
+    """Add this rank's dQ against block j into dq (fp32) and return its part of block j's (dK, dV),
+    fp32 (2, B, S/r, Hkv, D)."""
+    rows, cols = mask.rows(j), mask.cols(j)
+    gq, gk, gv = block_attention_backward(dout[:, rows], q[:, rows], kv[0][:, cols], kv[1][:, cols], out[:, rows],
+                                          lse[:, :, rows], mask.block(j), backend, scale, aux)
+    dq[:, rows] += gq.float()
+    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+    dkv[0][:, cols] = gk.float()
+    dkv[1][:, cols] = gv.float()
+    return dkv
+
+
+class _RingAttention(torch.autograd.Function):
+    """Forward: r steps over the ring; at each, post the exchange bringing the next K/V block, attend to
+    the block held, merge with the log-sum-exp. Backward: the K/V blocks travel again, dQ accumulates
+    here, and each block's dK/dV accumulator travels with it, one more hop bringing it home."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, group: Group, mask: RingMask, backend: str,
+                scale: float) -> Tensor:
+        kv = torch.stack([k, v])                                          # (2, B, S/r, Hkv, D): one message
+        schedule = _schedule(mask.rank, mask.size)
+        out, lse, aux = _forward_blocks(q, zip(schedule, _rotate(kv, group)), mask, backend, scale)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, kv, out, lse)
+        ctx.group, ctx.mask, ctx.backend, ctx.scale, ctx.aux = group, mask, backend, scale, aux
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: Tensor):
+        q, kv, out, lse = ctx.saved_tensors
+        group, mask = ctx.group, ctx.mask
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dkv = None          # the accumulator of the block held at the previous step
+        schedule = _schedule(mask.rank, mask.size)
+        for t, j in enumerate(schedule):
+            sends = ([kv] if t + 1 < mask.size else []) + ([dkv] if dkv is not None else [])
+            pending = comm.ring_exchange(sends, group) if sends else None
+            mine = _backward_block(dq, dout, q, kv, out, lse, mask, j, ctx.backend, ctx.scale, ctx.aux)
+            received = pending.wait() if pending is not None else []
+            if t + 1 < mask.size:
+                kv = received.pop(0)
+            dkv = mine if t == 0 else received.pop(0) + mine              # block j, every rank up to here
+        (home,) = comm.ring_exchange([dkv], group).wait()                 # this rank's block, complete
+        return dq.to(q.dtype), home[0].to(kv.dtype), home[1].to(kv.dtype), None, None, None, None
+
+
+def resolve_ring_backend(backend: str, q: Tensor, mask: RingMask) -> str:
+    """The concrete block backend for `backend` ("auto" or a name) on q's device and dtype."""
+    training = torch.is_grad_enabled() and q.requires_grad
+    return select_backend(backend, q.device, q.dtype, q.shape[-1], mask.doc_ids is not None, training, ring=True)[0]
+
+
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: Group, mask: RingMask, backend: str = "auto",
+                   scale: Optional[float] = None) -> Tensor:
+    """Exact causal (document-masked) attention of this ring rank's block against the whole sequence.
+
+    q: (B, S/r, Hq, D), k, v: (B, S/r, Hkv, D), the zigzag block of ring rank `mask.rank` (its chunks i
+    and 2r-1-i) -> (B, S/r, Hq, D); differentiable in q, k and v."""
+    if comm.group_size(group) != mask.size or comm.group_rank(group) != mask.rank:
+        raise ValueError(f"the ring mask is for rank {mask.rank} of {mask.size}, the group has rank "
+                         f"{comm.group_rank(group)} of {comm.group_size(group)}")
+    if q.shape[1] * mask.size != mask.seq_len:
+        raise ValueError(f"q holds {q.shape[1]} positions; ring rank blocks of a {mask.seq_len}-long sequence "
+                         f"over {mask.size} ranks hold {mask.seq_len // mask.size}")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    name = resolve_ring_backend(backend, q, mask)
+    return _RingAttention.apply(q, k, v, group, mask, name, scale)
+
+
+# ----------------------------------------------------------------------------- the ring on one device
+
+class _Blockwise(torch.autograd.Function):
+    """What the r ranks of a ring compute, on one device without communication: for each ring rank, the
+    same blocks, kernels and merge as `_RingAttention`. Forward and backward as there."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, masks: list, backend: str, scale: float) -> Tensor:
+        r = len(masks)
+        qs, kvs = q.chunk(r, dim=1), torch.stack([k, v]).chunk(r, dim=2)
+        outs, lses, auxes = [], [], []
+        for i, mask in enumerate(masks):
+            schedule = _schedule(i, r)
+            out, lse, aux = _forward_blocks(qs[i], ((j, kvs[j]) for j in schedule), mask, backend, scale)
+            outs.append(out.to(q.dtype))
+            lses.append(lse)
+            auxes.append(aux)
+        out = torch.cat(outs, dim=1)
+        ctx.save_for_backward(q, k, v, out, *lses)
+        ctx.masks, ctx.backend, ctx.scale, ctx.auxes = masks, backend, scale, auxes
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: Tensor):
+        q, k, v, out, *lses = ctx.saved_tensors
+        r = len(ctx.masks)
+        qs, outs, douts = q.chunk(r, dim=1), out.chunk(r, dim=1), dout.chunk(r, dim=1)
+        kvs = torch.stack([k, v]).chunk(r, dim=2)
+        dqs = [torch.zeros(x.shape, dtype=torch.float32, device=q.device) for x in qs]
+        dkvs = [torch.zeros(x.shape, dtype=torch.float32, device=q.device) for x in kvs]
+        for i, mask in enumerate(ctx.masks):
+            for j in _schedule(i, r):
+                dkvs[j] += _backward_block(dqs[i], douts[i], qs[i], kvs[j], outs[i], lses[i], mask, j, ctx.backend,
+                                           ctx.scale, ctx.auxes[i])
+        dkv = torch.cat(dkvs, dim=2)
+        return torch.cat(dqs, dim=1).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+
+
+def blockwise_attention(q: Tensor, k: Tensor, v: Tensor, ring_size: int, doc_ids: Optional[Tensor] = None,
+                        backend: str = "auto", scale: Optional[float] = None) -> Tensor:
+    """Causal attention over a whole sequence computed as a ring of `ring_size` ranks would, on one device:
+    q (B, S, Hq, D), k, v (B, S, Hkv, D) in natural order -> (B, S, Hq, D). For tests and for timing the
+    block-wise kernels and merge against single-pass attention; S must be a multiple of 2 * ring_size."""
+    S = q.shape[1]
+    layout = SequenceLayout(sp=ring_size, ring=ring_size)
+    masks = [RingMask(doc_ids, i, ring_size, S, q.device) for i in range(ring_size)]
+    order = torch.from_numpy(_zigzag_order(layout, S)).to(q.device)   # ring rank 0's block, then 1's, ...
+    zq, zk, zv = (t.index_select(1, order) for t in (q, k, v))
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    name = resolve_ring_backend(backend, q, masks[0])
+    out = _Blockwise.apply(zq, zk, zv, masks, name, scale)
+    return torch.empty_like(out).index_copy(1, order, out)
+
+
+def _zigzag_order(layout: SequenceLayout, seq_len: int) -> np.ndarray:
+    """Global positions of every ring rank's block, ring rank 0 first (a permutation of the sequence)."""
+    return np.concatenate([layout.ring_positions(seq_len, i) for i in range(layout.ring)])

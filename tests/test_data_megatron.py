@@ -1,0 +1,186 @@
+"""Megatron-LM's tools/preprocess_data.py command lines run unchanged and write the bytes Megatron-LM
+writes. The reference is independent of our code: token ids from transformers / sentencepiece as
+Megatron's tokenizer wrappers produce them, and the .bin/.idx packed field by field with struct
+following Megatron's encode + IndexedDatasetBuilder rules (empty sentences dropped, EOD appended to
+non-empty documents only, an empty document is a document boundary with no sequence, partitions
+dealt round-robin or in blocks and merged in partition order)."""
+import json
+import math
+import shlex
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megalysses.tools import preprocess_data, train_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+WORDS = ["alpha", "beta", "gamma", "def", "return", "héllo", "wörld", "✓", "  ", "\n", "x=1;", "data"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("megatron")
+    rng = np.random.default_rng(0)
+    rows = []
+    for i in range(37):
+        text = " ".join(WORDS[j] for j in rng.integers(0, len(WORDS), size=rng.integers(0, 25)))
+        rows.append({"text": "" if i % 6 == 0 else text, "title": f"title {i}"})
+    rows[4]["text"] = ["first sentence.", "", "second sentence"]   # a pre-split document
+    path = tmp / "corpus.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    numbers = tmp / "numbers.jsonl"
+    numbers.write_text("".join(json.dumps({"text": " ".join(str((7 * i + k) % 90) for k in range(i % 5 + 1))}) + "\n"
+                               for i in range(23)))
+    return {"dir": tmp, "jsonl": str(path), "rows": rows, "numbers": str(numbers)}
+
+
+@pytest.fixture(scope="module")
+def tokenizers_dir(corpus):
+    """A Llama-3-like tokenizer.json folder (BOS added by the post-processor), GPT-2 vocab.json +
+    merges.txt, and a sentencepiece model, all trained on the corpus."""
+    from tokenizers import ByteLevelBPETokenizer, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tmp, texts = corpus["dir"], [" ".join(WORDS) * 3] * 20
+    hf = Tokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    hf.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=320, special_tokens=[
+        "<|begin_of_text|>", "<|end_of_text|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    hf.post_processor = processors.TemplateProcessing(
+        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", hf.token_to_id("<|begin_of_text|>"))])
+    (tmp / "llama").mkdir()
+    hf.save(str(tmp / "llama" / "tokenizer.json"))
+    (tmp / "llama" / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>",
+        "eos_token": "<|end_of_text|>"}))
+    gpt2 = ByteLevelBPETokenizer()
+    gpt2.train_from_iterator(texts, vocab_size=300, special_tokens=["<|endoftext|>"])
+    (tmp / "gpt2").mkdir()
+    gpt2.save_model(str(tmp / "gpt2"))
+    sp = train_tokenizer.main(["--input", corpus["jsonl"], "--model-prefix", str(tmp / "sp"), "--vocab-size", "330",
+                               "--byte-fallback", "--num-threads", "1"])
+    return {"llama": str(tmp / "llama"), "vocab": str(tmp / "gpt2" / "vocab.json"),
+            "merges": str(tmp / "gpt2" / "merges.txt"), "sp": sp}
+
+
+def megatron_bytes(docs, encode, eod, vocab_size, partitions=1, sequential=False):
+    """The .bin and .idx Megatron-LM writes for `docs` (each a str or a list of sentences)."""
+    dtype = np.uint16 if vocab_size < 65500 else np.int32
+    encoded = []
+    for text in docs:
+        ids, lens = [], []
+        for sentence in (text if isinstance(text, list) else [text]):
+            sentence_ids = encode(sentence)
+            if sentence_ids:
+                ids += sentence_ids
+                lens.append(len(sentence_ids))
+        if ids and eod is not None:
+            ids.append(eod)
+            lens[-1] += 1
+        encoded.append((ids, lens))
+    if partitions > 1:
+        size = math.ceil(len(docs) / partitions)
+        part = [i // size if sequential else i % partitions for i in range(len(docs))]
+        encoded = [e for p in range(partitions) for e, q in zip(encoded, part) if q == p]
+    tokens = [t for ids, _ in encoded for t in ids]
+    lengths = [n for _, lens in encoded for n in lens]
+    doc_index = [0]
+    for _, lens in encoded:
+        doc_index.append(doc_index[-1] + len(lens))
+    pointers = [0]
+    for n in lengths[:-1]:
+        pointers.append(pointers[-1] + n * np.dtype(dtype).itemsize)
+    code = {np.uint16: 8, np.int32: 4}[dtype]
+    idx = b"MMIDIDX\x00\x00" + struct.pack("<Q", 1) + struct.pack("<B", code)
+    idx += struct.pack("<Q", len(lengths)) + struct.pack("<Q", len(doc_index))
+    idx += struct.pack(f"<{len(lengths)}i", *lengths) + struct.pack(f"<{len(pointers)}q", *pointers[:len(lengths)])
+    idx += struct.pack(f"<{len(doc_index)}q", *doc_index)
+    return np.asarray(tokens, dtype=dtype).tobytes(), idx
+
+
+def run_cmd(cmd: str, tmp: Path, subprocess_run: bool = False) -> None:
+    argv = shlex.split(cmd)
+    assert argv[:2] == ["python", "tools/preprocess_data.py"]
+    if subprocess_run:
+        subprocess.run([sys.executable, *argv[1:]], cwd=ROOT, check=True, capture_output=True, timeout=120)
+    else:
+        preprocess_data.main(argv[2:])
+
+
+def check(out: str, key: str, expected) -> None:
+    assert Path(f"{out}_{key}_document.bin").read_bytes() == expected[0]
+    assert Path(f"{out}_{key}_document.idx").read_bytes() == expected[1]
+
+
+def test_huggingface_tokenizer_command_line(corpus, tokenizers_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    ref = AutoTokenizer.from_pretrained(tokenizers_dir["llama"])   # what Megatron's HuggingFaceTokenizer wraps
+    out = tmp_path / "hf"
+    run_cmd(f"python tools/preprocess_data.py --input {corpus['jsonl']} --output-prefix {out} "
+            f"--tokenizer-type HuggingFaceTokenizer --tokenizer-model {tokenizers_dir['llama']} "
+            f"--json-keys text title --append-eod --workers 2 --log-interval 1000", tmp_path, subprocess_run=True)
+    for key in ("text", "title"):
+        check(out, key, megatron_bytes([r[key] for r in corpus["rows"]], lambda t: ref(t).input_ids,
+                                       ref.eos_token_id, len(ref)))
+    out = tmp_path / "hf_plain"
+    run_cmd(f"python tools/preprocess_data.py --input {corpus['jsonl']} --output-prefix {out} "
+            f"--tokenizer-type HuggingFaceTokenizer --tokenizer-model {tokenizers_dir['llama']} --append-eod "
+            f"--workers 1 --tokenizer-hf-no-include-special-tokens", tmp_path)
+    check(out, "text", megatron_bytes([r["text"] for r in corpus["rows"]],
+                                      lambda t: ref(t, add_special_tokens=False).input_ids, ref.eos_token_id, len(ref)))
+
+
+def test_gpt2_bpe_command_line(corpus, tokenizers_dir, tmp_path):
+    from transformers import GPT2Tokenizer
+
+    ref = GPT2Tokenizer(tokenizers_dir["vocab"], tokenizers_dir["merges"])   # the pure-Python GPT-2 BPE
+    out = tmp_path / "gpt2"
+    run_cmd(f"python tools/preprocess_data.py --input {corpus['jsonl']} --output-prefix {out} --vocab-file "
+            f"{tokenizers_dir['vocab']} --merge-file {tokenizers_dir['merges']} --tokenizer-type GPT2BPETokenizer "
+            f"--append-eod --workers 1 --dataset-impl mmap", tmp_path)
+    check(out, "text", megatron_bytes([r["text"] for r in corpus["rows"]], lambda t: ref(t).input_ids,
+                                      ref.convert_tokens_to_ids("<|endoftext|>"), len(ref)))
+
+
+@pytest.mark.parametrize("kind,partitions,sequential", [("SentencePieceTokenizer", 1, False),
+                                                        ("Llama2Tokenizer", 2, False),
+                                                        ("GPTSentencePieceTokenizer", 3, True)])
+def test_sentencepiece_command_lines(corpus, tokenizers_dir, tmp_path, kind, partitions, sequential):
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=tokenizers_dir["sp"])
+    out = tmp_path / "sp"
+    run_cmd(f"python tools/preprocess_data.py --input {corpus['jsonl']} --output-prefix {out} --tokenizer-type "
+            f"{kind} --tokenizer-model {tokenizers_dir['sp']} --append-eod --workers {partitions} --partitions "
+            f"{partitions} {'--keep-sequential-samples' if sequential else ''} --keep-newlines --lang english",
+            tmp_path)
+    check(out, "text", megatron_bytes([r["text"] for r in corpus["rows"]], sp.encode_as_ids, sp.eos_id(),
+                                      sp.get_piece_size(), partitions, sequential))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sp_text_document.bin", "sp_text_document.idx"]
+
+
+def test_null_tokenizer_command_line(corpus, tmp_path):
+    out = tmp_path / "null"
+    run_cmd(f"python tools/preprocess_data.py --input {corpus['numbers']} --output-prefix {out} --tokenizer-type "
+            f"NullTokenizer --vocab-size 90 --append-eod --workers 1", tmp_path)
+    texts = [json.loads(line)["text"] for line in open(corpus["numbers"])]
+    check(out, "text", megatron_bytes(texts, lambda t: [int(x) for x in t.split(" ")], 89, 90))
+
+
+def test_empty_documents_are_written_as_megatron_writes_them(corpus, tmp_path, capsys):
+    out = tmp_path / "bytes"
+    result = preprocess_data.main(["--input", corpus["jsonl"], "--output-prefix", str(out), "--append-eod"])
+    texts = ["".join(r["text"]) if isinstance(r["text"], list) else r["text"] for r in corpus["rows"]]
+    empty = sum(not t for t in texts)
+    assert empty >= 7 and result["empty"] == empty
+    assert f"warning: {empty} documents are empty after tokenization" in capsys.readouterr().err
+    from megalysses.data.indexed import IndexedDataset
+    ds = IndexedDataset(f"{out}_text_document")
+    assert ds.num_documents == len(texts) and len(ds) == len(texts) - empty + 1  # + 1: the 2-sentence document
+    assert np.all(ds.sequence_lengths > 0) and ds.num_tokens == sum(len(t.encode()) + 1 for t in texts if t)
+    assert ds.document_indices[1] == ds.document_indices[0]          # document 0 is empty: no sequence

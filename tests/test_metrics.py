@@ -1,0 +1,86 @@
+"""Metrics sinks: TensorBoard event files carry the scalars of metrics.jsonl; a missing package is a config error."""
+import json
+import math
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from megalysses.config import ConfigError, load_config
+from megalysses.grid import ParallelGrid
+from megalysses.training import metrics
+from megalysses.training.loop import train
+from megalysses.training.metrics import check_logging_backends
+
+TINY = ["data.mock=true", "data.seq_len=32", "model.vocab_size=128", "model.hidden_size=32", "model.num_layers=2",
+        "model.num_heads=4", "model.attention_backend=sdpa", "training.global_batch_size=4",
+        "training.micro_batch_size=1", "training.train_steps=4", "logging.log_interval=2",
+        "training.eval_interval=4", "training.eval_steps=1", "parallel.timeout_seconds=60"]
+
+
+@pytest.fixture
+def world_of_one(tmp_path):
+    """A one-rank gloo group in this process: a training run without spawning ranks."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _logged(run):
+    """metrics.jsonl as {name: [(step, value), ...]}, None values left out."""
+    points: dict[str, list[tuple[int, float]]] = {}
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        for key, value in rec.items():
+            if key != "step" and value is not None:
+                points.setdefault(key, []).append((rec["step"], value))
+    return points
+
+
+def test_tensorboard_holds_the_logged_scalars(tmp_path, world_of_one):
+    run = tmp_path / "run"
+    cfg = load_config(overrides=TINY + [f"logging.run_dir={run}", "logging.tensorboard=true"])
+    train(cfg, ParallelGrid(tp=1, sp=1, pp=1), torch.device("cpu"))
+    assert len(list((run / "tensorboard").glob("events.out.tfevents.*"))) == 1
+    want = _logged(run)
+    assert {"loss", "lr", "grad_norm", "tokens_per_s", "val_loss"} <= want.keys()
+    assert [s for s, _ in want["loss"]] == [2, 4] and [s for s, _ in want["val_loss"]] == [4]
+
+    acc = EventAccumulator(str(run / "tensorboard"))
+    acc.Reload()
+    assert set(acc.Tags()["scalars"]) == want.keys()   # mfu is None on CPU: absent from both
+    for key, points in want.items():
+        got = [(e.step, e.value) for e in acc.Scalars(key)]
+        assert [s for s, _ in got] == [s for s, _ in points], key
+        for (_, g), (_, w) in zip(got, points, strict=True):
+            assert math.isclose(g, w, rel_tol=1e-6, abs_tol=1e-12), (key, g, w)
+
+
+def test_only_rank0_writes(tmp_path, monkeypatch):
+    monkeypatch.setattr(metrics, "is_rank0", lambda: False)
+    cfg = load_config(overrides=TINY + [f"logging.run_dir={tmp_path}/run", "logging.tensorboard=true"])
+    logger = metrics.MetricsLogger(cfg, tmp_path / "run", 2, torch.device("cpu"), total_steps=4)
+    logger.step(2, 1.0, 1e-3, 0.5, 64)
+    logger.eval(2, 1.0)
+    logger.close()
+    assert not (tmp_path / "run").exists()
+
+
+def test_missing_logging_packages_are_config_errors(monkeypatch):
+    def cfg(*overrides):
+        return load_config(overrides=["data.mock=true", *overrides])
+
+    check_logging_backends(cfg("logging.tensorboard=true"))   # installed with the test extra
+    monkeypatch.setitem(sys.modules, "tensorboard", None)     # as if the package were absent
+    monkeypatch.delitem(sys.modules, "torch.utils.tensorboard", raising=False)
+    check_logging_backends(cfg("logging.tensorboard=false"))
+    with pytest.raises(ConfigError, match=r"logging.tensorboard=true needs tensorboard: pip install "
+                                          r"'megalysses\[tensorboard\]'"):
+        check_logging_backends(cfg("logging.tensorboard=true"))
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(ConfigError, match=r"logging.wandb_mode=offline needs wandb"):
+        check_logging_backends(cfg("logging.wandb_mode=offline"))
