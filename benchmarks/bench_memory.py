@@ -60,7 +60,6 @@ def run_length(cfg: Config, device: torch.device) -> dict:
 
     from megalysses.grid import ParallelGrid
     from megalysses.measure import measure_peak
-    from megalysses.training.checkpoint import build_mesh
     from megalysses.training.loop import build_model, build_optimizer
     from megalysses.training.metrics import flops_per_token, peak_tflops
     from megalysses.training.runtime import plan_runtime
@@ -73,10 +72,10 @@ def run_length(cfg: Config, device: torch.device) -> dict:
             store = Path(tempfile.mkdtemp()) / "store"
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{store}",
                                     rank=0, world_size=1)
-    runtime = plan_runtime(cfg, device)
     grid = ParallelGrid.single()
+    runtime = plan_runtime(cfg, device, grid)
     if cfg.parallel.fsdp:
-        mesh = build_mesh(grid, device)
+        mesh = grid.device_mesh(device)
     model = build_model(cfg, grid, device, mesh, runtime)
     opt = build_optimizer(cfg, model, grid)
     model.to(runtime.torch_dtype)

@@ -160,7 +160,8 @@ def _measure_layouts(rank: int, world: int) -> dict:
     out = {}
     for name, (tp, sp, seq_par, option) in LAYOUTS.items():
         opts = OPTIONS[option]
-        groups = ParallelGroups(tp=group if tp > 1 else None, sp=group if sp > 1 else None, sequence_parallel=seq_par)
+        groups = ParallelGroups(tp=group if tp > 1 else None, ulysses=group if sp > 1 else None,
+                                sequence_parallel=seq_par)
         out[name] = [_measure(_layout_cfg(name), n, opts, groups, tp_rank=rank if tp > 1 else 0,
                               sp_rank=rank if sp > 1 else 0) for n in (S, 2 * S)]
     out["peak"] = _step_peaks(rank, world)
@@ -229,7 +230,6 @@ LAYOUT_PEAKS = {   # name: overrides on 2 ranks
 def measured_step_peak(overrides: list[str], world: int = 1, exclude_host: bool = False) -> tuple[int, float]:
     """(the measured peak of live bytes over one training step, the model's prediction) on this rank;
     `exclude_host`: leave out the activation offload's host copies (CPU tensors here)."""
-    from megalysses.training.checkpoint import build_mesh
     from megalysses.training.loop import build_model, build_optimizer
     from megalysses.training.runtime import plan_runtime
     from megalysses.training.step import train_step
@@ -237,9 +237,9 @@ def measured_step_peak(overrides: list[str], world: int = 1, exclude_host: bool 
     cfg = load_config(overrides=STEP + overrides)
     device = torch.device("cpu")
     p = cfg.parallel
-    grid = ParallelGrid(tp=p.tp, sp=p.sp, pp=p.pp) if world > 1 else ParallelGrid.single()
-    runtime = plan_runtime(cfg, device)
-    model = build_model(cfg, grid, device, build_mesh(grid, device), runtime)
+    grid = ParallelGrid.for_config(cfg) if world > 1 else ParallelGrid.single()
+    runtime = plan_runtime(cfg, device, grid)
+    model = build_model(cfg, grid, device, grid.device_mesh(device), runtime)
     opt = build_optimizer(cfg, model, grid)
     model.to(runtime.torch_dtype)
     g = torch.Generator().manual_seed(0)

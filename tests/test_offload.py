@@ -39,16 +39,15 @@ def one_step(overrides: list[str], world: int) -> dict:
     """Build the model and optimizer of a run, take one training step and return its loss, the reduced
     gradients (this rank's fp32 shards, before the update) and the offloaders' statistics."""
     from megalysses.training import loop
-    from megalysses.training.checkpoint import build_mesh
     from megalysses.training.data import TrainingData
     from megalysses.training.step import train_step
 
     cfg = load_config(overrides=BASE + overrides)
     device = torch.device("cpu")
     p = cfg.parallel
-    grid = ParallelGrid(tp=p.tp, sp=p.sp, pp=p.pp) if world > 1 else ParallelGrid.single()
-    runtime = plan_runtime(cfg, device)
-    model = loop.build_model(cfg, grid, device, build_mesh(grid, device), runtime)
+    grid = ParallelGrid.for_config(cfg) if world > 1 else ParallelGrid.single()
+    runtime = plan_runtime(cfg, device, grid)
+    model = loop.build_model(cfg, grid, device, grid.device_mesh(device), runtime)
     opt = loop.build_optimizer(cfg, model, grid)
     if not p.fsdp:
         model.to(runtime.torch_dtype)

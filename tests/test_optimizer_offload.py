@@ -24,7 +24,6 @@ RUNS = {   # name: overrides (world from the caller)
 def train(overrides: list[str], world: int, steps: int = 3) -> dict:
     """`steps` optimizer steps; returns losses, norms, this rank's weights and optimizer state."""
     from megalysses.training import loop
-    from megalysses.training.checkpoint import build_mesh
     from megalysses.training.data import TrainingData
     from megalysses.training.runtime import plan_runtime
     from megalysses.training.step import train_step
@@ -32,9 +31,9 @@ def train(overrides: list[str], world: int, steps: int = 3) -> dict:
     cfg = load_config(overrides=BASE + overrides)
     device = torch.device("cpu")
     p = cfg.parallel
-    grid = ParallelGrid(tp=p.tp, sp=p.sp, pp=p.pp) if world > 1 else ParallelGrid.single()
-    runtime = plan_runtime(cfg, device)
-    model = loop.build_model(cfg, grid, device, build_mesh(grid, device), runtime)
+    grid = ParallelGrid.for_config(cfg) if world > 1 else ParallelGrid.single()
+    runtime = plan_runtime(cfg, device, grid)
+    model = loop.build_model(cfg, grid, device, grid.device_mesh(device), runtime)
     opt = loop.build_optimizer(cfg, model, grid)
     model.to(runtime.torch_dtype)
     batches = TrainingData(cfg, grid, device).train_batches(0)
