@@ -54,7 +54,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
-from megalysses.config import Config, ModelConfig
+from megalysses.config import Config, ModelConfig, ulysses_ring
 
 GIB = 1024 ** 3
 
@@ -111,11 +111,24 @@ KERNELS: dict[str, Kernels] = {
 
 @dataclass(frozen=True)
 class Layout:
+    """The process grid: sp = ulysses x ring (parallel.sp, parallel.sp_ring as config.check_heads resolves
+    them)."""
+
     tp: int = 1
     sp: int = 1
     pp: int = 1
     dp: int = 1
     virtual_stages: int = 1
+    ring: int = 1
+
+    def __post_init__(self) -> None:
+        if self.ring < 1 or self.sp % self.ring:
+            raise ValueError(f"memory model: the ring degree {self.ring} must divide sp={self.sp} "
+                             f"(sp = ulysses x ring)")
+
+    @property
+    def ulysses(self) -> int:
+        return self.sp // self.ring
 
     @property
     def world(self) -> int:
@@ -189,13 +202,19 @@ def kv_replication(kv_heads: int, sp: int) -> int:
 
 
 def _dims(m: ModelConfig, layout: Layout, opts: Options) -> dict[str, Any]:
-    t, P = layout.tp, layout.sp
+    """Sizes per S/sp token on one rank. P: the Ulysses degree (all-to-alls, KV replication); ring: the
+    ring degree (ring attention keeps its own copies and expands KV heads inside its kernels only)."""
+    t, P, ring = layout.tp, layout.ulysses, layout.ring
+    if ring > 1 and opts.attention == "reference":
+        raise ValueError(f"memory model: ring attention (sp={layout.sp} = ulysses {P} x ring {ring}) with the "
+                         f"reference backend keeps dense S/ring x S/ring masks and fp32 scores per block, which "
+                         f"the model does not count; plan with sdpa, flash or flex")
     hq, hk = m.num_heads // t, m.kv_heads // t
     rep = kv_replication(hk, P)
     q, kv = hq * m.head_dim, hk * rep * m.head_dim           # per S/sp token on one tp rank
-    expand = (opts.attention == "reference" or not opts.native_gqa) and hq != hk * rep
+    expand = ring == 1 and (opts.attention == "reference" or not opts.native_gqa) and hq != hk * rep
     return {"h": m.hidden_size, "r": t if opts.tp_sequence_parallel else 1, "q": q, "kv": kv, "hq": hq,
-            "qkv": q + 2 * hk * m.head_dim, "f": m.ffn_size / t, "expand": expand, "P": P,
+            "qkv": q + 2 * hk * m.head_dim, "f": m.ffn_size / t, "expand": expand, "P": P, "ring": ring,
             "k": KERNELS[opts.kernels]}
 
 
@@ -250,6 +269,13 @@ def layer_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, 
 
 def _attention_terms(d: dict, opts: Options, a: int, seq_len: int) -> PerToken:
     q, kv, P = d["q"], d["kv"], d["P"]
+    if d["ring"] > 1:      # parallel/ring.py keeps q, its own stack of k and v, the output and the LSE
+        terms = [("q, k, v (the all-to-all buffer q is a view of)", q + 2 * kv, a)] if P > 1 else [("q (rotated)", q, a)]
+        terms += [("k, v stacked (the ring's travelling block)", 2 * kv, a), ("attention output", q, a),
+                  ("log-sum-exp", d["hq"], 4)]
+        if P > 1:
+            terms.append(("o_proj input (inverse all-to-all)", q, a))
+        return terms
     if opts.attention == "reference":       # fp32 q and k, v repeated to the query heads; S x S probabilities
         return [("q, k, v in fp32 (k, v repeated to the query heads)", 3 * q, 4),
                 ("attention probabilities (S x S)", d["hq"] * seq_len, 4), ("causal mask (S x S)", seq_len * P, 1),
@@ -268,6 +294,17 @@ def _attention_terms(d: dict, opts: Options, a: int, seq_len: int) -> PerToken:
     if P > 1:
         terms.append(("o_proj input (inverse all-to-all)", q, a))
     return terms
+
+
+SP_BUFFERS = ("all-to-all buffer", "(inverse all-to-all)", "the ring's travelling block")
+
+
+def sp_buffer_bytes_per_token(m: ModelConfig, layout: Layout, opts: Options, prec: Precision) -> float:
+    """Bytes per S/sp token per layer that a layer keeps only because of sequence parallelism: the Ulysses
+    all-to-all buffers (q, k, v going, o coming back) and the ring's copy of k and v. What a rank keeps
+    beyond 1/sp of one process's activations is at most these (tests/test_memory_model.py)."""
+    terms = layer_terms(m, layout, opts, prec)
+    return bytes_per_token([t for t in terms if any(b in t[0] for b in SP_BUFFERS)])
 
 
 def cos_sin_kept(opts: Options, prec: Precision) -> bool:
@@ -447,14 +484,14 @@ def _backward_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precisi
     else:
         mlp, mlp_name = 2 * f * a, "MLP: the down input's gradient and its factors'"
     core = (2 * q + 2 * kv_grads) * a + accumulator
+    core_name = "attention: dout, dq, dk, dv" + (", fp32 dq accumulator" if accumulator else "")
+    if d["ring"] > 1:
+        core, core_name = _ring_backward(q, kv, a, d["ring"], opts, accumulator)
     mlp_norm = bytes_per_token([t for t in full if t[0].startswith("MLP norm") and "input" in t[0] or t[0] == "MLP norm 1/rms"])
-    # the torch RMSNorm's backward runs in fp32 (the mean's gradient, pow, two products: four at once);
-    # a fused kernel writes dx in one pass
-    # (in bf16 a fifth: the gradient's fp32 copy)
-    norm_temps = ((4 + (a != 4)) * 4 if k.norm_fp32_input and m.norm == "rmsnorm" else a) * h / r
+    norm_temps = norm_backward_bytes(m, opts, prec) * h / r
     assembly = (k.qkv_grad_buffers * d["qkv"] + (3 * (q + 2 * kv) if d["P"] > 1 else 0)) * a
     moments = {mlp_name: (bytes_per_token(full), mlp),
-               "attention: dout, dq, dk, dv" + (", fp32 dq accumulator" if accumulator else ""): (attn_half, core),
+               core_name: (attn_half, core),
                "MLP norm: its backward's temporaries": (attn_half + mlp_norm, norm_temps),
                "QKV: the output's gradient" + (", the all-to-all's buffers" if d["P"] > 1 else ""): (before_core, assembly)}
     name, (alive, grads) = max(moments.items(), key=lambda kv_: sum(kv_[1]))
@@ -471,6 +508,39 @@ def _backward_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precisi
                       + ", ".join(f"{n.split(':')[0]} {(al + g) * tokens / GIB:.3g} GiB" for n, (al, g) in moments.items())))
     terms.append(Term("residual-stream gradient", tokens * h / r * a, f"{tokens:.4g} tok x {h / r:.4g} x {a} B"))
     return terms
+
+
+def norm_backward_bytes(m: ModelConfig, opts: Options, prec: Precision) -> float:
+    """Bytes per hidden element of a norm's backward temporaries: the torch RMSNorm's runs in fp32 (the
+    mean's gradient, pow, two products: four at once; in bf16 a fifth, the gradient's fp32 copy); a fused
+    kernel writes dx in one pass."""
+    a = prec.act
+    return (4 + (a != 4)) * 4 if KERNELS[opts.kernels].norm_fp32_input and m.norm == "rmsnorm" else a
+
+
+def _ring_backward(q: float, kv: float, a: int, ring: int, opts: Options, accumulator: float) -> tuple[float, str]:
+    """Bytes per S/sp token of ring attention's backward (parallel/ring.py) at its worst moment, beyond the
+    layer's activations: the fp32 dQ, dout, the K/V block in hand (under checkpointing it takes the place
+    of the saved one, which the recomputation hands over once) and D, this step's fp32 dK/dV (`kv`
+    elements per token each), then the largest of
+        kernel  a block's backward: D of the step before on its way out, the next D (and, with r > 2, the
+                next K/V block) arriving, and dq, dk, dv (sdpa expands K/V to the query heads and writes
+                their gradients at that width; flex re-runs the block in fp32 around it)
+        merge   the arrived D, this block's and their sum, the one sent before still in its exchange
+        end     the sum that came home, the exchange's buffers (five D in all) and the gradients' copies in
+                the compute dtype."""
+    base = 4 * q + q * a + (0 if opts.activation_checkpointing else 2 * kv * a)
+    if opts.attention == "flex":
+        grads = 8 * q + 2 * q * a + (q + 2 * kv) * a
+    elif not opts.native_gqa and q != kv:
+        grads = 2 * q * a + 3 * q * a + accumulator
+    else:
+        grads = (q + 2 * kv) * a + accumulator
+    next_kv = 2 * kv * a if ring > 2 else 0
+    moments = {"kernel": 2 * 8 * kv + next_kv + grads, "merge": next_kv + 4 * 8 * kv,
+               "end": 5 * 8 * kv + (q + 2 * kv) * a}
+    worst = max(moments, key=moments.get)
+    return base + moments[worst], f"ring attention's backward ({worst}): fp32 dq and dK/dV, dout, K/V blocks"
 
 
 def loss_tile_tokens(m: ModelConfig, layout: Layout, opts: Options, tokens: float) -> float:
@@ -534,7 +604,14 @@ def _stage_estimate(m: ModelConfig, layout: Layout, opts: Options, prec: Precisi
         if stage_tok:
             terms.append(Term("stage activations (rotary cos/sin, tp-local ids)", mbs * tokens * stage_tok,
                               f"{mbs:g} mb x {tokens:.4g} tok x {stage_tok:.4g} B"))
-        if opts.documents and opts.attention == "sdpa":
+        if opts.documents and opts.attention == "sdpa" and layout.ring > 1:
+            # each block's allowed pairs (bool) and additive mask (compute dtype): the rank's own block
+            # whole, the r-1 others half (kernels/block_attention.py AttentionBlock, on CPU)
+            r, B = layout.ring, work.micro_batch_size
+            masks = B * (S / r) ** 2 * (r + 1) / 2 * (1 + prec.act)
+            terms.append(Term("dense document masks of the ring's blocks (sdpa)", masks,
+                              f"B x (S/r)^2 x (r+1)/2 x (1 + {prec.act}) B, r = {r}"))
+        elif opts.documents and opts.attention == "sdpa":
             terms.append(Term("dense document mask (sdpa)", work.micro_batch_size * S ** 2,
                               f"B x S^2 = {work.micro_batch_size} x {S}^2 B"))
         return terms
@@ -546,9 +623,12 @@ def _stage_estimate(m: ModelConfig, layout: Layout, opts: Options, prec: Precisi
     blocks, other = stage_params(m, layout, first, last)
     n = blocks + other
     layer_bwd = _backward_terms(m, layout, opts, prec, tokens, S)
+    # the input embedding's gradient comes last (the LM head's, when tied, is the same tensor)
+    embedding = m.padded_vocab_size(layout.tp) * m.hidden_size / layout.tp if first and not (
+        last and m.tie_embeddings) else 0.0
     if M == 1 and not opts.fsdp:    # one micro-batch: the gradients appear layer by layer in the backward
-        def so_far(done: int) -> list[Term]:
-            ready = other + done * blocks / max(n_layers, 1)
+        def so_far(done: int, ready: Optional[float] = None) -> list[Term]:
+            ready = other + done * blocks / max(n_layers, 1) if ready is None else ready
             # a bucket is reduced once all of its gradients are there (whole buckets only)
             bucket = max(opts.bucket_bytes / 4, 1)
             reduced = min(ready, ready // bucket * bucket)
@@ -560,9 +640,10 @@ def _stage_estimate(m: ModelConfig, layout: Layout, opts: Options, prec: Precisi
                 out.append(replace(t, name=f"{t.name} (the head's and {done} layers')", bytes=t.bytes * share,
                                    formula=f"{share:.3g} x {t.formula}") if t.name.startswith("gradients") else t)
             return out
-        early, late = so_far(0), so_far(n_layers - 1)
+        early, late, head_grads = so_far(0), so_far(n_layers - 1), so_far(0, other - embedding)
     else:                           # the reduced chunks appear during the last micro-batch's backward
         early, late = [t for t in grads if "reduced" not in t.name], grads
+        head_grads = early
     # a stage's backward peaks at its first layer (every activation, few gradients) or its last (one
     # layer's activations, every gradient): the bytes are linear in between
     phases = {"backward": max(fixed + early + activations(flight - 1, n_layers) + layer_bwd,
@@ -579,6 +660,18 @@ def _stage_estimate(m: ModelConfig, layout: Layout, opts: Options, prec: Precisi
         before = [t for t in grads if "reduced" not in t.name] if M > 1 or opts.fsdp else []
         phases["loss"] = (fixed + before + activations(flight - 1, n_layers) + head
                           + _loss_terms(m, layout, opts, prec, tokens))
+        # the backward's first step, the final norm's, under every layer's activations: what the norm keeps
+        # but the normalised x (its product with the weight has run backward), the gradient coming in, and
+        # the norm backward's temporaries
+        d = _dims(m, layout, opts)
+        norm_tok = bytes_per_token([t for t in _norm_terms("final norm", d["h"], d["r"], prec.act, d["k"], m.norm)
+                                    if "normalised x" not in t[0]]) + d["h"] / d["r"] * prec.act
+        temps = norm_backward_bytes(m, opts, prec) * d["h"] / d["r"]
+        phases["final norm"] = (fixed + head_grads + activations(flight - 1, n_layers)
+                                + [Term("final norm: its input, 1/rms and the gradient coming in", tokens * norm_tok,
+                                        f"{tokens:.4g} tok x {norm_tok:.4g} B"),
+                                   Term("final norm backward's temporaries", tokens * temps,
+                                        f"{tokens:.4g} tok x {temps:.4g} B")])
     phase = max(phases, key=lambda p: _device(phases[p]))
     terms = [t for t in phases[phase] if not t.host and t.bytes]
     host = [t for t in fixed + _optimizer_terms(m, layout, opts, prec, n, M) if t.host]
@@ -629,12 +722,21 @@ def precision_for(cfg: Config, device: str = "cuda") -> Precision:
 
 def attention_for(cfg: Config, device: str = "cuda") -> tuple[str, bool, bool]:
     """(concrete backend, native grouped-query attention, fp32 dq accumulator) that `cfg` runs on
-    `device` (kernels/attention.py; auto assumes flash-attn is installed on GPUs)."""
+    `device` (kernels/attention.py; auto assumes flash-attn is installed on GPUs). With a ring the blocks
+    run on torch's SDPA flash kernel (K/V expanded to the query heads), or FlexAttention for documents on
+    CUDA (kernels/block_attention.py)."""
     backend = cfg.model.attention_backend
+    ring = ulysses_ring(cfg)[1] > 1
+    cuda = device == "cuda"
     if backend == "auto":
-        backend = ("flex" if cfg.data.document_mask else "flash") if device == "cuda" else "sdpa"
+        if ring:
+            backend = "flex" if cfg.data.document_mask and cuda else "sdpa"
+        else:
+            backend = ("flex" if cfg.data.document_mask else "flash") if cuda else "sdpa"
+    if ring:
+        return backend, backend == "flex", backend == "sdpa" and cuda
     bf16 = precision_for(cfg, device).act == 2
-    cuda_sdpa = backend == "sdpa" and device == "cuda"
+    cuda_sdpa = backend == "sdpa" and cuda
     native = backend in ("flash", "flex") or (cuda_sdpa and bf16 and not cfg.data.document_mask)
     return backend, native, backend == "flash" or cuda_sdpa
 
@@ -642,7 +744,7 @@ def attention_for(cfg: Config, device: str = "cuda") -> tuple[str, bool, bool]:
 def layout_of(cfg: Config, world_size: int) -> Layout:
     p = cfg.parallel
     return Layout(tp=p.tp, sp=p.sp, pp=p.pp, dp=max(world_size // (p.tp * p.sp * p.pp), 1),
-                  virtual_stages=p.virtual_stages)
+                  virtual_stages=p.virtual_stages, ring=ulysses_ring(cfg)[1])
 
 
 def options_of(cfg: Config, device: str = "cuda") -> Options:

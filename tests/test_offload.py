@@ -47,7 +47,7 @@ def one_step(overrides: list[str], world: int) -> dict:
     p = cfg.parallel
     grid = ParallelGrid.for_config(cfg) if world > 1 else ParallelGrid.single()
     runtime = plan_runtime(cfg, device, grid)
-    model = loop.build_model(cfg, grid, device, grid.device_mesh(device), runtime)
+    model = loop.build_model(cfg, grid, device, grid.device_mesh(device) if p.fsdp else None, runtime)
     opt = loop.build_optimizer(cfg, model, grid)
     if not p.fsdp:
         model.to(runtime.torch_dtype)

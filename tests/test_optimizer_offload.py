@@ -33,7 +33,7 @@ def train(overrides: list[str], world: int, steps: int = 3) -> dict:
     p = cfg.parallel
     grid = ParallelGrid.for_config(cfg) if world > 1 else ParallelGrid.single()
     runtime = plan_runtime(cfg, device, grid)
-    model = loop.build_model(cfg, grid, device, grid.device_mesh(device), runtime)
+    model = loop.build_model(cfg, grid, device, grid.device_mesh(device) if p.fsdp else None, runtime)
     opt = loop.build_optimizer(cfg, model, grid)
     model.to(runtime.torch_dtype)
     batches = TrainingData(cfg, grid, device).train_batches(0)
