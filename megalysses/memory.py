@@ -20,10 +20,13 @@ What a layer keeps for the backward (megalysses/model/layers.py, no checkpointin
                       normalised x in the compute dtype)
     QKV, gate-up      the norm output (under TP sequence sharding the all-gathered copy)
     RoPE              the torch reference in bf16: cos and sin cast to bf16 for q and for k
-    core attention    q, k, v (with sp>1 the all-to-all buffer they are views of; k and v repeated to the
-                      query heads when the kernel has no native grouped-query attention; without either,
+    core attention    q, k, v (with Ulysses the all-to-all buffer they are views of; k and v repeated to
+                      the query heads when the kernel has no native grouped-query attention; without either,
                       v is a view that keeps the whole QKV output), the output and the fp32 log-sum-exp;
                       the reference backend keeps fp32 S x S probabilities and an S x S mask instead
+    ring attention    (sp = ulysses x ring, Layout.ring > 1) q (or the all-to-all buffer), its own stack of
+                      k and v, the output and the log-sum-exp; its backward adds fp32 dQ and dK/dV buffers
+                      travelling the ring. The reference backend on a ring is refused (not modelled)
     o_proj            its input (the inverse all-to-all's output when sp>1, else the attention output)
     SwiGLU MLP        gate-up output (2 x ffn/tp), silu(gate) (torch), the down projection's input
 With training.mlp_chunk_tokens the MLP keeps only its norm output (tiles are recomputed); with activation
@@ -33,14 +36,15 @@ cos/sin (fp32, when something saves them), tp-local token ids; on the last, the 
 loss, which computes its gradients in the forward and keeps them: the head input's (tokens x h) and the
 head weight's (V/tp x h).
 
-The peak is the largest of three phases, each on top of the weights, the gradients that exist by then,
+The peak is the largest of four phases, each on top of the weights, the gradients that exist by then,
 the optimizer state and the activations of the micro-batches in flight (1F1B: pp - stage; interleaved:
 Megatron's warm-up count + 1 model chunks):
     loss        the LM head + loss forward: its input, one tile of fp32 logits, the head gradients
+    final norm  the backward's first step on the last stage, under every layer's activations
     backward    one layer's backward (the first one, with every layer's activations, or the last one,
                 with every layer's gradients): its recomputed activations under checkpointing, the
-                residual-stream gradients, then the largest of the attention kernel's buffers, the QKV
-                gradient assembly, the all-to-all's, the MLP's
+                residual-stream gradients, then the largest of the attention kernel's buffers (or ring
+                attention's), the QKV gradient assembly, the all-to-all's, the MLP's
     optimizer   the AdamW step: reduced fp32 gradient shards and the sqrt of v (activations are gone)
 Optimizer offload (ZeRO-1) keeps masters, moments and the reduced gradients in host memory and updates
 there. Parameter offload (FSDP) is modelled for other systems' published points (tests/test_plan.py).

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from megalysses.config import ModelConfig, load_config, validate_config
+from megalysses.config import ModelConfig, load_config, ulysses_ring, validate_config
 from megalysses.memory import PRECISIONS, Layout, Options, Workload, longest_sequence
 from megalysses.tools.plan import Hardware, Overlap, evaluate, main, plan, step_time
 
@@ -103,14 +103,21 @@ def test_one_gpu_config_needs_offload_and_its_kernels():
 
 
 def test_planned_layouts_obey_the_layout_rules():
-    """A 4-head model never gets sp beyond its heads per tp rank, and every layout validates."""
+    """A 4-head model gets Ulysses degrees that divide its heads per tp rank and a ring for the rest of sp,
+    as the config resolves it; every layout validates; the ring's bytes appear with a ring only."""
     cfg = _load("configs/quickstart.yaml", **{"data.mock": "true", "training.global_batch_size": 8})
     fitting, considered = plan(cfg, 8, 4096, 80)
     assert considered and fitting
+    rings = set()
     for p in fitting:
         validate_config(p.cfg, world_size=8)
-        assert cfg.model.num_heads // p.cfg.parallel.tp % p.cfg.parallel.sp == 0
-        assert p.cfg.parallel.tp * p.cfg.parallel.sp * p.cfg.parallel.pp * p.estimate.layout.dp == 8
+        par, layout = p.cfg.parallel, p.estimate.layout
+        ulysses, ring = ulysses_ring(p.cfg)
+        assert (layout.ulysses, layout.ring) == (ulysses, ring) and cfg.model.num_heads // par.tp % ulysses == 0
+        assert par.tp * par.sp * par.pp * layout.dp == 8
+        assert (p.row()["ring_p2p_gb"] > 0) == (ring > 1) and (p.row()["all_to_all_gb"] > 0) == (ulysses > 1)
+        rings.add(ring)
+    assert rings == {1, 2}             # sp 8 on 4 heads: ulysses 4 x ring 2; tp 2, sp 4: ulysses 2 x ring 2
     times = [p.step.total for p in fitting]
     assert times == sorted(times)
 

@@ -1,5 +1,5 @@
-"""Plan a layout: which (tp, sp, pp, dp, virtual stages) and memory options fit a model at a sequence
-length on N GPUs, ranked by predicted throughput.
+"""Plan a layout: which (tp, sp = ulysses x ring, pp, dp, virtual stages) and memory options fit a model at a
+sequence length on N GPUs, ranked by predicted throughput.
 
     python tools/plan.py --config configs/llama3_8b_1m.yaml --gpus 64 --gpu-memory-gib 80 --seq-len 1048576
     python tools/plan.py --config configs/gpt_1b_1m_offload.yaml --gpus 1 --gpu-memory-gib 80 \\
@@ -16,8 +16,9 @@ Memory is megalysses.memory's prediction. A layout fits when its peak is at most
 memory (--gpu-memory-gib less --fragmentation of it and --reserve-gib for the CUDA context, NCCL and
 cuBLAS) and, with activation offload, the --host-memory-gib of a node holds what its ranks offload.
 Step time = the compute at stated sustained FLOP/s + the communication megalysses does not overlap
-(tp collectives, Ulysses all-to-alls, pipeline p2p, ZeRO-1's parameter all-gather; the gradient
-reduce-scatter beyond the last backward; FSDP beyond its micro-batch) at stated bandwidths + the
+(tp collectives, Ulysses all-to-alls, pipeline p2p, ZeRO-1's parameter all-gather; the ring's K/V and
+dK/dV hops beyond the attention they travel under; the gradient reduce-scatter beyond the last
+backward; FSDP beyond its micro-batch) at stated bandwidths + the
 pipeline bubble + activation-offload copies beyond the compute + the optimizer step (on the host's cores
 with optimizer offload). Defaults: H100 SXM nodes of 8.
 """
@@ -94,11 +95,12 @@ def step_time(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, wo
     """Predicted seconds per optimizer step on the busiest rank. `retained`: activation bytes per step
     that activation offload copies out and back."""
     t, P, v, M = layout.tp, layout.sp, layout.virtual_stages, work.micro_batches
+    u, ring = layout.ulysses, layout.ring
     tokens = work.micro_batch_size * work.seq_len / P                 # per micro-batch per rank
     L = stage_layers(m, layout)
     dense = layer_params(m, t) - 2 * m.hidden_size
     mlp = (3 if m.mlp == "swiglu" else 2) * m.hidden_size * m.ffn_size / t
-    q, kv = m.num_heads * m.head_dim / t, m.kv_heads / t * kv_replication(m.kv_heads // t, P) * m.head_dim
+    q, kv = m.num_heads * m.head_dim / t, m.kv_heads / t * kv_replication(m.kv_heads // t, u) * m.head_dim
     fwd_mm = L * 2 * dense * tokens
     fwd_attn = L * 2 * work.micro_batch_size * work.seq_len ** 2 * q / P        # causal: half of 4 S^2 q
     head = 2 * m.padded_vocab_size(t) / t * m.hidden_size * tokens
@@ -111,12 +113,20 @@ def step_time(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, wo
     passes = 3 if opts.activation_checkpointing else 2                   # forward, backward (+ recompute)
     a = prec.act
     span_tp, span_sp, span_grad = t, t * P, t * P * layout.dp
-    nbytes: dict[str, float] = {"all_to_all": 0.0, "all_reduce": 0.0, "p2p": 0.0, "host": 0.0}
+    nbytes: dict[str, float] = {"all_to_all": 0.0, "all_reduce": 0.0, "p2p": 0.0, "ring_p2p": 0.0, "host": 0.0}
     exposed: dict[str, float] = {}
-    if P > 1:
-        a2a = (P - 1) / P * tokens * (2 * q + 2 * kv) * a * L * passes * M
+    if u > 1:
+        a2a = (u - 1) / u * tokens * (2 * q + 2 * kv) * a * L * passes * M
         nbytes["all_to_all"] = a2a
-        exposed["Ulysses all-to-all"] = 0.0 if overlap.ulysses else a2a / hw.link(span_sp)
+        exposed["Ulysses all-to-all"] = 0.0 if overlap.ulysses else a2a / hw.link(t * u)
+    if ring > 1:
+        # K/V blocks go around the ring in each forward (and the recomputation) and again in the backward,
+        # r - 1 hops each; the fp32 dK/dV accumulators r hops (parallel/ring.py). Each hop is posted before
+        # the block's attention, so only what the attention does not cover shows
+        block = tokens * 2 * kv                                            # elements of one K/V block
+        nbytes["ring_p2p"] = ((ring - 1) * passes * block * a + ring * block * 4) * L * M
+        attention = attn / (hw.peak_tflops * 1e12 * hw.attention_efficiency)
+        exposed["ring p2p"] = max(0.0, nbytes["ring_p2p"] / hw.link(span_sp) - attention)
     if t > 1:
         per = (t - 1) / t * tokens * m.hidden_size * a
         if opts.tp_sequence_parallel:
@@ -148,7 +158,7 @@ def step_time(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, wo
     if opts.activation_offload:
         nbytes["host"] = 2 * retained
         exposed["activation offload copies"] = max(0.0, 2 * retained / (hw.host_gbs * 1e9) - compute)
-    comm_mb = sum(exposed.get(k, 0.0) for k in ("Ulysses all-to-all", "tensor-parallel collectives",
+    comm_mb = sum(exposed.get(k, 0.0) for k in ("Ulysses all-to-all", "ring p2p", "tensor-parallel collectives",
                                                  "pipeline p2p")) / M
     bubble = (layout.pp - 1) / v * (per_mb + comm_mb)
     if opts.optimizer_offload:       # gradients down, weights back up, the update on the host's cores
@@ -177,7 +187,8 @@ def divisors(n: int) -> list[int]:
 
 
 def candidate_configs(cfg: Config, gpus: int, offload: bool, gpus_per_node: int = 8) -> Iterator[Config]:
-    """Every layout and memory-option combination of `cfg` on `gpus` ranks that its rules allow: tp, sp,
+    """Every layout and memory-option combination of `cfg` on `gpus` ranks that its rules allow: tp, sp
+    (split into ulysses x ring automatically: the largest Ulysses degree the heads allow, the rest a ring),
     pp, virtual stages, checkpointing, MLP tiles (the config's size, else 8192 tokens), TP sequence
     sharding, FSDP or ZeRO-1, and with host memory (`offload`) activation and optimizer offload. The LM
     head + loss keeps the config's tile."""
@@ -198,7 +209,8 @@ def candidate_configs(cfg: Config, gpus: int, offload: bool, gpus_per_node: int 
                                 for fsdp, opt_off in ((False, False), (True, False)) + (((False, True),) if offload else ()):
                                     yield replace(
                                         cfg,
-                                        parallel=replace(cfg.parallel, tp=tp, sp=sp, pp=pp, virtual_stages=v,
+                                        parallel=replace(cfg.parallel, tp=tp, sp=sp, sp_ring=0, pp=pp,
+                                                         virtual_stages=v,
                                                          tp_sequence_parallel=tsp, fsdp=fsdp),
                                         training=replace(t, activation_checkpointing=ckpt, activation_offload=offl,
                                                          optimizer_offload=opt_off, mlp_chunk_tokens=tile))
@@ -218,7 +230,7 @@ class Plan:
         c, layout, s = self.cfg, self.estimate.layout, self.step
         tok_s = c.training.global_batch_size * c.data.seq_len / s.total
         mfu = flops_per_token(c.model, c.data.seq_len) * tok_s / (layout.world * self.hw.peak_tflops * 1e12)
-        return {"tp": layout.tp, "sp": layout.sp, "pp": layout.pp, "dp": layout.dp,
+        return {"tp": layout.tp, "sp": layout.sp, "ring": layout.ring, "pp": layout.pp, "dp": layout.dp,
                 "virtual_stages": layout.virtual_stages, "micro_batches": workload_of(c, layout).micro_batches,
                 "activation_checkpointing": c.training.activation_checkpointing,
                 "activation_offload": c.training.activation_offload, "optimizer_offload": c.training.optimizer_offload,
@@ -227,7 +239,8 @@ class Plan:
                 "peak_gib": round(self.estimate.peak / GIB, 2), "peak_phase": self.estimate.phase,
                 "host_gib_per_node": round(self.host_per_node / GIB, 1),
                 "all_to_all_gb": round(s.bytes["all_to_all"] / 1e9, 2), "all_reduce_gb": round(s.bytes["all_reduce"] / 1e9, 2),
-                "p2p_gb": round(s.bytes["p2p"] / 1e9, 2), "step_s": round(s.total, 4), "tokens_per_s": round(tok_s, 1),
+                "p2p_gb": round(s.bytes["p2p"] / 1e9, 2), "ring_p2p_gb": round(s.bytes["ring_p2p"] / 1e9, 2),
+                "step_s": round(s.total, 4), "tokens_per_s": round(tok_s, 1),
                 "mfu": round(mfu, 4), "fits": self.fits}
 
 
@@ -277,13 +290,14 @@ def _flags(r: dict) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    head = (f"{'#':>3} {'tp':>3} {'sp':>3} {'pp':>3} {'v':>2} {'dp':>4} {'options':<38} {'peak GiB':>8} {'host/node':>9} "
-            f"{'a2a GB':>8} {'allred GB':>9} {'step s':>8} {'tok/s':>10} {'MFU':>6}")
+    head = (f"{'#':>3} {'tp':>3} {'sp':>3} {'ring':>4} {'pp':>3} {'v':>2} {'dp':>4} {'options':<38} {'peak GiB':>8} "
+            f"{'host/node':>9} {'a2a GB':>8} {'ring GB':>8} {'allred GB':>9} {'step s':>8} {'tok/s':>10} {'MFU':>6}")
     lines = [head]
     for i, r in enumerate(rows, 1):
-        lines.append(f"{i:>3} {r['tp']:>3} {r['sp']:>3} {r['pp']:>3} {r['virtual_stages']:>2} {r['dp']:>4} "
-                     f"{_flags(r):<38} {r['peak_gib']:>8.1f} {r['host_gib_per_node']:>9.0f} {r['all_to_all_gb']:>8.1f} "
-                     f"{r['all_reduce_gb']:>9.1f} {r['step_s']:>8.3f} {r['tokens_per_s']:>10.0f} {r['mfu']:>6.1%}")
+        lines.append(f"{i:>3} {r['tp']:>3} {r['sp']:>3} {r['ring']:>4} {r['pp']:>3} {r['virtual_stages']:>2} "
+                     f"{r['dp']:>4} {_flags(r):<38} {r['peak_gib']:>8.1f} {r['host_gib_per_node']:>9.0f} "
+                     f"{r['all_to_all_gb']:>8.1f} {r['ring_p2p_gb']:>8.1f} {r['all_reduce_gb']:>9.1f} "
+                     f"{r['step_s']:>8.3f} {r['tokens_per_s']:>10.0f} {r['mfu']:>6.1%}")
     return "\n".join(lines)
 
 
