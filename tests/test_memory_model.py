@@ -39,19 +39,21 @@ OPTIONS = {
 }
 
 
-def _model_cfg(layers: int = 2, backend: str = "sdpa", kv_heads: int = 2, kernels: str = "torch") -> ModelConfig:
+def small_model(layers: int = 2, backend: str = "sdpa", kv_heads: int = 2, kernels: str = "torch") -> ModelConfig:
     return ModelConfig(vocab_size=256, hidden_size=64, num_layers=layers, num_heads=4, num_kv_heads=kv_heads,
                        ffn_hidden_size=160, attention_backend=backend, kernels=kernels)
 
 
-def _measure(cfg: ModelConfig, seq: int, opts: dict, groups: Optional[ParallelGroups] = None, tp_rank: int = 0,
+def measure_forward(cfg: ModelConfig, seq: int, opts: dict, groups: Optional[ParallelGroups] = None, tp_rank: int = 0,
              sp_rank: int = 0, dtype: torch.dtype = torch.float32) -> Retained:
     """One forward of a whole-model stage on this rank's shard of a length-`seq` sequence (its zigzag
-    positions with a ring): the Retained measurement (bytes, storages)."""
+    positions with a ring): the Retained measurement (bytes, storages). With activation offload the host
+    copies (CPU tensors here) are left out of `bytes`."""
     groups = groups or ParallelGroups()
     torch.manual_seed(0)
     model = GPTStage(cfg, groups, activation_checkpointing=opts.get("activation_checkpointing", False),
-                     loss_chunk_tokens=opts.get("loss_chunk_tokens", 0), mlp_chunk_tokens=opts.get("mlp_chunk_tokens", 0))
+                     loss_chunk_tokens=opts.get("loss_chunk_tokens", 0), mlp_chunk_tokens=opts.get("mlp_chunk_tokens", 0),
+                     activation_offload=opts.get("activation_offload", False))
     init_weights(model, 0, tp_rank, groups.tp_size)
     model.to(dtype)
     ids = torch.randint(0, cfg.vocab_size, (1, seq))
@@ -61,13 +63,16 @@ def _measure(cfg: ModelConfig, seq: int, opts: dict, groups: Optional[ParallelGr
     ids_local = ids[:, chunk].contiguous()
     _, retained = measure_retained(lambda: model(ids_local, pos, labels=ids_local),
                                    exclude=tuple(model.parameters()) + (pos, ids_local))
+    if model.offload is not None:
+        host = sum(t.numel() * t.element_size() for t in model.offload.host_buffers())
+        retained = replace(retained, bytes=retained.bytes - host)
     return retained
 
 
 @functools.lru_cache(maxsize=None)
 def _single(name: str, seq: int, layers: int = 2, backend: str = "sdpa", dtype: str = "fp32", kv_heads: int = 2):
     """One process, cached: several tests look at the same measurement."""
-    return _measure(_model_cfg(layers, backend, kv_heads), seq, OPTIONS[name], dtype=DTYPES[dtype])
+    return measure_forward(small_model(layers, backend, kv_heads), seq, OPTIONS[name], dtype=DTYPES[dtype])
 
 
 def _options(cfg: ModelConfig, opts: dict, sequence_parallel: bool = False) -> Options:
@@ -97,7 +102,7 @@ def _close(measured: float, predicted: float, what: str, tolerance: float = 0.10
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("name", list(OPTIONS))
 def test_single_rank_options_match_the_model_exactly_and_stay_linear(name, dtype):
-    opts, cfg = OPTIONS[name], _model_cfg()
+    opts, cfg = OPTIONS[name], small_model()
     small, large = _single(name, S, dtype=dtype), _single(name, 2 * S, dtype=dtype)
     assert small.bytes == _predicted(cfg, S, opts, dtype=dtype), (name, dtype, small.storages)
     assert large.bytes == _predicted(cfg, 2 * S, opts, dtype=dtype), (name, dtype, large.storages)
@@ -111,7 +116,7 @@ def test_single_rank_options_match_the_model_exactly_and_stay_linear(name, dtype
 def test_multi_head_attention_keeps_the_qkv_output_through_v(dtype):
     """With as many KV heads as query heads nothing repeats k and v: v is a view of the QKV output and
     keeps all of it (torch kernels), as the model says."""
-    cfg = _model_cfg(kv_heads=4)
+    cfg = small_model(kv_heads=4)
     for name in ("none", "tiled MLP"):
         kept = _single(name, S, dtype=dtype, kv_heads=4)
         assert kept.bytes == _predicted(cfg, S, OPTIONS[name], dtype=dtype), (name, kept.storages)
@@ -129,7 +134,7 @@ def test_quadratic_detector_flags_the_reference_backend():
     """The check above can fail: the reference backend keeps S x S probabilities, and the model knows it."""
     small, large = _single("none", S, backend="reference"), _single("none", 2 * S, backend="reference")
     assert grows_quadratically(small, large)
-    assert large.bytes == _predicted(_model_cfg(backend="reference"), 2 * S, {})
+    assert large.bytes == _predicted(small_model(backend="reference"), 2 * S, {})
 
 
 @pytest.mark.skipif(not triton_importable(), reason="triton is not installed")
@@ -137,11 +142,11 @@ def test_triton_kernels_keep_what_the_model_says(monkeypatch):
     """model.kernels=triton through Triton's CPU interpreter: the fused norms keep their input and 1/rms,
     RoPE the stage's cos/sin, SwiGLU its input only."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    cfg = replace(_model_cfg(layers=1), kernels="triton")
+    cfg = replace(small_model(layers=1), kernels="triton")
     for name in ("none", "checkpointing"):
-        kept = _measure(cfg, 32, OPTIONS[name])
+        kept = measure_forward(cfg, 32, OPTIONS[name])
         assert kept.bytes == _predicted(cfg, 32, OPTIONS[name]), (name, kept.storages)
-    assert kept.bytes < _measure(replace(cfg, kernels="torch"), 32, {}).bytes
+    assert kept.bytes < measure_forward(replace(cfg, kernels="torch"), 32, {}).bytes
 
 
 LAYOUTS = {   # name: (tp, sp, ring, TP sequence sharding, memory options), on 2 ranks
@@ -160,7 +165,7 @@ UNSHARDED = "sp2 with an attention that gathers the whole sequence"
 
 
 def _layout_cfg(name: str) -> ModelConfig:
-    return _model_cfg(kv_heads=1 if "one KV head" in name else 4 if "multi-head" in name else 2)
+    return small_model(kv_heads=1 if "one KV head" in name else 4 if "multi-head" in name else 2)
 
 
 def unsharded_under_sp(kept: float, single: float, cfg: ModelConfig, seq: int, opts: dict, sp: int,
@@ -193,12 +198,12 @@ def _measure_layouts(rank: int, world: int) -> dict:
     for name, (tp, sp, ring, seq_par, option) in LAYOUTS.items():
         groups = ParallelGroups(tp=group if tp > 1 else None, ulysses=group if sp > ring else None,
                                 ring=group if ring > 1 else None, sequence_parallel=seq_par)
-        out[name] = [_measure(_layout_cfg(name), n, OPTIONS[option], groups, tp_rank=rank if tp > 1 else 0,
+        out[name] = [measure_forward(_layout_cfg(name), n, OPTIONS[option], groups, tp_rank=rank if tp > 1 else 0,
                               sp_rank=rank if sp > 1 else 0) for n in (S, 2 * S)]
     original = layers.ulysses_attention
     layers.ulysses_attention = _gathering_attention
     try:
-        out[UNSHARDED] = _measure(_layout_cfg("sp2"), S, {}, ParallelGroups(ulysses=group), sp_rank=rank)
+        out[UNSHARDED] = measure_forward(_layout_cfg("sp2"), S, {}, ParallelGroups(ulysses=group), sp_rank=rank)
     finally:
         layers.ulysses_attention = original
     out["peak"] = _step_peaks(rank, world)
@@ -215,13 +220,13 @@ def test_layouts_match_the_model_and_shard_over_sp(tmp_path):
             assert large.bytes == _predicted(cfg, 2 * S, opts, tp, sp, seq_par, ring=ring), (name, rank, large.storages)
             assert not grows_quadratically(small, large), f"{name}: {small.storages[:3]} -> {large.storages[:3]}"
         if sp > 1:
-            single = _measure(cfg, S, opts).bytes
+            single = measure_forward(cfg, S, opts).bytes
             for rank, measured in enumerate(ranks):
                 assert not unsharded_under_sp(measured[name][0].bytes, single, cfg, S, opts, sp, ring), \
                     (name, rank, measured[name][0].storages[:4], single)
     # the shard check can fail: an attention that keeps the whole sequence's q, k, v on every rank
     cfg = _layout_cfg("sp2")
-    single = _measure(cfg, S, {}).bytes
+    single = measure_forward(cfg, S, {}).bytes
     for rank, measured in enumerate(ranks):
         assert unsharded_under_sp(measured[UNSHARDED].bytes, single, cfg, S, {}, 2), \
             (rank, measured[UNSHARDED].storages[:4])

@@ -10,13 +10,13 @@ import torch
 
 from megalysses.config import ConfigError, load_config
 from megalysses.grid import ParallelGrid
-from megalysses.measure import measure_peak, measure_retained
-from megalysses.memory import PRECISIONS, Layout, Options, estimate_config, retained_activation_bytes
+from megalysses.measure import measure_retained
+from megalysses.memory import PRECISIONS, Layout, Options, retained_activation_bytes
 from megalysses.model.gpt import GPTStage, init_weights
 from megalysses.model.layers import ParallelGroups
-from megalysses.parallel.offload import ActivationOffload
 from megalysses.testing import run_distributed
 from megalysses.training.runtime import plan_runtime
+from tests.test_memory_model import measure_forward, measured_step_peak, small_model
 
 BASE = ["data.mock=true", "data.seq_len=32", "model.vocab_size=128", "model.hidden_size=64", "model.num_layers=4",
         "model.num_heads=8", "model.num_kv_heads=2", "model.attention_backend=sdpa", "training.micro_batch_size=1",
@@ -29,7 +29,9 @@ LAYOUTS = {   # name: overrides on 4 ranks
     "pp2 dp2, 1F1B (4 micro-batches in flight)": ["parallel.pp=2"],
     "pp2 dp2, interleaved (2 chunks per rank)": ["parallel.pp=2", "parallel.virtual_stages=2"],
     "pp4, 1F1B": ["parallel.pp=4"],
-    "sp2 dp2, FSDP, tiled MLP": ["parallel.sp=2", "parallel.fsdp=true", "training.mlp_chunk_tokens=8"],
+    "sp2 as a ring of 2, dp2, FSDP, tiled MLP": ["parallel.sp=2", "parallel.sp_ring=2", "parallel.fsdp=true",
+                                                 "training.mlp_chunk_tokens=8"],
+    "sp4 = ulysses 2 x ring 2": ["parallel.sp=4", "parallel.sp_ring=2"],
     "tp2 pp2, bf16, tied embeddings": ["parallel.tp=2", "parallel.pp=2", "training.dtype=bfloat16",
                                        "model.tie_embeddings=true"],
 }
@@ -72,8 +74,24 @@ def one_step(overrides: list[str], world: int) -> dict:
 
 
 def _parity_worker(rank: int, world: int) -> dict:
-    return {name: (one_step(overrides, world), one_step(overrides + ["training.activation_offload=true"], world))
-            for name, overrides in LAYOUTS.items()}
+    out = {name: (one_step(overrides, world), one_step(overrides + ["training.activation_offload=true"], world))
+           for name, overrides in LAYOUTS.items()}
+    out[RING_RETAINED] = _ring_retained()
+    return out
+
+
+RING_RETAINED = "what a forward keeps at ulysses 2 x ring 2"
+RING_OPTIONS = {"none": {}, "checkpointing": {"activation_checkpointing": True},
+                "offload": {"activation_checkpointing": True, "activation_offload": True}}
+
+
+def _ring_retained() -> dict:
+    """This rank's retained bytes (host copies left out) at sp4 = ulysses 2 x ring 2, with and without
+    checkpointing and offload: the memory model's ring layouts on the full hybrid."""
+    grid = ParallelGrid(sp=4, ring=2)
+    groups = ParallelGroups(ulysses=grid.ulysses_group, ring=grid.ring_group)
+    return {name: measure_forward(small_model(kv_heads=1), 64, opts, groups, sp_rank=grid.sp_rank).bytes
+            for name, opts in RING_OPTIONS.items()}
 
 
 def _check_same(name: str, plain: dict, offloaded: dict) -> None:
@@ -87,7 +105,14 @@ def _check_same(name: str, plain: dict, offloaded: dict) -> None:
 
 def test_offload_gives_the_same_losses_and_gradients_at_every_layout(tmp_path):
     ranks = run_distributed(_parity_worker, 4, tmp_dir=tmp_path, timeout=400)
+    cfg, fp32 = small_model(kv_heads=1), PRECISIONS["fp32"]
     for rank, results in enumerate(ranks):
+        kept = results.pop(RING_RETAINED)
+        for name, opts in RING_OPTIONS.items():
+            predicted = retained_activation_bytes(cfg, Layout(sp=4, ring=2), Options(attention="sdpa", native_gqa=False,
+                                                                                     **opts), fp32, 64)
+            assert kept[name] == predicted, (rank, name, kept[name], predicted)
+        assert kept["offload"] < kept["checkpointing"] < kept["none"], kept
         for name, (plain, offloaded) in results.items():
             _check_same(f"{name}, rank {rank}", plain, offloaded)
             stats = offloaded["stats"]
@@ -116,8 +141,6 @@ BLOCK_INPUT = 2048 * 32 * 4
 
 
 def _one_process_worker(rank: int, world: int) -> dict:
-    from tests.test_memory_model import measured_step_peak
-
     steps = {name: (one_step(["training.global_batch_size=1"] + extra, 1),
                     one_step(["training.global_batch_size=1", "training.activation_offload=true"] + extra, 1))
              for name, extra in ONE_PROCESS.items()}
