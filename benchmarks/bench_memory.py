@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default=str(ROOT / "configs" / "gpt_1b_1m_offload.yaml"))
     p.add_argument("--lengths", type=int, nargs="+", default=[32768, 131072, 524288, 1048576])
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    p.add_argument("--smoke", action="store_true", help="tiny shape on CPU, lengths 512 and 2048, in this process")
+    p.add_argument("--smoke", action="store_true", help="tiny shape on CPU, lengths 256 and 1024, in this process")
     p.add_argument("--json", default=None, help="where to write the results (default benchmarks/results/memory_<device>.json)")
     p.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: no GPU here: this benchmark measures torch.cuda.max_memory_allocated; use --smoke on CPU",
               file=sys.stderr)
         return 1
-    lengths = [512, 2048] if args.smoke else args.lengths
+    lengths = [256, 1024] if args.smoke else args.lengths
     print(f"{'seq_len':>9} {'predicted':>11} {'measured':>11} {'error':>7} {'host':>10} {'step s':>8} {'tok/s':>9} "
           f"{'MFU':>6}  phase")
     rows = []

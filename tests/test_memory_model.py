@@ -327,16 +327,13 @@ def _step_peaks(rank: int, world: int) -> dict:
     return {name: measured_step_peak(overrides, world) for name, overrides in LAYOUT_PEAKS.items()}
 
 
-def _single_peaks(rank: int, world: int) -> dict:
-    return {name: measured_step_peak(overrides) for name, overrides in PEAKS.items()}
-
-
-def test_training_step_peaks_match_the_model(tmp_path):
+@pytest.mark.parametrize("name", list(PEAKS))
+def test_training_step_peaks_match_the_model(name):
     """Weights, gradients, optimizer state, the loss's and every layer's activations and the worst moment of
-    a layer's backward: the model's peak within 10% of the measured one, on one rank."""
-    (peaks,) = run_distributed(_single_peaks, 1, tmp_dir=tmp_path)
-    for name, (measured, predicted) in peaks.items():
-        _close(measured, predicted, f"{name}: the peak of a training step")
+    a layer's backward: the model's peak within 10% of the measured one, in one process (no process
+    group)."""
+    measured, predicted = measured_step_peak(PEAKS[name])
+    _close(measured, predicted, f"{name}: the peak of a training step")
 
 
 def test_estimate_breakdown_adds_up_and_offload_moves_activations_to_host():
@@ -370,6 +367,6 @@ def test_bench_memory_smoke(tmp_path):
     out = tmp_path / "memory.json"
     assert bench.main(["--smoke", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [r["seq_len"] for r in rows] == [512, 2048]
+    assert [r["seq_len"] for r in rows] == [256, 1024]
     for r in rows:     # the smoke shape offloads its activations (configs/gpt_1b_1m_offload.yaml)
         assert abs(r["error"]) <= 0.10 and r["loss"] > 0 and r["activation_offload"] and r["host_gib"] > 0, r

@@ -64,6 +64,7 @@ class _Slot:
     device: Optional[Tensor] = None     # the input during the forward; the fetched copy in the backward
     kept: Optional[Tensor] = None       # a leaf input, left on the device
     host: Optional[_HostBuffer] = None
+    offload_event: Any = None           # CUDA: the copy to host memory has finished
     fetch_event: Any = None             # CUDA: the copy back has finished
     grad: Optional[Tensor] = None
     where: Optional[torch.device] = None
@@ -163,6 +164,8 @@ class ActivationOffload:
                 to_host.wait_event(buf.free_after)                       # the buffer's last copy out is done
             with torch.cuda.stream(to_host):
                 buf.tensor.copy_(x, non_blocking=True)
+                slot.offload_event = torch.cuda.Event()
+                slot.offload_event.record(to_host)
             x.record_stream(to_host)            # its memory is not reused before the copy has read it
         else:
             buf.tensor.copy_(x)
@@ -178,6 +181,7 @@ class ActivationOffload:
             main = torch.cuda.current_stream(device)
             slot.device = torch.empty(host.shape, dtype=host.dtype, device=device)   # allocated on the main stream
             to_device.wait_stream(main)         # ... so the copy waits for what the main stream queued before
+            to_device.wait_event(slot.offload_event)      # and for the copy out to have filled the host buffer
             with torch.cuda.stream(to_device):
                 slot.device.copy_(host, non_blocking=True)
                 slot.fetch_event = torch.cuda.Event()
