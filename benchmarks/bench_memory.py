@@ -166,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lengths", type=int, nargs="+", default=[32768, 131072, 524288, 1048576])
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--smoke", action="store_true", help="tiny shape on CPU, lengths 256 and 1024, in this process")
-    p.add_argument("--json", default=None, help="where to write the results (default benchmarks/results/memory_<device>.json)")
+    p.add_argument("--json", default=None,
+                   help="where to write the results (default benchmarks/results/memory_<device>.json)")
     p.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     overrides = ["data.mock=true", "data.document_mask=false"] + (SMOKE if args.smoke else []) + args.overrides

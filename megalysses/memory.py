@@ -274,7 +274,10 @@ def layer_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, 
 def _attention_terms(d: dict, opts: Options, a: int, seq_len: int) -> PerToken:
     q, kv, P = d["q"], d["kv"], d["P"]
     if d["ring"] > 1:      # parallel/ring.py keeps q, its own stack of k and v, the output and the LSE
-        terms = [("q, k, v (the all-to-all buffer q is a view of)", q + 2 * kv, a)] if P > 1 else [("q (rotated)", q, a)]
+        if P > 1:
+            terms = [("q, k, v (the all-to-all buffer q is a view of)", q + 2 * kv, a)]
+        else:
+            terms = [("q (rotated)", q, a)]
         terms += [("k, v stacked (the ring's travelling block)", 2 * kv, a), ("attention output", q, a),
                   ("log-sum-exp", d["hq"], 4)]
         if P > 1:
@@ -433,7 +436,8 @@ def _state_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision,
                       f"{block:.4g} x ({a} + 4) B")]
     if opts.param_offload or opts.optimizer_offload:
         shard = prec.master + prec.moments + 4
-        fixed = [Term("master, moments, gradients (FSDP shards)", n * shard / G, f"{n:.4g} x {shard} B / {G}", host=True)]
+        fixed = [Term("master, moments, gradients (FSDP shards)", n * shard / G, f"{n:.4g} x {shard} B / {G}",
+                      host=True)]
         if not opts.param_offload:
             fixed.append(Term("compute-dtype parameter + gradient shards", n * 2 * a / G, f"{n:.4g} x 2 x {a} B / {G}"))
         return fixed + gathered, unsharded
@@ -477,7 +481,8 @@ def _backward_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precisi
     full = layer_terms(m, layout, opts, prec, seq_len, checkpointed=False)
     cut = next(i for i, t in enumerate(full) if t[0].startswith("MLP norm"))
     attn_half = bytes_per_token(full[:cut])
-    before_core = bytes_per_token([t for t in full[:cut] if t[0].startswith(("attention norm", "QKV input", "cos, sin"))])
+    before_core = bytes_per_token([t for t in full[:cut]
+                                   if t[0].startswith(("attention norm", "QKV input", "cos, sin"))])
     # flash-attn's backward writes dk, dv at the query-head count when a rank has fewer KV heads (GQA)
     kv_grads = q if d["expand"] or (opts.attention == "flash" and q != kv) else kv
     accumulator = 4 * q if opts.dq_accumulator else 0
@@ -491,25 +496,28 @@ def _backward_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precisi
     core_name = "attention: dout, dq, dk, dv" + (", fp32 dq accumulator" if accumulator else "")
     if d["ring"] > 1:
         core, core_name = _ring_backward(q, kv, a, d["ring"], opts, accumulator)
-    mlp_norm = bytes_per_token([t for t in full if t[0].startswith("MLP norm") and "input" in t[0] or t[0] == "MLP norm 1/rms"])
+    mlp_norm = bytes_per_token([t for t in full
+                                if t[0].startswith("MLP norm") and "input" in t[0] or t[0] == "MLP norm 1/rms"])
     norm_temps = norm_backward_bytes(m, opts, prec) * h / r
     assembly = (k.qkv_grad_buffers * d["qkv"] + (3 * (q + 2 * kv) if d["P"] > 1 else 0)) * a
     moments = {mlp_name: (bytes_per_token(full), mlp),
                core_name: (attn_half, core),
                "MLP norm: its backward's temporaries": (attn_half + mlp_norm, norm_temps),
-               "QKV: the output's gradient" + (", the all-to-all's buffers" if d["P"] > 1 else ""): (before_core, assembly)}
+               "QKV: the output's gradient" + (", the all-to-all's buffers" if d["P"] > 1 else ""):
+                   (before_core, assembly)}
     name, (alive, grads) = max(moments.items(), key=lambda kv_: sum(kv_[1]))
     offloaded = opts.activation_offload and opts.activation_checkpointing
     if opts.activation_checkpointing and not offloaded and norm_keeps_block_input(m, opts, prec):
         alive -= h / r * a                 # the norm's input is the retained block input itself
     what = "recomputed" if opts.activation_checkpointing else "own"
     terms = [] if not opts.activation_checkpointing else [
-        Term(f"the layer's {what} activations (at its worst moment)", tokens * alive, f"{tokens:.4g} tok x {alive:.4g} B")]
+        Term(f"the layer's {what} activations (at its worst moment)", tokens * alive,
+             f"{tokens:.4g} tok x {alive:.4g} B")]
     if not opts.activation_checkpointing:      # retained already: what is freed by that moment comes off
         terms.append(Term("the layer's activations freed by then", -tokens * (bytes_per_token(full) - alive),
                           f"-{tokens:.4g} tok x {bytes_per_token(full) - alive:.4g} B"))
-    terms.append(Term(f"backward of one layer, {name}", tokens * grads, f"{tokens:.4g} tok x {grads:.4g} B; "
-                      + ", ".join(f"{n.split(':')[0]} {(al + g) * tokens / GIB:.3g} GiB" for n, (al, g) in moments.items())))
+    each = ", ".join(f"{n.split(':')[0]} {(al + g) * tokens / GIB:.3g} GiB" for n, (al, g) in moments.items())
+    terms.append(Term(f"backward of one layer, {name}", tokens * grads, f"{tokens:.4g} tok x {grads:.4g} B; {each}"))
     terms.append(Term("residual-stream gradient", tokens * h / r * a, f"{tokens:.4g} tok x {h / r:.4g} x {a} B"))
     return terms
 
@@ -595,7 +603,8 @@ def _stage_estimate(m: ModelConfig, layout: Layout, opts: Options, prec: Precisi
         if not offload:
             count = behind * n_layers + current_layers
             terms = [Term("layer activations", count * tokens * layer_tok,
-                          f"({behind:g} mb x {n_layers} + {current_layers}) layers x {tokens:.4g} tok x {layer_tok:.4g} B")]
+                          f"({behind:g} mb x {n_layers} + {current_layers}) layers x {tokens:.4g} tok x "
+                          f"{layer_tok:.4g} B")]
         else:
             kept = 0 if first else 1                # a received pipeline input stays (the schedule holds it)
             ahead = min(opts.offload_prefetch, n_layers - kept, current_layers)

@@ -52,7 +52,8 @@ def measure_forward(cfg: ModelConfig, seq: int, opts: dict, groups: Optional[Par
     groups = groups or ParallelGroups()
     torch.manual_seed(0)
     model = GPTStage(cfg, groups, activation_checkpointing=opts.get("activation_checkpointing", False),
-                     loss_chunk_tokens=opts.get("loss_chunk_tokens", 0), mlp_chunk_tokens=opts.get("mlp_chunk_tokens", 0),
+                     loss_chunk_tokens=opts.get("loss_chunk_tokens", 0),
+                     mlp_chunk_tokens=opts.get("mlp_chunk_tokens", 0),
                      activation_offload=opts.get("activation_offload", False))
     init_weights(model, 0, tp_rank, groups.tp_size)
     model.to(dtype)
@@ -176,7 +177,8 @@ def unsharded_under_sp(kept: float, single: float, cfg: ModelConfig, seq: int, o
     head's weight gradient is a weight's, the same at any sp, so it comes off both."""
     head = head_weight_grad_bytes(cfg, Layout(), PRECISIONS["fp32"])
     layout = Layout(sp=sp, ring=ring)
-    buffers = seq / sp * cfg.num_layers * sp_buffer_bytes_per_token(cfg, layout, _options(cfg, opts), PRECISIONS["fp32"])
+    per_token = sp_buffer_bytes_per_token(cfg, layout, _options(cfg, opts), PRECISIONS["fp32"])
+    buffers = seq / sp * cfg.num_layers * per_token
     return kept - head - buffers > 1.01 * (single - head) / sp
 
 
@@ -342,7 +344,8 @@ def test_estimate_breakdown_adds_up_and_offload_moves_activations_to_host():
     assert abs(sum(t.bytes for t in est.terms if not t.host) - est.peak) < 1.0
     m, layout, bf16 = cfg.model, Layout(sp=8, dp=4), PRECISIONS["bf16"]
     base = Options(activation_checkpointing=True, loss_chunk_tokens=8192)
-    kept = {S_: {t.name: t.bytes for t in estimate(m, layout, base, bf16, Workload(S_)).terms} for S_ in (2 ** 17, 2 ** 18)}
+    kept = {S_: {t.name: t.bytes for t in estimate(m, layout, base, bf16, Workload(S_)).terms}
+            for S_ in (2 ** 17, 2 ** 18)}
     assert kept[2 ** 18]["layer activations"] == 2 * kept[2 ** 17]["layer activations"]
     assert kept[2 ** 18]["weights"] == kept[2 ** 17]["weights"]
     S_ = 2 ** 20     # 128K tokens per rank: the block inputs outweigh the 8B model's gradients

@@ -23,9 +23,9 @@ BASE = ["data.mock=true", "data.seq_len=32", "model.vocab_size=128", "model.hidd
         "training.global_batch_size=4", "training.train_steps=2", "training.activation_checkpointing=true",
         "parallel.grad_bucket_elements=5000", "parallel.timeout_seconds=60", "data.document_mask=true"]
 LAYOUTS = {   # name: overrides on 4 ranks
-    "tp2 sp2, TP sequence sharding, tiled MLP and loss": ["parallel.tp=2", "parallel.sp=2",
-                                                          "parallel.tp_sequence_parallel=true",
-                                                          "training.mlp_chunk_tokens=4", "training.loss_chunk_tokens=4"],
+    "tp2 sp2, TP sequence sharding, tiled MLP and loss": [
+        "parallel.tp=2", "parallel.sp=2", "parallel.tp_sequence_parallel=true", "training.mlp_chunk_tokens=4",
+        "training.loss_chunk_tokens=4"],
     "pp2 dp2, 1F1B (2 micro-batches each)": ["parallel.pp=2"],
     "pp2 dp2, interleaved (2 chunks per rank), bf16, tied embeddings": [
         "parallel.pp=2", "parallel.virtual_stages=2", "training.dtype=bfloat16", "model.tie_embeddings=true"],

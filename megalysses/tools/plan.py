@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import sys
 from dataclasses import dataclass, replace
@@ -109,7 +110,8 @@ def step_time(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, wo
         redo_mm += L * 2 * mlp * tokens * (2 if opts.activation_checkpointing else 1)
     mm = M * (3 * (fwd_mm + head) + redo_mm)
     attn = M * fwd_attn * (4 if opts.activation_checkpointing else 3)
-    compute = mm / (hw.peak_tflops * 1e12 * hw.matmul_efficiency) + attn / (hw.peak_tflops * 1e12 * hw.attention_efficiency)
+    compute = (mm / (hw.peak_tflops * 1e12 * hw.matmul_efficiency)
+               + attn / (hw.peak_tflops * 1e12 * hw.attention_efficiency))
     passes = 3 if opts.activation_checkpointing else 2                   # forward, backward (+ recompute)
     a = prec.act
     span_tp, span_sp, span_grad = t, t * P, t * P * layout.dp
@@ -195,6 +197,8 @@ def candidate_configs(cfg: Config, gpus: int, offload: bool, gpus_per_node: int 
     m, t = cfg.model, cfg.training
     mlp_tile = t.mlp_chunk_tokens or 8192
     S = cfg.data.seq_len
+    activations = ((False, False), (True, False)) + (((True, True),) if offload else ())   # checkpointing, offload
+    states = ((False, False), (True, False)) + (((False, True),) if offload else ())        # FSDP, optimizer offload
     for tp in divisors(gpus):
         if tp > gpus_per_node:
             continue
@@ -202,18 +206,16 @@ def candidate_configs(cfg: Config, gpus: int, offload: bool, gpus_per_node: int 
             if not heads_allow(m, tp, sp):
                 continue
             for pp in divisors(gpus // (tp * sp)):
-                for v in ([1] + [x for x in (2, 4) if pp > 1]):
-                    for ckpt, offl in ((False, False), (True, False)) + (((True, True),) if offload else ()):
-                        for tile in sorted({0, mlp_tile if mlp_tile < S // sp else 0}):
-                            for tsp in ((False, True) if tp > 1 else (False,)):
-                                for fsdp, opt_off in ((False, False), (True, False)) + (((False, True),) if offload else ()):
-                                    yield replace(
-                                        cfg,
-                                        parallel=replace(cfg.parallel, tp=tp, sp=sp, sp_ring=0, pp=pp,
-                                                         virtual_stages=v,
-                                                         tp_sequence_parallel=tsp, fsdp=fsdp),
-                                        training=replace(t, activation_checkpointing=ckpt, activation_offload=offl,
-                                                         optimizer_offload=opt_off, mlp_chunk_tokens=tile))
+                options = itertools.product([1] + [x for x in (2, 4) if pp > 1], activations,
+                                            sorted({0, mlp_tile if mlp_tile < S // sp else 0}),
+                                            (False, True) if tp > 1 else (False,), states)
+                for v, (ckpt, offl), tile, tsp, (fsdp, opt_off) in options:
+                    yield replace(
+                        cfg,
+                        parallel=replace(cfg.parallel, tp=tp, sp=sp, sp_ring=0, pp=pp, virtual_stages=v,
+                                         tp_sequence_parallel=tsp, fsdp=fsdp),
+                        training=replace(t, activation_checkpointing=ckpt, activation_offload=offl,
+                                         optimizer_offload=opt_off, mlp_chunk_tokens=tile))
 
 
 @dataclass
@@ -238,7 +240,8 @@ class Plan:
                 "tp_sequence_parallel": c.parallel.tp_sequence_parallel, "fsdp": c.parallel.fsdp,
                 "peak_gib": round(self.estimate.peak / GIB, 2), "peak_phase": self.estimate.phase,
                 "host_gib_per_node": round(self.host_per_node / GIB, 1),
-                "all_to_all_gb": round(s.bytes["all_to_all"] / 1e9, 2), "all_reduce_gb": round(s.bytes["all_reduce"] / 1e9, 2),
+                "all_to_all_gb": round(s.bytes["all_to_all"] / 1e9, 2),
+                "all_reduce_gb": round(s.bytes["all_reduce"] / 1e9, 2),
                 "p2p_gb": round(s.bytes["p2p"] / 1e9, 2), "ring_p2p_gb": round(s.bytes["ring_p2p"] / 1e9, 2),
                 "step_s": round(s.total, 4), "tokens_per_s": round(tok_s, 1),
                 "mfu": round(mfu, 4), "fits": self.fits}
@@ -312,7 +315,8 @@ def explain(p: Plan, hw: Hardware, gpu_memory_gib: float) -> str:
     mm, at = s.flops["matmul"], s.flops["attention"]
     lines.append("step time (one rank):")
     lines.append(f"  compute    {s.compute:10.4f} s = {mm:.4g} matmul FLOPs / ({hw.peak_tflops:g} TFLOP/s x "
-                 f"{hw.matmul_efficiency:g}) + {at:.4g} attention FLOPs / ({hw.peak_tflops:g} x {hw.attention_efficiency:g})")
+                 f"{hw.matmul_efficiency:g}) + {at:.4g} attention FLOPs / ({hw.peak_tflops:g} x "
+                 f"{hw.attention_efficiency:g})")
     for kind, sec in s.exposed.items():
         lines.append(f"  {kind:<40} {sec:10.4f} s exposed")
     lines.append(f"  pipeline bubble {s.bubble:10.4f} s = (pp - 1) / v x one micro-batch")
@@ -380,9 +384,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     if rows:
         print(table(rows))
     else:
-        print("no layout fits: more GPUs, a shorter sequence, or --host-memory-gib for activation and optimizer offload")
+        print("no layout fits: more GPUs, a shorter sequence, or --host-memory-gib for activation and optimizer "
+              "offload")
     verdict = "fits" if own_row["fits"] else f"does not fit ({own_row['why_not']})"
-    extra = f", peak {own_row['peak_gib']:.1f} GiB, {own_row['tokens_per_s']:.0f} tok/s" if "peak_gib" in own_row else ""
+    extra = (f", peak {own_row['peak_gib']:.1f} GiB, {own_row['tokens_per_s']:.0f} tok/s"
+             if "peak_gib" in own_row else "")
     print(f"the config's own layout {verdict}{extra}")
     if args.explain and fitting:
         print(explain(fitting[0], hw, args.gpu_memory_gib))
