@@ -12,13 +12,18 @@ allocates and frees inside its own kernel, such as a fused attention backward's 
 from __future__ import annotations
 
 import gc
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import torch
+import torch.distributed as dist
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+
+SETTLE_POLLS, SETTLE_SECONDS = 100, 0.005
 
 
 @dataclass
@@ -57,9 +62,24 @@ def measure_retained(forward: Callable[[], Any], exclude: tuple = ()) -> tuple[A
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), Track():
         out = forward()
-    gc.collect()           # a reference cycle the forward made must not count as retained
     skip |= {t.untyped_storage()._cdata for t in tree_leaves(out) if isinstance(t, torch.Tensor)}
-    alive = {k: v for k, v in {**saved, **created}.items() if k not in skip and not v[0].expired()}
+
+    def still_alive() -> dict:
+        return {k: v for k, v in {**saved, **created}.items() if k not in skip and not v[0].expired()}
+
+    gc.collect()           # a reference cycle the forward made must not count as retained
+    alive = still_alive()
+    if dist.is_initialized():
+        # a collective's worker thread (gloo) lets go of its buffers a moment after the caller has its
+        # result: wait until nothing more is released for a few polls
+        quiet = 0
+        for _ in range(SETTLE_POLLS):
+            time.sleep(SETTLE_SECONDS)
+            now = still_alive()
+            quiet = quiet + 1 if len(now) == len(alive) else 0
+            alive = now
+            if quiet == 3:
+                break
     saved_bytes = sum(v[1] for k, v in saved.items() if k not in skip)
     rows = sorted(((v[1], v[2], v[3]) for v in alive.values()), reverse=True)
     return out, Retained(bytes=sum(r[0] for r in rows), saved_bytes=saved_bytes, storages=rows)
