@@ -31,10 +31,13 @@ def world_of_one(tmp_path):
 
 
 def _logged(run):
-    """metrics.jsonl as {name: [(step, value), ...]}, None values left out."""
+    """The step rows of metrics.jsonl as {name: [(step, value), ...]}, None values left out (the start
+    marks, `{"event": "start", ...}`, are not scalars)."""
     points: dict[str, list[tuple[int, float]]] = {}
     for line in (run / "metrics.jsonl").read_text().splitlines():
         rec = json.loads(line)
+        if "event" in rec:
+            continue
         for key, value in rec.items():
             if key != "step" and value is not None:
                 points.setdefault(key, []).append((rec["step"], value))
