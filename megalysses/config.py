@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -116,7 +117,9 @@ class ParallelConfig:
     the heads allow, ring attention (K/V blocks passed around, log-sum-exp merge) for the rest."""
     sp_ring: int = 0
     """Ring degree r of sp (a divisor of sp; Ulysses gets sp / r). 0 = automatic: the largest Ulysses degree
-    the heads allow (query heads per tp rank divisible by it, KV heads dividing it or divisible by it)."""
+    the heads allow (query heads per tp rank divisible by it, KV heads dividing it or divisible by it) whose
+    tp x ulysses ranks fit inside a node (the launcher's ranks per node, LOCAL_WORLD_SIZE), so the
+    all-to-alls stay on the node's links and only the ring's overlapped p2p crosses nodes."""
     pp: int = 1
     """Pipeline-parallel degree (stages)."""
     virtual_stages: int = 1
@@ -627,11 +630,14 @@ def _check_tokenizer(d: DataConfig) -> None:
                           f"(merges.txt)")
 
 
-def check_heads(num_heads: int, kv_heads: int, tp: int, sp: int, sp_ring: int = 0) -> tuple[int, int]:
+def check_heads(num_heads: int, kv_heads: int, tp: int, sp: int, sp_ring: int = 0,
+                ranks_per_node: int = 0) -> tuple[int, int]:
     """Head-count rules for tp, then sp = ulysses x ring; returns (ulysses, ring) or raises ConfigError with
     the numbers and the fix. Ulysses gives each of its ranks whole query heads (query heads per tp rank
     divisible by ulysses) and whole KV heads (replicated up to ulysses when fewer, so one must divide the
-    other); the ring has no head rule. sp_ring=0 picks the largest Ulysses degree, so any sp is possible."""
+    other); the ring has no head rule. sp_ring=0 picks the largest Ulysses degree, so any sp is possible;
+    with `ranks_per_node` (0 = unknown) the largest whose tp x ulysses block of consecutive ranks lies
+    inside one node, when there is one besides tp alone crossing nodes."""
     if num_heads % tp:
         raise ConfigError(f"model.num_heads={num_heads} is not divisible by parallel.tp={tp}")
     if kv_heads % tp:
@@ -643,7 +649,9 @@ def check_heads(num_heads: int, kv_heads: int, tp: int, sp: int, sp_ring: int = 
         return hq % u == 0 and (hk % u == 0 or u % hk == 0)
 
     if sp_ring == 0:
-        ulysses = max(u for u in range(1, sp + 1) if sp % u == 0 and fits(u))
+        allowed = [u for u in range(1, sp + 1) if sp % u == 0 and fits(u)]
+        in_node = [u for u in allowed if ranks_per_node and ranks_per_node % (tp * u) == 0]
+        ulysses = max(in_node or allowed)
         return ulysses, sp // ulysses
     if sp % sp_ring:
         raise ConfigError(f"parallel.sp_ring={sp_ring} does not divide parallel.sp={sp}: sp = ulysses x ring; "
@@ -658,7 +666,16 @@ def check_heads(num_heads: int, kv_heads: int, tp: int, sp: int, sp_ring: int = 
     return ulysses, sp_ring
 
 
-def ulysses_ring(cfg: Config) -> tuple[int, int]:
-    """(ulysses, ring) degrees of cfg's sequence parallelism: sp = ulysses x ring (see check_heads)."""
+def ulysses_ring(cfg: Config, ranks_per_node: Optional[int] = None) -> tuple[int, int]:
+    """(ulysses, ring) degrees of cfg's sequence parallelism: sp = ulysses x ring (see check_heads).
+    `ranks_per_node` defaults to the launcher's (torchrun's LOCAL_WORLD_SIZE; unknown without one)."""
     m, p = cfg.model, cfg.parallel
-    return check_heads(m.num_heads, m.kv_heads, p.tp, p.sp, p.sp_ring)
+    if ranks_per_node is None:
+        ranks_per_node = launcher_ranks_per_node()
+    return check_heads(m.num_heads, m.kv_heads, p.tp, p.sp, p.sp_ring, ranks_per_node)
+
+
+def launcher_ranks_per_node() -> int:
+    """Ranks per node as torchrun reports them (LOCAL_WORLD_SIZE); 0 when not launched by it."""
+    value = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return int(value) if value.isdigit() else 0

@@ -96,6 +96,14 @@ def test_sp_is_ulysses_times_ring_and_any_length_is_valid():
     assert check_heads(32, 8, 4, 16) == (8, 2)               # 8 query heads per tp rank
     assert check_heads(1, 1, 1, 8) == (1, 8)
     assert check_heads(8, 2, 1, 8, sp_ring=4) == (2, 4)
+    # with the node size known, Ulysses stays inside a node and the ring crosses nodes
+    assert check_heads(32, 8, 1, 64, ranks_per_node=8) == (8, 8)
+    assert check_heads(32, 8, 1, 64) == (32, 2)
+    assert check_heads(32, 8, 4, 16, ranks_per_node=8) == (2, 8)
+    assert check_heads(32, 8, 8, 8, ranks_per_node=8) == (1, 8)
+    assert check_heads(32, 8, 1, 16, ranks_per_node=6) == (2, 8)     # a 4-rank block would straddle nodes
+    assert check_heads(32, 8, 1, 8, ranks_per_node=16) == (8, 1)
+    assert check_heads(32, 8, 1, 8, sp_ring=2, ranks_per_node=2) == (4, 2)   # explicit: honoured as given
     for overrides in (["parallel.sp=3"], ["data.seq_len=100", "parallel.sp=8"],
                       ["data.seq_len=36", "parallel.sp=2", "parallel.tp=4", "parallel.tp_sequence_parallel=true"],
                       ["model.num_heads=2", "model.hidden_size=64", "model.num_kv_heads=1", "parallel.sp=4",
@@ -103,6 +111,18 @@ def test_sp_is_ulysses_times_ring_and_any_length_is_valid():
         cfg = load_config(overrides=["data.mock=true"] + overrides)
         u, r = ulysses_ring(cfg)
         assert u * r == cfg.parallel.sp
+
+
+def test_ulysses_degree_follows_the_launchers_node_size(monkeypatch):
+    from megalysses.config import ulysses_ring
+
+    cfg = load_config(overrides=["data.mock=true", "model.num_heads=32", "model.num_kv_heads=8",
+                                 "model.hidden_size=512", "parallel.sp=16"])
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert ulysses_ring(cfg) == (16, 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert ulysses_ring(cfg) == (8, 2)
+    assert ulysses_ring(cfg, ranks_per_node=4) == (4, 4)
 
 
 def test_world_size_rules():
