@@ -150,7 +150,17 @@ class DataConfig:
     split: str = "969,30,1"
     """train,valid,test ratios over documents."""
     seq_len: int = 1024
-    """Tokens per sample (the model sees seq_len tokens and predicts seq_len labels)."""
+    """Tokens per sample (the model sees seq_len tokens and predicts seq_len labels); with a
+    seq_len_schedule, the final and longest length."""
+    seq_len_schedule: list[list[int]] = field(default_factory=list)
+    """Sequence-length curriculum: [[from_step, seq_len], ...], e.g. [[0, 8192], [2000, 32768], [4000, 131072]]:
+    once from_step optimizer steps are done, train at that length (here steps 1-2000 at 8192, 2001-4000 at
+    32768, then 131072). The first entry starts at step 0, steps increase, lengths never decrease, every
+    length divides data.seq_len and the last one is data.seq_len. Samples are still drawn at data.seq_len
+    and at length L each is cut into data.seq_len / L consecutive sequences (positions and documents
+    restart in each), so tokens per step and per micro-batch, the number of micro-batches and the data
+    order are those of a run without a schedule, and a resume anywhere is exact. Validation runs at
+    data.seq_len. Empty: data.seq_len throughout."""
     tokenizer: str = "byte"
     """Tokenizer type: byte (no file), sentencepiece (a .model), huggingface (a tokenizer.json or a folder
     holding one), gpt2bpe (vocab_file + merge_file) or null (token ids as text); Megatron-LM's
@@ -177,6 +187,14 @@ class DataConfig:
     """Where sample/shuffle indices are cached (default: beside the data)."""
     mock: bool = False
     """Train on deterministic synthetic tokens instead of paths (smoke tests)."""
+
+    def seq_len_at(self, step: int) -> int:
+        """The sequence length of the optimizer step taken after `step` completed steps (seq_len_schedule)."""
+        length = self.seq_len
+        for from_step, stage_len in self.seq_len_schedule:
+            if step >= from_step:
+                length = stage_len
+        return length
 
 
 @dataclass
@@ -208,9 +226,11 @@ class TrainingConfig:
     seed: int = 1234
     """Seed for init, data order and dropout; the same seed gives the same model at every layout."""
     micro_batch_size: int = 1
-    """Samples per micro-batch per dp rank."""
+    """Samples (of data.seq_len tokens) per micro-batch per dp rank; at a data.seq_len_schedule stage of length
+    L, each is data.seq_len / L sequences of L tokens."""
     global_batch_size: int = 8
-    """Samples per optimizer step over all dp ranks (a multiple of micro_batch_size * dp)."""
+    """Samples (of data.seq_len tokens) per optimizer step over all dp ranks (a multiple of micro_batch_size *
+    dp); at a data.seq_len_schedule stage of length L, each is data.seq_len / L sequences of L tokens."""
     train_steps: int = 1000
     """Optimizer steps to run."""
     exit_at_step: int = 0
@@ -522,6 +542,7 @@ def validate_config(cfg: Config, world_size: Optional[int] = None) -> None:
     if not cfg.logging.run_dir.strip():
         raise ConfigError("logging.run_dir is empty: give the run directory (config, metrics, checkpoints)")
     _check_data(d)
+    _check_seq_len_schedule(d)
     if t.micro_batch_size < 1 or t.global_batch_size < 1:
         raise ConfigError("training.micro_batch_size and training.global_batch_size must be >= 1")
     if world_size is not None:
@@ -597,10 +618,47 @@ def config_warnings(cfg: Config) -> list[str]:
     elif o.min_lr > o.lr:
         notes.append(f"optimizer.min_lr={o.min_lr:g} is above optimizer.lr={o.lr:g}: the learning rate will rise "
                      f"during the decay")
+    late = [(step, length) for step, length in cfg.data.seq_len_schedule if step >= t.train_steps]
+    if late:
+        notes.append(f"data.seq_len_schedule: the stage from step {late[0][0]} (seq_len {late[0][1]}) starts at or "
+                     f"after training.train_steps={t.train_steps}: it never runs, and neither does "
+                     f"data.seq_len={cfg.data.seq_len}")
     if o.warmup_steps > t.train_steps:
         notes.append(f"optimizer.warmup_steps={o.warmup_steps} is more than training.train_steps={t.train_steps}: "
                      f"the learning rate never reaches optimizer.lr")
     return notes
+
+
+def _check_seq_len_schedule(d: DataConfig) -> None:
+    """data.seq_len_schedule: [from_step, seq_len] pairs from step 0, steps increasing, lengths growing to
+    data.seq_len, each dividing it."""
+    example = f"e.g. [[0, {d.seq_len // 4 if d.seq_len % 4 == 0 else 1}], [1000, {d.seq_len}]]"
+    prev_step, prev_len = -1, 0
+    for i, entry in enumerate(d.seq_len_schedule):
+        where = f"data.seq_len_schedule[{i}]={entry}"
+        if len(entry) != 2:
+            raise ConfigError(f"{where}: each entry is a [from_step, seq_len] pair, {example}")
+        step, length = entry
+        if length < 1:
+            raise ConfigError(f"{where}: seq_len {length} must be >= 1")
+        if i == 0 and step != 0:
+            raise ConfigError(f"{where}: the first entry must start at step 0 (it gives the length of the first "
+                              f"steps): make it [0, {length}]")
+        if step <= prev_step:
+            raise ConfigError(f"{where}: from_step {step} is not after the previous entry's {prev_step}: list the "
+                              f"stages in order of strictly increasing from_step")
+        if length < prev_len:
+            raise ConfigError(f"{where}: seq_len {length} is shorter than the previous entry's {prev_len}: a "
+                              f"curriculum only grows the length; lengths must not decrease")
+        if d.seq_len % length:
+            raise ConfigError(f"{where}: seq_len {length} does not divide data.seq_len={d.seq_len}: every sample "
+                              f"of data.seq_len tokens is cut into data.seq_len / seq_len sequences; use a divisor "
+                              f"of {d.seq_len}")
+        prev_step, prev_len = step, length
+    if d.seq_len_schedule and prev_len != d.seq_len:
+        raise ConfigError(f"data.seq_len_schedule ends at seq_len {prev_len} but data.seq_len={d.seq_len} is the "
+                          f"final length: append [from_step, {d.seq_len}] to the schedule, or set "
+                          f"data.seq_len={prev_len}")
 
 
 def _check_data(d: DataConfig) -> None:

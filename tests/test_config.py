@@ -192,3 +192,48 @@ def test_warnings_for_legal_but_suspicious_settings():
     assert len(notes) == 2 and "optimizer.lr=0" in notes[0] and "warmup_steps=100" in notes[1]
     notes = config_warnings(load_config(overrides=["data.mock=true", "optimizer.min_lr=1e-2"]))
     assert notes == [notes[0]] and "min_lr=0.01 is above optimizer.lr" in notes[0]
+
+
+SCHEDULE = ["data.mock=true", "data.seq_len=32", "training.train_steps=6"]
+
+
+def test_seq_len_schedule_lookup_and_round_trip(tmp_path):
+    cfg = load_config(overrides=SCHEDULE + ["data.seq_len_schedule=[[0, 8], [2, 16], [4, 32]]"])
+    assert cfg.data.seq_len_schedule == [[0, 8], [2, 16], [4, 32]]
+    # from_step counts completed steps: steps 1-2 (after 0, 1 done) at 8, 3-4 at 16, then 32
+    assert [cfg.data.seq_len_at(done) for done in range(8)] == [8, 8, 16, 16, 32, 32, 32, 32]
+    assert not [n for n in config_warnings(cfg) if "seq_len_schedule" in n]
+    save_config(cfg, tmp_path / "out.yaml")
+    assert load_config(tmp_path / "out.yaml") == cfg
+    plain = load_config(overrides=SCHEDULE)
+    assert plain.data.seq_len_schedule == [] and {plain.data.seq_len_at(s) for s in range(8)} == {32}
+
+
+@pytest.mark.parametrize("schedule,message", [
+    ("[[1, 8], [4, 32]]", r"seq_len_schedule\[0\]=\[1, 8\]: the first entry must start at step 0.*make it \[0, 8\]"),
+    ("[[0, 8], [4, 16], [4, 32]]", r"seq_len_schedule\[2\]=\[4, 32\]: from_step 4 is not after the previous "
+                                   r"entry's 4.*strictly increasing"),
+    ("[[0, 8], [4, 16], [3, 32]]", r"seq_len_schedule\[2\]=\[3, 32\]: from_step 3 is not after"),
+    ("[[0, 16], [2, 8], [4, 32]]", r"seq_len_schedule\[1\]=\[2, 8\]: seq_len 8 is shorter than the previous "
+                                   r"entry's 16.*must not decrease"),
+    ("[[0, 12], [4, 32]]", r"seq_len_schedule\[0\]=\[0, 12\]: seq_len 12 does not divide data.seq_len=32.*use a "
+                           r"divisor of 32"),
+    ("[[0, 8], [2, 16]]", r"seq_len_schedule ends at seq_len 16 but data.seq_len=32 is the final length: append "
+                          r"\[from_step, 32\].*or set data.seq_len=16"),
+    ("[[0, 8, 1], [4, 32]]", r"seq_len_schedule\[0\]=\[0, 8, 1\]: each entry is a \[from_step, seq_len\] pair"),
+    ("[[0], [4, 32]]", r"seq_len_schedule\[0\]=\[0\]: each entry is a \[from_step, seq_len\] pair"),
+    ("[[0, 0], [4, 32]]", r"seq_len_schedule\[0\]=\[0, 0\]: seq_len 0 must be >= 1"),
+    ("[[0, -8], [4, 32]]", r"seq_len_schedule\[0\]=\[0, -8\]: seq_len -8 must be >= 1"),
+    ("[0, 32]", r"data.seq_len_schedule\[0\]: expected a list"),
+    ("[[0, eight]]", r"data.seq_len_schedule\[0\]\[1\]: expected an integer"),
+])
+def test_bad_seq_len_schedule_is_one_config_error(schedule, message):
+    with pytest.raises(ConfigError, match=message) as e:
+        load_config(overrides=SCHEDULE + [f"data.seq_len_schedule={schedule}"])
+    assert "\n" not in str(e.value)
+
+
+def test_seq_len_schedule_stage_after_the_last_step_is_a_warning():
+    cfg = load_config(overrides=SCHEDULE + ["data.seq_len_schedule=[[0, 8], [6, 32]]"])
+    notes = [n for n in config_warnings(cfg) if "seq_len_schedule" in n]
+    assert len(notes) == 1 and "stage from step 6 (seq_len 32)" in notes[0] and "train_steps=6" in notes[0]
