@@ -9,6 +9,7 @@ import json
 import torch
 import torch.distributed as dist
 
+from megalysses.config import load_config
 from megalysses.testing import run_distributed
 from megalysses.training import loop
 from test_training_parity import _train_worker, full_weights, losses
@@ -114,3 +115,10 @@ def test_schedule_at_every_layout_and_exact_resume(tmp_path):
         printed = per_rank[0][k]["printed"]
         assert f"at step {stopped}" in printed
         assert f"seq_len {LENGTHS[stopped]} from step {stopped + 1} (stage " in printed
+
+
+def test_the_8b_config_grows_to_its_length():
+    cfg = load_config("configs/llama3_8b_128k.yaml", ["data.mock=true", "data.paths=[]"])
+    d = cfg.data
+    assert [d.seq_len_at(s) for s in (0, 999, 1000, 2499, 2500, cfg.training.train_steps - 1)] == \
+        [8192, 8192, 32768, 32768, 131072, 131072]
