@@ -211,15 +211,15 @@ def test_seq_len_schedule_lookup_and_round_trip(tmp_path):
 
 @pytest.mark.parametrize("schedule,message", [
     ("[[1, 8], [4, 32]]", r"seq_len_schedule\[0\]=\[1, 8\]: the first entry must start at step 0.*make it \[0, 8\]"),
-    ("[[0, 8], [4, 16], [4, 32]]", r"seq_len_schedule\[2\]=\[4, 32\]: from_step 4 is not after the previous "
-                                   r"entry's 4.*strictly increasing"),
+    ("[[0, 8], [4, 16], [4, 32]]", (r"seq_len_schedule\[2\]=\[4, 32\]: from_step 4 is not after the previous "
+                                    r"entry's 4.*strictly increasing")),
     ("[[0, 8], [4, 16], [3, 32]]", r"seq_len_schedule\[2\]=\[3, 32\]: from_step 3 is not after"),
-    ("[[0, 16], [2, 8], [4, 32]]", r"seq_len_schedule\[1\]=\[2, 8\]: seq_len 8 is shorter than the previous "
-                                   r"entry's 16.*must not decrease"),
-    ("[[0, 12], [4, 32]]", r"seq_len_schedule\[0\]=\[0, 12\]: seq_len 12 does not divide data.seq_len=32.*use a "
-                           r"divisor of 32"),
-    ("[[0, 8], [2, 16]]", r"seq_len_schedule ends at seq_len 16 but data.seq_len=32 is the final length: append "
-                          r"\[from_step, 32\].*or set data.seq_len=16"),
+    ("[[0, 16], [2, 8], [4, 32]]", (r"seq_len_schedule\[1\]=\[2, 8\]: seq_len 8 is shorter than the previous "
+                                    r"entry's 16.*must not decrease")),
+    ("[[0, 12], [4, 32]]", (r"seq_len_schedule\[0\]=\[0, 12\]: seq_len 12 does not divide data.seq_len=32.*use "
+                            r"a divisor of 32")),
+    ("[[0, 8], [2, 16]]", (r"seq_len_schedule ends at seq_len 16 but data.seq_len=32 is the final length: "
+                           r"append \[from_step, 32\].*or set data.seq_len=16")),
     ("[[0, 8, 1], [4, 32]]", r"seq_len_schedule\[0\]=\[0, 8, 1\]: each entry is a \[from_step, seq_len\] pair"),
     ("[[0], [4, 32]]", r"seq_len_schedule\[0\]=\[0\]: each entry is a \[from_step, seq_len\] pair"),
     ("[[0, 0], [4, 32]]", r"seq_len_schedule\[0\]=\[0, 0\]: seq_len 0 must be >= 1"),
