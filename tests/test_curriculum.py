@@ -111,6 +111,7 @@ def test_schedule_at_every_layout_and_exact_resume(tmp_path):
     for stopped in weights[:2]:                          # the first two parts really stopped early
         assert not all(torch.equal(stopped[n], w) for n, w in sp2.items())
     assert [len(per_rank[0][k]["shapes"]) for k in (5, 6, 7)] == [3, 1, 2]
+    assert [s[0][1] * 2 for k in (5, 6, 7) for s in per_rank[0][k]["shapes"]] == LENGTHS
     for k, stopped in ((6, 3), (7, 4)):                 # each resumed part names its length first
         printed = per_rank[0][k]["printed"]
         assert f"at step {stopped}" in printed
