@@ -14,17 +14,17 @@ from megalysses.testing import run_distributed
 from megalysses.training import loop
 from test_training_parity import _train_worker, full_weights, losses
 
-# steps 1-2 at 8 tokens (4 sequences per sample), 3-4 at 16 (2), 5-6 at 32; validation at 32 on steps 3, 6
-SCHEDULE = ["data.seq_len_schedule=[[0, 8], [2, 16], [4, 32]]", "training.train_steps=6",
+# steps 1-2 at 2 tokens (16 sequences per sample), 3-4 at 16 (2), 5-6 at 32; validation at 32 on steps 3, 6
+SCHEDULE = ["data.seq_len_schedule=[[0, 2], [2, 16], [4, 32]]", "training.train_steps=6",
             "training.global_batch_size=4", "model.num_layers=2"]
-LENGTHS = [8, 8, 16, 16, 32, 32]
+LENGTHS = [2, 2, 16, 16, 32, 32]
 SEQ, GBS = 32, 4
-LAYOUTS = {  # name: (overrides, sp, dp)
-    "sp2": (["parallel.sp=2"], 2, 1),
-    "ring2": (["parallel.sp=2", "parallel.sp_ring=2"], 2, 1),
-    "tp2": (["parallel.tp=2", "parallel.tp_sequence_parallel=true"], 1, 1),
-    "pp2": (["parallel.pp=2", "training.activation_checkpointing=true"], 1, 1),
-    "dp2": ([], 1, 2),
+LAYOUTS = {  # name: (overrides, sp, dp, the multiple each sequence is padded to)
+    "sp2": (["parallel.sp=2"], 2, 1, 2),
+    "ring2": (["parallel.sp=2", "parallel.sp_ring=2"], 2, 1, 4),   # 2 zigzag chunks per rank: 2 tokens padded to 4
+    "tp2": (["parallel.tp=2", "parallel.tp_sequence_parallel=true"], 1, 1, 2),
+    "pp2": (["parallel.pp=2", "training.activation_checkpointing=true"], 1, 1, 1),
+    "dp2": ([], 1, 2, 1),
 }
 
 
@@ -71,9 +71,9 @@ def test_schedule_at_every_layout_and_exact_resume(tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6] and [r["seq_len"] for r in rows] == LENGTHS
     assert ref["shapes"] == [[(SEQ // n, n)] * GBS for n in LENGTHS]
     printed = ref["printed"].splitlines()
-    assert "seq_len 8 -> 16 at step 3 -> 32 at step 5" in printed[0]
+    assert "seq_len 2 -> 16 at step 3 -> 32 at step 5" in printed[0]
     stages = [line for line in printed if line.startswith("seq_len ")]
-    cuts = [(8, 1, "each sample of 32 tokens cut into 4 sequences"),
+    cuts = [(2, 1, "each sample of 32 tokens cut into 16 sequences"),
             (16, 3, "each sample of 32 tokens cut into 2 sequences"), (32, 5, "whole samples")]
     assert stages == [f"seq_len {n} from step {step} (stage {k} of 3 of data.seq_len_schedule: {cut})"
                       for k, (n, step, cut) in enumerate(cuts, 1)]
@@ -83,7 +83,7 @@ def test_schedule_at_every_layout_and_exact_resume(tmp_path):
     assert len([r for r in _rows(tmp_path / "single") if "val_loss" in r]) == 2
 
     split = tmp_path / "split"
-    runs = [(str(tmp_path / name), SCHEDULE + overrides) for name, (overrides, _, _) in LAYOUTS.items()]
+    runs = [(str(tmp_path / name), SCHEDULE + overrides) for name, (overrides, *_) in LAYOUTS.items()]
     runs += [  # interrupted inside the 16-token stage (after step 3), then where it ends (after step 4)
         (str(split), SCHEDULE + ["parallel.sp=2", "training.exit_at_step=3"]),
         (str(split), SCHEDULE + ["parallel.sp=2", "training.exit_at_step=4"]),
@@ -91,13 +91,14 @@ def test_schedule_at_every_layout_and_exact_resume(tmp_path):
     ]
     per_rank = run_distributed(_recording_worker, 2, tmp_path, args=(runs,), timeout=400)
 
-    for i, (name, (_, sp, dp)) in enumerate(LAYOUTS.items()):
+    for i, (name, (_, sp, dp, multiple)) in enumerate(LAYOUTS.items()):
         assert [r["seq_len"] for r in _rows(tmp_path / name) if "loss" in r] == LENGTHS, name
+        padded = [-(-n // multiple) * multiple for n in LENGTHS]
         for rank in per_rank:
             shapes = rank[i]["shapes"]
             assert [len(s) for s in shapes] == [GBS // dp] * 6, name            # the same micro-batches
-            assert [sum(a * b for a, b in s) * sp * dp for s in shapes] == [GBS * SEQ] * 6, name   # and tokens
-            assert [s[0][1] * sp for s in shapes] == LENGTHS, name
+            # ... of the same samples (tokens per step constant), cut to the step's length, padded, sharded
+            assert shapes == [[(SEQ // n, p // sp)] * (GBS // dp) for n, p in zip(LENGTHS, padded)], name
         for step, (a, b) in enumerate(zip(losses(tmp_path / name), ref_losses, strict=True), 1):
             assert abs(a - b) <= 1e-5 * abs(b), f"{name}: step {step} loss {a} != {b}"
 
