@@ -109,7 +109,7 @@ def memory_options(cfg: Config) -> list[str]:
 
 def sequence_summary(cfg: Config, runtime: Runtime) -> str:
     """How the sequence is split: 'sp = ulysses 2 x ring 2, seq_len 250 padded to 252', and the curriculum:
-    'seq_len 64 (padded to 72) -> 512 at step 101 -> 1024 at step 201'."""
+    'seq_len 250 (padded to 252) -> 1000 at step 101'."""
     text = f"sp = ulysses {runtime.ulysses} x ring {runtime.ring}"
     schedule = cfg.data.seq_len_schedule
     if schedule:
