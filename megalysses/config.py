@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -116,7 +117,9 @@ class ParallelConfig:
     the heads allow, ring attention (K/V blocks passed around, log-sum-exp merge) for the rest."""
     sp_ring: int = 0
     """Ring degree r of sp (a divisor of sp; Ulysses gets sp / r). 0 = automatic: the largest Ulysses degree
-    the heads allow (query heads per tp rank divisible by it, KV heads dividing it or divisible by it)."""
+    the heads allow (query heads per tp rank divisible by it, KV heads dividing it or divisible by it) whose
+    tp x ulysses ranks fit inside a node (the launcher's ranks per node, LOCAL_WORLD_SIZE), so the
+    all-to-alls stay on the node's links and only the ring's overlapped p2p crosses nodes."""
     pp: int = 1
     """Pipeline-parallel degree (stages)."""
     virtual_stages: int = 1
@@ -147,7 +150,17 @@ class DataConfig:
     split: str = "969,30,1"
     """train,valid,test ratios over documents."""
     seq_len: int = 1024
-    """Tokens per sample (the model sees seq_len tokens and predicts seq_len labels)."""
+    """Tokens per sample (the model sees seq_len tokens and predicts seq_len labels); with a
+    seq_len_schedule, the final and longest length."""
+    seq_len_schedule: list[list[int]] = field(default_factory=list)
+    """Sequence-length curriculum: [[from_step, seq_len], ...], e.g. [[0, 8192], [2000, 32768], [4000, 131072]]:
+    once from_step optimizer steps are done, train at that length (here steps 1-2000 at 8192, 2001-4000 at
+    32768, then 131072). The first entry starts at step 0, steps increase, lengths never decrease, every
+    length divides data.seq_len and the last one is data.seq_len. Samples are still drawn at data.seq_len
+    and at length L each is cut into data.seq_len / L consecutive sequences (positions and documents
+    restart in each), so tokens per step and per micro-batch, the number of micro-batches and the data
+    order are those of a run without a schedule, and a resume anywhere is exact. Validation runs at
+    data.seq_len. Empty: data.seq_len throughout."""
     tokenizer: str = "byte"
     """Tokenizer type: byte (no file), sentencepiece (a .model), huggingface (a tokenizer.json or a folder
     holding one), gpt2bpe (vocab_file + merge_file) or null (token ids as text); Megatron-LM's
@@ -174,6 +187,14 @@ class DataConfig:
     """Where sample/shuffle indices are cached (default: beside the data)."""
     mock: bool = False
     """Train on deterministic synthetic tokens instead of paths (smoke tests)."""
+
+    def seq_len_at(self, step: int) -> int:
+        """The sequence length of the optimizer step taken after `step` completed steps (seq_len_schedule)."""
+        length = self.seq_len
+        for from_step, stage_len in self.seq_len_schedule:
+            if step >= from_step:
+                length = stage_len
+        return length
 
 
 @dataclass
@@ -205,9 +226,11 @@ class TrainingConfig:
     seed: int = 1234
     """Seed for init, data order and dropout; the same seed gives the same model at every layout."""
     micro_batch_size: int = 1
-    """Samples per micro-batch per dp rank."""
+    """Samples (of data.seq_len tokens) per micro-batch per dp rank; at a data.seq_len_schedule stage of length
+    L, each is data.seq_len / L sequences of L tokens."""
     global_batch_size: int = 8
-    """Samples per optimizer step over all dp ranks (a multiple of micro_batch_size * dp)."""
+    """Samples (of data.seq_len tokens) per optimizer step over all dp ranks (a multiple of micro_batch_size *
+    dp); at a data.seq_len_schedule stage of length L, each is data.seq_len / L sequences of L tokens."""
     train_steps: int = 1000
     """Optimizer steps to run."""
     exit_at_step: int = 0
@@ -521,6 +544,7 @@ def validate_config(cfg: Config, world_size: Optional[int] = None) -> None:
     if not cfg.logging.run_dir.strip():
         raise ConfigError("logging.run_dir is empty: give the run directory (config, metrics, checkpoints)")
     _check_data(d)
+    _check_seq_len_schedule(d)
     if t.micro_batch_size < 1 or t.global_batch_size < 1:
         raise ConfigError("training.micro_batch_size and training.global_batch_size must be >= 1")
     if world_size is not None:
@@ -596,10 +620,47 @@ def config_warnings(cfg: Config) -> list[str]:
     elif o.min_lr > o.lr:
         notes.append(f"optimizer.min_lr={o.min_lr:g} is above optimizer.lr={o.lr:g}: the learning rate will rise "
                      f"during the decay")
+    late = [(step, length) for step, length in cfg.data.seq_len_schedule if step >= t.train_steps]
+    if late:
+        notes.append(f"data.seq_len_schedule: the stage from step {late[0][0]} (seq_len {late[0][1]}) starts at or "
+                     f"after training.train_steps={t.train_steps}: it never runs, and neither does "
+                     f"data.seq_len={cfg.data.seq_len}")
     if o.warmup_steps > t.train_steps:
         notes.append(f"optimizer.warmup_steps={o.warmup_steps} is more than training.train_steps={t.train_steps}: "
                      f"the learning rate never reaches optimizer.lr")
     return notes
+
+
+def _check_seq_len_schedule(d: DataConfig) -> None:
+    """data.seq_len_schedule: [from_step, seq_len] pairs from step 0, steps increasing, lengths growing to
+    data.seq_len, each dividing it."""
+    example = f"e.g. [[0, {d.seq_len // 4 if d.seq_len % 4 == 0 else 1}], [1000, {d.seq_len}]]"
+    prev_step, prev_len = -1, 0
+    for i, entry in enumerate(d.seq_len_schedule):
+        where = f"data.seq_len_schedule[{i}]={entry}"
+        if len(entry) != 2:
+            raise ConfigError(f"{where}: each entry is a [from_step, seq_len] pair, {example}")
+        step, length = entry
+        if length < 1:
+            raise ConfigError(f"{where}: seq_len {length} must be >= 1")
+        if i == 0 and step != 0:
+            raise ConfigError(f"{where}: the first entry must start at step 0 (it gives the length of the first "
+                              f"steps): make it [0, {length}]")
+        if step <= prev_step:
+            raise ConfigError(f"{where}: from_step {step} is not after the previous entry's {prev_step}: list the "
+                              f"stages in order of strictly increasing from_step")
+        if length < prev_len:
+            raise ConfigError(f"{where}: seq_len {length} is shorter than the previous entry's {prev_len}: a "
+                              f"curriculum only grows the length; lengths must not decrease")
+        if d.seq_len % length:
+            raise ConfigError(f"{where}: seq_len {length} does not divide data.seq_len={d.seq_len}: every sample "
+                              f"of data.seq_len tokens is cut into data.seq_len / seq_len sequences; use a divisor "
+                              f"of {d.seq_len}")
+        prev_step, prev_len = step, length
+    if d.seq_len_schedule and prev_len != d.seq_len:
+        raise ConfigError(f"data.seq_len_schedule ends at seq_len {prev_len} but data.seq_len={d.seq_len} is the "
+                          f"final length: append [from_step, {d.seq_len}] to the schedule, or set "
+                          f"data.seq_len={prev_len}")
 
 
 def _check_data(d: DataConfig) -> None:
@@ -629,11 +690,14 @@ def _check_tokenizer(d: DataConfig) -> None:
                           f"(merges.txt)")
 
 
-def check_heads(num_heads: int, kv_heads: int, tp: int, sp: int, sp_ring: int = 0) -> tuple[int, int]:
+def check_heads(num_heads: int, kv_heads: int, tp: int, sp: int, sp_ring: int = 0,
+                ranks_per_node: int = 0) -> tuple[int, int]:
     """Head-count rules for tp, then sp = ulysses x ring; returns (ulysses, ring) or raises ConfigError with
     the numbers and the fix. Ulysses gives each of its ranks whole query heads (query heads per tp rank
     divisible by ulysses) and whole KV heads (replicated up to ulysses when fewer, so one must divide the
-    other); the ring has no head rule. sp_ring=0 picks the largest Ulysses degree, so any sp is possible."""
+    other); the ring has no head rule. sp_ring=0 picks the largest Ulysses degree, so any sp is possible;
+    with `ranks_per_node` (0 = unknown) the largest whose tp x ulysses block of consecutive ranks lies
+    inside one node, when there is one besides tp alone crossing nodes."""
     if num_heads % tp:
         raise ConfigError(f"model.num_heads={num_heads} is not divisible by parallel.tp={tp}")
     if kv_heads % tp:
@@ -645,7 +709,9 @@ def check_heads(num_heads: int, kv_heads: int, tp: int, sp: int, sp_ring: int = 
         return hq % u == 0 and (hk % u == 0 or u % hk == 0)
 
     if sp_ring == 0:
-        ulysses = max(u for u in range(1, sp + 1) if sp % u == 0 and fits(u))
+        allowed = [u for u in range(1, sp + 1) if sp % u == 0 and fits(u)]
+        in_node = [u for u in allowed if ranks_per_node and ranks_per_node % (tp * u) == 0]
+        ulysses = max(in_node or allowed)
         return ulysses, sp // ulysses
     if sp % sp_ring:
         raise ConfigError(f"parallel.sp_ring={sp_ring} does not divide parallel.sp={sp}: sp = ulysses x ring; "
@@ -660,7 +726,16 @@ def check_heads(num_heads: int, kv_heads: int, tp: int, sp: int, sp_ring: int = 
     return ulysses, sp_ring
 
 
-def ulysses_ring(cfg: Config) -> tuple[int, int]:
-    """(ulysses, ring) degrees of cfg's sequence parallelism: sp = ulysses x ring (see check_heads)."""
+def ulysses_ring(cfg: Config, ranks_per_node: Optional[int] = None) -> tuple[int, int]:
+    """(ulysses, ring) degrees of cfg's sequence parallelism: sp = ulysses x ring (see check_heads).
+    `ranks_per_node` defaults to the launcher's (torchrun's LOCAL_WORLD_SIZE; unknown without one)."""
     m, p = cfg.model, cfg.parallel
-    return check_heads(m.num_heads, m.kv_heads, p.tp, p.sp, p.sp_ring)
+    if ranks_per_node is None:
+        ranks_per_node = launcher_ranks_per_node()
+    return check_heads(m.num_heads, m.kv_heads, p.tp, p.sp, p.sp_ring, ranks_per_node)
+
+
+def launcher_ranks_per_node() -> int:
+    """Ranks per node as torchrun reports them (LOCAL_WORLD_SIZE); 0 when not launched by it."""
+    value = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return int(value) if value.isdigit() else 0

@@ -1,7 +1,9 @@
-"""Checkpoints: resume is exact at the same layout, close at another (resharding), and a save killed
-halfway leaves the previous checkpoint as `latest`."""
+"""Checkpoints: resume is exact at the same layout, close at another (resharding), a save killed
+halfway leaves the previous checkpoint as `latest`, and checkpoint.init_from a run starts a new run from
+its weights."""
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -19,9 +21,32 @@ def _steps(run_dir: Path) -> list[int]:
     return [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
 
 
+def _train_scrambled_if_init(rank, world, runs):
+    """_train_worker, except that a run with checkpoint.init_from starts from a model whose freshly built
+    weights are scrambled: unless init_from loads the source's weights, that run trains another model."""
+    from megalysses.training import loop
+
+    original = loop.build_model
+
+    def build(cfg, *args):
+        model = original(cfg, *args)
+        if cfg.checkpoint.init_from:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(-0.5).add_(0.01)
+        return model
+
+    loop.build_model = build
+    return _train_worker(rank, world, runs)
+
+
 def test_resume_exact_and_resharded(tmp_path):
+    """Also checkpoint.init_from=<run dir>: `source` saves the seed's initial weights after one step at
+    lr 0 (its optimizer state is not fresh); a run started from it at another layout, at step 0 with a
+    fresh optimizer, trains as `straight` does from scratch."""
     straight, split, cross = tmp_path / "straight", tmp_path / "split", tmp_path / "cross"
     ring_split, ring_cross = tmp_path / "ring_split", tmp_path / "ring_cross"
+    source, init = tmp_path / "source", tmp_path / "init"
     runs = [
         (str(straight), TP2SP2 + SIX),
         (str(split), TP2SP2 + SIX + ["training.exit_at_step=3"]),              # stops with a checkpoint at 3
@@ -31,8 +56,10 @@ def test_resume_exact_and_resharded(tmp_path):
         (str(ring_split), ["parallel.sp=4", "parallel.sp_ring=2"] + SIX + ["training.exit_at_step=3"]),
         (str(ring_cross), ["parallel.sp=4", "parallel.sp_ring=4"] + SIX +
          [f"checkpoint.load={ring_split}/checkpoints/step_0000003"]),
+        (str(source), TP2SP2 + ["training.train_steps=1", "optimizer.lr=0"]),
+        (str(init), PP2DP2 + SIX + ["training.exit_at_step=3", f"checkpoint.init_from={source}"]),
     ]
-    per_rank = run_distributed(_train_worker, 4, tmp_path, args=(runs,), timeout=400)
+    per_rank = run_distributed(_train_scrambled_if_init, 4, tmp_path, args=(runs,), timeout=400)
     weights = [full_weights([r[i] for r in per_rank]) for i in range(len(runs))]
 
     assert _steps(split) == [1, 2, 3, 4, 5, 6]
@@ -47,6 +74,38 @@ def test_resume_exact_and_resharded(tmp_path):
             assert abs(a - b) <= 1e-5 * abs(b), f"{run.name}: loss {a} != {b}"
         bad = {n: rel(w[n], ref) for n, ref in weights[0].items() if w is not None and rel(w[n], ref) > 1e-5}
         assert not bad, f"{run.name}: resharded resume differs: {bad}"
+
+    assert losses(source)[0] == losses(straight)[0]
+    assert _steps(init) == [1, 2, 3]
+    for a, b in zip(losses(init), losses(straight)[:3]):
+        assert abs(a - b) <= 1e-5 * abs(b), f"init_from: loss {a} != {b} (straight, from scratch)"
+    bad = {n: rel(weights[7][n], ref) for n, ref in weights[1].items() if rel(weights[7][n], ref) > 1e-5}
+    assert not bad, f"init_from: the weights after 3 steps differ from straight's: {bad}"
+    _init_from_bad_input(tmp_path, source)
+
+
+def _init_from_bad_input(tmp_path: Path, source: Path) -> None:
+    """init_from a missing path, a run that saved no checkpoint, a corrupt checkpoint: one ConfigError each
+    (pretrain prints it as its one `error:` line), raised before any weight is touched."""
+    from megalysses.config import ConfigError
+    from megalysses.training.initialize import load_initial_weights
+
+    empty = tmp_path / "no_checkpoints"
+    (empty / "checkpoints").mkdir(parents=True)
+    shutil.copy(source / "config.yaml", empty / "config.yaml")
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(source, corrupt)
+    shard = sorted((corrupt / "checkpoints" / "step_0000001").glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(data)
+    for path, message in ((tmp_path / "nope", "does not exist"),
+                          (empty, "nor a megalysses run or checkpoint"),
+                          (corrupt, "corrupt or incomplete")):
+        with pytest.raises(ConfigError, match=message) as e:
+            load_initial_weights(str(path), None, None, None, None)
+        assert f"checkpoint.init_from={path}" in str(e.value) and "\n" not in str(e.value)
+        assert path != corrupt or f"{shard} does not match its checksum" in str(e.value)
 
 
 def test_fsdp_resume_and_interchange_with_zero1(tmp_path):

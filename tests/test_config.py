@@ -96,6 +96,14 @@ def test_sp_is_ulysses_times_ring_and_any_length_is_valid():
     assert check_heads(32, 8, 4, 16) == (8, 2)               # 8 query heads per tp rank
     assert check_heads(1, 1, 1, 8) == (1, 8)
     assert check_heads(8, 2, 1, 8, sp_ring=4) == (2, 4)
+    # with the node size known, Ulysses stays inside a node and the ring crosses nodes
+    assert check_heads(32, 8, 1, 64, ranks_per_node=8) == (8, 8)
+    assert check_heads(32, 8, 1, 64) == (32, 2)
+    assert check_heads(32, 8, 4, 16, ranks_per_node=8) == (2, 8)
+    assert check_heads(32, 8, 8, 8, ranks_per_node=8) == (1, 8)
+    assert check_heads(32, 8, 1, 16, ranks_per_node=6) == (2, 8)     # a 4-rank block would straddle nodes
+    assert check_heads(32, 8, 1, 8, ranks_per_node=16) == (8, 1)
+    assert check_heads(32, 8, 1, 8, sp_ring=2, ranks_per_node=2) == (4, 2)   # explicit: honoured as given
     for overrides in (["parallel.sp=3"], ["data.seq_len=100", "parallel.sp=8"],
                       ["data.seq_len=36", "parallel.sp=2", "parallel.tp=4", "parallel.tp_sequence_parallel=true"],
                       ["model.num_heads=2", "model.hidden_size=64", "model.num_kv_heads=1", "parallel.sp=4",
@@ -103,6 +111,18 @@ def test_sp_is_ulysses_times_ring_and_any_length_is_valid():
         cfg = load_config(overrides=["data.mock=true"] + overrides)
         u, r = ulysses_ring(cfg)
         assert u * r == cfg.parallel.sp
+
+
+def test_ulysses_degree_follows_the_launchers_node_size(monkeypatch):
+    from megalysses.config import ulysses_ring
+
+    cfg = load_config(overrides=["data.mock=true", "model.num_heads=32", "model.num_kv_heads=8",
+                                 "model.hidden_size=512", "parallel.sp=16"])
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert ulysses_ring(cfg) == (16, 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert ulysses_ring(cfg) == (8, 2)
+    assert ulysses_ring(cfg, ranks_per_node=4) == (4, 4)
 
 
 def test_world_size_rules():
@@ -172,3 +192,48 @@ def test_warnings_for_legal_but_suspicious_settings():
     assert len(notes) == 2 and "optimizer.lr=0" in notes[0] and "warmup_steps=100" in notes[1]
     notes = config_warnings(load_config(overrides=["data.mock=true", "optimizer.min_lr=1e-2"]))
     assert notes == [notes[0]] and "min_lr=0.01 is above optimizer.lr" in notes[0]
+
+
+SCHEDULE = ["data.mock=true", "data.seq_len=32", "training.train_steps=6"]
+
+
+def test_seq_len_schedule_lookup_and_round_trip(tmp_path):
+    cfg = load_config(overrides=SCHEDULE + ["data.seq_len_schedule=[[0, 8], [2, 16], [4, 32]]"])
+    assert cfg.data.seq_len_schedule == [[0, 8], [2, 16], [4, 32]]
+    # from_step counts completed steps: steps 1-2 (after 0, 1 done) at 8, 3-4 at 16, then 32
+    assert [cfg.data.seq_len_at(done) for done in range(8)] == [8, 8, 16, 16, 32, 32, 32, 32]
+    assert not [n for n in config_warnings(cfg) if "seq_len_schedule" in n]
+    save_config(cfg, tmp_path / "out.yaml")
+    assert load_config(tmp_path / "out.yaml") == cfg
+    plain = load_config(overrides=SCHEDULE)
+    assert plain.data.seq_len_schedule == [] and {plain.data.seq_len_at(s) for s in range(8)} == {32}
+
+
+@pytest.mark.parametrize("schedule,message", [
+    ("[[1, 8], [4, 32]]", r"seq_len_schedule\[0\]=\[1, 8\]: the first entry must start at step 0.*make it \[0, 8\]"),
+    ("[[0, 8], [4, 16], [4, 32]]", (r"seq_len_schedule\[2\]=\[4, 32\]: from_step 4 is not after the previous "
+                                    r"entry's 4.*strictly increasing")),
+    ("[[0, 8], [4, 16], [3, 32]]", r"seq_len_schedule\[2\]=\[3, 32\]: from_step 3 is not after"),
+    ("[[0, 16], [2, 8], [4, 32]]", (r"seq_len_schedule\[1\]=\[2, 8\]: seq_len 8 is shorter than the previous "
+                                    r"entry's 16.*must not decrease")),
+    ("[[0, 12], [4, 32]]", (r"seq_len_schedule\[0\]=\[0, 12\]: seq_len 12 does not divide data.seq_len=32.*use "
+                            r"a divisor of 32")),
+    ("[[0, 8], [2, 16]]", (r"seq_len_schedule ends at seq_len 16 but data.seq_len=32 is the final length: "
+                           r"append \[from_step, 32\].*or set data.seq_len=16")),
+    ("[[0, 8, 1], [4, 32]]", r"seq_len_schedule\[0\]=\[0, 8, 1\]: each entry is a \[from_step, seq_len\] pair"),
+    ("[[0], [4, 32]]", r"seq_len_schedule\[0\]=\[0\]: each entry is a \[from_step, seq_len\] pair"),
+    ("[[0, 0], [4, 32]]", r"seq_len_schedule\[0\]=\[0, 0\]: seq_len 0 must be >= 1"),
+    ("[[0, -8], [4, 32]]", r"seq_len_schedule\[0\]=\[0, -8\]: seq_len -8 must be >= 1"),
+    ("[0, 32]", r"data.seq_len_schedule\[0\]: expected a list"),
+    ("[[0, eight]]", r"data.seq_len_schedule\[0\]\[1\]: expected an integer"),
+])
+def test_bad_seq_len_schedule_is_one_config_error(schedule, message):
+    with pytest.raises(ConfigError, match=message) as e:
+        load_config(overrides=SCHEDULE + [f"data.seq_len_schedule={schedule}"])
+    assert "\n" not in str(e.value)
+
+
+def test_seq_len_schedule_stage_after_the_last_step_is_a_warning():
+    cfg = load_config(overrides=SCHEDULE + ["data.seq_len_schedule=[[0, 8], [6, 32]]"])
+    notes = [n for n in config_warnings(cfg) if "seq_len_schedule" in n]
+    assert len(notes) == 1 and "stage from step 6 (seq_len 32)" in notes[0] and "train_steps=6" in notes[0]

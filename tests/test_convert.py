@@ -3,6 +3,7 @@ in between; transformers loads what comes back. (fp32, CPU; a tiny Llama with GQ
 attention biases without MLP biases, and a vocabulary that needs padding.)"""
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +19,8 @@ from megalysses.data import MockGPTDataset  # noqa: E402
 from megalysses.model.gpt import GPTStage  # noqa: E402
 from megalysses.model.hf import model_config_from_hf, our_tensor  # noqa: E402
 from megalysses.model.hf_io import open_hf_dir  # noqa: E402
-from megalysses.tools import convert_checkpoint  # noqa: E402
+from megalysses.tools import convert_checkpoint, generate  # noqa: E402
+from test_data_hf_tokenizer import word_tokenizer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 S, V = 48, 100
@@ -60,6 +62,67 @@ def test_our_model_equals_transformers_with_llama3_rope_scaling(hf_dir):
     with torch.no_grad():
         torch.testing.assert_close(ours(ids, torch.arange(120).expand(2, 120))[..., :V], hf(ids).logits,
                                    rtol=1e-5, atol=1e-5)
+
+
+def test_llama3_rope_scaling_from_the_transformers_4_key(hf_dir, tmp_path):
+    """A config.json as transformers 4 writes it (rope_theta at the top, llama3 scaling under rope_scaling,
+    no rope_parameters), with other scaling values than the fixture's: both readers take them."""
+    folder = tmp_path / "v4"
+    shutil.copytree(hf_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("rope_parameters")
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0, "high_freq_factor": 8.0,
+               "original_max_position_embeddings": 32}
+    config.update(rope_theta=20000.0, rope_scaling=scaling, max_position_embeddings=256)
+    (folder / "config.json").write_text(json.dumps(config))
+
+    cfg = model_config_from_hf(json.loads((folder / "config.json").read_text()), attention_backend="reference")
+    rs = cfg.rope_scaling
+    assert cfg.rope_theta == 20000.0
+    assert (rs.type, rs.factor, rs.low_freq_factor, rs.high_freq_factor, rs.original_max_position_embeddings) == \
+        ("llama3", 8.0, 2.0, 8.0, 32)
+    _, tensors = open_hf_dir(folder)
+    ours = GPTStage(cfg).eval()
+    ours.load_state_dict({n: our_tensor(n, cfg, tensors.get) for n, _ in ours.named_parameters()})
+    ids = torch.randint(0, V, (2, 120))                           # well past the original 32 positions
+    hf = load_hf(folder)
+    assert {k: hf.config.rope_parameters[k] for k in scaling} == scaling     # transformers read the key too
+    with torch.no_grad():
+        theirs = hf(ids).logits
+        torch.testing.assert_close(ours(ids, torch.arange(120).expand(2, 120))[..., :V], theirs,
+                                   rtol=1e-5, atol=1e-5)
+        assert (theirs - load_hf(hf_dir)(ids).logits).abs().max() > 1e-4     # other frequencies than the fixture's
+
+
+def test_generate_from_a_hugging_face_directory(hf_dir, tmp_path, capsys):
+    """tools/generate.py --hf, greedy, two prompts batched (left-padded): the text transformers' generate
+    gives for each prompt alone, cut at the model's EOS as ours stops there."""
+    folder = tmp_path / "with-tokenizer"
+    hf = load_hf(hf_dir)
+    with torch.no_grad():                                          # larger weights: varied greedy text
+        for name, p in hf.named_parameters():
+            if not name.endswith("bias") and "norm" not in name:
+                p.mul_(16)
+    hf.save_pretrained(folder)
+    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(3, V)]    # every model id is a word
+    word_tokenizer(folder, words)
+    prompts, new = ["w5 w17 w3 w60 w9", "w40 w41"], 12
+    argv = ["--hf", str(folder), "--temperature", "0", "--max-new-tokens", str(new)]
+    assert generate.main(argv + [a for p in prompts for a in ("--prompt", p)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"--- sampled from {folder} ---\n")
+    got = out.split("\n", 1)[1].rstrip("\n").split("\n---\n")
+    tok = generate.build_tokenizer("huggingface", str(folder))
+    assert tok.eod_id == hf.generation_config.eos_token_id == 2
+    want = []
+    for prompt in prompts:
+        ids = [words.index(w) for w in prompt.split()]
+        row = hf.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False, pad_token_id=0)[0].tolist()
+        tail = row[len(ids):]
+        tail = tail[:tail.index(2)] if 2 in tail else tail
+        assert len(set(tail)) >= 5, tail                         # varied text, not one token repeated
+        want.append(tok.decode(ids + tail))
+    assert got == want
 
 
 def test_round_trip_without_training_is_exact(hf_dir, tmp_path):

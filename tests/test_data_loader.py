@@ -1,5 +1,5 @@
 """Loader: dp x sp slices reassemble the global batch, resume continues the stream, positions and
-document ids over packed documents, padding."""
+document ids over packed documents, padding, samples cut to a curriculum's shorter lengths."""
 import itertools
 
 import numpy as np
@@ -8,7 +8,8 @@ import torch
 
 from megalysses.data.gpt_dataset import GPTDataset, MockGPTDataset
 from megalysses.data.indexed import IndexedDataset, IndexedDatasetBuilder
-from megalysses.data.loader import IGNORE_INDEX, build_micro_batch, iterate_micro_batches
+from megalysses.data.loader import IGNORE_INDEX, build_micro_batch, cut_samples, iterate_micro_batches
+from megalysses.parallel.sequence_layout import SequenceLayout
 
 SEQ, EOD = 16, 999
 
@@ -137,3 +138,86 @@ def test_real_dataset_end_to_end(tmp_path):
     first = gpt[0].astype(np.int64)
     assert batches[0]["input_ids"][0].tolist() == first[16:32].tolist()
     assert batches[0]["labels"][0].tolist() == first[17:33].tolist()
+
+
+def _restarting(inputs, n_real):
+    """Document ids and reset positions of one sequence by a plain loop: a document starts at the sequence's
+    start, after each real EOD and where padding begins (position n_real)."""
+    doc, pos, docs, positions, prev_eod = 0, 0, [], [], False
+    for j, t in enumerate(inputs):
+        if j and (prev_eod or j == n_real):
+            doc, pos = doc + 1, 0
+        docs.append(doc)
+        positions.append(pos)
+        pos += 1
+        prev_eod = t == EOD and j < n_real
+    return docs, positions
+
+
+@pytest.mark.parametrize("reset,eod_mask_loss", [(True, False), (False, True)])
+def test_curriculum_pieces_are_the_sample_cut_with_restarts(reset, eod_mask_loss):
+    """At length L a sample of SEQ + 1 tokens is SEQ / L rows: its tokens and labels cut in order, positions
+    and documents restarting in each row; a short sample gives padded (and empty) rows."""
+    ds = Stream(8)
+    samples = [ds[3], ds[6], ds[7][:11]]
+    full = build_micro_batch(samples, SEQ, 0, 1, EOD, reset, True, eod_mask_loss, pad_id=0)
+    for L in (1, 4, 8, 16):
+        r = SEQ // L
+        got = build_micro_batch(cut_samples(samples, SEQ, L), L, 0, 1, EOD, reset, True, eod_mask_loss, pad_id=0)
+        assert got["input_ids"].shape == (len(samples) * r, L)
+        for b, sample in enumerate(samples):
+            for i in range(r):
+                row, cols = b * r + i, slice(i * L, (i + 1) * L)
+                assert torch.equal(got["input_ids"][row], full["input_ids"][b, cols]), (L, b, i)
+                assert torch.equal(got["labels"][row], full["labels"][b, cols]), (L, b, i)
+                n_real = min(max(len(sample) - i * L, 0), L)
+                docs, positions = _restarting(got["input_ids"][row].tolist(), n_real)
+                assert got["doc_ids"][row].tolist() == docs, (L, b, i)
+                assert got["position_ids"][row].tolist() == (positions if reset else list(range(L))), (L, b, i)
+    # the labels the loss sees are the sample's, whatever L: the same tokens and the same count
+    assert (full["labels"] != IGNORE_INDEX).sum() == (got["labels"] != IGNORE_INDEX).sum() > 0
+    with pytest.raises(ValueError, match="does not divide"):
+        cut_samples(samples, SEQ, 5)
+
+
+class Windows:
+    """A dataset of length L whose samples are the windows cut_samples makes of `ds`: what the loader gives
+    for that length."""
+
+    def __init__(self, ds, length):
+        self.ds, self.seq_len, self.r = ds, length, ds.seq_len // length
+
+    def __len__(self):
+        return len(self.ds) * self.r
+
+    def __getitem__(self, g):
+        s, i = divmod(g, self.r)
+        return self.ds[s][i * self.seq_len:(i + 1) * self.seq_len + 1]
+
+
+def test_curriculum_micro_batches_are_the_loaders_at_each_length():
+    """With length_at, chunk c of the stream is the loader's micro-batch of the windows at that length, on
+    every (dp, sp) rank of a ring layout (pieces padded to its multiple); a resume continues it exactly."""
+    ds = MockGPTDataset(24, SEQ, vocab_size=1000, eod_id=EOD, seed=3)
+    mbs, dp, layout = 1, 2, SequenceLayout(sp=2, ring=2)
+
+    def length_at(first):      # steps of 4 samples: 2 at length 2 (padded to 4), 2 at 8, then 16
+        return 2 if first < 8 else 8 if first < 16 else 16
+
+    kw = {"reset_position_ids": True, "document_mask": True, "layout": layout}
+    for dp_rank, sp_rank in itertools.product(range(dp), range(2)):
+        got = list(loader(ds, mbs, dp, dp_rank, 2, sp_rank, length_at=length_at, layout=layout))
+        assert len(got) == len(ds) // (mbs * dp)
+        for c, batch in enumerate(got):
+            L = length_at(c * mbs * dp)
+            r = SEQ // L
+            assert batch["input_ids"].shape == (mbs * r, layout.padded_len(L) // 2)
+            want = next(iterate_micro_batches(Windows(ds, L), mbs * r, dp_rank, dp, sp_rank, 2, c * mbs * dp * r,
+                                              EOD, **kw))
+            assert batch.keys() == want.keys()
+            for k in batch:
+                assert torch.equal(batch[k], want[k]), (dp_rank, sp_rank, c, k)
+        for consumed in (6, 10):
+            resumed = list(loader(ds, mbs, dp, dp_rank, 2, sp_rank, consumed, length_at=length_at, layout=layout))
+            assert len(resumed) == len(got) - consumed // 2
+            assert all(torch.equal(a[k], b[k]) for a, b in zip(resumed, got[consumed // 2:]) for k in a)

@@ -31,10 +31,13 @@ def world_of_one(tmp_path):
 
 
 def _logged(run):
-    """metrics.jsonl as {name: [(step, value), ...]}, None values left out."""
+    """The step rows of metrics.jsonl as {name: [(step, value), ...]}, None values left out (the start
+    marks, `{"event": "start", ...}`, are not scalars)."""
     points: dict[str, list[tuple[int, float]]] = {}
     for line in (run / "metrics.jsonl").read_text().splitlines():
         rec = json.loads(line)
+        if "event" in rec:
+            continue
         for key, value in rec.items():
             if key != "step" and value is not None:
                 points.setdefault(key, []).append((rec["step"], value))
@@ -64,7 +67,7 @@ def test_only_rank0_writes(tmp_path, monkeypatch):
     monkeypatch.setattr(metrics, "is_rank0", lambda: False)
     cfg = load_config(overrides=TINY + [f"logging.run_dir={tmp_path}/run", "logging.tensorboard=true"])
     logger = metrics.MetricsLogger(cfg, tmp_path / "run", 2, torch.device("cpu"), total_steps=4)
-    logger.step(2, 1.0, 1e-3, 0.5, 64)
+    logger.step(2, 1.0, 1e-3, 0.5, 64, 32)
     logger.eval(2, 1.0)
     logger.close()
     assert not (tmp_path / "run").exists()
@@ -84,3 +87,24 @@ def test_missing_logging_packages_are_config_errors(monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)
     with pytest.raises(ConfigError, match=r"logging.wandb_mode=offline needs wandb"):
         check_logging_backends(cfg("logging.wandb_mode=offline"))
+
+
+def test_flops_follow_each_steps_sequence_length(tmp_path, monkeypatch):
+    """With a curriculum the attention FLOPs of every step use that step's length, also when one logged
+    interval spans two lengths; the record carries the length of its step."""
+    cfg = load_config(overrides=TINY + [f"logging.run_dir={tmp_path}/run", "data.seq_len_schedule=[[0, 8], [3, 32]]"])
+    clock = iter([0.0, 2.0, 4.0])
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: next(clock))
+    logger = metrics.MetricsLogger(cfg, tmp_path / "run", 2, torch.device("cpu"), total_steps=4)
+    tokens = cfg.training.global_batch_size * cfg.data.seq_len
+    for step, length in ((1, 8), (2, 8), (3, 8), (4, 32)):
+        logger.step(step, 1.0, 1e-3, 0.5, tokens, length)
+    logger.close()
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["seq_len"]) for r in rows] == [(2, 8), (4, 32)]
+    fpt = metrics.flops_per_token
+    assert fpt(cfg.model, 32) > fpt(cfg.model, 8)
+    want = [2 * tokens * fpt(cfg.model, 8), tokens * (fpt(cfg.model, 8) + fpt(cfg.model, 32))]
+    for row, flops in zip(rows, want):
+        assert math.isclose(row["tflops_per_device"], flops / 2.0 / 2 / 1e12, rel_tol=1e-12)
+        assert math.isclose(row["tokens_per_s"], 2 * tokens / 2.0, rel_tol=1e-12)

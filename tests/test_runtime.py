@@ -1,11 +1,13 @@
 """The run's choices are made once (training/runtime.py): dtype, attention backend, kernels, printed on the
 start-up line; what this machine cannot do is a ConfigError before anything is built."""
+import json
+
 import pytest
 import torch
 
 from megalysses.config import ConfigError, load_config
 from megalysses.grid import ParallelGrid
-from megalysses.training.runtime import plan_runtime, startup_line
+from megalysses.training.runtime import plan_runtime, startup_line, write_runtime
 
 BASE = ["data.mock=true", "data.seq_len=32", "model.hidden_size=64", "model.num_heads=4", "model.vocab_size=1000"]
 
@@ -36,3 +38,16 @@ def test_what_cannot_run_here_is_a_config_error(override, message):
     with pytest.raises(ConfigError) as e:
         plan_runtime(cfg, torch.device("cpu"))
     assert message in str(e.value)
+
+
+def test_startup_line_and_runtime_json_show_the_curriculum(tmp_path):
+    """Each stage's length, the step it starts at and its padding to the layout's multiple (sp=4 as
+    ulysses 2 x ring 2 pads to multiples of 4)."""
+    cfg = load_config(overrides=BASE + ["model.num_kv_heads=1", "model.num_heads=2", "parallel.sp=4",
+                                        "data.seq_len_schedule=[[0, 2], [10, 8], [20, 32]]"])
+    rt = plan_runtime(cfg, torch.device("cpu"))
+    assert (rt.ulysses, rt.ring, rt.padded_stage_lens) == (2, 2, (4, 8, 32))
+    line = startup_line(cfg, ParallelGrid.single(), rt)
+    assert "sp = ulysses 2 x ring 2, seq_len 2 (padded to 4) -> 8 at step 11 -> 32 at step 21 |" in line, line
+    write_runtime(tmp_path, cfg, ParallelGrid.single(), rt)
+    assert json.loads((tmp_path / "runtime.json").read_text())["padded_stage_lens"] == [4, 8, 32]

@@ -20,10 +20,16 @@ Sequence parallelism. Every sp rank reads the same samples (mmap, cheap) and kee
 chunks with a ring); document ids and reset positions are computed over the full sample first, so
 nothing is all-gathered. A length the layout does not divide is padded at the end (labels -100). A new
 document starts after each EOD token.
+
+Sequence-length curriculum (data.seq_len_schedule). `length_at(g)` gives the length L (a divisor of
+seq_len) at which the chunk starting at stream sample g trains; each sample of seq_len + 1 tokens is then
+cut into seq_len / L samples of L + 1 tokens (`cut_samples`), which become the micro-batch like any
+samples: mbs * seq_len / L rows of L tokens, the same tokens and labels, positions and documents
+restarting in each piece. The stream, and so a resume, does not depend on the schedule.
 """
 from __future__ import annotations
 
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -79,6 +85,17 @@ def build_micro_batch(samples: Sequence[np.ndarray], seq_len: int, sp_rank: int,
     return {k: torch.from_numpy(v) for k, v in shard.items()}
 
 
+def cut_samples(samples: Sequence[np.ndarray], seq_len: int, piece_len: int) -> list[np.ndarray]:
+    """Cut each sample of (up to) seq_len + 1 tokens into seq_len // piece_len samples of piece_len + 1 tokens,
+    in order: piece i holds tokens [i * L, (i + 1) * L] (inputs i*L .. (i+1)*L - 1, labels one further), so
+    consecutive pieces overlap by one token and their labels are exactly the sample's. A short sample gives
+    short (or empty) pieces, padded as any short sample is."""
+    if piece_len < 1 or seq_len % piece_len:
+        raise ValueError(f"piece length {piece_len} does not divide seq_len={seq_len}")
+    return [sample[i * piece_len:(i + 1) * piece_len + 1] for sample in samples
+            for i in range(seq_len // piece_len)]
+
+
 def check_sample_ids(samples: Sequence[np.ndarray], ids: Sequence[int], vocab_size: int) -> None:
     """Raise DatasetError when a sample holds a token id outside [0, vocab_size)."""
     for g, sample in zip(ids, samples):
@@ -99,11 +116,14 @@ def iterate_micro_batches(dataset: Any, micro_batch_size: int, dp_rank: int, dp_
                           sp_size: int, consumed_samples: int, eod_id: int, reset_position_ids: bool,
                           document_mask: bool, seq_len: Optional[int] = None, eod_mask_loss: bool = False,
                           pad_id: Optional[int] = None, vocab_size: Optional[int] = None,
-                          layout: Optional[SequenceLayout] = None) -> Iterator[dict[str, torch.Tensor]]:
+                          layout: Optional[SequenceLayout] = None,
+                          length_at: Optional[Callable[[int], int]] = None) -> Iterator[dict[str, torch.Tensor]]:
     """Yield this rank's micro-batches from `consumed_samples` on, until the dataset cannot fill a
     whole chunk of micro_batch_size * dp_size samples. `dataset[g]` is sample g of the stream (seq_len
     + 1 tokens); seq_len defaults to `dataset.seq_len`; layout as for build_micro_batch. With vocab_size,
-    a sample holding a token id outside [0, vocab_size) raises DatasetError instead of reaching the model."""
+    a sample holding a token id outside [0, vocab_size) raises DatasetError instead of reaching the model.
+    With `length_at`, the chunk of samples from stream index g on trains at length length_at(g), a divisor
+    of seq_len: its samples are cut into pieces of that length (cut_samples)."""
     if micro_batch_size < 1 or not 0 <= dp_rank < dp_size:
         raise ValueError(f"bad data-parallel position: micro_batch_size={micro_batch_size}, "
                          f"dp_rank={dp_rank}, dp_size={dp_size}")
@@ -119,6 +139,9 @@ def iterate_micro_batches(dataset: Any, micro_batch_size: int, dp_rank: int, dp_
         samples = [dataset[g] for g in ids]
         if vocab_size is not None:
             check_sample_ids(samples, ids, vocab_size)
-        yield build_micro_batch(samples, seq_len, sp_rank, sp_size, eod_id, reset_position_ids,
+        length = seq_len if length_at is None else length_at(c * chunk)
+        if length != seq_len:
+            samples = cut_samples(samples, seq_len, length)
+        yield build_micro_batch(samples, length, sp_rank, sp_size, eod_id, reset_position_ids,
                                 document_mask, eod_mask_loss, pad_id, layout)
         c += 1

@@ -7,8 +7,8 @@ S/sp, so one Ulysses all-to-all gathers exactly the ring rank's block. sp rank =
 (Ulysses varies fastest, as in the grid). With r = 1 this is the plain contiguous split.
 
     layout = SequenceLayout(sp=4, ring=2)                 # u = 2
-    S = layout.padded_len(250)                            # 256: a multiple of lcm(sp, 2r) = 4
-    layout.positions(S, sp_rank=1)                        # the 64 global positions sp rank 1 holds
+    S = layout.padded_len(250)                            # 252: a multiple of lcm(sp, 2r) = 4
+    layout.positions(S, sp_rank=1)                        # the 63 global positions sp rank 1 holds
     shard = shard_sample(layout, sp_rank, inputs, labels, positions, doc_ids, pad_id=eod)
 
 For sp=4, ring=2, S=16: chunks of 4; ring rank 0 holds chunks 0 and 3 (positions 0-3, 12-15), ring rank 1

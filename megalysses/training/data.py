@@ -65,18 +65,20 @@ class TrainingData:
             raise DatasetError(f"training.eval_interval={t.eval_interval} but the split '{d.split}' leaves no "
                                f"validation data: give the valid split a share or set training.eval_interval=0")
 
-    def _micro_batches(self, dataset, consumed: int) -> Iterator[Batch]:
-        d, g = self.cfg.data, self.grid
+    def _micro_batches(self, dataset, consumed: int, curriculum: bool) -> Iterator[Batch]:
+        d, g, gbs = self.cfg.data, self.grid, self.cfg.training.global_batch_size
         for mb in iterate_micro_batches(dataset, self.cfg.training.micro_batch_size, g.dp_rank, g.dp_size, g.sp_rank,
                                         g.sp_size, consumed, self.eod_id, d.reset_position_ids, d.document_mask,
                                         seq_len=d.seq_len, eod_mask_loss=d.eod_mask_loss,
                                         vocab_size=self.cfg.model.vocab_size,
-                                        layout=g.sequence_layout(self.cfg.parallel.tp_sequence_parallel)):
+                                        layout=g.sequence_layout(self.cfg.parallel.tp_sequence_parallel),
+                                        length_at=(lambda first: d.seq_len_at(first // gbs)) if curriculum else None):
             yield {k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
 
     def train_batches(self, consumed_samples: int) -> Iterator[list[Batch]]:
-        """One list of micro-batches per optimizer step, from `consumed_samples` (global) on."""
-        it = self._micro_batches(self.train, consumed_samples)
+        """One list of micro-batches per optimizer step, from `consumed_samples` (global) on; step k's samples
+        are cut to data.seq_len_at(k) tokens (the sequence-length curriculum)."""
+        it = self._micro_batches(self.train, consumed_samples, curriculum=True)
         while True:
             step = [mb for _, mb in zip(range(self.num_micro), it)]
             if len(step) < self.num_micro:
@@ -85,6 +87,7 @@ class TrainingData:
             yield step
 
     def valid_batches(self) -> list[Batch]:
-        """The fixed validation set: eval_steps global batches."""
-        it = self._micro_batches(self.valid, 0)
+        """The fixed validation set: eval_steps global batches at data.seq_len (at every stage of a curriculum,
+        so validation losses compare across it)."""
+        it = self._micro_batches(self.valid, 0, curriculum=False)
         return [mb for _, mb in zip(range(self.num_micro * self.cfg.training.eval_steps), it)]

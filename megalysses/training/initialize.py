@@ -1,5 +1,6 @@
 """Starting weights from elsewhere: a Hugging Face model directory, or the weights of a megalysses run or
-checkpoint (full, or weights-only as tools/convert_checkpoint.py writes it), at any layout.
+checkpoint (full, or weights-only as tools/convert_checkpoint.py writes it), at any layout. A run directory
+means the checkpoint its checkpoints/latest names; a checkpoint is verified against its manifest first.
 
     describe = load_initial_weights(cfg.checkpoint.init_from, model, cfg, grid, mesh)
 
@@ -26,6 +27,7 @@ from megalysses.model.hf import check_hf_names, model_config_from_hf, our_tensor
 from megalysses.model.hf_io import HFFormatError, is_hf_dir, open_hf_dir
 from megalysses.training.checkpoint import (CheckpointError, SafeFileSystemReader, _model_entry, check_model_shape,
                                             resolve_checkpoint)
+from megalysses.training.manifest import verify_checkpoint
 
 WEIGHTS_ONLY = "weights_only"
 
@@ -85,6 +87,28 @@ def _from_checkpoint(path: Path, model: nn.Module, cfg: Config, grid: ParallelGr
     return f"initial weights from {path}"
 
 
+def find_initial_checkpoint(source: str | Path) -> Path:
+    """The checkpoint that init_from names: a run directory (its checkpoints/ folder), a checkpoint folder
+    with `latest`, or one step_N checkpoint; verified against its manifest (collective when a process group
+    exists). ConfigError when there is none or it does not verify."""
+    folder = Path(source)
+    try:
+        path = resolve_checkpoint(folder / "checkpoints") if (folder / "checkpoints").is_dir() else None
+        path = path or resolve_checkpoint(folder)
+    except CheckpointError as e:
+        raise ConfigError(f"checkpoint.init_from={source}: {e}") from None
+    if path is None:
+        raise ConfigError(f"checkpoint.init_from={source} is neither a Hugging Face model directory (config.json "
+                          f"and safetensors) nor a megalysses run or checkpoint (checkpoints/latest, latest or "
+                          f"meta.json): point it at a run that has saved a checkpoint, or at one step_N folder")
+    problems = verify_checkpoint(path)
+    if problems:
+        more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
+        raise ConfigError(f"checkpoint.init_from={source}: checkpoint {path} is corrupt or incomplete: "
+                          f"{problems[0]}{more}")
+    return path
+
+
 def load_initial_weights(source: str | Path, model: nn.Module, cfg: Config, grid: ParallelGrid,
                          mesh: DeviceMesh) -> str:
     """Fill the (fp32, not yet optimised) model with the weights at `source`; returns a line for the log."""
@@ -94,12 +118,9 @@ def load_initial_weights(source: str | Path, model: nn.Module, cfg: Config, grid
     try:
         if is_hf_dir(folder):
             return _from_hf(folder, model, cfg, grid)
-        path = resolve_checkpoint(folder)
     except HFFormatError as e:
         raise ConfigError(f"checkpoint.init_from={source}: {e}") from None
-    if path is None:
-        raise ConfigError(f"checkpoint.init_from={source} is neither a Hugging Face model directory (config.json "
-                          f"and safetensors) nor a megalysses run or checkpoint (meta.json or latest)")
+    path = find_initial_checkpoint(folder)
     try:
         return _from_checkpoint(path, model, cfg, grid, mesh)
     except CheckpointError as e:

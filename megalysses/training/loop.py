@@ -81,6 +81,17 @@ def model_shape(cfg: Config, tp: int = 1) -> dict:
     return architecture(cfg.model, tp)
 
 
+def stage_line(cfg: Config, step: int) -> str:
+    """The curriculum stage that the step after `step` completed steps trains in, in words."""
+    d = cfg.data
+    stage = max(i for i, (from_step, _) in enumerate(d.seq_len_schedule) if from_step <= step)
+    length = d.seq_len_schedule[stage][1]
+    pieces = (f"each sample of {d.seq_len} tokens cut into {d.seq_len // length} sequences"
+              if length < d.seq_len else "whole samples")
+    return (f"seq_len {length} from step {step + 1} (stage {stage + 1} of {len(d.seq_len_schedule)} of "
+            f"data.seq_len_schedule: {pieces})")
+
+
 def _prepare_dirs(cfg: Config, run_dir: Path, ckpt_dir: Path) -> None:
     """Rank 0: both directories writable before anything is trained; the resolved config saved."""
     check_writable(run_dir, "logging.run_dir")
@@ -158,9 +169,14 @@ def train(cfg: Config, grid: ParallelGrid, device: torch.device, signals: Option
 
     batches = data.train_batches(consumed)
     first_step, saved_at, first_updates = step, step, updates
+    seq_len = 0
     try:
         while step < total:
             lr = lr_at(step, cfg.optimizer, total)
+            if cfg.data.seq_len_at(step) != seq_len:
+                seq_len = cfg.data.seq_len_at(step)
+                if cfg.data.seq_len_schedule:
+                    print0(stage_line(cfg, step))
             doing(f"reading the batch of step {step + 1}")
             batch = next(batches)
             doing(f"training step {step + 1}")
@@ -171,7 +187,8 @@ def train(cfg: Config, grid: ParallelGrid, device: torch.device, signals: Option
             consumed += cfg.training.global_batch_size
             loss = result.loss if math.isfinite(result.loss) else loss   # the last finite loss
             # throughput counts every token processed (masked labels included), as the FLOPs do
-            logger.step(step, result.loss, lr, result.grad_norm, cfg.training.global_batch_size * cfg.data.seq_len)
+            logger.step(step, result.loss, lr, result.grad_norm, cfg.training.global_batch_size * cfg.data.seq_len,
+                        seq_len)
             t0 = time.perf_counter()
             if cfg.training.eval_interval and step % cfg.training.eval_interval == 0:
                 doing(f"validating at step {step}")

@@ -5,6 +5,7 @@ FLOPs per trained token (forward + backward = 3x forward, matmuls at 2 FLOPs per
   + 6 * L * Hq * D * S                attention scores and the weighted sum, causal over the full
                                       sequence S (2 matmuls x 2 FLOPs x S/2 average context x 3);
                                       document masks do less work than this, so MFU is an upper bound there.
+                                      S is the length each step trains at (data.seq_len_schedule).
 MFU = achieved FLOP/s per device / the device's peak dense FLOP/s (bf16 on GPU).
 """
 from __future__ import annotations
@@ -81,11 +82,10 @@ class MetricsLogger:
     def __init__(self, cfg: Config, run_dir: Path, world: int, device: torch.device, total_steps: int,
                  dtype: torch.dtype = torch.bfloat16) -> None:
         self.cfg, self.world, self.device, self.total = cfg, world, device, total_steps
-        self.flops_tok = flops_per_token(cfg.model, cfg.data.seq_len)
         self.peak = peak_tflops(cfg.logging.peak_tflops, device, dtype)
         self.path = run_dir / "metrics.jsonl"
         self.wandb = self.tensorboard = None
-        self.t_last, self.tokens_since, self.steps_since = time.perf_counter(), 0, 0
+        self.t_last, self.tokens_since, self.flops_since, self.steps_since = time.perf_counter(), 0, 0.0, 0
         if is_rank0():
             run_dir.mkdir(parents=True, exist_ok=True)
             if cfg.logging.wandb_mode != "disabled":
@@ -98,27 +98,30 @@ class MetricsLogger:
 
                 self.tensorboard = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
 
-    def step(self, step: int, loss: float, lr: float, grad_norm: float, tokens: int, force: bool = False) -> None:
+    def step(self, step: int, loss: float, lr: float, grad_norm: float, tokens: int, seq_len: int,
+             force: bool = False) -> None:
+        """Account one optimizer step of `tokens` tokens in sequences of `seq_len`; log every log_interval."""
         self.tokens_since += tokens
+        self.flops_since += tokens * flops_per_token(self.cfg.model, seq_len)
         self.steps_since += 1
         if not (force or step % self.cfg.logging.log_interval == 0 or step == self.total):
             return
         now = time.perf_counter()
         dt = max(now - self.t_last, 1e-9)
         tok_s = self.tokens_since / dt
-        tflops = tok_s * self.flops_tok / self.world / 1e12
-        rec = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tok_s,
-               "tokens_per_s_per_device": tok_s / self.world, "tflops_per_device": tflops,
+        tflops = self.flops_since / dt / self.world / 1e12
+        rec = {"step": step, "seq_len": seq_len, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+               "tokens_per_s": tok_s, "tokens_per_s_per_device": tok_s / self.world, "tflops_per_device": tflops,
                "mfu": tflops / self.peak if self.peak else None, "step_time_s": dt / self.steps_since,
                "peak_mem_gib": _peak_mem(self.device)}
         eta = (self.total - step) * dt / self.steps_since
-        self.t_last, self.tokens_since, self.steps_since = now, 0, 0
+        self.t_last, self.tokens_since, self.flops_since, self.steps_since = now, 0, 0.0, 0
         self._emit(rec)
         mfu = f"{100 * rec['mfu']:.1f}%" if rec["mfu"] is not None else "-"
         mem = f"{rec['peak_mem_gib']:.1f}GiB"
-        print0(f"step {step:>6}/{self.total} | loss {loss:.4f} | lr {lr:.2e} | gnorm {grad_norm:.3f} | "
-               f"tok/s {tok_s:,.0f} ({tok_s / self.world:,.0f}/dev) | {tflops:.2f} TFLOP/s/dev | MFU {mfu} | "
-               f"mem {mem} | ETA {_hms(eta)}")
+        print0(f"step {step:>6}/{self.total} | seq {seq_len} | loss {loss:.4f} | lr {lr:.2e} | "
+               f"gnorm {grad_norm:.3f} | tok/s {tok_s:,.0f} ({tok_s / self.world:,.0f}/dev) | "
+               f"{tflops:.2f} TFLOP/s/dev | MFU {mfu} | mem {mem} | ETA {_hms(eta)}")
 
     def exclude(self, seconds: float) -> None:
         """Leave `seconds` (validation, checkpointing) out of the next throughput measurement."""

@@ -39,6 +39,7 @@ class Runtime:
     ulysses: int = 1            # sp = ulysses x ring
     ring: int = 1
     padded_seq_len: int = 0     # data.seq_len rounded up to the layout's multiple (padding labels masked)
+    padded_stage_lens: tuple[int, ...] = ()   # each data.seq_len_schedule length, rounded up the same way
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -89,7 +90,8 @@ def plan_runtime(cfg: Config, device: torch.device, grid: ParallelGrid | None = 
     check_logging_backends(cfg)
     return Runtime(device=str(device), dtype=str(dtype).removeprefix("torch."), attention_backend=backend,
                    attention_reason=reason, kernels=m.kernels, ulysses=ulysses, ring=ring,
-                   padded_seq_len=sequence.padded_len(cfg.data.seq_len))
+                   padded_seq_len=sequence.padded_len(cfg.data.seq_len),
+                   padded_stage_lens=tuple(sequence.padded_len(n) for _, n in cfg.data.seq_len_schedule))
 
 
 def memory_options(cfg: Config) -> list[str]:
@@ -111,9 +113,15 @@ def memory_options(cfg: Config) -> list[str]:
 
 
 def sequence_summary(cfg: Config, runtime: Runtime) -> str:
-    """How the sequence is split: 'sp = ulysses 2 x ring 2, seq_len 250 padded to 256'."""
+    """How the sequence is split: 'sp = ulysses 2 x ring 2, seq_len 250 padded to 252', and the curriculum:
+    'seq_len 250 (padded to 252) -> 1000 at step 101'."""
     text = f"sp = ulysses {runtime.ulysses} x ring {runtime.ring}"
-    if runtime.padded_seq_len != cfg.data.seq_len:
+    schedule = cfg.data.seq_len_schedule
+    if schedule:
+        stages = [f"{n}" + (f" (padded to {padded})" if padded != n else "") + (f" at step {step + 1}" if step else "")
+                  for (step, n), padded in zip(schedule, runtime.padded_stage_lens)]
+        text += ", seq_len " + " -> ".join(stages)
+    elif runtime.padded_seq_len != cfg.data.seq_len:
         text += f", seq_len {cfg.data.seq_len} padded to {runtime.padded_seq_len}"
     return text
 

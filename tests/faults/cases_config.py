@@ -160,6 +160,18 @@ RULES = [
     Case("config/layout_larger_than_world", pretrain("parallel.tp=2"), "world size 1"),
     Case("config/sp_larger_than_world", pretrain("parallel.sp=2"), "world size 1"),
     Case("config/pp_larger_than_world", pretrain("parallel.pp=2"), "world size 1"),
+    Case("config/seq_len_schedule_not_from_step_0", pretrain("data.seq_len_schedule=[[5, 8], [9, 32]]"),
+         "must start at step 0"),
+    Case("config/seq_len_schedule_steps_out_of_order", pretrain("data.seq_len_schedule=[[0, 8], [9, 16], [4, 32]]"),
+         "strictly increasing"),
+    Case("config/seq_len_schedule_shrinks", pretrain("data.seq_len_schedule=[[0, 16], [4, 8], [9, 32]]"),
+         "must not decrease"),
+    Case("config/seq_len_schedule_not_a_divisor", pretrain("data.seq_len_schedule=[[0, 10], [4, 32]]"),
+         "does not divide data.seq_len=32"),
+    Case("config/seq_len_schedule_short_of_seq_len", pretrain("data.seq_len_schedule=[[0, 8], [4, 16]]"),
+         "data.seq_len=32 is the final length"),
+    Case("config/seq_len_schedule_not_pairs", pretrain("data.seq_len_schedule=[[0, 8, 2]]"),
+         "[from_step, seq_len] pair"),
 ]
 
 MACHINE = [
