@@ -59,6 +59,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 from megalysses.config import Config, ModelConfig, ulysses_ring
+from megalysses.parallel.sequence_layout import SequenceLayout
 
 GIB = 1024 ** 3
 
@@ -733,13 +734,13 @@ def precision_for(cfg: Config, device: str = "cuda") -> Precision:
     return PRECISIONS["bf16" if dtype == "bfloat16" else "fp32"]
 
 
-def attention_for(cfg: Config, device: str = "cuda") -> tuple[str, bool, bool]:
+def attention_for(cfg: Config, device: str = "cuda", ring: int = 1) -> tuple[str, bool, bool]:
     """(concrete backend, native grouped-query attention, fp32 dq accumulator) that `cfg` runs on
-    `device` (kernels/attention.py; auto assumes flash-attn is installed on GPUs). With a ring the blocks
-    run on torch's SDPA flash kernel (K/V expanded to the query heads), or FlexAttention for documents on
-    CUDA (kernels/block_attention.py)."""
+    `device` with a ring of `ring` ranks (kernels/attention.py; auto assumes flash-attn is installed on
+    GPUs). With a ring the blocks run on torch's SDPA flash kernel (K/V expanded to the query heads), or
+    FlexAttention for documents on CUDA (kernels/block_attention.py)."""
     backend = cfg.model.attention_backend
-    ring = ulysses_ring(cfg)[1] > 1
+    ring = ring > 1
     cuda = device == "cuda"
     if backend == "auto":
         if ring:
@@ -754,15 +755,17 @@ def attention_for(cfg: Config, device: str = "cuda") -> tuple[str, bool, bool]:
     return backend, native, backend == "flash" or cuda_sdpa
 
 
-def layout_of(cfg: Config, world_size: int) -> Layout:
+def layout_of(cfg: Config, world_size: int, ranks_per_node: Optional[int] = None) -> Layout:
+    """The layout of a run of `cfg` on `world_size` ranks, sp split into ulysses x ring as the run splits
+    it on nodes of `ranks_per_node` (config.ulysses_ring; None: the launcher's, as a launched run sees it)."""
     p = cfg.parallel
     return Layout(tp=p.tp, sp=p.sp, pp=p.pp, dp=max(world_size // (p.tp * p.sp * p.pp), 1),
-                  virtual_stages=p.virtual_stages, ring=ulysses_ring(cfg)[1])
+                  virtual_stages=p.virtual_stages, ring=ulysses_ring(cfg, ranks_per_node)[1])
 
 
-def options_of(cfg: Config, device: str = "cuda") -> Options:
+def options_of(cfg: Config, device: str = "cuda", ring: int = 1) -> Options:
     t, p = cfg.training, cfg.parallel
-    backend, native, accumulator = attention_for(cfg, device)
+    backend, native, accumulator = attention_for(cfg, device, ring)
     return Options(activation_checkpointing=t.activation_checkpointing, activation_offload=t.activation_offload,
                    mlp_chunk_tokens=t.mlp_chunk_tokens, loss_chunk_tokens=t.loss_chunk_tokens,
                    tp_sequence_parallel=p.tp_sequence_parallel, fsdp=p.fsdp,
@@ -772,15 +775,21 @@ def options_of(cfg: Config, device: str = "cuda") -> Options:
 
 
 def workload_of(cfg: Config, layout: Layout) -> Workload:
+    """The longest micro-batch of a run of `cfg` (data.seq_len, the last length of a curriculum), padded to
+    the layout's multiple as the data loader pads it (parallel/sequence_layout.py)."""
     t = cfg.training
-    return Workload(seq_len=cfg.data.seq_len, micro_batch_size=t.micro_batch_size,
+    shard = SequenceLayout(layout.sp, layout.ring, layout.tp if cfg.parallel.tp_sequence_parallel else 1)
+    return Workload(seq_len=shard.padded_len(cfg.data.seq_len), micro_batch_size=t.micro_batch_size,
                     micro_batches=max(t.global_batch_size // (t.micro_batch_size * layout.dp), 1))
 
 
-def estimate_config(cfg: Config, world_size: int, device: str = "cuda") -> Estimate:
-    """The predicted peak per rank of a run of `cfg` on `world_size` ranks of `device` (cuda or cpu)."""
-    layout = layout_of(cfg, world_size)
-    return estimate(cfg.model, layout, options_of(cfg, device), precision_for(cfg, device), workload_of(cfg, layout))
+def estimate_config(cfg: Config, world_size: int, device: str = "cuda",
+                    ranks_per_node: Optional[int] = None) -> Estimate:
+    """The predicted peak per rank of a run of `cfg` on `world_size` ranks of `device` (cuda or cpu), on
+    nodes of `ranks_per_node` (None: the launcher's)."""
+    layout = layout_of(cfg, world_size, ranks_per_node)
+    return estimate(cfg.model, layout, options_of(cfg, device, layout.ring), precision_for(cfg, device),
+                    workload_of(cfg, layout))
 
 
 def fmt_bytes(x: float) -> str:

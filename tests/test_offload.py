@@ -14,6 +14,7 @@ from megalysses.measure import measure_retained
 from megalysses.memory import PRECISIONS, Layout, Options, retained_activation_bytes
 from megalysses.model.gpt import GPTStage, init_weights
 from megalysses.model.layers import ParallelGroups
+from megalysses.parallel.offload import ActivationOffload
 from megalysses.testing import run_distributed
 from megalysses.training.runtime import plan_runtime
 from tests.test_memory_model import measure_forward, measured_step_peak, small_model
@@ -204,6 +205,22 @@ def test_offload_without_checkpointing_is_a_config_error():
     cfg = load_config(overrides=["data.mock=true", "training.optimizer_offload=true", "parallel.fsdp=true"])
     with pytest.raises(ConfigError, match="training.optimizer_offload=true is for ZeRO-1"):
         plan_runtime(cfg, torch.device("cpu"))
+
+
+def test_a_longer_sequence_lets_the_shorter_ones_host_buffers_go():
+    """A sequence-length curriculum's next stage: the host buffers of the previous length are not kept
+    (a curriculum never returns to a shorter length), and the gradients are those without offload."""
+    grads = {}
+    for offload in (False, True):
+        model = _model(layers=2)
+        model.offload = ActivationOffload() if offload else None
+        for S in (32, 64):
+            ids, pos = torch.randint(0, 256, (1, S), generator=torch.Generator().manual_seed(S)), torch.arange(S)[None]
+            model(ids, pos, labels=ids).backward()
+            if offload:
+                assert {tuple(t.shape) for t in model.offload.host_buffers()} == {(1, S, 64)}
+        grads[offload] = [p.grad for p in model.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(grads[True], grads[False]))
 
 
 def test_a_block_input_comes_back_once():

@@ -112,7 +112,7 @@ def test_planned_layouts_obey_the_layout_rules():
     for p in fitting:
         validate_config(p.cfg, world_size=8)
         par, layout = p.cfg.parallel, p.estimate.layout
-        ulysses, ring = ulysses_ring(p.cfg)
+        ulysses, ring = ulysses_ring(p.cfg, ranks_per_node=8)
         assert (layout.ulysses, layout.ring) == (ulysses, ring) and cfg.model.num_heads // par.tp % ulysses == 0
         assert par.tp * par.sp * par.pp * layout.dp == 8
         assert (p.row()["ring_p2p_gb"] > 0) == (ring > 1) and (p.row()["all_to_all_gb"] > 0) == (ulysses > 1)

@@ -142,9 +142,12 @@ class ActivationOffload:
         return self._streams[device]
 
     def _host_buffer(self, x: Tensor) -> _HostBuffer:
-        free = self._free.get((tuple(x.shape), x.dtype))
+        key = (tuple(x.shape), x.dtype)
+        free = self._free.get(key)
         if free:
             return free.pop()
+        # a new shape: a longer sequence (a curriculum's next stage), whose predecessors do not come back
+        self._free = {key: []}
         buf = torch.empty(x.shape, dtype=x.dtype, device="cpu", pin_memory=x.is_cuda)
         self._made.append(weakref.ref(buf))
         return _HostBuffer(buf)

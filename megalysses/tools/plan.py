@@ -190,7 +190,8 @@ def divisors(n: int) -> list[int]:
 
 def candidate_configs(cfg: Config, gpus: int, offload: bool, gpus_per_node: int = 8) -> Iterator[Config]:
     """Every layout and memory-option combination of `cfg` on `gpus` ranks that its rules allow: tp, sp
-    (split into ulysses x ring automatically: the largest Ulysses degree the heads allow, the rest a ring),
+    (split into ulysses x ring automatically: the largest Ulysses degree the heads allow, inside a node
+    when one is, the rest a ring),
     pp, virtual stages, checkpointing, MLP tiles (the config's size, else 8192 tokens), TP sequence
     sharding, FSDP or ZeRO-1, and with host memory (`offload`) activation and optimizer offload. The LM
     head + loss keeps the config's tile."""
@@ -249,8 +250,9 @@ class Plan:
 
 def evaluate(cfg: Config, gpus: int, gpu_memory_gib: float, host_memory_gib: Optional[float], hw: Hardware) -> Plan:
     """Memory, fit and step time of `cfg` at its own layout, options and kernels on `gpus` GPUs."""
-    layout = layout_of(cfg, gpus)
-    est = estimate(cfg.model, layout, options_of(cfg), precision_for(cfg), workload_of(cfg, layout))
+    layout = layout_of(cfg, gpus, min(gpus, hw.gpus_per_node))      # sp split as the run splits it on these nodes
+    est = estimate(cfg.model, layout, options_of(cfg, "cuda", layout.ring), precision_for(cfg),
+                   workload_of(cfg, layout))
     offloaded = sum(t.bytes for t in est.terms if t.host and t.name.startswith("offloaded"))
     step = step_time(cfg.model, layout, est.options, precision_for(cfg), workload_of(cfg, layout), hw,
                      Overlap(grad_reduce=cfg.parallel.overlap_grad_reduce), retained=offloaded)
