@@ -174,3 +174,16 @@ def test_optimizer_offload_is_planned_when_the_states_do_not_fit(capsys):
     assert main(argv + ["--host-memory-gib", "512"]) == 0
     best = json.loads(capsys.readouterr().out)["best"]
     assert best["optimizer_offload"] and not best["fsdp"] and best["peak_gib"] <= 80
+
+
+def test_ring_with_the_reference_backend_is_refused_not_guessed(tmp_path, capsys):
+    """The memory model does not count what the reference backend keeps on a ring: the config's own layout
+    says so, and no ring layout is planned for it."""
+    path = tmp_path / "reference.yaml"
+    path.write_text("model: {vocab_size: 4096, hidden_size: 192, num_layers: 4, num_heads: 4, num_kv_heads: 2, "
+                    "attention_backend: reference}\nparallel: {sp: 8}\ndata: {mock: true}\n")
+    assert main(["--config", str(path), "--gpus", "8", "--gpu-memory-gib", "80", "--seq-len", "4096", "--json",
+                 "--top", "100"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert not out["config_layout"]["fits"] and "reference backend" in out["config_layout"]["why_not"]
+    assert out["layouts"] and all(row["ring"] == 1 for row in out["layouts"])

@@ -276,7 +276,10 @@ def plan(cfg: Config, gpus: int, seq_len: int, gpu_memory_gib: float, host_memor
         except ConfigError:
             continue
         considered += 1
-        p = evaluate(cand, gpus, gpu_memory_gib, host_memory_gib, hw)
+        try:
+            p = evaluate(cand, gpus, gpu_memory_gib, host_memory_gib, hw)
+        except ValueError:        # a combination the memory model does not cover (it says which): not planned
+            continue
         if p.fits:
             fitting.append(p)
     fitting.sort(key=lambda p: (p.step.total, p.estimate.peak))
@@ -369,7 +372,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         validate_config(own, world_size=args.gpus)
         mine = evaluate(own, args.gpus, args.gpu_memory_gib, args.host_memory_gib, hw)
         own_row = {**mine.row(), "why_not": mine.why_not}
-    except ConfigError as e:
+    except (ConfigError, ValueError) as e:
         own_row = {"fits": False, "why_not": str(e)}
     rows = [f.row() for f in fitting[:args.top]]
     if args.json:
