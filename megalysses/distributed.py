@@ -74,6 +74,29 @@ def die_with_launcher() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+_BACKEND_TEXT = ("/gloo/", "pair closure", "nccl")
+"""What a communication backend's own errors say: gloo names its source files and closed pairs, NCCL itself."""
+
+
+def collective_failure(e: BaseException) -> bool:
+    """Whether `e` is a timeout or a lost peer of a collective (not a programming error, nor a damaged
+    file): a DistError, an error text of gloo or NCCL (what `Work.wait()` of an async op raises, with
+    only our own frames above it), or a timeout or connection error raised inside a c10d collective."""
+    if isinstance(e, dist.DistError):
+        return True
+    text = str(e).lower()
+    if any(s in text for s in _BACKEND_TEXT):
+        return True
+    if not any(s in text for s in ("timed out", "timeout", "connection", "closed", "peer")):
+        return False
+    tb = e.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.replace("\\", "/").endswith("torch/distributed/distributed_c10d.py"):
+            return True
+        tb = tb.tb_next
+    return False
+
+
 def destroy_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
