@@ -62,11 +62,16 @@ def init_distributed(backend: str = "auto", timeout_seconds: float = 600.0, init
     return device
 
 
+_launcher_pid: Optional[int] = None
+
+
 def die_with_launcher() -> None:
     """Under a launcher (torchrun sets LOCAL_RANK), have the kernel send this process SIGTERM when the
     launcher exits, however it exits (kill -9 included); end at once if it is already gone."""
+    global _launcher_pid
     if "LOCAL_RANK" not in os.environ or not sys.platform.startswith("linux"):
         return
+    _launcher_pid = os.getppid()
     libc = ctypes.CDLL(None, use_errno=True)
     PR_SET_PDEATHSIG = 1
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
@@ -95,6 +100,22 @@ def collective_failure(e: BaseException) -> bool:
             return True
         tb = tb.tb_next
     return False
+
+
+def launcher_status() -> str:
+    """The launcher this worker started under (die_with_launcher): "none" (no launcher), "running",
+    "exiting" (its main thread is gone: the kernel's SIGTERM has been sent, its other threads, the store's
+    among them, are on their way out) or "gone"."""
+    if _launcher_pid is None:
+        return "none"
+    if os.getppid() != _launcher_pid:
+        return "gone"
+    try:
+        with open(f"/proc/{_launcher_pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "gone"
+    return "exiting" if state in ("Z", "X") else "running"
 
 
 def destroy_distributed() -> None:
