@@ -489,17 +489,14 @@ def validate_config(cfg: Config, world_size: Optional[int] = None) -> None:
         raise ConfigError(f"model head_dim={m.head_dim} (hidden_size/num_heads) must be even for rotary embeddings")
     if m.num_heads % m.kv_heads:
         raise ConfigError(f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads={m.kv_heads}")
-    ulysses, ring = check_heads(m.num_heads, m.kv_heads, p.tp, p.sp, p.sp_ring)
-    if ring > 1 and m.attention_backend == "flash":
-        raise ConfigError(f"model.attention_backend=flash cannot run the blocks of ring attention, which this layout "
-                          f"needs (parallel.sp={p.sp} = ulysses {ulysses} x ring {ring}): flash-attn gives no backward "
-                          f"against the merged log-sum-exp; use auto, sdpa, flex or reference")
+    check_heads(m.num_heads, m.kv_heads, p.tp, p.sp, p.sp_ring)
     rs = m.rope_scaling
     if rs.type == "llama3" and rs.high_freq_factor <= rs.low_freq_factor:
         raise ConfigError(f"model.rope_scaling: high_freq_factor={rs.high_freq_factor} must exceed "
                           f"low_freq_factor={rs.low_freq_factor}")
     if m.ffn_size % p.tp:
-        raise ConfigError(f"MLP width {m.ffn_size} (model.ffn_hidden_size) is not divisible by parallel.tp={p.tp}")
+        raise ConfigError(f"MLP width {m.ffn_size} (model.ffn_hidden_size) is not divisible by parallel.tp={p.tp}: "
+                          f"each tp rank holds an equal slice; set model.ffn_hidden_size to a multiple of {p.tp}")
     # any data.seq_len works: samples are padded to the layout's multiple (parallel/sequence_layout.py)
     if p.virtual_stages > 1:
         if p.pp < 2:

@@ -140,20 +140,24 @@ RULES = [
     Case("config/heads_not_divisible_by_kv_heads", pretrain("model.num_kv_heads=3"), "num_kv_heads=3"),
     Case("config/kv_heads_above_heads", pretrain("model.num_kv_heads=8"), "num_kv_heads=8"),
     Case("config/heads_not_divisible_by_tp", pretrain("parallel.tp=3"), "parallel.tp=3"),
-    # any vocabulary and any sequence length fit any layout (both are padded): what is left to refuse is the
-    # padding multiple itself, and the ulysses x ring split of sp (whole query heads per Ulysses rank, a ring
-    # that divides sp, kernels that return the log-sum-exp for ring blocks)
+    # any vocabulary and any sequence length fit any layout (both are padded to its multiple): what is left
+    # to refuse is what padding cannot fix: the MLP width over tp, the padding multiple itself, and an
+    # explicit ulysses x ring split of sp (a ring that divides sp, whole query heads per Ulysses rank, KV
+    # heads that divide the Ulysses degree or are divisible by it)
+    Case("config/ffn_not_divisible_by_tp", pretrain("model.ffn_hidden_size=66", "parallel.tp=4"),
+         "set model.ffn_hidden_size to a multiple of 4"),
     Case("config/vocab_pad_multiple_zero", pretrain("model.vocab_pad_multiple=0", "parallel.tp=2"),
          "vocab_pad_multiple=0"),
     Case("config/sp_ring_not_dividing_sp", pretrain("parallel.sp=4", "parallel.sp_ring=3"), "choose a divisor of 4"),
     Case("config/layers_not_divisible_by_pp", pretrain("model.num_layers=3", "parallel.pp=2"), "num_layers=3"),
     Case("config/virtual_stages_without_pp", pretrain("parallel.virtual_stages=2"), "virtual_stages=2"),
     Case("config/kv_heads_not_divisible_by_tp", pretrain("model.num_kv_heads=1", "parallel.tp=2"), "num_kv_heads=1"),
-    Case("config/sp_ring_leaves_ulysses_the_heads_refuse",
+    Case("config/sp_ring_leaves_ulysses_the_query_heads_refuse",
          pretrain("model.num_heads=6", "model.hidden_size=48", "parallel.sp=4", "parallel.sp_ring=1"),
-         "sp_ring can be one of 2, 4"),
-    Case("config/flash_attention_with_a_ring", pretrain("parallel.sp=4", "parallel.sp_ring=2",
-                                                        "model.attention_backend=flash"), "use auto, sdpa, flex"),
+         "query heads per tp rank = 6 must be divisible by it"),
+    Case("config/sp_ring_leaves_ulysses_the_kv_heads_refuse",
+         pretrain("model.num_heads=12", "model.num_kv_heads=6", "model.hidden_size=96", "parallel.sp=4",
+                  "parallel.sp_ring=1"), "sp_ring can be one of 2, 4"),
     Case("config/micro_batch_zero", pretrain("training.micro_batch_size=0"), "micro_batch_size"),
     Case("config/global_batch_negative", pretrain("training.global_batch_size=-2"), "global_batch_size"),
     Case("config/global_batch_not_divisible", pretrain("training.micro_batch_size=2", "training.global_batch_size=3"),
