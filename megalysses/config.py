@@ -520,7 +520,8 @@ def validate_config(cfg: Config, world_size: Optional[int] = None) -> None:
         raise ConfigError(f"model.rope_scaling: high_freq_factor={rs.high_freq_factor} must exceed "
                           f"low_freq_factor={rs.low_freq_factor}")
     if m.ffn_size % p.tp:
-        raise ConfigError(f"MLP width {m.ffn_size} (model.ffn_hidden_size) is not divisible by parallel.tp={p.tp}")
+        raise ConfigError(f"MLP width {m.ffn_size} (model.ffn_hidden_size) is not divisible by parallel.tp={p.tp}: "
+                          f"each tp rank holds an equal slice; set model.ffn_hidden_size to a multiple of {p.tp}")
     # any data.seq_len works: samples are padded to the layout's multiple (parallel/sequence_layout.py)
     if p.virtual_stages > 1:
         if p.pp < 2:

@@ -62,16 +62,60 @@ def init_distributed(backend: str = "auto", timeout_seconds: float = 600.0, init
     return device
 
 
+_launcher_pid: Optional[int] = None
+
+
 def die_with_launcher() -> None:
     """Under a launcher (torchrun sets LOCAL_RANK), have the kernel send this process SIGTERM when the
     launcher exits, however it exits (kill -9 included); end at once if it is already gone."""
+    global _launcher_pid
     if "LOCAL_RANK" not in os.environ or not sys.platform.startswith("linux"):
         return
+    _launcher_pid = os.getppid()
     libc = ctypes.CDLL(None, use_errno=True)
     PR_SET_PDEATHSIG = 1
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     if os.getppid() == 1:      # re-parented to init before prctl took effect: the launcher is gone
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+_BACKEND_TEXT = ("/gloo/", "pair closure", "nccl")
+"""What a communication backend's own errors say: gloo names its source files and closed pairs, NCCL itself."""
+
+
+def collective_failure(e: BaseException) -> bool:
+    """Whether `e` is a timeout or a lost peer of a collective (not a programming error, nor a damaged
+    file): a DistError, an error text of gloo or NCCL (what `Work.wait()` of an async op raises, with
+    only our own frames above it), or a timeout or connection error raised inside a c10d collective."""
+    if isinstance(e, dist.DistError):
+        return True
+    text = str(e).lower()
+    if any(s in text for s in _BACKEND_TEXT):
+        return True
+    if not any(s in text for s in ("timed out", "timeout", "connection", "closed", "peer")):
+        return False
+    tb = e.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.replace("\\", "/").endswith("torch/distributed/distributed_c10d.py"):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def launcher_status() -> str:
+    """The launcher this worker started under (die_with_launcher): "none" (no launcher), "running",
+    "exiting" (its main thread is gone: the kernel's SIGTERM has been sent, its other threads, the store's
+    among them, are on their way out) or "gone"."""
+    if _launcher_pid is None:
+        return "none"
+    if os.getppid() != _launcher_pid:
+        return "gone"
+    try:
+        with open(f"/proc/{_launcher_pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "gone"
+    return "exiting" if state in ("Z", "X") else "running"
 
 
 def destroy_distributed() -> None:

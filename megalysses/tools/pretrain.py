@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from megalysses.config import ConfigError, config_warnings, load_config, validate_config
 from megalysses.data import DatasetError
-from megalysses.distributed import destroy_distributed, die_with_launcher, init_distributed
+from megalysses.distributed import collective_failure, destroy_distributed, die_with_launcher, init_distributed
 from megalysses.grid import LayoutError, ParallelGrid
 from megalysses.training.checkpoint import CheckpointError
 from megalysses.training.loop import train
@@ -26,21 +26,6 @@ from megalysses.training.step import NonFiniteLossError
 from megalysses.training.watchdog import Watchdog
 
 USER_ERRORS = (ConfigError, LayoutError, CheckpointError, DatasetError, NonFiniteLossError, FileNotFoundError)
-
-
-def _from_collective(e: BaseException) -> bool:
-    """A timeout or a lost peer, raised inside torch.distributed (not a programming error there)."""
-    if isinstance(e, dist.DistError):
-        return True
-    text = str(e).lower()
-    if not any(s in text for s in ("timed out", "timeout", "connection", "closed", "peer", "nccl")):
-        return False
-    tb = e.__traceback__
-    while tb is not None:
-        if "torch/distributed/" in tb.tb_frame.f_code.co_filename.replace("\\", "/"):
-            return True
-        tb = tb.tb_next
-    return False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,7 +82,7 @@ def _run(args: argparse.Namespace, signals: StopSignals) -> int:
                f"training.activation_checkpointing, or shard more (parallel.fsdp, tp, sp, pp)")
         return 1
     except RuntimeError as e:
-        if watchdog is not None and _from_collective(e):
+        if watchdog is not None and collective_failure(e):
             watchdog.fail(f"a collective failed on rank {dist.get_rank()} while {watchdog.current} "
                           f"({' '.join(str(e).split())[:200]})")
         raise

@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from megalysses.distributed import collective_failure
 from megalysses.grid import ParallelGrid
 from megalysses.training.manifest import (FORMAT, LATEST, CheckpointError, checksums, own_files, prune, read_latest,
                                           write_manifest)
@@ -179,6 +180,8 @@ def _load(state: dict, path: Path) -> None:
         cause = next(iter(failures.values()))[0] if failures else e
         if isinstance(cause, CheckpointError):
             raise CheckpointError(str(cause)) from None
+        if collective_failure(cause):       # a stuck or lost rank, not a damaged checkpoint: the watchdog's case
+            raise cause from None
         first = (str(cause).strip().splitlines() or [""])[0][:300]
         what = f"{type(cause).__name__}: {first}" if first else type(cause).__name__
         raise CheckpointError(f"checkpoint {path} cannot be loaded ({what}): it is damaged or was not written "

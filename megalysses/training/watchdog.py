@@ -13,7 +13,9 @@ Every rank runs one daemon thread that wakes every few seconds and
     collectives: data loading, a hung filesystem; or waiting in a collective for such a rank);
   - fails the job when the next rank's heartbeat has not moved for longer than the timeout (a frozen
     or dead process cannot report itself);
-  - exits quietly when another rank has already failed the job.
+  - exits quietly when another rank has already failed the job;
+  - stops using the store once this node's launcher is gone and the store with it (the worker then
+    saves and leaves on the kernel's SIGTERM; a dead socket would only fill the log).
 Collective timeouts (every process group has parallel.timeout_seconds) lead to the same report.
 The first rank to fail the job takes the report (an atomic counter in the store), reads every
 rank's heartbeat twice to find the culprit (a rank whose heartbeat stopped, else the rank that is
@@ -34,6 +36,8 @@ from typing import Callable, NoReturn, Optional
 
 import torch.distributed as dist
 
+from megalysses.distributed import launcher_status
+
 
 def _store(rank: int, timeout: float) -> Optional[dist.Store]:
     """A store connection of the watchdog's own (a blocked main thread never holds it up), or None
@@ -45,6 +49,15 @@ def _store(rank: int, timeout: float) -> Optional[dist.Store]:
                           wait_for_workers=False)
     run = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     return dist.PrefixStore(f"megalysses/watchdog/{run}/", store)
+
+
+def _reachable() -> bool:
+    """Whether the job's store still accepts connections (a plain socket: no c10d errors on the way)."""
+    try:
+        socket.create_connection((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])), timeout=2).close()
+        return True
+    except (KeyError, ValueError, OSError):
+        return False
 
 
 class _Ended(BaseException):
@@ -63,6 +76,8 @@ class Watchdog:
         self._stopped = threading.Event()
         self._changed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="megalysses-watchdog", daemon=True)
+        self._launcher_checked = False
+        self._launcher_lock = threading.Lock()
 
     @classmethod
     def start(cls, rank: int, world: int, timeout: float) -> "Watchdog":
@@ -90,13 +105,30 @@ class Watchdog:
 
     # ------------------------------------------------------------------------- the thread
 
+    def _store_now(self) -> Optional[dist.Store]:
+        """The store, or None while this node's launcher is exiting, and for good once it is gone and took
+        the store with it (the store lives in the launcher of the job's first node; another node's store
+        that still answers is kept). The worker itself then saves and leaves on the kernel's SIGTERM."""
+        with self._launcher_lock:                  # one thread probes, the other waits for its answer
+            if self.store is None or self._launcher_checked:
+                return self.store
+            status = launcher_status()
+            if status == "exiting":
+                return None
+            if status == "gone":
+                if not _reachable():
+                    self.store = None
+                self._launcher_checked = True
+            return self.store
+
     def _beat_once(self, leaving: bool = False) -> None:
         what, since, ticks = self._phase
         self._beat += 1
-        if self.store is not None:
+        store = self._store_now()
+        if store is not None:
             record = {"beat": self._beat, "doing": what, "for": round(time.monotonic() - since, 1), "ticks": ticks,
                       "host": socket.gethostname(), "pid": os.getpid(), "leaving": leaving}
-            self.store.set(f"hb/{self.rank}", json.dumps(record))
+            store.set(f"hb/{self.rank}", json.dumps(record))
 
     def _run(self) -> None:
         try:
@@ -120,11 +152,14 @@ class Watchdog:
             what, since, _ = self._phase
             try:
                 self._beat_once()
-                if self.store is not None:
-                    if self.store.check(["abort"]):
+                store = self._store_now()
+                if store is None:                    # no neighbour to watch meanwhile
+                    changed = now
+                else:
+                    if store.check(["abort"]):
                         self._quit()
-                    if self.world > 1 and self.store.check([f"hb/{neighbour}"]):
-                        rec = json.loads(self.store.get(f"hb/{neighbour}"))
+                    if self.world > 1 and store.check([f"hb/{neighbour}"]):
+                        rec = json.loads(store.get(f"hb/{neighbour}"))
                         if rec["beat"] != seen or rec.get("leaving"):    # alive, or finished on purpose
                             seen, changed = rec["beat"], now
                 store_down = None
@@ -137,7 +172,7 @@ class Watchdog:
                 return
             if now - since > self.timeout:
                 self.fail(f"rank {self.rank} has spent {now - since:.0f} s {what}")
-            if self.world > 1 and self.store is not None and now - changed > self.timeout:
+            if self.world > 1 and now - changed > self.timeout:
                 self.fail(f"rank {neighbour} stopped responding (no heartbeat for {now - changed:.0f} s)")
 
     def _publish(self) -> None:
@@ -168,10 +203,11 @@ class Watchdog:
             self._stopped.wait()
             time.sleep(3600)
         self._stopped.set()
+        store = self._store_now()
         claimed, records = True, {}
-        if self.store is not None:
+        if store is not None:
             try:
-                claimed = self.store.add("claim", 1) == 1
+                claimed = store.add("claim", 1) == 1
                 if not claimed:                    # say so, so that the reporter does not take us for frozen
                     self._beat_once(leaving=True)
                     self._quit(wait=3 * self.interval + 10)
@@ -184,11 +220,11 @@ class Watchdog:
                        f"{self.timeout:g}: raise it if this phase is legitimately that slow)")
             print(message, flush=True)
             sys.stderr.flush()
-            if self.store is not None:
+            if store is not None:
                 try:
                     frozen = [{**rec, "rank": r} for r, rec in records.items() if rec.get("frozen")]
-                    self.store.set("frozen", json.dumps(frozen))
-                    self.store.set("abort", message)
+                    store.set("frozen", json.dumps(frozen))
+                    store.set("abort", message)
                 except Exception:  # noqa: BLE001
                     pass
         self._kill_frozen(records)

@@ -106,18 +106,24 @@ def summary(outcomes: list[Outcome]) -> dict:
             "other": len(outcomes) - verdicts.count("handled") - verdicts.count("silent") - verdicts.count("traceback")}
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    outcomes = [run_case(c) for c in all_cases(argv[0] if argv else "")]
+def table(outcomes: list[Outcome]) -> str:
+    """The counts per area and in total, then one line per case that was not handled."""
     areas = sorted({o.case.name.split("/")[0] for o in outcomes})
-    print(f"{'area':<14} {'cases':>6} {'handled':>8} {'silent':>7} {'traceback':>10} {'other':>6}")
+    lines = [f"{'area':<14} {'cases':>6} {'handled':>8} {'silent':>7} {'traceback':>10} {'other':>6}"]
     for area in areas + ["total"]:
         s = summary([o for o in outcomes if area == "total" or o.case.name.split("/")[0] == area])
-        print(f"{area:<14} {s['cases']:>6} {s['handled']:>8} {s['silent']:>7} {s['traceback']:>10} {s['other']:>6}")
+        lines.append(f"{area:<14} {s['cases']:>6} {s['handled']:>8} {s['silent']:>7} {s['traceback']:>10} "
+                     f"{s['other']:>6}")
     for o in outcomes:
         if o.verdict != "handled":
             last = o.output.strip().splitlines()[-1:] or [""]
-            print(f"  {o.verdict:<16} {o.case.name}: exit {o.status}: {last[0][:160]}")
+            lines.append(f"  {o.verdict:<16} {o.case.name}: exit {o.status}: {last[0][:160]}")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    print(table([run_case(c) for c in all_cases(argv[0] if argv else "")]))
     return 0
 
 

@@ -75,6 +75,29 @@ def test_damage_is_named(saved, tmp_path, damage, needle):
     assert problems and needle in problems[0], problems
 
 
+def test_a_stuck_rank_while_loading_is_not_a_damaged_checkpoint(saved, monkeypatch):
+    """A collective that times out inside dcp.load (another rank stuck) is raised as it is, for pretrain
+    to hand to the watchdog (which names the rank); any other failure in there names the checkpoint."""
+    from megalysses.training import checkpoint
+    from megalysses.training.manifest import CheckpointError
+
+    latest = read_latest(saved / "checkpoints")[0]
+    timeout = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting "
+                           "6000ms for recv operation to complete")
+
+    def load(error):
+        def fail(*args, **kwargs):
+            raise error
+        return fail
+    monkeypatch.setattr(checkpoint.dcp, "load", load(timeout))
+    with pytest.raises(RuntimeError) as e:
+        checkpoint._load({}, latest)
+    assert e.value is timeout
+    monkeypatch.setattr(checkpoint.dcp, "load", load(RuntimeError("unpickling stack underflow")))
+    with pytest.raises(CheckpointError, match=f"checkpoint {latest} cannot be loaded .*underflow"):
+        checkpoint._load({}, latest)
+
+
 def test_finished_run_says_so_and_warnings_are_printed_once(saved):
     status, out = _pretrain(saved, "training.train_steps=2", "optimizer.lr=0", "optimizer.warmup_steps=5")
     assert status == 0, out

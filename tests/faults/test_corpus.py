@@ -2,7 +2,7 @@
 message naming the problem and no traceback."""
 import pytest
 
-from tests.faults.corpus import Case, all_cases, judge, run_case, summary
+from tests.faults.corpus import Case, all_cases, judge, run_case, summary, table
 
 MIN_CASES = 200
 MIN_HANDLED = 0.97
@@ -27,8 +27,10 @@ def test_run_case_catches_exits_and_exceptions(tmp_path):
     assert run_case(Case("x/exit", lambda tmp: (_ for _ in ()).throw(SystemExit(0)), "x"), tmp_path).verdict == "silent"
 
 
-def test_the_corpus(tmp_path):
+def test_the_corpus(tmp_path, capsys):
     outcomes = [run_case(c, tmp_path) for c in all_cases()]
+    with capsys.disabled():                     # the counts go to the terminal (the CI log), captured or not
+        print("\nthe bad-input corpus (python tests/faults/corpus.py):\n" + table(outcomes))
     s = summary(outcomes)
     bad = [f"{o.verdict}: {o.case.name}: {o.output.strip()[-300:]}" for o in outcomes if o.verdict != "handled"]
     assert s["silent"] == 0, "accepted silently:\n" + "\n".join(b for b in bad if b.startswith("silent"))

@@ -92,6 +92,40 @@ def test_sigterm_to_the_step_task_and_its_group(tmp_path):
             p.kill()
 
 
+def _no_store_noise(out: str) -> None:
+    """Workers that leave because their launcher is gone do not touch the store that went with it: no
+    c10d "sendBytes failed ... Broken pipe" with its C++ stack on the way out."""
+    assert "TCPStore" not in out and "Broken pipe" not in out and "Connection reset" not in out, out[-3000:]
+
+
+def test_sigusr1_to_a_bare_torchrun_orphans_no_worker(tmp_path):
+    """SIGUSR1 straight to torchrun (the README's recipe goes through the sbatch script and
+    torchrun_node.sh, which keep it away from torchrun): torchrun has no handler for it and dies at once;
+    the kernel sends each worker SIGTERM (PDEATHSIG), so they stop after the current step with a
+    checkpoint that verifies, and exit; none is left running."""
+    run = tmp_path / "run"
+    p = subprocess.Popen(torchrun_cmd(2, TINY + ["training.train_steps=100000", f"logging.run_dir={run}"]),
+                         cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for_steps(run, p, 2)
+        workers = workers_of(run)
+        assert len(workers) == 2
+        p.send_signal(signal.SIGUSR1)
+        out, _ = p.communicate(timeout=120)       # until the workers, which share its stdout, are gone too
+        assert p.returncode == -signal.SIGUSR1, out
+        assert gone(run, 10), f"workers {workers} outlived their launcher"
+        stopped = [line for line in out.splitlines() if line.startswith("stopped at step")]
+        assert len(stopped) == 1 and "(signal); checkpoint saved" in stopped[0], out
+        latest = _checkpoint_ok(run)
+        assert stopped[0].startswith(f"stopped at step {int(latest.name.split('_')[1])} "), (stopped, latest)
+        assert "Traceback" not in out, out
+        _no_store_noise(out)
+    finally:
+        kill_all(run)
+        if p.poll() is None:
+            p.kill()
+
+
 def test_workers_end_with_their_launcher(tmp_path):
     """kill -9 of torchrun's process group (the workers run in sessions of their own): the kernel sends
     each worker SIGTERM; they save a checkpoint and exit instead of training on unsupervised."""
@@ -104,8 +138,9 @@ def test_workers_end_with_their_launcher(tmp_path):
         workers = workers_of(run)
         assert len(workers) == 2
         os.killpg(p.pid, signal.SIGKILL)
-        p.communicate(timeout=60)
+        out, _ = p.communicate(timeout=60)
         assert gone(run, 30), f"workers {workers} outlived their launcher"
         _checkpoint_ok(run)
+        _no_store_noise(out)
     finally:
         kill_all(run)

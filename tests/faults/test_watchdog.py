@@ -6,6 +6,8 @@ import os
 import signal
 import subprocess
 import time
+from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -82,31 +84,65 @@ def test_single_process_stuck_in_one_phase():
     assert "rank 0 has spent" in out and "opening the datasets" in out
 
 
-def _groups_time_out(rank, world):
-    """Rank 1 never joins; rank 0's collectives on a grid group and on a mesh group end in ~2 s."""
+def _groups_time_out(rank, world, flag):
+    """Rank 1 never joins; rank 0's collectives on a grid group and on a mesh group end in ~2 s. What they
+    raise counts as a collective failure (so pretrain hands it to the watchdog), also when it comes from
+    wait() on an async op (the gradient buckets' reduce-scatter), where no torch.distributed frame is on
+    the stack: first gloo's timeout, then its closed pair."""
+    from megalysses.distributed import collective_failure
     from megalysses.grid import ParallelGrid
 
     grid = ParallelGrid(tp=2, timeout_seconds=2)
     mesh = grid.device_mesh(torch.device("cpu"))
-    took = []
+    spare = dist.new_group([0, 1], timeout=timedelta(seconds=2))
+    took, failures = [], []
     if rank == 0:
         for group in (grid.tp_group, mesh.get_group("tp")):
             t0 = time.monotonic()
-            with pytest.raises(RuntimeError):
+            with pytest.raises(RuntimeError) as e:
                 dist.all_reduce(torch.ones(1), group=group)
             took.append(time.monotonic() - t0)
+            failures.append(collective_failure(e.value))
+        for _ in range(2):
+            work = dist.all_reduce(torch.ones(1), group=spare, async_op=True)
+            with pytest.raises(RuntimeError) as e:
+                work.wait()
+            failures.append(collective_failure(e.value))
+        Path(flag).touch()
     else:
-        time.sleep(5)
-    return took
+        deadline = time.monotonic() + 60
+        while not Path(flag).exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+    return took, failures
 
 
 def test_every_group_honours_the_timeout(tmp_path):
-    took = run_distributed(_groups_time_out, 2, tmp_path, pg_timeout=60)[0]
+    took, failures = run_distributed(_groups_time_out, 2, tmp_path, args=(str(tmp_path / "done"),), pg_timeout=60)[0]
     assert len(took) == 2 and all(t < 10 for t in took), took     # not torch's default of 30 minutes
+    assert failures == [True] * 4, failures
+
+
+def test_a_programming_error_is_not_a_collective_failure():
+    from megalysses.distributed import collective_failure
+
+    for text in ("I/O operation on closed file", "timed out waiting for the data loader", "peer review"):
+        try:
+            raise RuntimeError(text)
+        except RuntimeError as e:
+            assert not collective_failure(e), text
 
 
 def test_sigstopped_worker_ends_the_job_naming_it(tmp_path):
-    """Under torchrun, one worker stopped with SIGSTOP: the job ends within timeout + 30 s, one message."""
+    """Under torchrun, one worker stopped with SIGSTOP: the job ends within timeout + 30 s, one message.
+
+    Where the time goes: rank 0 learns of it when a collective times out (timeout) or when rank 1's
+    heartbeat has stood still for longer than the timeout (checked every interval, timeout / 5 here);
+    it reads every heartbeat twice, 1.5 intervals apart, to name the frozen rank, SIGKILLs it (same host)
+    and exits 1; torchrun then ends at once: about timeout + 2.5 intervals + torchrun's teardown, 9-10 s.
+    The margin is not torchrun's: on a worker's failure it sends the others SIGTERM and waits 30 s before
+    SIGKILL, and a stopped process does not act on SIGTERM, so the job only ends in the budget if the
+    reporting rank kills the frozen one itself, whichever way it learnt of the stop (a collective error
+    from an async op's wait() once took the traceback path past the watchdog: timeout + 30 s and more)."""
     run = tmp_path / "run"
     timeout = 6
     p = subprocess.Popen(torchrun_cmd(2, TINY + [f"parallel.timeout_seconds={timeout}", "training.train_steps=100000",

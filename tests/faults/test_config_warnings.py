@@ -1,0 +1,48 @@
+"""Settings that are legal but almost certainly not meant (optimizer.min_lr above optimizer.lr,
+warmup longer than the run, optimizer.lr=0) were accepted without a word: each now gets one warning
+line from pretrain, and the run goes on to train."""
+import contextlib
+import io
+import json
+from pathlib import Path
+
+from tests.faults.launch import TINY
+
+
+def _pretrain(run: Path, *overrides: str) -> tuple[int, str]:
+    """pretrain's main in this process (a world of one); (exit status, everything it printed)."""
+    from megalysses.tools.pretrain import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        status = main([a for o in TINY + [f"logging.run_dir={run}", "training.train_steps=2", *overrides]
+                       for a in ("--set", o)])
+    return status, out.getvalue()
+
+
+def _trained(run: Path, out: str) -> list[int]:
+    done = [line for line in out.splitlines() if line.startswith("done:")]
+    assert len(done) == 1 and done[0].startswith("done: step 2, loss "), out
+    return [rec["step"] for rec in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in rec]
+
+
+def _warnings(out: str) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith("warning:")]
+
+
+def test_min_lr_above_lr_and_warmup_past_the_end_warn_and_train(tmp_path):
+    status, out = _pretrain(tmp_path / "run", "optimizer.lr=1e-3", "optimizer.min_lr=1e-2",
+                            "optimizer.warmup_steps=5")
+    assert status == 0, out
+    warnings = _warnings(out)
+    assert len(warnings) == 2, out
+    assert "optimizer.min_lr=0.01 is above optimizer.lr=0.001" in warnings[0]
+    assert "optimizer.warmup_steps=5 is more than training.train_steps=2" in warnings[1]
+    assert _trained(tmp_path / "run", out) == [1, 2]
+
+
+def test_lr_zero_warns_and_trains(tmp_path):
+    status, out = _pretrain(tmp_path / "run", "optimizer.lr=0")
+    assert status == 0, out
+    assert _warnings(out) == ["warning: optimizer.lr=0: the weights will not change"], out
+    assert _trained(tmp_path / "run", out) == [1, 2]
