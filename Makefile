@@ -21,7 +21,7 @@ $(VENV)/.installed: pyproject.toml
 venv: $(VENV)/.installed
 
 test: venv
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=15 tests
 
 # the GPU tier alone (on a CUDA machine; `make test` there runs it too, with the rest)
 test-gpu: venv
