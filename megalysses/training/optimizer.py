@@ -263,9 +263,8 @@ class ShardedAdamW:
         """The true global L2 norm (every element once, all stages, shards and chunks)."""
         grads = [s.master.grad for s in self.slots if s.master is not None and s.counts_in_norm]
         device = self.slots[0].param.device if self.slots else torch.device("cpu")
-        local = (torch.stack(torch._foreach_norm(grads)).pow(2).sum() if grads
-                 else torch.zeros((), dtype=torch.float32))
-        local = local.to(device)                  # offload: the host's sum, reduced on the run's device
+        local = (torch.stack(torch._foreach_norm(grads)).pow(2).sum().to(device) if grads   # offload: host sum
+                 else torch.zeros((), dtype=torch.float32, device=device))
         comm.all_reduce_(local, comm.world())
         return local.sqrt()
 
