@@ -139,10 +139,11 @@ def test_sigstopped_worker_ends_the_job_naming_it(tmp_path):
     heartbeat has stood still for longer than the timeout (checked every interval, timeout / 5 here);
     it reads every heartbeat twice, 1.5 intervals apart, to name the frozen rank, SIGKILLs it (same host)
     and exits 1; torchrun then ends at once: about timeout + 2.5 intervals + torchrun's teardown, 9-10 s.
-    The margin is not torchrun's: on a worker's failure it sends the others SIGTERM and waits 30 s before
-    SIGKILL, and a stopped process does not act on SIGTERM, so the job only ends in the budget if the
-    reporting rank kills the frozen one itself, whichever way it learnt of the stop (a collective error
-    from an async op's wait() once took the traceback path past the watchdog: timeout + 30 s and more)."""
+    torchrun cannot end it within the margin: on a worker's failure it sends the others SIGTERM and waits
+    30 s before SIGKILL, and a stopped process does not act on SIGTERM. So the reporting rank must kill
+    the frozen one itself, whichever way it learnt of the stop: a collective error raised by an async
+    op's wait() has to reach the watchdog too (past it, rank 0 left with a traceback and the job took
+    timeout + 30 s and more; test_every_group_honours_the_timeout checks that it is recognised)."""
     run = tmp_path / "run"
     timeout = 6
     p = subprocess.Popen(torchrun_cmd(2, TINY + [f"parallel.timeout_seconds={timeout}", "training.train_steps=100000",
