@@ -36,7 +36,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from megalysses.config import Config, ConfigError, load_config, validate_config  # noqa: E402
+from megalysses.config import Config, ConfigError  # noqa: E402
+from megalysses.config_checks import validate_config  # noqa: E402
+from megalysses.config_io import load_config  # noqa: E402
 from megalysses.memory import GIB, estimate_config, fmt_bytes  # noqa: E402
 
 SMOKE = ["model.vocab_size=256", "model.hidden_size=64", "model.num_layers=4", "model.num_heads=4",

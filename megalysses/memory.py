@@ -58,7 +58,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
-from megalysses.config import Config, ModelConfig, ulysses_ring
+from megalysses.config import Config, ModelConfig
+from megalysses.config_checks import ulysses_ring
 from megalysses.parallel.sequence_layout import SequenceLayout
 
 GIB = 1024 ** 3
@@ -116,7 +117,7 @@ KERNELS: dict[str, Kernels] = {
 
 @dataclass(frozen=True)
 class Layout:
-    """The process grid: sp = ulysses x ring (parallel.sp, parallel.sp_ring as config.check_heads resolves
+    """The process grid: sp = ulysses x ring (parallel.sp, parallel.sp_ring as config_checks.check_heads resolves
     them)."""
 
     tp: int = 1
@@ -757,7 +758,7 @@ def attention_for(cfg: Config, device: str = "cuda", ring: int = 1) -> tuple[str
 
 def layout_of(cfg: Config, world_size: int, ranks_per_node: Optional[int] = None) -> Layout:
     """The layout of a run of `cfg` on `world_size` ranks, sp split into ulysses x ring as the run splits
-    it on nodes of `ranks_per_node` (config.ulysses_ring; None: the launcher's, as a launched run sees it)."""
+    it on nodes of `ranks_per_node` (config_checks.ulysses_ring; None: the launcher's, as a launched run sees it)."""
     p = cfg.parallel
     return Layout(tp=p.tp, sp=p.sp, pp=p.pp, dp=max(world_size // (p.tp * p.sp * p.pp), 1),
                   virtual_stages=p.virtual_stages, ring=ulysses_ring(cfg, ranks_per_node)[1])

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from megalysses import comm
-from megalysses.config import ModelConfig, load_config
+from megalysses.config import ModelConfig
+from megalysses.config_io import load_config
 from megalysses.grid import ParallelGrid
 from megalysses.kernels.triton_support import triton_importable
 from megalysses.measure import Retained, measure_peak, measure_retained

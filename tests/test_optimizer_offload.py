@@ -3,7 +3,7 @@ memory, the AdamW update on the CPU. On CPU both run the same arithmetic: after 
 and the optimizer state must be exactly those without offload, and a checkpoint resumes exactly."""
 import torch
 
-from megalysses.config import load_config
+from megalysses.config_io import load_config
 from megalysses.grid import ParallelGrid
 from megalysses.testing import run_distributed
 

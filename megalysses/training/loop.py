@@ -16,7 +16,8 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from megalysses import comm
-from megalysses.config import Config, ConfigError, save_config
+from megalysses.config import Config, ConfigError
+from megalysses.config_io import save_config
 from megalysses.distributed import on_rank0
 from megalysses.grid import ParallelGrid
 from megalysses.model.gpt import GPTStage, architecture, init_weights, stage_layers
