@@ -31,12 +31,9 @@ def train(overrides: list[str], world: int, steps: int = 3) -> dict:
 
     cfg = load_config(overrides=BASE + overrides)
     device = torch.device("cpu")
-    p = cfg.parallel
     grid = ParallelGrid.for_config(cfg) if world > 1 else ParallelGrid.single()
     runtime = plan_runtime(cfg, device, grid)
-    model = loop.build_model(cfg, grid, device, grid.device_mesh(device) if p.fsdp else None, runtime)
-    opt = loop.build_optimizer(cfg, model, grid)
-    model.to(runtime.torch_dtype)
+    model, opt = loop.build_model_and_optimizer(cfg, grid, device, runtime)
     batches = TrainingData(cfg, grid, device).train_batches(0)
     losses, norms = [], []
     for _ in range(steps):
