@@ -36,7 +36,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from megalysses.config import Config, ConfigError, load_config, validate_config  # noqa: E402
+from megalysses.config import Config, ConfigError  # noqa: E402
+from megalysses.config_checks import validate_config  # noqa: E402
+from megalysses.config_io import load_config  # noqa: E402
 from megalysses.memory import GIB, estimate_config, fmt_bytes  # noqa: E402
 
 SMOKE = ["model.vocab_size=256", "model.hidden_size=64", "model.num_layers=4", "model.num_heads=4",
@@ -60,25 +62,19 @@ def run_length(cfg: Config, device: torch.device) -> dict:
 
     from megalysses.grid import ParallelGrid
     from megalysses.measure import measure_peak
-    from megalysses.training.loop import build_model, build_optimizer
+    from megalysses.training.loop import build_model_and_optimizer
     from megalysses.training.metrics import flops_per_token, peak_tflops
     from megalysses.training.runtime import plan_runtime
     from megalysses.training.step import train_step
 
     validate_config(cfg, world_size=1)
-    mesh = None
-    if cfg.parallel.fsdp:                    # FSDP2 shards over a device mesh: a process group of one
-        if not dist.is_initialized():
-            store = Path(tempfile.mkdtemp()) / "store"
-            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{store}",
-                                    rank=0, world_size=1)
+    if cfg.parallel.fsdp and not dist.is_initialized():    # FSDP2 shards over a device mesh: a group of one
+        store = Path(tempfile.mkdtemp()) / "store"
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{store}",
+                                rank=0, world_size=1)
     grid = ParallelGrid.single()
     runtime = plan_runtime(cfg, device, grid)
-    if cfg.parallel.fsdp:
-        mesh = grid.device_mesh(device)
-    model = build_model(cfg, grid, device, mesh, runtime)
-    opt = build_optimizer(cfg, model, grid)
-    model.to(runtime.torch_dtype)
+    model, opt = build_model_and_optimizer(cfg, grid, device, runtime)
     predicted = estimate_config(cfg, 1, device.type)
     step = dict(lr=cfg.optimizer.lr, grad_clip=cfg.optimizer.grad_clip, dtype=runtime.torch_dtype)
     S = cfg.data.seq_len

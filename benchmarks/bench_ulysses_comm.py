@@ -35,7 +35,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megalysses.config import ConfigError, ModelConfig, check_heads
+from megalysses.config import ConfigError, ModelConfig
+from megalysses.config_checks import check_heads
 from megalysses.grid import ParallelGrid
 from megalysses.kernels.rope import rope_cos_sin
 from megalysses.model.layers import Attention, ParallelGroups

@@ -32,7 +32,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from megalysses.config import Config, ulysses_ring
+from megalysses.config import Config
+from megalysses.config_checks import ulysses_ring
 from megalysses.parallel.sequence_layout import SequenceLayout
 
 AXES = ("pp", "dp", "sp", "tp")

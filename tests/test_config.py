@@ -1,8 +1,9 @@
 """Typed config: strict YAML, --set overrides, cross-field validation, round trip."""
 import pytest
 
-from megalysses.config import (Config, ConfigError, config_from_dict, config_warnings, dump_config, load_config,
-                               read_yaml, save_config, validate_config)
+from megalysses.config import Config, ConfigError
+from megalysses.config_checks import config_warnings, validate_config
+from megalysses.config_io import config_from_dict, dump_config, load_config, read_yaml, save_config
 
 
 def _write(tmp_path, text):
@@ -88,7 +89,7 @@ def test_cross_field_rules(overrides, needle):
 
 def test_sp_is_ulysses_times_ring_and_any_length_is_valid():
     """Layouts Ulysses alone cannot run get a ring; an explicit ring is honoured when the heads allow it."""
-    from megalysses.config import check_heads, ulysses_ring
+    from megalysses.config_checks import check_heads, ulysses_ring
 
     assert check_heads(8, 8, 1, 3) == (1, 3)                 # 8 heads over 3 ranks: ring only
     assert check_heads(2, 1, 1, 4) == (2, 2)                 # the issue's MQA example
@@ -114,7 +115,7 @@ def test_sp_is_ulysses_times_ring_and_any_length_is_valid():
 
 
 def test_ulysses_degree_follows_the_launchers_node_size(monkeypatch):
-    from megalysses.config import ulysses_ring
+    from megalysses.config_checks import ulysses_ring
 
     cfg = load_config(overrides=["data.mock=true", "model.num_heads=32", "model.num_kv_heads=8",
                                  "model.hidden_size=512", "parallel.sp=16"])

@@ -2,7 +2,7 @@
 prompts encoded as the training documents were, and metrics files with damaged lines still plotted."""
 import json
 
-from megalysses.config import load_config, save_config
+from megalysses.config_io import load_config, save_config
 from megalysses.tools import generate, plot_metrics
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megalysses.config import load_config
+from megalysses.config_io import load_config
 from megalysses.testing import run_distributed
 
 ROOT = Path(__file__).resolve().parent.parent

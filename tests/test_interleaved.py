@@ -2,7 +2,9 @@
 shrinks with the number of virtual stages. (Numerical parity is in test_training_parity.py.)"""
 import pytest
 
-from megalysses.config import ConfigError, load_config, validate_config
+from megalysses.config import ConfigError
+from megalysses.config_checks import validate_config
+from megalysses.config_io import load_config
 from megalysses.parallel.interleaved import rank_order, slot_schedule
 
 

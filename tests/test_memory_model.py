@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from megalysses import comm
-from megalysses.config import ModelConfig, load_config
+from megalysses.config import ModelConfig
+from megalysses.config_io import load_config
 from megalysses.grid import ParallelGrid
 from megalysses.kernels.triton_support import triton_importable
 from megalysses.measure import Retained, measure_peak, measure_retained
@@ -294,7 +295,7 @@ LAYOUT_PEAKS = {   # name: overrides on 2 ranks
 def measured_step_peak(overrides: list[str], world: int = 1, exclude_host: bool = False) -> tuple[int, float]:
     """(the measured peak of live bytes over one training step, the model's prediction) on this rank;
     `exclude_host`: leave out the activation offload's host copies (CPU tensors here)."""
-    from megalysses.training.loop import build_model, build_optimizer
+    from megalysses.training.loop import build_model_and_optimizer
     from megalysses.training.runtime import plan_runtime
     from megalysses.training.step import train_step
 
@@ -303,9 +304,7 @@ def measured_step_peak(overrides: list[str], world: int = 1, exclude_host: bool 
     p = cfg.parallel
     grid = ParallelGrid.for_config(cfg) if world > 1 else ParallelGrid.single()
     runtime = plan_runtime(cfg, device, grid)
-    model = build_model(cfg, grid, device, grid.device_mesh(device) if p.fsdp else None, runtime)
-    opt = build_optimizer(cfg, model, grid)
-    model.to(runtime.torch_dtype)
+    model, opt = build_model_and_optimizer(cfg, grid, device, runtime)
     g = torch.Generator().manual_seed(0)
     S_ = cfg.data.seq_len
     local = torch.from_numpy(grid.sequence_layout(p.tp_sequence_parallel).positions(S_, grid.sp_rank))

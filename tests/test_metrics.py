@@ -8,7 +8,8 @@ import torch
 import torch.distributed as dist
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from megalysses.config import ConfigError, load_config
+from megalysses.config import ConfigError
+from megalysses.config_io import load_config
 from megalysses.grid import ParallelGrid
 from megalysses.training import metrics
 from megalysses.training.loop import train

@@ -9,7 +9,8 @@ process groups.
 import pytest
 import torch
 
-from megalysses.config import ModelConfig, check_heads
+from megalysses.config import ModelConfig
+from megalysses.config_checks import check_heads
 from megalysses.grid import ParallelGrid
 from megalysses.model.gpt import GPTStage, init_weights
 from megalysses.model.layers import ParallelGroups

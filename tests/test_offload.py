@@ -8,7 +8,8 @@ checks the side streams: the copies overlap compute and the device memory drops.
 import pytest
 import torch
 
-from megalysses.config import ConfigError, load_config
+from megalysses.config import ConfigError
+from megalysses.config_io import load_config
 from megalysses.grid import ParallelGrid
 from megalysses.measure import measure_retained
 from megalysses.memory import PRECISIONS, Layout, Options, retained_activation_bytes
@@ -48,10 +49,7 @@ def one_step(overrides: list[str], world: int) -> dict:
     p = cfg.parallel
     grid = ParallelGrid.for_config(cfg) if world > 1 else ParallelGrid.single()
     runtime = plan_runtime(cfg, device, grid)
-    model = loop.build_model(cfg, grid, device, grid.device_mesh(device) if p.fsdp else None, runtime)
-    opt = loop.build_optimizer(cfg, model, grid)
-    if not p.fsdp:
-        model.to(runtime.torch_dtype)
+    model, opt = loop.build_model_and_optimizer(cfg, grid, device, runtime)
     got = {}
 
     def capture(max_norm: float) -> float:        # the optimizer's step, up to the update

@@ -3,7 +3,7 @@ memory, the AdamW update on the CPU. On CPU both run the same arithmetic: after 
 and the optimizer state must be exactly those without offload, and a checkpoint resumes exactly."""
 import torch
 
-from megalysses.config import load_config
+from megalysses.config_io import load_config
 from megalysses.grid import ParallelGrid
 from megalysses.testing import run_distributed
 
@@ -31,12 +31,9 @@ def train(overrides: list[str], world: int, steps: int = 3) -> dict:
 
     cfg = load_config(overrides=BASE + overrides)
     device = torch.device("cpu")
-    p = cfg.parallel
     grid = ParallelGrid.for_config(cfg) if world > 1 else ParallelGrid.single()
     runtime = plan_runtime(cfg, device, grid)
-    model = loop.build_model(cfg, grid, device, grid.device_mesh(device) if p.fsdp else None, runtime)
-    opt = loop.build_optimizer(cfg, model, grid)
-    model.to(runtime.torch_dtype)
+    model, opt = loop.build_model_and_optimizer(cfg, grid, device, runtime)
     batches = TrainingData(cfg, grid, device).train_batches(0)
     losses, norms = [], []
     for _ in range(steps):

@@ -7,7 +7,9 @@ from dataclasses import replace
 
 import pytest
 
-from megalysses.config import ModelConfig, load_config, ulysses_ring, validate_config
+from megalysses.config import ModelConfig
+from megalysses.config_checks import ulysses_ring, validate_config
+from megalysses.config_io import load_config
 from megalysses.memory import PRECISIONS, Layout, Options, Workload, longest_sequence
 from megalysses.tools.plan import Hardware, Overlap, evaluate, main, plan, step_time
 

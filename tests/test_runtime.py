@@ -5,7 +5,8 @@ import json
 import pytest
 import torch
 
-from megalysses.config import ConfigError, load_config
+from megalysses.config import ConfigError
+from megalysses.config_io import load_config
 from megalysses.grid import ParallelGrid
 from megalysses.training.runtime import plan_runtime, startup_line, write_runtime
 

@@ -32,7 +32,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 import yaml
 
-from megalysses.config import Config, ConfigError, apply_override, config_from_dict, config_to_dict, save_config
+from megalysses.config import Config, ConfigError
+from megalysses.config_io import apply_override, config_from_dict, config_to_dict, save_config
 from megalysses.model.gpt import GPTStage, architecture
 from megalysses.model.hf import hf_config_dict, hf_tensors, model_config_from_hf, our_names, our_tensor, check_hf_names
 from megalysses.model.hf_io import DTYPES, HFFormatError, open_hf_dir, write_hf_dir

@@ -10,7 +10,7 @@ The model, batch (training.global_batch_size and micro_batch_size), dtype, kerne
 --kernels) and attention backend come from the config; the layout and memory options (checkpointing,
 tiled MLP, TP sequence sharding, FSDP vs ZeRO-1, and activation and optimizer offload when
 --host-memory-gib is given) are enumerated under the config's own layout rules
-(config.validate_config). The config's own layout is evaluated too.
+(config_checks.validate_config). The config's own layout is evaluated too.
 
 Memory is megalysses.memory's prediction. A layout fits when its peak is at most the usable device
 memory (--gpu-memory-gib less --fragmentation of it and --reserve-gib for the CUDA context, NCCL and
@@ -32,7 +32,9 @@ import sys
 from dataclasses import dataclass, replace
 from typing import Iterator, Optional
 
-from megalysses.config import Config, ConfigError, ModelConfig, check_heads, load_config, validate_config
+from megalysses.config import Config, ConfigError, ModelConfig
+from megalysses.config_checks import check_heads, validate_config
+from megalysses.config_io import load_config
 from megalysses.memory import (GIB, KERNELS, Estimate, Layout, Options, Precision, Workload, estimate, fmt_bytes,
                                kv_replication, layer_params, layout_of, options_of, precision_for, stage_layers,
                                stage_params, tiled, workload_of)

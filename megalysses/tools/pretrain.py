@@ -14,7 +14,9 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megalysses.config import ConfigError, config_warnings, load_config, validate_config
+from megalysses.config import ConfigError
+from megalysses.config_checks import config_warnings, validate_config
+from megalysses.config_io import load_config
 from megalysses.data import DatasetError
 from megalysses.distributed import collective_failure, destroy_distributed, die_with_launcher, init_distributed
 from megalysses.grid import LayoutError, ParallelGrid

@@ -16,7 +16,8 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from megalysses import comm
-from megalysses.config import Config, ConfigError, save_config
+from megalysses.config import Config, ConfigError
+from megalysses.config_io import save_config
 from megalysses.distributed import on_rank0
 from megalysses.grid import ParallelGrid
 from megalysses.model.gpt import GPTStage, architecture, init_weights, stage_layers
@@ -74,6 +75,19 @@ def build_optimizer(cfg: Config, model: GPTStage, grid: ParallelGrid) -> Optimiz
     return ShardedAdamW(model.named_parameters(), grid.grad_group, **common,
                         bucket_elements=cfg.parallel.grad_bucket_elements, overlap=cfg.parallel.overlap_grad_reduce,
                         offload=cfg.training.optimizer_offload)
+
+
+def build_model_and_optimizer(cfg: Config, grid: ParallelGrid, device: torch.device,
+                              runtime: Runtime) -> tuple[GPTStage | VirtualStages, Optimizer]:
+    """A fresh run's model and optimizer, as `train` builds them when there are no weights to load: the
+    fp32 model (with parallel.fsdp, sharded over the grid's device mesh), the optimizer's fp32 masters
+    from it, then the compute weights in runtime's dtype (FSDP casts when it gathers)."""
+    mesh = grid.device_mesh(device) if cfg.parallel.fsdp else None
+    model = build_model(cfg, grid, device, mesh, runtime)
+    opt = build_optimizer(cfg, model, grid)
+    if not cfg.parallel.fsdp:
+        model.to(runtime.torch_dtype)
+    return model, opt
 
 
 def model_shape(cfg: Config, tp: int = 1) -> dict:

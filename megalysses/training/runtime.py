@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from megalysses.config import Config, ConfigError, ModelConfig, ulysses_ring
+from megalysses.config import Config, ConfigError, ModelConfig
+from megalysses.config_checks import ulysses_ring
 from megalysses.grid import ParallelGrid
 from megalysses.kernels.attention import flash_attn_func, select_backend
 from megalysses.kernels.triton_support import choose_impl, triton_importable

@@ -1,0 +1,253 @@
+"""Cross-field rules of a config: ranges, head counts against the layout, the data and tokenizer
+settings, the batch arithmetic of a world size; the (ulysses, ring) split of sequence parallelism; and
+the warnings for settings that are legal but almost certainly not meant.
+
+    validate_config(cfg, world_size=8)      # raises ConfigError naming every number involved
+    ulysses, ring = ulysses_ring(cfg)
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Optional
+
+from megalysses.config import Config, ConfigError, DataConfig
+
+
+def validate_config(cfg: Config, world_size: Optional[int] = None) -> None:
+    """Cross-field rules. With `world_size`, also the layout and batch arithmetic. Raises ConfigError."""
+    m, p, d, t = cfg.model, cfg.parallel, cfg.data, cfg.training
+    _check_ranges(cfg)
+    if m.hidden_size % m.num_heads:
+        raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}")
+    if m.head_dim % 2:
+        raise ConfigError(f"model head_dim={m.head_dim} (hidden_size/num_heads) must be even for rotary embeddings")
+    if m.num_heads % m.kv_heads:
+        raise ConfigError(f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads={m.kv_heads}")
+    check_heads(m.num_heads, m.kv_heads, p.tp, p.sp, p.sp_ring)
+    rs = m.rope_scaling
+    if rs.type == "llama3" and rs.high_freq_factor <= rs.low_freq_factor:
+        raise ConfigError(f"model.rope_scaling: high_freq_factor={rs.high_freq_factor} must exceed "
+                          f"low_freq_factor={rs.low_freq_factor}")
+    if m.ffn_size % p.tp:
+        raise ConfigError(f"MLP width {m.ffn_size} (model.ffn_hidden_size) is not divisible by parallel.tp={p.tp}: "
+                          f"each tp rank holds an equal slice; set model.ffn_hidden_size to a multiple of {p.tp}")
+    # any data.seq_len works: samples are padded to the layout's multiple (parallel/sequence_layout.py)
+    if p.virtual_stages > 1:
+        if p.pp < 2:
+            raise ConfigError(f"parallel.virtual_stages={p.virtual_stages} needs parallel.pp >= 2 (it interleaves "
+                              f"model chunks over pipeline ranks)")
+        if m.num_layers % (p.pp * p.virtual_stages):
+            raise ConfigError(f"model.num_layers={m.num_layers} is not divisible by parallel.pp * "
+                              f"parallel.virtual_stages = {p.pp} * {p.virtual_stages}: every virtual stage holds "
+                              f"the same number of layers")
+    if m.num_layers % p.pp:
+        raise ConfigError(f"model.num_layers={m.num_layers} is not divisible by parallel.pp={p.pp}: "
+                          f"every pipeline stage holds the same number of layers")
+    _check_tokenizer(d)
+    if not d.mock and not d.paths:
+        raise ConfigError("data.paths is empty: give dataset prefixes (tools/preprocess_data.py output) "
+                          "or set data.mock=true")
+    if d.mock and m.vocab_size < 3:
+        raise ConfigError(f"model.vocab_size={m.vocab_size}: data.mock needs at least 3 tokens (two and the EOD)")
+    if cfg.checkpoint.load is not None and not cfg.checkpoint.load.strip():
+        raise ConfigError("checkpoint.load is empty: give auto, none (start afresh) or the path of a checkpoint")
+    if not cfg.logging.run_dir.strip():
+        raise ConfigError("logging.run_dir is empty: give the run directory (config, metrics, checkpoints)")
+    _check_data(d)
+    _check_seq_len_schedule(d)
+    if t.micro_batch_size < 1 or t.global_batch_size < 1:
+        raise ConfigError("training.micro_batch_size and training.global_batch_size must be >= 1")
+    if world_size is not None:
+        mp = p.tp * p.sp * p.pp
+        if world_size % mp:
+            raise ConfigError(f"world size {world_size} is not divisible by tp*sp*pp = {p.tp}*{p.sp}*{p.pp} = {mp}: "
+                              f"launch a multiple of {mp} processes or change the layout")
+        dp = world_size // mp
+        per_step = t.micro_batch_size * dp
+        if t.global_batch_size % per_step:
+            raise ConfigError(f"training.global_batch_size={t.global_batch_size} is not divisible by "
+                              f"micro_batch_size={t.micro_batch_size} * dp={dp} = {per_step}")
+        micro = t.global_batch_size // per_step
+        if p.virtual_stages > 1 and micro % p.pp:
+            raise ConfigError(f"interleaved pipeline: {micro} micro-batches per step (global_batch_size / "
+                              f"(micro_batch_size * dp)) is not a multiple of parallel.pp={p.pp}: change "
+                              f"training.global_batch_size or micro_batch_size")
+
+
+MAX_SEQ_LEN = 2**31 - 2
+"""Longest sample: token positions and sample-index offsets are 32-bit."""
+
+# (section, field, lowest allowed value, highest allowed value or None)
+_RANGES = [
+    ("model", "vocab_size", 1, None), ("model", "vocab_pad_multiple", 1, None), ("model", "hidden_size", 1, None),
+    ("model", "num_layers", 1, None), ("model", "num_heads", 1, None), ("model", "num_kv_heads", 1, None),
+    ("model", "ffn_hidden_size", 1, None), ("model", "norm_eps", 0.0, None), ("model", "init_std", 0.0, None),
+    ("model", "rope_theta", 1.0, None),
+    ("model.rope_scaling", "factor", 1.0, None), ("model.rope_scaling", "low_freq_factor", 0.0, None),
+    ("model.rope_scaling", "high_freq_factor", 0.0, None),
+    ("model.rope_scaling", "original_max_position_embeddings", 1, None),
+    ("data", "seq_len", 1, MAX_SEQ_LEN),
+    ("optimizer", "lr", 0.0, None), ("optimizer", "min_lr", 0.0, None), ("optimizer", "weight_decay", 0.0, None),
+    ("optimizer", "beta1", 0.0, 1.0), ("optimizer", "beta2", 0.0, 1.0), ("optimizer", "eps", 0.0, None),
+    ("optimizer", "grad_clip", 0.0, None), ("optimizer", "warmup_steps", 0, None),
+    ("optimizer", "decay_fraction", 0.0, 1.0),
+    ("training", "seed", 0, 2**63 - 1), ("training", "train_steps", 1, None), ("training", "exit_at_step", 0, None),
+    ("training", "max_wall_minutes", 0.0, None), ("training", "eval_interval", 0, None),
+    ("training", "eval_steps", 1, None), ("checkpoint", "save_interval", 0, None), ("checkpoint", "keep_last", 0, None),
+    ("training", "loss_chunk_tokens", 0, None), ("training", "mlp_chunk_tokens", 0, None),
+    ("logging", "log_interval", 1, None), ("logging", "peak_tflops", 0.0, None),
+    ("parallel", "timeout_seconds", 1.0, None),
+    ("parallel", "tp", 1, None), ("parallel", "sp", 1, None), ("parallel", "sp_ring", 0, None),
+    ("parallel", "pp", 1, None),
+    ("parallel", "virtual_stages", 1, None), ("parallel", "grad_bucket_elements", 1, None),
+]
+
+
+def _check_ranges(cfg: Config) -> None:
+    for section in dataclasses.fields(cfg):     # every float, also of a Config built in code
+        for f in dataclasses.fields(getattr(cfg, section.name)):
+            value = getattr(getattr(cfg, section.name), f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{section.name}.{f.name}={value} is not a finite number: give a real value")
+    for section, name, lo, hi in _RANGES:
+        owner = cfg
+        for part in section.split("."):
+            owner = getattr(owner, part)
+        value = getattr(owner, name)
+        if value is None:
+            continue
+        if value < lo or (hi is not None and value > hi):
+            allowed = f">= {lo}" if hi is None else f"between {lo} and {hi}"
+            raise ConfigError(f"{section}.{name}={value} is out of range: it must be {allowed}")
+
+
+def config_warnings(cfg: Config) -> list[str]:
+    """Settings that are legal but almost certainly not what was meant (printed once, by rank 0)."""
+    o, t = cfg.optimizer, cfg.training
+    notes = []
+    if o.lr == 0:
+        notes.append("optimizer.lr=0: the weights will not change")
+    elif o.min_lr > o.lr:
+        notes.append(f"optimizer.min_lr={o.min_lr:g} is above optimizer.lr={o.lr:g}: the learning rate will rise "
+                     f"during the decay")
+    late = [(step, length) for step, length in cfg.data.seq_len_schedule if step >= t.train_steps]
+    if late:
+        notes.append(f"data.seq_len_schedule: the stage from step {late[0][0]} (seq_len {late[0][1]}) starts at or "
+                     f"after training.train_steps={t.train_steps}: it never runs, and neither does "
+                     f"data.seq_len={cfg.data.seq_len}")
+    if o.warmup_steps > t.train_steps:
+        notes.append(f"optimizer.warmup_steps={o.warmup_steps} is more than training.train_steps={t.train_steps}: "
+                     f"the learning rate never reaches optimizer.lr")
+    return notes
+
+
+def _check_seq_len_schedule(d: DataConfig) -> None:
+    """data.seq_len_schedule: [from_step, seq_len] pairs from step 0, steps increasing, lengths growing to
+    data.seq_len, each dividing it."""
+    example = f"e.g. [[0, {d.seq_len // 4 if d.seq_len % 4 == 0 else 1}], [1000, {d.seq_len}]]"
+    prev_step, prev_len = -1, 0
+    for i, entry in enumerate(d.seq_len_schedule):
+        where = f"data.seq_len_schedule[{i}]={entry}"
+        if len(entry) != 2:
+            raise ConfigError(f"{where}: each entry is a [from_step, seq_len] pair, {example}")
+        step, length = entry
+        if length < 1:
+            raise ConfigError(f"{where}: seq_len {length} must be >= 1")
+        if i == 0 and step != 0:
+            raise ConfigError(f"{where}: the first entry must start at step 0 (it gives the length of the first "
+                              f"steps): make it [0, {length}]")
+        if step <= prev_step:
+            raise ConfigError(f"{where}: from_step {step} is not after the previous entry's {prev_step}: list the "
+                              f"stages in order of strictly increasing from_step")
+        if length < prev_len:
+            raise ConfigError(f"{where}: seq_len {length} is shorter than the previous entry's {prev_len}: a "
+                              f"curriculum only grows the length; lengths must not decrease")
+        if d.seq_len % length:
+            raise ConfigError(f"{where}: seq_len {length} does not divide data.seq_len={d.seq_len}: every sample "
+                              f"of data.seq_len tokens is cut into data.seq_len / seq_len sequences; use a divisor "
+                              f"of {d.seq_len}")
+        prev_step, prev_len = step, length
+    if d.seq_len_schedule and prev_len != d.seq_len:
+        raise ConfigError(f"data.seq_len_schedule ends at seq_len {prev_len} but data.seq_len={d.seq_len} is the "
+                          f"final length: append [from_step, {d.seq_len}] to the schedule, or set "
+                          f"data.seq_len={prev_len}")
+
+
+def _check_data(d: DataConfig) -> None:
+    from megalysses.data.blend import parse_blend
+    from megalysses.data.gpt_dataset import parse_split
+
+    try:
+        parse_split(d.split)
+        if not d.mock and d.paths:
+            parse_blend(d.paths)
+    except ValueError as e:
+        raise ConfigError(f"data.{'split' if str(e).startswith('split') else 'paths'}: {e}") from None
+
+
+def _check_tokenizer(d: DataConfig) -> None:
+    from megalysses.data.tokenizer import TokenizerError, canonical_kind
+
+    try:
+        kind = canonical_kind(d.tokenizer)
+    except TokenizerError as e:
+        raise ConfigError(f"data.tokenizer: {e}") from None
+    if kind in ("sentencepiece", "huggingface") and not d.tokenizer_model:
+        what = "the .model file" if kind == "sentencepiece" else "a tokenizer.json or the folder holding it"
+        raise ConfigError(f"data.tokenizer={d.tokenizer} needs data.tokenizer_model ({what})")
+    if kind == "gpt2bpe" and not (d.vocab_file and d.merge_file):
+        raise ConfigError(f"data.tokenizer={d.tokenizer} needs data.vocab_file (vocab.json) and data.merge_file "
+                          f"(merges.txt)")
+
+
+def check_heads(num_heads: int, kv_heads: int, tp: int, sp: int, sp_ring: int = 0,
+                ranks_per_node: int = 0) -> tuple[int, int]:
+    """Head-count rules for tp, then sp = ulysses x ring; returns (ulysses, ring) or raises ConfigError with
+    the numbers and the fix. Ulysses gives each of its ranks whole query heads (query heads per tp rank
+    divisible by ulysses) and whole KV heads (replicated up to ulysses when fewer, so one must divide the
+    other); the ring has no head rule. sp_ring=0 picks the largest Ulysses degree, so any sp is possible;
+    with `ranks_per_node` (0 = unknown) the largest whose tp x ulysses block of consecutive ranks lies
+    inside one node, when there is one besides tp alone crossing nodes."""
+    if num_heads % tp:
+        raise ConfigError(f"model.num_heads={num_heads} is not divisible by parallel.tp={tp}")
+    if kv_heads % tp:
+        raise ConfigError(f"model.num_kv_heads={kv_heads} is not divisible by parallel.tp={tp}: each tp rank "
+                          f"needs whole KV heads; use tp <= {kv_heads} (a divisor) and put the rest into sp")
+    hq, hk = num_heads // tp, kv_heads // tp
+
+    def fits(u: int) -> bool:
+        return hq % u == 0 and (hk % u == 0 or u % hk == 0)
+
+    if sp_ring == 0:
+        allowed = [u for u in range(1, sp + 1) if sp % u == 0 and fits(u)]
+        in_node = [u for u in allowed if ranks_per_node and ranks_per_node % (tp * u) == 0]
+        ulysses = max(in_node or allowed)
+        return ulysses, sp // ulysses
+    if sp % sp_ring:
+        raise ConfigError(f"parallel.sp_ring={sp_ring} does not divide parallel.sp={sp}: sp = ulysses x ring; "
+                          f"choose a divisor of {sp} (or 0 for automatic)")
+    ulysses = sp // sp_ring
+    if not fits(ulysses):
+        rings = [sp // u for u in range(1, sp + 1) if sp % u == 0 and fits(u)]
+        raise ConfigError(f"parallel.sp={sp} with parallel.sp_ring={sp_ring} leaves a Ulysses degree of {ulysses}, "
+                          f"which the heads do not allow: query heads per tp rank = {hq} must be divisible by it and "
+                          f"KV heads per tp rank = {hk} must divide it or be divisible by it; sp_ring can be one of "
+                          f"{', '.join(map(str, sorted(rings)))} (or 0 for automatic)")
+    return ulysses, sp_ring
+
+
+def ulysses_ring(cfg: Config, ranks_per_node: Optional[int] = None) -> tuple[int, int]:
+    """(ulysses, ring) degrees of cfg's sequence parallelism: sp = ulysses x ring (see check_heads).
+    `ranks_per_node` defaults to the launcher's (torchrun's LOCAL_WORLD_SIZE; unknown without one)."""
+    m, p = cfg.model, cfg.parallel
+    if ranks_per_node is None:
+        ranks_per_node = launcher_ranks_per_node()
+    return check_heads(m.num_heads, m.kv_heads, p.tp, p.sp, p.sp_ring, ranks_per_node)
+
+
+def launcher_ranks_per_node() -> int:
+    """Ranks per node as torchrun reports them (LOCAL_WORLD_SIZE); 0 when not launched by it."""
+    value = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return int(value) if value.isdigit() else 0

@@ -1,0 +1,211 @@
+"""Reading and writing configs: YAML files, `--set section.key=value` overrides and nested dicts,
+parsed strictly against the schema of megalysses/config.py.
+
+    cfg = load_config("configs/quickstart.yaml", overrides=["optimizer.lr=3e-4", "parallel.tp=2"])
+    save_config(cfg, "runs/x/config.yaml")   # loads back to an equal object
+
+Unknown keys fail with the key, its path and the nearest valid name; values are parsed by the
+field's type; load_config then checks the cross-field rules (megalysses/config_checks.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+from megalysses.config import Config, ConfigError
+from megalysses.config_checks import validate_config
+
+
+def _nearest(name: str, choices: list[str]) -> str:
+    match = difflib.get_close_matches(name, choices, n=1, cutoff=0.5)
+    return f" (did you mean '{match[0]}'?)" if match else f" (valid: {', '.join(choices)})"
+
+
+def _coerce(value: Any, tp: Any, path: str) -> Any:
+    """Convert a YAML / override value to the field type `tp`, or raise ConfigError naming `path`."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "~")):
+            return None
+        return _coerce(value, args[0], path)
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            raise ConfigError(f"{path}: {value!r} is not one of {', '.join(map(str, allowed))}")
+        return value
+    if origin is list:
+        (inner,) = typing.get_args(tp)
+        if isinstance(value, str):
+            text = value.strip()
+            value = yaml.safe_load(text) if text.startswith("[") else [v for v in text.split(",") if v]
+        if not isinstance(value, list):
+            raise ConfigError(f"{path}: expected a list, got {value!r}")
+        return [_coerce(v, inner, f"{path}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+            return value.lower() in ("true", "yes", "1")
+        raise ConfigError(f"{path}: expected true/false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{path}: expected an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value.replace("_", ""))
+            except ValueError:
+                pass
+        raise ConfigError(f"{path}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{path}: expected a number, got {value!r}")
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{path}: expected a number, got {value!r}") from None
+        if not math.isfinite(number):
+            raise ConfigError(f"{path}: {value!r} is not a finite number: give a real value")
+        return number
+    if tp is str:
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"{path}: expected a string, got {value!r}")
+        return str(value)
+    raise ConfigError(f"{path}: unsupported field type {tp}")
+
+
+def _build(cls: type, data: Any, path: str) -> Any:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path or 'config'}: expected a mapping of keys, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        where = f"{path}.{key}" if path else str(key)
+        if key not in names:
+            raise ConfigError(f"unknown config key '{where}'{_nearest(str(key), names)}")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = _build(tp, value, where)
+        else:
+            kwargs[key] = _coerce(value, tp, where)
+    return cls(**kwargs)
+
+
+def config_from_dict(data: dict) -> Config:
+    """Build a Config from a nested dict, strictly (unknown keys and bad types raise ConfigError)."""
+    return _build(Config, data, "")
+
+
+def config_to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def apply_override(data: dict, override: str) -> None:
+    """Apply one `section.key=value` override to a nested dict (checked against the schema)."""
+    if "=" not in override:
+        raise ConfigError(f"override '{override}': expected section.key=value (e.g. optimizer.lr=3e-4)")
+    dotted, raw = override.split("=", 1)
+    parts = dotted.strip().split(".")
+    cls: Any = Config
+    node = data
+    for i, part in enumerate(parts):
+        where = ".".join(parts[: i + 1])
+        names = [f.name for f in dataclasses.fields(cls)]
+        if part not in names:
+            raise ConfigError(f"override '{override}': unknown config key '{where}'{_nearest(part, names)}")
+        tp = typing.get_type_hints(cls)[part]
+        last = i == len(parts) - 1
+        if dataclasses.is_dataclass(tp):
+            if last:
+                raise ConfigError(f"override '{override}': '{where}' is a section; set one of its keys")
+            if part not in node or node[part] is None:
+                node[part] = {}
+            elif not isinstance(node[part], dict):
+                raise ConfigError(f"{where}: expected a mapping of keys, got {node[part]!r}")
+            node = node[part]
+            cls = tp
+        else:
+            if not last:
+                raise ConfigError(f"override '{override}': '{where}' is a value, not a section")
+            value = yaml.safe_load(raw) if raw.strip() else ""
+            node[part] = _coerce(value if value is not None else None, tp, where)
+
+
+def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]] = None) -> Config:
+    """Read YAML (if given), apply `--set` overrides, build and validate the Config."""
+    data: dict = {}
+    if path is not None:
+        data = read_yaml(Path(path))
+    for ov in overrides or []:
+        apply_override(data, ov)
+    cfg = config_from_dict(data)
+    validate_config(cfg)
+    return cfg
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice in one mapping (YAML would keep the last silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":      # `<<: *anchor`: merged keys may be overridden
+                continue
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise ConfigError(f"the key '{key}' appears twice (lines {seen[key]} and "
+                                  f"{key_node.start_mark.line + 1}): keep one")
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep)
+
+
+def read_yaml(p: Path) -> dict:
+    """The config file as a dict: UTF-8 text, valid YAML, no duplicate keys, a mapping at the top."""
+    if p.is_dir():
+        raise ConfigError(f"config file '{p}' is a directory: give the path of a YAML file")
+    if not p.is_file():
+        raise ConfigError(f"config file '{p}' does not exist")
+    try:
+        text = p.read_bytes().decode("utf-8")
+    except OSError as e:
+        raise ConfigError(f"config file '{p}' cannot be read: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file '{p}' is not UTF-8 text (byte {e.start}): save it as UTF-8 YAML") from None
+    loader = _StrictLoader(text)
+    loader.name = str(p)     # YAML errors then point at the file, not "<unicode string>"
+    try:
+        data = loader.get_single_data()
+    except ConfigError as e:
+        raise ConfigError(f"config file '{p}': {e}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file '{p}' is not valid YAML: {' '.join(str(e).split())}") from None
+    finally:
+        loader.dispose()
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file '{p}': the top level must be a mapping of sections")
+    return data
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(dump_config(cfg))

@@ -1,0 +1,79 @@
+"""The memory model: predicted peak bytes per rank for a model, a layout and its memory options.
+
+    est = estimate_config(cfg, world_size=8)                  # a Config (+ world size) -> Estimate
+    est.peak_gib, est.phase, est.terms                        # the peak and its breakdown, term by term
+    per_token = layer_terms(cfg.model, Layout(sp=8), Options(activation_checkpointing=True), PRECISIONS["bf16"])
+
+Everything is counted per rank. Activations are counted per token of the rank's sequence shard inside
+the tensor-parallel region (S/sp tokens; the residual stream holds S/(sp*tp) of them under TP sequence
+sharding), per layer, as named terms (elements per token, bytes per element). Two tables say what the
+code keeps, and are the places to update when it changes:
+    PRECISIONS  the compute dtype: the model's weights and activations (bf16 on GPUs, fp32 on CPU); the
+                optimizer alone holds fp32 masters and moments; gradients accumulate in the compute dtype
+                with one micro-batch per step and in fp32 (ZeRO-1's main_grad) with more
+    KERNELS     what model.kernels keeps: the torch references (RMSNorm keeps an fp32 copy of its input
+                and the normalised x; RoPE keeps cos/sin cast to the compute dtype; SwiGLU keeps the
+                gate-up output and silu(gate)) or the fused kernels (input + 1/rms; the gate-up output)
+
+What a layer keeps for the backward (megalysses/model/layers.py, no checkpointing):
+    each norm         its input and 1/rms (the torch reference: an fp32 copy of the input and the
+                      normalised x in the compute dtype)
+    QKV, gate-up      the norm output (under TP sequence sharding the all-gathered copy)
+    RoPE              the torch reference in bf16: cos and sin cast to bf16 for q and for k
+    core attention    q, k, v (with Ulysses the all-to-all buffer they are views of; k and v repeated to
+                      the query heads when the kernel has no native grouped-query attention; without either,
+                      v is a view that keeps the whole QKV output), the output and the fp32 log-sum-exp;
+                      the reference backend keeps fp32 S x S probabilities and an S x S mask instead
+    ring attention    (sp = ulysses x ring, Layout.ring > 1) q (or the all-to-all buffer), its own stack of
+                      k and v, the output and the log-sum-exp; its backward adds fp32 dQ and dK/dV buffers
+                      travelling the ring. The reference backend on a ring is refused (not modelled)
+    o_proj            its input (the inverse all-to-all's output when sp>1, else the attention output)
+    SwiGLU MLP        gate-up output (2 x ffn/tp), silu(gate) (torch), the down projection's input
+With training.mlp_chunk_tokens the MLP keeps only its norm output (tiles are recomputed); with activation
+checkpointing a layer keeps only its input, and with activation offload not even that: the inputs go to
+host memory and a window of `offload_prefetch` layers comes back ahead of the backward. Per stage: rotary
+cos/sin (fp32, when something saves them), tp-local token ids; on the last, the final norm and the LM head +
+loss, which computes its gradients in the forward and keeps them: the head input's (tokens x h) and the
+head weight's (V/tp x h).
+
+The peak is the largest of four phases, each on top of the weights, the gradients that exist by then,
+the optimizer state and the activations of the micro-batches in flight (1F1B: pp - stage; interleaved:
+Megatron's warm-up count + 1 model chunks):
+    loss        the LM head + loss forward: its input, one tile of fp32 logits, the head gradients
+    final norm  the backward's first step on the last stage, under every layer's activations
+    backward    one layer's backward (the first one, with every layer's activations, or the last one,
+                with every layer's gradients): its recomputed activations under checkpointing, the
+                residual-stream gradients, then the largest of the attention kernel's buffers (or ring
+                attention's), the QKV gradient assembly, the all-to-all's, the MLP's
+    optimizer   the AdamW step: reduced fp32 gradient shards and the sqrt of v (activations are gone)
+Optimizer offload (ZeRO-1) keeps masters, moments and the reduced gradients in host memory and updates
+there. Parameter offload (FSDP) is modelled for other systems' published points (tests/test_plan.py).
+
+Checked on CPU against the bytes a forward retains and the peak a training step reaches
+(tests/test_memory_model.py, within 10%); benchmarks/bench_memory.py compares the peak with
+torch.cuda.max_memory_allocated on a GPU.
+
+The modules: types.py (the tables above, Layout, Options, Workload, Term, Estimate), activations.py (what
+a layer and a stage keep), states.py (parameters, micro-batches in flight, weights, gradients, optimizer
+state), transients.py (a layer's backward, the norm backward, the loss), estimate.py (the peak over stages
+and phases, the longest sequence that fits), from_config.py (all of it read off a Config).
+"""
+
+from megalysses.memory.types import (GIB, KERNELS, PRECISIONS, Estimate, Kernels, Layout, Options, Precision, Term,
+                                     Workload, fmt_bytes)
+from megalysses.memory.activations import (SP_BUFFERS, PerToken, bytes_per_token, cos_sin_kept,
+                                           head_weight_grad_bytes, kv_replication, layer_terms,
+                                           norm_keeps_block_input, retained_activation_bytes,
+                                           sp_buffer_bytes_per_token, stage_layers, stage_terms, tiled)
+from megalysses.memory.states import in_flight, layer_params, stage_params
+from megalysses.memory.transients import loss_tile_tokens, norm_backward_bytes
+from megalysses.memory.estimate import estimate, longest_sequence
+from megalysses.memory.from_config import (attention_for, estimate_config, layout_of, options_of, precision_for,
+                                           workload_of)
+
+__all__ = ["Estimate", "GIB", "KERNELS", "Kernels", "Layout", "Options", "PRECISIONS", "PerToken", "Precision",
+           "SP_BUFFERS", "Term", "Workload", "attention_for", "bytes_per_token", "cos_sin_kept", "estimate",
+           "estimate_config", "fmt_bytes", "head_weight_grad_bytes", "in_flight", "kv_replication", "layer_params",
+           "layer_terms", "layout_of", "longest_sequence", "loss_tile_tokens", "norm_backward_bytes",
+           "norm_keeps_block_input", "options_of", "precision_for", "retained_activation_bytes",
+           "sp_buffer_bytes_per_token", "stage_layers", "stage_params", "stage_terms", "tiled", "workload_of"]

@@ -1,0 +1,171 @@
+"""What a forward keeps for the backward: per-layer and per-stage terms in elements per S/sp token, and
+the bytes one micro-batch retains on a rank of a stage."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from megalysses.config import ModelConfig
+from megalysses.memory.types import KERNELS, Kernels, Layout, Options, Precision
+
+PerToken = list[tuple[str, float, int]]      # (name, elements per S/sp token, bytes per element)
+
+
+def kv_replication(kv_heads: int, sp: int) -> int:
+    """Ulysses repeats each tp-local KV head this many times when there are fewer than sp (parallel/ulysses.py)."""
+    return 1 if kv_heads >= sp else sp // kv_heads
+
+
+def dims(m: ModelConfig, layout: Layout, opts: Options) -> dict[str, Any]:
+    """Sizes per S/sp token on one rank. P: the Ulysses degree (all-to-alls, KV replication); ring: the
+    ring degree (ring attention keeps its own copies and expands KV heads inside its kernels only)."""
+    t, P, ring = layout.tp, layout.ulysses, layout.ring
+    if ring > 1 and opts.attention == "reference":
+        raise ValueError(f"memory model: ring attention (sp={layout.sp} = ulysses {P} x ring {ring}) with the "
+                         f"reference backend keeps dense S/ring x S/ring masks and fp32 scores per block, which "
+                         f"the model does not count; plan with sdpa, flash or flex")
+    hq, hk = m.num_heads // t, m.kv_heads // t
+    rep = kv_replication(hk, P)
+    q, kv = hq * m.head_dim, hk * rep * m.head_dim           # per S/sp token on one tp rank
+    expand = ring == 1 and (opts.attention == "reference" or not opts.native_gqa) and hq != hk * rep
+    return {"h": m.hidden_size, "r": t if opts.tp_sequence_parallel else 1, "q": q, "kv": kv, "hq": hq,
+            "qkv": q + 2 * hk * m.head_dim, "f": m.ffn_size / t, "expand": expand, "P": P, "ring": ring,
+            "k": KERNELS[opts.kernels]}
+
+
+def tiled(chunk: int, layout: Layout, opts: Options, seq_len: int) -> bool:
+    """Whether MLP tiles split the local residual sequence (S/(sp*r) tokens): model/layers.py runs one
+    tile of the whole sequence when they do not (seq_len 0: unknown, assume they do)."""
+    r = layout.tp if opts.tp_sequence_parallel else 1
+    return bool(chunk) and (not seq_len or chunk < seq_len // (layout.sp * r))
+
+
+def norm_terms(name: str, h: float, r: float, a: int, k: Kernels, kind: str) -> PerToken:
+    if kind == "layernorm":
+        return [(f"{name} input", h / r, a), (f"{name} mean, 1/std", 2 / r, 4)]
+    if k.norm_fp32_input:
+        return [(f"{name} input (fp32)", h / r, 4), (f"{name} 1/rms", 1 / r, 4), (f"{name} normalised x", h / r, a)]
+    return [(f"{name} input", h / r, a), (f"{name} 1/rms", 1 / r, 4)]
+
+
+def norm_keeps_block_input(m: ModelConfig, opts: Options, prec: Precision) -> bool:
+    """The attention norm keeps the block input tensor itself (not an fp32 copy of it)."""
+    return m.norm == "layernorm" or not KERNELS[opts.kernels].norm_fp32_input or prec.act == 4
+
+
+def layer_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, seq_len: int = 0,
+                checkpointed: Optional[bool] = None) -> PerToken:
+    """(name, elements per S/sp token, bytes each) that one layer keeps for its backward. `seq_len` decides
+    whether MLP tiles split the sequence, and sizes the reference backend's S x S probabilities."""
+    d = dims(m, layout, opts)
+    h, r, k, a = d["h"], d["r"], d["k"], prec.act
+    if opts.activation_checkpointing if checkpointed is None else checkpointed:
+        return [("block input (checkpoint)", h / r, a)]
+    gathered = " (all-gathered over tp)" if opts.tp_sequence_parallel and layout.tp > 1 else ""
+    terms = norm_terms("attention norm", h, r, a, k, m.norm)
+    terms.append(("QKV input (norm output" + gathered + ")", h, a))
+    if k.rope_casts and a != 4:
+        terms.append((f"cos, sin cast to the compute dtype ({k.rope_casts} copies)", k.rope_casts * m.head_dim, a))
+    terms += _attention_terms(d, opts, a, seq_len)
+    terms += norm_terms("MLP norm", h, r, a, k, m.norm)
+    if tiled(opts.mlp_chunk_tokens, layout, opts, seq_len):
+        terms.append(("MLP norm output (tile inputs)", h / r, a))
+        return terms
+    terms.append(("gate-up input (norm output" + gathered + ")", h, a))
+    if m.mlp == "swiglu":
+        terms.append(("gate-up output (2 x ffn/tp)", 2 * d["f"], a))
+        if k.swiglu_silu:
+            terms.append(("silu(gate)", d["f"], a))
+    else:
+        terms += [("up output", d["f"], a)]
+    terms.append(("down input (ffn/tp)", d["f"], a))
+    return terms
+
+
+def _attention_terms(d: dict, opts: Options, a: int, seq_len: int) -> PerToken:
+    q, kv, P = d["q"], d["kv"], d["P"]
+    if d["ring"] > 1:      # parallel/ring.py keeps q, its own stack of k and v, the output and the LSE
+        if P > 1:
+            terms = [("q, k, v (the all-to-all buffer q is a view of)", q + 2 * kv, a)]
+        else:
+            terms = [("q (rotated)", q, a)]
+        terms += [("k, v stacked (the ring's travelling block)", 2 * kv, a), ("attention output", q, a),
+                  ("log-sum-exp", d["hq"], 4)]
+        if P > 1:
+            terms.append(("o_proj input (inverse all-to-all)", q, a))
+        return terms
+    if opts.attention == "reference":       # fp32 q and k, v repeated to the query heads; S x S probabilities
+        return [("q, k, v in fp32 (k, v repeated to the query heads)", 3 * q, 4),
+                ("attention probabilities (S x S)", d["hq"] * seq_len, 4), ("causal mask (S x S)", seq_len * P, 1),
+                ("o_proj input (a copy of the transposed output)", q, a)]
+    if P > 1:
+        terms = [("q, k, v (the all-to-all buffer)", q + 2 * kv, a)]
+    elif d["expand"]:
+        terms = [("q (rotated)", q, a)]
+    elif d["k"].fresh_qkv:
+        terms = [("q, k (rotated), v", q + 2 * kv, a)]
+    else:
+        terms = [("q, k (rotated)", q + kv, a), ("the QKV output (v is a view of it)", d["qkv"], a)]
+    if d["expand"]:
+        terms.append(("k, v repeated to the query heads", 2 * q, a))
+    terms += [("attention output", q, a), ("log-sum-exp", d["hq"], 4)]
+    if P > 1:
+        terms.append(("o_proj input (inverse all-to-all)", q, a))
+    return terms
+
+
+SP_BUFFERS = ("all-to-all buffer", "(inverse all-to-all)", "the ring's travelling block")
+
+
+def sp_buffer_bytes_per_token(m: ModelConfig, layout: Layout, opts: Options, prec: Precision) -> float:
+    """Bytes per S/sp token per layer that a layer keeps only because of sequence parallelism: the Ulysses
+    all-to-all buffers (q, k, v going, o coming back) and the ring's copy of k and v. What a rank keeps
+    beyond 1/sp of one process's activations is at most these (tests/test_memory_model.py)."""
+    terms = layer_terms(m, layout, opts, prec)
+    return bytes_per_token([t for t in terms if any(b in t[0] for b in SP_BUFFERS)])
+
+
+def cos_sin_kept(opts: Options, prec: Precision) -> bool:
+    """Whether the stage's fp32 rotary cos, sin stay for the backward: checkpoint inputs, the fused RoPE's
+    saved tensors, or (fp32) the torch reference's."""
+    return opts.activation_checkpointing or KERNELS[opts.kernels].rope_saves_cos_sin or prec.act == 4
+
+
+def stage_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, first: bool, last: bool) -> PerToken:
+    """Per micro-batch terms of a pipeline stage outside its layers (per S/sp token)."""
+    d = dims(m, layout, opts)
+    h, r, a = d["h"], d["r"], prec.act
+    terms = [("rotary cos, sin (fp32)", 2 * m.head_dim, 4)] if cos_sin_kept(opts, prec) else []
+    if first and layout.tp > 1:     # (with tp=1 the embedding keeps the batch's own token ids)
+        terms += [("local token ids (embedding)", 1, 8), ("vocabulary mask", 1, 1)]
+    if last:
+        terms += norm_terms("final norm", h, r, a, d["k"], m.norm)
+        terms.append(("head-input gradient (computed in the forward)", h, a))
+    return terms
+
+
+def head_weight_grad_bytes(m: ModelConfig, layout: Layout, prec: Precision) -> float:
+    """The LM head weight's gradient the loss computes in the forward and keeps until the backward."""
+    return m.padded_vocab_size(layout.tp) / layout.tp * m.hidden_size * prec.weight
+
+
+def bytes_per_token(terms: PerToken) -> float:
+    return sum(n * b for _, n, b in terms)
+
+
+def stage_layers(m: ModelConfig, layout: Layout) -> int:
+    return m.num_layers // layout.pp
+
+
+def retained_activation_bytes(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, seq_len: int,
+                              micro_batch_size: int = 1, first: bool = True, last: bool = True,
+                              layers: Optional[int] = None) -> float:
+    """Bytes one micro-batch's forward leaves for its backward on one rank of a stage (what the CPU test
+    measures): layers x the per-layer terms + the stage's own terms (+ the head weight's gradient)."""
+    n = stage_layers(m, layout) if layers is None else layers
+    tokens = micro_batch_size * seq_len / layout.sp
+    per_layer = bytes_per_token(layer_terms(m, layout, opts, prec, seq_len))
+    stage = tokens * bytes_per_token(stage_terms(m, layout, opts, prec, first, last))
+    if opts.activation_offload and opts.activation_checkpointing:
+        # the block inputs are in host memory, except a received pipeline input (the schedule holds it)
+        per_layer, n = (per_layer, 1) if not first else (0.0, 0)
+    return tokens * n * per_layer + stage + (head_weight_grad_bytes(m, layout, prec) if last else 0.0)

@@ -1,0 +1,155 @@
+"""The estimate: the peak over the pipeline stages and the phases of a step, and the longest sequence
+that fits a budget."""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Optional
+
+from megalysses.config import ModelConfig
+from megalysses.memory.activations import (bytes_per_token, dims, head_weight_grad_bytes, layer_terms, norm_terms,
+                                           stage_layers, stage_terms)
+from megalysses.memory.states import in_flight, optimizer_terms, stage_params, state_terms
+from megalysses.memory.transients import backward_terms, loss_terms, norm_backward_bytes
+from megalysses.memory.types import Estimate, Layout, Options, Precision, Term, Workload
+
+
+def estimate(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, work: Workload) -> Estimate:
+    """The peak over the pipeline stages (the first holds the most micro-batches, the last the loss)."""
+    return max((_stage_estimate(m, layout, opts, prec, work, s) for s in sorted({0, layout.pp - 1})),
+               key=lambda e: e.peak)
+
+
+def _stage_estimate(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, work: Workload,
+                    stage: int) -> Estimate:
+    first, last = stage == 0, stage == layout.pp - 1
+    S, M = work.seq_len, work.micro_batches
+    tokens = work.micro_batch_size * S / layout.sp          # one micro-batch, S/sp tokens
+    n_layers = stage_layers(m, layout)
+    layer_tok = bytes_per_token(layer_terms(m, layout, opts, prec, S))
+    flight = in_flight(layout, stage, M)
+    offload = opts.activation_offload and opts.activation_checkpointing
+
+    def activations(behind: float, current_layers: int) -> list[Term]:
+        """The retained activations: `behind` whole micro-batches, the current one's first `current_layers`."""
+        mbs = behind + 1
+        if not offload:
+            count = behind * n_layers + current_layers
+            terms = [Term("layer activations", count * tokens * layer_tok,
+                          f"({behind:g} mb x {n_layers} + {current_layers}) layers x {tokens:.4g} tok x "
+                          f"{layer_tok:.4g} B")]
+        else:
+            kept = 0 if first else 1                # a received pipeline input stays (the schedule holds it)
+            ahead = min(opts.offload_prefetch, n_layers - kept, current_layers)
+            terms = [Term(f"offload window ({ahead} block input{'' if ahead == 1 else 's'} copied back ahead)",
+                          ahead * tokens * layer_tok, f"{ahead} x {tokens:.4g} tok x {layer_tok:.4g} B")]
+            if kept:
+                terms.append(Term("received stage inputs", mbs * tokens * layer_tok,
+                                  f"{mbs:g} mb x {tokens:.4g} tok x {layer_tok:.4g} B"))
+        stage_tok = bytes_per_token(stage_terms(m, layout, opts, prec, first, False))
+        if stage_tok:
+            terms.append(Term("stage activations (rotary cos/sin, tp-local ids)", mbs * tokens * stage_tok,
+                              f"{mbs:g} mb x {tokens:.4g} tok x {stage_tok:.4g} B"))
+        if opts.documents and opts.attention == "sdpa" and layout.ring > 1:
+            # each block's allowed pairs (bool) and additive mask (compute dtype): the rank's own block
+            # whole, the r-1 others half (kernels/block_attention.py AttentionBlock, on CPU)
+            r, B = layout.ring, work.micro_batch_size
+            masks = B * (S / r) ** 2 * (r + 1) / 2 * (1 + prec.act)
+            terms.append(Term("dense document masks of the ring's blocks (sdpa)", masks,
+                              f"B x (S/r)^2 x (r+1)/2 x (1 + {prec.act}) B, r = {r}"))
+        elif opts.documents and opts.attention == "sdpa":
+            terms.append(Term("dense document mask (sdpa)", work.micro_batch_size * S ** 2,
+                              f"B x S^2 = {work.micro_batch_size} x {S}^2 B"))
+        return terms
+
+    fixed, grads = state_terms(m, layout, opts, prec, first, last, M)
+    # the step's micro-batches, loaded at its start: token ids, labels, positions (and document ids)
+    batch = M * tokens * (3 * 8 + (8 * layout.sp if opts.documents else 0))
+    fixed.append(Term("the step's batch (ids, labels, positions)", batch, f"{M} mb x {tokens:.4g} tok x 24 B"))
+    blocks, other = stage_params(m, layout, first, last)
+    n = blocks + other
+    layer_bwd = backward_terms(m, layout, opts, prec, tokens, S)
+    # the input embedding's gradient comes last (the LM head's, when tied, is the same tensor)
+    embedding = m.padded_vocab_size(layout.tp) * m.hidden_size / layout.tp if first and not (
+        last and m.tie_embeddings) else 0.0
+    if M == 1 and not opts.fsdp:    # one micro-batch: the gradients appear layer by layer in the backward
+        def so_far(done: int, ready: Optional[float] = None) -> list[Term]:
+            ready = other + done * blocks / max(n_layers, 1) if ready is None else ready
+            # a bucket is reduced once all of its gradients are there (whole buckets only)
+            bucket = max(opts.bucket_bytes / 4, 1)
+            reduced = min(ready, ready // bucket * bucket)
+            out = []
+            for t in grads:
+                share = (reduced if "reduced" in t.name else ready) / n
+                if t.name.startswith("gradient bucket") and ready < bucket:
+                    continue
+                out.append(replace(t, name=f"{t.name} (the head's and {done} layers')", bytes=t.bytes * share,
+                                   formula=f"{share:.3g} x {t.formula}") if t.name.startswith("gradients") else t)
+            return out
+        early, late, head_grads = so_far(0), so_far(n_layers - 1), so_far(0, other - embedding)
+    else:                           # the reduced chunks appear during the last micro-batch's backward
+        early, late = [t for t in grads if "reduced" not in t.name], grads
+        head_grads = early
+    # a stage's backward peaks at its first layer (every activation, few gradients) or its last (one
+    # layer's activations, every gradient): the bytes are linear in between
+    phases = {"backward": max(fixed + early + activations(flight - 1, n_layers) + layer_bwd,
+                              fixed + late + activations(flight - 1, 1) + layer_bwd, key=_device),
+              "optimizer": fixed + [t for t in grads if not t.name.startswith("gradient bucket")
+                                    and not (opts.optimizer_offload and "reduced" in t.name)]
+                           + optimizer_terms(m, layout, opts, prec, n, M)}
+    if last:
+        head_tok = bytes_per_token(stage_terms(m, layout, opts, prec, False, True)) - \
+            bytes_per_token(stage_terms(m, layout, opts, prec, False, False))
+        head = [Term("final norm + head-input gradient", tokens * head_tok, f"{tokens:.4g} tok x {head_tok:.4g} B"),
+                Term("head weight gradient (computed in the forward)", head_weight_grad_bytes(m, layout, prec),
+                     f"{m.padded_vocab_size(layout.tp) / layout.tp:.4g} x {m.hidden_size} x {prec.weight} B")]
+        before = [t for t in grads if "reduced" not in t.name] if M > 1 or opts.fsdp else []
+        phases["loss"] = (fixed + before + activations(flight - 1, n_layers) + head
+                          + loss_terms(m, layout, opts, prec, tokens))
+        # the backward's first step, the final norm's, under every layer's activations: what the norm keeps
+        # but the normalised x (its product with the weight has run backward), the gradient coming in, and
+        # the norm backward's temporaries
+        d = dims(m, layout, opts)
+        norm_tok = bytes_per_token([t for t in norm_terms("final norm", d["h"], d["r"], prec.act, d["k"], m.norm)
+                                    if "normalised x" not in t[0]]) + d["h"] / d["r"] * prec.act
+        temps = norm_backward_bytes(m, opts, prec) * d["h"] / d["r"]
+        phases["final norm"] = (fixed + head_grads + activations(flight - 1, n_layers)
+                                + [Term("final norm: its input, 1/rms and the gradient coming in", tokens * norm_tok,
+                                        f"{tokens:.4g} tok x {norm_tok:.4g} B"),
+                                   Term("final norm backward's temporaries", tokens * temps,
+                                        f"{tokens:.4g} tok x {temps:.4g} B")])
+    phase = max(phases, key=lambda p: _device(phases[p]))
+    terms = [t for t in phases[phase] if not t.host and t.bytes]
+    host = [t for t in fixed + optimizer_terms(m, layout, opts, prec, n, M) if t.host]
+    if offload:
+        off = n_layers - (0 if first else 1)
+        host.insert(0, Term("offloaded block inputs", flight * tokens * off * layer_tok,
+                            f"{flight:g} mb x {off} layers x {tokens:.4g} tok x {layer_tok:.4g} B", host=True))
+    return Estimate(peak=_device(terms), stage=stage, phase=phase, terms=terms + host,
+                    host=sum(t.bytes for t in host), layer_bytes_per_token=layer_tok, layout=layout, options=opts)
+
+
+def _device(terms: list[Term]) -> float:
+    return sum(t.bytes for t in terms if not t.host)
+
+
+def longest_sequence(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, budget: float,
+                     micro_batch_size: int = 1, micro_batches: int = 1, multiple: int = 1,
+                     limit: int = 1 << 34, max_elements: Optional[int] = None) -> int:
+    """The longest sequence (a multiple of `multiple`) whose predicted peak fits in `budget` bytes; 0 if
+    none. `max_elements`: kernels that index with 32-bit offsets fail on a (tokens x hidden) activation
+    of more elements than this, whatever the memory (2**31 for such kernels)."""
+    if max_elements is not None:
+        limit = min(limit, max_elements * layout.sp // (micro_batch_size * m.hidden_size))
+
+    def fits(units: int) -> bool:
+        work = Workload(units * multiple, micro_batch_size, micro_batches)
+        return estimate(m, layout, opts, prec, work).peak <= budget
+
+    hi = limit // multiple
+    if hi < 1 or not fits(1):
+        return 0
+    lo = 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo * multiple

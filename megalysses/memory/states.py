@@ -1,0 +1,106 @@
+"""Parameters per rank and stage, micro-batches in flight, and the fixed bytes: weights, gradients,
+optimizer state (ZeRO-1 or FSDP, on the device or offloaded) and the AdamW step's own."""
+from __future__ import annotations
+
+from megalysses.config import ModelConfig
+from megalysses.memory.activations import stage_layers
+from megalysses.memory.types import Layout, Options, Precision, Term
+
+
+def layer_params(m: ModelConfig, tp: int = 1) -> float:
+    """Parameters of one block on one tp rank (biases included)."""
+    h, D = m.hidden_size, m.head_dim
+    attn = h * D * (2 * m.num_heads + 2 * m.kv_heads) / tp
+    if m.attention_bias:
+        attn += (m.num_heads + 2 * m.kv_heads) * D / tp + h
+    n_mlp = 3 if m.mlp == "swiglu" else 2
+    mlp = n_mlp * h * m.ffn_size / tp + ((n_mlp - 1) * m.ffn_size / tp + h if m.mlp_bias else 0)
+    return attn + mlp + 2 * h * (2 if m.norm == "layernorm" else 1)
+
+
+def stage_params(m: ModelConfig, layout: Layout, first: bool, last: bool) -> tuple[float, float]:
+    """(block parameters, the rest: embedding, final norm, LM head over the padded vocabulary) on one rank."""
+    emb = m.padded_vocab_size(layout.tp) * m.hidden_size / layout.tp
+    norm = m.hidden_size * (2 if m.norm == "layernorm" else 1)
+    other = (emb if first else 0.0) + (norm + emb if last else 0.0)
+    if first and last and m.tie_embeddings:
+        other -= emb
+    return stage_layers(m, layout) * layer_params(m, layout.tp), other
+
+
+def in_flight(layout: Layout, stage: int, micro_batches: int) -> float:
+    """Micro-batches whose activations a pipeline rank holds at once, in units of its whole stage
+    (interleaved: model chunks in flight / chunks per rank)."""
+    P, v, M = layout.pp, layout.virtual_stages, micro_batches
+    if P == 1:
+        return 1.0
+    if v == 1:
+        return float(min(P - stage, M))
+    warmup = min((P - stage - 1) * 2 + (v - 1) * P, M * v)     # parallel/interleaved.py rank_order
+    return min(warmup + 1, M * v) / v
+
+
+# ----------------------------------------------------------------------------- fixed bytes
+
+def _reduced_bytes(prec: Precision, opts: Options, G: int, M: int) -> float:
+    """Bytes per parameter of ZeRO-1's reduced fp32 gradient chunks on the device: the reduce-scatter's
+    output (4/G), or with a group of one the fp32 copies of low-precision gradients the masters take
+    (offload copies the gradients to host memory as they are)."""
+    if G > 1:
+        return 4 / G
+    return 4 if prec.grad(M) != 4 and not opts.optimizer_offload else 0
+
+
+def state_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, first: bool, last: bool,
+                M: int) -> tuple[list[Term], list[Term]]:
+    """(weights and optimizer state: always there; gradients: once a step's first backward has run,
+    with ZeRO-1's reduced chunks of the buckets already reduced)."""
+    blocks, other = stage_params(m, layout, first, last)
+    n, G = blocks + other, layout.dp * layout.sp
+    if not opts.fsdp:
+        g = prec.grad(M)
+        states = prec.master + prec.moments
+        fixed = [Term("weights", n * prec.weight, f"{n:.4g} params x {prec.weight} B"),
+                 Term("master + moments (ZeRO-1)", n * states / G, f"{n:.4g} params x {states} B / {G}",
+                      host=opts.optimizer_offload)]
+        grads = [Term("gradients" + (" (fp32 main_grad)" if g == 4 and prec.weight != 4 else ""), n * g,
+                      f"{n:.4g} params x {g} B")]
+        reduced = _reduced_bytes(prec, opts, G, M)
+        if reduced and opts.overlap_grad_reduce:
+            grads.append(Term("gradients: reduced fp32 chunks", n * reduced, f"{n:.4g} params x {reduced:.3g} B"))
+        if G > 1:   # the fp32 gradients of one bucket and the buffer its reduce-scatter sends
+            bucket = min(opts.bucket_bytes, n * 4) * (1 if prec.weight == 4 else 2)
+            grads.append(Term("gradient bucket being reduced", bucket, f"{bucket / 4:.4g} x 4 B"))
+        return fixed, grads
+    block, a = layer_params(m, layout.tp), prec.act
+    gathered = [Term("gathered blocks (in flight + prefetched)", 2 * block * a, f"2 x {block:.4g} x {a} B")]
+    if other:
+        gathered.append(Term("gathered embedding / head (kept through the step)", other * a, f"{other:.4g} x {a} B"))
+    unsharded = [Term("unsharded gradient of one block (and its fp32 copy)", block * (a + 4),
+                      f"{block:.4g} x ({a} + 4) B")]
+    if opts.param_offload or opts.optimizer_offload:
+        shard = prec.master + prec.moments + 4
+        fixed = [Term("master, moments, gradients (FSDP shards)", n * shard / G, f"{n:.4g} x {shard} B / {G}",
+                      host=True)]
+        if not opts.param_offload:
+            fixed.append(Term("compute-dtype parameter + gradient shards", n * 2 * a / G, f"{n:.4g} x 2 x {a} B / {G}"))
+        return fixed + gathered, unsharded
+    fixed = [Term("sharded parameters (fp32 master)", n * prec.master / G, f"{n:.4g} x {prec.master} B / {G}"),
+             Term("sharded moments", n * prec.moments / G, f"{n:.4g} x {prec.moments} B / {G}")]
+    grads = [Term("sharded gradients (fp32)", n * 4 / G, f"{n:.4g} x 4 B / {G}")]
+    return fixed + gathered, grads + unsharded
+
+
+def optimizer_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, n: float, M: int) -> list[Term]:
+    """The AdamW step's own bytes, on top of weights, gradients and state (host ones with offload)."""
+    G = layout.dp * layout.sp
+    terms = []
+    if not opts.fsdp:
+        if opts.optimizer_offload:
+            terms.append(Term("reduced fp32 gradients", n * 4 / G, f"{n:.4g} x 4 B / {G}", host=True))
+        elif not opts.overlap_grad_reduce and _reduced_bytes(prec, opts, G, M):
+            reduced = _reduced_bytes(prec, opts, G, M)
+            terms.append(Term("gradients: reduced fp32 chunks", n * reduced, f"{n:.4g} params x {reduced:.3g} B"))
+    offloaded = opts.optimizer_offload or opts.param_offload
+    terms.append(Term("AdamW sqrt(v)", n * 4 / G, f"{n:.4g} x 4 B / {G}", host=offloaded))
+    return terms

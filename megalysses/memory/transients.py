@@ -1,0 +1,122 @@
+"""Transient bytes on top of what is kept: one layer's backward (ring attention's included), the norm
+backward's temporaries and the LM head + loss forward."""
+from __future__ import annotations
+
+from megalysses.config import ModelConfig
+from megalysses.memory.activations import bytes_per_token, dims, layer_terms, norm_keeps_block_input, tiled
+from megalysses.memory.types import GIB, KERNELS, Layout, Options, Precision, Term
+
+
+def backward_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, tokens: float,
+                   seq_len: int) -> list[Term]:
+    """One layer's backward on one rank, on top of what the other layers keep: its own activations
+    (retained or recomputed) and the gradients being computed, at the worst of four moments as the
+    backward walks the layer from its end (each moment's activations are those not yet freed):
+        MLP        every activation of the layer; the down input's gradient and its factors'
+        MLP norm   the attention half's activations and the norm's; its backward's temporaries
+        attention  the attention half's activations; dout, dq, dk, dv (and flash's fp32 dq accumulator)
+        QKV        the norm's and the QKV input; the QKV output's gradient being assembled (and, with
+                   sp>1, the all-to-all's gradient buffers)
+    plus the residual stream's gradient throughout (four moments, then)."""
+    d = dims(m, layout, opts)
+    k, a = d["k"], prec.act
+    q, kv, h, r, f = d["q"], d["kv"], d["h"], d["r"], d["f"]
+    full = layer_terms(m, layout, opts, prec, seq_len, checkpointed=False)
+    cut = next(i for i, t in enumerate(full) if t[0].startswith("MLP norm"))
+    attn_half = bytes_per_token(full[:cut])
+    before_core = bytes_per_token([t for t in full[:cut]
+                                   if t[0].startswith(("attention norm", "QKV input", "cos, sin"))])
+    # flash-attn's backward writes dk, dv at the query-head count when a rank has fewer KV heads (GQA)
+    kv_grads = q if d["expand"] or (opts.attention == "flash" and q != kv) else kv
+    accumulator = 4 * q if opts.dq_accumulator else 0
+    if tiled(opts.mlp_chunk_tokens, layout, opts, seq_len):
+        tile = opts.mlp_chunk_tokens * r / tokens      # a tile's share of the tokens
+        mlp = (tile * ((4 if k.swiglu_silu else 3) + 2) * f + 2 * h / r) * a
+        mlp_name = "MLP tile: its recomputation and gradients, the full-length gradient of the tile inputs"
+    else:
+        mlp, mlp_name = 2 * f * a, "MLP: the down input's gradient and its factors'"
+    core = (2 * q + 2 * kv_grads) * a + accumulator
+    core_name = "attention: dout, dq, dk, dv" + (", fp32 dq accumulator" if accumulator else "")
+    if d["ring"] > 1:
+        core, core_name = _ring_backward(q, kv, a, d["ring"], opts, accumulator)
+    mlp_norm = bytes_per_token([t for t in full
+                                if t[0].startswith("MLP norm") and "input" in t[0] or t[0] == "MLP norm 1/rms"])
+    norm_temps = norm_backward_bytes(m, opts, prec) * h / r
+    assembly = (k.qkv_grad_buffers * d["qkv"] + (3 * (q + 2 * kv) if d["P"] > 1 else 0)) * a
+    moments = {mlp_name: (bytes_per_token(full), mlp),
+               core_name: (attn_half, core),
+               "MLP norm: its backward's temporaries": (attn_half + mlp_norm, norm_temps),
+               "QKV: the output's gradient" + (", the all-to-all's buffers" if d["P"] > 1 else ""):
+                   (before_core, assembly)}
+    name, (alive, grads) = max(moments.items(), key=lambda kv_: sum(kv_[1]))
+    offloaded = opts.activation_offload and opts.activation_checkpointing
+    if opts.activation_checkpointing and not offloaded and norm_keeps_block_input(m, opts, prec):
+        alive -= h / r * a                 # the norm's input is the retained block input itself
+    what = "recomputed" if opts.activation_checkpointing else "own"
+    terms = [] if not opts.activation_checkpointing else [
+        Term(f"the layer's {what} activations (at its worst moment)", tokens * alive,
+             f"{tokens:.4g} tok x {alive:.4g} B")]
+    if not opts.activation_checkpointing:      # retained already: what is freed by that moment comes off
+        terms.append(Term("the layer's activations freed by then", -tokens * (bytes_per_token(full) - alive),
+                          f"-{tokens:.4g} tok x {bytes_per_token(full) - alive:.4g} B"))
+    each = ", ".join(f"{n.split(':')[0]} {(al + g) * tokens / GIB:.3g} GiB" for n, (al, g) in moments.items())
+    terms.append(Term(f"backward of one layer, {name}", tokens * grads, f"{tokens:.4g} tok x {grads:.4g} B; {each}"))
+    terms.append(Term("residual-stream gradient", tokens * h / r * a, f"{tokens:.4g} tok x {h / r:.4g} x {a} B"))
+    return terms
+
+
+def norm_backward_bytes(m: ModelConfig, opts: Options, prec: Precision) -> float:
+    """Bytes per hidden element of a norm's backward temporaries: the torch RMSNorm's runs in fp32 (the
+    mean's gradient, pow, two products: four at once; in bf16 a fifth, the gradient's fp32 copy); a fused
+    kernel writes dx in one pass."""
+    a = prec.act
+    return (4 + (a != 4)) * 4 if KERNELS[opts.kernels].norm_fp32_input and m.norm == "rmsnorm" else a
+
+
+def _ring_backward(q: float, kv: float, a: int, ring: int, opts: Options, accumulator: float) -> tuple[float, str]:
+    """Bytes per S/sp token of ring attention's backward (parallel/ring.py) at its worst moment, beyond the
+    layer's activations: the fp32 dQ, dout, the K/V block in hand (under checkpointing it takes the place
+    of the saved one, which the recomputation hands over once) and D, this step's fp32 dK/dV (`kv`
+    elements per token each), then the largest of
+        kernel  a block's backward: D of the step before on its way out, the next D (and, with r > 2, the
+                next K/V block) arriving, and dq, dk, dv (sdpa expands K/V to the query heads and writes
+                their gradients at that width; flex re-runs the block in fp32 around it)
+        merge   the arrived D, this block's and their sum, the one sent before still in its exchange
+        end     the sum that came home, the exchange's buffers (five D in all) and the gradients' copies in
+                the compute dtype."""
+    base = 4 * q + q * a + (0 if opts.activation_checkpointing else 2 * kv * a)
+    if opts.attention == "flex":
+        grads = 8 * q + 2 * q * a + (q + 2 * kv) * a
+    elif not opts.native_gqa and q != kv:
+        grads = 2 * q * a + 3 * q * a + accumulator
+    else:
+        grads = (q + 2 * kv) * a + accumulator
+    next_kv = 2 * kv * a if ring > 2 else 0
+    moments = {"kernel": 2 * 8 * kv + next_kv + grads, "merge": next_kv + 4 * 8 * kv,
+               "end": 5 * 8 * kv + (q + 2 * kv) * a}
+    worst = max(moments, key=moments.get)
+    return base + moments[worst], f"ring attention's backward ({worst}): fp32 dq and dK/dV, dout, K/V blocks"
+
+
+def loss_tile_tokens(m: ModelConfig, layout: Layout, opts: Options, tokens: float) -> float:
+    """Tokens per LM head + loss tile (kernels/linear_cross_entropy.py default_chunk_tokens)."""
+    vocab = m.padded_vocab_size(layout.tp) / layout.tp
+    chunk = opts.loss_chunk_tokens or max(128, (1 << 29) // (8 * vocab))
+    return min(chunk, tokens)
+
+
+def loss_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, tokens: float) -> list[Term]:
+    """The LM head + loss forward, beyond what it keeps (stage_terms): its input, one tile's fp32 logits
+    (and their compute-dtype copy), and the head weight's gradient being accumulated."""
+    a, h = prec.act, m.hidden_size
+    V = m.padded_vocab_size(layout.tp) / layout.tp
+    tile = loss_tile_tokens(m, layout, opts, tokens)
+    per_logit = 4 + (a if a != 4 else 0)
+    terms = [Term("LM head input (final norm output)", tokens * h * a, f"{tokens:.4g} tok x {h} x {a} B"),
+             Term("one tile of logits (fp32 and the gradient's copy)", tile * V * per_logit,
+                  f"{tile:.4g} tok x {V:.4g} x {per_logit} B")]
+    if tile < tokens:
+        acc = 4 + a + (4 if a != 4 else 0)
+        terms.append(Term("head weight gradient: fp32 sum, a tile's and its fp32 copy", V * h * acc,
+                          f"{V:.4g} x {h} x {acc} B"))
+    return terms

@@ -1,0 +1,146 @@
+"""The memory model's vocabulary: the precision and kernel tables (what the code keeps, the places to
+update when it changes), the layout, options and workload it is asked about, and the estimate it gives."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+GIB = 1024 ** 3
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per element of the compute dtype (weights and activations) and of the optimizer state."""
+
+    name: str
+    weight: int        # the model's parameters: the compute dtype (no autocast anywhere)
+    act: int           # activations, in the compute dtype
+    master: int = 4    # the optimizer's fp32 master copy (ZeRO-1: sharded over dp x sp; FSDP: the sharded parameter)
+    moments: int = 8   # AdamW exp_avg + exp_avg_sq, fp32
+
+    def grad(self, micro_batches: int) -> int:
+        """Bytes per parameter of a step's accumulated gradient: the compute dtype's .grad with one
+        micro-batch; fp32 with more (ZeRO-1's main_grad; fp32 weights accumulate in .grad)."""
+        return self.weight if micro_batches == 1 else 4
+
+
+PRECISIONS: dict[str, Precision] = {"fp32": Precision("fp32", weight=4, act=4),
+                                    "bf16": Precision("bf16", weight=2, act=2)}
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """What model.kernels keeps for the backward (kernels/norms.py, rope.py, swiglu.py, external.py)."""
+
+    name: str
+    norm_fp32_input: bool      # RMSNorm keeps an fp32 copy of its input (in fp32: the input itself) and the
+                               # normalised x in the compute dtype; else its input as it is and 1/rms
+    rope_casts: int            # cos/sin copies in the compute dtype kept per layer (bf16 only)
+    rope_saves_cos_sin: bool   # the kernel keeps the stage's fp32 cos, sin themselves
+    fresh_qkv: bool            # q, k, v come out as new tensors (else v is a view of the QKV output)
+    swiglu_silu: bool          # SwiGLU keeps silu(gate) besides the gate-up output
+    qkv_grad_buffers: int      # full-width QKV gradients alive while they are assembled in the backward
+
+
+# torch and triton are measured (tests/test_memory_model.py; triton through its CPU interpreter); liger
+# and apex are read off their sources: liger's RMSNorm and add+RMSNorm keep the input and 1/rms, its
+# RoPE one bf16 cos and sin, its SwiGLU contiguous gate and up halves (the same 2 x ffn); apex's RMSNorm
+# keeps input and 1/rms, with our Triton kernels for the rest.
+KERNELS: dict[str, Kernels] = {
+    "torch": Kernels("torch", norm_fp32_input=True, rope_casts=4, rope_saves_cos_sin=False, fresh_qkv=False,
+                     swiglu_silu=True, qkv_grad_buffers=2),
+    "triton": Kernels("triton", norm_fp32_input=False, rope_casts=0, rope_saves_cos_sin=True, fresh_qkv=True,
+                      swiglu_silu=False, qkv_grad_buffers=1),
+    "liger": Kernels("liger", norm_fp32_input=False, rope_casts=2, rope_saves_cos_sin=False, fresh_qkv=False,
+                     swiglu_silu=False, qkv_grad_buffers=2),
+    "apex": Kernels("apex", norm_fp32_input=False, rope_casts=0, rope_saves_cos_sin=True, fresh_qkv=True,
+                    swiglu_silu=False, qkv_grad_buffers=1),
+}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The process grid: sp = ulysses x ring (parallel.sp, parallel.sp_ring as config_checks.check_heads resolves
+    them)."""
+
+    tp: int = 1
+    sp: int = 1
+    pp: int = 1
+    dp: int = 1
+    virtual_stages: int = 1
+    ring: int = 1
+
+    def __post_init__(self) -> None:
+        if self.ring < 1 or self.sp % self.ring:
+            raise ValueError(f"memory model: the ring degree {self.ring} must divide sp={self.sp} "
+                             f"(sp = ulysses x ring)")
+
+    @property
+    def ulysses(self) -> int:
+        return self.sp // self.ring
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.sp * self.pp * self.dp
+
+
+@dataclass(frozen=True)
+class Options:
+    """Memory options: the training.* and parallel.* switches, the kernels, and parameter offload (FSDP,
+    other systems' only)."""
+
+    activation_checkpointing: bool = False
+    activation_offload: bool = False
+    mlp_chunk_tokens: int = 0
+    loss_chunk_tokens: int = 0         # LM head + loss tile (0: automatic, <= 512 MiB of fp32 logits)
+    tp_sequence_parallel: bool = False
+    fsdp: bool = False
+    optimizer_offload: bool = False
+    param_offload: bool = False
+    kernels: str = "torch"             # model.kernels
+    attention: str = "flash"           # the concrete backend: flash, sdpa, flex, reference
+    native_gqa: bool = True            # the kernel reads grouped KV heads as they are (no repeat to Hq)
+    dq_accumulator: bool = True        # the backward accumulates dq in fp32 (flash-attn, SDPA's CUDA kernels)
+    documents: bool = False            # packed-document masks (sdpa then builds a dense S x S mask)
+    offload_prefetch: int = 1          # offloaded layers copied back ahead of the one in backward
+    bucket_bytes: float = 32_000_000 * 4       # one gradient bucket (ZeRO-1: parallel.grad_bucket_elements fp32)
+    overlap_grad_reduce: bool = True   # ZeRO-1 reduces buckets during the backward (parallel.overlap_grad_reduce)
+
+
+@dataclass(frozen=True)
+class Workload:
+    seq_len: int
+    micro_batch_size: int = 1
+    micro_batches: int = 1             # per optimizer step per dp rank
+
+
+@dataclass(frozen=True)
+class Term:
+    """One named contribution: `bytes` on the device (or the host), and how it was computed."""
+
+    name: str
+    bytes: float
+    formula: str = ""
+    host: bool = False
+
+
+@dataclass
+class Estimate:
+    peak: float                        # bytes on the device at the peak (the largest stage)
+    stage: int                         # the pipeline stage holding the peak
+    phase: str                         # backward, loss or optimizer
+    terms: list[Term]                  # the breakdown: device terms add up to `peak`; host terms follow
+    host: float = 0.0                  # host bytes per rank (offloaded activations and optimizer state)
+    layer_bytes_per_token: float = 0.0  # retained bytes per layer per token of S/sp
+    layout: Layout = field(default_factory=Layout)
+    options: Options = field(default_factory=Options)
+
+    @property
+    def peak_gib(self) -> float:
+        return self.peak / GIB
+
+
+def fmt_bytes(x: float) -> str:
+    for unit, scale in (("GiB", GIB), ("MiB", 1024 ** 2), ("KiB", 1024)):
+        if abs(x) >= scale:
+            return f"{x / scale:.2f} {unit}"
+    return f"{x:.0f} B"
