@@ -12,7 +12,7 @@ from megalysses.testing import run_distributed
 BASE = [
     "data.mock=true", "data.seq_len=32", "model.vocab_size=128", "model.hidden_size=64", "model.num_layers=4",
     "model.num_heads=8", "model.num_kv_heads=2", "model.attention_backend=sdpa", "training.micro_batch_size=1",
-    "training.global_batch_size=8", "training.train_steps=3", "optimizer.lr=1e-3", "optimizer.warmup_steps=1",
+    "training.global_batch_size=4", "training.train_steps=3", "optimizer.lr=1e-3", "optimizer.warmup_steps=1",
     "optimizer.grad_clip=0.5", "logging.log_interval=1", "parallel.timeout_seconds=60",
     # Adam moves an element by ~lr * g / (|g| + eps): where |g| is near eps, fp32 reassociation noise in g
     # becomes noise in the weights, and a few such elements dominate a tensor's error. eps = 1e-6 keeps
@@ -25,7 +25,7 @@ LAYOUTS = {  # name: (world, overrides)
     "single": (1, []),
     "tp2": (2, ["parallel.tp=2"]),
     "sp2": (2, ["parallel.sp=2"]),
-    "pp2": (2, ["parallel.pp=2", "training.activation_checkpointing=true"]),   # 8 micro-batches, 2 stages
+    "pp2": (2, ["parallel.pp=2", "training.activation_checkpointing=true"]),   # 4 micro-batches, 2 stages
     "dp2": (2, []),
     "dp2_no_overlap": (2, ["parallel.overlap_grad_reduce=false"]),
     "pp2v2": (2, ["parallel.pp=2", "parallel.virtual_stages=2"]),   # interleaved 1F1B, 2 chunks per rank
