@@ -101,6 +101,31 @@ def test_bf16_training_tracks_fp32(tmp_path):
     assert sum(rel) / len(rel) <= BF16_CURVE_TOLERANCE, (bf16[-10:], fp32[-10:])
 
 
+def _flex_curriculum_worker(rank, world, run_dir):
+    import torch._dynamo
+
+    from megalysses.grid import ParallelGrid
+    from megalysses.training import loop
+
+    torch.cuda.set_device(0)
+    dynamo = torch._dynamo.config
+    dynamo.recompile_limit = 1              # every specialisation past the first must be the run's reservation,
+    dynamo.fail_on_recompile_limit_hit = True   # and running past it fails instead of going unfused
+    cfg = load_config(overrides=TINY + [
+        "model.attention_backend=flex", "data.document_mask=true", "data.seq_len=512", "training.train_steps=4",
+        "data.seq_len_schedule=[[0, 64], [1, 128], [2, 256], [3, 512]]", "training.eval_interval=2",
+        "training.eval_steps=1", f"logging.run_dir={run_dir}"])
+    loop.train(cfg, ParallelGrid(world=1, rank=0), torch.device("cuda", 0))
+    return [r["seq_len"] for r in _metrics(Path(run_dir)) if "loss" in r]
+
+
+def test_compiled_flex_through_a_curriculum_stays_compiled(tmp_path):
+    """Four lengths with packed documents, validation between them: compiled FlexAttention specialises for
+    each shape and grad mode, and with dynamo's limit at 1 the run's own reservation must cover them all."""
+    lengths = run_distributed(_flex_curriculum_worker, 1, tmp_path, args=(str(tmp_path / "run"),), timeout=600)[0]
+    assert lengths == [64, 128, 256, 512]
+
+
 def test_attention_auto_on_this_gpu_can_run_every_head_dim():
     """auto never picks a backend that fails on the shape: run it for head dims Inductor and flash-attn
     treat differently, with packed documents, forward and backward."""

@@ -52,3 +52,28 @@ def test_startup_line_and_runtime_json_show_the_curriculum(tmp_path):
     assert "sp = ulysses 2 x ring 2, seq_len 2 (padded to 4) -> 8 at step 11 -> 32 at step 21 |" in line, line
     write_runtime(tmp_path, cfg, ParallelGrid.single(), rt)
     assert json.loads((tmp_path / "runtime.json").read_text())["padded_stage_lens"] == [4, 8, 32]
+
+
+def test_compiled_flex_may_specialise_for_every_length_and_block_of_the_run():
+    """Compiled FlexAttention specialises per shape and grad mode: a curriculum of 3 lengths under a ring
+    (3 block shapes, forward and recomputed backward) needs more than dynamo's default of 8 per function,
+    past which a new shape would silently run the unfused (S, S) eager path. The run reserves what it
+    needs and never lowers a higher limit. (tests/test_gpu.py trains through it with the limit at 1.)"""
+    import torch._dynamo
+
+    from megalysses.kernels.attention import reserve_compiles
+    from megalysses.training.runtime import flex_compile_budget
+
+    schedule = "data.seq_len_schedule=[[0, 8], [10, 16], [20, 32]]"
+    ring = plan_runtime(load_config(overrides=BASE + ["model.num_kv_heads=1", "model.num_heads=2", "parallel.sp=4",
+                                                      schedule]), torch.device("cpu"))
+    plain = plan_runtime(load_config(overrides=BASE + [schedule]), torch.device("cpu"))
+    fixed = plan_runtime(load_config(overrides=BASE), torch.device("cpu"))
+    assert ring.ring == 2 and flex_compile_budget(ring) >= 8 + 3 * 3 * 2
+    assert flex_compile_budget(fixed) < flex_compile_budget(plain) < flex_compile_budget(ring)
+    dynamo = torch._dynamo.config
+    name = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"
+    with dynamo.patch(**{name: 8}, accumulated_recompile_limit=dynamo.accumulated_recompile_limit):
+        assert reserve_compiles(flex_compile_budget(ring)) == flex_compile_budget(ring) == getattr(dynamo, name)
+    with dynamo.patch(**{name: 1000}, accumulated_recompile_limit=dynamo.accumulated_recompile_limit):
+        assert reserve_compiles(flex_compile_budget(ring)) == 1000

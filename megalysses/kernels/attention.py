@@ -328,6 +328,21 @@ def _compiled_flex() -> Callable:
     return torch.compile(_flex_module.flex_attention, dynamic=False)
 
 
+def reserve_compiles(count: int) -> int:
+    """Let torch.compile keep `count` specialisations of one function. Compiled FlexAttention (and its
+    block masks) specialise on every shape and grad mode; past dynamo's limit (8 by default) a new shape
+    would silently run FlexAttention's unfused eager path, which materialises the (S, S) scores. Never
+    lowers a higher limit already set; returns the limit in force."""
+    import torch._dynamo
+
+    dynamo = torch._dynamo.config
+    name = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"
+    setattr(dynamo, name, max(getattr(dynamo, name), count))
+    if hasattr(dynamo, "accumulated_recompile_limit"):
+        dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 4 * count)
+    return getattr(dynamo, name)
+
+
 def _flex(q: Tensor, k: Tensor, v: Tensor, mask: Optional[AttentionMask], scale: float) -> Tensor:
     if not q.is_cuda:   # forward only (select_backend refuses training): torch refuses inputs requiring grad
         q, k, v = q.detach(), k.detach(), v.detach()

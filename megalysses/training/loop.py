@@ -20,6 +20,7 @@ from megalysses.config import Config, ConfigError
 from megalysses.config_io import save_config
 from megalysses.distributed import on_rank0
 from megalysses.grid import ParallelGrid
+from megalysses.kernels.attention import reserve_compiles
 from megalysses.model.gpt import GPTStage, architecture, init_weights, stage_layers
 from megalysses.model.layers import ParallelGroups
 from megalysses.parallel.interleaved import VirtualStages
@@ -31,7 +32,7 @@ from megalysses.training.manifest import choose_checkpoint
 from megalysses.training.metrics import MetricsLogger, print0
 from megalysses.training.optimizer import Optimizer, ShardedAdamW
 from megalysses.training.rundir import check_writable, mark_start
-from megalysses.training.runtime import Runtime, plan_runtime, startup_line, write_runtime
+from megalysses.training.runtime import Runtime, flex_compile_budget, plan_runtime, startup_line, write_runtime
 from megalysses.training.schedule import lr_at
 from megalysses.training.signals import StopSignals
 from megalysses.training.step import NonFiniteLossError, evaluate, train_step
@@ -125,6 +126,8 @@ def train(cfg: Config, grid: ParallelGrid, device: torch.device, signals: Option
     doing("checking the run directory")
     on_rank0(lambda: _prepare_dirs(cfg, run_dir, ckpt_dir))
     runtime = plan_runtime(cfg, device, grid)
+    if runtime.attention_backend == "flex" and device.type == "cuda":
+        reserve_compiles(flex_compile_budget(runtime))
     if grid.rank == 0:
         write_runtime(run_dir, cfg, grid, runtime)
     print0(startup_line(cfg, grid, runtime))

@@ -95,6 +95,19 @@ def plan_runtime(cfg: Config, device: torch.device, grid: ParallelGrid | None = 
                    padded_stage_lens=tuple(sequence.padded_len(n) for _, n in cfg.data.seq_len_schedule))
 
 
+DYNAMO_DEFAULT_LIMIT = 8   # what torch.compile allows any other compiled function of the run
+
+
+def flex_compile_budget(runtime: Runtime) -> int:
+    """How many specialisations compiled FlexAttention may need in this run: one per shape and grad mode,
+    and the shapes change with the length (each curriculum stage, validation at data.seq_len). A length
+    without a ring has one attention shape, compiled with grad (training) and without (validation); with
+    a ring it has three block shapes (the diagonal block, the first half of the keys, the second half of
+    the queries), each compiled for the forward and for the backward's recomputation with grad."""
+    lengths = {runtime.padded_seq_len, *runtime.padded_stage_lens}
+    return DYNAMO_DEFAULT_LIMIT + (6 if runtime.ring > 1 else 2) * len(lengths)
+
+
 def memory_options(cfg: Config) -> list[str]:
     t, p = cfg.training, cfg.parallel
     opts = ["FSDP2" if p.fsdp else "ZeRO-1"]
