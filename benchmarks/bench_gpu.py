@@ -161,14 +161,15 @@ def worker(args: argparse.Namespace) -> dict:
 
 # ----------------------------------------------------------------------------------------------- driver
 
-def run_child(framework: str, seq: int, opts: dict, args: argparse.Namespace, steps: int, warmup: int) -> dict:
+def run_child(framework: str, seq: int, opts: dict, args: argparse.Namespace, steps: int, warmup: int,
+              timeout: float) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--framework", framework, "--seq", str(seq),
            "--opts", json.dumps(opts), "--steps", str(steps), "--warmup", str(warmup)]
     if args.smoke:
         cmd.append("--smoke")
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.child_timeout, env=env)
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         return {"framework": framework, "seq_len": seq, "options": opts, "fits": None, "error": "timed out"}
     lines = [x for x in p.stdout.splitlines() if x.startswith("{")]
@@ -195,21 +196,38 @@ def available(framework: str) -> Optional[str]:
     return None
 
 
-def longest_fitting(fits: Callable[[int], bool], lo: int, hi: int, step: int) -> Optional[int]:
-    """The largest multiple of `step` in [lo, hi] for which fits() holds, assuming fits is monotone
-    (True up to some length, False beyond); None if not even lo fits."""
+def longest_fitting(fits: Callable[[int], bool], lo: int, hi: int, step: int,
+                    out_of_time: Callable[[], bool] = lambda: False) -> tuple[Optional[int], Optional[int]]:
+    """(good, bad): the largest multiple of `step` in [lo, hi] for which fits() holds and the next one,
+    which does not (None: hi fits), assuming fits is monotone (True up to some length, False beyond);
+    (None, lo) if not even lo fits. When out_of_time() turns true the search stops where it is, and
+    bad - good > step says the answer lies in between; (None, None) if it was out of time from the start."""
+    if out_of_time():
+        return None, None
     if not fits(lo):
-        return None
+        return None, lo
     if fits(hi):
-        return hi
+        return hi, None
     good, bad = lo // step, hi // step          # fits(good*step), not fits(bad*step)
-    while bad - good > 1:
+    while bad - good > 1 and not out_of_time():
         mid = (good + bad) // 2
         if fits(mid * step):
             good = mid
         else:
             bad = mid
-    return good * step
+    return good * step, bad * step
+
+
+def longest_text(good: Optional[int], bad: Optional[int], step: int, bound: int) -> str:
+    if good is None and bad is None:
+        return "not searched (the time budget ended first)"
+    if good is None:
+        return f"none (not even {bad:,d})"
+    if bad is None:
+        return f"{good:,d} (the bound, {bound:,d})"
+    if bad - good > step:
+        return f"{good:,d} to {bad - step:,d} (the time budget ended the search)"
+    return f"{good:,d}"
 
 
 def gpu_tag(name: str) -> str:
@@ -235,6 +253,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--steps", type=int, default=3, help="timed steps per run")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--child-timeout", type=float, default=300.0)
+    p.add_argument("--time-budget", type=float, default=570.0,
+                   help="seconds for the whole benchmark (0: none): runs that would start past it are not "
+                        "run, and the longest-sequence search stops with the interval it has narrowed to")
     p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--framework", help=argparse.SUPPRESS)
@@ -257,18 +278,31 @@ def main(argv: Optional[list[str]] = None) -> int:
     skipped = {f: available(f) for f in args.frameworks}
     rows, longest = [], {}
     start = time.time()
+    deadline = start + args.time_budget if args.time_budget else float("inf")
+    oom_from: dict = {}     # (framework, settings) -> the shortest length it ran out of memory at
+
+    def child_timeout() -> float:
+        return min(args.child_timeout, max(1.0, deadline - time.time()))
     for seq in lengths:
         for fw in args.frameworks:
             if skipped[fw]:
                 continue
             for opts in SETTINGS[fw]:
-                r = run_child(fw, seq, opts, args, args.steps, args.warmup)
+                key = (fw, json.dumps(opts))
+                if seq >= oom_from.get(key, float("inf")):      # out of memory at a shorter length already
+                    continue
+                if time.time() >= deadline:
+                    r = {"framework": fw, "seq_len": seq, "options": opts, "fits": None,
+                         "error": "not run: the time budget ended"}
+                else:
+                    r = run_child(fw, seq, opts, args, args.steps, args.warmup, child_timeout())
                 print(f"  {fw:<12} {seq:>8} {json.dumps(opts):<40} "
                       f"{'fits' if r.get('fits') else 'out of memory' if r.get('fits') is False else r.get('error')}",
                       flush=True)
                 if r.get("fits") or r.get("fits") is None:
                     rows.append(r)
                     break
+                oom_from[key] = seq
             else:
                 rows.append({"framework": fw, "seq_len": seq, "options": SETTINGS[fw][-1], "fits": False})
     if not args.no_longest:
@@ -280,9 +314,12 @@ def main(argv: Optional[list[str]] = None) -> int:
             known = max([r["seq_len"] for r in rows if r["framework"] == fw and r.get("fits")], default=0)
 
             def fits(s: int, fw: str = fw, opts: dict = opts, known: int = known) -> bool:
-                return s <= known or bool(run_child(fw, s, opts, args, 1, 0).get("fits"))
-            longest[fw] = longest_fitting(fits, quantum, longest_max, quantum)
-            print(f"  longest {fw}: {longest[fw]}", flush=True)
+                if s <= known:
+                    return True
+                return bool(run_child(fw, s, opts, args, 1, 0, child_timeout()).get("fits"))
+            good, bad = longest_fitting(fits, quantum, longest_max, quantum, lambda: time.time() >= deadline)
+            longest[fw] = {"good": good, "bad": bad}
+            print(f"  longest {fw}: {longest_text(good, bad, quantum, longest_max)}", flush=True)
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
@@ -313,8 +350,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if longest:
         lines += ["", "| framework | longest trainable sequence (one step, most memory-saving settings) |",
                   "|---|---:|"]
-        lines += [f"| {fw} | {fmt(n, ',d', 'none')}{' (the bound)' if n == longest_max else ''} |"
-                  for fw, n in longest.items()]
+        lines += [f"| {fw} | {longest_text(n['good'], n['bad'], quantum, longest_max)} |" for fw, n in longest.items()]
     text = "\n".join(lines) + "\n"
     print("\n" + text)
     out = Path(args.out_dir)

@@ -7,7 +7,9 @@ and tokens/s and MFU by sequence length, on one GPU.
     python benchmarks/bench_memory.py --smoke      # a tiny shape on CPU: the harness end to end (the suite runs it)
 
 Each length runs in its own process, built as pretrain builds it (tp = sp = pp = 1, a world of one):
-two optimizer steps on random tokens; the second is measured. Columns: the predicted peak
+two optimizer steps on random tokens; the second is measured. With --steps 1 (for lengths whose step
+takes minutes) the optimizer state is created first, as a resumed run has it, and the one step is
+measured; its time then includes first-call work. Columns: the predicted peak
 (megalysses.memory) and the measured one (torch.cuda.max_memory_allocated over the second step) with
 their error, the host memory offload used, the step time, tokens/s and MFU (the 6N + 6LHDS FLOPs per
 token of training/metrics.py against the GPU's bf16 peak). A length that runs out of memory is a row
@@ -56,8 +58,8 @@ def batch(cfg: Config, device: torch.device, seed: int) -> list[dict]:
              "position_ids": torch.arange(S, device=device).expand(B, S)}]
 
 
-def run_length(cfg: Config, device: torch.device) -> dict:
-    """One length in this process: build, step twice, measure the second step."""
+def run_length(cfg: Config, device: torch.device, steps: int = 2) -> dict:
+    """One length in this process: build, step `steps` times (1 or 2), measure the last step."""
     import torch.distributed as dist
 
     from megalysses.grid import ParallelGrid
@@ -81,8 +83,12 @@ def run_length(cfg: Config, device: torch.device) -> dict:
     row = {"seq_len": S, "dtype": runtime.dtype, "attention": runtime.attention_backend, "kernels": runtime.kernels,
            "activation_offload": cfg.training.activation_offload, "optimizer_offload": cfg.training.optimizer_offload,
            "predicted_gib": predicted.peak / GIB, "predicted_phase": predicted.phase,
-           "predicted_host_gib": predicted.host / GIB}
-    train_step(model, opt, batch(cfg, device, 0), grid, **step)          # the optimizer state exists after this
+           "predicted_host_gib": predicted.host / GIB, "steps": steps}
+    if steps == 2:
+        train_step(model, opt, batch(cfg, device, 0), grid, **step)      # the optimizer state exists after this
+    else:
+        for _ in opt.checkpoint_slots():                                 # creates it, as a resume does
+            pass
     second = batch(cfg, device, 1)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -118,7 +124,7 @@ def child(args: argparse.Namespace, overrides: list[str]) -> int:
     """--child: one length, one JSON line on stdout (out of memory is a row too)."""
     cfg = load_config(args.config, overrides + [f"data.seq_len={args.child}"])
     try:
-        row = run_length(cfg, torch.device("cuda"))
+        row = run_length(cfg, torch.device("cuda"), args.steps)
     except torch.cuda.OutOfMemoryError as e:
         row = {"seq_len": args.child, "error_text": f"out of memory: {str(e).splitlines()[0]}",
                "predicted_gib": estimate_config(cfg, 1, "cuda").peak / GIB}
@@ -127,7 +133,7 @@ def child(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def in_subprocess(args: argparse.Namespace, length: int) -> dict:
-    cmd = [sys.executable, __file__, "--config", args.config, "--child", str(length)]
+    cmd = [sys.executable, __file__, "--config", args.config, "--child", str(length), "--steps", str(args.steps)]
     cmd += [a for o in args.overrides for a in ("--set", o)]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     rows = [json.loads(line[4:]) for line in done.stdout.splitlines() if line.startswith("ROW ")]
@@ -164,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny shape on CPU, lengths 256 and 1024, in this process")
     p.add_argument("--json", default=None,
                    help="where to write the results (default benchmarks/results/memory_<device>.json)")
+    p.add_argument("--steps", type=int, default=2, choices=(1, 2),
+                   help="steps per length; the last is measured (1: for lengths whose step takes minutes)")
     p.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     overrides = ["data.mock=true", "data.document_mask=false"] + (SMOKE if args.smoke else []) + args.overrides
@@ -184,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for S in lengths:
         if args.smoke:
-            row = run_length(replace(base, data=replace(base.data, seq_len=S)), torch.device("cpu"))
+            row = run_length(replace(base, data=replace(base.data, seq_len=S)), torch.device("cpu"), args.steps)
         else:
             row = in_subprocess(args, S)
         rows.append(row)

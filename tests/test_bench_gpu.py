@@ -21,10 +21,24 @@ def test_longest_fitting_bisection(limit):
     def fits(n):
         asked.append(n)
         return n <= limit * 8
-    got = bench_gpu.longest_fitting(fits, 8, 64 * 8, 8)
-    assert got == min(limit, 64) * 8
+    good, bad = bench_gpu.longest_fitting(fits, 8, 64 * 8, 8)
+    assert good == min(limit, 64) * 8 and bad == (None if limit >= 64 else good + 8)
     assert len(asked) <= 2 + 6                      # lo, hi, then log2(64) probes
-    assert bench_gpu.longest_fitting(lambda n: False, 8, 64, 8) is None
+    assert bench_gpu.longest_fitting(lambda n: False, 8, 64, 8) == (None, 8)
+
+
+def test_bisection_stops_at_the_time_budget_with_the_interval_it_has():
+    asked = []
+
+    def fits(n):
+        asked.append(n)
+        return n <= 100 * 8
+    good, bad = bench_gpu.longest_fitting(fits, 8, 1024 * 8, 8, out_of_time=lambda: len(asked) >= 4)
+    assert len(asked) == 4 and good <= 100 * 8 < bad and bad - good > 8
+    assert bench_gpu.longest_text(good, bad, 8, 1024 * 8) == \
+        f"{good:,d} to {bad - 8:,d} (the time budget ended the search)"
+    assert bench_gpu.longest_text(good, good + 8, 8, 1024 * 8) == f"{good:,d}"
+    assert bench_gpu.longest_text(None, 8, 8, 64) == "none (not even 8)"
 
 
 def test_smoke_run(tmp_path):
@@ -39,5 +53,19 @@ def test_smoke_run(tmp_path):
     assert set(rows) == {"megalysses", "transformers"}
     for row in rows.values():
         assert row["fits"] and row["tokens_per_s"] > 0 and row["loss"] == row["loss"], row
-    assert result["longest"] == {"megalysses": 128, "transformers": 128}
+    assert result["longest"] == {fw: {"good": 128, "bad": None} for fw in ("megalysses", "transformers")}
     assert result["versions"]["torch"] and "| 64 | megalysses |" in (tmp_path / "gpu_smoke.md").read_text()
+
+
+def test_time_budget_ends_the_run_with_what_it_has(tmp_path):
+    """A budget too short for one run: the run started is stopped at the budget, the rest are reported as
+    not run, the search is not started, and the tables are still written."""
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_gpu.py"), "--smoke", "--lengths", "64", "128",
+                        "--frameworks", "megalysses", "--time-budget", "0.5", "--out-dir", str(tmp_path)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    result = json.loads((tmp_path / "gpu_smoke.json").read_text())
+    assert [(row["seq_len"], row["error"]) for row in result["rows"]] == [
+        (64, "timed out"), (128, "not run: the time budget ended")]
+    assert result["longest"] == {"megalysses": {"good": None, "bad": None}}
+    assert "not searched (the time budget ended first)" in (tmp_path / "gpu_smoke.md").read_text()

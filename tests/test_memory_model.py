@@ -379,3 +379,7 @@ def test_bench_memory_smoke(tmp_path):
     assert [r["seq_len"] for r in rows] == [256, 1024]
     for r in rows:     # the smoke shape offloads its activations (configs/gpt_1b_1m_offload.yaml)
         assert abs(r["error"]) <= 0.10 and r["loss"] > 0 and r["activation_offload"] and r["host_gib"] > 0, r
+    # one step (for lengths whose step takes minutes), after creating the optimizer state as a resume does
+    assert bench.main(["--smoke", "--steps", "1", "--json", str(out)]) == 0
+    for one, two in zip(json.loads(out.read_text())["rows"], rows):
+        assert one["steps"] == 1 and two["steps"] == 2 and abs(one["error"]) <= 0.10, one
