@@ -31,6 +31,17 @@ except ImportError:  # pragma: no cover - depends on the installed torch
     fully_shard = None
 
 
+def adam_state(optimizer: torch.optim.Optimizer, p: Tensor) -> dict:
+    """p's AdamW state (foreach, not fused), created as torch's AdamW creates it on a first step when it
+    does not exist yet: a float32 step count on the host and zero moments like p. A checkpoint load can
+    then fill it, and no torch version's default-device tensor creation reaches the step."""
+    st = optimizer.state[p]
+    if not st:
+        st.update(step=torch.zeros((), dtype=torch.float32, device="cpu"), exp_avg=torch.zeros_like(p),
+                  exp_avg_sq=torch.zeros_like(p))
+    return st
+
+
 def shard_model(model: nn.Module, grad_mesh: DeviceMesh, compute_dtype: torch.dtype) -> nn.Module:
     """Apply fully_shard to each block and to the stage (in place); parameters become DTensors."""
     if fully_shard is None or not hasattr(FSDPModule, "set_force_sum_reduction_for_comms"):
@@ -120,6 +131,8 @@ class FSDPAdamW:
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
             for _, p in self.named:
                 _local(p.grad).mul_(coef)
+        for _, p in self.named:
+            adam_state(self.optimizer, p)
         self.optimizer.step()
         self.zero_grad()
         return norm.item()
@@ -132,9 +145,6 @@ class FSDPAdamW:
     def checkpoint_slots(self) -> Iterator[tuple[str, nn.Parameter, Optional[dict[str, Tensor]]]]:
         """(name, parameter, {master, exp_avg, exp_avg_sq} as this rank's dim-0 chunks)."""
         for name, p in self.named:
-            st = self.optimizer.state[p]
-            if not st:  # before the first step: create the state so that a load can fill it
-                st.update(step=torch.zeros((), dtype=torch.float32, device="cpu"), exp_avg=torch.zeros_like(p),
-                          exp_avg_sq=torch.zeros_like(p))
+            st = adam_state(self.optimizer, p)
             yield name, p, {"master": _local(p.data), "exp_avg": _local(st["exp_avg"]),
                             "exp_avg_sq": _local(st["exp_avg_sq"])}

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from megalysses import comm
 from megalysses.comm import Group
-from megalysses.training.fsdp import FSDPAdamW
+from megalysses.training.fsdp import FSDPAdamW, adam_state
 
 BUCKET_ELEMENTS = 32 * 1024 * 1024
 
@@ -182,10 +182,7 @@ class ShardedAdamW:
                 empty = torch.empty((0,) + tuple(s.param.shape[1:]), dtype=torch.float32, device=where)
                 yield s.name, s.param, {"master": empty, "exp_avg": empty.clone(), "exp_avg_sq": empty.clone()}
                 continue
-            st = self.optimizer.state[s.master]
-            if not st:  # before the first step: create the state so that a load can fill it
-                st.update(step=torch.zeros((), dtype=torch.float32, device="cpu"), exp_avg=torch.zeros_like(s.master),
-                          exp_avg_sq=torch.zeros_like(s.master))
+            st = adam_state(self.optimizer, s.master)
             yield s.name, s.param, {"master": s.master.data, "exp_avg": st["exp_avg"], "exp_avg_sq": st["exp_avg_sq"]}
 
     # ------------------------------------------------------------------ the step
@@ -287,6 +284,9 @@ class ShardedAdamW:
             for s in self.slots:
                 if s.master is not None:
                     s.master.grad.mul_(coef)
+        for s in self.slots:
+            if s.master is not None:
+                adam_state(self.optimizer, s.master)
         self.optimizer.step()
         self.gather_params()
         self.zero_grad()
