@@ -1,4 +1,5 @@
 # make test        : create .venv if missing, install CPU torch + megalysses[test], run the suite
+# make test-gpu    : the GPU tier (pytest -m gpu) with the machine's own python and CUDA torch
 # make lint        : ruff (rules in pyproject.toml) on the Python code, hadolint on the Dockerfile
 # make quickstart  : stdlib corpus -> tokenizer -> dataset (cached), train a small GPT on 4 processes
 #                    with tp=2 x sp=2, then sample text from the checkpoint
@@ -23,9 +24,11 @@ venv: $(VENV)/.installed
 test: venv
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=15 tests
 
-# the GPU tier alone (on a CUDA machine; `make test` there runs it too, with the rest)
-test-gpu: venv
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m gpu tests
+# the GPU tier alone, with the CUDA machine's own python and torch (which has `pip install -e ".[test]"`):
+# `make venv` would install the CPU torch
+GPU_PYTHON ?= python3
+test-gpu:
+	OMP_NUM_THREADS=1 $(GPU_PYTHON) -m pytest -q -m gpu tests
 
 $(VENV)/.lint: pyproject.toml $(VENV)/.installed
 	$(PY) -m pip install --quiet -e ".[lint]"

@@ -9,7 +9,8 @@ from megalysses.kernels import attention
 from megalysses.kernels.attention import (AttentionMask, available_backends, core_attention, doc_ids_to_cu_seqlens,
                                           prepare_attention_mask, resolve_backend)
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# the CUDA cases belong to the GPU tier (pytest -m gpu)
+DEVICES = ["cpu"] + ([pytest.param("cuda", marks=pytest.mark.gpu)] if torch.cuda.is_available() else [])
 HEADS = [(8, 2), (4, 1), (4, 4)]          # GQA, MQA, MHA
 
 

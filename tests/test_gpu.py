@@ -33,6 +33,7 @@ def _metrics(run: Path) -> list[dict]:
     return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.timeout(900)   # compiles and several processes
 def test_pretrain_on_one_gpu_with_nccl_kernels_eval_checkpoint_and_resume(tmp_path):
     """torchrun on one GPU: NCCL, bf16 weights, Triton kernels, validation, a checkpoint, a resume."""
     run = tmp_path / "run"
@@ -91,6 +92,7 @@ def _curves_worker(rank, world, tmp):
 BF16_CURVE_TOLERANCE = 0.03   # relative, per step, averaged over the last 10 of 50 steps
 
 
+@pytest.mark.timeout(900)   # compiles and several processes
 def test_bf16_training_tracks_fp32(tmp_path):
     """A small model's loss over 50 steps in bf16 (bf16 weights and activations, fp32 masters) stays
     within 3% of the fp32 run's, averaged over the last 10 steps, and both learn."""
@@ -107,10 +109,13 @@ def _flex_curriculum_worker(rank, world, run_dir):
     from megalysses.grid import ParallelGrid
     from megalysses.training import loop
 
+    from megalysses.training import runtime
+
     torch.cuda.set_device(0)
     dynamo = torch._dynamo.config
     dynamo.recompile_limit = 1              # every specialisation past the first must be the run's reservation,
     dynamo.fail_on_recompile_limit_hit = True   # and running past it fails instead of going unfused
+    runtime.DYNAMO_DEFAULT_LIMIT = 0        # with no slack for other functions: the budget alone covers flex
     cfg = load_config(overrides=TINY + [
         "model.attention_backend=flex", "data.document_mask=true", "data.seq_len=512", "training.train_steps=4",
         "data.seq_len_schedule=[[0, 64], [1, 128], [2, 256], [3, 512]]", "training.eval_interval=2",
@@ -119,6 +124,7 @@ def _flex_curriculum_worker(rank, world, run_dir):
     return [r["seq_len"] for r in _metrics(Path(run_dir)) if "loss" in r]
 
 
+@pytest.mark.timeout(900)   # compiles and several processes
 def test_compiled_flex_through_a_curriculum_stays_compiled(tmp_path):
     """Four lengths with packed documents, validation between them: compiled FlexAttention specialises for
     each shape and grad mode, and with dynamo's limit at 1 the run's own reservation must cover them all."""

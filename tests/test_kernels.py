@@ -14,6 +14,7 @@ from megalysses.parallel.tensor_parallel import vocab_parallel_cross_entropy
 from megalysses.kernels.triton_support import triton_importable
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []     # on a GPU, every kernel test is the GPU tier's
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -1,0 +1,14 @@
+"""Suite-wide setup."""
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session", autouse=True)
+def room_for_compiled_flex():
+    """Tests that call compiled FlexAttention directly (not through a run, which reserves its own) ask
+    for many shapes; past dynamo's default of 8 a shape would silently run the unfused eager path and
+    test nothing compiled."""
+    if torch.cuda.is_available():
+        from megalysses.kernels.attention import reserve_compiles
+        reserve_compiles(256)
+    yield
