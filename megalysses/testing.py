@@ -97,3 +97,23 @@ def run_distributed(fn: Callable, world: int, tmp_dir: Optional[str | os.PathLik
         # the first failing rank's traceback usually explains the rest (timeouts on the others)
         raise DistributedTestError(f"{fn.__name__} failed on {len(errors)}/{world} ranks\n" + "\n".join(errors[:2]))
     return results
+
+
+def triton_interpreter_runs_our_kernels() -> bool:
+    """Whether Triton's CPU interpreter (TRITON_INTERPRET=1, set before the call) can run a loop over
+    rows bounded by tl.program_id, as our persistent kernels do. Triton 3.6's cannot (it fails to index
+    the program id); compiled kernels on a GPU are unaffected."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def probe(x_ptr, n):
+        for i in range(tl.program_id(0), n, tl.num_programs(0)):
+            tl.store(x_ptr + i, 1.0)
+
+    x = torch.zeros(4)
+    try:
+        probe[(2,)](x, 4)
+    except Exception:  # noqa: BLE001 - the interpreter raises its own error types
+        return False
+    return bool((x == 1).all())

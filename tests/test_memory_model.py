@@ -147,6 +147,9 @@ def test_triton_kernels_keep_what_the_model_says(monkeypatch):
     """model.kernels=triton through Triton's CPU interpreter: the fused norms keep their input and 1/rms,
     RoPE the stage's cos/sin, SwiGLU its input only."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from megalysses.testing import triton_interpreter_runs_our_kernels
+    if not triton_interpreter_runs_our_kernels():
+        pytest.skip("this Triton's CPU interpreter cannot run loops bounded by the program id (Triton 3.6)")
     cfg = replace(small_model(layers=1), kernels="triton")
     for name in ("none", "checkpointing"):
         kept = measure_forward(cfg, 32, OPTIONS[name])
