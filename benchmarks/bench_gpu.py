@@ -15,7 +15,8 @@ AdamW (lr 3e-4, betas 0.9/0.95, weight decay 0.1 on matrices) and gradient clipp
 At each length each trainer takes the first of its settings that fits (fastest first: nothing, then
 activation checkpointing, then for megalysses tiled MLP), so every row is that trainer's best.
 Then the longest trainable sequence of each is found by bisection (one step at the most memory-saving
-settings, in multiples of 8K).
+settings, in multiples of 8K); a probe that times out or fails for a reason other than memory ends the
+search with the interval it has, since it says nothing about where memory runs out.
 
 tokens/s is the median over timed steps after warm-up; MFU uses one formula for all
 (megalysses.training.metrics.flops_per_token: 6 N_matmul + 6 L H D S per token, causal attention
@@ -196,37 +197,59 @@ def available(framework: str) -> Optional[str]:
     return None
 
 
-def longest_fitting(fits: Callable[[int], bool], lo: int, hi: int, step: int,
-                    out_of_time: Callable[[], bool] = lambda: False) -> tuple[Optional[int], Optional[int]]:
-    """(good, bad): the largest multiple of `step` in [lo, hi] for which fits() holds and the next one,
-    which does not (None: hi fits), assuming fits is monotone (True up to some length, False beyond);
-    (None, lo) if not even lo fits. When out_of_time() turns true the search stops where it is, and
-    bad - good > step says the answer lies in between; (None, None) if it was out of time from the start."""
+def longest_fitting(fits: Callable[[int], Optional[bool]], lo: int, hi: int, step: int,
+                    out_of_time: Callable[[], bool] = lambda: False
+                    ) -> tuple[Optional[int], Optional[int], Optional[str]]:
+    """(good, bad, stopped): the largest multiple of `step` in [lo, hi] for which fits() is True and the
+    next one, for which it is False (None: hi fits), assuming fits is monotone (True up to some length,
+    False beyond); (None, lo, None) if not even lo fits. fits() returns None when it cannot tell (a run
+    that timed out or failed for another reason): the search stops there. It also stops when
+    out_of_time() turns true. `stopped` says why ("time budget" or "unknown", None when it ran to the
+    end); the answer then lies in [good, bad - step] (bad is hi + step when hi itself is unknown), and
+    good is None if nothing was learnt (lo unknown, or out of time from the start)."""
+    def stop() -> str:
+        return "time budget" if out_of_time() else "unknown"
     if out_of_time():
-        return None, None
-    if not fits(lo):
-        return None, lo
-    if fits(hi):
-        return hi, None
+        return None, None, "time budget"
+    at_lo = fits(lo)
+    if at_lo is None:
+        return None, None, stop()
+    if not at_lo:
+        return None, lo, None
+    at_hi = fits(hi)
+    if at_hi is None:
+        return lo, hi + step, stop()
+    if at_hi:
+        return hi, None, None
     good, bad = lo // step, hi // step          # fits(good*step), not fits(bad*step)
-    while bad - good > 1 and not out_of_time():
+    while bad - good > 1:
+        if out_of_time():
+            return good * step, bad * step, "time budget"
         mid = (good + bad) // 2
-        if fits(mid * step):
+        at_mid = fits(mid * step)
+        if at_mid is None:
+            return good * step, bad * step, stop()
+        if at_mid:
             good = mid
         else:
             bad = mid
-    return good * step, bad * step
+    return good * step, bad * step, None
 
 
-def longest_text(good: Optional[int], bad: Optional[int], step: int, bound: int) -> str:
+def longest_text(good: Optional[int], bad: Optional[int], step: int, bound: int,
+                 stopped: Optional[str] = None) -> str:
     if good is None and bad is None:
+        if stopped == "unknown":
+            return "not known (the run at the shortest length did not finish within the child timeout or failed)"
         return "not searched (the time budget ended first)"
     if good is None:
         return f"none (not even {bad:,d})"
     if bad is None:
         return f"{good:,d} (the bound, {bound:,d})"
     if bad - good > step:
-        return f"{good:,d} to {bad - step:,d} (the time budget ended the search)"
+        why = ("a longer run did not finish within the child timeout or failed" if stopped == "unknown"
+               else "the time budget ended the search")
+        return f"{good:,d} to {bad - step:,d} ({why})"
     return f"{good:,d}"
 
 
@@ -313,13 +336,17 @@ def main(argv: Optional[list[str]] = None) -> int:
             # a length that trained with lighter settings fits with the most memory-saving ones: no probe
             known = max([r["seq_len"] for r in rows if r["framework"] == fw and r.get("fits")], default=0)
 
-            def fits(s: int, fw: str = fw, opts: dict = opts, known: int = known) -> bool:
+            def fits(s: int, fw: str = fw, opts: dict = opts, known: int = known) -> Optional[bool]:
                 if s <= known:
                     return True
-                return bool(run_child(fw, s, opts, args, 1, 0, child_timeout()).get("fits"))
-            good, bad = longest_fitting(fits, quantum, longest_max, quantum, lambda: time.time() >= deadline)
-            longest[fw] = {"good": good, "bad": bad}
-            print(f"  longest {fw}: {longest_text(good, bad, quantum, longest_max)}", flush=True)
+                r = run_child(fw, s, opts, args, 1, 0, child_timeout())
+                if r.get("fits") is None:
+                    print(f"  longest {fw} at {s}: {r.get('error')}", flush=True)
+                return r.get("fits")
+            good, bad, stopped = longest_fitting(fits, quantum, longest_max, quantum,
+                                                 lambda: time.time() >= deadline)
+            longest[fw] = {"good": good, "bad": bad, "stopped": stopped}
+            print(f"  longest {fw}: {longest_text(good, bad, quantum, longest_max, stopped)}", flush=True)
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
@@ -350,7 +377,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if longest:
         lines += ["", "| framework | longest trainable sequence (one step, most memory-saving settings) |",
                   "|---|---:|"]
-        lines += [f"| {fw} | {longest_text(n['good'], n['bad'], quantum, longest_max)} |" for fw, n in longest.items()]
+        lines += [f"| {fw} | {longest_text(n['good'], n['bad'], quantum, longest_max, n['stopped'])} |"
+                  for fw, n in longest.items()]
     text = "\n".join(lines) + "\n"
     print("\n" + text)
     out = Path(args.out_dir)

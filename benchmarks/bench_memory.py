@@ -5,6 +5,7 @@ and tokens/s and MFU by sequence length, on one GPU.
     python benchmarks/bench_memory.py --lengths 32768 131072 --set training.activation_offload=false \\
         --set model.kernels=torch [--json benchmarks/results/memory_h100.json]
     python benchmarks/bench_memory.py --smoke      # a tiny shape on CPU: the harness end to end (the suite runs it)
+    python benchmarks/bench_memory.py --lengths 1048576 --steps 1 --time-budget 0   # no time limit
 
 Each length runs in its own process, built as pretrain builds it (tp = sp = pp = 1, a world of one):
 two optimizer steps on random tokens; the second is measured. With --steps 1 (for lengths whose step
@@ -15,7 +16,9 @@ their error, the host memory offload used, the step time, tokens/s and MFU (the 
 token of training/metrics.py against the GPU's bf16 peak). A length that runs out of memory is a row
 saying so. Then the issue's targets: the longest length that trained, the MFU at 512K within 15% of the
 MFU at 128K (offload hidden behind compute), and every error within 10%. Writes JSON with the commit,
-the device and the torch / CUDA versions.
+the device and the torch / CUDA versions, rewritten after every length, so a run cut short keeps the rows
+done so far. --time-budget (seconds, default 570, 0: none) bounds the whole run: a length still running
+when it ends is stopped and is a row saying so, and the lengths after it are rows saying they were not run.
 
 On CPU (--smoke) there is no allocator statistic: the measured column is the peak of live tensor bytes
 (megalysses.measure.measure_peak, host copies of offload excluded), so the same comparison runs without
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -132,10 +136,13 @@ def child(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
-def in_subprocess(args: argparse.Namespace, length: int) -> dict:
+def in_subprocess(args: argparse.Namespace, length: int, timeout: float | None) -> dict:
     cmd = [sys.executable, __file__, "--config", args.config, "--child", str(length), "--steps", str(args.steps)]
     cmd += [a for o in args.overrides for a in ("--set", o)]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    try:
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"seq_len": length, "error_text": "did not finish within the time budget"}
     rows = [json.loads(line[4:]) for line in done.stdout.splitlines() if line.startswith("ROW ")]
     if not rows:
         tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
@@ -162,6 +169,13 @@ def commit() -> str:
         return "unknown"
 
 
+def write_json(out: Path, record: dict) -> None:
+    """Replace `out` in one step, so a run stopped while writing still leaves the previous rows."""
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(record, indent=1))
+    os.replace(tmp, out)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=str(ROOT / "configs" / "gpt_1b_1m_offload.yaml"))
@@ -172,8 +186,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="where to write the results (default benchmarks/results/memory_<device>.json)")
     p.add_argument("--steps", type=int, default=2, choices=(1, 2),
                    help="steps per length; the last is measured (1: for lengths whose step takes minutes)")
+    p.add_argument("--time-budget", type=float, default=570.0,
+                   help="seconds for the whole benchmark (0: none): a length still running when it ends is "
+                        "stopped, and the lengths after it are not run (both are rows saying so)")
     p.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    start = time.monotonic()
+    if args.time_budget < 0:
+        print(f"error: --time-budget {args.time_budget:g} is negative: give seconds, or 0 for no budget",
+              file=sys.stderr)
+        return 1
     overrides = ["data.mock=true", "data.document_mask=false"] + (SMOKE if args.smoke else []) + args.overrides
     if args.child is not None:
         return child(args, overrides)
@@ -187,31 +209,37 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 1
     lengths = [256, 1024] if args.smoke else args.lengths
+    deadline = start + args.time_budget if args.time_budget else float("inf")
+    name = torch.cuda.get_device_name().replace(" ", "_") if not args.smoke else "cpu"
+    out = Path(args.json) if args.json else ROOT / "benchmarks" / "results" / f"memory_{name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    record = {"config": args.config, "overrides": overrides, "device": name, "commit": commit(),
+              "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version()}
     print(f"{'seq_len':>9} {'predicted':>11} {'measured':>11} {'error':>7} {'host':>10} {'step s':>8} {'tok/s':>9} "
-          f"{'MFU':>6}  phase")
+          f"{'MFU':>6}  phase", flush=True)
     rows = []
     for S in lengths:
-        if args.smoke:
+        if time.monotonic() >= deadline:
+            row = {"seq_len": S, "error_text": "not run: the time budget ended"}
+        elif args.smoke:
             row = run_length(replace(base, data=replace(base.data, seq_len=S)), torch.device("cpu"), args.steps)
         else:
-            row = in_subprocess(args, S)
+            row = in_subprocess(args, S, max(1.0, deadline - time.monotonic()) if args.time_budget else None)
         rows.append(row)
+        write_json(out, {**record, "rows": rows, "targets": targets(rows)})
         if "measured_gib" not in row:
-            print(f"{S:>9} {fmt_bytes(row.get('predicted_gib', 0) * GIB):>11}  {row['error_text']}")
+            predicted = fmt_bytes(row["predicted_gib"] * GIB) if "predicted_gib" in row else "-"
+            print(f"{S:>9} {predicted:>11}  {row['error_text']}", flush=True)
             continue
         mfu = f"{row['mfu']:.1%}" if row["mfu"] else "-"
         print(f"{S:>9} {fmt_bytes(row['predicted_gib'] * GIB):>11} {fmt_bytes(row['measured_gib'] * GIB):>11} "
               f"{row['error']:>+7.1%} {fmt_bytes(row.get('host_gib', 0) * GIB):>10} {row['step_s']:>8.2f} "
-              f"{row['tokens_per_s']:>9.0f} {mfu:>6}  {row['predicted_phase']}")
+              f"{row['tokens_per_s']:>9.0f} {mfu:>6}  {row['predicted_phase']}", flush=True)
     summary = targets(rows)
-    print("targets: " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()))
-    name = torch.cuda.get_device_name().replace(" ", "_") if not args.smoke else "cpu"
-    out = Path(args.json) if args.json else ROOT / "benchmarks" / "results" / f"memory_{name}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"config": args.config, "overrides": overrides, "device": name, "commit": commit(),
-                               "torch": torch.__version__, "cuda": torch.version.cuda,
-                               "python": platform.python_version(), "rows": rows, "targets": summary}, indent=1))
-    print(f"wrote {out}")
+    print("targets: " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()),
+          flush=True)
+    write_json(out, {**record, "rows": rows, "targets": summary})
+    print(f"wrote {out}", flush=True)
     return 0
 
 

@@ -21,10 +21,10 @@ def test_longest_fitting_bisection(limit):
     def fits(n):
         asked.append(n)
         return n <= limit * 8
-    good, bad = bench_gpu.longest_fitting(fits, 8, 64 * 8, 8)
-    assert good == min(limit, 64) * 8 and bad == (None if limit >= 64 else good + 8)
+    good, bad, stopped = bench_gpu.longest_fitting(fits, 8, 64 * 8, 8)
+    assert good == min(limit, 64) * 8 and bad == (None if limit >= 64 else good + 8) and stopped is None
     assert len(asked) <= 2 + 6                      # lo, hi, then log2(64) probes
-    assert bench_gpu.longest_fitting(lambda n: False, 8, 64, 8) == (None, 8)
+    assert bench_gpu.longest_fitting(lambda n: False, 8, 64, 8) == (None, 8, None)
 
 
 def test_bisection_stops_at_the_time_budget_with_the_interval_it_has():
@@ -33,12 +33,36 @@ def test_bisection_stops_at_the_time_budget_with_the_interval_it_has():
     def fits(n):
         asked.append(n)
         return n <= 100 * 8
-    good, bad = bench_gpu.longest_fitting(fits, 8, 1024 * 8, 8, out_of_time=lambda: len(asked) >= 4)
-    assert len(asked) == 4 and good <= 100 * 8 < bad and bad - good > 8
-    assert bench_gpu.longest_text(good, bad, 8, 1024 * 8) == \
+    good, bad, stopped = bench_gpu.longest_fitting(fits, 8, 1024 * 8, 8, out_of_time=lambda: len(asked) >= 4)
+    assert len(asked) == 4 and good <= 100 * 8 < bad and bad - good > 8 and stopped == "time budget"
+    assert bench_gpu.longest_text(good, bad, 8, 1024 * 8, stopped) == \
         f"{good:,d} to {bad - 8:,d} (the time budget ended the search)"
     assert bench_gpu.longest_text(good, good + 8, 8, 1024 * 8) == f"{good:,d}"
     assert bench_gpu.longest_text(None, 8, 8, 64) == "none (not even 8)"
+
+
+@pytest.mark.parametrize("unknown_at", [8, 64 * 8, 32 * 8, 24 * 8])
+def test_bisection_stops_at_a_probe_that_cannot_tell(unknown_at):
+    """A probe that timed out or failed (fits() is None) says nothing about memory: the search ends there
+    with the interval it has, not narrowed as if that length ran out of memory."""
+    limit, asked = 30 * 8, []
+
+    def fits(n):
+        asked.append(n)
+        return None if n == unknown_at else n <= limit
+    # the budget ending during that probe (it was killed at the deadline) is reported as the budget
+    assert bench_gpu.longest_fitting(fits, 8, 64 * 8, 8, out_of_time=lambda: unknown_at in asked)[2] == "time budget"
+    asked.clear()
+    good, bad, stopped = bench_gpu.longest_fitting(fits, 8, 64 * 8, 8)
+    assert asked[-1] == unknown_at and asked.count(unknown_at) == 1 and stopped == "unknown"
+    text = bench_gpu.longest_text(good, bad, 8, 64 * 8, stopped)
+    if unknown_at == 8:                             # nothing learnt
+        assert (good, bad) == (None, None) and text.startswith("not known")
+        return
+    assert good <= limit < bad and bad - good > 8   # the interval still holds the answer
+    # lo, hi, then the bisection probes 32*8 (too long), 16*8, 24*8 (fit), ...
+    assert (good, bad) == {64 * 8: (8, 65 * 8), 32 * 8: (8, 64 * 8), 24 * 8: (16 * 8, 32 * 8)}[unknown_at]
+    assert text == f"{good:,d} to {bad - 8:,d} (a longer run did not finish within the child timeout or failed)"
 
 
 def test_smoke_run(tmp_path):
@@ -53,7 +77,8 @@ def test_smoke_run(tmp_path):
     assert set(rows) == {"megalysses", "transformers"}
     for row in rows.values():
         assert row["fits"] and row["tokens_per_s"] > 0 and row["loss"] == row["loss"], row
-    assert result["longest"] == {fw: {"good": 128, "bad": None} for fw in ("megalysses", "transformers")}
+    assert result["longest"] == {fw: {"good": 128, "bad": None, "stopped": None}
+                                 for fw in ("megalysses", "transformers")}
     assert result["versions"]["torch"] and "| 64 | megalysses |" in (tmp_path / "gpu_smoke.md").read_text()
 
 
@@ -67,5 +92,5 @@ def test_time_budget_ends_the_run_with_what_it_has(tmp_path):
     result = json.loads((tmp_path / "gpu_smoke.json").read_text())
     assert [(row["seq_len"], row["error"]) for row in result["rows"]] == [
         (64, "timed out"), (128, "not run: the time budget ended")]
-    assert result["longest"] == {"megalysses": {"good": None, "bad": None}}
+    assert result["longest"] == {"megalysses": {"good": None, "bad": None, "stopped": "time budget"}}
     assert "not searched (the time budget ended first)" in (tmp_path / "gpu_smoke.md").read_text()

@@ -7,6 +7,7 @@ Fails if any retained activation grows as S^2 (measured at S and 2S) or is left 
 (a rank keeps 1/sp of one process's bytes plus the sp buffers the model names); both checks are shown
 to fail on a case made for it (the reference backend's S x S probabilities, an attention that gathers
 the sequence)."""
+import argparse
 import functools
 import importlib.util
 import json
@@ -386,3 +387,21 @@ def test_bench_memory_smoke(tmp_path):
     assert bench.main(["--smoke", "--steps", "1", "--json", str(out)]) == 0
     for one, two in zip(json.loads(out.read_text())["rows"], rows):
         assert one["steps"] == 1 and two["steps"] == 2 and abs(one["error"]) <= 0.10, one
+
+
+def test_bench_memory_time_budget(tmp_path):
+    """benchmarks/bench_memory.py --time-budget: lengths past the budget are rows saying so, the JSON is still
+    written, and a length still running when the budget ends is stopped and is a row, not a crash."""
+    spec = importlib.util.spec_from_file_location("bench_memory", "benchmarks/bench_memory.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "memory.json"
+    assert bench.main(["--smoke", "--time-budget", "1e-9", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [(r["seq_len"], r["error_text"]) for r in result["rows"]] == [
+        (256, "not run: the time budget ended"), (1024, "not run: the time budget ended")]
+    assert result["targets"]["longest_trained"] == 0
+    args = argparse.Namespace(config="configs/gpt_1b_1m_offload.yaml", steps=1, overrides=[])
+    assert bench.in_subprocess(args, 256, timeout=0.01) == {
+        "seq_len": 256, "error_text": "did not finish within the time budget"}
+    assert bench.main(["--smoke", "--time-budget", "-1", "--json", str(out)]) == 1
