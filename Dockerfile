@@ -24,7 +24,7 @@ ARG NVCC_THREADS=2
 ARG FLASH_ATTN_VERSION=2.8.3
 # an apex commit (apex publishes no releases to PyPI)
 ARG APEX_REF=6424da3b4faa6c8f062da4a48c424fff3f02d42d
-# the Python environment of the base image; `make` uses it instead of creating .venv
+# the Python environment of the base image; `make` uses it instead of creating .venv (and for test-gpu)
 ARG PYENV=/opt/conda
 
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
@@ -33,7 +33,8 @@ ENV PYTHONUNBUFFERED=1 \
     TORCH_NCCL_ASYNC_ERROR_HANDLING=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    VENV=${PYENV}
+    VENV=${PYENV} \
+    GPU_PYTHON=${PYENV}/bin/python
 
 # make runs the test suite and the quickstart; the official torch images do not ship it.
 # Its version is whatever the base's Ubuntu release carries.

@@ -101,8 +101,9 @@ def run_distributed(fn: Callable, world: int, tmp_dir: Optional[str | os.PathLik
 
 def triton_interpreter_runs_our_kernels() -> bool:
     """Whether Triton's CPU interpreter (TRITON_INTERPRET=1, set before the call) can run a loop over
-    rows bounded by tl.program_id, as our persistent kernels do. Triton 3.6's cannot (it fails to index
-    the program id); compiled kernels on a GPU are unaffected."""
+    rows bounded by tl.program_id, as our persistent kernels do. Triton 3.6 and older cannot with numpy
+    2.4 (the program id is a one-element array numpy no longer turns into an int); compiled kernels on a
+    GPU are unaffected."""
     import triton
     import triton.language as tl
 

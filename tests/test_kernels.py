@@ -33,8 +33,8 @@ def require_triton():
     if not triton_importable():
         pytest.skip("triton is not installed (pip install triton; on CPU its interpreter runs the kernels)")
     if DEVICE == "cpu" and not interpreter_ok():
-        pytest.skip("this Triton's CPU interpreter cannot run loops bounded by the program id (Triton 3.6; "
-                    "later versions can, and compiled kernels on a GPU are unaffected)")
+        pytest.skip("this Triton's CPU interpreter cannot run loops bounded by the program id with this numpy "
+                    "(Triton 3.6 and older with numpy 2.4: pip install 'numpy<2.4'); compiled kernels are unaffected")
 
 
 @functools.lru_cache(maxsize=1)

@@ -150,7 +150,8 @@ def test_triton_kernels_keep_what_the_model_says(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     from megalysses.testing import triton_interpreter_runs_our_kernels
     if not triton_interpreter_runs_our_kernels():
-        pytest.skip("this Triton's CPU interpreter cannot run loops bounded by the program id (Triton 3.6)")
+        pytest.skip("this Triton's CPU interpreter cannot run loops bounded by the program id with this numpy "
+                    "(Triton 3.6 and older with numpy 2.4: pip install 'numpy<2.4')")
     cfg = replace(small_model(layers=1), kernels="triton")
     for name in ("none", "checkpointing"):
         kept = measure_forward(cfg, 32, OPTIONS[name])
