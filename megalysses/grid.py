@@ -56,6 +56,15 @@ class LayoutError(ValueError):
     """An impossible (world, tp, sp, dp, pp) combination."""
 
 
+def _set_group_timeout(timeout: timedelta, group: dist.ProcessGroup) -> None:
+    """dist.set_timeout where torch has it (2.14 on); the private function it replaced before."""
+    if hasattr(dist, "set_timeout"):
+        dist.set_timeout(timeout, group)
+    else:
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+        _set_pg_timeout(timeout, group)
+
+
 @dataclass(frozen=True)
 class GridLayout:
     """Pure rank arithmetic of the (pp, dp, sp, tp) grid."""
@@ -242,9 +251,8 @@ class ParallelGrid:
         # permuted view keeps a stride that makes mesh["tp", "grad"] fail as out of order
         mesh = DeviceMesh(device.type, ranks.flatten().view(ranks.shape), mesh_dim_names=("pp", "tp", "grad"))
         if self.timeout is not None:    # DeviceMesh creates its groups with torch's default timeout
-            from torch.distributed.distributed_c10d import _set_pg_timeout
             for name in ("pp", "tp", "grad"):
-                _set_pg_timeout(self.timeout, mesh.get_group(name))
+                _set_group_timeout(self.timeout, mesh.get_group(name))
         return mesh
 
     def sequence_layout(self, tp_sequence_parallel: bool) -> SequenceLayout:
