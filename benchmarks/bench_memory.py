@@ -238,8 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = targets(rows)
     print("targets: " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()),
           flush=True)
-    write_json(out, {**record, "rows": rows, "targets": summary})
-    print(f"wrote {out}", flush=True)
+    print(f"wrote {out}", flush=True)                                   # after every length, above
     return 0
 
 

@@ -16,6 +16,7 @@ of the call, as a spawned process would.
 """
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import tempfile
@@ -99,11 +100,12 @@ def run_distributed(fn: Callable, world: int, tmp_dir: Optional[str | os.PathLik
     return results
 
 
+@functools.lru_cache(maxsize=1)
 def triton_interpreter_runs_our_kernels() -> bool:
     """Whether Triton's CPU interpreter (TRITON_INTERPRET=1, set before the call) can run a loop over
     rows bounded by tl.program_id, as our persistent kernels do. Triton 3.6 and older cannot with numpy
     2.4 (the program id is a one-element array numpy no longer turns into an int); compiled kernels on a
-    GPU are unaffected."""
+    GPU are unaffected. Asked once per process."""
     import triton
     import triton.language as tl
 

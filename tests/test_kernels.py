@@ -3,8 +3,6 @@ fused LM head + cross-entropy: each implementation behind the dispatch point equ
 reference (forward and backward), and the references equal independent formulas (float64 RMS, complex
 rotation, Hugging Face Llama, separate ops). Triton kernels run through Triton's CPU interpreter when
 there is no GPU."""
-import functools
-
 import pytest
 import torch
 
@@ -32,14 +30,9 @@ def triton_interpreter_on_cpu():
 def require_triton():
     if not triton_importable():
         pytest.skip("triton is not installed (pip install triton; on CPU its interpreter runs the kernels)")
-    if DEVICE == "cpu" and not interpreter_ok():
+    if DEVICE == "cpu" and not triton_interpreter_runs_our_kernels():
         pytest.skip("this Triton's CPU interpreter cannot run loops bounded by the program id with this numpy "
                     "(Triton 3.6 and older with numpy 2.4: pip install 'numpy<2.4'); compiled kernels are unaffected")
-
-
-@functools.lru_cache(maxsize=1)
-def interpreter_ok() -> bool:
-    return triton_interpreter_runs_our_kernels()
 
 
 def randn(*shape, dtype=torch.float32, seed=0, grad=False):

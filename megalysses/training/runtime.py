@@ -95,7 +95,7 @@ def plan_runtime(cfg: Config, device: torch.device, grid: ParallelGrid | None = 
                    padded_stage_lens=tuple(sequence.padded_len(n) for _, n in cfg.data.seq_len_schedule))
 
 
-DYNAMO_DEFAULT_LIMIT = 8   # what torch.compile allows any other compiled function of the run
+DYNAMO_DEFAULT_LIMIT = 8   # slack above the counted specialisations: dynamo's own default per function
 
 
 def flex_compile_budget(runtime: Runtime) -> int:
