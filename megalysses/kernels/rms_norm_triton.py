@@ -17,6 +17,7 @@ from torch import Tensor
 from megalysses.kernels.triton_support import num_programs
 
 MAX_COLS = 65536
+LAUNCHED = ("_rms_norm_fwd", "_rms_norm_bwd")  # the kernels launched from Python (kernels/cuda_build.py)
 
 
 @triton.jit

@@ -14,6 +14,8 @@ from torch import Tensor
 
 from megalysses.kernels.triton_support import num_programs
 
+LAUNCHED = ("_rope_kernel", "_rope_qkv_kernel")   # the kernels launched from Python (kernels/cuda_build.py)
+
 
 @triton.jit
 def _cos_sin(COS, SIN, t64, head_dim, half, dims, in_dims, dtype: tl.constexpr):
@@ -52,13 +54,21 @@ def _rope_kernel(X, COS, SIN, Y, n_tokens, n_heads, head_dim,
         tl.store(Y + offs + half, y2.to(Y.dtype.element_ty), mask=in_x)
 
 
+def _num_warps(tile: int) -> int:
+    """Warps for a (heads or slots) x half-head-dim tile of `tile` elements: at most 4 elements a thread.
+    With 4 warps the fused qkv kernel spills registers at 64 x 32 (Llama-3.2-1B) and at 64 x 64 (Llama-3-8B);
+    benchmarks/kernel_build.py shows registers and spills per shape."""
+    return min(16, max(4, tile // 128))
+
+
 def _rope(x: Tensor, cos: Tensor, sin: Tensor, backward: bool) -> Tensor:
     B, S, H, D = x.shape
     x = x.contiguous()
     y = torch.empty_like(x)
     grid = (num_programs(B * S, x.device),)
-    _rope_kernel[grid](x, cos, sin, y, B * S, H, D, BACKWARD=backward,
-                       BLOCK_H=triton.next_power_of_2(H), BLOCK_HALF=triton.next_power_of_2(D // 2))
+    block_h, block_half = triton.next_power_of_2(H), triton.next_power_of_2(D // 2)
+    _rope_kernel[grid](x, cos, sin, y, B * S, H, D, BACKWARD=backward, BLOCK_H=block_h, BLOCK_HALF=block_half,
+                       num_warps=_num_warps(block_h * block_half))
     return y
 
 
@@ -135,8 +145,9 @@ def _rope_qkv_kernel(QKV, COS, SIN, Q, K, V, n_tokens, n_groups, rep, head_dim,
 def _launch_qkv(qkv: Tensor, cos: Tensor, sin: Tensor, q: Tensor, k: Tensor, v: Tensor, backward: bool) -> None:
     B, S, hk, c, D = qkv.shape
     grid = (num_programs(B * S, qkv.device),)
-    _rope_qkv_kernel[grid](qkv, cos, sin, q, k, v, B * S, hk, c - 2, D, BACKWARD=backward,
-                           BLOCK_SLOTS=triton.next_power_of_2(hk * c), BLOCK_HALF=triton.next_power_of_2(D // 2))
+    block_slots, block_half = triton.next_power_of_2(hk * c), triton.next_power_of_2(D // 2)
+    _rope_qkv_kernel[grid](qkv, cos, sin, q, k, v, B * S, hk, c - 2, D, BACKWARD=backward, BLOCK_SLOTS=block_slots,
+                           BLOCK_HALF=block_half, num_warps=_num_warps(block_slots * block_half))
 
 
 class RoPEQKVTriton(torch.autograd.Function):

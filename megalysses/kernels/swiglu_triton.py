@@ -11,6 +11,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from megalysses.kernels.triton_support import gpu_sms
+
+LAUNCHED = ("_swiglu_fwd", "_swiglu_bwd")      # the kernels launched from Python (kernels/cuda_build.py)
+
 
 @triton.jit
 def _swiglu_fwd(X, Y, n, BLOCK: tl.constexpr):
@@ -38,7 +42,7 @@ def _swiglu_bwd(X, DY, DX, n, BLOCK: tl.constexpr):
 
 def _block(n: int, device: torch.device) -> int:
     # few, large programs under the CPU interpreter (each program costs ~1 ms there)
-    return 1024 if device.type == "cuda" else max(1024, triton.next_power_of_2(triton.cdiv(n, 64)))
+    return 1024 if gpu_sms(device) is not None else max(1024, triton.next_power_of_2(triton.cdiv(n, 64)))
 
 
 class SwiGLUTriton(torch.autograd.Function):

@@ -8,8 +8,10 @@ are themselves imported only on first use, so that TRITON_INTERPRET=1 set by a t
 still selects the interpreter (triton reads it when a kernel is decorated)."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+from typing import Iterator, Optional
 
 import torch
 from torch import Tensor
@@ -19,6 +21,8 @@ IMPLS = ("auto", "torch", "triton", "liger", "apex")
 LIBRARY_OPS = {"liger": ("rms_norm", "add_rms_norm", "swiglu", "rope_qkv"),
                "apex": ("rms_norm", "add_rms_norm")}
 _PACKAGES = {"liger": "liger_kernel", "apex": "apex"}
+# SM count of the GPU whose launches kernels/cuda_build.py is recording on the host (None: not recording)
+_planned_sms: Optional[int] = None
 
 
 @functools.lru_cache(maxsize=1)
@@ -37,7 +41,30 @@ def triton_interpreting() -> bool:
 
 
 def triton_usable(t: Tensor) -> bool:
-    return triton_importable() and (t.is_cuda or triton_interpreting())
+    return triton_importable() and (t.is_cuda or triton_interpreting() or _planned_sms is not None)
+
+
+@contextlib.contextmanager
+def planning_for_gpu(sms: int) -> Iterator[None]:
+    """Inside, launches are planned (grid, blocks) as on a CUDA GPU with `sms` SMs whatever the tensors'
+    device, and the Triton impl is usable on host tensors: for kernels/cuda_build.py, which records the
+    launches a step makes instead of running them. Nothing else should launch kernels inside."""
+    global _planned_sms
+    before, _planned_sms = _planned_sms, sms
+    try:
+        yield
+    finally:
+        _planned_sms = before
+
+
+def gpu_sms(device: torch.device) -> Optional[int]:
+    """SMs of the GPU a launch on `device` is planned for: the device's on CUDA, the recorded target's
+    inside planning_for_gpu, None under the CPU interpreter."""
+    if _planned_sms is not None:
+        return _planned_sms
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return None
 
 
 @functools.lru_cache(maxsize=None)
@@ -75,8 +102,6 @@ def choose_impl(impl: str, t: Tensor, what: str) -> str:
 
 def num_programs(n_rows: int, device: torch.device) -> int:
     """Grid size for the row-looping kernels: a few programs per SM on CUDA, few under the interpreter."""
-    if device.type == "cuda":
-        cap = 4 * torch.cuda.get_device_properties(device).multi_processor_count
-    else:
-        cap = 16
+    sms = gpu_sms(device)
+    cap = 4 * sms if sms is not None else 16
     return max(1, min(n_rows, cap))
