@@ -238,6 +238,11 @@ class TrainingConfig:
     """Compute dtype; auto = bf16 with fp32 master weights on GPU, fp32 on CPU."""
     activation_checkpointing: bool = False
     """Recompute each block in the backward instead of storing its activations."""
+    recompute_attention: bool = True
+    """With activation_checkpointing: false keeps each layer's attention output and log-sum-exp from the
+    forward, so the backward recomputes everything in the block but attention (the S^2 part), for about
+    one more block input of memory per layer. Needs attention_backend sdpa, no ring (parallel.sp at most
+    the heads allow) and no activation_offload."""
     loss_chunk_tokens: int = 0
     """Compute the LM head + loss in sequence tiles of this many tokens, recomputed in the backward
     (0 = no tiling). Needed at long context: the full logits would be S/sp x V/tp floats."""

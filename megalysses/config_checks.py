@@ -247,6 +247,27 @@ def ulysses_ring(cfg: Config, ranks_per_node: Optional[int] = None) -> tuple[int
     return check_heads(m.num_heads, m.kv_heads, p.tp, p.sp, p.sp_ring, ranks_per_node)
 
 
+def check_kept_attention(cfg: Config, backend: str, ulysses: int, ring: int) -> None:
+    """training.recompute_attention=false keeps SDPA's kernel outputs (model/recompute.py): it needs
+    checkpointing without offload, SDPA, and no ring."""
+    if not cfg.training.activation_checkpointing:
+        raise ConfigError("training.recompute_attention=false keeps attention outputs through activation "
+                          "checkpointing, which is off: set training.activation_checkpointing=true, or drop "
+                          "recompute_attention (without checkpointing nothing is recomputed)")
+    if cfg.training.activation_offload:
+        raise ConfigError("training.recompute_attention=false with training.activation_offload=true is not "
+                          "supported: the kept attention outputs would stay on the device, as large as the block "
+                          "inputs that offload moves to host memory; choose one of them")
+    if backend != "sdpa":
+        raise ConfigError(f"training.recompute_attention=false keeps the outputs of SDPA's attention kernels, but "
+                          f"this run's attention backend is {backend}: set model.attention_backend=sdpa, or "
+                          f"training.recompute_attention=true")
+    if ring > 1:
+        raise ConfigError(f"training.recompute_attention=false is not supported with ring attention (parallel.sp="
+                          f"{cfg.parallel.sp} = ulysses {ulysses} x ring {ring}): its blocks are many kernel "
+                          f"calls; use an sp the heads allow (no ring), or training.recompute_attention=true")
+
+
 def launcher_ranks_per_node() -> int:
     """Ranks per node as torchrun reports them (LOCAL_WORLD_SIZE); 0 when not launched by it."""
     value = os.environ.get("LOCAL_WORLD_SIZE", "")

@@ -152,9 +152,9 @@ def test_attention_auto_on_this_gpu_can_run_every_head_dim():
 OFFLOAD_LAYERS, OFFLOAD_SEQ, OFFLOAD_HIDDEN = 8, 8192, 1024
 
 
-def _offload_model(offload: bool):
+def _offload_model(offload: bool, keep_attention: bool = False):
     """A stage of 8 checkpointed blocks, bf16, on the GPU; with `offload` their inputs go to pinned host
-    memory (parallel/offload.py)."""
+    memory (parallel/offload.py); with `keep_attention` the attention outputs stay (model/recompute.py)."""
     from megalysses.config import ModelConfig
     from megalysses.model.gpt import GPTStage, init_weights
     from megalysses.model.layers import ParallelGroups
@@ -164,7 +164,7 @@ def _offload_model(offload: bool):
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = GPTStage(cfg, ParallelGroups(), activation_checkpointing=True, activation_offload=offload,
-                         mlp_chunk_tokens=2048)
+                         mlp_chunk_tokens=2048, keep_attention=keep_attention)
     init_weights(model, 0)
     model.to(torch.bfloat16)
     ids = torch.randint(0, cfg.vocab_size, (1, OFFLOAD_SEQ), device="cuda")
@@ -197,6 +197,31 @@ def test_activation_offload_drops_device_memory_and_keeps_the_gradients():
     assert peaks[True][1] < peaks[False][1], peaks
     # the same arithmetic; SDPA's CUDA backward accumulates with atomics, so bitwise equality is not promised
     assert abs(losses[True] - losses[False]) <= 1e-3 * abs(losses[False])
+    for n, g in grads[False].items():
+        assert (grads[True][n] - g).norm() <= 1e-2 * g.norm() + 1e-6, n
+
+
+def test_kept_attention_runs_the_kernel_once_and_keeps_its_outputs():
+    """training.recompute_attention=false on CUDA: SDPA's kernel (flash or cuDNN) runs once per layer instead
+    of twice, the forward keeps its output and log-sum-exp per layer, and the gradients match full
+    recomputation."""
+    from tests.test_recompute import CountAttention
+
+    kept, grads, calls = {}, {}, {}
+    for keep in (False, True):
+        model, ids, pos = _offload_model(False, keep_attention=keep)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        with CountAttention() as counter:
+            loss = model(ids, pos, labels=ids)
+            kept[keep] = torch.cuda.memory_allocated() - base
+            loss.backward()
+        calls[keep] = sum(counter.calls.values())
+        grads[keep] = {n: p.grad.float() for n, p in model.named_parameters()}
+    assert (calls[False], calls[True]) == (2 * OFFLOAD_LAYERS, OFFLOAD_LAYERS), calls
+    heads, head_dim = 8, OFFLOAD_HIDDEN // 8
+    per_layer = OFFLOAD_SEQ * heads * (head_dim * 2 + 4)           # bf16 output, fp32 log-sum-exp
+    assert abs(kept[True] - kept[False] - OFFLOAD_LAYERS * per_layer) <= 0.1 * OFFLOAD_LAYERS * per_layer, kept
     for n, g in grads[False].items():
         assert (grads[True][n] - g).norm() <= 1e-2 * g.norm() + 1e-6, n
 

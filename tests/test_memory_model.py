@@ -38,6 +38,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 OPTIONS = {
     "none": {},
     "checkpointing": {"activation_checkpointing": True},
+    "checkpointing, attention kept": {"activation_checkpointing": True, "keep_attention": True},
     "tiled MLP": {"mlp_chunk_tokens": 16},
     "loss tiles": {"loss_chunk_tokens": 16},
     "all three": {"activation_checkpointing": True, "mlp_chunk_tokens": 16, "loss_chunk_tokens": 16},
@@ -59,7 +60,8 @@ def measure_forward(cfg: ModelConfig, seq: int, opts: dict, groups: Optional[Par
     model = GPTStage(cfg, groups, activation_checkpointing=opts.get("activation_checkpointing", False),
                      loss_chunk_tokens=opts.get("loss_chunk_tokens", 0),
                      mlp_chunk_tokens=opts.get("mlp_chunk_tokens", 0),
-                     activation_offload=opts.get("activation_offload", False))
+                     activation_offload=opts.get("activation_offload", False),
+                     keep_attention=opts.get("keep_attention", False))
     init_weights(model, 0, tp_rank, groups.tp_size)
     model.to(dtype)
     ids = torch.randint(0, cfg.vocab_size, (1, seq))
@@ -277,6 +279,9 @@ PEAKS = {   # name: overrides (one rank); each is the peak of a second step, the
     "bf16, checkpointing, tiles, 2 micro-batches": ["training.dtype=bfloat16", "training.global_batch_size=2",
                                                     "training.activation_checkpointing=true",
                                                     "training.mlp_chunk_tokens=64", "training.loss_chunk_tokens=64"],
+    "bf16, checkpointing, attention kept, tiled MLP": [
+        "training.dtype=bfloat16", "training.global_batch_size=1", "training.activation_checkpointing=true",
+        "training.recompute_attention=false", "training.mlp_chunk_tokens=256"],
     "bf16, tiled MLP, 4 layers": ["training.dtype=bfloat16", "training.global_batch_size=1", "model.num_layers=4",
                                   "training.mlp_chunk_tokens=128"],
 }

@@ -6,12 +6,14 @@ import json
 from dataclasses import replace
 
 import pytest
+import torch
 
 from megalysses.config import ModelConfig
 from megalysses.config_checks import ulysses_ring, validate_config
 from megalysses.config_io import load_config
 from megalysses.memory import PRECISIONS, Layout, Options, Workload, longest_sequence
-from megalysses.tools.plan import Hardware, Overlap, evaluate, main, plan, step_time
+from megalysses.tools.plan import Hardware, Overlap, _flags, evaluate, main, plan, step_time
+from megalysses.training.runtime import plan_runtime
 
 LLAMA3_8B = ModelConfig(vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
                         ffn_hidden_size=14336)
@@ -189,3 +191,22 @@ def test_ring_with_the_reference_backend_is_refused_not_guessed(tmp_path, capsys
     out = json.loads(capsys.readouterr().out)
     assert not out["config_layout"]["fits"] and "reference backend" in out["config_layout"]["why_not"]
     assert out["layouts"] and all(row["ring"] == 1 for row in out["layouts"])
+
+
+def test_kept_attention_is_planned_with_sdpa_faster_for_more_memory():
+    """Checkpointing that keeps the attention outputs (training.recompute_attention=false) is planned beside
+    full recomputation where a run accepts it (SDPA, no ring, no activation offload): one attention forward
+    fewer per layer, for an attention output more per layer. With flash-attn it is not planned."""
+    sets = {"training.activation_offload": "false", "model.kernels": "torch"}
+    cfg = _load("configs/gpt_1b_1m_offload.yaml", **sets, **{"model.attention_backend": "sdpa"})
+    fitting, _ = plan(cfg, 1, 131072, 80)
+    by_options = {(p.cfg.training.recompute_attention, p.cfg.training.mlp_chunk_tokens, p.cfg.parallel.fsdp): p
+                  for p in fitting if p.cfg.training.activation_checkpointing}
+    kept, full = by_options[(False, 0, False)], by_options[(True, 0, False)]
+    assert kept.step.total < full.step.total and kept.estimate.peak > full.estimate.peak
+    assert "keep-attn" in _flags(kept.row()) and "keep-attn" not in _flags(full.row())
+    for p in fitting:
+        if not p.cfg.training.recompute_attention:
+            plan_runtime(p.cfg, torch.device("cpu"))      # the run accepts what is planned
+    flash = _load("configs/gpt_1b_1m_offload.yaml", **sets, **{"model.attention_backend": "flash"})
+    assert all(p.cfg.training.recompute_attention for p in plan(flash, 1, 131072, 80)[0])

@@ -59,7 +59,7 @@ def layer_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, 
     d = dims(m, layout, opts)
     h, r, k, a = d["h"], d["r"], d["k"], prec.act
     if opts.activation_checkpointing if checkpointed is None else checkpointed:
-        return [("block input (checkpoint)", h / r, a)]
+        return [("block input (checkpoint)", h / r, a)] + kept_attention_terms(m, layout, opts, prec)
     gathered = " (all-gathered over tp)" if opts.tp_sequence_parallel and layout.tp > 1 else ""
     terms = norm_terms("attention norm", h, r, a, k, m.norm)
     terms.append(("QKV input (norm output" + gathered + ")", h, a))
@@ -79,6 +79,15 @@ def layer_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, 
         terms += [("up output", d["f"], a)]
     terms.append(("down input (ffn/tp)", d["f"], a))
     return terms
+
+
+def kept_attention_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision) -> PerToken:
+    """What checkpointing keeps per layer besides the block input with training.recompute_attention=false:
+    SDPA's output and log-sum-exp (model/recompute.py; not combined with activation offload)."""
+    if not (opts.activation_checkpointing and opts.keep_attention):
+        return []
+    d = dims(m, layout, opts)
+    return [("attention output (kept for the backward)", d["q"], prec.act), ("log-sum-exp (kept)", d["hq"], 4)]
 
 
 def _attention_terms(d: dict, opts: Options, a: int, seq_len: int) -> PerToken:

@@ -52,6 +52,7 @@ def options_of(cfg: Config, device: str = "cuda", ring: int = 1) -> Options:
     t, p = cfg.training, cfg.parallel
     backend, native, accumulator = attention_for(cfg, device, ring)
     return Options(activation_checkpointing=t.activation_checkpointing, activation_offload=t.activation_offload,
+                   keep_attention=t.activation_checkpointing and not t.recompute_attention,
                    mlp_chunk_tokens=t.mlp_chunk_tokens, loss_chunk_tokens=t.loss_chunk_tokens,
                    tp_sequence_parallel=p.tp_sequence_parallel, fsdp=p.fsdp,
                    optimizer_offload=t.optimizer_offload, kernels=cfg.model.kernels, attention=backend,

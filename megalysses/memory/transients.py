@@ -3,7 +3,8 @@ backward's temporaries and the LM head + loss forward."""
 from __future__ import annotations
 
 from megalysses.config import ModelConfig
-from megalysses.memory.activations import bytes_per_token, dims, layer_terms, norm_keeps_block_input, tiled
+from megalysses.memory.activations import (bytes_per_token, dims, kept_attention_terms, layer_terms,
+                                           norm_keeps_block_input, tiled)
 from megalysses.memory.types import GIB, KERNELS, Layout, Options, Precision, Term
 
 
@@ -52,6 +53,8 @@ def backward_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precisio
     offloaded = opts.activation_offload and opts.activation_checkpointing
     if opts.activation_checkpointing and not offloaded and norm_keeps_block_input(m, opts, prec):
         alive -= h / r * a                 # the norm's input is the retained block input itself
+    if name != "QKV: the output's gradient" + (", the all-to-all's buffers" if d["P"] > 1 else ""):
+        alive -= bytes_per_token(kept_attention_terms(m, layout, opts, prec))   # kept, not recomputed: retained
     what = "recomputed" if opts.activation_checkpointing else "own"
     terms = [] if not opts.activation_checkpointing else [
         Term(f"the layer's {what} activations (at its worst moment)", tokens * alive,

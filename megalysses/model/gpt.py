@@ -24,6 +24,7 @@ from megalysses.config import ModelConfig
 from megalysses.kernels.rope import rope_cos_sin
 from megalysses.model.kv_cache import KVCache
 from megalysses.model.layers import Block, Norm, ParallelGroups
+from megalysses.model.recompute import checkpoint_context
 from megalysses.kernels.linear_cross_entropy import linear_cross_entropy
 from megalysses.parallel.offload import ActivationOffload
 from megalysses.parallel.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding, column_parallel_linear
@@ -49,12 +50,17 @@ class GPTStage(nn.Module):
     def __init__(self, cfg: ModelConfig, groups: Optional[ParallelGroups] = None,
                  layers: Optional[range] = None, first: bool = True, last: bool = True,
                  activation_checkpointing: bool = False, loss_chunk_tokens: int = 0, mlp_chunk_tokens: int = 0,
-                 activation_offload: bool = False) -> None:
+                 activation_offload: bool = False, keep_attention: bool = False) -> None:
         super().__init__()
         groups = groups or ParallelGroups()
         self.cfg, self.groups = cfg, groups
         self.first, self.last = first, last
         self.activation_checkpointing = activation_checkpointing
+        # checkpointing keeps the attention kernels' outputs too (model/recompute.py)
+        if keep_attention and activation_offload:
+            raise ValueError("keep_attention with activation_offload is not supported: the kept attention outputs "
+                             "would stay on the device (training/runtime.py refuses the config)")
+        self.checkpoint_context = checkpoint_context(activation_checkpointing and keep_attention)
         # checkpointed block inputs in host memory until the backward (parallel/offload.py)
         self.offload = ActivationOffload() if activation_offload else None
         self.loss_chunk_tokens = loss_chunk_tokens
@@ -94,7 +100,7 @@ class GPTStage(nn.Module):
             if self.activation_checkpointing and self.training and self.offload is not None:
                 x = self.offload.checkpoint(block, x, cos, sin, mask)
             elif self.activation_checkpointing and self.training:
-                x = checkpoint(block, x, cos, sin, mask, use_reentrant=False)
+                x = checkpoint(block, x, cos, sin, mask, use_reentrant=False, context_fn=self.checkpoint_context)
             else:
                 x = block(x, cos, sin, mask, cache.layer(int(index)) if cache is not None else None)
         if cache is not None:

@@ -33,11 +33,11 @@ from dataclasses import dataclass, replace
 from typing import Iterator, Optional
 
 from megalysses.config import Config, ConfigError, ModelConfig
-from megalysses.config_checks import check_heads, validate_config
+from megalysses.config_checks import check_heads, check_kept_attention, validate_config
 from megalysses.config_io import load_config
-from megalysses.memory import (GIB, KERNELS, Estimate, Layout, Options, Precision, Workload, estimate, fmt_bytes,
-                               kv_replication, layer_params, layout_of, options_of, precision_for, stage_layers,
-                               stage_params, tiled, workload_of)
+from megalysses.memory import (GIB, KERNELS, Estimate, Layout, Options, Precision, Workload, attention_for, estimate,
+                               fmt_bytes, kv_replication, layer_params, layout_of, options_of, precision_for,
+                               stage_layers, stage_params, tiled, workload_of)
 from megalysses.training.metrics import flops_per_token
 
 
@@ -111,7 +111,8 @@ def step_time(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, wo
     if tiled(opts.mlp_chunk_tokens, layout, opts, work.seq_len):
         redo_mm += L * 2 * mlp * tokens * (2 if opts.activation_checkpointing else 1)
     mm = M * (3 * (fwd_mm + head) + redo_mm)
-    attn = M * fwd_attn * (4 if opts.activation_checkpointing else 3)
+    # forward, backward (twice the forward), and under checkpointing the recomputation, unless its output is kept
+    attn = M * fwd_attn * (4 if opts.activation_checkpointing and not opts.keep_attention else 3)
     compute = (mm / (hw.peak_tflops * 1e12 * hw.matmul_efficiency)
                + attn / (hw.peak_tflops * 1e12 * hw.attention_efficiency))
     passes = 3 if opts.activation_checkpointing else 2                   # forward, backward (+ recompute)
@@ -194,13 +195,15 @@ def candidate_configs(cfg: Config, gpus: int, offload: bool, gpus_per_node: int 
     """Every layout and memory-option combination of `cfg` on `gpus` ranks that its rules allow: tp, sp
     (split into ulysses x ring automatically: the largest Ulysses degree the heads allow, inside a node
     when one is, the rest a ring),
-    pp, virtual stages, checkpointing, MLP tiles (the config's size, else 8192 tokens), TP sequence
-    sharding, FSDP or ZeRO-1, and with host memory (`offload`) activation and optimizer offload. The LM
-    head + loss keeps the config's tile."""
+    pp, virtual stages, checkpointing (with attention outputs kept or recomputed), MLP tiles (the config's
+    size, else 8192 tokens), TP sequence sharding, FSDP or ZeRO-1, and with host memory (`offload`)
+    activation and optimizer offload. The LM head + loss keeps the config's tile."""
     m, t = cfg.model, cfg.training
     mlp_tile = t.mlp_chunk_tokens or 8192
     S = cfg.data.seq_len
-    activations = ((False, False), (True, False)) + (((True, True),) if offload else ())   # checkpointing, offload
+    # checkpointing, activation offload, attention outputs kept
+    activations = ((False, False, False), (True, False, False), (True, False, True)) + \
+        (((True, True, False),) if offload else ())
     states = ((False, False), (True, False)) + (((False, True),) if offload else ())        # FSDP, optimizer offload
     for tp in divisors(gpus):
         if tp > gpus_per_node:
@@ -212,13 +215,14 @@ def candidate_configs(cfg: Config, gpus: int, offload: bool, gpus_per_node: int 
                 options = itertools.product([1] + [x for x in (2, 4) if pp > 1], activations,
                                             sorted({0, mlp_tile if mlp_tile < S // sp else 0}),
                                             (False, True) if tp > 1 else (False,), states)
-                for v, (ckpt, offl), tile, tsp, (fsdp, opt_off) in options:
+                for v, (ckpt, offl, keep), tile, tsp, (fsdp, opt_off) in options:
                     yield replace(
                         cfg,
                         parallel=replace(cfg.parallel, tp=tp, sp=sp, sp_ring=0, pp=pp, virtual_stages=v,
                                          tp_sequence_parallel=tsp, fsdp=fsdp),
                         training=replace(t, activation_checkpointing=ckpt, activation_offload=offl,
-                                         optimizer_offload=opt_off, mlp_chunk_tokens=tile))
+                                         recompute_attention=not keep, optimizer_offload=opt_off,
+                                         mlp_chunk_tokens=tile))
 
 
 @dataclass
@@ -238,6 +242,7 @@ class Plan:
         return {"tp": layout.tp, "sp": layout.sp, "ring": layout.ring, "pp": layout.pp, "dp": layout.dp,
                 "virtual_stages": layout.virtual_stages, "micro_batches": workload_of(c, layout).micro_batches,
                 "activation_checkpointing": c.training.activation_checkpointing,
+                "recompute_attention": c.training.recompute_attention,
                 "activation_offload": c.training.activation_offload, "optimizer_offload": c.training.optimizer_offload,
                 "mlp_chunk_tokens": c.training.mlp_chunk_tokens, "loss_chunk_tokens": c.training.loss_chunk_tokens,
                 "tp_sequence_parallel": c.parallel.tp_sequence_parallel, "fsdp": c.parallel.fsdp,
@@ -275,6 +280,9 @@ def plan(cfg: Config, gpus: int, seq_len: int, gpu_memory_gib: float, host_memor
     for cand in candidate_configs(cfg, gpus, host_memory_gib is not None, hw.gpus_per_node):
         try:
             validate_config(cand, world_size=gpus)
+            if not cand.training.recompute_attention:
+                layout = layout_of(cand, gpus, min(gpus, hw.gpus_per_node))
+                check_kept_attention(cand, attention_for(cand, "cuda", layout.ring)[0], layout.ulysses, layout.ring)
         except ConfigError:
             continue
         considered += 1
@@ -294,6 +302,8 @@ def _flags(r: dict) -> str:
     parts = [name for key, name in (("activation_checkpointing", "ckpt"), ("activation_offload", "act-offload"),
                                     ("optimizer_offload", "opt-offload"), ("tp_sequence_parallel", "tp-seq"),
                                     ("fsdp", "fsdp")) if r[key]]
+    if r["activation_checkpointing"] and not r["recompute_attention"]:
+        parts.insert(1, "keep-attn")
     parts += [f"{name}{r[key] // 1024}k" if r[key] >= 1024 else f"{name}{r[key]}"
               for key, name in (("mlp_chunk_tokens", "mlp-tile"), ("loss_chunk_tokens", "loss-tile")) if r[key]]
     return ",".join(parts) or "-"

@@ -57,7 +57,8 @@ def build_model(cfg: Config, grid: ParallelGrid, device: torch.device, mesh: Dev
                              last=vs == V - 1, activation_checkpointing=cfg.training.activation_checkpointing,
                              loss_chunk_tokens=cfg.training.loss_chunk_tokens,
                              mlp_chunk_tokens=cfg.training.mlp_chunk_tokens,
-                             activation_offload=cfg.training.activation_offload)
+                             activation_offload=cfg.training.activation_offload,
+                             keep_attention=not cfg.training.recompute_attention)
         init_weights(chunk, cfg.training.seed, grid.tp_rank, grid.tp_size)
         if cfg.parallel.fsdp:
             shard_model(chunk, mesh["grad"], runtime.torch_dtype)

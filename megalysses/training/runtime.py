@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from megalysses.config import Config, ConfigError, ModelConfig
-from megalysses.config_checks import ulysses_ring
+from megalysses.config_checks import check_kept_attention, ulysses_ring
 from megalysses.grid import ParallelGrid
 from megalysses.kernels.attention import flash_attn_func, select_backend
 from megalysses.kernels.triton_support import choose_impl, triton_importable
@@ -81,6 +81,8 @@ def plan_runtime(cfg: Config, device: torch.device, grid: ParallelGrid | None = 
         where = f" (this layout runs ring attention: parallel.sp={p.sp} = ulysses {ulysses} x ring {ring})" \
             if ring > 1 else ""
         raise ConfigError(f"model.attention_backend={m.attention_backend}: {e}{where}") from None
+    if not t.recompute_attention:
+        check_kept_attention(cfg, backend, ulysses, ring)
     sequence = SequenceLayout(p.sp, ring, p.tp if p.tp_sequence_parallel else 1)
     probe = torch.empty(0, device=device)
     for impl in {"torch": [], "triton": ["triton"], "liger": ["liger"], "apex": ["apex", "triton"]}[m.kernels]:
@@ -112,7 +114,8 @@ def memory_options(cfg: Config) -> list[str]:
     t, p = cfg.training, cfg.parallel
     opts = ["FSDP2" if p.fsdp else "ZeRO-1"]
     if t.activation_checkpointing:
-        opts.append("activation checkpointing" + (" (inputs offloaded to host memory)" if t.activation_offload else ""))
+        opts.append("activation checkpointing" + (" (inputs offloaded to host memory)" if t.activation_offload else "")
+                    + ("" if t.recompute_attention else " (attention outputs kept)"))
     if t.optimizer_offload:
         opts.append("optimizer state and update on the host")
     if t.mlp_chunk_tokens:
