@@ -13,7 +13,8 @@ AdamW (lr 3e-4, betas 0.9/0.95, weight decay 0.1 on matrices) and gradient clipp
   - liger: the same, after liger_kernel's apply_liger_kernel_to_llama (RMSNorm, RoPE, SwiGLU, fused
     linear cross-entropy), when liger-kernel is installed.
 At each length each trainer takes the first of its settings that fits (fastest first: nothing, then
-activation checkpointing, then for megalysses tiled MLP), so every row is that trainer's best.
+activation checkpointing (for megalysses first keeping the attention outputs, then not), then for
+megalysses tiled MLP), so every row is that trainer's best.
 Then the longest trainable sequence of each is found by bisection (one step at the most memory-saving
 settings, in multiples of 8K); a probe that times out or fails for a reason other than memory ends the
 search with the interval it has, since it says nothing about where memory runs out.
@@ -42,8 +43,9 @@ LR, WD, BETAS, EPS, CLIP = 3e-4, 0.1, (0.9, 0.95), 1e-8, 1.0
 LLAMA_1B = dict(vocab=128256, hidden=2048, layers=16, heads=32, kv_heads=8, ffn=8192, tied=True, theta=500000.0)
 SMOKE = dict(vocab=512, hidden=64, layers=2, heads=4, kv_heads=2, ffn=160, tied=True, theta=10000.0)
 FRAMEWORKS = ("megalysses", "transformers", "liger")
-# fastest first; a trainer takes the first that fits
-SETTINGS = {"megalysses": [{}, {"ckpt": True}, {"ckpt": True, "tiled_mlp": True}],
+# fastest first; a trainer takes the first that fits. keep_attn: checkpointing keeps the attention outputs
+# (training.recompute_attention=false; where attention runs on SDPA, else the setting is plain checkpointing)
+SETTINGS = {"megalysses": [{}, {"ckpt": True, "keep_attn": True}, {"ckpt": True}, {"ckpt": True, "tiled_mlp": True}],
             "transformers": [{}, {"ckpt": True}], "liger": [{}, {"ckpt": True}]}
 
 
@@ -74,7 +76,8 @@ def _megalysses_step(shape: dict, seq: int, opts: dict, device, dtype) -> Callab
     cfg = dataclasses.replace(cfg, kernels=kernels, attention_backend=backend)
     with torch.device(device):
         model = GPTStage(cfg, activation_checkpointing=bool(opts.get("ckpt")),
-                         mlp_chunk_tokens=seq // 8 if opts.get("tiled_mlp") else 0)
+                         mlp_chunk_tokens=seq // 8 if opts.get("tiled_mlp") else 0,
+                         keep_attention=bool(opts.get("keep_attn")) and backend == "sdpa")
     init_weights(model, seed=0)
     opt = ShardedAdamW(model.named_parameters(), None, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
     model.to(dtype)
