@@ -44,17 +44,17 @@ def backward_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precisio
                                 if t[0].startswith("MLP norm") and "input" in t[0] or t[0] == "MLP norm 1/rms"])
     norm_temps = norm_backward_bytes(m, opts, prec) * h / r
     assembly = (k.qkv_grad_buffers * d["qkv"] + (3 * (q + 2 * kv) if d["P"] > 1 else 0)) * a
-    moments = {mlp_name: (bytes_per_token(full), mlp),
-               core_name: (attn_half, core),
-               "MLP norm: its backward's temporaries": (attn_half + mlp_norm, norm_temps),
+    # with the attention output and LSE kept, those of the moments past attention are retained, not recomputed
+    kept = bytes_per_token(kept_attention_terms(m, layout, opts, prec))
+    moments = {mlp_name: (bytes_per_token(full) - kept, mlp),
+               core_name: (attn_half - kept, core),
+               "MLP norm: its backward's temporaries": (attn_half + mlp_norm - kept, norm_temps),
                "QKV: the output's gradient" + (", the all-to-all's buffers" if d["P"] > 1 else ""):
                    (before_core, assembly)}
     name, (alive, grads) = max(moments.items(), key=lambda kv_: sum(kv_[1]))
     offloaded = opts.activation_offload and opts.activation_checkpointing
     if opts.activation_checkpointing and not offloaded and norm_keeps_block_input(m, opts, prec):
         alive -= h / r * a                 # the norm's input is the retained block input itself
-    if name != "QKV: the output's gradient" + (", the all-to-all's buffers" if d["P"] > 1 else ""):
-        alive -= bytes_per_token(kept_attention_terms(m, layout, opts, prec))   # kept, not recomputed: retained
     what = "recomputed" if opts.activation_checkpointing else "own"
     terms = [] if not opts.activation_checkpointing else [
         Term(f"the layer's {what} activations (at its worst moment)", tokens * alive,
