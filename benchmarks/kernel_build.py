@@ -90,12 +90,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="compute dtype of the step")
     p.add_argument("--json", default=None, help="also write the rows and versions here")
     args = p.parse_args(argv)
+    import importlib
+
     import torch
     import triton
 
+    from megalysses.kernels.cuda_build import KERNEL_MODULES
+
     rows = [r for c in args.config for r in build_rows(c, args.dtype, args.arch)]
     info = {"commit": commit(), "triton": triton.__version__, "torch": torch.__version__,
-            "python": platform.python_version(), "dtype": args.dtype}
+            "python": platform.python_version(), "dtype": args.dtype,
+            "launched": sorted(k for m in KERNEL_MODULES for k in importlib.import_module(m).LAUNCHED)}
     print(f"Triton {info['triton']}, torch {info['torch']}, {args.dtype}, commit {info['commit']}")
     print(table(rows))
     bad = [r for r in rows if failed(r)]
