@@ -13,21 +13,18 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from megalysses.config import ConfigError
 from megalysses.config_io import load_config
-from megalysses.grid import ParallelGrid
 from megalysses.model.recompute import attention_kernels
 from megalysses.testing import run_distributed
 from megalysses.training.runtime import memory_options, plan_runtime
+from tests.test_offload import BASE
+from tests.test_offload import one_step as offload_step
 
-BASE = ["data.mock=true", "data.seq_len=32", "model.vocab_size=128", "model.hidden_size=64", "model.num_layers=3",
-        "model.num_heads=8", "model.num_kv_heads=2", "model.attention_backend=sdpa", "training.micro_batch_size=1",
-        "training.global_batch_size=4", "training.train_steps=2", "training.activation_checkpointing=true",
-        "parallel.grad_bucket_elements=5000", "parallel.timeout_seconds=60", "data.document_mask=true"]
-LAYOUTS = {   # name: (overrides on 4 ranks, layers x micro-batches on one rank)
+LAYOUTS = {   # name: (overrides on 4 ranks of test_offload.py's 4-layer model, layers x micro-batches a rank runs)
     "tp2 sp2, TP sequence sharding, tiled MLP and loss": (
         ["parallel.tp=2", "parallel.sp=2", "parallel.tp_sequence_parallel=true", "training.mlp_chunk_tokens=4",
-         "training.loss_chunk_tokens=4"], 3 * 4),
-    "pp2 dp2, 1F1B, bf16": (["parallel.pp=2", "training.dtype=bfloat16", "model.num_layers=4"], 2 * 2),
-    "sp4 (KV heads replicated), dp FSDP": (["parallel.sp=4", "parallel.fsdp=true"], 3 * 4),
+         "training.loss_chunk_tokens=4"], 4 * 4),
+    "pp2 dp2, 1F1B, bf16": (["parallel.pp=2", "training.dtype=bfloat16"], 2 * 2),
+    "sp4 (KV heads replicated), dp FSDP": (["parallel.sp=4", "parallel.fsdp=true"], 4 * 4),
 }
 
 
@@ -45,35 +42,10 @@ class CountAttention(TorchDispatchMode):
 
 
 def one_step(overrides: list[str], world: int) -> dict:
-    """One training step of a run: its loss, the reduced gradients (this rank's fp32 shards, before the
-    update) and how many times the attention kernel ran."""
-    from megalysses.training import loop
-    from megalysses.training.data import TrainingData
-    from megalysses.training.step import train_step
-
-    cfg = load_config(overrides=BASE + overrides)
-    device = torch.device("cpu")
-    grid = ParallelGrid.for_config(cfg) if world > 1 else ParallelGrid.single()
-    runtime = plan_runtime(cfg, device, grid)
-    model, opt = loop.build_model_and_optimizer(cfg, grid, device, runtime)
-    got = {}
-
-    def capture(max_norm: float) -> float:        # the optimizer's step, up to the update
-        if cfg.parallel.fsdp:
-            got["grads"] = {n: q.grad.to_local().clone() for n, q in model.named_parameters()}
-        else:
-            opt.reduce_gradients()
-            got["grads"] = {s.name: s.master.grad.clone() for s in opt.slots if s.master is not None}
-        norm = opt.grad_norm().item()
-        opt.zero_grad()
-        return norm
-
-    opt.step = capture
-    batches = next(TrainingData(cfg, grid, device).train_batches(0))
+    """tests/test_offload.py's training step (its loss and reduced gradients), counting the attention kernel."""
     with CountAttention() as counter:
-        result = train_step(model, opt, batches, grid, lr=1e-3, grad_clip=1.0, dtype=runtime.torch_dtype)
-    got.update(loss=result.loss, calls=sum(counter.calls.values()))
-    return got
+        got = offload_step(overrides, world)
+    return dict(got, calls=sum(counter.calls.values()))
 
 
 def _worker(rank: int, world: int) -> dict:
