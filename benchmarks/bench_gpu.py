@@ -44,7 +44,7 @@ LLAMA_1B = dict(vocab=128256, hidden=2048, layers=16, heads=32, kv_heads=8, ffn=
 SMOKE = dict(vocab=512, hidden=64, layers=2, heads=4, kv_heads=2, ffn=160, tied=True, theta=10000.0)
 FRAMEWORKS = ("megalysses", "transformers", "liger")
 # fastest first; a trainer takes the first that fits. keep_attn: checkpointing keeps the attention outputs
-# (training.recompute_attention=false; where attention runs on SDPA, else the setting is plain checkpointing)
+# (training.recompute_attention=false), tried only where attention runs on SDPA (settings_of)
 SETTINGS = {"megalysses": [{}, {"ckpt": True, "keep_attn": True}, {"ckpt": True}, {"ckpt": True, "tiled_mlp": True}],
             "transformers": [{}, {"ckpt": True}], "liger": [{}, {"ckpt": True}]}
 
@@ -56,6 +56,15 @@ def _model_config(shape: dict):
     return ModelConfig(vocab_size=shape["vocab"], hidden_size=shape["hidden"], num_layers=shape["layers"],
                        num_heads=shape["heads"], num_kv_heads=shape["kv_heads"], ffn_hidden_size=shape["ffn"],
                        tie_embeddings=shape["tied"], rope_theta=shape["theta"])
+
+
+def settings_of(framework: str, shape: dict, device, dtype) -> list[dict]:
+    """SETTINGS[framework], less keeping attention outputs where megalysses' attention is not SDPA."""
+    from megalysses.kernels.attention import select_backend
+
+    head_dim = shape["hidden"] // shape["heads"]
+    sdpa = select_backend("auto", device, dtype, head_dim, has_docs=False)[0] == "sdpa"
+    return [s for s in SETTINGS[framework] if sdpa or not s.get("keep_attn")]
 
 
 def _megalysses_step(shape: dict, seq: int, opts: dict, device, dtype) -> Callable:
@@ -77,7 +86,7 @@ def _megalysses_step(shape: dict, seq: int, opts: dict, device, dtype) -> Callab
     with torch.device(device):
         model = GPTStage(cfg, activation_checkpointing=bool(opts.get("ckpt")),
                          mlp_chunk_tokens=seq // 8 if opts.get("tiled_mlp") else 0,
-                         keep_attention=bool(opts.get("keep_attn")) and backend == "sdpa")
+                         keep_attention=bool(opts.get("keep_attn")))
     init_weights(model, seed=0)
     opt = ShardedAdamW(model.named_parameters(), None, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
     model.to(dtype)
@@ -302,6 +311,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     longest_max = args.longest_max or (512 if args.smoke else 1 << 20)
     device = torch.cuda.get_device_name() if on_gpu else "cpu"
     skipped = {f: available(f) for f in args.frameworks}
+    settings = {f: settings_of(f, SMOKE if args.smoke else LLAMA_1B, torch.device("cuda" if on_gpu else "cpu"),
+                               torch.bfloat16 if on_gpu else torch.float32) for f in args.frameworks}
     rows, longest = [], {}
     start = time.time()
     deadline = start + args.time_budget if args.time_budget else float("inf")
@@ -313,7 +324,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         for fw in args.frameworks:
             if skipped[fw]:
                 continue
-            for opts in SETTINGS[fw]:
+            for opts in settings[fw]:
                 key = (fw, json.dumps(opts))
                 if seq >= oom_from.get(key, float("inf")):      # out of memory at a shorter length already
                     continue
@@ -330,12 +341,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                     break
                 oom_from[key] = seq
             else:
-                rows.append({"framework": fw, "seq_len": seq, "options": SETTINGS[fw][-1], "fits": False})
+                rows.append({"framework": fw, "seq_len": seq, "options": settings[fw][-1], "fits": False})
     if not args.no_longest:
         for fw in args.frameworks:
             if skipped[fw]:
                 continue
-            opts = SETTINGS[fw][-1]
+            opts = settings[fw][-1]
             # a length that trained with lighter settings fits with the most memory-saving ones: no probe
             known = max([r["seq_len"] for r in rows if r["framework"] == fw and r.get("fits")], default=0)
 

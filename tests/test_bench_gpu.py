@@ -94,3 +94,17 @@ def test_time_budget_ends_the_run_with_what_it_has(tmp_path):
         (64, "timed out"), (128, "not run: the time budget ended")]
     assert result["longest"] == {"megalysses": {"good": None, "bad": None, "stopped": "time budget"}}
     assert "not searched (the time budget ended first)" in (tmp_path / "gpu_smoke.md").read_text()
+
+
+def test_kept_attention_is_tried_only_where_attention_runs_on_sdpa(monkeypatch):
+    import torch
+
+    from megalysses.kernels import attention
+
+    cpu = bench_gpu.settings_of("megalysses", bench_gpu.LLAMA_1B, torch.device("cpu"), torch.float32)
+    assert cpu == bench_gpu.SETTINGS["megalysses"] and any(s.get("keep_attn") for s in cpu)
+    monkeypatch.setattr(attention, "select_backend", lambda *a, **k: ("flash", "installed"))
+    flash = bench_gpu.settings_of("megalysses", bench_gpu.LLAMA_1B, torch.device("cpu"), torch.float32)
+    assert flash and not any(s.get("keep_attn") for s in flash)
+    assert bench_gpu.settings_of("liger", bench_gpu.LLAMA_1B, torch.device("cpu"), torch.float32) == \
+        bench_gpu.SETTINGS["liger"]

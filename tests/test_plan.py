@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from megalysses.config import ModelConfig
+from megalysses.config import ConfigError, ModelConfig
 from megalysses.config_checks import ulysses_ring, validate_config
 from megalysses.config_io import load_config
 from megalysses.memory import PRECISIONS, Layout, Options, Workload, longest_sequence
@@ -210,3 +210,8 @@ def test_kept_attention_is_planned_with_sdpa_faster_for_more_memory():
             plan_runtime(p.cfg, torch.device("cpu"))      # the run accepts what is planned
     flash = _load("configs/gpt_1b_1m_offload.yaml", **sets, **{"model.attention_backend": "flash"})
     assert all(p.cfg.training.recompute_attention for p in plan(flash, 1, 131072, 80)[0])
+    # a config that asks for it where the run refuses it is not reported as fitting
+    flash_kept = replace(flash, training=replace(flash.training, activation_checkpointing=True,
+                                                 recompute_attention=False))
+    with pytest.raises(ConfigError, match="model.attention_backend=sdpa"):
+        evaluate(flash_kept, 1, 80, None, Hardware())

@@ -6,6 +6,7 @@ recomputation bit for bit, and the attention kernel runs once per layer and micr
 instead of twice. What it keeps is checked against the memory model in tests/test_memory_model.py;
 layouts it cannot serve are config errors."""
 import collections
+import warnings
 
 import pytest
 import torch
@@ -83,3 +84,25 @@ def test_the_start_up_line_says_what_checkpointing_keeps():
     cfg = load_config(overrides=BASE + ["training.recompute_attention=false"])
     assert "activation checkpointing (attention outputs kept)" in memory_options(cfg)
     assert "activation checkpointing" in memory_options(load_config(overrides=BASE))
+
+
+def test_a_forward_that_keeps_nothing_warns_once():
+    """SDPA's math path (here forced) is not one kernel: nothing is kept, the backward recomputes attention
+    as with full checkpointing, and the run is told so once."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from megalysses.model.gpt import GPTStage
+    from tests.test_memory_model import small_model
+
+    torch.manual_seed(0)
+    model = GPTStage(small_model(), activation_checkpointing=True, keep_attention=True)
+    ids = torch.randint(0, 256, (1, 32))
+    pos = torch.arange(32)[None]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(ids, pos, labels=ids).backward()                      # the fused CPU kernel: kept, no warning
+    with sdpa_kernel(SDPBackend.MATH), pytest.warns(RuntimeWarning, match="kept nothing"):
+        model(ids, pos, labels=ids).backward()
+    with sdpa_kernel(SDPBackend.MATH), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(ids, pos, labels=ids).backward()                      # once

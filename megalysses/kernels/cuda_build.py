@@ -2,8 +2,9 @@
 
 record_step: one forward and backward of a one-block model of a config's shapes, on the host, inside
 triton_support.planning_for_gpu: each Triton launch is recorded (kernel, grid, argument types, block
-sizes, warps) instead of run, with the grid and blocks planned as on the GPU. apply_rope, the public
-rotary op that the block's fused rope_qkv replaces, is recorded too, at the block's query shape.
+sizes, warps, and the hints Triton's JIT derives from argument values) instead of run, with the grid
+and blocks planned as on the GPU. apply_rope, the public rotary op that the block's fused rope_qkv
+replaces, is recorded too, at the block's query shape.
 
 build: one recorded launch compiled by Triton for a compute capability (PTX, then a cubin through the
 ptxas that Triton ships), and the cubin's registers per thread, stack bytes (register spills) and
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib
 import inspect
 import os
@@ -36,8 +38,6 @@ KERNEL_MODULES = ("megalysses.kernels.rms_norm_triton", "megalysses.kernels.rope
 # shared memory one block may use, by compute capability (CUDA programming guide, "compute capabilities")
 MAX_SHARED_BYTES = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
 H100_SMS = 132
-_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64",
-          torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +45,8 @@ class Launch:
     kernel: Any                        # triton JITFunction
     grid: tuple
     signature: dict[str, str]          # parameter -> Triton type ("*bf16", "i32", "fp32", "constexpr")
-    constexprs: dict[str, Any]
+    constexprs: dict[str, Any]         # the constexpr parameters, and integer arguments equal to 1
+    attrs: dict[tuple, list]           # (argument index,) -> hints, e.g. [["tt.divisibility", 16]]
     options: dict[str, Any]            # num_warps, num_stages, ... as launched
 
     @property
@@ -55,7 +56,7 @@ class Launch:
     def key(self) -> tuple:
         """Launches with equal keys compile to the same binary."""
         return (self.name, tuple(self.signature.items()), tuple(self.constexprs.items()),
-                tuple(sorted(self.options.items())))
+                tuple(sorted((k, str(v)) for k, v in self.attrs.items())), tuple(sorted(self.options.items())))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,30 +75,38 @@ class Build:
         return self.shared_bytes <= MAX_SHARED_BYTES.get(self.arch, min(MAX_SHARED_BYTES.values()))
 
 
-def _type_of(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        return "*" + _TYPES[value.dtype]
-    if isinstance(value, bool):
-        return "i1"
-    if isinstance(value, int):
-        return "i32" if -2**31 <= value < 2**31 else "i64"
-    if isinstance(value, float):
-        return "fp32"
-    raise TypeError(f"cannot type a kernel argument of type {type(value).__name__}")
+@functools.lru_cache(maxsize=1)
+def _cuda_backend() -> Any:
+    import triton.compiler
+    from triton.backends.compiler import GPUTarget
+
+    return triton.compiler.make_backend(GPUTarget("cuda", 90, 32))
 
 
 def _launch(kernel: Any, grid: tuple, args: tuple, kwargs: dict) -> Launch:
+    """The launch as Triton's JIT specialises it on a GPU: argument types, and the hints it derives from
+    the values (pointers and integers divisible by 16; an integer equal to 1 becomes a constant). Tensors
+    here are on the meta device, whose address 0 passes for the alignment a fresh CUDA allocation has."""
+    from triton._C.libtriton import native_specialize_impl
+
+    backend = _cuda_backend()
     names = [p.name for p in kernel.params]
     options = {k: v for k, v in kwargs.items() if k not in names}
     bound = inspect.signature(kernel.fn).bind(*args, **{k: v for k, v in kwargs.items() if k in names})
-    signature, constexprs = {}, {}
-    for p in kernel.params:
+    signature, constexprs, attrs = {}, {}, {}
+    for i, p in enumerate(kernel.params):
         value = bound.arguments[p.name]
         if p.is_constexpr:
             signature[p.name], constexprs[p.name] = "constexpr", value
-        else:
-            signature[p.name] = _type_of(value)
-    return Launch(kernel, tuple(grid), signature, constexprs, options)
+            continue
+        kind, hint = native_specialize_impl(backend, value, False, not p.do_not_specialize,
+                                            not p.do_not_specialize_on_alignment)
+        signature[p.name] = kind
+        if kind == "constexpr":
+            constexprs[p.name] = hint
+        elif isinstance(hint, str):
+            attrs[(i,)] = backend.parse_attr(hint)
+    return Launch(kernel, tuple(grid), signature, constexprs, attrs, options)
 
 
 class _Recorder:
@@ -184,7 +193,7 @@ def build(launch: Launch, arch: int) -> Build:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    src = ASTSource(fn=launch.kernel, signature=launch.signature, constexprs=launch.constexprs)
+    src = ASTSource(fn=launch.kernel, signature=launch.signature, constexprs=launch.constexprs, attrs=launch.attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(launch.options))
     registers, stack = _resources(compiled.asm["cubin"], arch)
     pointers = ",".join(t[1:] for t in launch.signature.values() if t.startswith("*"))

@@ -74,9 +74,12 @@ def _rms_norm_bwd(DY, X, W, RSTD, DX, DW_PARTIAL, DRES, n_rows, n_cols, BLOCK: t
     tl.store(DW_PARTIAL + pid * n_cols + cols, dw, mask=in_row)
 
 
-def _launch_config(n_cols: int) -> tuple[int, int]:
+def _launch_config(n_cols: int, backward: bool = False) -> tuple[int, int]:
+    """(block, warps): a warp per 256 columns in the forward, per 128 in the backward, which holds more per
+    column (x, dy, dx, the weight's gradient); at 8 warps for 2048 columns it spilled a register on sm_80
+    (benchmarks/kernel_build.py)."""
     block = triton.next_power_of_2(n_cols)
-    return block, min(max(block // 256, 1), 16)
+    return block, min(max(block // (128 if backward else 256), 1), 16)
 
 
 class RMSNormTriton(torch.autograd.Function):
@@ -106,7 +109,7 @@ class RMSNormTriton(torch.autograd.Function):
         n_rows, n_cols = x2.shape
         dy2 = dy.reshape(-1, n_cols).contiguous()
         dx = torch.empty_like(x2)
-        block, warps = _launch_config(n_cols)
+        block, warps = _launch_config(n_cols, backward=True)
         grid = (num_programs(n_rows, x2.device),)
         dw_partial = torch.empty(grid[0], n_cols, dtype=torch.float32, device=x2.device)
         _rms_norm_bwd[grid](dy2, x2, w, rstd, dx, dw_partial, dx, n_rows, n_cols, BLOCK=block, HAS_DRES=False,
@@ -143,7 +146,7 @@ class AddRMSNormTriton(torch.autograd.Function):
         dy2 = dy.reshape(-1, n_cols).contiguous()
         dr2 = dr.reshape(-1, n_cols).contiguous()
         dx = torch.empty_like(r)
-        block, warps = _launch_config(n_cols)
+        block, warps = _launch_config(n_cols, backward=True)
         grid = (num_programs(n_rows, r.device),)
         dw_partial = torch.empty(grid[0], n_cols, dtype=torch.float32, device=r.device)
         _rms_norm_bwd[grid](dy2, r, w, rstd, dx, dw_partial, dr2, n_rows, n_cols, BLOCK=block, HAS_DRES=True,

@@ -55,9 +55,10 @@ def _rope_kernel(X, COS, SIN, Y, n_tokens, n_heads, head_dim,
 
 
 def _num_warps(tile: int) -> int:
-    """Warps for a (heads or slots) x half-head-dim tile of `tile` elements: at most 4 elements a thread.
-    With 4 warps the fused qkv kernel spills registers at 64 x 32 (Llama-3.2-1B) and at 64 x 64 (Llama-3-8B);
-    benchmarks/kernel_build.py shows registers and spills per shape."""
+    """Warps for a (heads or slots) x half-head-dim tile of `tile` elements: one per 128 elements, 4 to 16.
+    At Triton's default of 4 the fused qkv kernel takes 165-189 registers a thread at the Llama-3-8B shape
+    (two 4-warp programs resident per SM); at 16, 64-78 (one 16-warp program: twice the warps in flight).
+    benchmarks/kernel_build.py shows registers per shape; the speed of either is unmeasured."""
     return min(16, max(4, tile // 128))
 
 

@@ -24,7 +24,7 @@ from megalysses.config import ModelConfig
 from megalysses.kernels.rope import rope_cos_sin
 from megalysses.model.kv_cache import KVCache
 from megalysses.model.layers import Block, Norm, ParallelGroups
-from megalysses.model.recompute import checkpoint_context
+from megalysses.model.recompute import KeptAttention, checkpoint_context
 from megalysses.kernels.linear_cross_entropy import linear_cross_entropy
 from megalysses.parallel.offload import ActivationOffload
 from megalysses.parallel.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding, column_parallel_linear
@@ -103,6 +103,8 @@ class GPTStage(nn.Module):
                 x = checkpoint(block, x, cos, sin, mask, use_reentrant=False, context_fn=self.checkpoint_context)
             else:
                 x = block(x, cos, sin, mask, cache.layer(int(index)) if cache is not None else None)
+        if isinstance(self.checkpoint_context, KeptAttention) and self.training and torch.is_grad_enabled():
+            self.checkpoint_context.check()
         if cache is not None:
             cache.advance(x.shape[1])
         if not self.last:

@@ -256,8 +256,11 @@ class Plan:
 
 
 def evaluate(cfg: Config, gpus: int, gpu_memory_gib: float, host_memory_gib: Optional[float], hw: Hardware) -> Plan:
-    """Memory, fit and step time of `cfg` at its own layout, options and kernels on `gpus` GPUs."""
+    """Memory, fit and step time of `cfg` at its own layout, options and kernels on `gpus` GPUs. ConfigError
+    for what the run itself would refuse at that layout (kept attention outputs without SDPA, say)."""
     layout = layout_of(cfg, gpus, min(gpus, hw.gpus_per_node))      # sp split as the run splits it on these nodes
+    if not cfg.training.recompute_attention:
+        check_kept_attention(cfg, attention_for(cfg, "cuda", layout.ring)[0], layout.ulysses, layout.ring)
     est = estimate(cfg.model, layout, options_of(cfg, "cuda", layout.ring), precision_for(cfg),
                    workload_of(cfg, layout))
     offloaded = sum(t.bytes for t in est.terms if t.host and t.name.startswith("offloaded"))
@@ -280,15 +283,12 @@ def plan(cfg: Config, gpus: int, seq_len: int, gpu_memory_gib: float, host_memor
     for cand in candidate_configs(cfg, gpus, host_memory_gib is not None, hw.gpus_per_node):
         try:
             validate_config(cand, world_size=gpus)
-            if not cand.training.recompute_attention:
-                layout = layout_of(cand, gpus, min(gpus, hw.gpus_per_node))
-                check_kept_attention(cand, attention_for(cand, "cuda", layout.ring)[0], layout.ulysses, layout.ring)
         except ConfigError:
             continue
         considered += 1
         try:
             p = evaluate(cand, gpus, gpu_memory_gib, host_memory_gib, hw)
-        except ValueError:        # a combination the memory model does not cover (it says which): not planned
+        except ValueError:        # one the memory model does not cover, or the run refuses (it says which): not planned
             continue
         if p.fits:
             fitting.append(p)
