@@ -25,6 +25,8 @@ LAYOUTS = {   # name: (overrides on 4 ranks of test_offload.py's 4-layer model, 
         ["parallel.tp=2", "parallel.sp=2", "parallel.tp_sequence_parallel=true", "training.mlp_chunk_tokens=4",
          "training.loss_chunk_tokens=4"], 4 * 4),
     "pp2 dp2, 1F1B, bf16": (["parallel.pp=2", "training.dtype=bfloat16"], 2 * 2),
+    "pp2 dp2, interleaved (2 chunks per rank), tied embeddings": (
+        ["parallel.pp=2", "parallel.virtual_stages=2", "model.tie_embeddings=true"], 2 * 2),
     "sp4 (KV heads replicated), dp FSDP": (["parallel.sp=4", "parallel.fsdp=true"], 4 * 4),
 }
 
