@@ -362,9 +362,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             longest[fw] = {"good": good, "bad": bad, "stopped": stopped}
             print(f"  longest {fw}: {longest_text(good, bad, quantum, longest_max, stopped)}", flush=True)
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
-    versions = {"torch": torch.__version__, "cuda": torch.version.cuda, "commit": commit or None,
+    from megalysses.training.runtime import source_commit
+
+    versions = {"torch": torch.__version__, "cuda": torch.version.cuda, "commit": source_commit(),
                 "python": platform.python_version()}
     try:
         import triton

@@ -46,6 +46,7 @@ from megalysses.config import Config, ConfigError  # noqa: E402
 from megalysses.config_checks import validate_config  # noqa: E402
 from megalysses.config_io import load_config  # noqa: E402
 from megalysses.memory import GIB, estimate_config, fmt_bytes  # noqa: E402
+from megalysses.training.runtime import source_commit  # noqa: E402
 
 SMOKE = ["model.vocab_size=256", "model.hidden_size=64", "model.num_layers=4", "model.num_heads=4",
          "model.num_kv_heads=2", "model.ffn_hidden_size=160", "model.attention_backend=sdpa", "model.kernels=torch",
@@ -161,14 +162,6 @@ def targets(rows: list[dict]) -> dict:
     return out
 
 
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def write_json(out: Path, record: dict) -> None:
     """Replace `out` in one step, so a run stopped while writing still leaves the previous rows."""
     tmp = out.with_name(out.name + ".tmp")
@@ -213,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     name = torch.cuda.get_device_name().replace(" ", "_") if not args.smoke else "cpu"
     out = Path(args.json) if args.json else ROOT / "benchmarks" / "results" / f"memory_{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    record = {"config": args.config, "overrides": overrides, "device": name, "commit": commit(),
+    record = {"config": args.config, "overrides": overrides, "device": name, "commit": source_commit() or "unknown",
               "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version()}
     print(f"{'seq_len':>9} {'predicted':>11} {'measured':>11} {'error':>7} {'host':>10} {'step s':>8} {'tok/s':>9} "
           f"{'MFU':>6}  phase", flush=True)

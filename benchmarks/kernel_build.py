@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import subprocess
 import sys
 from pathlib import Path
 
@@ -29,14 +28,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 DEFAULT_CONFIGS = ("configs/gpt_1b_1m_offload.yaml", "configs/llama3_8b_128k.yaml")
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def build_rows(config: str, dtype: str, archs: list[int]) -> list[dict]:
@@ -96,9 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     import triton
 
     from megalysses.kernels.cuda_build import KERNEL_MODULES
+    from megalysses.training.runtime import source_commit
 
     rows = [r for c in args.config for r in build_rows(c, args.dtype, args.arch)]
-    info = {"commit": commit(), "triton": triton.__version__, "torch": torch.__version__,
+    info = {"commit": source_commit() or "unknown", "triton": triton.__version__, "torch": torch.__version__,
             "python": platform.python_version(), "dtype": args.dtype,
             "launched": sorted(k for m in KERNEL_MODULES for k in importlib.import_module(m).LAUNCHED)}
     print(f"Triton {info['triton']}, torch {info['torch']}, {args.dtype}, commit {info['commit']}")

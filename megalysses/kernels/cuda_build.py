@@ -1,7 +1,7 @@
 """Build the Triton kernels a training step launches for a CUDA GPU, on any machine, GPU or not.
 
 record_step: one forward and backward of a one-block model of a config's shapes, on the host, inside
-triton_support.planning_for_gpu: each Triton launch is recorded (kernel, grid, argument types, block
+triton_support.planning_for_gpu: each Triton launch is recorded (kernel, argument types, block
 sizes, warps, and the hints Triton's JIT derives from argument values) instead of run, with the grid
 and blocks planned as on the GPU. apply_rope, the public rotary op that the block's fused rope_qkv
 replaces, is recorded too, at the block's query shape.
@@ -43,7 +43,6 @@ H100_SMS = 132
 @dataclasses.dataclass(frozen=True)
 class Launch:
     kernel: Any                        # triton JITFunction
-    grid: tuple
     signature: dict[str, str]          # parameter -> Triton type ("*bf16", "i32", "fp32", "constexpr")
     constexprs: dict[str, Any]         # the constexpr parameters, and integer arguments equal to 1
     attrs: dict[tuple, list]           # (argument index,) -> hints, e.g. [["tt.divisibility", 16]]
@@ -64,7 +63,6 @@ class Build:
     kernel: str
     arch: int
     pointers: str                      # the pointer arguments' element types, in order
-    constexprs: dict[str, Any]
     num_warps: int
     registers: int                     # per thread
     spill_bytes: int                   # stack frame per thread: registers spilled to local memory
@@ -83,7 +81,7 @@ def _cuda_backend() -> Any:
     return triton.compiler.make_backend(GPUTarget("cuda", 90, 32))
 
 
-def _launch(kernel: Any, grid: tuple, args: tuple, kwargs: dict) -> Launch:
+def _launch(kernel: Any, args: tuple, kwargs: dict) -> Launch:
     """The launch as Triton's JIT specialises it on a GPU: argument types, and the hints it derives from
     the values (pointers and integers divisible by 16; an integer equal to 1 becomes a constant). Tensors
     here are on the meta device, whose address 0 passes for the alignment a fresh CUDA allocation has."""
@@ -106,7 +104,7 @@ def _launch(kernel: Any, grid: tuple, args: tuple, kwargs: dict) -> Launch:
             constexprs[p.name] = hint
         elif isinstance(hint, str):
             attrs[(i,)] = backend.parse_attr(hint)
-    return Launch(kernel, tuple(grid), signature, constexprs, attrs, options)
+    return Launch(kernel, signature, constexprs, attrs, options)
 
 
 class _Recorder:
@@ -117,7 +115,7 @@ class _Recorder:
 
     def __getitem__(self, grid: tuple):
         def launch(*args, **kwargs):
-            self.launches.append(_launch(self.kernel, grid, args, kwargs))
+            self.launches.append(_launch(self.kernel, args, kwargs))
         return launch
 
 
@@ -197,7 +195,7 @@ def build(launch: Launch, arch: int) -> Build:
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(launch.options))
     registers, stack = _resources(compiled.asm["cubin"], arch)
     pointers = ",".join(t[1:] for t in launch.signature.values() if t.startswith("*"))
-    return Build(launch.name, arch, pointers, dict(launch.constexprs), compiled.metadata.num_warps, registers,
+    return Build(launch.name, arch, pointers, compiled.metadata.num_warps, registers,
                  stack, compiled.metadata.shared)
 
 
