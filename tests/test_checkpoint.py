@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megalysses.testing import DistributedTestError, run_distributed
-from test_training_parity import _train_worker, full_weights, losses, rel
+from test_training_parity import BASE, _train_worker, full_weights, losses, rel
 
 SIX = ["training.train_steps=6", "optimizer.warmup_steps=2"]
 TP2SP2 = ["parallel.tp=2", "parallel.sp=2"]
@@ -134,6 +134,84 @@ def test_fsdp_resume_and_interchange_with_zero1(tmp_path):
             assert abs(a - b) <= 1e-5 * abs(b), f"{run.name}: loss {a} != {b}"
         bad = {n: rel(w[n], ref) for n, ref in weights[0].items() if rel(w[n], ref) > 1e-5}
         assert not bad, f"{run.name}: resumed weights differ: {bad}"
+
+
+def _train(run_dir, *overrides):
+    from megalysses.config_io import load_config
+    from megalysses.grid import ParallelGrid
+    from megalysses.training import loop
+
+    cfg = load_config(overrides=BASE + ["training.eval_interval=0", f"logging.run_dir={run_dir}", *overrides])
+    return loop.train(cfg, ParallelGrid.for_config(cfg), torch.device("cpu"))
+
+
+def _rng_worker(rank, world, run_dir):
+    """Train one step (saved with the RNG state), reseed, and train again: the second run only loads."""
+    torch.manual_seed(123)
+    _train(run_dir, "training.train_steps=1")
+    saved = torch.load(Path(run_dir) / "checkpoints" / "step_0000001" / f"rng_rank{rank}.pt")["torch"]
+    torch.manual_seed(999)
+    before = torch.get_rng_state()
+    _train(run_dir, "training.train_steps=1")
+    return torch.equal(before, saved), torch.equal(torch.get_rng_state(), saved)
+
+
+def test_resume_restores_the_rng_state(tmp_path):
+    for equal_before, equal_after in run_distributed(_rng_worker, 1, tmp_path, args=(str(tmp_path / "run"),)):
+        assert not equal_before and equal_after
+
+
+def _batch_size_worker(rank, world, run_dir):
+    """The samples consumed at each run's start: 2 steps at a global batch of 4, then on to 3 at 8."""
+    from megalysses.training.data import TrainingData
+
+    seen, real = [], TrainingData.train_batches
+
+    def spy(self, consumed):
+        seen.append(consumed)
+        return real(self, consumed)
+
+    TrainingData.train_batches = spy
+    _train(run_dir, "training.global_batch_size=4", "training.train_steps=2")
+    _train(run_dir, "training.global_batch_size=8", "training.train_steps=3")
+    return seen
+
+
+def test_resume_at_another_global_batch_size_continues_the_sample_stream(tmp_path):
+    assert run_distributed(_batch_size_worker, 1, tmp_path, args=(str(tmp_path / "run"),)) == [[0, 8]]
+
+
+def _skip_step_2(rank, world, runs):
+    """_train_worker, with step 2 skipped as a non-finite loss skips it (training.nan_policy=skip)."""
+    from megalysses.training import loop
+    from megalysses.training.step import StepResult
+
+    at, lr_at, train_step = [0], loop.lr_at, loop.train_step
+
+    def lr_at_spy(step, *args):
+        at[0] = step
+        return lr_at(step, *args)
+
+    def skip(model, opt, *args, **kwargs):
+        if at[0] == 1:
+            opt.zero_grad()
+            return StepResult(float("nan"), float("nan"), skipped=True)
+        return train_step(model, opt, *args, **kwargs)
+
+    loop.lr_at, loop.train_step = lr_at_spy, skip
+    return _train_worker(rank, world, runs)
+
+
+def test_resume_after_a_skipped_step_is_exact(tmp_path):
+    """The optimizer's step count (bias correction) and the count of updates come back from the checkpoint,
+    not from the step number, which counts the skipped step too."""
+    six = ["training.train_steps=6", "training.eval_interval=0"]
+    straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
+    runs = [(straight, six), (split, six + ["training.exit_at_step=3"]), (split, six)]
+    per_rank = run_distributed(_skip_step_2, 1, tmp_path, args=(runs,))
+    weights = [full_weights([r[i] for r in per_rank]) for i in range(3)]
+    for name, w in weights[0].items():
+        assert torch.equal(weights[2][name], w), f"{name} differs after a resume that follows a skipped step"
 
 
 def _die_during_save(rank, world, runs):

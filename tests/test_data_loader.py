@@ -126,6 +126,23 @@ def test_padding_and_eod_mask_loss():
     assert parts[2]["doc_ids"].tolist() == [[0, 0, 0, 1, 1, 2, 2, 2, 3]]
 
 
+@pytest.mark.parametrize("flag", [True, False])
+def test_eod_mask_loss_reaches_training_and_validation_batches(flag):
+    from megalysses.config_io import load_config
+    from megalysses.grid import ParallelGrid
+    from megalysses.training.data import TrainingData
+
+    cfg = load_config(overrides=["data.mock=true", "data.seq_len=32", "model.vocab_size=128",
+                                 "training.global_batch_size=2", "training.eval_interval=1",
+                                 f"data.eod_mask_loss={str(flag).lower()}"])
+    data = TrainingData(cfg, ParallelGrid(world=1, rank=0), torch.device("cpu"))
+    for batches in (next(data.train_batches(0)), data.valid_batches()):
+        at_eod = torch.cat([mb["input_ids"] == data.eod_id for mb in batches])
+        labels = torch.cat([mb["labels"] for mb in batches])
+        assert at_eod.any() and (labels[at_eod] == IGNORE_INDEX).all().item() == flag
+        assert (labels[~at_eod] != IGNORE_INDEX).all()
+
+
 def test_real_dataset_end_to_end(tmp_path):
     builder = IndexedDatasetBuilder(tmp_path / "d.bin", np.uint16)
     rng = np.random.default_rng(0)

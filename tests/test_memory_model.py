@@ -130,6 +130,18 @@ def test_multi_head_attention_keeps_the_qkv_output_through_v(dtype):
         assert kept.bytes == _predicted(cfg, S, OPTIONS[name], dtype=dtype), (name, kept.storages)
 
 
+@pytest.mark.parametrize("extra", [{}, {"attention_bias": True, "mlp_bias": True},
+                                   {"attention_bias": True, "mlp_bias": True, "norm": "layernorm", "mlp": "gelu"},
+                                   {"tie_embeddings": True, "mlp_bias": True}])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_parameter_count_is_the_models(extra, tp):
+    """Per tp rank: a parameter split over tp (it has a tp_dim) counts 1/tp, a replicated one whole."""
+    m = ModelConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidden_size=96,
+                    **extra)
+    per_rank = sum(p.numel() // (1 if getattr(p, "tp_dim", None) is None else tp) for p in GPTStage(m).parameters())
+    assert sum(stage_params(m, Layout(tp=tp), True, True)) == per_rank
+
+
 def test_options_shrink_what_is_kept():
     kept = {name: _single(name, S).bytes for name in OPTIONS}
     assert kept["checkpointing"] < kept["tiled MLP"] < kept["none"]

@@ -117,11 +117,19 @@ def case(tp, sp, docs=False, seq_par=False, tied=False, tile=0, **extra):
 MQA = {"num_heads": 2, "num_kv_heads": 1}            # 2 query heads, 1 KV head
 ONE_HEAD = {"num_heads": 1, "num_kv_heads": 1}
 THREE_HEADS = {"num_heads": 3, "num_kv_heads": 3, "hidden_size": 48}
+GQA_2_PER_RANK = {"num_heads": 8, "num_kv_heads": 4}   # at sp=2: 2 KV heads (and 4 query heads) a rank
+MHA_2_PER_RANK = {"num_heads": 4, "num_kv_heads": 4}
+BIASES = {"attention_bias": True, "mlp_bias": True}
+LAYERNORM = {**BIASES, "norm": "layernorm", "mlp": "gelu"}
 # dp = world / (tp * sp); sp = ulysses x ring, the ring automatic (sp_ring=0) unless given
 CASES = {
     2: [case(2, 1), case(2, 1, True, True, True, 4), case(1, 2), case(1, 2, True, tied=True), case(1, 1, True),
         case(1, 2, True, sp_ring=2, seq_len=31),                          # ring alone, a length sp does not divide
-        case(1, 2, True, model=ONE_HEAD, seq_len=29)],                    # one head: a ring is the only way
+        case(1, 2, True, model=ONE_HEAD, seq_len=29),                     # one head: a ring is the only way
+        # several KV heads a Ulysses rank: their order over ranks must be the query heads' order
+        case(1, 2, True, model=GQA_2_PER_RANK), case(1, 2, model=MHA_2_PER_RANK),
+        # biases and LayerNorm's shift under TP sequence sharding: their gradients are summed over tp
+        case(2, 1, True, True, model=BIASES), case(2, 1, True, True, model=LAYERNORM)],
     4: [case(1, 4), case(1, 4, True),                                    # sp=4 with 2 KV heads: KV replication
         case(2, 2, tied=True), case(2, 2, True, True), case(2, 2, True, tied=True, tile=3), case(2, 1, True, True),
         case(1, 4, True, model=MQA, seq_len=250),                         # ulysses 2 x ring 2, 250 tokens

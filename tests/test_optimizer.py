@@ -50,7 +50,7 @@ def _zero1_worker(rank, world, clip):
     return err, norms
 
 
-@pytest.mark.parametrize("clip", [0.0, 1.0])
+@pytest.mark.parametrize("clip", [0.0, 1.0, 1e3])   # off, binding, above the norm (a coefficient of 1)
 def test_zero1_matches_adamw(tmp_path, clip):
     for err, norms in run_distributed(_zero1_worker, 4, tmp_path, args=(clip,)):
         assert err < 1e-6

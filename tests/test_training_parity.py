@@ -130,9 +130,9 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
 
 
-def run_layouts(tmp_path: Path, world: int, names: list[str]) -> dict:
+def run_layouts(tmp_path: Path, world: int, names: list[str], layouts: dict = LAYOUTS) -> dict:
     tmp_path.mkdir(parents=True, exist_ok=True)
-    runs = [(str(tmp_path / n), LAYOUTS[n][1]) for n in names]
+    runs = [(str(tmp_path / n), layouts[n][1]) for n in names]
     per_rank = run_distributed(_train_worker, world, tmp_path, args=(runs,), timeout=400)
     return {n: (losses(tmp_path / n), full_weights([r[i] for r in per_rank]), grad_norms(tmp_path / n),
                 val_losses(tmp_path / n)) for i, n in enumerate(names)}
@@ -191,7 +191,7 @@ def test_layouts_on_4_ranks(tmp_path, references):
 
 def test_tp2_sp2_pp2_on_8_ranks(tmp_path):
     # tied embeddings and TP sequence sharding here, so the reference is its own single-process run
-    LAYOUTS["single_tied"] = (1, ["model.tie_embeddings=true"])
-    ref = run_layouts(tmp_path / "ref", 1, ["single_tied"])["single_tied"]
+    ref = run_layouts(tmp_path / "ref", 1, ["single_tied"], {"single_tied": (1, ["model.tie_embeddings=true"])})
+    ref = ref["single_tied"]
     for name, got in run_layouts(tmp_path, 8, ["tp2sp2pp2", "tp2sp2pp2v2", "fsdp_tp2sp2pp2", "tp2u2ring2"]).items():
         check_against(ref, got, name)

@@ -1,0 +1,71 @@
+"""The single-process run that every layout is compared with, against a training loop written in plain
+torch: the layouts' parity shares our loop, optimizer and schedule with that run, so a mistake there
+(a step's learning rate, the betas, the clip) would pass parity; here it cannot."""
+import torch
+
+from megalysses.config_io import load_config
+from test_training_parity import BASE, rel, run_layouts
+
+# Adam moves an element by ~lr * g / (|g| + eps): with eps near |g| it sees the gradients' scale, so a
+# clip coefficient that is wrong shows in the weights. BASE's clip of 0.5 binds at every step (the
+# gradient norms are ~1.5); 10 never does.
+BINDING = ["optimizer.eps=1e-4"]
+NOT_BINDING = ["optimizer.eps=1e-4", "optimizer.grad_clip=10"]
+LAYOUTS = {"clip_binds": (1, BINDING), "clip_free": (1, NOT_BINDING),
+           "fsdp_dp2_clip_free": (2, ["parallel.fsdp=true"] + NOT_BINDING)}
+
+
+def plain_torch(overrides: list[str], steps: int = 3) -> tuple[dict, list[float]]:
+    """The run `overrides` describe, by hand: the model and the batches of that run; torch's AdamW with
+    decay on matrices only, clip_grad_norm_, the schedule's learning rate of each step, and the loss
+    summed over the step's micro-batches and divided by its count of labelled tokens."""
+    from megalysses.grid import ParallelGrid
+    from megalysses.model.gpt import GPTStage, init_weights
+    from megalysses.training.data import TrainingData
+    from megalysses.training.schedule import lr_at
+
+    cfg = load_config(overrides=BASE + overrides)
+    o = cfg.optimizer
+    model = GPTStage(cfg.model)
+    init_weights(model, cfg.training.seed)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
+                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                            lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+    batches = TrainingData(cfg, ParallelGrid(world=1, rank=0), torch.device("cpu")).train_batches(0)
+    norms = []
+    for step in range(steps):
+        micro_batches = next(batches)
+        count = sum(int((mb["labels"] != -100).sum()) for mb in micro_batches)
+        for mb in micro_batches:
+            loss = model(mb["input_ids"], mb["position_ids"], doc_ids=mb.get("doc_ids"), labels=mb["labels"])
+            (loss / count).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(params, o.grad_clip).item())
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, o, cfg.training.train_steps)
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, norms
+
+
+def check(got, want, name):
+    _, weights, norms, _ = got
+    want_weights, want_norms = want
+    assert len(norms) == len(want_norms) == 3
+    for step, (a, b) in enumerate(zip(norms, want_norms), 1):
+        assert abs(a - b) <= 1e-5 * b, f"{name}: step {step} gradient norm {a} != plain torch's {b}"
+    assert set(weights) == set(want_weights)
+    bad = {n: rel(weights[n], w) for n, w in want_weights.items() if rel(weights[n], w) > 1e-5}
+    assert not bad, f"{name}: final weights differ from plain torch's: {bad}"
+
+
+def test_single_process_run_is_plain_torch(tmp_path):
+    runs = run_layouts(tmp_path, 1, ["clip_binds", "clip_free"], LAYOUTS)
+    assert min(runs["clip_binds"][2]) > 0.5 and max(runs["clip_free"][2]) < 10, "the clips are not what they say"
+    check(runs["clip_binds"], plain_torch(BINDING), "clip_binds")
+    check(runs["clip_free"], plain_torch(NOT_BINDING), "clip_free")
+
+
+def test_fsdp_with_a_clip_that_does_not_bind_is_plain_torch(tmp_path):
+    got = run_layouts(tmp_path, 2, ["fsdp_dp2_clip_free"], LAYOUTS)["fsdp_dp2_clip_free"]
+    check(got, plain_torch(NOT_BINDING), "fsdp_dp2_clip_free")
