@@ -57,9 +57,16 @@ def test_pretrain_on_one_gpu_with_nccl_kernels_eval_checkpoint_and_resume(tmp_pa
 
 
 def _gloo_on_gpu_worker(rank, world, run_dir):
+    from megalysses import comm
     from megalysses.grid import ParallelGrid
     from megalysses.training import loop
 
+    def on_the_gpu(op, group, *tensors):      # gloo takes CPU tensors too: here every one must be on the GPU
+        for t in tensors:
+            if t.device.type != "cuda":
+                raise RuntimeError(f"{op}: a tensor on {t.device} was handed to a collective")
+
+    comm.check_device = on_the_gpu
     torch.cuda.set_device(0)
     cfg = load_config(overrides=TINY + ["parallel.tp=2", "training.train_steps=3", "training.dtype=bfloat16",
                                         f"logging.run_dir={run_dir}"])
@@ -69,7 +76,8 @@ def _gloo_on_gpu_worker(rank, world, run_dir):
 
 def test_two_ranks_on_one_gpu_keep_every_tensor_on_it(tmp_path):
     """NCCL refuses two ranks on one GPU; gloo carries CUDA tensors for all-reduce, so tp=2 (all-reduces
-    only) trains with every tensor, collectives' included, on the GPU."""
+    only) trains with every tensor, collectives' included, on the GPU (what NCCL's device check would
+    ask, asked of every tensor our collectives are given)."""
     losses = run_distributed(_gloo_on_gpu_worker, 2, tmp_path, args=(str(tmp_path / "run"),), timeout=300)
     assert losses[0] == losses[1] and losses[0] == losses[0]
 

@@ -109,3 +109,14 @@ def test_flops_follow_each_steps_sequence_length(tmp_path, monkeypatch):
     for row, flops in zip(rows, want):
         assert math.isclose(row["tflops_per_device"], flops / 2.0 / 2 / 1e12, rel_tol=1e-12)
         assert math.isclose(row["tokens_per_s"], 2 * tokens / 2.0, rel_tol=1e-12)
+
+
+def test_peak_tflops_by_device_name(monkeypatch):
+    peak_tflops = metrics.peak_tflops
+    cuda = torch.device("cuda", 0)
+    for name, peak in (("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0), ("NVIDIA H100 NVL", 835.0),
+                       ("NVIDIA H200", 989.0), ("NVIDIA A100-SXM4-80GB", 312.0), ("Tesla T4", None)):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device, name=name: name)
+        assert peak_tflops(0.0, cuda) == peak, name
+        assert peak_tflops(0.0, cuda, torch.float32) is None      # the bf16 peak is no measure of fp32 work
+    assert peak_tflops(500.0, cuda) == 500.0 and peak_tflops(0.0, torch.device("cpu")) is None

@@ -45,6 +45,8 @@ def swiglu(gate_up: Tensor) -> Tensor:
 def rope_qkv(qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     from liger_kernel.ops.rope import LigerRopeFunction
 
+    # liger's backward rotates the incoming dq, dk in place: safe here, where they come fresh from attention's
+    # backward (or from the all-to-all's), and used by nothing after
     q, k, v = split_qkv(qkv)                                          # (B, S, H, D)
     cos, sin = cos.to(qkv.dtype), sin.to(qkv.dtype)
     q, k = LigerRopeFunction.apply(q.transpose(1, 2), k.transpose(1, 2), cos, sin)   # (B, H, S, D) in and out

@@ -20,9 +20,10 @@ import torch.distributed as dist
 
 from megalysses.config import Config, ConfigError, ModelConfig
 
-# peak dense bf16 TFLOP/s by device name fragment
-PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "GH200": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0,
-               "B200": 2250.0, "MI300X": 1307.0}
+# peak dense bf16 TFLOP/s by device name fragment, the first that the name contains (variants before
+# their family: "NVIDIA H100 PCIe" is not the SXM part that "NVIDIA H100 80GB HBM3" names)
+PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H200": 989.0, "H100": 989.0, "H800": 989.0,
+               "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "B200": 2250.0, "MI300X": 1307.0}
 
 
 def is_rank0() -> bool:
