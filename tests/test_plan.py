@@ -12,8 +12,8 @@ from megalysses.config import ConfigError, ModelConfig
 from megalysses.config_checks import ulysses_ring, validate_config
 from megalysses.config_io import load_config
 from megalysses.memory import PRECISIONS, Layout, Options, Workload, longest_sequence
-from megalysses.tools.plan import Hardware, Overlap, _flags, evaluate, main, plan, step_time
-from megalysses.training.runtime import plan_runtime
+from megalysses.tools.plan import Hardware, Overlap, _flags, evaluate, main, plan, predicted_step_seconds, step_time
+from megalysses.training.runtime import check_phase_time, plan_runtime
 
 LLAMA3_8B = ModelConfig(vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
                         ffn_hidden_size=14336)
@@ -93,6 +93,32 @@ def test_configs_fit_at_their_own_layout(path, gpus, host_gib):
     p = evaluate(cfg, gpus, 80, host_gib, Hardware())
     assert p.fits, f"{path}: {p.why_not}"
     assert cfg.data.seq_len == 1048576
+
+
+@pytest.mark.parametrize("path, gpus", [("configs/llama3_8b_1m.yaml", 64), ("configs/gpt_1b_8gpu.yaml", 8),
+                                        ("configs/gpt_1b_1m_offload.yaml", 1), ("configs/llama3_8b_128k.yaml", 8),
+                                        ("configs/gpt_1b_32k.yaml", 8), ("configs/quickstart.yaml", 4)])
+def test_configs_give_a_step_the_time_it_takes(path, gpus):
+    """A step of 1M tokens takes minutes: each config's parallel.timeout_seconds (the longest the watchdog
+    lets a rank spend in one phase) is over twice its predicted step on H100s, and a run whose timeout
+    is not stops before step 1 with the value to set."""
+    cfg = load_config(path)
+    check_phase_time(cfg, gpus, Hardware().peak_tflops)
+    step = predicted_step_seconds(cfg, gpus, Hardware())
+    short = replace(cfg, parallel=replace(cfg.parallel, timeout_seconds=1.5 * step))
+    with pytest.raises(ConfigError, match=r"parallel.timeout_seconds=\S+ is less than twice the time of a training "
+                                          r"step .* --set parallel.timeout_seconds=(\d+)$") as e:
+        check_phase_time(short, gpus, Hardware().peak_tflops)
+    suggested = int(str(e.value).rsplit("=", 1)[1])
+    check_phase_time(replace(cfg, parallel=replace(cfg.parallel, timeout_seconds=suggested)), gpus, 989.0)
+    check_phase_time(short, gpus, None)       # an unknown GPU: nothing to predict with
+
+
+def test_a_long_validation_needs_the_time_too():
+    cfg = load_config("configs/gpt_1b_8gpu.yaml", ["training.eval_interval=100", "training.eval_steps=20"])
+    with pytest.raises(ConfigError, match="the time of a validation predicted"):
+        check_phase_time(cfg, 8, 989.0)
+    check_phase_time(replace(cfg, training=replace(cfg.training, eval_interval=0)), 8, 989.0)
 
 
 def test_one_gpu_config_needs_offload_and_its_kernels():

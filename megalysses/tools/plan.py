@@ -275,6 +275,15 @@ def evaluate(cfg: Config, gpus: int, gpu_memory_gib: float, host_memory_gib: Opt
     return Plan(cfg, est, step, not why, per_node, hw, "; ".join(why))
 
 
+def predicted_step_seconds(cfg: Config, gpus: int, hw: Hardware) -> Optional[float]:
+    """The step time of `cfg` at its own layout and options on `gpus` GPUs (at data.seq_len, the longest
+    length of a curriculum), or None for a config the model does not cover."""
+    try:
+        return evaluate(cfg, gpus, 80.0, None, hw).step.total
+    except (ConfigError, ValueError):
+        return None
+
+
 def plan(cfg: Config, gpus: int, seq_len: int, gpu_memory_gib: float, host_memory_gib: Optional[float] = None,
          hw: Hardware = Hardware()) -> tuple[list[Plan], int]:
     """(the layouts that fit, best first; how many were considered)."""

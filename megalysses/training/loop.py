@@ -29,10 +29,11 @@ from megalysses.training.data import TrainingData
 from megalysses.training.fsdp import FSDPAdamW, shard_model
 from megalysses.training.initialize import is_weights_only, load_initial_weights
 from megalysses.training.manifest import choose_checkpoint
-from megalysses.training.metrics import MetricsLogger, print0
+from megalysses.training.metrics import MetricsLogger, peak_tflops, print0
 from megalysses.training.optimizer import Optimizer, ShardedAdamW
 from megalysses.training.rundir import check_writable, mark_start
-from megalysses.training.runtime import Runtime, flex_compile_budget, plan_runtime, startup_line, write_runtime
+from megalysses.training.runtime import (Runtime, check_phase_time, flex_compile_budget, plan_runtime, startup_line,
+                                         write_runtime)
 from megalysses.training.schedule import lr_at
 from megalysses.training.signals import StopSignals
 from megalysses.training.step import NonFiniteLossError, evaluate, train_step
@@ -127,6 +128,8 @@ def train(cfg: Config, grid: ParallelGrid, device: torch.device, signals: Option
     doing("checking the run directory")
     on_rank0(lambda: _prepare_dirs(cfg, run_dir, ckpt_dir))
     runtime = plan_runtime(cfg, device, grid)
+    if watchdog is not None and device.type == "cuda":
+        check_phase_time(cfg, grid.world, peak_tflops(cfg.logging.peak_tflops, device, runtime.torch_dtype))
     if runtime.attention_backend == "flex" and device.type == "cuda":
         reserve_compiles(flex_compile_budget(runtime))
     if grid.rank == 0:

@@ -98,6 +98,30 @@ def plan_runtime(cfg: Config, device: torch.device, grid: ParallelGrid | None = 
                    padded_stage_lens=tuple(sequence.padded_len(n) for _, n in cfg.data.seq_len_schedule))
 
 
+def check_phase_time(cfg: Config, world: int, peak_tflops: float | None) -> None:
+    """ConfigError when a training step, or a validation, at the planner's predicted speed on a GPU of
+    `peak_tflops` takes more than half of parallel.timeout_seconds, the longest the watchdog lets a rank
+    spend in one phase of the loop: it would end the run as stuck. Half leaves room for the prediction's
+    error; a run on an unknown GPU (no peak) or outside what the planner covers is not checked."""
+    if not peak_tflops:
+        return
+    from megalysses.tools.plan import Hardware, predicted_step_seconds
+
+    step = predicted_step_seconds(cfg, world, Hardware(peak_tflops=peak_tflops))
+    if step is None:
+        return
+    t = cfg.training
+    validation = step / 3 * t.eval_steps if t.eval_interval else 0.0     # forward passes only
+    what, seconds = ("a validation", validation) if validation > step else ("a training step", step)
+    timeout = cfg.parallel.timeout_seconds
+    if 2 * seconds > timeout:
+        suggest = 600 * -(-4 * seconds // 600)
+        raise ConfigError(f"parallel.timeout_seconds={timeout:g} is less than twice the time of {what} predicted "
+                          f"for this layout on this GPU (~{seconds:.0f} s at {peak_tflops:g} TFLOP/s; tools/plan.py "
+                          f"--explain shows the arithmetic): the watchdog would end it as stuck. Raise it, e.g. "
+                          f"--set parallel.timeout_seconds={suggest:.0f}")
+
+
 DYNAMO_DEFAULT_LIMIT = 8   # slack above the counted specialisations: dynamo's own default per function
 
 
