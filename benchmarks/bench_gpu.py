@@ -15,9 +15,10 @@ AdamW (lr 3e-4, betas 0.9/0.95, weight decay 0.1 on matrices) and gradient clipp
 At each length each trainer takes the first of its settings that fits (fastest first: nothing, then
 activation checkpointing (for megalysses first keeping the attention outputs, then not), then for
 megalysses tiled MLP), so every row is that trainer's best.
-Then the longest trainable sequence of each is found by bisection (one step at the most memory-saving
-settings, in multiples of 8K); a probe that times out or fails for a reason other than memory ends the
-search with the interval it has, since it says nothing about where memory runs out.
+Then the longest trainable sequence of each is found by doubling, then bisection (one step at the most
+memory-saving settings, in multiples of 8K; lengths that trained above are not probed again); a probe
+that times out or fails for a reason other than memory ends the search with the interval it has, since
+it says nothing about where memory runs out.
 
 tokens/s is the median over timed steps after warm-up; MFU uses one formula for all
 (megalysses.training.metrics.flops_per_token: 6 N_matmul + 6 L H D S per token, causal attention
@@ -214,11 +215,13 @@ def longest_fitting(fits: Callable[[int], Optional[bool]], lo: int, hi: int, ste
                     ) -> tuple[Optional[int], Optional[int], Optional[str]]:
     """(good, bad, stopped): the largest multiple of `step` in [lo, hi] for which fits() is True and the
     next one, for which it is False (None: hi fits), assuming fits is monotone (True up to some length,
-    False beyond); (None, lo, None) if not even lo fits. fits() returns None when it cannot tell (a run
-    that timed out or failed for another reason): the search stops there. It also stops when
+    False beyond); (None, lo, None) if not even lo fits. From lo the probes double (clamped to hi) until
+    one does not fit, then bisect: no probe is longer than twice the answer, and a probe far past the
+    limit can run for minutes before it runs out of memory. fits() returns None when it cannot tell (a
+    run that timed out or failed for another reason): the search stops there. It also stops when
     out_of_time() turns true. `stopped` says why ("time budget" or "unknown", None when it ran to the
-    end); the answer then lies in [good, bad - step] (bad is hi + step when hi itself is unknown), and
-    good is None if nothing was learnt (lo unknown, or out of time from the start)."""
+    end); the answer then lies in [good, bad - step] (bad is hi + step when no probe failed), and good
+    is None if nothing was learnt (lo unknown, or out of time from the start)."""
     def stop() -> str:
         return "time budget" if out_of_time() else "unknown"
     if out_of_time():
@@ -228,12 +231,20 @@ def longest_fitting(fits: Callable[[int], Optional[bool]], lo: int, hi: int, ste
         return None, None, stop()
     if not at_lo:
         return None, lo, None
-    at_hi = fits(hi)
-    if at_hi is None:
-        return lo, hi + step, stop()
-    if at_hi:
-        return hi, None, None
-    good, bad = lo // step, hi // step          # fits(good*step), not fits(bad*step)
+    good, bad = lo // step, None               # fits(good*step); not fits(bad*step)
+    while bad is None:
+        if good * step >= hi:
+            return hi, None, None
+        if out_of_time():
+            return good * step, hi + step, "time budget"
+        nxt = min(2 * good, hi // step)
+        at = fits(nxt * step)
+        if at is None:
+            return good * step, hi + step, stop()
+        if at:
+            good = nxt
+        else:
+            bad = nxt
     while bad - good > 1:
         if out_of_time():
             return good * step, bad * step, "time budget"

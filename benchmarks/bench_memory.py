@@ -17,8 +17,11 @@ token of training/metrics.py against the GPU's bf16 peak). A length that runs ou
 saying so. Then the issue's targets: the longest length that trained, the MFU at 512K within 15% of the
 MFU at 128K (offload hidden behind compute), and every error within 10%. Writes JSON with the commit,
 the device and the torch / CUDA versions, rewritten after every length, so a run cut short keeps the rows
-done so far. --time-budget (seconds, default 570, 0: none) bounds the whole run: a length still running
-when it ends is stopped and is a row saying so, and the lengths after it are rows saying they were not run.
+done so far; rows that an earlier run of the same config, overrides, device and commit wrote to the same
+file for other lengths are kept, so lengths run as separate commands (a 1M-token step takes minutes)
+add up to one record and one check of the targets. --time-budget (seconds, default 570, 0: none) bounds
+the whole run: a length still running when it ends is stopped and is a row saying so, and the lengths
+after it are rows saying they were not run.
 
 On CPU (--smoke) there is no allocator statistic: the measured column is the peak of live tensor bytes
 (megalysses.measure.measure_peak, host copies of offload excluded), so the same comparison runs without
@@ -162,6 +165,18 @@ def targets(rows: list[dict]) -> dict:
     return out
 
 
+def earlier_rows(out: Path, record: dict, lengths: list[int]) -> list[dict]:
+    """The rows an earlier run of the same benchmark (config, overrides, device, commit) wrote to `out` for
+    lengths other than `lengths`."""
+    try:
+        old = json.loads(out.read_text())
+    except (OSError, ValueError):
+        return []
+    if any(old.get(k) != record[k] for k in ("config", "overrides", "device", "commit")):
+        return []
+    return [r for r in old.get("rows", []) if r.get("seq_len") not in lengths]
+
+
 def write_json(out: Path, record: dict) -> None:
     """Replace `out` in one step, so a run stopped while writing still leaves the previous rows."""
     tmp = out.with_name(out.name + ".tmp")
@@ -172,7 +187,8 @@ def write_json(out: Path, record: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=str(ROOT / "configs" / "gpt_1b_1m_offload.yaml"))
-    p.add_argument("--lengths", type=int, nargs="+", default=[32768, 131072, 524288, 1048576])
+    p.add_argument("--lengths", type=int, nargs="+", default=None,
+                   help="sequence lengths (default 32768 131072 524288 1048576; with --smoke 256 1024)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--smoke", action="store_true", help="tiny shape on CPU, lengths 256 and 1024, in this process")
     p.add_argument("--json", default=None,
@@ -201,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: no GPU here: this benchmark measures torch.cuda.max_memory_allocated; use --smoke on CPU",
               file=sys.stderr)
         return 1
-    lengths = [256, 1024] if args.smoke else args.lengths
+    lengths = args.lengths or ([256, 1024] if args.smoke else [32768, 131072, 524288, 1048576])
     deadline = start + args.time_budget if args.time_budget else float("inf")
     name = torch.cuda.get_device_name().replace(" ", "_") if not args.smoke else "cpu"
     out = Path(args.json) if args.json else ROOT / "benchmarks" / "results" / f"memory_{name}.json"
@@ -210,6 +226,10 @@ def main(argv: list[str] | None = None) -> int:
               "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version()}
     print(f"{'seq_len':>9} {'predicted':>11} {'measured':>11} {'error':>7} {'host':>10} {'step s':>8} {'tok/s':>9} "
           f"{'MFU':>6}  phase", flush=True)
+    kept = earlier_rows(out, record, lengths)
+    if kept:
+        print(f"kept from an earlier run in {out}: the rows of {', '.join(str(r['seq_len']) for r in kept)}",
+              flush=True)
     rows = []
     for S in lengths:
         if time.monotonic() >= deadline:
@@ -219,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             row = in_subprocess(args, S, max(1.0, deadline - time.monotonic()) if args.time_budget else None)
         rows.append(row)
-        write_json(out, {**record, "rows": rows, "targets": targets(rows)})
+        every = sorted(kept + rows, key=lambda r: r["seq_len"])
+        write_json(out, {**record, "rows": every, "targets": targets(every)})
         if "measured_gib" not in row:
             predicted = fmt_bytes(row["predicted_gib"] * GIB) if "predicted_gib" in row else "-"
             print(f"{S:>9} {predicted:>11}  {row['error_text']}", flush=True)
@@ -228,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{S:>9} {fmt_bytes(row['predicted_gib'] * GIB):>11} {fmt_bytes(row['measured_gib'] * GIB):>11} "
               f"{row['error']:>+7.1%} {fmt_bytes(row.get('host_gib', 0) * GIB):>10} {row['step_s']:>8.2f} "
               f"{row['tokens_per_s']:>9.0f} {mfu:>6}  {row['predicted_phase']}", flush=True)
-    summary = targets(rows)
+    summary = targets(sorted(kept + rows, key=lambda r: r["seq_len"]))
     print("targets: " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()),
           flush=True)
     print(f"wrote {out}", flush=True)                                   # after every length, above

@@ -407,6 +407,22 @@ def test_bench_memory_smoke(tmp_path):
         assert one["steps"] == 1 and two["steps"] == 2 and abs(one["error"]) <= 0.10, one
 
 
+def test_bench_memory_runs_add_up(tmp_path):
+    """Lengths run as separate commands into one file make one record, and the targets are over all of them;
+    a run of another config (here: other overrides) starts its own."""
+    spec = importlib.util.spec_from_file_location("bench_memory", "benchmarks/bench_memory.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "memory.json"
+    assert bench.main(["--smoke", "--lengths", "256", "--json", str(out)]) == 0
+    assert bench.main(["--smoke", "--lengths", "384", "--steps", "1", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [(r["seq_len"], r["steps"]) for r in result["rows"]] == [(256, 2), (384, 1)]
+    assert result["targets"]["longest_trained"] == 384
+    assert bench.main(["--smoke", "--lengths", "256", "--set", "training.mlp_chunk_tokens=64", "--json", str(out)]) == 0
+    assert [r["seq_len"] for r in json.loads(out.read_text())["rows"]] == [256]
+
+
 def test_bench_memory_time_budget(tmp_path):
     """benchmarks/bench_memory.py --time-budget: lengths past the budget are rows saying so, the JSON is still
     written, and a length still running when the budget ends is stopped and is a row, not a crash."""
