@@ -119,17 +119,14 @@ def _forward_blocks(q: Tensor, blocks: Iterable[tuple[int, Tensor]], mask: RingM
 
 
 def _backward_block(dq: Tensor, dout: Tensor, q: Tensor, kv: Tensor, out: Tensor, lse: Tensor, mask: RingMask,
-                    j: int, backend: str, scale: float, aux: object) -> Tensor:
-    """Add this rank's dQ against block j into dq (fp32) and return its part of block j's (dK, dV),
-    fp32 (2, B, S/r, Hkv, D)."""
+                    j: int, backend: str, scale: float, aux: object) -> tuple[slice, Tensor, Tensor]:
+    """Add this rank's dQ against block j into dq (fp32) and return its part of block j's dK and dV: the
+    key columns it covers, and their gradients."""
     rows, cols = mask.rows(j), mask.cols(j)
     gq, gk, gv = block_attention_backward(dout[:, rows], q[:, rows], kv[0][:, cols], kv[1][:, cols], out[:, rows],
                                           lse[:, :, rows], mask.block(j), backend, scale, aux)
     dq[:, rows] += gq.float()
-    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-    dkv[0][:, cols] = gk.float()
-    dkv[1][:, cols] = gv.float()
-    return dkv
+    return cols, gk, gv
 
 
 class _RingAttention(torch.autograd.Function):
@@ -158,11 +155,14 @@ class _RingAttention(torch.autograd.Function):
         for t, j in enumerate(schedule):
             sends = ([kv] if t + 1 < mask.size else []) + ([dkv] if dkv is not None else [])
             pending = comm.ring_exchange(sends, group) if sends else None
-            mine = _backward_block(dq, dout, q, kv, out, lse, mask, j, ctx.backend, ctx.scale, ctx.aux)
+            cols, gk, gv = _backward_block(dq, dout, q, kv, out, lse, mask, j, ctx.backend, ctx.scale, ctx.aux)
             received = pending.wait() if pending is not None else []
             if t + 1 < mask.size:
                 kv = received.pop(0)
-            dkv = mine if t == 0 else received.pop(0) + mine              # block j, every rank up to here
+            # block j's fp32 accumulator, every rank's part up to here: the one that came in, or a new one
+            dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device) if t == 0 else received.pop(0)
+            dkv[0][:, cols] += gk
+            dkv[1][:, cols] += gv
         (home,) = comm.ring_exchange([dkv], group).wait()                 # this rank's block, complete
         return dq.to(q.dtype), home[0].to(kv.dtype), home[1].to(kv.dtype), None, None, None, None
 
@@ -222,8 +222,10 @@ class _Blockwise(torch.autograd.Function):
         dkvs = [torch.zeros(x.shape, dtype=torch.float32, device=q.device) for x in kvs]
         for i, mask in enumerate(ctx.masks):
             for j in _schedule(i, r):
-                dkvs[j] += _backward_block(dqs[i], douts[i], qs[i], kvs[j], outs[i], lses[i], mask, j, ctx.backend,
-                                           ctx.scale, ctx.auxes[i])
+                cols, gk, gv = _backward_block(dqs[i], douts[i], qs[i], kvs[j], outs[i], lses[i], mask, j,
+                                               ctx.backend, ctx.scale, ctx.auxes[i])
+                dkvs[j][0][:, cols] += gk
+                dkvs[j][1][:, cols] += gv
         dkv = torch.cat(dkvs, dim=2)
         return torch.cat(dqs, dim=1).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
