@@ -84,9 +84,10 @@ def _ring_backward(q: float, kv: float, a: int, ring: int, opts: Options, accumu
         kernel  a block's backward: D of the step before on its way out, the next D (and, with r > 2, the
                 next K/V block) arriving, and dq, dk, dv (sdpa expands K/V to the query heads and writes
                 their gradients at that width; flex re-runs the block in fp32 around it)
-        merge   the arrived D, this block's and their sum, the one sent before still in its exchange
-        end     the sum that came home, the exchange's buffers (five D in all) and the gradients' copies in
-                the compute dtype."""
+        merge   the arrived D that this block's dK, dV (in the compute dtype) are added into, the one sent
+                before still held by its exchange
+        end     the last D, the one before it still held by its exchange, the sum that came home, and the
+                gradients' copies in the compute dtype."""
     base = 4 * q + q * a + (0 if opts.activation_checkpointing else 2 * kv * a)
     if opts.attention == "flex":
         grads = 8 * q + 2 * q * a + (q + 2 * kv) * a
@@ -95,8 +96,8 @@ def _ring_backward(q: float, kv: float, a: int, ring: int, opts: Options, accumu
     else:
         grads = (q + 2 * kv) * a + accumulator
     next_kv = 2 * kv * a if ring > 2 else 0
-    moments = {"kernel": 2 * 8 * kv + next_kv + grads, "merge": next_kv + 4 * 8 * kv,
-               "end": 5 * 8 * kv + (q + 2 * kv) * a}
+    moments = {"kernel": 2 * 8 * kv + next_kv + grads, "merge": next_kv + 2 * 8 * kv + 2 * kv * a,
+               "end": 3 * 8 * kv + (q + 2 * kv) * a}
     worst = max(moments, key=moments.get)
     return base + moments[worst], f"ring attention's backward ({worst}): fp32 dq and dK/dV, dout, K/V blocks"
 
