@@ -59,10 +59,13 @@ def test_checkpoint_of_another_model_shape(tmp_path):
     run = tmp_path / "run"
     ok = torchrun(1, TINY + ["training.train_steps=1", f"logging.run_dir={run}"])
     assert ok.returncode == 0, ok.stdout + ok.stderr
+    saved = {f: (run / f).read_text() for f in ("config.yaml", "runtime.json")}
     r = torchrun(2, TINY + ["model.hidden_size=64", f"logging.run_dir={run}"])
     assert r.returncode != 0
     errs = error_lines(r.stdout)
     assert len(errs) == 1 and "different model shape" in errs[0] and "hidden_size" in errs[0], r.stdout + r.stderr
+    # the launch that failed left the run's config as it was: generation and conversion still read the right model
+    assert {f: (run / f).read_text() for f in saved} == saved
 
 
 def test_bad_config_key_fails_before_launching_anything(tmp_path):

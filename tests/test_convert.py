@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -136,6 +137,37 @@ def test_round_trip_without_training_is_exact(hf_dir, tmp_path):
     with torch.no_grad():
         diff = (load_hf(hf_dir)(ids).logits - load_hf(tmp_path / "back")(ids).logits).abs().max().item()
     assert diff <= 1e-5
+    # a config.yaml that does not describe the checkpoint's model is an error, not a model transformers rejects
+    config = tmp_path / "run" / "config.yaml"
+    config.write_text(config.read_text().replace("hidden_size: 64", "hidden_size: 128"))
+    with pytest.raises(convert_checkpoint.ConvertError, match="another model than its config.yaml describes "
+                                                              r"\(hidden_size: checkpoint 64 vs config 128\)"):
+        convert_checkpoint.to_hf(str(tmp_path / "run"), str(tmp_path / "wrong"))
+
+
+def test_the_tokenizer_travels_with_the_model(hf_dir, tmp_path, capsys):
+    """--from-hf points the run at the model's own tokenizer.json (--config's tokenizer does not number the
+    model's ids); --to-hf puts the run's Hugging Face tokenizer beside the weights."""
+    folder = tmp_path / "with-tokenizer"
+    shutil.copytree(hf_dir, folder)
+    word_tokenizer(folder, ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(3, V)])
+    config = tmp_path / "sp.yaml"
+    config.write_text("data:\n  tokenizer: sentencepiece\n  tokenizer_model: data/tokenizer.model\n")
+    assert convert_checkpoint.main(["--from-hf", str(folder), "--to", str(tmp_path / "run"),
+                                    "--config", str(config)]) == 0
+    data = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["data"]
+    assert (data["tokenizer"], data["tokenizer_model"]) == ("huggingface", str(folder))
+    assert convert_checkpoint.main(["--from", str(tmp_path / "run"), "--to-hf", str(tmp_path / "back")]) == 0
+    assert "the run's tokenizer (tokenizer.json" in capsys.readouterr().out
+    assert (tmp_path / "back" / "tokenizer.json").read_bytes() == (folder / "tokenizer.json").read_bytes()
+    assert generate.build_tokenizer("huggingface", str(tmp_path / "back")).eod_id == 2
+    # a tokenizer named with --set is the user's choice
+    assert convert_checkpoint.main(["--from-hf", str(folder), "--to", str(tmp_path / "byte"),
+                                    "--set", "data.tokenizer=byte"]) == 0
+    assert yaml.safe_load((tmp_path / "byte" / "config.yaml").read_text())["data"]["tokenizer"] == "byte"
+    assert convert_checkpoint.main(["--from", str(tmp_path / "byte"), "--to-hf", str(tmp_path / "byte_hf")]) == 0
+    assert "no tokenizer: the run's (data.tokenizer=byte)" in capsys.readouterr().out
+    assert not (tmp_path / "byte_hf" / "tokenizer.json").exists()
 
 
 def torchrun(nproc, config, overrides):

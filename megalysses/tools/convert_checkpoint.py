@@ -13,8 +13,11 @@ layout (fused QKV and gate-up projections, the padded vocabulary) as a DCP check
 The run's config.yaml takes its model section from the Hugging Face config and everything else from
 --config (default: the schema's defaults); set data.paths before training. (checkpoint.init_from
 points a run at a Hugging Face directory directly, without converting.)
+When the Hugging Face directory has a tokenizer.json, the run's config.yaml points data.tokenizer at
+it (the model's ids are that tokenizer's), unless --set names another.
 --to-hf takes the fp32 master weights of a training checkpoint (or the weights of a weights-only one),
-converts them back, and writes sharded safetensors, the index and config.json in --dtype.
+converts them back, and writes sharded safetensors, the index and config.json in --dtype, with the run's
+tokenizer files when it trained with a Hugging Face tokenizer.
 """
 from __future__ import annotations
 
@@ -71,6 +74,9 @@ def from_hf(hf_dir: str, run_dir: str, config: Optional[str] = None, overrides: 
     except (ValueError, KeyError, TypeError) as e:
         raise ConvertError(f"{hf_dir}: {e}") from None
     data = _base_config(config, overrides or [])
+    if (Path(hf_dir) / "tokenizer.json").is_file() and not any(o.startswith("data.tokenizer") for o in overrides or []):
+        # the model's ids are its tokenizer's: that one, not --config's, unless --set names another
+        data.setdefault("data", {}).update(tokenizer="huggingface", tokenizer_model=str(hf_dir))
     base_model = data.get("model") or {}
     kept = ("kernels", "attention_backend", "vocab_pad_multiple", "init_std")
     keep = {k: base_model[k] for k in kept if k in base_model}
@@ -114,8 +120,9 @@ def _run_config(path: Path, checkpoint: Path, config: Optional[str]) -> Config:
 
 
 def to_hf(source: str, hf_dir: str, dtype: str = "bfloat16", config: Optional[str] = None,
-          max_shard_gib: float = 5.0) -> list[Path]:
-    """Write a Hugging Face directory from a run or checkpoint; returns the weight files."""
+          max_shard_gib: float = 5.0) -> tuple[list[Path], str]:
+    """Write a Hugging Face directory from a run or checkpoint; returns the weight files and what became of
+    the run's tokenizer, in words."""
     path = Path(source)
     checkpoint = None
     if path.is_dir():
@@ -129,7 +136,14 @@ def to_hf(source: str, hf_dir: str, dtype: str = "bfloat16", config: Optional[st
         raise ConvertError(f"checkpoint {checkpoint} is corrupt or incomplete: {problems[0]}")
     cfg = _run_config(path, checkpoint, config)
     meta = json.loads((checkpoint / "meta.json").read_text())
-    padded = meta.get("model_shape", {}).get("padded_vocab_size", cfg.model.padded_vocab_size())
+    saved = meta.get("model_shape") or {}
+    diff = {k: (saved[k], v) for k, v in architecture(cfg.model).items()
+            if k != "padded_vocab_size" and k in saved and saved[k] != v}     # padding depends on the saving tp
+    if diff:
+        detail = ", ".join(f"{k}: checkpoint {a} vs config {b}" for k, (a, b) in diff.items())
+        raise ConvertError(f"checkpoint {checkpoint} is for another model than its config.yaml describes ({detail}): "
+                           f"pass --config with the config the run was trained with")
+    padded = saved.get("padded_vocab_size", cfg.model.padded_vocab_size())
     with torch.device("meta"):
         shapes = {n: tuple(p.shape) for n, p in GPTStage(cfg.model).named_parameters()}
     shapes = {n: (padded,) + s[1:] if n in ("embed.weight", "lm_head.weight") else s for n, s in shapes.items()}
@@ -140,7 +154,28 @@ def to_hf(source: str, hf_dir: str, dtype: str = "bfloat16", config: Optional[st
     tensors = [(k, v.to(out_dtype)) for n in our_names(cfg.model)
                for k, v in hf_tensors(n, state[f"{prefix}.{n}"], cfg.model).items()
                if not (cfg.model.tie_embeddings and k == "lm_head.weight")]   # tied: transformers re-ties it
-    return write_hf_dir(hf_dir, tensors, hf_config_dict(cfg.model, dtype), int(max_shard_gib * 2**30))
+    files = write_hf_dir(hf_dir, tensors, hf_config_dict(cfg.model, dtype), int(max_shard_gib * 2**30))
+    return files, _copy_tokenizer(cfg, Path(hf_dir))
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def _copy_tokenizer(cfg: Config, hf_dir: Path) -> str:
+    """A run's Hugging Face tokenizer (a tokenizer.json, or its folder's tokenizer files) goes beside the
+    weights, so that transformers' AutoTokenizer and tools/generate.py --hf load the pair; another kind
+    is left to the user. Returns what was done, in words."""
+    d = cfg.data
+    if d.tokenizer != "huggingface" or not d.tokenizer_model:
+        return (f"no tokenizer: the run's (data.tokenizer={d.tokenizer}) is not a Hugging Face one; put one "
+                f"beside the weights to load them with AutoTokenizer")
+    source = Path(d.tokenizer_model)
+    files = [f for f in ([source / n for n in TOKENIZER_FILES] if source.is_dir() else [source]) if f.is_file()]
+    if not any(f.name == "tokenizer.json" or f == source for f in files):
+        return f"no tokenizer: the run's, {source}, is not there any more; copy its tokenizer.json beside the weights"
+    for f in files:
+        shutil.copyfile(f, hf_dir / ("tokenizer.json" if f == source else f.name))
+    return f"the run's tokenizer ({', '.join(f.name for f in files)} from {source})"
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -174,8 +209,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 raise ConvertError("--from needs --to-hf HF_DIR (the Hugging Face directory to write)")
             if args.max_shard_gib <= 0:
                 raise ConvertError(f"--max-shard-gib={args.max_shard_gib} must be positive")
-            files = to_hf(args.source, args.to_hf, args.dtype, args.config, args.max_shard_gib)
-            print(f"wrote {len(files)} safetensors file(s) and config.json to {args.to_hf}")
+            files, tokenizer = to_hf(args.source, args.to_hf, args.dtype, args.config, args.max_shard_gib)
+            print(f"wrote {len(files)} safetensors file(s) and config.json to {args.to_hf}; {tokenizer}")
     except (ConvertError, HFFormatError, CheckpointError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

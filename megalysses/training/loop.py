@@ -110,10 +110,9 @@ def stage_line(cfg: Config, step: int) -> str:
 
 
 def _prepare_dirs(cfg: Config, run_dir: Path, ckpt_dir: Path) -> None:
-    """Rank 0: both directories writable before anything is trained; the resolved config saved."""
+    """Rank 0: both directories writable before anything is trained."""
     check_writable(run_dir, "logging.run_dir")
     check_writable(ckpt_dir, "checkpoint.dir" if cfg.checkpoint.dir else "checkpoint.dir (<run_dir>/checkpoints)")
-    save_config(cfg, run_dir / "config.yaml")
 
 
 def train(cfg: Config, grid: ParallelGrid, device: torch.device, signals: Optional[StopSignals] = None,
@@ -132,8 +131,6 @@ def train(cfg: Config, grid: ParallelGrid, device: torch.device, signals: Option
         check_phase_time(cfg, grid.world, peak_tflops(cfg.logging.peak_tflops, device, runtime.torch_dtype))
     if runtime.attention_backend == "flex" and device.type == "cuda":
         reserve_compiles(flex_compile_budget(runtime))
-    if grid.rank == 0:
-        write_runtime(run_dir, cfg, grid, runtime)
     print0(startup_line(cfg, grid, runtime))
     dtype = runtime.torch_dtype
     doing("building the model")
@@ -173,7 +170,14 @@ def train(cfg: Config, grid: ParallelGrid, device: torch.device, signals: Option
                               f"training.exit_at_step={cfg.training.exit_at_step}: raise exit_at_step "
                               f"(or set it to 0) to continue this run")
 
-    on_rank0(lambda: mark_start(run_dir, step, path))
+    # the run's config (what tools/generate.py and the converter read) only once this one has passed every
+    # check and loaded its checkpoint: a launch that fails leaves the run as it was
+    def start_run() -> None:
+        save_config(cfg, run_dir / "config.yaml")
+        write_runtime(run_dir, cfg, grid, runtime)
+        mark_start(run_dir, step, path)
+
+    on_rank0(start_run)
     logger = MetricsLogger(cfg, run_dir, grid.world, device, total, dtype)
     flags = signals or StopSignals()
     start = time.monotonic()
