@@ -63,7 +63,8 @@ def validate_config(cfg: Config, world_size: Optional[int] = None) -> None:
         mp = p.tp * p.sp * p.pp
         if world_size % mp:
             raise ConfigError(f"world size {world_size} is not divisible by tp*sp*pp = {p.tp}*{p.sp}*{p.pp} = {mp}: "
-                              f"launch a multiple of {mp} processes or change the layout")
+                              f"launch a multiple of {mp} processes (torchrun --nproc-per-node {mp} pretrain.py ...) "
+                              f"or change the layout")
         dp = world_size // mp
         per_step = t.micro_batch_size * dp
         if t.global_batch_size % per_step:

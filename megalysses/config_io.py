@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import types
 import typing
 from pathlib import Path
@@ -23,7 +24,14 @@ from megalysses.config import Config, ConfigError
 from megalysses.config_checks import validate_config
 
 
-def _nearest(name: str, choices: list[str]) -> str:
+# keys users bring from other frameworks that are derived here, not set
+DERIVED = {"parallel.dp": ": data parallelism is what the processes leave over, world size / (tp * sp * pp); "
+                          "launch more or fewer processes (torchrun --nproc-per-node, --nnodes) to change it"}
+
+
+def _nearest(name: str, choices: list[str], where: str = "") -> str:
+    if where in DERIVED:
+        return DERIVED[where]
     match = difflib.get_close_matches(name, choices, n=1, cutoff=0.5)
     return f" (did you mean '{match[0]}'?)" if match else f" (valid: {', '.join(choices)})"
 
@@ -45,7 +53,7 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         (inner,) = typing.get_args(tp)
         if isinstance(value, str):
             text = value.strip()
-            value = yaml.safe_load(text) if text.startswith("[") else [v for v in text.split(",") if v]
+            value = _load_yaml(text) if text.startswith("[") else [v for v in text.split(",") if v]
         if not isinstance(value, list):
             raise ConfigError(f"{path}: expected a list, got {value!r}")
         return [_coerce(v, inner, f"{path}[{i}]") for i, v in enumerate(value)]
@@ -96,7 +104,7 @@ def _build(cls: type, data: Any, path: str) -> Any:
     for key, value in data.items():
         where = f"{path}.{key}" if path else str(key)
         if key not in names:
-            raise ConfigError(f"unknown config key '{where}'{_nearest(str(key), names)}")
+            raise ConfigError(f"unknown config key '{where}'{_nearest(str(key), names, where)}")
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
             kwargs[key] = _build(tp, value, where)
@@ -126,7 +134,7 @@ def apply_override(data: dict, override: str) -> None:
         where = ".".join(parts[: i + 1])
         names = [f.name for f in dataclasses.fields(cls)]
         if part not in names:
-            raise ConfigError(f"override '{override}': unknown config key '{where}'{_nearest(part, names)}")
+            raise ConfigError(f"override '{override}': unknown config key '{where}'{_nearest(part, names, where)}")
         tp = typing.get_type_hints(cls)[part]
         last = i == len(parts) - 1
         if dataclasses.is_dataclass(tp):
@@ -141,7 +149,7 @@ def apply_override(data: dict, override: str) -> None:
         else:
             if not last:
                 raise ConfigError(f"override '{override}': '{where}' is a value, not a section")
-            value = yaml.safe_load(raw) if raw.strip() else ""
+            value = _load_yaml(raw) if raw.strip() else ""
             node[part] = _coerce(value if value is not None else None, tp, where)
 
 
@@ -158,7 +166,8 @@ def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]
 
 
 class _StrictLoader(yaml.SafeLoader):
-    """safe_load that refuses a key given twice in one mapping (YAML would keep the last silently)."""
+    """safe_load that refuses a key given twice in one mapping (YAML would keep the last silently), and reads
+    colon-separated digits (`98:2:0`, `1:30`) as text, not as YAML 1.1's base-60 numbers (352920, 90)."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen: dict = {}
@@ -171,6 +180,19 @@ class _StrictLoader(yaml.SafeLoader):
                                   f"{key_node.start_mark.line + 1}): keep one")
             seen[key] = key_node.start_mark.line + 1
         return super().construct_mapping(node, deep)
+
+
+_StrictLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if not tag.endswith((":int", ":float"))]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_FLOAT = (r"^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+][0-9]+)?|\.[0-9_]+(?:[eE][-+][0-9]+)?"
+          r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$")
+for _tag, _pattern in (("int", r"^[-+]?(?:0b[0-1_]+|0[0-7_]+|(?:0|[1-9][0-9_]*)|0x[0-9a-fA-F_]+)$"), ("float", _FLOAT)):
+    _StrictLoader.add_implicit_resolver(f"tag:yaml.org,2002:{_tag}", re.compile(_pattern), list("-+0123456789."))
+
+
+def _load_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader
 
 
 def read_yaml(p: Path) -> dict:

@@ -64,6 +64,25 @@ def test_yaml_float_strings_are_numbers(tmp_path):
     assert cfg.optimizer.lr == 3e-4
 
 
+def test_dp_is_derived_and_says_so(tmp_path):
+    for source in (dict(overrides=["parallel.dp=2"]), dict(path=_write(tmp_path, "parallel:\n  dp: 2\n"))):
+        with pytest.raises(ConfigError, match=r"'parallel.dp': data parallelism is what the processes leave over, "
+                                              r"world size / \(tp \* sp \* pp\)"):
+            load_config(**source)
+
+
+def test_colon_separated_digits_stay_text(tmp_path):
+    """YAML 1.1 reads 98:2:0 as the base-60 number 352920; a config reads what the user wrote."""
+    for source in (dict(path=_write(tmp_path, "data:\n  mock: true\n  split: 98:2:0\n")),
+                   dict(overrides=["data.mock=true", "data.split=98:2:0"])):
+        with pytest.raises(ConfigError, match="split '98:2:0': '98:2:0' is not a number.*like '969,30,1'"):
+            load_config(**source)
+    cfg = load_config(_write(tmp_path, "data:\n  mock: true\n  split: 98,2,0\noptimizer:\n  lr: 1.5e-4\n"),
+                      ["training.train_steps=0x10", "data.seq_len=1_024"])
+    assert (cfg.data.split, cfg.optimizer.lr) == ("98,2,0", 1.5e-4)
+    assert (cfg.training.train_steps, cfg.data.seq_len) == (16, 1024)
+
+
 @pytest.mark.parametrize("overrides,needle", [
     (["model.num_heads=6"], "model.num_heads=6"),                          # 256 % 6
     (["parallel.tp=3"], "parallel.tp=3"),

@@ -167,6 +167,11 @@ def test_cli_json_best_and_null(capsys):
     assert out["best"] is None and out["layouts"] == [] and not out["config_layout"]["fits"]
 
 
+def test_cli_seq_len_defaults_to_the_configs(capsys):
+    assert main(["--config", "configs/gpt_1b_8gpu.yaml", "--gpus", "8", "--gpu-memory-gib", "80", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["seq_len"] == load_config("configs/gpt_1b_8gpu.yaml").data.seq_len
+
+
 def test_cli_explain_shows_the_arithmetic(capsys):
     assert main(["--config", "configs/gpt_1b_1m_offload.yaml", "--gpus", "1", "--gpu-memory-gib", "80",
                  "--seq-len", "1048576", "--host-memory-gib", "256", "--explain"]) == 0
@@ -179,6 +184,7 @@ def test_cli_explain_shows_the_arithmetic(capsys):
     (["--config", "missing.yaml", "--gpus", "8", "--gpu-memory-gib", "80", "--seq-len", "1024"], "does not exist"),
     (["--config", "configs/gpt_1b_8gpu.yaml", "--gpus", "0", "--gpu-memory-gib", "80", "--seq-len", "1024"], "--gpus"),
     (["--config", "configs/gpt_1b_8gpu.yaml", "--gpus", "8", "--gpu-memory-gib", "80", "--seq-len", "-1"], "--seq-len"),
+    (["--config", "configs/gpt_1b_8gpu.yaml", "--gpus", "8", "--gpu-memory-gib", "1"], "leaves nothing usable"),
 ])
 def test_cli_bad_input_is_one_error_line(capsys, argv, message):
     assert main(argv) == 1

@@ -360,7 +360,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--config", required=True, help="YAML config: model, batch, dtype, attention backend")
     p.add_argument("--gpus", type=int, required=True, help="GPUs in all")
     p.add_argument("--gpu-memory-gib", type=float, required=True, help="memory of one GPU (80 for an H100 80GB)")
-    p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the config's data.seq_len)")
     p.add_argument("--host-memory-gib", type=float, default=None,
                    help="host memory per node; activation and optimizer offload are considered only when given")
     p.add_argument("--json", action="store_true", help="print one JSON object: best (or null), layouts, config_layout")
@@ -373,7 +373,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                        help=f"default {getattr(d, f.name)}")
     args = p.parse_args(argv)
     for name in ("gpus", "seq_len", "gpu_memory_gib", "top"):
-        if getattr(args, name) <= 0:
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
             print(f"error: --{name.replace('_', '-')} must be positive, got {getattr(args, name)}", file=sys.stderr)
             return 1
     if args.host_memory_gib is not None and args.host_memory_gib <= 0:
@@ -384,9 +384,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    args.seq_len = args.seq_len or cfg.data.seq_len
     if args.kernels is not None:
         cfg = replace(cfg, model=replace(cfg.model, kernels=args.kernels))
     hw = Hardware(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Hardware)})
+    if hw.usable_bytes(args.gpu_memory_gib) <= 0:
+        print(f"error: --gpu-memory-gib {args.gpu_memory_gib:g} leaves nothing usable after --reserve-gib "
+              f"{hw.reserve_gib:g} and --fragmentation {hw.fragmentation:g}: give the memory of one GPU (80 for an "
+              f"H100 80GB)", file=sys.stderr)
+        return 1
     fitting, considered = plan(cfg, args.gpus, args.seq_len, args.gpu_memory_gib, args.host_memory_gib, hw)
     own = replace(cfg, data=replace(cfg.data, seq_len=args.seq_len))
     try:
