@@ -68,6 +68,23 @@ def test_checkpoint_of_another_model_shape(tmp_path):
     assert {f: (run / f).read_text() for f in saved} == saved
 
 
+def test_ctrl_c_ends_with_one_line(tmp_path):
+    """SIGINT (Ctrl-C) interrupts at once, as users expect of it, with one line saying what is kept and which
+    signals stop with a checkpoint instead of a traceback."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, str(ROOT / "pretrain.py")] + _sets(TINY + ["training.train_steps=100000",
+                                                                      f"logging.run_dir={run}"])
+    p = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
+    while not (run / "metrics.jsonl").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    p.send_signal(signal.SIGINT)
+    out, _ = p.communicate(timeout=60)
+    assert p.returncode == 130, out
+    assert "interrupted (Ctrl-C) while " in out and "SIGTERM or SIGUSR1" in out, out
+    assert "Traceback" not in out, out
+
+
 def test_bad_config_key_fails_before_launching_anything(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "pretrain.py"), "--set", "model.hiden_size=3"], cwd=ROOT,
                        env=_env(), capture_output=True, text=True, timeout=60)

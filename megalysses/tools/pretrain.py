@@ -83,6 +83,11 @@ def _run(args: argparse.Namespace, signals: StopSignals) -> int:
         print0(f"error: out of GPU memory while {watchdog.current}: lower training.micro_batch_size, enable "
                f"training.activation_checkpointing, or shard more (parallel.fsdp, tp, sp, pp)")
         return 1
+    except KeyboardInterrupt:
+        doing = f" while {watchdog.current}" if watchdog is not None else ""
+        print0(f"interrupted (Ctrl-C){doing}: nothing saved since the last checkpoint, from which the run resumes; "
+               f"to stop after the current step with a checkpoint, send SIGTERM or SIGUSR1 instead")
+        return 130
     except RuntimeError as e:
         if watchdog is not None and collective_failure(e):
             watchdog.fail(f"a collective failed on rank {dist.get_rank()} while {watchdog.current} "
