@@ -2,6 +2,10 @@
 malformed lines skipped and reported, .gz and folder inputs, no complete-looking output on failure."""
 import gzip
 import json
+import os
+import signal
+import subprocess
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -53,6 +57,9 @@ def test_workers_give_identical_output_and_skips_are_reported(tmp_path, preproce
     assert one["skipped"] == {"bad JSON": 1, "missing key 'text'": 1, "non-string 'text'": 1,
                               "blank line": 1, "not a JSON object": 1}
     assert "skipped 5 malformed documents" in err and "4: bad JSON" in err
+    # the format does not record the tokenizer: the run says which one to train with
+    assert ("tokenized with byte (the default: pass --tokenizer-type for another): 259 ids, EOD 257; "
+            "train with data.tokenizer=byte and model.vocab_size >= 259") in err
     for word in ("docs/s", "MB/s", "tokens/s", "ETA"):
         assert word in err
     ds = IndexedDataset(tmp_path / "w1_text_document")
@@ -86,13 +93,14 @@ def test_folder_input(tmp_path, preprocess):
     assert got == ["first", "second", "third ✓"]
 
 
-def test_sentencepiece_output_identical_across_workers(tmp_path, preprocess, monkeypatch):
+def test_sentencepiece_output_identical_across_workers(tmp_path, preprocess, monkeypatch, capsys):
     monkeypatch.setattr(preprocess, "BATCH_DOCS", 8)
     inp = write_jsonl(tmp_path / "in.jsonl", texts(80, top=0x7F) + ["ünïcødé ✓"])
     model = train_tokenizer.main(["--input", inp, "--model-prefix", str(tmp_path / "sp"),
                                                "--vocab-size", "500", "--byte-fallback", "--num-threads", "1"])
     args = ["--tokenizer-type", "sentencepiece", "--tokenizer-model", model, "--append-eod"]
     run(preprocess, inp, tmp_path / "s1", *args, "--workers", "1")
+    assert f"train with data.tokenizer=sentencepiece data.tokenizer_model={model} and" in capsys.readouterr().err
     run(preprocess, inp, tmp_path / "s3", *args, "--workers", "3")
     assert read_bytes(tmp_path / "s1_text_document") == read_bytes(tmp_path / "s3_text_document")
     assert IndexedDataset(tmp_path / "s1_text_document").dtype == np.uint16
@@ -105,8 +113,36 @@ def test_interrupted_run_leaves_nothing_that_looks_complete(tmp_path, preprocess
         raise KeyboardInterrupt
 
     monkeypatch.setattr(IndexedDatasetBuilder, "finalize", interrupted)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(SystemExit, match="error: interrupted: nothing was written"):
         run(preprocess, inp, tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
+
+
+def test_sigterm_ends_with_one_line_and_no_temporary_files(tmp_path):
+    """SIGTERM (a scheduler, a `kill`) in the middle of a run with worker processes: one error line, no
+    traceback from the main process or the workers, and the temporary outputs removed."""
+    inp = write_jsonl(tmp_path / "in.jsonl", texts(200))
+    script = ("import sys, time\n"
+              "from megalysses.data.indexed import IndexedDatasetBuilder\n"
+              "from megalysses.tools import preprocess_data\n"
+              "add = IndexedDatasetBuilder.add_documents\n"
+              "def slow(self, *a):\n"
+              "    add(self, *a)\n"
+              "    print('WRITING', file=sys.stderr, flush=True)\n"
+              "    time.sleep(60)\n"
+              "IndexedDatasetBuilder.add_documents = slow\n"
+              "preprocess_data.main(sys.argv[1:])\n")
+    p = subprocess.Popen([sys.executable, "-c", script, "--input", inp, "--output-prefix", str(tmp_path / "out"),
+                          "--workers", "2", "--append-eod"], stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert "WRITING" in p.stderr.readline()
+    assert any(n.startswith("out_text_document.tmp-") for n in os.listdir(tmp_path))
+    p.send_signal(signal.SIGTERM)
+    err = p.stderr.read()
+    assert p.wait(timeout=60) == 1
+    said = ("error: stopped by SIGTERM: nothing was written (no temporary file is left; the outputs of an earlier "
+            "run, if any, are as they were)")
+    assert err.strip().splitlines() == [said], err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
 
 

@@ -29,7 +29,9 @@ import json
 import math
 import multiprocessing as mp
 import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -70,6 +72,8 @@ def _tokenizer(t: dict[str, Any]) -> Any:
 def _init_worker(tok_args: dict[str, Any], keys: list[str], folder: bool, parallel: bool) -> None:
     if parallel:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"   # one tokenizer thread per worker process
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)     # a pool worker just ends; the main process reports
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     tok = _tokenizer(tok_args)
     _STATE.update(tok=tok, keys=keys, folder=folder, dtype=optimal_dtype(tok.vocab_size),
                   eod=[tok.eod_id] if tok_args["append_eod"] else [], bos=[tok.bos_id] if tok_args["bos"] else [])
@@ -240,8 +244,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dataset-impl", choices=["mmap"], default="mmap",
                    help="older Megatron-LM: the indexed format, of which only mmap (this one) is written")
     t = p.add_argument_group("tokenizer")
-    t.add_argument("--tokenizer-type", default="byte",
-                   help="byte, sentencepiece, huggingface, gpt2bpe, null, or a Megatron-LM name")
+    t.add_argument("--tokenizer-type", default=None,
+                   help="byte (the default), sentencepiece, huggingface, gpt2bpe, null, or a Megatron-LM name")
     t.add_argument("--tokenizer-model", default=None, help="sentencepiece .model, or a tokenizer.json or its folder")
     t.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: vocab.json")
     t.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt")
@@ -303,11 +307,30 @@ def _empty_message(args: argparse.Namespace, key: str, docs: int, skipped: colle
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p = _parser()
     args = p.parse_args(argv)
+    args.tokenizer_type_given = args.tokenizer_type is not None
+    args.tokenizer_type = args.tokenizer_type or "byte"
     _check_args(p, args)
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _stop)
     try:
         return _run(args)
     except _USER_ERRORS as e:
         raise SystemExit(f"error: {e}") from None
+    except (Stopped, KeyboardInterrupt) as e:
+        raise SystemExit(f"error: {str(e) or 'interrupted'}: nothing was written (no temporary file is left; the "
+                         f"outputs of an earlier run, if any, are as they were)") from None
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+class Stopped(Exception):
+    """SIGTERM: raised in the main process, so that the run's temporary files are removed on the way out."""
+
+
+def _stop(signum: int, frame: object) -> None:
+    raise Stopped("stopped by SIGTERM")
 
 
 def _run(args: argparse.Namespace) -> dict[str, Any]:
@@ -318,7 +341,8 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
                 "merge_file": args.merge_file, "vocab_size": args.vocab_size, "append_eod": args.append_eod,
                 "eod": args.eod if args.eod is not None else args.null_tokenizer_eod_id, "bos": args.bos,
                 "special": not args.tokenizer_hf_no_include_special_tokens}
-    dtype = optimal_dtype(_tokenizer(tok_args).vocab_size)
+    tokenizer = _tokenizer(tok_args)
+    dtype = optimal_dtype(tokenizer.vocab_size)
     Path(args.output_prefix).parent.mkdir(parents=True, exist_ok=True)
     finals = {k: f"{args.output_prefix}_{k}_document" for k in args.json_keys}
     tag = f".tmp-{os.getpid()}"
@@ -393,6 +417,12 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
               file=sys.stderr)
     for final in finals.values():
         print(f"wrote {bin_path(final)} and {idx_path(final)}", file=sys.stderr)
+    # the tokenizer is not recorded in the .bin/.idx (Megatron-LM's format): name the one a run must use
+    model = f" data.tokenizer_model={args.tokenizer_model}" if args.tokenizer_model else ""
+    default = "" if args.tokenizer_type_given else " (the default: pass --tokenizer-type for another)"
+    print(f"tokenized with {args.tokenizer_type}{default}: {tokenizer.vocab_size} ids, EOD {tokenizer.eod_id}; "
+          f"train with data.tokenizer={args.tokenizer_type}{model} and model.vocab_size >= {tokenizer.vocab_size}",
+          file=sys.stderr)
     return {"documents": docs, "tokens": sum(tokens.values()), "bytes": nbytes, "skipped": dict(skipped),
             "empty": empty,
             "seconds": time.time() - start, "outputs": list(finals.values())}
