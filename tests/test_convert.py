@@ -110,7 +110,8 @@ def test_generate_from_a_hugging_face_directory(hf_dir, tmp_path, capsys):
     prompts, new = ["w5 w17 w3 w60 w9", "w40 w41"], 12
     argv = ["--hf", str(folder), "--temperature", "0", "--max-new-tokens", str(new)]
     assert generate.main(argv + [a for p in prompts for a in ("--prompt", p)]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert "warning" not in err
     assert out.startswith(f"--- sampled from {folder} ---\n")
     got = out.split("\n", 1)[1].rstrip("\n").split("\n---\n")
     tok = generate.build_tokenizer("huggingface", str(folder))
@@ -124,6 +125,9 @@ def test_generate_from_a_hugging_face_directory(hf_dir, tmp_path, capsys):
         assert len(set(tail)) >= 5, tail                         # varied text, not one token repeated
         want.append(tok.decode(ids + tail))
     assert got == want
+    # past the model's max_position_embeddings (256) a warning says the text is unreliable
+    assert generate.main(["--hf", str(folder), "--max-new-tokens", "252", "--prompt", prompts[0]]) == 0
+    assert "come to 257 tokens, past the 256 the model was trained at" in capsys.readouterr().err
 
 
 def test_round_trip_without_training_is_exact(hf_dir, tmp_path):

@@ -137,8 +137,8 @@ def prompt_ids(tok: Any, prompt: str, bos: Optional[str]) -> list[int]:
     return ids
 
 
-def _from_run(args: argparse.Namespace) -> tuple[GPTStage, Any, Optional[str], str]:
-    """(model, tokenizer, bos, where) from a run directory."""
+def _from_run(args: argparse.Namespace) -> tuple[GPTStage, Any, Optional[str], str, Optional[int]]:
+    """(model, tokenizer, bos, where, the length it trained at) from a run directory."""
     cfg, tok = load_run(Path(args.run))
     source = args.checkpoint or cfg.checkpoint.dir or Path(args.run) / "checkpoints"
     path = resolve_checkpoint(source)
@@ -153,11 +153,11 @@ def _from_run(args: argparse.Namespace) -> tuple[GPTStage, Any, Optional[str], s
         load_model_weights(path, model, grid, grid.device_mesh(device))
     finally:
         destroy_distributed()
-    return model, tok, cfg.data.bos, str(path)
+    return model, tok, cfg.data.bos, str(path), cfg.data.seq_len
 
 
-def _from_hf(folder: str) -> tuple[GPTStage, Any, Optional[str], str]:
-    """(model, tokenizer, bos, where) from a Hugging Face model directory."""
+def _from_hf(folder: str) -> tuple[GPTStage, Any, Optional[str], str, Optional[int]]:
+    """(model, tokenizer, bos, where, its max_position_embeddings) from a Hugging Face model directory."""
     try:
         config, tensors = open_hf_dir(folder)
         cfg = model_config_from_hf(config, attention_backend="sdpa")
@@ -169,7 +169,7 @@ def _from_hf(folder: str) -> tuple[GPTStage, Any, Optional[str], str]:
         raise ValueError(f"--hf {folder}: its tokenizer: {e}") from None
     model = GPTStage(cfg)
     model.load_state_dict({n: our_tensor(n, cfg, tensors.get).float() for n, _ in model.named_parameters()})
-    return model, tok, None, folder
+    return model, tok, None, folder, config.get("max_position_embeddings")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     _check_args(p, args)
     try:
-        model, tok, bos, where = _from_hf(args.hf) if args.hf else _from_run(args)
+        model, tok, bos, where, trained = _from_hf(args.hf) if args.hf else _from_run(args)
         prompts = [prompt_ids(tok, text, bos) for text in args.prompt]
         empty = [text for text, ids in zip(args.prompt, prompts) if not ids]
         if empty:
@@ -197,6 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    longest = max(len(ids) for ids in prompts) + args.max_new_tokens
+    if trained and longest > trained:
+        print(f"warning: the longest prompt and --max-new-tokens {args.max_new_tokens} come to {longest} tokens, past "
+              f"the {trained} the model was trained at: text beyond that length is unreliable", file=sys.stderr)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = model.to(device, dtype).eval()
