@@ -140,7 +140,12 @@ class DataConfig:
     """Dataset prefixes (without .bin/.idx), optionally weighted:
     ["0.7", "a_text_document", "0.3", "b_text_document"]."""
     split: str = "969,30,1"
-    """train,valid,test ratios over documents."""
+    """train,valid,test ratios over the dataset's sequences (its documents, unless preprocessing split them
+    into sentences), divided as Megatron-LM divides them (docs/DATA_FORMAT.md)."""
+    valid_paths: list[str] = field(default_factory=list)
+    """A validation set of its own (prefixes or a weighted blend, as in paths; Megatron-LM's
+    --valid-data-path): validation reads it whole, and training reads the whole of paths (split does
+    not apply)."""
     seq_len: int = 1024
     """Tokens per sample (the model sees seq_len tokens and predicts seq_len labels); with a
     seq_len_schedule, the final and longest length."""

@@ -186,6 +186,11 @@ def _check_data(d: DataConfig) -> None:
             parse_blend(d.paths)
     except ValueError as e:
         raise ConfigError(f"data.{'split' if str(e).startswith('split') else 'paths'}: {e}") from None
+    try:
+        if not d.mock and d.valid_paths:
+            parse_blend(d.valid_paths)
+    except ValueError as e:
+        raise ConfigError(f"data.valid_paths: {e}") from None
 
 
 def _check_tokenizer(d: DataConfig) -> None:

@@ -238,3 +238,40 @@ def test_curriculum_micro_batches_are_the_loaders_at_each_length():
             resumed = list(loader(ds, mbs, dp, dp_rank, 2, sp_rank, consumed, length_at=length_at, layout=layout))
             assert len(resumed) == len(got) - consumed // 2
             assert all(torch.equal(a[k], b[k]) for a, b in zip(resumed, got[consumed // 2:]) for k in a)
+
+
+def _dataset(prefix, docs):
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", np.uint16)
+    for doc in docs:
+        builder.add_document(np.append(doc, 257))
+    builder.finalize(f"{prefix}.idx")
+
+
+def test_a_validation_set_of_its_own(tmp_path):
+    """data.valid_paths (Megatron-LM's --valid-data-path): validation reads it whole, training the whole of
+    data.paths, its last documents too (the default split would leave them to valid and test)."""
+    from megalysses.config import ConfigError
+    from megalysses.config_io import load_config
+    from megalysses.data.indexed import DatasetError
+    from megalysses.grid import ParallelGrid
+    from megalysses.training.data import TrainingData
+
+    rng = np.random.default_rng(0)
+    _dataset(tmp_path / "train", [rng.integers(0, 100, 20) for _ in range(40)] + [np.arange(120, 130)])
+    _dataset(tmp_path / "valid", [rng.integers(150, 250, 20) for _ in range(5)])
+    _dataset(tmp_path / "tiny", [np.arange(150, 153)])
+    base = [f"data.paths=[{tmp_path / 'train'}]", "data.tokenizer=byte", "model.vocab_size=512", "data.seq_len=16",
+            "training.global_batch_size=2", "training.micro_batch_size=1", "training.train_steps=4",
+            "training.eval_interval=2", "training.eval_steps=2", f"data.cache_dir={tmp_path / 'cache'}"]
+    cfg = load_config(overrides=base + [f"data.valid_paths=[{tmp_path / 'valid'}]"])
+    data = TrainingData(cfg, ParallelGrid(world=1, rank=0), torch.device("cpu"))
+    valid = torch.cat([mb["input_ids"] for mb in data.valid_batches()])
+    assert len(valid) == 4 and ((valid >= 150) & (valid < 250) | (valid == 257)).all()
+    train = np.concatenate([data.train[i] for i in range(len(data.train))])
+    assert (train < 130).all() or set(train[train >= 130].tolist()) == {257}
+    assert 125 in train                                    # the last document trains
+    with pytest.raises(DatasetError, match="data.valid_paths holds too few tokens"):
+        TrainingData(load_config(overrides=base + [f"data.valid_paths=[{tmp_path / 'tiny'}]"]),
+                     ParallelGrid(world=1, rank=0), torch.device("cpu"))
+    with pytest.raises(ConfigError, match="data.valid_paths"):
+        load_config(overrides=base + ["data.valid_paths=[0.5]"])

@@ -29,14 +29,15 @@ def default_cache_dir(prefix: str) -> str:
 
 def build_gpt_datasets(paths: Sequence[str], split: str, seq_len: int, seed: int,
                        num_samples: Sequence[Optional[int]], cache_dir: Optional[str] = None,
-                       validate: Optional[Callable[[IndexedDataset, str], None]] = None,
+                       validate: Optional[Callable[[IndexedDataset, str], None]] = None, need_train: bool = True,
                        ) -> list[GPTDataset | BlendedDataset | None]:
     """[train, valid, test]; num_samples[i] is the samples that split must provide (None = one epoch).
 
     `validate(indexed, cache_dir)` is called on every dataset once it is open (the trainer checks the
     token ids against the vocabulary there). An empty dataset, or a split that gives the train set no
     documents, raises DatasetError. A valid/test split with no documents is None; one too small for one
-    sample is None (logged); a train split too small raises ValueError.
+    sample is None (logged); a train split too small raises ValueError. need_train=False: the datasets are
+    read for another split alone (a validation set of its own).
     """
     prefixes, weights = parse_blend(paths)
     indexed = [IndexedDataset(p) for p in prefixes]
@@ -47,7 +48,7 @@ def build_gpt_datasets(paths: Sequence[str], split: str, seq_len: int, seed: int
         if validate is not None:
             validate(ds, cache_dir or default_cache_dir(ds.prefix))
     ranges = [split_ranges(split, len(ds)) for ds in indexed]
-    if not any(w > 0 and rng[0][1] > rng[0][0] for rng, w in zip(ranges, weights)):
+    if need_train and not any(w > 0 and rng[0][1] > rng[0][0] for rng, w in zip(ranges, weights)):
         counts = ", ".join(f"{len(ds)} in {ds.prefix}" for ds in indexed)
         raise DatasetError(f"split '{split}' gives the training set no sequences ({counts}): give the first "
                            f"(train) ratio a share large enough for at least one sequence, e.g. '969,30,1'")
