@@ -68,19 +68,24 @@ def test_checkpoint_of_another_model_shape(tmp_path):
     assert {f: (run / f).read_text() for f in saved} == saved
 
 
-def test_ctrl_c_ends_with_one_line(tmp_path):
-    """SIGINT (Ctrl-C) interrupts at once, as users expect of it, with one line saying what is kept and which
-    signals stop with a checkpoint instead of a traceback."""
-    run = tmp_path / "run"
+def signal_a_training_run(run: Path, sig: int) -> tuple[int, str]:
+    """Start a long single-process run, send it `sig` once it has logged, return (exit status, output)."""
     cmd = [sys.executable, str(ROOT / "pretrain.py")] + _sets(TINY + ["training.train_steps=100000",
                                                                       f"logging.run_dir={run}"])
     p = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 60
     while not (run / "metrics.jsonl").exists() and time.monotonic() < deadline:
         time.sleep(0.2)
-    p.send_signal(signal.SIGINT)
+    p.send_signal(sig)
     out, _ = p.communicate(timeout=60)
-    assert p.returncode == 130, out
+    return p.returncode, out
+
+
+def test_ctrl_c_ends_with_one_line(tmp_path):
+    """SIGINT (Ctrl-C) interrupts at once, as users expect of it, with one line saying what is kept and which
+    signals stop with a checkpoint instead of a traceback."""
+    status, out = signal_a_training_run(tmp_path / "run", signal.SIGINT)
+    assert status == 130, out
     assert "interrupted (Ctrl-C) while " in out and "SIGTERM or SIGUSR1" in out, out
     assert "Traceback" not in out, out
 
@@ -94,15 +99,8 @@ def test_bad_config_key_fails_before_launching_anything(tmp_path):
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
 def test_preemption_signal_saves_and_exits(tmp_path, sig):
     run = tmp_path / "run"
-    cmd = [sys.executable, str(ROOT / "pretrain.py")] + _sets(TINY + ["training.train_steps=100000",
-                                                                      f"logging.run_dir={run}"])
-    p = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 60
-    while not (run / "metrics.jsonl").exists() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    p.send_signal(sig)
-    out, _ = p.communicate(timeout=60)
-    assert p.returncode == 0, out
+    status, out = signal_a_training_run(run, sig)
+    assert status == 0, out
     assert "(signal)" in out
     latest = (run / "checkpoints" / "latest").read_text().strip()
     assert (run / "checkpoints" / latest / "meta.json").is_file()
