@@ -72,7 +72,9 @@ def signal_a_training_run(run: Path, sig: int) -> tuple[int, str]:
     """Start a long single-process run, send it `sig` once it has logged, return (exit status, output)."""
     cmd = [sys.executable, str(ROOT / "pretrain.py")] + _sets(TINY + ["training.train_steps=100000",
                                                                       f"logging.run_dir={run}"])
-    p = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # as from a terminal: a shell that starts the suite in the background has the children ignore SIGINT
+    p = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 60
     while not (run / "metrics.jsonl").exists() and time.monotonic() < deadline:
         time.sleep(0.2)
