@@ -92,6 +92,15 @@ def test_ctrl_c_ends_with_one_line(tmp_path):
     assert "Traceback" not in out, out
 
 
+def test_a_step_longer_than_the_watchdog_allows_is_refused_before_step_1(tmp_path):
+    """At 1e-9 TFLOP/s (logging.peak_tflops) the planner's step outlasts parallel.timeout_seconds by far."""
+    r = torchrun(1, TINY + ["logging.peak_tflops=1e-9", f"logging.run_dir={tmp_path / 'run'}"])
+    errs = error_lines(r.stdout)
+    assert r.returncode != 0 and len(errs) == 1, r.stdout + r.stderr
+    assert "parallel.timeout_seconds=30 is less than twice the time of a training step" in errs[0]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
 def test_bad_config_key_fails_before_launching_anything(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "pretrain.py"), "--set", "model.hiden_size=3"], cwd=ROOT,
                        env=_env(), capture_output=True, text=True, timeout=60)

@@ -127,7 +127,7 @@ def train(cfg: Config, grid: ParallelGrid, device: torch.device, signals: Option
     doing("checking the run directory")
     on_rank0(lambda: _prepare_dirs(cfg, run_dir, ckpt_dir))
     runtime = plan_runtime(cfg, device, grid)
-    if watchdog is not None and device.type == "cuda":
+    if watchdog is not None:         # a known GPU's peak, or logging.peak_tflops
         check_phase_time(cfg, grid.world, peak_tflops(cfg.logging.peak_tflops, device, runtime.torch_dtype))
     if runtime.attention_backend == "flex" and device.type == "cuda":
         reserve_compiles(flex_compile_budget(runtime))
