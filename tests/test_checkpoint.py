@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megalysses.testing import DistributedTestError, run_distributed
-from test_training_parity import BASE, _train_worker, full_weights, losses, rel
+from test_training_parity import _train_worker, full_weights, losses, rel
 
 SIX = ["training.train_steps=6", "optimizer.warmup_steps=2"]
 TP2SP2 = ["parallel.tp=2", "parallel.sp=2"]
@@ -136,23 +136,15 @@ def test_fsdp_resume_and_interchange_with_zero1(tmp_path):
         assert not bad, f"{run.name}: resumed weights differ: {bad}"
 
 
-def _train(run_dir, *overrides):
-    from megalysses.config_io import load_config
-    from megalysses.grid import ParallelGrid
-    from megalysses.training import loop
-
-    cfg = load_config(overrides=BASE + ["training.eval_interval=0", f"logging.run_dir={run_dir}", *overrides])
-    return loop.train(cfg, ParallelGrid.for_config(cfg), torch.device("cpu"))
-
-
 def _rng_worker(rank, world, run_dir):
     """Train one step (saved with the RNG state), reseed, and train again: the second run only loads."""
+    one_step = [(run_dir, ["training.train_steps=1", "training.eval_interval=0"])]
     torch.manual_seed(123)
-    _train(run_dir, "training.train_steps=1")
+    _train_worker(rank, world, one_step)
     saved = torch.load(Path(run_dir) / "checkpoints" / "step_0000001" / f"rng_rank{rank}.pt")["torch"]
     torch.manual_seed(999)
     before = torch.get_rng_state()
-    _train(run_dir, "training.train_steps=1")
+    _train_worker(rank, world, one_step)
     return torch.equal(before, saved), torch.equal(torch.get_rng_state(), saved)
 
 
@@ -172,8 +164,8 @@ def _batch_size_worker(rank, world, run_dir):
         return real(self, consumed)
 
     TrainingData.train_batches = spy
-    _train(run_dir, "training.global_batch_size=4", "training.train_steps=2")
-    _train(run_dir, "training.global_batch_size=8", "training.train_steps=3")
+    _train_worker(rank, world, [(run_dir, [f"training.global_batch_size={gbs}", f"training.train_steps={steps}",
+                                           "training.eval_interval=0"]) for gbs, steps in ((4, 2), (8, 3))])
     return seen
 
 
