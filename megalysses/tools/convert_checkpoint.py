@@ -40,7 +40,8 @@ from megalysses.config_io import apply_override, config_from_dict, config_to_dic
 from megalysses.model.gpt import GPTStage, architecture
 from megalysses.model.hf import hf_config_dict, hf_tensors, model_config_from_hf, our_names, our_tensor, check_hf_names
 from megalysses.model.hf_io import DTYPES, HFFormatError, open_hf_dir, write_hf_dir
-from megalysses.training.checkpoint import LATEST, CheckpointError, SafeFileSystemReader, resolve_checkpoint
+from megalysses.training.checkpoint import (LATEST, CheckpointError, SafeFileSystemReader, model_differences,
+                                            resolve_checkpoint)
 from megalysses.training.initialize import WEIGHTS_ONLY, is_weights_only
 from megalysses.training.manifest import FORMAT, verify_checkpoint, write_manifest
 
@@ -137,10 +138,10 @@ def to_hf(source: str, hf_dir: str, dtype: str = "bfloat16", config: Optional[st
     cfg = _run_config(path, checkpoint, config)
     meta = json.loads((checkpoint / "meta.json").read_text())
     saved = meta.get("model_shape") or {}
-    diff = {k: (saved[k], v) for k, v in architecture(cfg.model).items()
-            if k != "padded_vocab_size" and k in saved and saved[k] != v}     # padding depends on the saving tp
-    if diff:
-        detail = ", ".join(f"{k}: checkpoint {a} vs config {b}" for k, (a, b) in diff.items())
+    expect = {k: v for k, v in architecture(cfg.model).items()
+              if k != "padded_vocab_size" and k in saved}                   # padding depends on the saving tp
+    detail = model_differences(saved, expect)
+    if detail:
         raise ConvertError(f"checkpoint {checkpoint} is for another model than its config.yaml describes ({detail}): "
                            f"pass --config with the config the run was trained with")
     padded = saved.get("padded_vocab_size", cfg.model.padded_vocab_size())

@@ -215,12 +215,18 @@ def check_model_shape(path: Path, expect_model: dict) -> dict:
     saved = meta.get("model_shape", {})
     if not isinstance(saved, dict):
         raise CheckpointError(f"{path / 'meta.json'} does not record the model shape: the checkpoint is damaged")
-    diff = {k: (saved.get(k), v) for k, v in expect_model.items() if saved.get(k) != v}
-    if diff:
-        detail = ", ".join(f"{k}: checkpoint {a} vs config {b}" for k, (a, b) in diff.items())
+    detail = model_differences(saved, expect_model)
+    if detail:
         raise CheckpointError(f"checkpoint {path} is for a different model shape ({detail}): "
                               f"use a matching model config or another checkpoint.load / checkpoint.dir")
     return meta
+
+
+def model_differences(saved: dict, expect_model: dict) -> str:
+    """'key: checkpoint a vs config b, ...' for each key of `expect_model` that the checkpoint's recorded
+    model shape `saved` holds otherwise; '' when they agree."""
+    return ", ".join(f"{k}: checkpoint {saved.get(k)} vs config {v}" for k, v in expect_model.items()
+                     if saved.get(k) != v)
 
 
 def load_checkpoint(path: Path, model: torch.nn.Module, opt: Optimizer, grid: ParallelGrid, mesh: DeviceMesh,
