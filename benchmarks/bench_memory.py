@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{S:>9} {fmt_bytes(row['predicted_gib'] * GIB):>11} {fmt_bytes(row['measured_gib'] * GIB):>11} "
               f"{row['error']:>+7.1%} {fmt_bytes(row.get('host_gib', 0) * GIB):>10} {row['step_s']:>8.2f} "
               f"{row['tokens_per_s']:>9.0f} {mfu:>6}  {row['predicted_phase']}", flush=True)
-    summary = targets(sorted(kept + rows, key=lambda r: r["seq_len"]))
+    summary = targets(every)                                            # this run's rows and the kept ones
     print("targets: " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()),
           flush=True)
     print(f"wrote {out}", flush=True)                                   # after every length, above
