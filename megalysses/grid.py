@@ -201,10 +201,11 @@ class ParallelGrid:
         return self.pp_rank == self.layout.pp - 1
 
     def group(self, kind: str) -> Optional[dist.ProcessGroup]:
-        return self._groups[kind]
+        return self._groups.get(kind) if kind == "embed" else self._groups[kind]
 
     def group_ranks(self, kind: str) -> list[int]:
-        return self._ranks[kind]
+        """The ranks of this rank's group of `kind` (empty for embed on a middle pipeline stage)."""
+        return self._ranks.get(kind, []) if kind == "embed" else self._ranks[kind]
 
     @property
     def tp_group(self) -> Optional[dist.ProcessGroup]:
@@ -240,7 +241,8 @@ class ParallelGrid:
 
     @property
     def embed_group(self) -> Optional[dist.ProcessGroup]:
-        return self._groups["embed"]
+        """The first and last stage's group (tied embeddings); None on a middle stage, which holds neither."""
+        return self._groups.get("embed")
 
     def device_mesh(self, device: torch.device) -> DeviceMesh:
         """The (pp, tp, grad) device mesh of the grid (grad = dp x sp in grid order): checkpoints place every

@@ -54,6 +54,11 @@ LAYOUTS = {  # name: (world, overrides)
     "single_31": (1, ["data.seq_len=31"]),
     "ring2pp2_31": (4, ["parallel.sp=2", "parallel.sp_ring=2", "parallel.pp=2", "data.seq_len=31"]),
     "fsdp_u2ring2": (4, ["parallel.sp=4", "parallel.sp_ring=2", "parallel.fsdp=true"]),
+    # 3 and 4 stages with tied embeddings: the middle stages hold neither copy of the embedding
+    "single_tied": (1, ["model.tie_embeddings=true"]),
+    "single_tied_6": (1, ["model.tie_embeddings=true", "model.num_layers=6"]),
+    "pp4_tied": (4, ["parallel.pp=4", "model.tie_embeddings=true"]),
+    "pp3_tied": (3, ["parallel.pp=3", "model.tie_embeddings=true", "model.num_layers=6"]),
     "tp2u2ring2": (8, ["parallel.tp=2", "parallel.sp=4", "parallel.sp_ring=2", "parallel.tp_sequence_parallel=true",
                        "model.tie_embeddings=true"]),
 }
@@ -140,8 +145,8 @@ def run_layouts(tmp_path: Path, world: int, names: list[str], layouts: dict = LA
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    """Single-process runs, in one spawn: at seq_len 32 and at 31."""
-    return run_layouts(tmp_path_factory.mktemp("ref"), 1, ["single", "single_31"])
+    """Single-process runs, in one spawn: at seq_len 32 and at 31, and with tied embeddings (4 and 6 layers)."""
+    return run_layouts(tmp_path_factory.mktemp("ref"), 1, ["single", "single_31", "single_tied", "single_tied_6"])
 
 
 @pytest.fixture(scope="module")
@@ -177,10 +182,11 @@ def test_layouts_on_2_ranks(tmp_path, reference):
 def test_layouts_on_4_ranks(tmp_path, references):
     # sp4: 2 KV heads over 4 sp ranks (KV replication); FSDP with tp + sp and with a pipeline
     results = run_layouts(tmp_path, 4, ["sp4", "fsdp_tp2sp2", "fsdp_pp2dp2", "fsdp_pp2v2dp2", "bf16_pp2dp2",
-                                        "bf16_fsdp_pp2dp2", "ring2pp2", "fsdp_u2ring2", "ring2pp2_31"])
+                                        "bf16_fsdp_pp2dp2", "ring2pp2", "fsdp_u2ring2", "ring2pp2_31", "pp4_tied"])
     for name in ("sp4", "fsdp_tp2sp2", "fsdp_pp2dp2", "fsdp_pp2v2dp2", "ring2pp2", "fsdp_u2ring2"):
         check_against(references["single"], results[name], name)
     check_against(references["single_31"], results["ring2pp2_31"], "ring2pp2_31")
+    check_against(references["single_tied"], results["pp4_tied"], "pp4_tied")
     # bf16: FSDP rounds the weights it gathers, so only closeness to the ZeRO-1 bf16 run is expected
     (z_loss, _, z_norm, _), (f_loss, _, f_norm, _) = results["bf16_pp2dp2"], results["bf16_fsdp_pp2dp2"]
     for a, b in zip(f_loss, z_loss):
@@ -189,9 +195,12 @@ def test_layouts_on_4_ranks(tmp_path, references):
         assert abs(a - b) <= 3e-2 * abs(b), f"bf16 FSDP pp2 gradient norms {f_norm} vs ZeRO-1 {z_norm}"
 
 
-def test_tp2_sp2_pp2_on_8_ranks(tmp_path):
-    # tied embeddings and TP sequence sharding here, so the reference is its own single-process run
-    ref = run_layouts(tmp_path / "ref", 1, ["single_tied"], {"single_tied": (1, ["model.tie_embeddings=true"])})
-    ref = ref["single_tied"]
+def test_pipeline_of_3_stages_with_tied_embeddings(tmp_path, references):
+    check_against(references["single_tied_6"], run_layouts(tmp_path, 3, ["pp3_tied"])["pp3_tied"], "pp3_tied")
+
+
+def test_tp2_sp2_pp2_on_8_ranks(tmp_path, references):
+    # tied embeddings and TP sequence sharding here
+    ref = references["single_tied"]
     for name, got in run_layouts(tmp_path, 8, ["tp2sp2pp2", "tp2sp2pp2v2", "fsdp_tp2sp2pp2", "tp2u2ring2"]).items():
         check_against(ref, got, name)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -69,7 +69,8 @@ def build_model(cfg: Config, grid: ParallelGrid, device: torch.device, mesh: Dev
 
 def build_optimizer(cfg: Config, model: GPTStage, grid: ParallelGrid) -> Optimizer:
     o = cfg.optimizer
-    tied_across_stages = cfg.model.tie_embeddings and grid.pp_size > 1
+    # the two copies of a tied embedding (first and last stage) sum their gradients; a middle stage has neither
+    tied_across_stages = cfg.model.tie_embeddings and grid.pp_size > 1 and (grid.is_first_stage or grid.is_last_stage)
     common = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, tp_rank=grid.tp_rank,
                   embed_group=grid.embed_group if tied_across_stages else None,
                   tied_head_copy=tied_across_stages and not grid.is_first_stage)
@@ -80,13 +81,22 @@ def build_optimizer(cfg: Config, model: GPTStage, grid: ParallelGrid) -> Optimiz
                         offload=cfg.training.optimizer_offload)
 
 
-def build_model_and_optimizer(cfg: Config, grid: ParallelGrid, device: torch.device,
-                              runtime: Runtime) -> tuple[GPTStage | VirtualStages, Optimizer]:
-    """A fresh run's model and optimizer, as `train` builds them when there are no weights to load: the
-    fp32 model (with parallel.fsdp, sharded over the grid's device mesh), the optimizer's fp32 masters
-    from it, then the compute weights in runtime's dtype (FSDP casts when it gathers)."""
-    mesh = grid.device_mesh(device) if cfg.parallel.fsdp else None
+def build_model_and_optimizer(cfg: Config, grid: ParallelGrid, device: torch.device, runtime: Runtime,
+                              mesh: Optional[DeviceMesh] = None, initial: Optional[str | Path] = None,
+                              doing: Callable[[str], None] = lambda what: None,
+                              ) -> tuple[GPTStage | VirtualStages, Optimizer]:
+    """The model and optimizer of a run, built the one way every caller builds them: the fp32 model
+    (with parallel.fsdp, sharded over `mesh`, the grid's device mesh), the `initial` weights loaded into it
+    where there are any (a converted model, checkpoint.init_from), the optimizer's fp32 masters from it,
+    then the compute weights in runtime's dtype (FSDP casts when it gathers). `doing` is told each phase."""
+    if mesh is None and cfg.parallel.fsdp:
+        mesh = grid.device_mesh(device)
+    doing("building the model")
     model = build_model(cfg, grid, device, mesh, runtime)
+    if initial is not None:
+        doing(f"loading the initial weights {initial}")
+        print0(load_initial_weights(initial, model, cfg, grid, mesh))
+    doing("building the optimizer")
     opt = build_optimizer(cfg, model, grid)
     if not cfg.parallel.fsdp:
         model.to(runtime.torch_dtype)
@@ -133,9 +143,7 @@ def train(cfg: Config, grid: ParallelGrid, device: torch.device, signals: Option
         reserve_compiles(flex_compile_budget(runtime))
     print0(startup_line(cfg, grid, runtime))
     dtype = runtime.torch_dtype
-    doing("building the model")
     mesh = grid.device_mesh(device)
-    model = build_model(cfg, grid, device, mesh, runtime)
 
     step, consumed, updates = 0, 0, 0       # updates: optimizer steps taken (skipped steps excluded)
     total = cfg.training.train_steps
@@ -148,12 +156,8 @@ def train(cfg: Config, grid: ParallelGrid, device: torch.device, signals: Option
     # no checkpoint of this run to resume
     initial = path if path is not None and is_weights_only(path) else None if path else cfg.checkpoint.init_from
     if initial is not None:
-        doing(f"loading the initial weights {initial}")
-        print0(load_initial_weights(initial, model, cfg, grid, mesh))
         path = None
-    opt = build_optimizer(cfg, model, grid)      # fp32 masters from the fp32 weights
-    if not cfg.parallel.fsdp:
-        model.to(dtype)                          # compute weights (FSDP casts when it gathers)
+    model, opt = build_model_and_optimizer(cfg, grid, device, runtime, mesh, initial, doing)
     doing("opening the datasets")
     data = TrainingData(cfg, grid, device)
     if path is not None:
