@@ -11,10 +11,12 @@ worker outlives it: the training loop treats that SIGTERM as a stop (checkpoint,
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import pickle
 import signal
 import sys
+import time
 from datetime import timedelta
 from typing import Callable, Optional, TypeVar
 
@@ -116,6 +118,23 @@ def launcher_status() -> str:
     except (OSError, IndexError):
         return "gone"
     return "exiting" if state in ("Z", "X") else "running"
+
+
+def write_error_file(message: str) -> None:
+    """Leave this worker's one-line reason for failing where its launcher looks for it: torchrun names a file
+    per worker in TORCHELASTIC_ERROR_FILE (the convention of torch.distributed.elastic's `record`) and shows
+    its message as the "Root Cause" closing its report, instead of "To enable traceback see: ...". The first
+    reason a worker gives is kept."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or os.path.exists(path):
+        return
+    try:
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"message": {"message": message, "extraInfo": {"timestamp": str(int(time.time()))}}}, f)
+        os.replace(tmp, path)
+    except OSError:
+        pass        # the launcher's folder is gone: nobody is left to read it
 
 
 def destroy_distributed() -> None:

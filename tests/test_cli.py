@@ -92,6 +92,71 @@ def test_ctrl_c_ends_with_one_line(tmp_path):
     assert "Traceback" not in out, out
 
 
+def test_ctrl_c_in_a_terminal_ends_a_torchrun_launch_with_one_line(tmp_path):
+    """A terminal sends Ctrl-C's SIGINT to its whole foreground process group: torchrun and every worker (and
+    torchrun passes its own SIGINT on to them). One line says what is kept; after it comes only torchrun's own
+    report of the signal, and torchrun's exit status 1 (the README says so)."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(ROOT / "pretrain.py")] + _sets(TINY + ["parallel.sp=2", "training.train_steps=100000",
+                                                      f"logging.run_dir={run}"])
+    p = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.monotonic() + 90
+        while not (run / "metrics.jsonl").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        os.killpg(p.pid, signal.SIGINT)
+        out, _ = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    lines = out.splitlines()
+    said = [i for i, line in enumerate(lines) if line.startswith("interrupted (Ctrl-C) while ")]
+    assert len(said) == 1 and "SIGTERM or SIGUSR1" in lines[said[0]], out
+    after = lines[said[0] + 1:]
+    assert not [line for line in after if "megalysses" in line or line.startswith(("error:", "[rank"))], out
+    assert "SignalException" in after[-1], out        # torchrun's own report closes the output
+    assert p.returncode == 1, out
+
+
+def test_a_rank_that_raises_is_named_with_its_error_and_phase(tmp_path):
+    """A bug that only rank 1 hits (planted by a sitecustomize module): its error and phase end the job at
+    once in one line, which torchrun's report closes with (its error file), and no rank is called frozen."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import os\n"
+        "if os.environ.get('RANK') == '1':\n"
+        "    import megalysses.training.loop as loop\n"
+        "    def planted(*args, **kwargs):\n"
+        "        raise KeyError('planted')\n"
+        "    loop.build_optimizer = planted\n")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(ROOT / "pretrain.py")] + _sets(TINY + ["parallel.sp=2", f"logging.run_dir={tmp_path / 'run'}"])
+    t0 = time.monotonic()
+    r = subprocess.run(cmd, cwd=ROOT, env={**_env(), "PYTHONPATH": str(tmp_path)}, stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True, timeout=120)
+    took = time.monotonic() - t0
+    assert r.returncode != 0
+    errs = error_lines(r.stdout)
+    assert errs == ["error: rank 1 failed while building the optimizer: KeyError: 'planted'"], r.stdout
+    assert "stopped responding" not in r.stdout and took < 30, (took, r.stdout)   # not the 30 s timeout
+    assert any(errs[0] in line for line in r.stdout.splitlines()[-15:]), r.stdout
+
+
+@pytest.mark.parametrize("bad", [["model.hiden_size=3"], ["parallel.pp=3"]], ids=["on loading", "at start-up"])
+def test_a_config_error_closes_a_torchrun_launch(tmp_path, bad):
+    """torchrun's report of the failed workers ends with the config error (each worker's error file), not
+    with "To enable traceback see ...": `... | tail` shows the cause."""
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                        str(ROOT / "pretrain.py")] + _sets(TINY + bad + [f"logging.run_dir={tmp_path / 'run'}"]),
+                       cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
+    assert r.returncode != 0
+    last = r.stdout.splitlines()[-15:]
+    assert any(("config error: " in line or "error: " in line) and ("hiden_size" in line or "pp=3" in line)
+               for line in last), r.stdout
+    assert not any("To enable traceback" in line for line in last), r.stdout
+
+
 def test_a_step_longer_than_the_watchdog_allows_is_refused_before_step_1(tmp_path):
     """At 1e-9 TFLOP/s (logging.peak_tflops) the planner's step outlasts parallel.timeout_seconds by far."""
     r = torchrun(1, TINY + ["logging.peak_tflops=1e-9", f"logging.run_dir={tmp_path / 'run'}"])

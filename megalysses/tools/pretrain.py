@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -18,7 +20,8 @@ from megalysses.config import ConfigError
 from megalysses.config_checks import config_warnings, validate_config
 from megalysses.config_io import load_config
 from megalysses.data import DatasetError
-from megalysses.distributed import collective_failure, destroy_distributed, die_with_launcher, init_distributed
+from megalysses.distributed import (collective_failure, destroy_distributed, die_with_launcher, init_distributed,
+                                    write_error_file)
 from megalysses.grid import LayoutError, ParallelGrid
 from megalysses.training.checkpoint import CheckpointError
 from megalysses.training.loop import train
@@ -39,8 +42,20 @@ def main(argv: list[str] | None = None) -> int:
     signals = StopSignals()        # first: a preemption signal during start-up is kept, not fatal
     try:
         return _run(args, signals)
+    except KeyboardInterrupt:      # before the run started
+        return _interrupted("starting up")
     finally:
         signals.restore()
+
+
+def _interrupted(doing: str) -> int:
+    """Ctrl-C: one line from the first rank, and later Ctrl-Cs (a launcher passes its own on) ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if os.environ.get("RANK", "0") == "0":
+        print(f"interrupted (Ctrl-C) while {doing}: nothing saved since the last checkpoint, from which the run "
+              f"resumes; to stop after the current step with a checkpoint, send SIGTERM or SIGUSR1 instead",
+              flush=True)
+    return 130
 
 
 def _run(args: argparse.Namespace, signals: StopSignals) -> int:
@@ -50,17 +65,19 @@ def _run(args: argparse.Namespace, signals: StopSignals) -> int:
     except ConfigError as e:
         if rank0:
             print(f"config error: {e}", file=sys.stderr)
+        write_error_file(f"config error: {e}")
         return 2
     die_with_launcher()
     try:
         device = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_seconds)
     except (RuntimeError, ValueError) as e:
+        message = f"error: cannot start the process group: {' '.join(str(e).split())[:300]}"
         if rank0:
-            print(f"error: cannot start the process group: {' '.join(str(e).split())[:300]}", flush=True)
+            print(message, flush=True)
+        write_error_file(message)
         return 1
-    watchdog = None
+    watchdog = Watchdog.start(dist.get_rank(), dist.get_world_size(), cfg.parallel.timeout_seconds)
     try:
-        watchdog = Watchdog.start(dist.get_rank(), dist.get_world_size(), cfg.parallel.timeout_seconds)
         for note in config_warnings(cfg):
             print0(f"warning: {note}")
         validate_config(cfg, world_size=dist.get_world_size())
@@ -72,31 +89,34 @@ def _run(args: argparse.Namespace, signals: StopSignals) -> int:
         else:
             print0(f"done: step {summary['step']}, loss {summary['loss']:.4f} ({summary['stopped_by']})")
         return 0
-    except USER_ERRORS as e:
-        print0(f"error: {e}")
-        return 1
-    except MemoryError:
-        print0(f"error: out of host memory while {watchdog.current}: lower data.seq_len or "
-               f"training.micro_batch_size, or use more ranks")
-        return 1
-    except torch.OutOfMemoryError:
-        print0(f"error: out of GPU memory while {watchdog.current}: lower training.micro_batch_size, enable "
-               f"training.activation_checkpointing, or shard more (parallel.fsdp, tp, sp, pp)")
-        return 1
     except KeyboardInterrupt:
-        doing = f" while {watchdog.current}" if watchdog is not None else ""
-        print0(f"interrupted (Ctrl-C){doing}: nothing saved since the last checkpoint, from which the run resumes; "
-               f"to stop after the current step with a checkpoint, send SIGTERM or SIGUSR1 instead")
-        return 130
-    except RuntimeError as e:
-        if watchdog is not None and collective_failure(e):
+        return _interrupted(watchdog.current)
+    except Exception as e:  # noqa: BLE001 - every error ends the job with one line, from the rank that has it
+        if signals.interrupted:          # a peer interrupted first left this rank's collective
+            return _interrupted(watchdog.current)
+        if collective_failure(e) and not isinstance(e, torch.OutOfMemoryError):
             watchdog.fail(f"a collective failed on rank {dist.get_rank()} while {watchdog.current} "
                           f"({' '.join(str(e).split())[:200]})")
-        raise
+        watchdog.report(_error_line(e, watchdog.current))
+        return 1
     finally:
-        if watchdog is not None:
-            watchdog.stop()
+        watchdog.stop()
         destroy_distributed()
+
+
+def _error_line(e: Exception, doing: str) -> str:
+    """The one line an error ends the job with: bad input says what to fix; anything else is a bug, reported
+    with its traceback (on stderr) and the rank and phase it hit."""
+    if isinstance(e, USER_ERRORS):
+        return f"error: {e}"
+    if isinstance(e, MemoryError):
+        return (f"error: out of host memory while {doing}: lower data.seq_len or training.micro_batch_size, or "
+                f"use more ranks")
+    if isinstance(e, torch.OutOfMemoryError):
+        return (f"error: out of GPU memory while {doing}: lower training.micro_batch_size, enable "
+                f"training.activation_checkpointing, or shard more (parallel.fsdp, tp, sp, pp)")
+    traceback.print_exc()
+    return f"error: rank {dist.get_rank()} failed while {doing}: {type(e).__name__}: {' '.join(str(e).split())}"
 
 
 def cli() -> int:

@@ -21,6 +21,10 @@ The first rank to fail the job takes the report (an atomic counter in the store)
 rank's heartbeat twice to find the culprit (a rank whose heartbeat stopped, else the rank that is
 furthest behind), prints one `error:` line, and every rank exits with status 1; a frozen rank on the
 same host is killed, so the launcher sees every worker end.
+
+A rank that raises an error (bad input, or a bug) reports it itself (`report`): the first such rank
+prints its line, and the others, wherever they wait, end at their next check instead of at the timeout.
+Every rank that ends leaves the job's message in torchrun's error file, the "Root Cause" of its report.
 """
 from __future__ import annotations
 
@@ -36,7 +40,7 @@ from typing import Callable, NoReturn, Optional
 
 import torch.distributed as dist
 
-from megalysses.distributed import launcher_status
+from megalysses.distributed import launcher_status, write_error_file
 
 
 def _store(rank: int, timeout: float) -> Optional[dist.Store]:
@@ -189,6 +193,8 @@ class Watchdog:
             while not self.store.check(["abort"]) and time.monotonic() < deadline:
                 time.sleep(0.2)
             frozen = json.loads(self.store.get("frozen")) if self.store.check(["frozen"]) else []
+            if self.store.check(["abort"]):
+                write_error_file(self.store.get("abort").decode())
         except Exception:  # noqa: BLE001 - the store is gone: nothing more to learn
             pass
         self._kill_frozen({rec["rank"]: rec for rec in frozen})
@@ -196,6 +202,23 @@ class Watchdog:
         raise _Ended()   # only reached when `exit` is replaced (tests)
 
     # ------------------------------------------------------------------------- ending the job
+
+    def report(self, message: str) -> None:
+        """This rank stops with an error: print `message` unless another rank already reported the job's
+        end, and have every rank still running end at its next check (its error file says why)."""
+        self._stopped.set()
+        store, claimed = self._store_now(), True
+        if store is not None:
+            try:
+                claimed = store.add("claim", 1) == 1
+                if claimed:
+                    store.set("frozen", "[]")
+                    store.set("abort", message)
+            except Exception:  # noqa: BLE001 - no store: every rank says what it knows
+                claimed = True
+        if claimed:
+            print(message, flush=True)
+        write_error_file(message)
 
     def fail(self, reason: str, diagnose: bool = True) -> NoReturn:
         """End the job: one message (from whichever rank claims the report), exit status 1 everywhere."""
@@ -220,6 +243,7 @@ class Watchdog:
                        f"{self.timeout:g}: raise it if this phase is legitimately that slow)")
             print(message, flush=True)
             sys.stderr.flush()
+            write_error_file(message)
             if store is not None:
                 try:
                     frozen = [{**rec, "rank": r} for r, rec in records.items() if rec.get("frozen")]
