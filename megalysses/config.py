@@ -312,3 +312,10 @@ class Config:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+PATH_KEYS = (("data", "paths"), ("data", "valid_paths"), ("data", "tokenizer_model"), ("data", "vocab_file"),
+             ("data", "merge_file"), ("data", "cache_dir"), ("checkpoint", "dir"), ("checkpoint", "load"),
+             ("checkpoint", "init_from"), ("logging", "run_dir"))
+"""The keys whose values are files or folders (data.paths and valid_paths: a blend's weights are not).
+A config file names them relative to the working directory; a run's own config.yaml, absolute."""

@@ -2,16 +2,18 @@
 parsed strictly against the schema of megalysses/config.py.
 
     cfg = load_config("configs/quickstart.yaml", overrides=["optimizer.lr=3e-4", "parallel.tp=2"])
-    save_config(cfg, "runs/x/config.yaml")   # loads back to an equal object
+    save_config(cfg, "runs/x/config.yaml")   # loads back to an equal object, with its paths absolute
 
 Unknown keys fail with the key, its path and the nearest valid name; values are parsed by the
 field's type; load_config then checks the cross-field rules (megalysses/config_checks.py).
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import math
+import os
 import re
 import types
 import typing
@@ -20,7 +22,7 @@ from typing import Any, Literal, Optional
 
 import yaml
 
-from megalysses.config import Config, ConfigError
+from megalysses.config import PATH_KEYS, Config, ConfigError
 from megalysses.config_checks import validate_config
 
 
@@ -228,6 +230,36 @@ def dump_config(cfg: Config) -> str:
     return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
 
 
+def absolute_paths(cfg: Config) -> Config:
+    """cfg with every file and folder it names (config.PATH_KEYS) absolute, resolved against the working
+    directory: a run's config.yaml then reads the same from anywhere (generate, the converter, a resume)."""
+    def absolute(value: Optional[str]) -> Optional[str]:
+        return value if value is None else os.path.abspath(value)
+
+    def blend(values: list[str]) -> list[str]:      # weighted blends start with a weight: [w, path, w, path]
+        weighted = bool(values) and _is_number(values[0])
+        return [v if weighted and i % 2 == 0 else absolute(v) for i, v in enumerate(values)]
+
+    out = copy.deepcopy(cfg)
+    for section, key in PATH_KEYS:
+        part = getattr(out, section)
+        value = getattr(part, key)
+        if isinstance(value, list):
+            setattr(part, key, blend(value))
+        elif not (section, key, value) == ("checkpoint", "load", "auto"):
+            setattr(part, key, absolute(value))
+    return out
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
 def save_config(cfg: Config, path: str | Path) -> None:
+    """Write a run's config.yaml, with the files and folders it names absolute (absolute_paths)."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(dump_config(cfg))
+    Path(path).write_text(dump_config(absolute_paths(cfg)))

@@ -1,4 +1,5 @@
 """pretrain.py as users run it: torchrun, bad input ending with one clear message, preemption signals."""
+import json
 import os
 import signal
 import subprocess
@@ -182,24 +183,52 @@ def test_preemption_signal_saves_and_exits(tmp_path, sig):
     assert (run / "checkpoints" / latest / "meta.json").is_file()
 
 
-def test_generate_and_plot_from_a_run(tmp_path):
-    """tools/generate.py samples from a checkpoint saved at tp2 (resharded to one process);
-    tools/plot_metrics.py draws the run's curves; a wrong --run gives one clear message."""
-    run = tmp_path / "run"
-    ok = torchrun(2, TINY + ["model.vocab_size=512", "parallel.tp=2", "training.train_steps=2",
-                             f"logging.run_dir={run}"])
+def test_a_run_directory_works_from_any_directory(tmp_path, monkeypatch):
+    """A run trained at tp=2 in one directory, with its data, tokenizer and run directory named relative to it:
+    from another directory, tools/generate.py samples from its checkpoint (resharded to one process), the
+    converter exports it, tools/plot_metrics.py draws its curves, and a resume through its config.yaml
+    continues it; a wrong --run gives one clear message."""
+    from megalysses.tools import preprocess_data, train_tokenizer
+
+    work = tmp_path / "work"
+    (work / "data").mkdir(parents=True)
+    import argparse as module_text
+    text = Path(module_text.__file__).read_text()
+    docs = [text[i:i + 2000] for i in range(0, len(text), 2000)]
+    (work / "data" / "c.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
+    monkeypatch.chdir(work)
+    train_tokenizer.main(["--input", "data/c.jsonl", "--model-prefix", "data/sp", "--vocab-size", "300"])
+    preprocess_data.main(["--input", "data/c.jsonl", "--output-prefix", "data/c", "--append-eod", "--workers", "1",
+                          "--tokenizer-type", "sentencepiece", "--tokenizer-model", "data/sp.model"])
+    monkeypatch.chdir(ROOT)
+    relative = ["data.mock=false", "data.paths=[data/c_text_document]", "data.tokenizer=sentencepiece",
+                "data.tokenizer_model=data/sp.model", "model.vocab_size=512", "logging.run_dir=runs/r"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(ROOT / "pretrain.py")] + _sets(TINY + relative + ["parallel.tp=2", "training.train_steps=2"])
+    ok = subprocess.run(cmd, cwd=work, env=_env(), capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0, ok.stdout + ok.stderr
-    gen = subprocess.run([sys.executable, str(ROOT / "tools" / "generate.py"), "--run", str(run), "--prompt", "ab",
-                          "--max-new-tokens", "5", "--temperature", "0"], cwd=ROOT, env=_env(), capture_output=True,
-                         text=True, timeout=60)
+    run = work / "runs" / "r"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    gen = subprocess.run([sys.executable, str(ROOT / "tools" / "generate.py"), "--run", str(run), "--prompt", "def",
+                          "--max-new-tokens", "5", "--temperature", "0"], cwd=elsewhere, env=_env(),
+                         capture_output=True, text=True, timeout=60)
     assert gen.returncode == 0, gen.stdout + gen.stderr
     assert "sampled from" in gen.stdout and "step_0000002" in gen.stdout
-    assert gen.stdout.split("---\n", 1)[1].startswith("ab")        # the prompt, then the continuation
+    assert gen.stdout.split("---\n", 1)[1].startswith("def")        # the prompt, then the continuation
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "convert_checkpoint.py"), "--from", str(run),
+                          "--to-hf", "hf"], cwd=elsewhere, env=_env(), capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and (elsewhere / "hf" / "config.json").is_file(), out.stdout + out.stderr
+    resume = subprocess.run([sys.executable, str(ROOT / "pretrain.py"), "--config", str(run / "config.yaml"),
+                             "--set", "training.train_steps=3", "--set", "parallel.tp=1"], cwd=elsewhere, env=_env(),
+                            capture_output=True, text=True, timeout=120)
+    assert resume.returncode == 0 and "resumed from" in resume.stdout and "done: step 3" in resume.stdout, \
+        resume.stdout + resume.stderr
     bad = subprocess.run([sys.executable, str(ROOT / "tools" / "generate.py"), "--run", str(tmp_path / "nope")],
                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60)
     assert bad.returncode == 1 and "not a run directory" in bad.stderr and "Traceback" not in bad.stderr
     pytest.importorskip("matplotlib")
-    plot = subprocess.run([sys.executable, str(ROOT / "tools" / "plot_metrics.py"), str(run)], cwd=ROOT, env=_env(),
-                          capture_output=True, text=True, timeout=60)
+    plot = subprocess.run([sys.executable, str(ROOT / "tools" / "plot_metrics.py"), str(run)], cwd=elsewhere,
+                          env=_env(), capture_output=True, text=True, timeout=60)
     assert plot.returncode == 0, plot.stdout + plot.stderr
     assert (run / "metrics.png").stat().st_size > 1000

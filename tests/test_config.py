@@ -3,7 +3,7 @@ import pytest
 
 from megalysses.config import Config, ConfigError
 from megalysses.config_checks import config_warnings, validate_config
-from megalysses.config_io import config_from_dict, dump_config, load_config, read_yaml, save_config
+from megalysses.config_io import absolute_paths, config_from_dict, dump_config, load_config, read_yaml, save_config
 
 
 def _write(tmp_path, text):
@@ -155,12 +155,30 @@ def test_world_size_rules():
 
 
 def test_round_trip(tmp_path):
-    cfg = load_config(overrides=["data.mock=true", "optimizer.lr=1e-3", "data.paths=[a,b]", "model.num_kv_heads=4"])
+    cfg = load_config(overrides=["data.mock=true", "optimizer.lr=1e-3", "data.paths=[/d/a,/d/b]",
+                                 "model.num_kv_heads=4", "logging.run_dir=/r/x"])
     save_config(cfg, tmp_path / "out.yaml")
     again = load_config(tmp_path / "out.yaml")
     assert again == cfg
     assert config_from_dict({}) == Config()
     assert "num_kv_heads: 4" in dump_config(cfg)
+
+
+def test_a_runs_config_names_its_files_absolute(tmp_path, monkeypatch):
+    """A run's config.yaml reads the same from any directory: the files and folders it names are absolute
+    (a blend's weights stay numbers), "auto" and None stay what they are."""
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(overrides=["data.paths=[0.3,d/a,0.7,/abs/b]", "data.valid_paths=[v]",
+                                 "data.tokenizer=sentencepiece", "data.tokenizer_model=tok/sp.model",
+                                 "logging.run_dir=runs/x", "checkpoint.init_from=../hf"])
+    save_config(cfg, tmp_path / "runs" / "x" / "config.yaml")
+    monkeypatch.chdir("/")
+    again = load_config(tmp_path / "runs" / "x" / "config.yaml")
+    d = again.data
+    assert d.paths == ["0.3", str(tmp_path / "d" / "a"), "0.7", "/abs/b"] and d.valid_paths == [str(tmp_path / "v")]
+    assert d.tokenizer_model == str(tmp_path / "tok" / "sp.model") and d.vocab_file is None
+    assert again.logging.run_dir == str(tmp_path / "runs" / "x") and again.checkpoint.load == "auto"
+    assert again.checkpoint.init_from == str(tmp_path.parent / "hf")
 
 
 def test_missing_file_and_bad_yaml(tmp_path):
@@ -224,7 +242,7 @@ def test_seq_len_schedule_lookup_and_round_trip(tmp_path):
     assert [cfg.data.seq_len_at(done) for done in range(8)] == [8, 8, 16, 16, 32, 32, 32, 32]
     assert not [n for n in config_warnings(cfg) if "seq_len_schedule" in n]
     save_config(cfg, tmp_path / "out.yaml")
-    assert load_config(tmp_path / "out.yaml") == cfg
+    assert load_config(tmp_path / "out.yaml") == absolute_paths(cfg)
     plain = load_config(overrides=SCHEDULE)
     assert plain.data.seq_len_schedule == [] and {plain.data.seq_len_at(s) for s in range(8)} == {32}
 

@@ -160,7 +160,9 @@ def test_the_tokenizer_travels_with_the_model(hf_dir, tmp_path, capsys):
     assert convert_checkpoint.main(["--from-hf", str(folder), "--to", str(tmp_path / "run"),
                                     "--config", str(config)]) == 0
     data = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["data"]
-    assert (data["tokenizer"], data["tokenizer_model"]) == ("huggingface", str(folder))
+    own = tmp_path / "run" / "tokenizer"         # the run's own copy: the Hugging Face folder may go
+    assert (data["tokenizer"], data["tokenizer_model"]) == ("huggingface", str(own))
+    assert (own / "tokenizer.json").read_bytes() == (folder / "tokenizer.json").read_bytes()
     assert convert_checkpoint.main(["--from", str(tmp_path / "run"), "--to-hf", str(tmp_path / "back")]) == 0
     assert "the run's tokenizer (tokenizer.json" in capsys.readouterr().out
     assert (tmp_path / "back" / "tokenizer.json").read_bytes() == (folder / "tokenizer.json").read_bytes()

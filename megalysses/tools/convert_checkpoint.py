@@ -13,8 +13,10 @@ layout (fused QKV and gate-up projections, the padded vocabulary) as a DCP check
 The run's config.yaml takes its model section from the Hugging Face config and everything else from
 --config (default: the schema's defaults); set data.paths before training. (checkpoint.init_from
 points a run at a Hugging Face directory directly, without converting.)
-When the Hugging Face directory has a tokenizer.json, the run's config.yaml points data.tokenizer at
-it (the model's ids are that tokenizer's), unless --set names another.
+When the Hugging Face directory has a tokenizer.json, the run keeps a copy of its tokenizer files in
+<run_dir>/tokenizer/ and its config.yaml points data.tokenizer at it (the model's ids are that
+tokenizer's), unless --set names another. The paths config.yaml names are absolute: the run works from
+any directory.
 --to-hf takes the fp32 master weights of a training checkpoint (or the weights of a weights-only one),
 converts them back, and writes sharded safetensors, the index and config.json in --dtype, with the run's
 tokenizer files when it trained with a Hugging Face tokenizer.
@@ -75,9 +77,12 @@ def from_hf(hf_dir: str, run_dir: str, config: Optional[str] = None, overrides: 
     except (ValueError, KeyError, TypeError) as e:
         raise ConvertError(f"{hf_dir}: {e}") from None
     data = _base_config(config, overrides or [])
-    if (Path(hf_dir) / "tokenizer.json").is_file() and not any(o.startswith("data.tokenizer") for o in overrides or []):
-        # the model's ids are its tokenizer's: that one, not --config's, unless --set names another
-        data.setdefault("data", {}).update(tokenizer="huggingface", tokenizer_model=str(hf_dir))
+    own_tokenizer = (Path(hf_dir) / "tokenizer.json").is_file() and not any(o.startswith("data.tokenizer")
+                                                                            for o in overrides or [])
+    if own_tokenizer:
+        # the model's ids are its tokenizer's: that one, not --config's, unless --set names another; the run
+        # keeps a copy of its own (the Hugging Face folder may go)
+        data.setdefault("data", {}).update(tokenizer="huggingface", tokenizer_model=str(Path(run_dir) / "tokenizer"))
     base_model = data.get("model") or {}
     kept = ("kernels", "attention_backend", "vocab_pad_multiple", "init_std")
     keep = {k: base_model[k] for k in kept if k in base_model}
@@ -102,6 +107,11 @@ def from_hf(hf_dir: str, run_dir: str, config: Optional[str] = None, overrides: 
             "model_shape": architecture(cfg.model), "source": str(hf_dir), "format": FORMAT}
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
     write_manifest(tmp, {})
+    if own_tokenizer:
+        (run / "tokenizer").mkdir(exist_ok=True)
+        for name in TOKENIZER_FILES:
+            if (Path(hf_dir) / name).is_file():
+                shutil.copyfile(Path(hf_dir) / name, run / "tokenizer" / name)
     os.replace(tmp, final)
     (root / f"{LATEST}.tmp").write_text(final.name + "\n")
     os.replace(root / f"{LATEST}.tmp", root / LATEST)
