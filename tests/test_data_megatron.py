@@ -6,6 +6,7 @@ non-empty documents only, an empty document is a document boundary with no seque
 dealt round-robin or in blocks and merged in partition order)."""
 import json
 import math
+import os
 import shlex
 import struct
 import subprocess
@@ -135,7 +136,8 @@ def test_huggingface_tokenizer_command_line(corpus, tokenizers_dir, tmp_path):
                                       lambda t: ref(t, add_special_tokens=False).input_ids, ref.eos_token_id, len(ref)))
 
 
-def test_gpt2_bpe_command_line(corpus, tokenizers_dir, tmp_path):
+def test_gpt2_bpe_command_line(corpus, tokenizers_dir, tmp_path, capsys):
+    """Megatron-LM's GPT-2 command line writes Megatron's bytes, and the run it names trains as given."""
     from transformers import GPT2Tokenizer
 
     ref = GPT2Tokenizer(tokenizers_dir["vocab"], tokenizers_dir["merges"])   # the pure-Python GPT-2 BPE
@@ -145,6 +147,15 @@ def test_gpt2_bpe_command_line(corpus, tokenizers_dir, tmp_path):
             f"--append-eod --workers 1 --dataset-impl mmap", tmp_path)
     check(out, "text", megatron_bytes([r["text"] for r in corpus["rows"]], lambda t: ref(t).input_ids,
                                       ref.convert_tokens_to_ids("<|endoftext|>"), len(ref)))
+    said = capsys.readouterr().err
+    hint = shlex.split(said.split("train with pretrain.py ", 1)[1].split(" (model.vocab_size may be larger)")[0])
+    tiny = ["data.seq_len=16", "model.hidden_size=32", "model.num_layers=1", "model.num_heads=2",
+            "training.global_batch_size=1", "training.micro_batch_size=1", "training.train_steps=1",
+            "data.split=1,0,0", f"logging.run_dir={tmp_path / 'run'}"]
+    r = subprocess.run([sys.executable, str(ROOT / "pretrain.py"), *hint] + [a for t in tiny for a in ("--set", t)],
+                       cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and "done: step 1" in r.stdout, r.stdout + r.stderr
 
 
 @pytest.mark.parametrize("kind,partitions,sequential", [("SentencePieceTokenizer", 1, False),

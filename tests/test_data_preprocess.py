@@ -59,7 +59,8 @@ def test_workers_give_identical_output_and_skips_are_reported(tmp_path, preproce
     assert "skipped 5 malformed documents" in err and "4: bad JSON" in err
     # the format does not record the tokenizer: the run says which one to train with
     assert ("tokenized with byte (the default: pass --tokenizer-type for another): 259 ids, EOD 257; "
-            "train with data.tokenizer=byte and model.vocab_size >= 259") in err
+            f"train with pretrain.py --set 'data.paths=[{tmp_path}/w1_text_document]' --set data.tokenizer=byte "
+            "--set model.vocab_size=259 (model.vocab_size may be larger)") in err
     for word in ("docs/s", "MB/s", "tokens/s", "ETA"):
         assert word in err
     ds = IndexedDataset(tmp_path / "w1_text_document")
@@ -100,7 +101,8 @@ def test_sentencepiece_output_identical_across_workers(tmp_path, preprocess, mon
                                                "--vocab-size", "500", "--byte-fallback", "--num-threads", "1"])
     args = ["--tokenizer-type", "sentencepiece", "--tokenizer-model", model, "--append-eod"]
     run(preprocess, inp, tmp_path / "s1", *args, "--workers", "1")
-    assert f"train with data.tokenizer=sentencepiece data.tokenizer_model={model} and" in capsys.readouterr().err
+    assert (f"--set data.tokenizer=sentencepiece --set data.tokenizer_model={model} --set model.vocab_size=500"
+            in capsys.readouterr().err)
     run(preprocess, inp, tmp_path / "s3", *args, "--workers", "3")
     assert read_bytes(tmp_path / "s1_text_document") == read_bytes(tmp_path / "s3_text_document")
     assert IndexedDataset(tmp_path / "s1_text_document").dtype == np.uint16

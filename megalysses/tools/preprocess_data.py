@@ -29,6 +29,7 @@ import json
 import math
 import multiprocessing as mp
 import os
+import shlex
 import signal
 import sys
 import threading
@@ -418,14 +419,23 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     for final in finals.values():
         print(f"wrote {bin_path(final)} and {idx_path(final)}", file=sys.stderr)
     # the tokenizer is not recorded in the .bin/.idx (Megatron-LM's format): name the one a run must use
-    model = f" data.tokenizer_model={args.tokenizer_model}" if args.tokenizer_model else ""
     default = "" if args.tokenizer_type_given else " (the default: pass --tokenizer-type for another)"
     print(f"tokenized with {args.tokenizer_type}{default}: {tokenizer.vocab_size} ids, EOD {tokenizer.eod_id}; "
-          f"train with data.tokenizer={args.tokenizer_type}{model} and model.vocab_size >= {tokenizer.vocab_size}",
-          file=sys.stderr)
+          f"train with pretrain.py {' '.join(shlex.quote(a) for a in _training_settings(args, tokenizer, finals))} "
+          f"(model.vocab_size may be larger)", file=sys.stderr)
     return {"documents": docs, "tokens": sum(tokens.values()), "bytes": nbytes, "skipped": dict(skipped),
             "empty": empty,
             "seconds": time.time() - start, "outputs": list(finals.values())}
+
+
+def _training_settings(args: argparse.Namespace, tokenizer: Any, finals: dict[str, str]) -> list[str]:
+    """The --set arguments of a run that trains on what was written, with the tokenizer that wrote it."""
+    data = {"paths": f"[{','.join(finals.values())}]", "tokenizer": args.tokenizer_type,
+            "tokenizer_model": args.tokenizer_model, "vocab_file": args.vocab_file, "merge_file": args.merge_file,
+            "eod": args.eod if args.eod is not None else args.null_tokenizer_eod_id, "bos": args.bos}
+    sets = [f"data.{key}={value}" for key, value in data.items() if value is not None]
+    sets.append(f"model.vocab_size={tokenizer.vocab_size}")
+    return [a for s in sets for a in ("--set", s)]
 
 
 def cli() -> int:
