@@ -61,10 +61,11 @@ def _model_config(shape: dict):
 
 def settings_of(framework: str, shape: dict, device, dtype) -> list[dict]:
     """SETTINGS[framework], less keeping attention outputs where megalysses' attention is not SDPA."""
-    from megalysses.kernels.attention import select_backend
+    from megalysses.plan import Machine
+    from megalysses.plan.run_plan import choose_attention
 
     head_dim = shape["hidden"] // shape["heads"]
-    sdpa = select_backend("auto", device, dtype, head_dim, has_docs=False)[0] == "sdpa"
+    sdpa = choose_attention("auto", Machine.current(device), str(dtype).removeprefix("torch."), head_dim)[0] == "sdpa"
     return [s for s in SETTINGS[framework] if sdpa or not s.get("keep_attn")]
 
 
@@ -74,20 +75,21 @@ def _megalysses_step(shape: dict, seq: int, opts: dict, device, dtype) -> Callab
     import torch
 
     from megalysses.grid import ParallelGrid
-    from megalysses.kernels.attention import select_backend
     from megalysses.kernels.triton_support import triton_usable
     from megalysses.model.gpt import GPTStage, init_weights
+    from megalysses.plan import ActivationPolicy, Machine
+    from megalysses.plan.run_plan import choose_attention
     from megalysses.training.optimizer import ShardedAdamW
     from megalysses.training.step import train_step
 
     cfg = _model_config(shape)
     kernels = "triton" if triton_usable(torch.empty(0, device=device)) else "torch"
-    backend = select_backend("auto", device, dtype, cfg.head_dim, has_docs=False)[0]
+    backend = choose_attention("auto", Machine.current(device), str(dtype).removeprefix("torch."), cfg.head_dim)[0]
     cfg = dataclasses.replace(cfg, kernels=kernels, attention_backend=backend)
     with torch.device(device):
-        model = GPTStage(cfg, activation_checkpointing=bool(opts.get("ckpt")),
-                         mlp_chunk_tokens=seq // 8 if opts.get("tiled_mlp") else 0,
-                         keep_attention=bool(opts.get("keep_attn")))
+        model = GPTStage(cfg, policy=ActivationPolicy(checkpointing=bool(opts.get("ckpt")),
+                                                      mlp_chunk_tokens=seq // 8 if opts.get("tiled_mlp") else 0,
+                                                      keep_attention=bool(opts.get("keep_attn"))))
     init_weights(model, seed=0)
     opt = ShardedAdamW(model.named_parameters(), None, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
     model.to(dtype)
@@ -138,7 +140,8 @@ def worker(args: argparse.Namespace) -> dict:
     """One trainer at one length and setting: warm-up steps, then timed steps. Returns a result row."""
     import torch
 
-    from megalysses.training.metrics import flops_per_token, peak_tflops
+    from megalysses.plan.flops import flops_per_token
+    from megalysses.training.metrics import peak_for as peak_tflops
 
     shape = SMOKE if args.smoke else LLAMA_1B
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -278,7 +281,7 @@ def longest_text(good: Optional[int], bad: Optional[int], step: int, bound: int,
 
 def gpu_tag(name: str) -> str:
     """h100, h200, a100, ... from a CUDA device name; else the name's letters and digits."""
-    from megalysses.training.metrics import PEAK_TFLOPS
+    from megalysses.plan.flops import PEAK_TFLOPS
     for key in sorted(PEAK_TFLOPS, key=len, reverse=True):
         if key in name:
             return key.lower()

@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 from megalysses.config import Config, ConfigError  # noqa: E402
 from megalysses.config_checks import validate_config  # noqa: E402
 from megalysses.config_io import load_config  # noqa: E402
-from megalysses.memory import GIB, estimate_config, fmt_bytes  # noqa: E402
+from megalysses.memory import GIB, estimate_plan, fmt_bytes  # noqa: E402
 from megalysses.training.runtime import source_commit  # noqa: E402
 
 SMOKE = ["model.vocab_size=256", "model.hidden_size=64", "model.num_layers=4", "model.num_heads=4",
@@ -73,8 +73,9 @@ def run_length(cfg: Config, device: torch.device, steps: int = 2) -> dict:
     from megalysses.grid import ParallelGrid
     from megalysses.measure import measure_peak
     from megalysses.training.loop import build_model_and_optimizer
-    from megalysses.training.metrics import flops_per_token, peak_tflops
-    from megalysses.training.runtime import plan_runtime
+    from megalysses.plan.flops import flops_per_token
+    from megalysses.training.metrics import peak_for
+    from megalysses.training.runtime import resolve_run
     from megalysses.training.step import train_step
 
     validate_config(cfg, world_size=1)
@@ -83,12 +84,12 @@ def run_length(cfg: Config, device: torch.device, steps: int = 2) -> dict:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{store}",
                                 rank=0, world_size=1)
     grid = ParallelGrid.single()
-    runtime = plan_runtime(cfg, device, grid)
+    runtime = resolve_run(cfg, device, grid)
     model, opt = build_model_and_optimizer(cfg, grid, device, runtime)
-    predicted = estimate_config(cfg, 1, device.type)
+    predicted = estimate_plan(cfg, runtime)            # for the backend and kernels the run resolved
     step = dict(lr=cfg.optimizer.lr, grad_clip=cfg.optimizer.grad_clip, dtype=runtime.torch_dtype)
     S = cfg.data.seq_len
-    row = {"seq_len": S, "dtype": runtime.dtype, "attention": runtime.attention_backend, "kernels": runtime.kernels,
+    row = {"seq_len": S, "dtype": runtime.dtype, "attention": runtime.attention, "kernels": runtime.kernels,
            "activation_offload": cfg.training.activation_offload, "optimizer_offload": cfg.training.optimizer_offload,
            "predicted_gib": predicted.peak / GIB, "predicted_phase": predicted.phase,
            "predicted_host_gib": predicted.host / GIB, "steps": steps}
@@ -123,7 +124,7 @@ def run_length(cfg: Config, device: torch.device, steps: int = 2) -> dict:
     row["loss"] = result.loss
     row["error"] = row["predicted_gib"] / row["measured_gib"] - 1
     row["tokens_per_s"] = S * cfg.training.global_batch_size / row["step_s"]
-    peak_flops = peak_tflops(cfg.logging.peak_tflops, device, runtime.torch_dtype)
+    peak_flops = peak_for(cfg.logging.peak_tflops, device, runtime.torch_dtype)
     row["mfu"] = flops_per_token(cfg.model, S) * row["tokens_per_s"] / (peak_flops * 1e12) if peak_flops else None
     return row
 
@@ -134,8 +135,10 @@ def child(args: argparse.Namespace, overrides: list[str]) -> int:
     try:
         row = run_length(cfg, torch.device("cuda"), args.steps)
     except torch.cuda.OutOfMemoryError as e:
+        from megalysses.training.runtime import resolve_run
+
         row = {"seq_len": args.child, "error_text": f"out of memory: {str(e).splitlines()[0]}",
-               "predicted_gib": estimate_config(cfg, 1, "cuda").peak / GIB}
+               "predicted_gib": estimate_plan(cfg, resolve_run(cfg, torch.device("cuda"))).peak / GIB}
     print("ROW " + json.dumps(row), flush=True)
     return 0
 

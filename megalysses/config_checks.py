@@ -1,15 +1,15 @@
 """Cross-field rules of a config: ranges, head counts against the layout, the data and tokenizer
-settings, the batch arithmetic of a world size; the (ulysses, ring) split of sequence parallelism; and
-the warnings for settings that are legal but almost certainly not meant.
+settings, the memory options, the batch arithmetic of a world size; the (ulysses, ring) split that the
+heads allow (megalysses.plan.resolve applies it on a machine); the optional logging packages; and the
+warnings for settings that are legal but almost certainly not meant.
 
     validate_config(cfg, world_size=8)      # raises ConfigError naming every number involved
-    ulysses, ring = ulysses_ring(cfg)
+    ulysses, ring = check_heads(num_heads, kv_heads, tp, sp, sp_ring, ranks_per_node)
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from typing import Optional
 
 from megalysses.config import Config, ConfigError, DataConfig
@@ -57,6 +57,12 @@ def validate_config(cfg: Config, world_size: Optional[int] = None) -> None:
         raise ConfigError("logging.run_dir is empty: give the run directory (config, metrics, checkpoints)")
     _check_data(d)
     _check_seq_len_schedule(d)
+    if t.activation_offload and not t.activation_checkpointing:
+        raise ConfigError("training.activation_offload=true needs training.activation_checkpointing=true: the "
+                          "offloaded tensors are the checkpointed block inputs (set both, or neither)")
+    if t.optimizer_offload and p.fsdp:
+        raise ConfigError("training.optimizer_offload=true is for ZeRO-1: with parallel.fsdp=true the optimizer "
+                          "state is already sharded with the weights; set one of them to false")
     if t.micro_batch_size < 1 or t.global_batch_size < 1:
         raise ConfigError("training.micro_batch_size and training.global_batch_size must be >= 1")
     if world_size is not None:
@@ -244,15 +250,6 @@ def check_heads(num_heads: int, kv_heads: int, tp: int, sp: int, sp_ring: int = 
     return ulysses, sp_ring
 
 
-def ulysses_ring(cfg: Config, ranks_per_node: Optional[int] = None) -> tuple[int, int]:
-    """(ulysses, ring) degrees of cfg's sequence parallelism: sp = ulysses x ring (see check_heads).
-    `ranks_per_node` defaults to the launcher's (torchrun's LOCAL_WORLD_SIZE; unknown without one)."""
-    m, p = cfg.model, cfg.parallel
-    if ranks_per_node is None:
-        ranks_per_node = launcher_ranks_per_node()
-    return check_heads(m.num_heads, m.kv_heads, p.tp, p.sp, p.sp_ring, ranks_per_node)
-
-
 def check_kept_attention(cfg: Config, backend: str, ulysses: int, ring: int) -> None:
     """training.recompute_attention=false keeps SDPA's kernel outputs (model/recompute.py): it needs
     checkpointing without offload, SDPA, and no ring."""
@@ -274,7 +271,17 @@ def check_kept_attention(cfg: Config, backend: str, ulysses: int, ring: int) -> 
                           f"calls; use an sp the heads allow (no ring), or training.recompute_attention=true")
 
 
-def launcher_ranks_per_node() -> int:
-    """Ranks per node as torchrun reports them (LOCAL_WORLD_SIZE); 0 when not launched by it."""
-    value = os.environ.get("LOCAL_WORLD_SIZE", "")
-    return int(value) if value.isdigit() else 0
+def check_logging_backends(cfg: Config) -> None:
+    """The optional logging packages the config asks for are importable; raises ConfigError naming the fix."""
+    if cfg.logging.wandb_mode != "disabled":
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            raise ConfigError(f"logging.wandb_mode={cfg.logging.wandb_mode} needs wandb: pip install "
+                              f"'megalysses[wandb]', or set logging.wandb_mode=disabled") from None
+    if cfg.logging.tensorboard:
+        try:
+            from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+        except ImportError:
+            raise ConfigError("logging.tensorboard=true needs tensorboard: pip install 'megalysses[tensorboard]', "
+                              "or set logging.tensorboard=false") from None

@@ -5,9 +5,11 @@ import math
 import pytest
 import torch
 
-from megalysses.kernels import attention
+from megalysses.config import ConfigError
 from megalysses.kernels.attention import (AttentionMask, available_backends, core_attention, doc_ids_to_cu_seqlens,
-                                          prepare_attention_mask, resolve_backend)
+                                          prepare_attention_mask)
+from megalysses.plan import Machine
+from megalysses.plan.run_plan import choose_attention
 
 # the CUDA cases belong to the GPU tier (pytest -m gpu)
 DEVICES = ["cpu"] + ([pytest.param("cuda", marks=pytest.mark.gpu)] if torch.cuda.is_available() else [])
@@ -167,49 +169,47 @@ def test_doc_ids_to_cu_seqlens():
     cu = doc_ids_to_cu_seqlens(doc_ids)
     assert cu.dtype == torch.int32 and cu.tolist() == [0, 3, 5, 6, 12]
     assert doc_ids_to_cu_seqlens(torch.tensor([7, 7, 8])).tolist() == [0, 2, 3]
-    assert prepare_attention_mask(doc_ids).varlen()[1] == 6
+    assert prepare_attention_mask(doc_ids, "flash").varlen()[1] == 6
 
 
-def test_selection_follows_the_shape(monkeypatch):
-    """auto never picks a backend that cannot run the shape; an explicit one that cannot is refused, saying why."""
-    select = attention.select_backend
-    monkeypatch.setattr(attention, "flash_attn_func", object())      # pretend flash-attn is importable
-    assert select("auto", "cuda", torch.bfloat16, head_dim=128, has_docs=True)[0] == "flash"
-    assert select("auto", "cuda", torch.bfloat16, head_dim=12, has_docs=False)[0] == "sdpa"   # 12 % 8 != 0
-    assert select("auto", "cuda", torch.bfloat16, head_dim=512, has_docs=False)[0] == "sdpa"  # above 256
-    with pytest.raises(RuntimeError, match="'flash' needs a head dim that is a multiple of 8"):
-        select("flash", "cuda", torch.bfloat16, head_dim=12)
-    monkeypatch.setattr(attention, "flash_attn_func", None)
-    if attention._flex_module is not None:
-        assert select("auto", "cuda", torch.bfloat16, head_dim=64, has_docs=True)[0] == "flex"
-        for head_dim in (8, 48):                                         # Inductor's flex template refuses these
-            assert select("auto", "cuda", torch.bfloat16, head_dim=head_dim, has_docs=True)[0] == "sdpa"
-            with pytest.raises(RuntimeError, match="'flex' needs a head dim that is a power of two >= 16"):
-                select("flex", "cuda", torch.bfloat16, head_dim=head_dim)
-        with pytest.raises(RuntimeError, match="'flex' has no backward on CPU"):
-            select("flex", "cpu", torch.float32, head_dim=64, training=True)
-        assert select("flex", "cpu", torch.float32, head_dim=64, training=False)[0] == "flex"
-    assert select("auto", "cpu", torch.bfloat16, head_dim=64, has_docs=True)[0] == "sdpa"
+def test_selection_follows_the_shape():
+    """auto never picks a backend that cannot run the shape on the machine; an explicit one that cannot is
+    refused, saying why. Machines are described, so CUDA rules are checked without a GPU."""
+    with_flash = Machine.described("H100", packages=("flash_attn", "triton"))
+    plain = Machine.described("H100")                       # a plain torch install: no flash-attn
+    cpu = Machine.described(None)
+
+    def select(requested, machine, dtype="bfloat16", **kw):
+        return choose_attention(requested, machine, dtype, **kw)[0]
+
+    assert select("auto", with_flash, head_dim=128, has_docs=True) == "flash"
+    assert select("auto", with_flash, head_dim=12) == "sdpa"             # 12 % 8 != 0
+    assert select("auto", with_flash, head_dim=512) == "sdpa"            # above 256
+    assert select("auto", with_flash, "float32", head_dim=64) == "sdpa"
+    with pytest.raises(ConfigError, match="'flash' needs a head dim that is a multiple of 8"):
+        select("flash", with_flash, head_dim=12)
+    with pytest.raises(ConfigError, match="'flash' is unavailable on cuda: it needs CUDA and an importable flash_attn"):
+        select("flash", plain, head_dim=64)
+    assert select("auto", plain, head_dim=64, has_docs=True) == "flex"
+    assert select("auto", plain, head_dim=64) == "sdpa"
+    for head_dim in (8, 48):                                             # Inductor's flex template refuses these
+        assert select("auto", plain, head_dim=head_dim, has_docs=True) == "sdpa"
+        with pytest.raises(ConfigError, match="'flex' needs a head dim that is a power of two >= 16"):
+            select("flex", plain, head_dim=head_dim)
+    with pytest.raises(ConfigError, match="'flex' has no backward on CPU"):
+        select("flex", cpu, "float32", head_dim=64, training=True)
+    assert select("flex", cpu, "float32", head_dim=64, training=False) == "flex"
+    assert select("auto", cpu, head_dim=64, has_docs=True) == "sdpa"
+    assert select("auto", cpu, "float32", head_dim=64) == "sdpa"
+    assert "flash" not in available_backends("cpu", with_flash.packages)
 
 
-def test_auto_resolution(monkeypatch):
-    assert resolve_backend("auto", "cpu", torch.bfloat16, True) == "sdpa"
-    monkeypatch.setattr(attention, "flash_attn_func", None)
-    assert resolve_backend("auto", "cuda", torch.bfloat16, False) == "sdpa"
-    if attention._flex_module is not None:
-        assert resolve_backend("auto", "cuda", torch.bfloat16, True) == "flex"
-    monkeypatch.setattr(attention, "flash_attn_func", object())      # pretend flash-attn is importable
-    assert resolve_backend("auto", "cuda", torch.bfloat16, True) == "flash"
-    assert resolve_backend("auto", "cuda", torch.float32, False) == "sdpa"
-    assert resolve_backend("auto", "cpu", torch.bfloat16, False) == "sdpa"
-    assert "flash" not in available_backends("cpu")
-
-
-def test_auto_on_cpu_equals_sdpa():
+def test_auto_on_this_machine_equals_sdpa_on_cpu():
     q, k, v = make_qkv(hq=8, hkv=2)
-    mask = prepare_attention_mask(make_doc_ids())
+    backend = choose_attention("auto", Machine.current("cpu"), "float32", 16, has_docs=True)[0]
+    mask = prepare_attention_mask(make_doc_ids(), backend)
     with torch.no_grad():
-        torch.testing.assert_close(core_attention(q, k, v, mask=mask),
+        torch.testing.assert_close(core_attention(q, k, v, mask=mask, backend=backend),
                                    core_attention(q, k, v, mask=mask, backend="sdpa"), rtol=0, atol=0)
 
 
@@ -217,21 +217,21 @@ def test_clear_errors():
     q, k, v = make_qkv(hq=8, hkv=2)
     with pytest.raises(ValueError, match="unknown attention backend 'flashy'.*reference"):
         core_attention(q, k, v, backend="flashy")
+    with pytest.raises(ValueError, match="unknown attention backend 'auto'.*plan.resolve decides what auto is"):
+        core_attention(q, k, v, backend="auto")
     if "flash" not in available_backends("cpu"):
         with pytest.raises(RuntimeError, match="'flash' is unavailable on cpu.*available here: reference, sdpa"):
             core_attention(q, k, v, backend="flash")
-        with pytest.raises(RuntimeError, match="'flash' is unavailable"):
-            prepare_attention_mask(make_doc_ids(), "flash")
     if "flex" in available_backends("cpu"):
         with pytest.raises(RuntimeError, match="'flex' has no backward on CPU"):
             core_attention(q, k, v, backend="flex")
     with pytest.raises(ValueError, match="non-decreasing"):
-        prepare_attention_mask(torch.tensor([[0, 1, 0, 1]]))
+        prepare_attention_mask(torch.tensor([[0, 1, 0, 1]]), "sdpa")
     with pytest.raises(ValueError, match="sequence has 32"):
-        prepare_attention_mask(make_doc_ids(), seq_len=32)
+        prepare_attention_mask(make_doc_ids(), "sdpa", seq_len=32)
     with pytest.raises(ValueError, match="mask is for"):
-        core_attention(q[:, :32], k[:, :32], v[:, :32], mask=prepare_attention_mask(make_doc_ids()))
+        core_attention(q[:, :32], k[:, :32], v[:, :32], mask=prepare_attention_mask(make_doc_ids(), "sdpa"))
     with pytest.raises(ValueError, match="not both"):
-        core_attention(q, k, v, doc_ids=make_doc_ids(), mask=prepare_attention_mask(make_doc_ids()))
+        core_attention(q, k, v, doc_ids=make_doc_ids(), mask=prepare_attention_mask(make_doc_ids(), "sdpa"))
     with pytest.raises(ValueError, match="multiple of kv heads"):
         core_attention(q[:, :, :3], k, v)

@@ -101,11 +101,11 @@ def test_time_budget_ends_the_run_with_what_it_has(tmp_path):
 def test_kept_attention_is_tried_only_where_attention_runs_on_sdpa(monkeypatch):
     import torch
 
-    from megalysses.kernels import attention
+    from megalysses.plan import run_plan
 
     cpu = bench_gpu.settings_of("megalysses", bench_gpu.LLAMA_1B, torch.device("cpu"), torch.float32)
     assert cpu == bench_gpu.SETTINGS["megalysses"] and any(s.get("keep_attn") for s in cpu)
-    monkeypatch.setattr(attention, "select_backend", lambda *a, **k: ("flash", "installed"))
+    monkeypatch.setattr(run_plan, "choose_attention", lambda *a, **k: ("flash", "installed"))
     flash = bench_gpu.settings_of("megalysses", bench_gpu.LLAMA_1B, torch.device("cpu"), torch.float32)
     assert flash and not any(s.get("keep_attn") for s in flash)
     assert bench_gpu.settings_of("liger", bench_gpu.LLAMA_1B, torch.device("cpu"), torch.float32) == \

@@ -108,7 +108,8 @@ def test_cross_field_rules(overrides, needle):
 
 def test_sp_is_ulysses_times_ring_and_any_length_is_valid():
     """Layouts Ulysses alone cannot run get a ring; an explicit ring is honoured when the heads allow it."""
-    from megalysses.config_checks import check_heads, ulysses_ring
+    from megalysses.config_checks import check_heads
+    from megalysses.plan import Machine, resolve
 
     assert check_heads(8, 8, 1, 3) == (1, 3)                 # 8 heads over 3 ranks: ring only
     assert check_heads(2, 1, 1, 4) == (2, 2)                 # the issue's MQA example
@@ -129,20 +130,28 @@ def test_sp_is_ulysses_times_ring_and_any_length_is_valid():
                       ["model.num_heads=2", "model.hidden_size=64", "model.num_kv_heads=1", "parallel.sp=4",
                        "data.seq_len=250"]):
         cfg = load_config(overrides=["data.mock=true"] + overrides)
-        u, r = ulysses_ring(cfg)
-        assert u * r == cfg.parallel.sp
+        p = cfg.parallel
+        run = resolve(cfg, Machine.described(None, ranks_per_node=0), p.tp * p.sp)
+        assert run.ulysses * run.ring == p.sp
 
 
 def test_ulysses_degree_follows_the_launchers_node_size(monkeypatch):
-    from megalysses.config_checks import ulysses_ring
+    """The machine a run resolves on is the launcher's: its ranks per node (LOCAL_WORLD_SIZE) keep
+    Ulysses inside a node; a described machine says its own."""
+    from megalysses.plan import Machine, resolve
 
     cfg = load_config(overrides=["data.mock=true", "model.num_heads=32", "model.num_kv_heads=8",
                                  "model.hidden_size=512", "parallel.sp=16"])
+
+    def split(machine):
+        run = resolve(cfg, machine, 16)
+        return run.ulysses, run.ring
+
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    assert ulysses_ring(cfg) == (16, 1)
+    assert split(Machine.current()) == (16, 1)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    assert ulysses_ring(cfg) == (8, 2)
-    assert ulysses_ring(cfg, ranks_per_node=4) == (4, 4)
+    assert split(Machine.current()) == (8, 2)
+    assert split(Machine.described(None, ranks_per_node=4)) == (4, 4)
 
 
 def test_world_size_rules():

@@ -61,8 +61,9 @@ def test_training_never_relies_on_the_default_device(tmp_path):
         assert all(torch.isfinite(torch.tensor(r[name])) for r in results), name
     # the choices of the run, written once to the run directory
     runtime = json.loads((tmp_path / "tp2" / "runtime.json").read_text())
-    assert runtime["attention_backend"] == "sdpa" and runtime["dtype"] == "float32" and runtime["kernels"] == "torch"
-    assert runtime["layout"] == {"world": 2, "tp": 2, "sp": 1, "pp": 1, "dp": 1}
+    assert runtime["attention"] == "sdpa" and runtime["dtype"] == "float32" and runtime["kernels"] == "torch"
+    layout = {k: runtime[k] for k in ("world", "tp", "sp", "pp", "dp")}
+    assert layout == {"world": 2, "tp": 2, "sp": 1, "pp": 1, "dp": 1}
     assert "TP sequence sharding" in runtime["memory_options"] and runtime["versions"]["torch"] == torch.__version__
 
 

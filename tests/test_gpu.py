@@ -16,6 +16,7 @@ import torch
 
 from megalysses.config_io import load_config
 from megalysses.testing import run_distributed
+from megalysses.plan import ActivationPolicy
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.gpu,
@@ -171,8 +172,9 @@ def _offload_model(offload: bool, keep_attention: bool = False):
                       num_kv_heads=2, attention_backend="sdpa")
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = GPTStage(cfg, ParallelGroups(), activation_checkpointing=True, activation_offload=offload,
-                         mlp_chunk_tokens=2048, keep_attention=keep_attention)
+        model = GPTStage(cfg, ParallelGroups(), policy=ActivationPolicy(checkpointing=True, offload=offload,
+                                                                        mlp_chunk_tokens=2048,
+                                                                        keep_attention=keep_attention))
     init_weights(model, 0)
     model.to(torch.bfloat16)
     ids = torch.randint(0, cfg.vocab_size, (1, OFFLOAD_SEQ), device="cuda")

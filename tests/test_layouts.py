@@ -44,7 +44,7 @@ def _one_step(rank, world, runs):
     from megalysses.grid import ParallelGrid
     from megalysses.training.data import TrainingData
     from megalysses.training.loop import build_model_and_optimizer
-    from megalysses.training.runtime import plan_runtime
+    from megalysses.training.runtime import resolve_run
     from megalysses.training.step import train_step
 
     device, out, grids = torch.device("cpu"), {}, {}
@@ -54,7 +54,7 @@ def _one_step(rank, world, runs):
         p = cfg.parallel
         key = (p.tp, p.sp, p.pp, p.sp_ring)
         grid = grids.get(key) or grids.setdefault(key, ParallelGrid.for_config(cfg))
-        runtime = plan_runtime(cfg, device, grid)
+        runtime = resolve_run(cfg, device, grid)
         model, opt = build_model_and_optimizer(cfg, grid, device, runtime)
         batch = next(TrainingData(cfg, grid, device).train_batches(0))
         result = train_step(model, opt, batch, grid, lr=cfg.optimizer.lr, grad_clip=cfg.optimizer.grad_clip,

@@ -31,6 +31,7 @@ from megalysses.model.gpt import GPTStage, init_weights
 from megalysses.model.layers import ParallelGroups
 from megalysses.parallel.interleaved import rank_order
 from megalysses.parallel.sequence_layout import SequenceLayout
+from megalysses.plan import ActivationPolicy, Machine
 from megalysses.testing import run_distributed
 
 S = 64                     # and 2S: the S^2 check
@@ -57,11 +58,10 @@ def measure_forward(cfg: ModelConfig, seq: int, opts: dict, groups: Optional[Par
     copies (CPU tensors here) are left out of `bytes`."""
     groups = groups or ParallelGroups()
     torch.manual_seed(0)
-    model = GPTStage(cfg, groups, activation_checkpointing=opts.get("activation_checkpointing", False),
-                     loss_chunk_tokens=opts.get("loss_chunk_tokens", 0),
-                     mlp_chunk_tokens=opts.get("mlp_chunk_tokens", 0),
-                     activation_offload=opts.get("activation_offload", False),
-                     keep_attention=opts.get("keep_attention", False))
+    model = GPTStage(cfg, groups, policy=ActivationPolicy(
+        checkpointing=opts.get("activation_checkpointing", False), loss_chunk_tokens=opts.get("loss_chunk_tokens", 0),
+        mlp_chunk_tokens=opts.get("mlp_chunk_tokens", 0), offload=opts.get("activation_offload", False),
+        keep_attention=opts.get("keep_attention", False)))
     init_weights(model, 0, tp_rank, groups.tp_size)
     model.to(dtype)
     ids = torch.randint(0, cfg.vocab_size, (1, seq))
@@ -260,7 +260,7 @@ def test_layouts_match_the_model_and_shard_over_sp(tmp_path):
             _close(peak, predicted, f"{name}, rank {rank}: the peak of a training step")
     for name in ("multi-head attention", "8 query heads"):     # shapes whose peak is ring attention's backward
         (overrides,) = [o for n, o in LAYOUT_PEAKS.items() if name in n]
-        terms = [t.name for t in estimate_config(load_config(overrides=STEP + overrides), 2, "cpu").terms]
+        terms = [t.name for t in estimate_config(load_config(overrides=STEP + overrides), 2, CPU).terms]
         assert any("ring attention's backward" in t for t in terms), (name, terms)
 
 
@@ -280,6 +280,8 @@ def test_in_flight_matches_the_schedules():
 
 
 # ----------------------------------------------------------------------------- the peak of a training step
+
+CPU = Machine.described(None, ranks_per_node=0)      # what a test run on CPU resolves on
 
 STEP = ["data.mock=true", "model.vocab_size=256", "model.hidden_size=64", "model.num_layers=2", "model.num_heads=4",
         "model.num_kv_heads=2", "model.ffn_hidden_size=160", "model.attention_backend=sdpa", "data.document_mask=false",
@@ -318,14 +320,14 @@ def measured_step_peak(overrides: list[str], world: int = 1, exclude_host: bool 
     """(the measured peak of live bytes over one training step, the model's prediction) on this rank;
     `exclude_host`: leave out the activation offload's host copies (CPU tensors here)."""
     from megalysses.training.loop import build_model_and_optimizer
-    from megalysses.training.runtime import plan_runtime
+    from megalysses.training.runtime import resolve_run
     from megalysses.training.step import train_step
 
     cfg = load_config(overrides=STEP + overrides)
     device = torch.device("cpu")
     p = cfg.parallel
     grid = ParallelGrid.for_config(cfg) if world > 1 else ParallelGrid.single()
-    runtime = plan_runtime(cfg, device, grid)
+    runtime = resolve_run(cfg, device, grid)
     model, opt = build_model_and_optimizer(cfg, grid, device, runtime)
     g = torch.Generator().manual_seed(0)
     S_ = cfg.data.seq_len
@@ -350,7 +352,7 @@ def measured_step_peak(overrides: list[str], world: int = 1, exclude_host: bool 
     chunks = model.chunks if hasattr(model, "chunks") else [model]
     host = [t for c in chunks if c.offload is not None for t in c.offload.host_buffers()] if exclude_host else []
     _, peak = measure_peak(lambda: step(mbs), before, exclude=host)
-    return peak.bytes, estimate_config(cfg, world, "cpu").peak
+    return peak.bytes, estimate_config(cfg, world, CPU).peak
 
 
 def _step_peaks(rank: int, world: int) -> dict:
@@ -368,7 +370,7 @@ def test_training_step_peaks_match_the_model(name):
 
 def test_estimate_breakdown_adds_up_and_offload_moves_activations_to_host():
     cfg = load_config("configs/llama3_8b_128k.yaml", ["data.mock=true", "data.paths=[]"])
-    est = estimate_config(cfg, world_size=32)
+    est = estimate_config(cfg, 32, Machine.described("H100", packages=("flash_attn", "triton")))
     assert abs(sum(t.bytes for t in est.terms if not t.host) - est.peak) < 1.0
     m, layout, bf16 = cfg.model, Layout(sp=8, dp=4), PRECISIONS["bf16"]
     base = Options(activation_checkpointing=True, loss_chunk_tokens=8192)

@@ -11,9 +11,10 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from megalysses.config import ConfigError
 from megalysses.config_io import load_config
 from megalysses.grid import ParallelGrid
+from megalysses.plan.flops import flops_per_token, peak_tflops
 from megalysses.training import metrics
 from megalysses.training.loop import train
-from megalysses.training.metrics import check_logging_backends
+from megalysses.config_checks import check_logging_backends
 
 TINY = ["data.mock=true", "data.seq_len=32", "model.vocab_size=128", "model.hidden_size=32", "model.num_layers=2",
         "model.num_heads=4", "model.attention_backend=sdpa", "training.global_batch_size=4",
@@ -103,7 +104,7 @@ def test_flops_follow_each_steps_sequence_length(tmp_path, monkeypatch):
     logger.close()
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["seq_len"]) for r in rows] == [(2, 8), (4, 32)]
-    fpt = metrics.flops_per_token
+    fpt = flops_per_token
     assert fpt(cfg.model, 32) > fpt(cfg.model, 8)
     want = [2 * tokens * fpt(cfg.model, 8), tokens * (fpt(cfg.model, 8) + fpt(cfg.model, 32))]
     for row, flops in zip(rows, want):
@@ -112,11 +113,11 @@ def test_flops_follow_each_steps_sequence_length(tmp_path, monkeypatch):
 
 
 def test_peak_tflops_by_device_name(monkeypatch):
-    peak_tflops = metrics.peak_tflops
-    cuda = torch.device("cuda", 0)
     for name, peak in (("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0), ("NVIDIA H100 NVL", 835.0),
                        ("NVIDIA H200", 989.0), ("NVIDIA A100-SXM4-80GB", 312.0), ("Tesla T4", None)):
-        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device, name=name: name)
-        assert peak_tflops(0.0, cuda) == peak, name
-        assert peak_tflops(0.0, cuda, torch.float32) is None      # the bf16 peak is no measure of fp32 work
-    assert peak_tflops(500.0, cuda) == 500.0 and peak_tflops(0.0, torch.device("cpu")) is None
+        assert peak_tflops(0.0, name) == peak, name
+        assert peak_tflops(0.0, name, "float32") is None      # the bf16 peak is no measure of fp32 work
+    assert peak_tflops(500.0, "NVIDIA H100 80GB HBM3") == 500.0 and peak_tflops(0.0, None) is None
+    cuda = torch.device("cuda", 0)       # a run reads its device's name
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA H100 PCIe")
+    assert metrics.peak_for(0.0, cuda, torch.bfloat16) == 756.0 and metrics.peak_for(0.0, cuda, torch.float32) is None

@@ -16,6 +16,7 @@ from megalysses.model.gpt import GPTStage, init_weights
 from megalysses.model.layers import ParallelGroups
 from megalysses.parallel.sequence_layout import shard_sample
 from megalysses.testing import run_distributed
+from megalysses.plan import ActivationPolicy
 
 S, B = 32, 2
 CFG = dict(vocab_size=120, hidden_size=64, num_layers=2, num_heads=8, num_kv_heads=2, attention_backend="sdpa")
@@ -93,7 +94,7 @@ def _parity_worker(rank, world, cases):
 
         groups = ParallelGroups(tp=grid.tp_group, ulysses=grid.ulysses_group, ring=grid.ring_group,
                                 sequence_parallel=seq_par)
-        model = GPTStage(cfg, groups, loss_chunk_tokens=tile, mlp_chunk_tokens=tile)
+        model = GPTStage(cfg, groups, policy=ActivationPolicy(loss_chunk_tokens=tile, mlp_chunk_tokens=tile))
         init_weights(model, seed=7, tp_rank=grid.tp_rank, tp_size=grid.tp_size)
         mb = local_batch(batch, grid, seq_par, docs)
         count = (batch[1] != -100).sum()                              # the GLOBAL count of valid tokens

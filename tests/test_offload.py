@@ -17,7 +17,8 @@ from megalysses.model.gpt import GPTStage, init_weights
 from megalysses.model.layers import ParallelGroups
 from megalysses.parallel.offload import ActivationOffload
 from megalysses.testing import run_distributed
-from megalysses.training.runtime import plan_runtime
+from megalysses.training.runtime import resolve_run
+from megalysses.plan import ActivationPolicy
 from tests.test_memory_model import measure_forward, measured_step_peak, small_model
 
 BASE = ["data.mock=true", "data.seq_len=32", "model.vocab_size=128", "model.hidden_size=64", "model.num_layers=4",
@@ -48,7 +49,7 @@ def one_step(overrides: list[str], world: int) -> dict:
     device = torch.device("cpu")
     p = cfg.parallel
     grid = ParallelGrid.for_config(cfg) if world > 1 else ParallelGrid.single()
-    runtime = plan_runtime(cfg, device, grid)
+    runtime = resolve_run(cfg, device, grid)
     model, opt = loop.build_model_and_optimizer(cfg, grid, device, runtime)
     got = {}
 
@@ -172,7 +173,7 @@ def _model(layers: int = 4) -> GPTStage:
     cfg = ModelConfig(vocab_size=256, hidden_size=64, num_layers=layers, num_heads=4, num_kv_heads=2,
                       ffn_hidden_size=160, attention_backend="sdpa")
     torch.manual_seed(0)
-    model = GPTStage(cfg, ParallelGroups(), activation_checkpointing=True, activation_offload=True)
+    model = GPTStage(cfg, ParallelGroups(), policy=ActivationPolicy(checkpointing=True, offload=True))
     init_weights(model, 0)
     return model
 
@@ -197,12 +198,10 @@ def test_the_device_keeps_what_the_memory_model_says():
 
 
 def test_offload_without_checkpointing_is_a_config_error():
-    cfg = load_config(overrides=["data.mock=true", "training.activation_offload=true"])
     with pytest.raises(ConfigError, match="training.activation_offload=true needs training.activation_checkpointing"):
-        plan_runtime(cfg, torch.device("cpu"))
-    cfg = load_config(overrides=["data.mock=true", "training.optimizer_offload=true", "parallel.fsdp=true"])
+        load_config(overrides=["data.mock=true", "training.activation_offload=true"])
     with pytest.raises(ConfigError, match="training.optimizer_offload=true is for ZeRO-1"):
-        plan_runtime(cfg, torch.device("cpu"))
+        load_config(overrides=["data.mock=true", "training.optimizer_offload=true", "parallel.fsdp=true"])
 
 
 def test_a_longer_sequence_lets_the_shorter_ones_host_buffers_go():

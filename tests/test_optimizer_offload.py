@@ -26,13 +26,13 @@ def train(overrides: list[str], world: int, steps: int = 3) -> dict:
     """`steps` optimizer steps; returns losses, norms, this rank's weights and optimizer state."""
     from megalysses.training import loop
     from megalysses.training.data import TrainingData
-    from megalysses.training.runtime import plan_runtime
+    from megalysses.training.runtime import resolve_run
     from megalysses.training.step import train_step
 
     cfg = load_config(overrides=BASE + overrides)
     device = torch.device("cpu")
     grid = ParallelGrid.for_config(cfg) if world > 1 else ParallelGrid.single()
-    runtime = plan_runtime(cfg, device, grid)
+    runtime = resolve_run(cfg, device, grid)
     model, opt = loop.build_model_and_optimizer(cfg, grid, device, runtime)
     batches = TrainingData(cfg, grid, device).train_batches(0)
     losses, norms = [], []

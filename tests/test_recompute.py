@@ -16,7 +16,7 @@ from megalysses.config import ConfigError
 from megalysses.config_io import load_config
 from megalysses.model.recompute import attention_kernels
 from megalysses.testing import run_distributed
-from megalysses.training.runtime import memory_options, plan_runtime
+from megalysses.training.runtime import memory_options, resolve_run
 from tests.test_offload import BASE
 from tests.test_offload import one_step as offload_step
 
@@ -79,13 +79,15 @@ def test_kept_attention_gives_the_same_gradients_and_runs_attention_once(tmp_pat
 def test_layouts_it_cannot_serve_are_config_errors(overrides, message):
     cfg = load_config(overrides=BASE + ["training.recompute_attention=false"] + overrides)
     with pytest.raises(ConfigError, match=message):
-        plan_runtime(cfg, torch.device("cpu"))
+        resolve_run(cfg, torch.device("cpu"))
 
 
 def test_the_start_up_line_says_what_checkpointing_keeps():
     cfg = load_config(overrides=BASE + ["training.recompute_attention=false"])
-    assert "activation checkpointing (attention outputs kept)" in memory_options(cfg)
-    assert "activation checkpointing" in memory_options(load_config(overrides=BASE))
+    cpu = torch.device("cpu")
+    assert "activation checkpointing (attention outputs kept)" in memory_options(cfg, resolve_run(cfg, cpu))
+    plain = load_config(overrides=BASE)
+    assert "activation checkpointing" in memory_options(plain, resolve_run(plain, cpu))
 
 
 def test_a_forward_that_keeps_nothing_warns_once():
@@ -94,10 +96,11 @@ def test_a_forward_that_keeps_nothing_warns_once():
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from megalysses.model.gpt import GPTStage
+    from megalysses.plan import ActivationPolicy
     from tests.test_memory_model import small_model
 
     torch.manual_seed(0)
-    model = GPTStage(small_model(), activation_checkpointing=True, keep_attention=True)
+    model = GPTStage(small_model(), policy=ActivationPolicy(checkpointing=True, keep_attention=True))
     ids = torch.randint(0, 256, (1, 32))
     pos = torch.arange(32)[None]
     with warnings.catch_warnings():

@@ -16,13 +16,15 @@ from megalysses.config import ConfigError
 from megalysses.config_io import load_config
 from megalysses.grid import ParallelGrid
 from megalysses.kernels import attention, block_attention as blocks
-from megalysses.kernels.attention import core_attention, select_backend
+from megalysses.kernels.attention import core_attention
 from megalysses.kernels.block_attention import AttentionBlock, merge_block
 from megalysses.parallel import ring as ring_module
 from megalysses.parallel.ring import blockwise_attention
 from megalysses.parallel.sequence_layout import IGNORE_INDEX, SequenceLayout, shard_sample
+from megalysses.plan import Machine
+from megalysses.plan.run_plan import choose_attention
 from megalysses.testing import run_distributed
-from megalysses.training.runtime import plan_runtime, startup_line, write_runtime
+from megalysses.training.runtime import resolve_run, startup_line, write_runtime
 from test_model_parity import MQA, ONE_HEAD, THREE_HEADS, _parity_worker, case, check_parity
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -141,7 +143,7 @@ def test_flex_blocks_forward_and_their_backward_formula(monkeypatch):
 
     monkeypatch.setattr(AttentionBlock, "flex_mask", lambda self, sq, sk, device: self)
     monkeypatch.setattr(blocks, "_flex_call", stand_in)
-    monkeypatch.setattr(ring_module, "resolve_ring_backend", lambda backend, q_, mask: "flex")
+    monkeypatch.setattr(ring_module, "check_backend", lambda *args, **kwargs: None)   # no flex backward on CPU
     for docs in (None, doc_ids()):
         want = core_attention(q, k, v, doc_ids=docs, backend="reference")
         got = blockwise_attention(q, k, v, 4, doc_ids=docs, backend="flex")
@@ -177,36 +179,40 @@ def test_sdpa_blocks_report_empty_rows_as_minus_infinity():
 
 # ----------------------------------------------------------------------------- the backend choice and the run plan
 
-def test_ring_layouts_choose_a_backend_that_returns_the_lse(monkeypatch):
-    assert select_backend("auto", "cpu", torch.float32, 64, has_docs=True, ring=True)[0] == "sdpa"
-    assert select_backend("auto", "cuda", torch.bfloat16, 64, has_docs=False, ring=True)[0] == "sdpa"
-    if attention._flex_module is not None:
-        assert select_backend("auto", "cuda", torch.bfloat16, 64, has_docs=True, ring=True)[0] == "flex"
-        assert select_backend("auto", "cuda", torch.float32, 64, has_docs=False, ring=True)[0] == "flex"
-    assert select_backend("auto", "cuda", torch.float32, 12, has_docs=True, ring=True)[0] == "reference"
-    with pytest.raises(RuntimeError, match="'sdpa' runs ring-attention blocks on CUDA .* no packed-document mask"):
-        select_backend("sdpa", "cuda", torch.bfloat16, 64, has_docs=True, ring=True)
-    monkeypatch.setattr(attention, "flash_attn_func", object())      # pretend flash-attn is importable
-    assert select_backend("auto", "cuda", torch.bfloat16, 64, ring=False)[0] == "flash"
-    assert select_backend("auto", "cuda", torch.bfloat16, 64, ring=True)[0] == "sdpa"
-    with pytest.raises(RuntimeError, match="'flash' cannot run the blocks of ring attention"):
-        select_backend("flash", "cuda", torch.bfloat16, 64, ring=True)
+def test_ring_layouts_choose_a_backend_that_returns_the_lse():
+    plain, cpu = Machine.described("H100"), Machine.described(None)     # a plain torch install: no flash-attn
+    with_flash = Machine.described("H100", packages=("flash_attn", "triton"))
+
+    def select(requested, machine, dtype, head_dim=64, **kw):
+        return choose_attention(requested, machine, dtype, head_dim, ring=True, **kw)[0]
+
+    assert select("auto", cpu, "float32", has_docs=True) == "sdpa"
+    assert select("auto", plain, "bfloat16") == "sdpa"
+    assert select("auto", plain, "bfloat16", has_docs=True) == "flex"
+    assert select("auto", plain, "float32") == "flex"
+    assert select("auto", plain, "float32", 12, has_docs=True) == "reference"
+    with pytest.raises(ConfigError, match="'sdpa' runs ring-attention blocks on CUDA .* no packed-document mask"):
+        select("sdpa", plain, "bfloat16", has_docs=True)
+    assert choose_attention("auto", with_flash, "bfloat16", 64)[0] == "flash"
+    assert select("auto", with_flash, "bfloat16") == "sdpa"
+    with pytest.raises(ConfigError, match="'flash' cannot run the blocks of ring attention"):
+        select("flash", with_flash, "bfloat16")
 
 
 def test_run_plan_prints_and_records_the_factorisation(tmp_path):
     cfg = load_config(overrides=["data.mock=true", "data.seq_len=250", "model.hidden_size=64", "model.num_heads=2",
                                  "model.num_kv_heads=1", "parallel.sp=4"])
-    rt = plan_runtime(cfg, torch.device("cpu"))
-    assert (rt.ulysses, rt.ring, rt.padded_seq_len, rt.attention_backend) == (2, 2, 252, "sdpa")
+    rt = resolve_run(cfg, torch.device("cpu"))
+    assert (rt.ulysses, rt.ring, rt.padded_seq_len, rt.attention) == (2, 2, 252, "sdpa")
     grid = ParallelGrid.single()
     with pytest.raises(ConfigError, match="ulysses 1 x ring 1 but the config resolves to ulysses 2 x ring 2"):
-        plan_runtime(cfg, torch.device("cpu"), grid)
+        resolve_run(cfg, torch.device("cpu"), grid)
     assert "sp = ulysses 2 x ring 2, seq_len 250 padded to 252" in startup_line(cfg, grid, rt)
     flash = load_config(overrides=["data.mock=true", "model.hidden_size=64", "model.num_heads=2",
                                    "model.num_kv_heads=1", "parallel.sp=4", "model.attention_backend=flash"])
     with pytest.raises(ConfigError, match=r"model.attention_backend=flash: .* \(this layout runs ring attention: "
                                           r"parallel.sp=4 = ulysses 2 x ring 2\)"):
-        plan_runtime(flash, torch.device("cpu"))
+        resolve_run(flash, torch.device("cpu"))
     write_runtime(tmp_path, cfg, grid, rt)
     record = json.loads((tmp_path / "runtime.json").read_text())
     assert (record["ulysses"], record["ring"], record["padded_seq_len"]) == (2, 2, 252)
@@ -257,7 +263,7 @@ def _ring_worker(rank, world, shape, parity_cases):
     ring_module.block_attention_backward = lambda *a: (events.append("bwd"), real_backward(*a))[1]
     try:
         q, k, v = (t.detach()[:, :6].clone().requires_grad_() for t in qkv())
-        ring_attention(q, k, v, grid.ring_group, RingMask(None, grid.ring_rank, world, 48)).sum().backward()
+        ring_attention(q, k, v, grid.ring_group, RingMask(None, grid.ring_rank, world, 48), "sdpa").sum().backward()
     finally:
         ring_module.comm.ring_exchange, ring_module.block_attention = real_exchange, real_forward
         ring_module.block_attention_backward = real_backward

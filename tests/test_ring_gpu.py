@@ -10,8 +10,10 @@ is checked on CPU by test_ring.py.
 import pytest
 import torch
 
-from megalysses.kernels.attention import core_attention, select_backend
+from megalysses.kernels.attention import core_attention
 from megalysses.parallel.ring import blockwise_attention
+from megalysses.plan import Machine
+from megalysses.plan.run_plan import choose_attention
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the GPU tier)")]
@@ -31,7 +33,8 @@ def test_ring_blocks_on_cuda_match_the_reference(backend, dtype, docs):
     q, k, v = _qkv(S, 8, 2, 64, dtype)
     doc_ids = torch.cat([torch.zeros(300, dtype=torch.long), torch.ones(S - 300, dtype=torch.long)])[None].cuda() \
         if docs else None
-    assert select_backend(backend, "cuda", dtype, 64, has_docs=docs, ring=True)[0] == backend
+    assert choose_attention(backend, Machine.current("cuda"), str(dtype).removeprefix("torch."), 64, has_docs=docs,
+                            ring=True)[0] == backend
     upstream = torch.randn(1, S, 8, 64, device="cuda", dtype=dtype)
     want = core_attention(*(t.float() for t in (q, k, v)), doc_ids=doc_ids, backend="reference")
     want_grads = torch.autograd.grad(want, (q, k, v), upstream.float())

@@ -1,5 +1,6 @@
-"""The run's choices are made once (training/runtime.py): dtype, attention backend, kernels, printed on the
-start-up line; what this machine cannot do is a ConfigError before anything is built."""
+"""The run's choices are made once (megalysses.plan.resolve, on this machine through training/runtime.py):
+dtype, attention backend, kernels, printed on the start-up line; what this machine cannot do is a
+ConfigError before anything is built."""
 import json
 
 import pytest
@@ -8,16 +9,16 @@ import torch
 from megalysses.config import ConfigError
 from megalysses.config_io import load_config
 from megalysses.grid import ParallelGrid
-from megalysses.training.runtime import plan_runtime, startup_line, write_runtime
+from megalysses.training.runtime import model_config, resolve_run, startup_line, write_runtime
 
 BASE = ["data.mock=true", "data.seq_len=32", "model.hidden_size=64", "model.num_heads=4", "model.vocab_size=1000"]
 
 
 def test_auto_on_cpu():
     cfg = load_config(overrides=BASE + ["training.activation_checkpointing=true", "training.loss_chunk_tokens=8"])
-    rt = plan_runtime(cfg, torch.device("cpu"))
-    assert (rt.attention_backend, rt.dtype, rt.kernels) == ("sdpa", "float32", "torch")
-    assert rt.model_config(cfg).attention_backend == "sdpa" and cfg.model.attention_backend == "auto"
+    rt = resolve_run(cfg, torch.device("cpu"))
+    assert (rt.attention, rt.dtype, rt.kernels) == ("sdpa", "float32", "torch")
+    assert model_config(cfg, rt).attention_backend == "sdpa" and cfg.model.attention_backend == "auto"
     line = startup_line(cfg, ParallelGrid.single(), rt)
     for part in ("world=1 tp=1 sp=1 pp=1 dp=1", "cpu float32", "attention sdpa", "kernels torch", "ZeRO-1",
                  "activation checkpointing", "tiled loss (8 tokens)", "vocab 1000 (padded to 1024)"):
@@ -27,8 +28,8 @@ def test_auto_on_cpu():
 @pytest.mark.parametrize("override,message", [
     ("model.attention_backend=flex", "model.attention_backend=flex: attention backend 'flex' has no backward on CPU"),
     ("model.attention_backend=flash", "'flash' is unavailable on cpu"),
-    ("model.kernels=liger", "model.kernels=liger: model.kernels impl 'liger' is unavailable"),
-    ("model.kernels=apex", "model.kernels=apex: model.kernels impl 'apex' is unavailable"),
+    ("model.kernels=liger", "model.kernels=liger: liger is unavailable"),
+    ("model.kernels=apex", "model.kernels=apex: apex is unavailable"),
 ])
 def test_what_cannot_run_here_is_a_config_error(override, message):
     if override.endswith("flex"):
@@ -37,7 +38,7 @@ def test_what_cannot_run_here_is_a_config_error(override, message):
             pytest.skip("this torch has no FlexAttention")
     cfg = load_config(overrides=BASE + [override])
     with pytest.raises(ConfigError) as e:
-        plan_runtime(cfg, torch.device("cpu"))
+        resolve_run(cfg, torch.device("cpu"))
     assert message in str(e.value)
 
 
@@ -46,12 +47,15 @@ def test_startup_line_and_runtime_json_show_the_curriculum(tmp_path):
     ulysses 2 x ring 2 pads to multiples of 4)."""
     cfg = load_config(overrides=BASE + ["model.num_kv_heads=1", "model.num_heads=2", "parallel.sp=4",
                                         "data.seq_len_schedule=[[0, 2], [10, 8], [20, 32]]"])
-    rt = plan_runtime(cfg, torch.device("cpu"))
-    assert (rt.ulysses, rt.ring, rt.padded_stage_lens) == (2, 2, (4, 8, 32))
+    rt = resolve_run(cfg, torch.device("cpu"))
+    assert (rt.ulysses, rt.ring) == (2, 2)
+    assert [(p.name, p.seq_len, p.padded_len) for p in rt.phases] == [
+        ("train", 2, 4), ("train from step 11", 8, 8), ("train from step 21", 32, 32), ("eval", 32, 32)]
     line = startup_line(cfg, ParallelGrid.single(), rt)
     assert "sp = ulysses 2 x ring 2, seq_len 2 (padded to 4) -> 8 at step 11 -> 32 at step 21 |" in line, line
     write_runtime(tmp_path, cfg, ParallelGrid.single(), rt)
-    assert json.loads((tmp_path / "runtime.json").read_text())["padded_stage_lens"] == [4, 8, 32]
+    phases = json.loads((tmp_path / "runtime.json").read_text())["phases"]
+    assert [p["padded_len"] for p in phases] == [4, 8, 32, 32]
 
 
 def test_compiled_flex_may_specialise_for_every_length_and_block_of_the_run():
@@ -65,10 +69,10 @@ def test_compiled_flex_may_specialise_for_every_length_and_block_of_the_run():
     from megalysses.training.runtime import flex_compile_budget
 
     schedule = "data.seq_len_schedule=[[0, 8], [10, 16], [20, 32]]"
-    ring = plan_runtime(load_config(overrides=BASE + ["model.num_kv_heads=1", "model.num_heads=2", "parallel.sp=4",
+    ring = resolve_run(load_config(overrides=BASE + ["model.num_kv_heads=1", "model.num_heads=2", "parallel.sp=4",
                                                       schedule]), torch.device("cpu"))
-    plain = plan_runtime(load_config(overrides=BASE + [schedule]), torch.device("cpu"))
-    fixed = plan_runtime(load_config(overrides=BASE), torch.device("cpu"))
+    plain = resolve_run(load_config(overrides=BASE + [schedule]), torch.device("cpu"))
+    fixed = resolve_run(load_config(overrides=BASE), torch.device("cpu"))
     assert ring.ring == 2 and flex_compile_budget(ring) >= 8 + 3 * 3 * 2
     assert flex_compile_budget(fixed) < flex_compile_budget(plain) < flex_compile_budget(ring)
     dynamo = torch._dynamo.config

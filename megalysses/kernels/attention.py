@@ -14,10 +14,12 @@ Backends:
                torch has no FlexAttention backward on CPU).
     flash      flash-attn (CUDA, fp16/bf16): flash_attn_func, or flash_attn_varlen_func on the
                packed documents (cu_seqlens from doc_ids).
-    auto       flash when importable on CUDA with fp16/bf16, else flex on CUDA with documents, else sdpa.
+
+Which backends can run a shape where is `unsupported_reason`'s answer; which one a run uses ("auto") is
+decided once, by megalysses.plan.resolve, and every function here takes that concrete name.
 
 Ring attention runs attention block by block and merges the blocks with their log-sum-exp; those
-block kernels live in block_attention.py, and select_backend(..., ring=True) picks among them.
+block kernels live in block_attention.py (unsupported_reason(..., ring=True) says which can run).
 
 Document masks: doc_ids (B, S) ints, non-decreasing along each row; position i attends j iff j <= i
 and doc_ids[b, i] == doc_ids[b, j].
@@ -35,30 +37,40 @@ import torch.nn.functional as F
 from torch import Tensor
 
 try:
-    from torch.nn.attention import flex_attention as _flex_module
+    from torch.nn.attention import flex_attention as flex_module
 except Exception:   # torch < 2.5
-    _flex_module = None
+    flex_module = None
 
 try:
     from flash_attn import flash_attn_func, flash_attn_varlen_func
 except Exception:   # not installed, or built for another torch/CUDA
     flash_attn_func = flash_attn_varlen_func = None
 
-BACKENDS = ("auto", "reference", "sdpa", "flex", "flash")
+BACKENDS = ("reference", "sdpa", "flex", "flash")
 _HALF = (torch.float16, torch.bfloat16)
 DeviceLike = Union[torch.device, str]
 
 
-def available_backends(device: DeviceLike = "cpu") -> tuple[str, ...]:
-    """Backends importable for `device` in this environment ("auto" excluded); whether one can run a
-    given shape is `unsupported_reason`'s question.
+def flex_available() -> bool:
+    """Whether this torch has FlexAttention (torch >= 2.5)."""
+    return flex_module is not None
 
-    flex on CPU is forward-only (torch has no FlexAttention backward there); flash needs CUDA."""
+
+def _installed() -> frozenset:
+    return frozenset({"flex"} if flex_available() else set()) | \
+        frozenset({"flash_attn"} if flash_attn_func is not None else set())
+
+
+def available_backends(device: DeviceLike = "cpu", packages: Optional[frozenset] = None) -> tuple[str, ...]:
+    """Backends that exist for `device` with `packages` (a machine's optional packages, "flex" and "flash_attn"
+    among them; default: this environment's); whether one can run a given shape is `unsupported_reason`'s
+    question. flex on CPU is forward-only (torch has no FlexAttention backward there); flash needs CUDA."""
+    packages = _installed() if packages is None else packages
     on_cuda = torch.device(device).type == "cuda"
     names = ["reference", "sdpa"]
-    if _flex_module is not None:
+    if "flex" in packages:
         names.append("flex")
-    if flash_attn_func is not None and on_cuda:
+    if "flash_attn" in packages and on_cuda:
         names.append("flash")
     return tuple(names)
 
@@ -68,19 +80,21 @@ def _power_of_two(n: int) -> bool:
 
 
 def unsupported_reason(backend: str, device: DeviceLike, dtype: torch.dtype, head_dim: Optional[int] = None,
-                       training: bool = True, has_docs: bool = False, ring: bool = False) -> Optional[str]:
-    """Why `backend` (a concrete name) cannot run attention of this head dim and dtype on `device`, with a
-    backward when `training`; None when it can. head_dim None skips the shape rules. ring: the blocks of
-    ring attention, which need each block's log-sum-exp and a backward against the merged one
-    (kernels/block_attention.py); has_docs: with packed-document masks."""
-    if backend not in BACKENDS or backend == "auto":
+                       training: bool = True, has_docs: bool = False, ring: bool = False,
+                       packages: Optional[frozenset] = None) -> Optional[str]:
+    """Why `backend` (a concrete name) cannot run attention of this head dim and dtype on `device` with
+    `packages` (see available_backends), with a backward when `training`; None when it can. head_dim None
+    skips the shape rules. ring: the blocks of ring attention, which need each block's log-sum-exp and a
+    backward against the merged one (kernels/block_attention.py); has_docs: with packed-document masks."""
+    if backend not in BACKENDS:
         return f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}"
     device = torch.device(device)
     on_cuda = device.type == "cuda"
-    if backend not in available_backends(device):
+    here = available_backends(device, packages)
+    if backend not in here:
         why = {"flex": "torch.nn.attention.flex_attention is missing (needs torch >= 2.5)",
                "flash": "it needs CUDA and an importable flash_attn package"}[backend]
-        return f"is unavailable on {device}: {why}; available here: {', '.join(available_backends(device))}"
+        return f"is unavailable on {device.type}: {why}; available here: {', '.join(here)}"
     if backend == "flex":
         if not on_cuda and training:
             return ("has no backward on CPU (torch implements FlexAttention's backward for CUDA only); use "
@@ -105,41 +119,6 @@ def unsupported_reason(backend: str, device: DeviceLike, dtype: torch.dtype, hea
         if head_dim is not None and (head_dim % 8 or head_dim > 256):
             return f"{kernel}, which needs a head dim that is a multiple of 8 and at most 256, got {head_dim}"
     return None
-
-
-def select_backend(backend: str, device: DeviceLike, dtype: torch.dtype, head_dim: Optional[int] = None,
-                   has_docs: bool = False, training: bool = True, ring: bool = False) -> tuple[str, str]:
-    """(concrete backend, why) for a requested one ("auto" or a name). auto picks the first that can run
-    the shape: flash-attn on CUDA in half precision; on CUDA with packed documents compiled FlexAttention
-    (a block-sparse mask, where SDPA would need a dense (S, S) one); else SDPA. For the blocks of ring
-    attention (ring=True) only backends that return the log-sum-exp qualify: torch's SDPA flash kernel
-    (CPU; CUDA without documents, half precision), then FlexAttention, then the reference. An explicit
-    backend that cannot run raises RuntimeError saying why."""
-    if backend != "auto":
-        why = unsupported_reason(backend, device, dtype, head_dim, training, has_docs, ring)
-        if why is not None and why.startswith("unknown"):
-            raise ValueError(why)
-        if why is not None:
-            raise RuntimeError(f"attention backend {backend!r} {why}")
-        return backend, "requested"
-    on_cuda = torch.device(device).type == "cuda"
-    if ring:
-        for name, why in (("sdpa", "ring blocks: torch's flash kernel returns the log-sum-exp"),
-                          ("flex", "ring blocks: FlexAttention returns the log-sum-exp")):
-            if unsupported_reason(name, device, dtype, head_dim, training, has_docs, ring) is None:
-                return name, why
-        return "reference", "ring blocks: no fused kernel returns the log-sum-exp for this shape here"
-    if on_cuda and unsupported_reason("flash", device, dtype, head_dim, training) is None:
-        return "flash", "flash-attn is installed and takes this shape and dtype"
-    if on_cuda and has_docs and unsupported_reason("flex", device, dtype, head_dim, training) is None:
-        return "flex", "packed documents: a block-sparse mask instead of a dense (S, S) one"
-    return "sdpa", "the portable default" if not on_cuda else "flash-attn and FlexAttention do not apply here"
-
-
-def resolve_backend(backend: str, device: DeviceLike, dtype: torch.dtype, has_docs: bool,
-                    head_dim: Optional[int] = None, training: bool = False) -> str:
-    """The concrete backend for `backend` ("auto" or a name); raises when it cannot run."""
-    return select_backend(backend, device, dtype, head_dim, has_docs, training)[0]
 
 
 def doc_ids_to_cu_seqlens(doc_ids: Tensor) -> Tensor:
@@ -192,7 +171,7 @@ class AttentionMask:
 
             def mask_mod(b, h, q_idx, kv_idx):
                 return (kv_idx <= q_idx) & (docs[b, q_idx] == docs[b, kv_idx])
-            return _create_block_mask(mask_mod, B, S, docs.device)
+            return create_block_mask(mask_mod, B, S, docs.device)
         return self._cached("block_mask", build)
 
     def varlen(self) -> tuple[Tensor, int]:
@@ -210,15 +189,13 @@ class AttentionMask:
         return self
 
 
-def prepare_attention_mask(doc_ids: Optional[Tensor], backend: str = "auto", seq_len: Optional[int] = None,
+def prepare_attention_mask(doc_ids: Optional[Tensor], backend: str, seq_len: Optional[int] = None,
                            device: Optional[DeviceLike] = None) -> Optional[AttentionMask]:
     """The document mask for one step, to pass as `mask=` to every layer's `core_attention`.
 
     doc_ids: (B, S) ints, non-decreasing per row, or None (plain causal: returns None). seq_len, when
     given, is checked against S; device, when given, is where the mask lives (default: doc_ids'). The
-    form that `backend` will use on that device is built now; with "auto" the dtype is not known yet,
-    so the guess is flash (cu_seqlens) when flash-attn is importable on CUDA, flex on CUDA otherwise,
-    sdpa on CPU; any other form is built on first use."""
+    form that `backend` (the run's concrete backend) uses is built now; any other on first use."""
     if doc_ids is None:
         return None
     if doc_ids.dim() != 2 or doc_ids.dtype.is_floating_point or doc_ids.dtype == torch.bool:
@@ -229,15 +206,10 @@ def prepare_attention_mask(doc_ids: Optional[Tensor], backend: str = "auto", seq
         doc_ids = doc_ids.to(device)
     if doc_ids.shape[1] > 1 and bool((doc_ids[:, 1:] < doc_ids[:, :-1]).any()):
         raise ValueError("doc_ids must be non-decreasing along each row (one id per packed document)")
-    on_cuda = doc_ids.device.type == "cuda"
-    if backend == "auto":
-        guess = "flash" if on_cuda and flash_attn_func is not None else ("flex" if on_cuda else "sdpa")
-    else:
-        guess = resolve_backend(backend, doc_ids.device, torch.bfloat16, True)
-    return AttentionMask(doc_ids).build_for(guess if guess in available_backends(doc_ids.device) else "sdpa")
+    return AttentionMask(doc_ids).build_for(backend)
 
 
-def core_attention(q: Tensor, k: Tensor, v: Tensor, doc_ids: Optional[Tensor] = None, backend: str = "auto",
+def core_attention(q: Tensor, k: Tensor, v: Tensor, doc_ids: Optional[Tensor] = None, backend: str = "sdpa",
                    scale: Optional[float] = None, *, mask: Optional[AttentionMask] = None) -> Tensor:
     """Exact causal (optionally document-masked) attention; differentiable in q, k and v.
 
@@ -258,10 +230,21 @@ def core_attention(q: Tensor, k: Tensor, v: Tensor, doc_ids: Optional[Tensor] = 
     if mask is not None and mask.doc_ids.device != q.device:
         raise ValueError(f"mask is on {mask.doc_ids.device} but q is on {q.device}: "
                          f"prepare_attention_mask(..., device=q.device)")
+    check_backend(backend, q, mask is not None)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    name = resolve_backend(backend, q.device, q.dtype, mask is not None, q.shape[-1], training)
-    return _BACKEND_FNS[name](q, k, v, mask, scale)
+    return _BACKEND_FNS[backend](q, k, v, mask, scale)
+
+
+def check_backend(backend: str, q: Tensor, has_docs: bool, ring: bool = False) -> None:
+    """Refuse a backend that cannot run this call (the plan chose it for the run; a direct call may not
+    have): ValueError for a name that is not a concrete backend, RuntimeError saying why one cannot run."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}: give a concrete backend, one of "
+                         f"{', '.join(BACKENDS)} (megalysses.plan.resolve decides what auto is)")
+    training = torch.is_grad_enabled() and q.requires_grad
+    why = unsupported_reason(backend, q.device, q.dtype, q.shape[-1], training, has_docs, ring)
+    if why is not None:
+        raise RuntimeError(f"attention backend {backend!r} {why}")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -305,27 +288,29 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Optional[AttentionMask], scale:
     return out.transpose(1, 2)                                            # (B, S, Hq, D)
 
 
-def _create_block_mask(mask_mod: Callable, B: Optional[int], S: int, device: torch.device,
-                       kv_len: Optional[int] = None) -> Any:
-    """A BlockMask for S queries and kv_len (default S) keys."""
+def create_block_mask(mask_mod: Callable, B: Optional[int], S: int, device: torch.device,
+                      kv_len: Optional[int] = None) -> Any:
+    """A FlexAttention BlockMask for S queries and kv_len (default S) keys (fused on CUDA)."""
     kwargs = {}
-    params = inspect.signature(_flex_module.create_block_mask).parameters
+    params = inspect.signature(flex_module.create_block_mask).parameters
     if torch.device(device).type == "cuda" and "_compile" in params:
         kwargs["_compile"] = True   # fused: never materialises the (B, S, S) mask
-    return _flex_module.create_block_mask(mask_mod, B, None, S, S if kv_len is None else kv_len, device=device,
-                                          **kwargs)
+    return flex_module.create_block_mask(mask_mod, B, None, S, S if kv_len is None else kv_len, device=device,
+                                         **kwargs)
 
 
 @functools.lru_cache(maxsize=8)
-def _causal_block_mask(S: int, device: torch.device) -> Any:
+def causal_block_mask(S: int, device: torch.device) -> Any:
+    """The plain causal BlockMask of S positions (cached)."""
     def causal(b, h, q_idx, kv_idx):
         return kv_idx <= q_idx
-    return _create_block_mask(causal, None, S, device)
+    return create_block_mask(causal, None, S, device)
 
 
 @functools.lru_cache(maxsize=1)
-def _compiled_flex() -> Callable:
-    return torch.compile(_flex_module.flex_attention, dynamic=False)
+def compiled_flex() -> Callable:
+    """torch.compile'd flex_attention (static shapes), the fused kernel on CUDA."""
+    return torch.compile(flex_module.flex_attention, dynamic=False)
 
 
 def reserve_compiles(count: int) -> int:
@@ -344,17 +329,17 @@ def reserve_compiles(count: int) -> int:
 
 
 def _flex(q: Tensor, k: Tensor, v: Tensor, mask: Optional[AttentionMask], scale: float) -> Tensor:
-    if not q.is_cuda:   # forward only (select_backend refuses training): torch refuses inputs requiring grad
+    if not q.is_cuda:   # forward only (the plan refuses training): torch refuses inputs requiring grad
         q, k, v = q.detach(), k.detach(), v.detach()
-    block_mask = mask.block_mask() if mask is not None else _causal_block_mask(q.shape[1], q.device)
+    block_mask = mask.block_mask() if mask is not None else causal_block_mask(q.shape[1], q.device)
     q_, k_, v_ = (t.transpose(1, 2) for t in (q, k, v))                   # (B, H, S, D)
     gqa = q.shape[2] != k.shape[2]
     if q.is_cuda:
-        out = _compiled_flex()(q_, k_, v_, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+        out = compiled_flex()(q_, k_, v_, block_mask=block_mask, scale=scale, enable_gqa=gqa)
     else:
         with warnings.catch_warnings():   # eager on CPU is for tests; torch warns that it is unfused
             warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-            out = _flex_module.flex_attention(q_, k_, v_, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+            out = flex_module.flex_attention(q_, k_, v_, block_mask=block_mask, scale=scale, enable_gqa=gqa)
     return out.transpose(1, 2)                                            # (B, S, Hq, D)
 
 

@@ -28,7 +28,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from megalysses.kernels.attention import _causal_block_mask, _compiled_flex, _create_block_mask, _flex_module
+from megalysses.kernels.attention import causal_block_mask, compiled_flex, create_block_mask, flex_module
 
 aten = torch.ops.aten
 
@@ -84,7 +84,7 @@ class AttentionBlock:
     def flex_mask(self, sq: int, sk: int, device: torch.device) -> Any:
         """FlexAttention BlockMask (None: no mask, every pair allowed)."""
         if not self.has_docs:
-            return _causal_block_mask(sq, device) if self.causal else None
+            return causal_block_mask(sq, device) if self.causal else None
 
         def build() -> Any:
             qd, kd, causal = self.q_docs, self.k_docs, self.causal
@@ -92,7 +92,7 @@ class AttentionBlock:
             def mask_mod(b, h, q_idx, kv_idx):
                 same = qd[b, q_idx] == kd[b, kv_idx]
                 return same & (kv_idx <= q_idx) if causal else same
-            return _create_block_mask(mask_mod, qd.shape[0], sq, device, kv_len=sk)
+            return create_block_mask(mask_mod, qd.shape[0], sq, device, kv_len=sk)
         return self._cached(("flex", sq, sk), build)
 
 
@@ -194,18 +194,18 @@ def _sdpa_backward(dout, q, k, v, out, lse, block, scale, aux):
 @functools.lru_cache(maxsize=1)
 def _lse_kwargs() -> dict:
     """How this torch asks FlexAttention for the LSE (return_aux from 2.9, return_lse before)."""
-    request = getattr(_flex_module, "AuxRequest", None)
+    request = getattr(flex_module, "AuxRequest", None)
     return {"return_aux": request(lse=True)} if request is not None else {"return_lse": True}
 
 
 def _flex_call(q_: Tensor, k_: Tensor, v_: Tensor, block_mask: Any, scale: float) -> tuple[Tensor, Tensor]:
     kwargs = dict(block_mask=block_mask, scale=scale, enable_gqa=q_.shape[1] != k_.shape[1], **_lse_kwargs())
     if q_.is_cuda:
-        out, extra = _compiled_flex()(q_, k_, v_, **kwargs)
+        out, extra = compiled_flex()(q_, k_, v_, **kwargs)
     else:
         with warnings.catch_warnings():   # eager on CPU (forward only) is for tests
             warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-            out, extra = _flex_module.flex_attention(q_, k_, v_, **kwargs)
+            out, extra = flex_module.flex_attention(q_, k_, v_, **kwargs)
     return out, getattr(extra, "lse", extra)
 
 
@@ -240,7 +240,7 @@ LSE_BACKENDS = tuple(_FORWARD)
 def block_attention(q: Tensor, k: Tensor, v: Tensor, block: AttentionBlock, backend: str,
                     scale: float) -> tuple[Tensor, Tensor, Any]:
     """(out (B, Sq, Hq, D), lse (B, Hq, Sq) fp32, aux) of one block; aux goes back to the backward.
-    backend is a concrete name from LSE_BACKENDS (select it with attention.select_backend(ring=True))."""
+    backend is a concrete name from LSE_BACKENDS (the plan chooses it: megalysses.plan.resolve)."""
     return _FORWARD[backend](q, k, v, block, scale)
 
 

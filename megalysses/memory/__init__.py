@@ -1,6 +1,6 @@
 """The memory model: predicted peak bytes per rank for a model, a layout and its memory options.
 
-    est = estimate_config(cfg, world_size=8)                  # a Config (+ world size) -> Estimate
+    est = estimate_plan(cfg, plan)                             # a Config and its RunPlan -> Estimate
     est.peak_gib, est.phase, est.terms                        # the peak and its breakdown, term by term
     per_token = layer_terms(cfg.model, Layout(sp=8), Options(activation_checkpointing=True), PRECISIONS["bf16"])
 
@@ -56,7 +56,7 @@ torch.cuda.max_memory_allocated on a GPU.
 The modules: types.py (the tables above, Layout, Options, Workload, Term, Estimate), activations.py (what
 a layer and a stage keep), states.py (parameters, micro-batches in flight, weights, gradients, optimizer
 state), transients.py (a layer's backward, the norm backward, the loss), estimate.py (the peak over stages
-and phases, the longest sequence that fits), from_config.py (all of it read off a Config).
+and phases, the longest sequence that fits), from_plan.py (all of it read off a RunPlan).
 """
 
 from megalysses.memory.types import (GIB, KERNELS, PRECISIONS, Estimate, Kernels, Layout, Options, Precision, Term,
@@ -68,12 +68,12 @@ from megalysses.memory.activations import (SP_BUFFERS, PerToken, bytes_per_token
 from megalysses.memory.states import in_flight, layer_params, stage_params
 from megalysses.memory.transients import loss_tile_tokens, norm_backward_bytes
 from megalysses.memory.estimate import estimate, longest_sequence
-from megalysses.memory.from_config import (attention_for, estimate_config, layout_of, options_of, precision_for,
-                                           workload_of)
+from megalysses.memory.from_plan import (attention_buffers, estimate_config, estimate_plan, layout_of, options_of,
+                                         precision_of, workload_of)
 
 __all__ = ["Estimate", "GIB", "KERNELS", "Kernels", "Layout", "Options", "PRECISIONS", "PerToken", "Precision",
-           "SP_BUFFERS", "Term", "Workload", "attention_for", "bytes_per_token", "cos_sin_kept", "estimate",
-           "estimate_config", "fmt_bytes", "head_weight_grad_bytes", "in_flight", "kv_replication", "layer_params",
-           "layer_terms", "layout_of", "longest_sequence", "loss_tile_tokens", "norm_backward_bytes",
-           "norm_keeps_block_input", "options_of", "precision_for", "retained_activation_bytes",
+           "SP_BUFFERS", "Term", "Workload", "attention_buffers", "bytes_per_token", "cos_sin_kept", "estimate",
+           "estimate_config", "estimate_plan", "fmt_bytes", "head_weight_grad_bytes", "in_flight", "kv_replication",
+           "layer_params", "layer_terms", "layout_of", "longest_sequence", "loss_tile_tokens", "norm_backward_bytes",
+           "norm_keeps_block_input", "options_of", "precision_of", "retained_activation_bytes",
            "sp_buffer_bytes_per_token", "stage_layers", "stage_params", "stage_terms", "tiled", "workload_of"]

@@ -29,6 +29,7 @@ from megalysses.kernels.linear_cross_entropy import linear_cross_entropy
 from megalysses.parallel.offload import ActivationOffload
 from megalysses.parallel.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding, column_parallel_linear
 from megalysses.parallel.ulysses import prepare_sequence_mask
+from megalysses.plan.run_plan import ActivationPolicy
 
 
 def architecture(m: ModelConfig, tp: int = 1) -> dict:
@@ -49,28 +50,28 @@ def stage_layers(num_layers: int, pp: int, pp_rank: int) -> range:
 class GPTStage(nn.Module):
     def __init__(self, cfg: ModelConfig, groups: Optional[ParallelGroups] = None,
                  layers: Optional[range] = None, first: bool = True, last: bool = True,
-                 activation_checkpointing: bool = False, loss_chunk_tokens: int = 0, mlp_chunk_tokens: int = 0,
-                 activation_offload: bool = False, keep_attention: bool = False) -> None:
+                 policy: Optional[ActivationPolicy] = None) -> None:
+        """`cfg` names concrete kernels and attention (the run's plan: training.runtime.model_config);
+        `policy` says what the backward keeps and where (checkpointing, offload, tiles; default: all of it,
+        on the device)."""
         super().__init__()
         groups = groups or ParallelGroups()
+        policy = policy or ActivationPolicy()
         self.cfg, self.groups = cfg, groups
         self.first, self.last = first, last
-        self.activation_checkpointing = activation_checkpointing
+        self.activation_checkpointing = policy.checkpointing
         # checkpointing keeps the attention kernels' outputs too (model/recompute.py)
-        if keep_attention and activation_offload:
-            raise ValueError("keep_attention with activation_offload is not supported: the kept attention outputs "
-                             "would stay on the device (training/runtime.py refuses the config)")
-        self.checkpoint_context = checkpoint_context(activation_checkpointing and keep_attention)
+        self.checkpoint_context = checkpoint_context(policy.checkpointing and policy.keep_attention)
         # checkpointed block inputs in host memory until the backward (parallel/offload.py)
-        self.offload = ActivationOffload() if activation_offload else None
-        self.loss_chunk_tokens = loss_chunk_tokens
+        self.offload = ActivationOffload() if policy.offload else None
+        self.loss_chunk_tokens = policy.loss_chunk_tokens
         layers = range(cfg.num_layers) if layers is None else layers
         sp_ = groups.sequence_parallel
         self.vocab_padded = cfg.padded_vocab_size(groups.tp_size)
         if first or (last and cfg.tie_embeddings):
             # on a last stage without the first, this copy is the tied LM head (grads synced over `embed`)
             self.embed = VocabParallelEmbedding(self.vocab_padded, cfg.hidden_size, groups.tp, sp_)
-        self.layers = nn.ModuleDict({str(i): Block(cfg, groups, mlp_chunk_tokens) for i in layers})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, groups, policy.mlp_chunk_tokens) for i in layers})
         if last:
             self.final_norm = Norm(cfg, groups)
             if not cfg.tie_embeddings:

@@ -36,7 +36,7 @@ from torch import Tensor
 
 from megalysses import comm
 from megalysses.comm import Group
-from megalysses.kernels.attention import select_backend
+from megalysses.kernels.attention import check_backend
 from megalysses.kernels.block_attention import AttentionBlock, block_attention, block_attention_backward, merge_block
 from megalysses.parallel.sequence_layout import SequenceLayout
 
@@ -167,13 +167,7 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), home[0].to(kv.dtype), home[1].to(kv.dtype), None, None, None, None
 
 
-def resolve_ring_backend(backend: str, q: Tensor, mask: RingMask) -> str:
-    """The concrete block backend for `backend` ("auto" or a name) on q's device and dtype."""
-    training = torch.is_grad_enabled() and q.requires_grad
-    return select_backend(backend, q.device, q.dtype, q.shape[-1], mask.doc_ids is not None, training, ring=True)[0]
-
-
-def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: Group, mask: RingMask, backend: str = "auto",
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: Group, mask: RingMask, backend: str,
                    scale: Optional[float] = None) -> Tensor:
     """Exact causal (document-masked) attention of this ring rank's block against the whole sequence.
 
@@ -186,8 +180,8 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: Group, mask: RingMask
         raise ValueError(f"q holds {q.shape[1]} positions; ring rank blocks of a {mask.seq_len}-long sequence "
                          f"over {mask.size} ranks hold {mask.seq_len // mask.size}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    name = resolve_ring_backend(backend, q, mask)
-    return _RingAttention.apply(q, k, v, group, mask, name, scale)
+    check_backend(backend, q, mask.doc_ids is not None, ring=True)
+    return _RingAttention.apply(q, k, v, group, mask, backend, scale)
 
 
 # ----------------------------------------------------------------------------- the ring on one device
@@ -231,7 +225,7 @@ class _Blockwise(torch.autograd.Function):
 
 
 def blockwise_attention(q: Tensor, k: Tensor, v: Tensor, ring_size: int, doc_ids: Optional[Tensor] = None,
-                        backend: str = "auto", scale: Optional[float] = None) -> Tensor:
+                        backend: str = "sdpa", scale: Optional[float] = None) -> Tensor:
     """Causal attention over a whole sequence computed as a ring of `ring_size` ranks would, on one device:
     q (B, S, Hq, D), k, v (B, S, Hkv, D) in natural order -> (B, S, Hq, D). For tests and for timing the
     block-wise kernels and merge against single-pass attention; S must be a multiple of 2 * ring_size."""
@@ -241,8 +235,8 @@ def blockwise_attention(q: Tensor, k: Tensor, v: Tensor, ring_size: int, doc_ids
     order = torch.from_numpy(_zigzag_order(layout, S)).to(q.device)   # ring rank 0's block, then 1's, ...
     zq, zk, zv = (t.index_select(1, order) for t in (q, k, v))
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    name = resolve_ring_backend(backend, q, masks[0])
-    out = _Blockwise.apply(zq, zk, zv, masks, name, scale)
+    check_backend(backend, q, doc_ids is not None, ring=True)
+    out = _Blockwise.apply(zq, zk, zv, masks, backend, scale)
     return torch.empty_like(out).index_copy(1, order, out)
 
 

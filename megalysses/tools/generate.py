@@ -28,13 +28,14 @@ from megalysses.config_io import load_config
 from megalysses.data.tokenizer import TokenizerError, build_tokenizer, tokenizer_from_config
 from megalysses.distributed import destroy_distributed, init_distributed
 from megalysses.grid import ParallelGrid
-from megalysses.model.gpt import GPTStage, init_weights
+from megalysses.model.gpt import GPTStage, architecture, init_weights
 from megalysses.model.hf import model_config_from_hf, our_tensor
 from megalysses.model.hf_io import HFFormatError, open_hf_dir
 from megalysses.model.kv_cache import KVCache
+from megalysses.plan import Machine
+from megalysses.plan.run_plan import compute_dtype
 from megalysses.training.checkpoint import (
     CheckpointError, check_model_shape, load_model_weights, resolve_checkpoint)
-from megalysses.training.loop import model_shape
 
 
 def _filter(logits: Tensor, top_k: int, top_p: float) -> Tensor:
@@ -144,7 +145,7 @@ def _from_run(args: argparse.Namespace) -> tuple[GPTStage, Any, Optional[str], s
     path = resolve_checkpoint(source)
     if path is None:
         raise CheckpointError(f"no checkpoint under {source}")
-    check_model_shape(path, model_shape(cfg))
+    check_model_shape(path, architecture(cfg.model))
     device = init_distributed("gloo", 60.0)
     try:
         grid = ParallelGrid()
@@ -202,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"warning: the longest prompt and --max-new-tokens {args.max_new_tokens} come to {longest} tokens, past "
               f"the {trained} the model was trained at: text beyond that length is unreliable", file=sys.stderr)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = getattr(torch, compute_dtype("auto", Machine.current(device)))      # the generation phase's
     model = model.to(device, dtype).eval()
     gen = torch.Generator().manual_seed(args.seed)
     outs = generate(model, prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,

@@ -7,7 +7,10 @@ sequence length on N GPUs, ranked by predicted throughput.
     python tools/plan.py --config C --gpus 8 --gpu-memory-gib 80 --seq-len 131072 --json   # {"best": ... | null}
 
 The model, batch (training.global_batch_size and micro_batch_size), dtype, kernels (model.kernels, or
---kernels) and attention backend come from the config; the layout and memory options (checkpointing,
+--kernels) and attention backend come from the config, resolved as a run on the described machine
+resolves them (megalysses.plan.resolve: H100 nodes of --gpus-per-node with the optional --packages, by
+default those of a plain CUDA torch install, so `auto` attention is SDPA or FlexAttention, not
+flash-attn); the layout and memory options (checkpointing,
 tiled MLP, TP sequence sharding, FSDP vs ZeRO-1, and activation and optimizer offload when
 --host-memory-gib is given) are enumerated under the config's own layout rules
 (config_checks.validate_config). The config's own layout is evaluated too.
@@ -15,294 +18,25 @@ tiled MLP, TP sequence sharding, FSDP vs ZeRO-1, and activation and optimizer of
 Memory is megalysses.memory's prediction. A layout fits when its peak is at most the usable device
 memory (--gpu-memory-gib less --fragmentation of it and --reserve-gib for the CUDA context, NCCL and
 cuBLAS) and, with activation offload, the --host-memory-gib of a node holds what its ranks offload.
-Step time = the compute at stated sustained FLOP/s + the communication megalysses does not overlap
-(tp collectives, Ulysses all-to-alls, pipeline p2p, ZeRO-1's parameter all-gather; the ring's K/V and
-dK/dV hops beyond the attention they travel under; the gradient reduce-scatter beyond the last
-backward; FSDP beyond its micro-batch) at stated bandwidths + the
-pipeline bubble + activation-offload copies beyond the compute + the optimizer step (on the host's cores
-with optimizer offload). Defaults: H100 SXM nodes of 8.
+Step time is megalysses.plan.step_time's model at the stated figures (defaults: H100 SXM nodes of 8).
+This command line is a front end: the models and the search live in megalysses.plan.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import itertools
 import json
 import sys
-from dataclasses import dataclass, replace
-from typing import Iterator, Optional
+from dataclasses import replace
+from typing import Optional
 
-from megalysses.config import Config, ConfigError, ModelConfig
-from megalysses.config_checks import check_heads, check_kept_attention, validate_config
+from megalysses.config import ConfigError
+from megalysses.config_checks import validate_config
 from megalysses.config_io import load_config
-from megalysses.memory import (GIB, KERNELS, Estimate, Layout, Options, Precision, Workload, attention_for, estimate,
-                               fmt_bytes, kv_replication, layer_params, layout_of, options_of, precision_for,
-                               stage_layers, stage_params, tiled, workload_of)
-from megalysses.training.metrics import flops_per_token
-
-
-@dataclass(frozen=True)
-class Hardware:
-    """Stated figures (H100 SXM defaults); each is a command-line flag."""
-
-    peak_tflops: float = 989.0            # dense bf16 peak of one H100 SXM (datasheet)
-    matmul_efficiency: float = 0.6        # sustained fraction of the peak over a training step's matmuls,
-                                          # with the memory-bound kernels between them (one value that
-                                          # reproduces Megatron-Core's nine published H100 MFU points)
-    attention_efficiency: float = 0.35    # FlashAttention-2 class kernels, forward + backward
-    intra_node_gbs: float = 360.0         # NVLink bus bandwidth per GPU (80% of 450 GB/s per direction)
-    inter_node_gbs: float = 40.0          # network per GPU (80% of 400 Gb/s)
-    host_gbs: float = 50.0                # host <-> device copies per GPU (PCIe Gen5 x16)
-    host_adam_gparams: float = 0.25       # billions of parameters per second that one GPU's share of the
-                                          # host's cores updates with torch's foreach AdamW (optimizer offload)
-    hbm_gbs: float = 2680.0               # device memory bandwidth (80% of 3.35 TB/s): the optimizer step
-    gpus_per_node: int = 8
-    reserve_gib: float = 1.5              # CUDA context, NCCL buffers, cuBLAS workspaces
-    fragmentation: float = 0.05           # share of the device the caching allocator cannot hand out
-
-    def usable_bytes(self, gpu_memory_gib: float) -> float:
-        return (gpu_memory_gib * (1 - self.fragmentation) - self.reserve_gib) * GIB
-
-    def link(self, span: int) -> float:
-        """Bandwidth (bytes/s) of a group whose ranks span `span` consecutive world ranks."""
-        return (self.intra_node_gbs if span <= self.gpus_per_node else self.inter_node_gbs) * 1e9
-
-
-@dataclass(frozen=True)
-class Overlap:
-    """Which communication hides behind compute (megalysses: only the gradient reduction)."""
-
-    tp: bool = False
-    ulysses: bool = False
-    p2p: bool = False
-    grad_reduce: bool = True
-    param_gather: bool = False
-
-
-@dataclass
-class StepTime:
-    compute: float            # seconds of compute per step on one rank (micro-batches x stage)
-    exposed: dict[str, float]  # seconds of communication / copies that compute does not hide, by kind
-    bubble: float
-    optimizer: float
-    bytes: dict[str, float]   # bytes per step per rank: all_to_all, all_reduce (tp + gradients), p2p, host
-    flops: dict[str, float]   # FLOPs per step per rank: matmul, attention (recompute included)
-
-    @property
-    def total(self) -> float:
-        return self.compute + sum(self.exposed.values()) + self.bubble + self.optimizer
-
-
-def step_time(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, work: Workload, hw: Hardware,
-              overlap: Overlap = Overlap(), retained: float = 0.0) -> StepTime:
-    """Predicted seconds per optimizer step on the busiest rank. `retained`: activation bytes per step
-    that activation offload copies out and back."""
-    t, P, v, M = layout.tp, layout.sp, layout.virtual_stages, work.micro_batches
-    u, ring = layout.ulysses, layout.ring
-    tokens = work.micro_batch_size * work.seq_len / P                 # per micro-batch per rank
-    L = stage_layers(m, layout)
-    dense = layer_params(m, t) - 2 * m.hidden_size
-    mlp = (3 if m.mlp == "swiglu" else 2) * m.hidden_size * m.ffn_size / t
-    q, kv = m.num_heads * m.head_dim / t, m.kv_heads / t * kv_replication(m.kv_heads // t, u) * m.head_dim
-    fwd_mm = L * 2 * dense * tokens
-    fwd_attn = L * 2 * work.micro_batch_size * work.seq_len ** 2 * q / P        # causal: half of 4 S^2 q
-    head = 2 * m.padded_vocab_size(t) / t * m.hidden_size * tokens
-    redo_mm = (fwd_mm if opts.activation_checkpointing else 0.0)
-    if tiled(opts.mlp_chunk_tokens, layout, opts, work.seq_len):
-        redo_mm += L * 2 * mlp * tokens * (2 if opts.activation_checkpointing else 1)
-    mm = M * (3 * (fwd_mm + head) + redo_mm)
-    # forward, backward (twice the forward), and under checkpointing the recomputation, unless its output is kept
-    attn = M * fwd_attn * (4 if opts.activation_checkpointing and not opts.keep_attention else 3)
-    compute = (mm / (hw.peak_tflops * 1e12 * hw.matmul_efficiency)
-               + attn / (hw.peak_tflops * 1e12 * hw.attention_efficiency))
-    passes = 3 if opts.activation_checkpointing else 2                   # forward, backward (+ recompute)
-    a = prec.act
-    span_tp, span_sp, span_grad = t, t * P, t * P * layout.dp
-    nbytes: dict[str, float] = {"all_to_all": 0.0, "all_reduce": 0.0, "p2p": 0.0, "ring_p2p": 0.0, "host": 0.0}
-    exposed: dict[str, float] = {}
-    if u > 1:
-        a2a = (u - 1) / u * tokens * (2 * q + 2 * kv) * a * L * passes * M
-        nbytes["all_to_all"] = a2a
-        exposed["Ulysses all-to-all"] = 0.0 if overlap.ulysses else a2a / hw.link(t * u)
-    if ring > 1:
-        # K/V blocks go around the ring in each forward (and the recomputation) and again in the backward,
-        # r - 1 hops each; the fp32 dK/dV accumulators r hops (parallel/ring.py). Each hop is posted before
-        # the block's attention, so only what the attention does not cover shows
-        block = tokens * 2 * kv                                            # elements of one K/V block
-        nbytes["ring_p2p"] = ((ring - 1) * passes * block * a + ring * block * 4) * L * M
-        attention = attn / (hw.peak_tflops * 1e12 * hw.attention_efficiency)
-        exposed["ring p2p"] = max(0.0, nbytes["ring_p2p"] / hw.link(span_sp) - attention)
-    if t > 1:
-        per = (t - 1) / t * tokens * m.hidden_size * a
-        if opts.tp_sequence_parallel:
-            tp = per * (2 + 2) * L * passes * M                            # QKV, gate-up gathers; 2 reduce-scatters
-        else:
-            tp = 2 * per * 2 * L * passes * M                              # 2 all-reduces, ring 2(t-1)/t
-        nbytes["all_reduce"] += tp
-        exposed["tensor-parallel collectives"] = 0.0 if overlap.tp else tp / hw.link(span_tp)
-    if layout.pp > 1:
-        r = t if opts.tp_sequence_parallel else 1
-        p2p = 2 * tokens / r * m.hidden_size * 4 * M * v
-        nbytes["p2p"] = p2p
-        exposed["pipeline p2p"] = 0.0 if overlap.p2p else p2p / hw.link(layout.world)
-    n = max(sum(stage_params(m, layout, s == 0, s == layout.pp - 1)) for s in (0, layout.pp - 1))
-    G = layout.dp * P
-    per_mb = compute / M
-    if G > 1:
-        share = (G - 1) / G * n
-        if opts.fsdp:
-            fsdp = M * share * (2 * a + 4)                                # gathers forward + backward, fp32 reduce
-            nbytes["all_reduce"] += fsdp
-            exposed["FSDP gathers and reduce-scatters"] = max(0.0, fsdp / hw.link(span_grad) - compute)
-        else:
-            reduce, gather = share * 4, share * prec.weight
-            nbytes["all_reduce"] += reduce + gather
-            rs = reduce / hw.link(span_grad)
-            exposed["gradient reduce-scatter"] = max(0.0, rs - 2 / 3 * per_mb) if overlap.grad_reduce else rs
-            exposed["parameter all-gather"] = 0.0 if overlap.param_gather else gather / hw.link(span_grad)
-    if opts.activation_offload:
-        nbytes["host"] = 2 * retained
-        exposed["activation offload copies"] = max(0.0, 2 * retained / (hw.host_gbs * 1e9) - compute)
-    comm_mb = sum(exposed.get(k, 0.0) for k in ("Ulysses all-to-all", "ring p2p", "tensor-parallel collectives",
-                                                 "pipeline p2p")) / M
-    bubble = (layout.pp - 1) / v * (per_mb + comm_mb)
-    if opts.optimizer_offload:       # gradients down, weights back up, the update on the host's cores
-        moved = n / G * 4 + n * prec.weight / G
-        nbytes["host"] += moved
-        optimizer = moved / (hw.host_gbs * 1e9) + n / G / (hw.host_adam_gparams * 1e9)
-    else:
-        optimizer = n / G * (prec.master + prec.moments + 4) * 3 / (hw.hbm_gbs * 1e9)
-    return StepTime(compute=compute, exposed=exposed, bubble=bubble, optimizer=optimizer, bytes=nbytes,
-                    flops={"matmul": mm, "attention": attn})
-
-
-# ----------------------------------------------------------------------------- candidates
-
-def heads_allow(m: ModelConfig, tp: int, sp: int) -> bool:
-    """The head rule of a (tp, sp) layout: the one function to swap when the layout rules change."""
-    try:
-        check_heads(m.num_heads, m.kv_heads, tp, sp)
-    except ConfigError:
-        return False
-    return True
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def candidate_configs(cfg: Config, gpus: int, offload: bool, gpus_per_node: int = 8) -> Iterator[Config]:
-    """Every layout and memory-option combination of `cfg` on `gpus` ranks that its rules allow: tp, sp
-    (split into ulysses x ring automatically: the largest Ulysses degree the heads allow, inside a node
-    when one is, the rest a ring),
-    pp, virtual stages, checkpointing (with attention outputs kept or recomputed), MLP tiles (the config's
-    size, else 8192 tokens), TP sequence sharding, FSDP or ZeRO-1, and with host memory (`offload`)
-    activation and optimizer offload. The LM head + loss keeps the config's tile."""
-    m, t = cfg.model, cfg.training
-    mlp_tile = t.mlp_chunk_tokens or 8192
-    S = cfg.data.seq_len
-    # checkpointing, activation offload, attention outputs kept
-    activations = ((False, False, False), (True, False, False), (True, False, True)) + \
-        (((True, True, False),) if offload else ())
-    states = ((False, False), (True, False)) + (((False, True),) if offload else ())        # FSDP, optimizer offload
-    for tp in divisors(gpus):
-        if tp > gpus_per_node:
-            continue
-        for sp in divisors(gpus // tp):
-            if not heads_allow(m, tp, sp):
-                continue
-            for pp in divisors(gpus // (tp * sp)):
-                options = itertools.product([1] + [x for x in (2, 4) if pp > 1], activations,
-                                            sorted({0, mlp_tile if mlp_tile < S // sp else 0}),
-                                            (False, True) if tp > 1 else (False,), states)
-                for v, (ckpt, offl, keep), tile, tsp, (fsdp, opt_off) in options:
-                    yield replace(
-                        cfg,
-                        parallel=replace(cfg.parallel, tp=tp, sp=sp, sp_ring=0, pp=pp, virtual_stages=v,
-                                         tp_sequence_parallel=tsp, fsdp=fsdp),
-                        training=replace(t, activation_checkpointing=ckpt, activation_offload=offl,
-                                         recompute_attention=not keep, optimizer_offload=opt_off,
-                                         mlp_chunk_tokens=tile))
-
-
-@dataclass
-class Plan:
-    cfg: Config
-    estimate: Estimate
-    step: StepTime
-    fits: bool
-    host_per_node: float
-    hw: Hardware
-    why_not: str = ""
-
-    def row(self) -> dict:
-        c, layout, s = self.cfg, self.estimate.layout, self.step
-        tok_s = c.training.global_batch_size * c.data.seq_len / s.total
-        mfu = flops_per_token(c.model, c.data.seq_len) * tok_s / (layout.world * self.hw.peak_tflops * 1e12)
-        return {"tp": layout.tp, "sp": layout.sp, "ring": layout.ring, "pp": layout.pp, "dp": layout.dp,
-                "virtual_stages": layout.virtual_stages, "micro_batches": workload_of(c, layout).micro_batches,
-                "activation_checkpointing": c.training.activation_checkpointing,
-                "recompute_attention": c.training.recompute_attention,
-                "activation_offload": c.training.activation_offload, "optimizer_offload": c.training.optimizer_offload,
-                "mlp_chunk_tokens": c.training.mlp_chunk_tokens, "loss_chunk_tokens": c.training.loss_chunk_tokens,
-                "tp_sequence_parallel": c.parallel.tp_sequence_parallel, "fsdp": c.parallel.fsdp,
-                "peak_gib": round(self.estimate.peak / GIB, 2), "peak_phase": self.estimate.phase,
-                "host_gib_per_node": round(self.host_per_node / GIB, 1),
-                "all_to_all_gb": round(s.bytes["all_to_all"] / 1e9, 2),
-                "all_reduce_gb": round(s.bytes["all_reduce"] / 1e9, 2),
-                "p2p_gb": round(s.bytes["p2p"] / 1e9, 2), "ring_p2p_gb": round(s.bytes["ring_p2p"] / 1e9, 2),
-                "step_s": round(s.total, 4), "tokens_per_s": round(tok_s, 1),
-                "mfu": round(mfu, 4), "fits": self.fits}
-
-
-def evaluate(cfg: Config, gpus: int, gpu_memory_gib: float, host_memory_gib: Optional[float], hw: Hardware) -> Plan:
-    """Memory, fit and step time of `cfg` at its own layout, options and kernels on `gpus` GPUs. ConfigError
-    for what the run itself would refuse at that layout (kept attention outputs without SDPA, say)."""
-    layout = layout_of(cfg, gpus, min(gpus, hw.gpus_per_node))      # sp split as the run splits it on these nodes
-    if not cfg.training.recompute_attention:
-        check_kept_attention(cfg, attention_for(cfg, "cuda", layout.ring)[0], layout.ulysses, layout.ring)
-    est = estimate(cfg.model, layout, options_of(cfg, "cuda", layout.ring), precision_for(cfg),
-                   workload_of(cfg, layout))
-    offloaded = sum(t.bytes for t in est.terms if t.host and t.name.startswith("offloaded"))
-    step = step_time(cfg.model, layout, est.options, precision_for(cfg), workload_of(cfg, layout), hw,
-                     Overlap(grad_reduce=cfg.parallel.overlap_grad_reduce), retained=offloaded)
-    per_node = est.host * min(gpus, hw.gpus_per_node)
-    why = []
-    if est.peak > hw.usable_bytes(gpu_memory_gib):
-        why.append(f"peak {est.peak / GIB:.1f} GiB > usable {hw.usable_bytes(gpu_memory_gib) / GIB:.1f} GiB")
-    if per_node > 0 and (host_memory_gib is None or per_node > host_memory_gib * GIB):
-        why.append(f"host {per_node / GIB:.0f} GiB per node > --host-memory-gib {host_memory_gib}")
-    return Plan(cfg, est, step, not why, per_node, hw, "; ".join(why))
-
-
-def predicted_step_seconds(cfg: Config, gpus: int, hw: Hardware) -> Optional[float]:
-    """The step time of `cfg` at its own layout and options on `gpus` GPUs (at data.seq_len, the longest
-    length of a curriculum), or None for a config the model does not cover."""
-    try:
-        return evaluate(cfg, gpus, 80.0, None, hw).step.total
-    except (ConfigError, ValueError):
-        return None
-
-
-def plan(cfg: Config, gpus: int, seq_len: int, gpu_memory_gib: float, host_memory_gib: Optional[float] = None,
-         hw: Hardware = Hardware()) -> tuple[list[Plan], int]:
-    """(the layouts that fit, best first; how many were considered)."""
-    cfg = replace(cfg, data=replace(cfg.data, seq_len=seq_len))
-    fitting, considered = [], 0
-    for cand in candidate_configs(cfg, gpus, host_memory_gib is not None, hw.gpus_per_node):
-        try:
-            validate_config(cand, world_size=gpus)
-        except ConfigError:
-            continue
-        considered += 1
-        try:
-            p = evaluate(cand, gpus, gpu_memory_gib, host_memory_gib, hw)
-        except ValueError:        # one the memory model does not cover, or the run refuses (it says which): not planned
-            continue
-        if p.fits:
-            fitting.append(p)
-    fitting.sort(key=lambda p: (p.step.total, p.estimate.peak))
-    return fitting, considered
+from megalysses.memory import GIB, KERNELS, fmt_bytes
+from megalysses.plan.machine import OPTIONAL_PACKAGES, PLAIN_TORCH
+from megalysses.plan.search import Prediction, evaluate, plan
+from megalysses.plan.step_time import Hardware
 
 
 # ----------------------------------------------------------------------------- output
@@ -330,7 +64,7 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def explain(p: Plan, hw: Hardware, gpu_memory_gib: float) -> str:
+def explain(p: Prediction, hw: Hardware, gpu_memory_gib: float) -> str:
     e, s, c = p.estimate, p.step, p.cfg
     lines = [f"memory at the peak (stage {e.stage}, {e.phase}):"]
     for t in e.terms:
@@ -368,6 +102,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--top", type=int, default=10, help="layouts to list")
     p.add_argument("--kernels", choices=sorted(KERNELS), default=None,
                    help="model.kernels to plan for (what the norms, RoPE and SwiGLU keep); default: the config's")
+    p.add_argument("--packages", default=",".join(PLAIN_TORCH),
+                   help=f"optional packages the GPU machines have, comma-separated, from "
+                        f"{', '.join(OPTIONAL_PACKAGES)} (default: a plain CUDA torch install: "
+                        f"{','.join(PLAIN_TORCH)})")
     for f in dataclasses.fields(Hardware):
         p.add_argument("--" + f.name.replace("_", "-"), type=type(getattr(d, f.name)), default=getattr(d, f.name),
                        help=f"default {getattr(d, f.name)}")
@@ -388,23 +126,29 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.kernels is not None:
         cfg = replace(cfg, model=replace(cfg.model, kernels=args.kernels))
     hw = Hardware(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Hardware)})
+    packages = tuple(x for x in args.packages.split(",") if x)
+    unknown = sorted(set(packages) - set(OPTIONAL_PACKAGES))
+    if unknown:
+        print(f"error: --packages: unknown {', '.join(unknown)}; choose from {', '.join(OPTIONAL_PACKAGES)}",
+              file=sys.stderr)
+        return 1
     if hw.usable_bytes(args.gpu_memory_gib) <= 0:
         print(f"error: --gpu-memory-gib {args.gpu_memory_gib:g} leaves nothing usable after --reserve-gib "
               f"{hw.reserve_gib:g} and --fragmentation {hw.fragmentation:g}: give the memory of one GPU (80 for an "
               f"H100 80GB)", file=sys.stderr)
         return 1
-    fitting, considered = plan(cfg, args.gpus, args.seq_len, args.gpu_memory_gib, args.host_memory_gib, hw)
+    fitting, considered = plan(cfg, args.gpus, args.seq_len, args.gpu_memory_gib, args.host_memory_gib, hw, packages)
     own = replace(cfg, data=replace(cfg.data, seq_len=args.seq_len))
     try:
         validate_config(own, world_size=args.gpus)
-        mine = evaluate(own, args.gpus, args.gpu_memory_gib, args.host_memory_gib, hw)
+        mine = evaluate(own, args.gpus, args.gpu_memory_gib, args.host_memory_gib, hw, packages)
         own_row = {**mine.row(), "why_not": mine.why_not}
     except (ConfigError, ValueError) as e:
         own_row = {"fits": False, "why_not": str(e)}
     rows = [f.row() for f in fitting[:args.top]]
     if args.json:
         print(json.dumps({"config": args.config, "gpus": args.gpus, "seq_len": args.seq_len,
-                          "kernels": cfg.model.kernels,
+                          "kernels": cfg.model.kernels, "packages": list(packages),
                           "gpu_memory_gib": args.gpu_memory_gib, "host_memory_gib": args.host_memory_gib,
                           "hardware": dataclasses.asdict(hw), "considered": considered, "fitting": len(fitting),
                           "best": rows[0] if rows else None, "layouts": rows, "config_layout": own_row}, indent=1))

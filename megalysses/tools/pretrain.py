@@ -23,6 +23,7 @@ from megalysses.data import DatasetError
 from megalysses.distributed import (collective_failure, destroy_distributed, die_with_launcher, init_distributed,
                                     write_error_file)
 from megalysses.grid import LayoutError, ParallelGrid
+from megalysses.plan import Machine, resolve
 from megalysses.training.checkpoint import CheckpointError
 from megalysses.training.loop import train
 from megalysses.training.metrics import print0
@@ -81,8 +82,9 @@ def _run(args: argparse.Namespace, signals: StopSignals) -> int:
         for note in config_warnings(cfg):
             print0(f"warning: {note}")
         validate_config(cfg, world_size=dist.get_world_size())
-        grid = ParallelGrid.for_config(cfg)
-        summary = train(cfg, grid, device, signals=signals, watchdog=watchdog)
+        run = resolve(cfg, Machine.current(device), dist.get_world_size())    # every decision, once
+        grid = ParallelGrid.for_plan(run, cfg.parallel.timeout_seconds)
+        summary = train(cfg, grid, device, signals=signals, watchdog=watchdog, run=run)
         if summary["stopped_by"] == "already_finished":
             print0(f"done: this run already finished: its checkpoint is at step {summary['step']} "
                    f"(training.train_steps={cfg.training.train_steps}); raise training.train_steps to train further")

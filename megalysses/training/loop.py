@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from megalysses import comm
 from megalysses.config import Config, ConfigError
+from megalysses.config_checks import check_logging_backends
 from megalysses.config_io import save_config
 from megalysses.distributed import on_rank0
 from megalysses.grid import ParallelGrid
@@ -29,11 +30,12 @@ from megalysses.training.data import TrainingData
 from megalysses.training.fsdp import FSDPAdamW, shard_model
 from megalysses.training.initialize import is_weights_only, load_initial_weights
 from megalysses.training.manifest import choose_checkpoint
-from megalysses.training.metrics import MetricsLogger, peak_tflops, print0
+from megalysses.training.metrics import MetricsLogger, peak_for, print0
 from megalysses.training.optimizer import Optimizer, ShardedAdamW
 from megalysses.training.rundir import check_writable, mark_start
-from megalysses.training.runtime import (Runtime, check_phase_time, flex_compile_budget, plan_runtime, startup_line,
-                                         write_runtime)
+from megalysses.plan import RunPlan
+from megalysses.plan.search import check_phase_time
+from megalysses.training.runtime import flex_compile_budget, model_config, resolve_run, startup_line, write_runtime
 from megalysses.training.schedule import lr_at
 from megalysses.training.signals import StopSignals
 from megalysses.training.step import NonFiniteLossError, evaluate, train_step
@@ -41,11 +43,11 @@ from megalysses.training.watchdog import Watchdog
 
 
 def build_model(cfg: Config, grid: ParallelGrid, device: torch.device, mesh: DeviceMesh,
-                runtime: Runtime) -> GPTStage | VirtualStages:
+                run: RunPlan) -> GPTStage | VirtualStages:
     """This rank's pipeline stage (or its virtual stages) with its tp shards in fp32, initialised
     identically at every layout (then, with parallel.fsdp, sharded over the grad group to gather in the
     compute dtype)."""
-    model_cfg = runtime.model_config(cfg)
+    model_cfg = model_config(cfg, run)
     groups = ParallelGroups(tp=grid.tp_group, ulysses=grid.ulysses_group, ring=grid.ring_group,
                             sequence_parallel=cfg.parallel.tp_sequence_parallel)
     v = cfg.parallel.virtual_stages
@@ -55,14 +57,10 @@ def build_model(cfg: Config, grid: ParallelGrid, device: torch.device, mesh: Dev
         vs = k * grid.pp_size + grid.pp_rank
         with torch.device(device):      # allocated where it runs, never staged through host memory
             chunk = GPTStage(model_cfg, groups, stage_layers(cfg.model.num_layers, V, vs), first=vs == 0,
-                             last=vs == V - 1, activation_checkpointing=cfg.training.activation_checkpointing,
-                             loss_chunk_tokens=cfg.training.loss_chunk_tokens,
-                             mlp_chunk_tokens=cfg.training.mlp_chunk_tokens,
-                             activation_offload=cfg.training.activation_offload,
-                             keep_attention=not cfg.training.recompute_attention)
+                             last=vs == V - 1, policy=run.activation)
         init_weights(chunk, cfg.training.seed, grid.tp_rank, grid.tp_size)
         if cfg.parallel.fsdp:
-            shard_model(chunk, mesh["grad"], runtime.torch_dtype)
+            shard_model(chunk, mesh["grad"], run.torch_dtype)
         chunks.append(chunk)
     return chunks[0] if v == 1 else VirtualStages(chunks)
 
@@ -81,31 +79,26 @@ def build_optimizer(cfg: Config, model: GPTStage, grid: ParallelGrid) -> Optimiz
                         offload=cfg.training.optimizer_offload)
 
 
-def build_model_and_optimizer(cfg: Config, grid: ParallelGrid, device: torch.device, runtime: Runtime,
+def build_model_and_optimizer(cfg: Config, grid: ParallelGrid, device: torch.device, run: RunPlan,
                               mesh: Optional[DeviceMesh] = None, initial: Optional[str | Path] = None,
                               doing: Callable[[str], None] = lambda what: None,
                               ) -> tuple[GPTStage | VirtualStages, Optimizer]:
     """The model and optimizer of a run, built the one way every caller builds them: the fp32 model
     (with parallel.fsdp, sharded over `mesh`, the grid's device mesh), the `initial` weights loaded into it
     where there are any (a converted model, checkpoint.init_from), the optimizer's fp32 masters from it,
-    then the compute weights in runtime's dtype (FSDP casts when it gathers). `doing` is told each phase."""
+    then the compute weights in the run's dtype (FSDP casts when it gathers). `doing` is told each phase."""
     if mesh is None and cfg.parallel.fsdp:
         mesh = grid.device_mesh(device)
     doing("building the model")
-    model = build_model(cfg, grid, device, mesh, runtime)
+    model = build_model(cfg, grid, device, mesh, run)
     if initial is not None:
         doing(f"loading the initial weights {initial}")
         print0(load_initial_weights(initial, model, cfg, grid, mesh))
     doing("building the optimizer")
     opt = build_optimizer(cfg, model, grid)
     if not cfg.parallel.fsdp:
-        model.to(runtime.torch_dtype)
+        model.to(run.torch_dtype)
     return model, opt
-
-
-def model_shape(cfg: Config, tp: int = 1) -> dict:
-    """What a checkpoint's tensors depend on (see model.gpt.architecture)."""
-    return architecture(cfg.model, tp)
 
 
 def stage_line(cfg: Config, step: int) -> str:
@@ -126,23 +119,25 @@ def _prepare_dirs(cfg: Config, run_dir: Path, ckpt_dir: Path) -> None:
 
 
 def train(cfg: Config, grid: ParallelGrid, device: torch.device, signals: Optional[StopSignals] = None,
-          watchdog: Optional[Watchdog] = None) -> dict:
+          watchdog: Optional[Watchdog] = None, run: Optional[RunPlan] = None) -> dict:
     """Run training to the end (or a stop); returns a summary {step, loss, stopped_by}.
 
     `signals` carries signals received before training started (the entry point creates it first thing);
-    `watchdog` is told what the loop does."""
+    `watchdog` is told what the loop does; `run` is the plan of this run on this machine (resolved here
+    when not given)."""
     run_dir = Path(cfg.logging.run_dir)
     ckpt_dir = Path(cfg.checkpoint.dir or run_dir / "checkpoints")
     doing = watchdog.doing if watchdog is not None else (lambda what: None)
     doing("checking the run directory")
     on_rank0(lambda: _prepare_dirs(cfg, run_dir, ckpt_dir))
-    runtime = plan_runtime(cfg, device, grid)
+    run = run or resolve_run(cfg, device, grid)
+    check_logging_backends(cfg)
     if watchdog is not None:         # a known GPU's peak, or logging.peak_tflops
-        check_phase_time(cfg, grid.world, peak_tflops(cfg.logging.peak_tflops, device, runtime.torch_dtype))
-    if runtime.attention_backend == "flex" and device.type == "cuda":
-        reserve_compiles(flex_compile_budget(runtime))
-    print0(startup_line(cfg, grid, runtime))
-    dtype = runtime.torch_dtype
+        check_phase_time(cfg, run, peak_for(cfg.logging.peak_tflops, device, run.torch_dtype))
+    if run.attention == "flex" and device.type == "cuda":
+        reserve_compiles(flex_compile_budget(run))
+    print0(startup_line(cfg, grid, run))
+    dtype = run.torch_dtype
     mesh = grid.device_mesh(device)
 
     step, consumed, updates = 0, 0, 0       # updates: optimizer steps taken (skipped steps excluded)
@@ -157,12 +152,12 @@ def train(cfg: Config, grid: ParallelGrid, device: torch.device, signals: Option
     initial = path if path is not None and is_weights_only(path) else None if path else cfg.checkpoint.init_from
     if initial is not None:
         path = None
-    model, opt = build_model_and_optimizer(cfg, grid, device, runtime, mesh, initial, doing)
+    model, opt = build_model_and_optimizer(cfg, grid, device, run, mesh, initial, doing)
     doing("opening the datasets")
     data = TrainingData(cfg, grid, device)
     if path is not None:
         doing(f"loading the checkpoint {path}")
-        meta = load_checkpoint(path, model, opt, grid, mesh, model_shape(cfg, grid.tp_size))
+        meta = load_checkpoint(path, model, opt, grid, mesh, architecture(cfg.model, grid.tp_size))
         step, consumed = meta["step"], meta["consumed_samples"]
         updates = meta.get("optimizer_steps", step)
         if step >= total:
@@ -178,7 +173,7 @@ def train(cfg: Config, grid: ParallelGrid, device: torch.device, signals: Option
     # check and loaded its checkpoint: a launch that fails leaves the run as it was
     def start_run() -> None:
         save_config(cfg, run_dir / "config.yaml")
-        write_runtime(run_dir, cfg, grid, runtime)
+        write_runtime(run_dir, cfg, grid, run)
         mark_start(run_dir, step, path)
 
     on_rank0(start_run)
@@ -192,7 +187,7 @@ def train(cfg: Config, grid: ParallelGrid, device: torch.device, signals: Option
         save_checkpoint(ckpt_dir, step, model, opt, grid, mesh, keep_last=cfg.checkpoint.keep_last,
                         meta={"consumed_samples": consumed, "optimizer_steps": updates,
                               "loss": loss if math.isfinite(loss) else None,
-                              "model_shape": model_shape(cfg, grid.tp_size),
+                              "model_shape": architecture(cfg.model, grid.tp_size),
                               "layout": {"tp": grid.tp_size, "sp": grid.sp_size, "pp": grid.pp_size,
                                          "dp": grid.dp_size}})
 

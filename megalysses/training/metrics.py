@@ -1,13 +1,5 @@
-"""Throughput accounting (FLOPs, MFU), the rank-0 log line, metrics.jsonl, optional wandb and TensorBoard.
-
-FLOPs per trained token (forward + backward = 3x forward, matmuls at 2 FLOPs per multiply-add):
-    6 * N_matmul                      every weight matmul: q, k, v, o, MLP, LM head (not the embedding lookup)
-  + 6 * L * Hq * D * S                attention scores and the weighted sum, causal over the full
-                                      sequence S (2 matmuls x 2 FLOPs x S/2 average context x 3);
-                                      document masks do less work than this, so MFU is an upper bound there.
-                                      S is the length each step trains at (data.seq_len_schedule).
-MFU = achieved FLOP/s per device / the device's peak dense FLOP/s (bf16 on GPU).
-"""
+"""Throughput accounting (tokens/s, MFU by megalysses.plan.flops), the rank-0 log line, metrics.jsonl,
+optional wandb and TensorBoard."""
 from __future__ import annotations
 
 import json
@@ -18,13 +10,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from megalysses.config import Config, ConfigError, ModelConfig
-
-# peak dense bf16 TFLOP/s by device name fragment, the first that the name contains (variants before
-# their family: "NVIDIA H100 PCIe" is not the SXM part that "NVIDIA H100 80GB HBM3" names)
-PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H200": 989.0, "H100": 989.0, "H800": 989.0,
-               "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "B200": 2250.0, "MI300X": 1307.0}
-
+from megalysses.config import Config
+from megalysses.plan.flops import flops_per_token, peak_tflops
 
 def is_rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
@@ -36,43 +23,10 @@ def print0(*args: Any) -> None:
         print(*args, flush=True)
 
 
-def matmul_params(m: ModelConfig) -> int:
-    attn = m.hidden_size * m.head_dim * (2 * m.num_heads + 2 * m.kv_heads)
-    mlp = (3 if m.mlp == "swiglu" else 2) * m.hidden_size * m.ffn_size
-    return m.num_layers * (attn + mlp) + m.hidden_size * m.vocab_size
-
-
-def flops_per_token(m: ModelConfig, seq_len: int) -> float:
-    return 6.0 * matmul_params(m) + 6.0 * m.num_layers * m.num_heads * m.head_dim * seq_len
-
-
-def peak_tflops(configured: float, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> Optional[float]:
-    """logging.peak_tflops when set; else the device's bf16 dense peak for bf16 compute on a known GPU;
-    else None (no MFU is printed rather than one against the wrong peak)."""
-    if configured > 0:
-        return configured
-    if device.type == "cuda" and dtype == torch.bfloat16:
-        name = torch.cuda.get_device_name(device)
-        for key, value in PEAK_TFLOPS.items():
-            if key in name:
-                return value
-    return None
-
-
-def check_logging_backends(cfg: Config) -> None:
-    """The optional logging packages the config asks for are importable; raises ConfigError naming the fix."""
-    if cfg.logging.wandb_mode != "disabled":
-        try:
-            import wandb  # noqa: F401
-        except ImportError:
-            raise ConfigError(f"logging.wandb_mode={cfg.logging.wandb_mode} needs wandb: pip install "
-                              f"'megalysses[wandb]', or set logging.wandb_mode=disabled") from None
-    if cfg.logging.tensorboard:
-        try:
-            from torch.utils.tensorboard import SummaryWriter  # noqa: F401
-        except ImportError:
-            raise ConfigError("logging.tensorboard=true needs tensorboard: pip install 'megalysses[tensorboard]', "
-                              "or set logging.tensorboard=false") from None
+def peak_for(configured: float, device: torch.device, dtype: torch.dtype) -> Optional[float]:
+    """The peak MFU is measured against on `device` (plan.flops.peak_tflops with the device's GPU name)."""
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    return peak_tflops(configured, gpu, str(dtype).removeprefix("torch."))
 
 
 class MetricsLogger:
@@ -83,7 +37,7 @@ class MetricsLogger:
     def __init__(self, cfg: Config, run_dir: Path, world: int, device: torch.device, total_steps: int,
                  dtype: torch.dtype = torch.bfloat16) -> None:
         self.cfg, self.world, self.device, self.total = cfg, world, device, total_steps
-        self.peak = peak_tflops(cfg.logging.peak_tflops, device, dtype)
+        self.peak = peak_for(cfg.logging.peak_tflops, device, dtype)
         self.path = run_dir / "metrics.jsonl"
         self.wandb = self.tensorboard = None
         self.t_last, self.tokens_since, self.flops_since, self.steps_since = time.perf_counter(), 0, 0.0, 0

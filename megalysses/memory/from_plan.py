@@ -1,0 +1,64 @@
+"""The memory model's inputs read off a RunPlan (megalysses.plan): the precision, layout, options and
+workload of a run as it was resolved, and its estimate.
+
+    plan = resolve(cfg, machine, world_size)
+    est = estimate_plan(cfg, plan)
+"""
+from __future__ import annotations
+
+from megalysses.config import Config
+from megalysses.memory.estimate import estimate
+from megalysses.memory.types import PRECISIONS, Estimate, Layout, Options, Precision, Workload
+from megalysses.plan.machine import Machine
+from megalysses.plan.run_plan import RunPlan, resolve
+
+
+def precision_of(plan: RunPlan) -> Precision:
+    return PRECISIONS["bf16" if plan.dtype == "bfloat16" else "fp32"]
+
+
+def attention_buffers(plan: RunPlan, documents: bool) -> tuple[bool, bool]:
+    """(native grouped-query attention, fp32 dq accumulator) of the plan's attention kernel: whether it reads
+    the grouped KV heads as they are (no repeat to the query heads) and accumulates dq in fp32 in its
+    backward (flash-attn, SDPA's CUDA kernels). With a ring, the blocks run on torch's SDPA flash kernel
+    (K/V expanded to the query heads) or FlexAttention (kernels/block_attention.py)."""
+    backend, cuda = plan.attention, plan.machine.cuda
+    cuda_sdpa = backend == "sdpa" and cuda
+    if plan.ring > 1:
+        return backend == "flex", cuda_sdpa
+    native = backend in ("flash", "flex") or (cuda_sdpa and plan.dtype == "bfloat16" and not documents)
+    return native, backend == "flash" or cuda_sdpa
+
+
+def layout_of(plan: RunPlan) -> Layout:
+    return Layout(tp=plan.tp, sp=plan.sp, pp=plan.pp, dp=plan.dp, virtual_stages=plan.virtual_stages, ring=plan.ring)
+
+
+def options_of(cfg: Config, plan: RunPlan) -> Options:
+    a, p = plan.activation, cfg.parallel
+    native, accumulator = attention_buffers(plan, cfg.data.document_mask)
+    return Options(activation_checkpointing=a.checkpointing, activation_offload=a.offload,
+                   keep_attention=a.keep_attention, mlp_chunk_tokens=a.mlp_chunk_tokens,
+                   loss_chunk_tokens=a.loss_chunk_tokens, tp_sequence_parallel=a.tp_sequence_parallel,
+                   fsdp=plan.optimizer == "fsdp", optimizer_offload=plan.optimizer == "zero1-host",
+                   kernels=plan.kernels, attention=plan.attention, native_gqa=native, dq_accumulator=accumulator,
+                   documents=cfg.data.document_mask, bucket_bytes=0 if p.fsdp else p.grad_bucket_elements * 4,
+                   overlap_grad_reduce=p.overlap_grad_reduce)
+
+
+def workload_of(cfg: Config, plan: RunPlan) -> Workload:
+    """The longest micro-batch of the run (data.seq_len, the last length of a curriculum), padded to the
+    layout's multiple as the data loader pads it."""
+    t = cfg.training
+    return Workload(seq_len=plan.padded_seq_len, micro_batch_size=t.micro_batch_size,
+                    micro_batches=max(t.global_batch_size // (t.micro_batch_size * plan.dp), 1))
+
+
+def estimate_plan(cfg: Config, plan: RunPlan) -> Estimate:
+    """The predicted peak per rank of the run `plan` resolved `cfg` into."""
+    return estimate(cfg.model, layout_of(plan), options_of(cfg, plan), precision_of(plan), workload_of(cfg, plan))
+
+
+def estimate_config(cfg: Config, world_size: int, machine: Machine) -> Estimate:
+    """The predicted peak per rank of a run of `cfg` on `world_size` ranks of `machine`."""
+    return estimate_plan(cfg, resolve(cfg, machine, world_size))

@@ -1,0 +1,17 @@
+"""Decisions in one place: a Config and a Machine resolve into a RunPlan (run_plan.py) that the run, the
+memory model (megalysses.memory) and the cost models here read.
+
+    machine.py    Machine: the real device and its packages, or a described one (planning)
+    run_plan.py   resolve(cfg, machine, world) -> RunPlan: dtype, ulysses x ring, attention, kernels, ...
+    flops.py      FLOPs per token and the peak table (MFU)
+    step_time.py  Hardware and the step-time model
+    search.py     a config's predicted memory and step time on a machine, the layouts that fit, and the
+                  phase-time check of a run (tools/plan.py is the command line over it)
+
+It may import config, config_checks, kernels (what each kernel can run), parallel.sequence_layout and
+memory; nothing in model, training or tools.
+"""
+from megalysses.plan.machine import Machine
+from megalysses.plan.run_plan import ActivationPolicy, Phase, RunPlan, resolve
+
+__all__ = ["ActivationPolicy", "Machine", "Phase", "RunPlan", "resolve"]

@@ -1,0 +1,98 @@
+"""The machine a run is planned for: the real one a rank runs on, or one described for planning.
+
+    machine = Machine.current(device)                         # this rank's device, packages and node
+    machine = Machine.described("H100", ranks_per_node=8)     # a plain torch install on H100 nodes
+    machine = Machine.described("H100", packages=("flash_attn", "triton"))
+
+Everything `resolve` decides that depends on where the run is comes from here: the device type, the GPU
+(its name gives the peak FLOP/s), how many ranks share a node (Ulysses stays inside one), and which
+optional packages import (flash-attn, triton, liger-kernel, apex). A described machine is what the
+planner plans for; a run resolves against its current machine, and the two agree when they describe
+the same hardware and packages.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+import torch
+
+OPTIONAL_PACKAGES = ("flash_attn", "triton", "liger_kernel", "apex")
+"""The optional accelerators a machine may have. `flex` (torch's FlexAttention) comes with torch >= 2.5."""
+
+PLAIN_TORCH = ("triton",)
+"""What a CUDA build of torch brings by itself: Triton (and FlexAttention), no flash-attn, liger or apex."""
+
+
+@dataclass(frozen=True)
+class Machine:
+    device: str = "cuda"                # "cuda" or "cpu"
+    gpu: Optional[str] = None           # the device name ("NVIDIA H100 80GB HBM3"); None on CPU or unknown
+    memory_gib: Optional[float] = None  # memory of one device; None where unknown (CPU)
+    ranks_per_node: int = 0             # ranks launched per node (torchrun's LOCAL_WORLD_SIZE); 0 = unknown
+    packages: frozenset = field(default_factory=frozenset)   # OPTIONAL_PACKAGES that import, plus "flex"
+    triton_interpreter: bool = False    # Triton kernels run on CPU tensors (TRITON_INTERPRET=1)
+
+    def has(self, package: str) -> bool:
+        return package in self.packages
+
+    @property
+    def cuda(self) -> bool:
+        return self.device == "cuda"
+
+    @classmethod
+    def current(cls, device: torch.device | str = "cpu", ranks_per_node: Optional[int] = None) -> "Machine":
+        """This process's machine: `device` (its GPU's name and memory on CUDA), the launcher's ranks per node
+        (LOCAL_WORLD_SIZE, unless given) and the optional packages that import here."""
+        device = torch.device(device)
+        gpu = memory = None
+        if device.type == "cuda":
+            gpu = torch.cuda.get_device_name(device)
+            memory = torch.cuda.get_device_properties(device).total_memory / 2**30
+        if ranks_per_node is None:
+            value = os.environ.get("LOCAL_WORLD_SIZE", "")
+            ranks_per_node = int(value) if value.isdigit() else 0
+        interpreting = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+        return cls(device=device.type, gpu=gpu, memory_gib=memory, ranks_per_node=ranks_per_node,
+                   packages=installed_packages(), triton_interpreter=interpreting and device.type == "cpu")
+
+    @classmethod
+    def described(cls, gpu: Optional[str] = "H100", ranks_per_node: int = 8, memory_gib: Optional[float] = 80.0,
+                  packages: tuple[str, ...] = PLAIN_TORCH) -> "Machine":
+        """A machine of `gpu`s (None: CPU), `ranks_per_node` to a node, with `packages` besides torch (default:
+        what a plain CUDA torch install has; FlexAttention comes with torch)."""
+        unknown = set(packages) - set(OPTIONAL_PACKAGES) - {"flex"}
+        if unknown:
+            raise ValueError(f"unknown packages {sorted(unknown)}: choose from {', '.join(OPTIONAL_PACKAGES)}")
+        return cls(device="cuda" if gpu else "cpu", gpu=gpu, memory_gib=memory_gib if gpu else None,
+                   ranks_per_node=ranks_per_node, packages=frozenset(packages) | {"flex"})
+
+    def with_ranks_per_node(self, n: int) -> "Machine":
+        return replace(self, ranks_per_node=n)
+
+    def summary(self) -> dict:
+        """What runtime.json records of the machine."""
+        return {"device": self.device, "gpu": self.gpu, "memory_gib": None if self.memory_gib is None else
+                round(self.memory_gib, 1), "ranks_per_node": self.ranks_per_node,
+                "packages": sorted(self.packages)}
+
+
+@functools.lru_cache(maxsize=1)
+def installed_packages() -> frozenset:
+    """The optional packages that import in this environment, and "flex" where torch has FlexAttention."""
+    found = set()
+    from megalysses.kernels.attention import flash_attn_func, flex_available
+    from megalysses.kernels.triton_support import library_importable, triton_importable
+
+    if flash_attn_func is not None:
+        found.add("flash_attn")
+    if flex_available():
+        found.add("flex")
+    if triton_importable():
+        found.add("triton")
+    for name, module in (("liger_kernel", "liger"), ("apex", "apex")):
+        if library_importable(module):
+            found.add(name)
+    return frozenset(found)

@@ -1,0 +1,205 @@
+"""Resolve a run once: a Config and a Machine become a RunPlan, every `auto` decided.
+
+    plan = resolve(cfg, Machine.current(device), world_size)      # ConfigError: what cannot run there, and why
+    plan.dtype, plan.attention, plan.kernels, plan.ulysses, plan.ring, plan.phases, ...
+
+The decisions that depend on the machine or the layout are made here and nowhere else: the compute
+dtype, sp = ulysses x ring, the attention backend of core attention and of the ring's blocks, the kernel
+implementation, the collective backend, the padded length of every phase, the activation policy and
+where the optimizer state lives. The model, the layers and the kernels receive the concrete names; the
+start-up line, runtime.json, the memory model and the planner read the same RunPlan.
+
+Attention `auto` picks the first backend that can run the shape (kernels/attention.unsupported_reason):
+flash-attn on CUDA in half precision; on CUDA with packed documents compiled FlexAttention (a
+block-sparse mask, where SDPA would need a dense (S, S) one); else SDPA. For the blocks of ring attention
+only backends that return the log-sum-exp qualify: torch's SDPA flash kernel (CPU; CUDA without
+documents, half precision), then FlexAttention, then the reference. The backend is resolved for
+training (a backward), which is what every phase of the run then uses: evaluation runs the same kernel
+forward only. Kernels `auto` take the torch references (the Triton kernels are opt-in until measured on
+a GPU).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+from megalysses.config import Config, ConfigError
+from megalysses.config_checks import check_heads, check_kept_attention
+from megalysses.kernels.attention import unsupported_reason
+from megalysses.parallel.sequence_layout import SequenceLayout
+from megalysses.plan.machine import Machine
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One length the run trains (or validates) at, and the padded length the layout makes of it."""
+
+    name: str                   # "train" (from_step 0), "train from step N" (a curriculum stage), "eval"
+    seq_len: int
+    padded_len: int
+
+
+@dataclass(frozen=True)
+class ActivationPolicy:
+    """What the backward keeps and where: checkpointing (and what it keeps), offload, tiles. The default
+    keeps everything on the device."""
+
+    checkpointing: bool = False
+    keep_attention: bool = False    # checkpointing keeps SDPA's outputs (training.recompute_attention=false)
+    offload: bool = False           # checkpointed block inputs live in pinned host memory
+    mlp_chunk_tokens: int = 0
+    loss_chunk_tokens: int = 0
+    tp_sequence_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        if self.keep_attention and self.offload:
+            raise ValueError("keeping attention outputs with activation offload is not supported: they would stay "
+                             "on the device (config_checks.check_kept_attention refuses the config)")
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """Every decision of a run of one config on one machine."""
+
+    machine: Machine
+    world: int
+    tp: int
+    sp: int
+    pp: int
+    dp: int
+    virtual_stages: int
+    ulysses: int
+    ring: int
+    dtype: str                      # compute dtype: "float32" or "bfloat16" (weights, activations, kernels)
+    master_dtype: str               # the optimizer's masters and moments: always "float32"
+    attention: str                  # core attention (reference, sdpa, flex or flash), or with a ring (ring > 1)
+    attention_reason: str           # the backend of its blocks (reference, sdpa or flex)
+    kernels: str                    # norms, RoPE, SwiGLU: torch, triton, liger or apex
+    collective: str                 # nccl or gloo
+    phases: tuple[Phase, ...]
+    activation: ActivationPolicy
+    optimizer: str                  # where the state lives: "fsdp", "zero1" or "zero1-host" (optimizer offload)
+
+    @property
+    def padded_seq_len(self) -> int:
+        """data.seq_len padded to the layout's multiple (the longest phase)."""
+        return max(p.padded_len for p in self.phases)
+
+    @property
+    def torch_dtype(self):
+        import torch
+
+        return getattr(torch, self.dtype)
+
+    def record(self) -> dict:
+        """The plan as plain data (runtime.json, tools/plan.py --json)."""
+        out = asdict(self)
+        out["machine"] = self.machine.summary()
+        out["phases"] = [asdict(p) for p in self.phases]
+        out["padded_seq_len"] = self.padded_seq_len
+        return out
+
+
+def compute_dtype(requested: str, machine: Machine) -> str:
+    """training.dtype: auto = bf16 on CUDA, fp32 elsewhere."""
+    if requested == "auto":
+        return "bfloat16" if machine.cuda else "float32"
+    return requested
+
+
+def collective_backend(requested: str, machine: Machine) -> str:
+    """parallel.backend: auto = NCCL on CUDA, gloo elsewhere."""
+    if requested == "auto":
+        return "nccl" if machine.cuda else "gloo"
+    if requested == "nccl" and not machine.cuda:
+        raise ConfigError("parallel.backend=nccl needs CUDA, which this machine has not: use gloo or auto")
+    return requested
+
+
+def choose_attention(requested: str, machine: Machine, dtype: str, head_dim: Optional[int] = None,
+                     has_docs: bool = False, training: bool = True, ring: bool = False) -> tuple[str, str]:
+    """(concrete backend, why) for model.attention_backend `requested` ("auto" or a name) on `machine`.
+    An explicit backend that cannot run raises ConfigError saying why."""
+    import torch
+
+    tdtype = getattr(torch, dtype)
+
+    def why_not(name: str) -> Optional[str]:
+        return unsupported_reason(name, machine.device, tdtype, head_dim, training, has_docs, ring, machine.packages)
+
+    if requested != "auto":
+        why = why_not(requested)
+        if why is not None:
+            raise ConfigError(f"model.attention_backend={requested}: attention backend {requested!r} {why}")
+        return requested, "requested"
+    if ring:
+        for name, why in (("sdpa", "ring blocks: torch's flash kernel returns the log-sum-exp"),
+                          ("flex", "ring blocks: FlexAttention returns the log-sum-exp")):
+            if why_not(name) is None:
+                return name, why
+        return "reference", "ring blocks: no fused kernel returns the log-sum-exp for this shape here"
+    if machine.cuda and why_not("flash") is None:
+        return "flash", "flash-attn is installed and takes this shape and dtype"
+    if machine.cuda and has_docs and why_not("flex") is None:
+        return "flex", "packed documents: a block-sparse mask instead of a dense (S, S) one"
+    return "sdpa", "the portable default" if not machine.cuda else "flash-attn and FlexAttention do not apply here"
+
+
+_LIBRARY_PACKAGES = {"liger": "liger_kernel", "apex": "apex"}
+
+
+def choose_kernels(requested: str, machine: Machine) -> str:
+    """model.kernels: auto = the torch references; triton needs triton on CUDA (or its CPU interpreter);
+    liger and apex need their package on CUDA (apex's missing ops run on our Triton kernels)."""
+    if requested == "auto":
+        return "torch"
+    if requested in _LIBRARY_PACKAGES:
+        package = _LIBRARY_PACKAGES[requested]
+        if not machine.has(package) or not machine.cuda:
+            why = f"{package} is not installed" if not machine.has(package) else f"the device is {machine.device}"
+            raise ConfigError(f"model.kernels={requested}: {requested} is unavailable: {why} ({requested} runs on "
+                              f"CUDA); available: auto, torch, triton")
+    if requested in ("triton", "apex"):
+        if not machine.has("triton") or not (machine.cuda or machine.triton_interpreter):
+            why = ("triton is not importable" if not machine.has("triton") else
+                   f"the device is {machine.device} (Triton needs CUDA, or TRITON_INTERPRET=1 set before first use)")
+            raise ConfigError(f"model.kernels={requested}: impl 'triton' is unavailable: {why}; available: auto, torch")
+    return requested
+
+
+def _phases(cfg: Config, sequence: SequenceLayout) -> tuple[Phase, ...]:
+    d = cfg.data
+    train = [Phase("train" if step == 0 else f"train from step {step + 1}", n, sequence.padded_len(n))
+             for step, n in (d.seq_len_schedule or [[0, d.seq_len]])]
+    return tuple(train) + (Phase("eval", d.seq_len, sequence.padded_len(d.seq_len)),)
+
+
+def resolve(cfg: Config, machine: Machine, world_size: int) -> RunPlan:
+    """Every decision of a run of `cfg` on `world_size` ranks of `machine`; ConfigError names what cannot run
+    there. `cfg` is assumed to have passed config_checks.validate_config at this world size."""
+    m, p, t = cfg.model, cfg.parallel, cfg.training
+    ulysses, ring = check_heads(m.num_heads, m.kv_heads, p.tp, p.sp, p.sp_ring, machine.ranks_per_node)
+    dtype = compute_dtype(t.dtype, machine)
+    has_docs = cfg.data.document_mask
+    try:
+        attention, reason = choose_attention(m.attention_backend, machine, dtype, m.head_dim, has_docs,
+                                             ring=ring > 1)
+    except ConfigError as e:
+        if ring > 1:
+            raise ConfigError(f"{e} (this layout runs ring attention: parallel.sp={p.sp} = ulysses {ulysses} x "
+                              f"ring {ring})") from None
+        raise
+    if not t.recompute_attention:
+        check_kept_attention(cfg, attention, ulysses, ring)
+    sequence = SequenceLayout(p.sp, ring, p.tp if p.tp_sequence_parallel else 1)
+    activation = ActivationPolicy(checkpointing=t.activation_checkpointing,
+                                  keep_attention=t.activation_checkpointing and not t.recompute_attention,
+                                  offload=t.activation_offload, mlp_chunk_tokens=t.mlp_chunk_tokens,
+                                  loss_chunk_tokens=t.loss_chunk_tokens, tp_sequence_parallel=p.tp_sequence_parallel)
+    return RunPlan(machine=machine, world=world_size, tp=p.tp, sp=p.sp, pp=p.pp,
+                   dp=max(world_size // (p.tp * p.sp * p.pp), 1), virtual_stages=p.virtual_stages,
+                   ulysses=ulysses, ring=ring, dtype=dtype, master_dtype="float32",
+                   attention=attention, attention_reason=reason,
+                   kernels=choose_kernels(m.kernels, machine), collective=collective_backend(p.backend, machine),
+                   phases=_phases(cfg, sequence), activation=activation,
+                   optimizer="fsdp" if p.fsdp else "zero1-host" if t.optimizer_offload else "zero1")

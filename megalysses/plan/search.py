@@ -1,0 +1,184 @@
+"""A config's predicted memory and step time on a machine, the layouts that fit, and the check that a
+run's phases fit its watchdog: the cost models (megalysses.memory, plan.step_time) read off RunPlans.
+
+    prediction = evaluate(cfg, gpus=8, gpu_memory_gib=80, host_memory_gib=None, hw=Hardware())
+    fitting, considered = plan(cfg, gpus=64, seq_len=1 << 20, gpu_memory_gib=80)
+
+A config is planned on a described machine (Machine.described: `hw.gpus_per_node` ranks to a node, with
+the optional `packages` given, a plain CUDA torch install by default), resolved as the run resolves it.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, replace
+from typing import Iterator, Optional
+
+from megalysses.config import Config, ConfigError, ModelConfig
+from megalysses.config_checks import check_heads, validate_config
+from megalysses.memory import GIB, Estimate, estimate_plan, options_of, precision_of, workload_of, layout_of
+from megalysses.plan.flops import flops_per_token
+from megalysses.plan.machine import PLAIN_TORCH, Machine
+from megalysses.plan.run_plan import RunPlan, resolve
+from megalysses.plan.step_time import Hardware, Overlap, StepTime, step_time
+
+
+def heads_allow(m: ModelConfig, tp: int, sp: int) -> bool:
+    """The head rule of a (tp, sp) layout: the one function to swap when the layout rules change."""
+    try:
+        check_heads(m.num_heads, m.kv_heads, tp, sp)
+    except ConfigError:
+        return False
+    return True
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidate_configs(cfg: Config, gpus: int, offload: bool, gpus_per_node: int = 8) -> Iterator[Config]:
+    """Every layout and memory-option combination of `cfg` on `gpus` ranks that its rules allow: tp, sp
+    (split into ulysses x ring automatically: the largest Ulysses degree the heads allow, inside a node
+    when one is, the rest a ring),
+    pp, virtual stages, checkpointing (with attention outputs kept or recomputed), MLP tiles (the config's
+    size, else 8192 tokens), TP sequence sharding, FSDP or ZeRO-1, and with host memory (`offload`)
+    activation and optimizer offload. The LM head + loss keeps the config's tile."""
+    m, t = cfg.model, cfg.training
+    mlp_tile = t.mlp_chunk_tokens or 8192
+    S = cfg.data.seq_len
+    # checkpointing, activation offload, attention outputs kept
+    activations = ((False, False, False), (True, False, False), (True, False, True)) + \
+        (((True, True, False),) if offload else ())
+    states = ((False, False), (True, False)) + (((False, True),) if offload else ())        # FSDP, optimizer offload
+    for tp in divisors(gpus):
+        if tp > gpus_per_node:
+            continue
+        for sp in divisors(gpus // tp):
+            if not heads_allow(m, tp, sp):
+                continue
+            for pp in divisors(gpus // (tp * sp)):
+                options = itertools.product([1] + [x for x in (2, 4) if pp > 1], activations,
+                                            sorted({0, mlp_tile if mlp_tile < S // sp else 0}),
+                                            (False, True) if tp > 1 else (False,), states)
+                for v, (ckpt, offl, keep), tile, tsp, (fsdp, opt_off) in options:
+                    yield replace(
+                        cfg,
+                        parallel=replace(cfg.parallel, tp=tp, sp=sp, sp_ring=0, pp=pp, virtual_stages=v,
+                                         tp_sequence_parallel=tsp, fsdp=fsdp),
+                        training=replace(t, activation_checkpointing=ckpt, activation_offload=offl,
+                                         recompute_attention=not keep, optimizer_offload=opt_off,
+                                         mlp_chunk_tokens=tile))
+
+
+@dataclass
+class Prediction:
+    """A config's resolved plan, its memory estimate and step time, and whether it fits."""
+
+    cfg: Config
+    run: RunPlan
+    estimate: Estimate
+    step: StepTime
+    fits: bool
+    host_per_node: float
+    hw: Hardware
+    why_not: str = ""
+
+    def row(self) -> dict:
+        c, layout, s = self.cfg, self.estimate.layout, self.step
+        tok_s = c.training.global_batch_size * c.data.seq_len / s.total
+        mfu = flops_per_token(c.model, c.data.seq_len) * tok_s / (layout.world * self.hw.peak_tflops * 1e12)
+        return {"tp": layout.tp, "sp": layout.sp, "ring": layout.ring, "pp": layout.pp, "dp": layout.dp,
+                "virtual_stages": layout.virtual_stages, "micro_batches": workload_of(c, self.run).micro_batches,
+                "attention": self.run.attention, "kernels": self.run.kernels, "dtype": self.run.dtype,
+                "activation_checkpointing": c.training.activation_checkpointing,
+                "recompute_attention": c.training.recompute_attention,
+                "activation_offload": c.training.activation_offload, "optimizer_offload": c.training.optimizer_offload,
+                "mlp_chunk_tokens": c.training.mlp_chunk_tokens, "loss_chunk_tokens": c.training.loss_chunk_tokens,
+                "tp_sequence_parallel": c.parallel.tp_sequence_parallel, "fsdp": c.parallel.fsdp,
+                "peak_gib": round(self.estimate.peak / GIB, 2), "peak_phase": self.estimate.phase,
+                "host_gib_per_node": round(self.host_per_node / GIB, 1),
+                "all_to_all_gb": round(s.bytes["all_to_all"] / 1e9, 2),
+                "all_reduce_gb": round(s.bytes["all_reduce"] / 1e9, 2),
+                "p2p_gb": round(s.bytes["p2p"] / 1e9, 2), "ring_p2p_gb": round(s.bytes["ring_p2p"] / 1e9, 2),
+                "step_s": round(s.total, 4), "tokens_per_s": round(tok_s, 1),
+                "mfu": round(mfu, 4), "fits": self.fits}
+
+
+def described_machine(gpus: int, gpu_memory_gib: float, hw: Hardware, packages: tuple[str, ...] = PLAIN_TORCH,
+                      gpu: str = "H100") -> Machine:
+    """The machine the planner plans for: nodes of hw.gpus_per_node `gpu`s (fewer when `gpus` is less)."""
+    return Machine.described(gpu, ranks_per_node=min(gpus, hw.gpus_per_node), memory_gib=gpu_memory_gib,
+                             packages=packages)
+
+
+def evaluate(cfg: Config, gpus: int, gpu_memory_gib: float, host_memory_gib: Optional[float], hw: Hardware,
+             packages: tuple[str, ...] = PLAIN_TORCH, machine: Optional[Machine] = None) -> Prediction:
+    """Memory, fit and step time of `cfg` at its own layout, options and kernels on `gpus` GPUs of `machine`
+    (default: described_machine with `packages`), resolved as the run resolves it. ConfigError for what the
+    run itself would refuse there (kept attention outputs without SDPA, say)."""
+    machine = machine or described_machine(gpus, gpu_memory_gib, hw, packages)
+    run = resolve(cfg, machine, gpus)
+    est = estimate_plan(cfg, run)
+    offloaded = sum(t.bytes for t in est.terms if t.host and t.name.startswith("offloaded"))
+    step = step_time(cfg.model, layout_of(run), options_of(cfg, run), precision_of(run), workload_of(cfg, run), hw,
+                     Overlap(grad_reduce=cfg.parallel.overlap_grad_reduce), retained=offloaded)
+    per_node = est.host * min(gpus, hw.gpus_per_node)
+    why = []
+    if est.peak > hw.usable_bytes(gpu_memory_gib):
+        why.append(f"peak {est.peak / GIB:.1f} GiB > usable {hw.usable_bytes(gpu_memory_gib) / GIB:.1f} GiB")
+    if per_node > 0 and (host_memory_gib is None or per_node > host_memory_gib * GIB):
+        why.append(f"host {per_node / GIB:.0f} GiB per node > --host-memory-gib {host_memory_gib}")
+    return Prediction(cfg, run, est, step, not why, per_node, hw, "; ".join(why))
+
+
+def predicted_step_seconds(cfg: Config, gpus: int, hw: Hardware, machine: Optional[Machine] = None) -> Optional[float]:
+    """The step time of `cfg` at its own layout and options on `gpus` GPUs (of `machine`, default the described
+    H100s; at data.seq_len, the longest length of a curriculum), or None for a config the model does not cover."""
+    try:
+        return evaluate(cfg, gpus, 80.0, None, hw, machine=machine).step.total
+    except (ConfigError, ValueError):
+        return None
+
+
+def plan(cfg: Config, gpus: int, seq_len: int, gpu_memory_gib: float, host_memory_gib: Optional[float] = None,
+         hw: Optional[Hardware] = None, packages: tuple[str, ...] = PLAIN_TORCH) -> tuple[list[Prediction], int]:
+    """(the layouts that fit, best first; how many were considered), on H100s (`hw`, default Hardware())."""
+    hw = hw or Hardware()
+    cfg = replace(cfg, data=replace(cfg.data, seq_len=seq_len))
+    fitting, considered = [], 0
+    for cand in candidate_configs(cfg, gpus, host_memory_gib is not None, hw.gpus_per_node):
+        try:
+            validate_config(cand, world_size=gpus)
+        except ConfigError:
+            continue
+        considered += 1
+        try:
+            p = evaluate(cand, gpus, gpu_memory_gib, host_memory_gib, hw, packages)
+        except ValueError:        # one the memory model does not cover, or the run refuses (it says which): not planned
+            continue
+        if p.fits:
+            fitting.append(p)
+    fitting.sort(key=lambda p: (p.step.total, p.estimate.peak))
+    return fitting, considered
+
+
+def check_phase_time(cfg: Config, run: RunPlan, peak_tflops: Optional[float]) -> None:
+    """ConfigError when a training step, or a validation, at the planner's predicted speed on a GPU of
+    `peak_tflops` takes more than half of parallel.timeout_seconds, the longest the watchdog lets a rank
+    spend in one phase of the loop: it would end the run as stuck. Half leaves room for the prediction's
+    error; a run on an unknown GPU (no peak) or outside what the planner covers is not checked. The step is
+    predicted for `run`'s own machine (its attention backend and kernels)."""
+    if not peak_tflops:
+        return
+    step = predicted_step_seconds(cfg, run.world, Hardware(peak_tflops=peak_tflops), run.machine)
+    if step is None:
+        return
+    t = cfg.training
+    validation = step / 3 * t.eval_steps if t.eval_interval else 0.0     # forward passes only
+    what, seconds = ("a validation", validation) if validation > step else ("a training step", step)
+    timeout = cfg.parallel.timeout_seconds
+    if 2 * seconds > timeout:
+        suggest = 600 * -(-4 * seconds // 600)
+        raise ConfigError(f"parallel.timeout_seconds={timeout:g} is less than twice the time of {what} predicted "
+                          f"for this layout on this GPU (~{seconds:.0f} s at {peak_tflops:g} TFLOP/s; tools/plan.py "
+                          f"--explain shows the arithmetic): the watchdog would end it as stuck. Raise it, e.g. "
+                          f"--set parallel.timeout_seconds={suggest:.0f}")

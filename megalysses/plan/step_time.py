@@ -1,0 +1,152 @@
+"""The step-time model: predicted seconds per optimizer step on the busiest rank of a layout.
+
+Step time = the compute at stated sustained FLOP/s + the communication megalysses does not overlap
+(tp collectives, Ulysses all-to-alls, pipeline p2p, ZeRO-1's parameter all-gather; the ring's K/V and
+dK/dV hops beyond the attention they travel under; the gradient reduce-scatter beyond the last
+backward; FSDP beyond its micro-batch) at stated bandwidths + the pipeline bubble + activation-offload
+copies beyond the compute + the optimizer step (on the host's cores with optimizer offload). The
+figures are `Hardware`'s (H100 SXM nodes of 8 by default); the layout, options, precision and workload
+are the memory model's (megalysses.memory), read off a RunPlan by megalysses.plan.search.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megalysses.config import ModelConfig
+from megalysses.memory import GIB, Layout, Options, Precision, Workload, kv_replication, layer_params, stage_layers, \
+    stage_params, tiled
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Stated figures (H100 SXM defaults); each is a command-line flag."""
+
+    peak_tflops: float = 989.0            # dense bf16 peak of one H100 SXM (datasheet)
+    matmul_efficiency: float = 0.6        # sustained fraction of the peak over a training step's matmuls,
+                                          # with the memory-bound kernels between them (one value that
+                                          # reproduces Megatron-Core's nine published H100 MFU points)
+    attention_efficiency: float = 0.35    # FlashAttention-2 class kernels, forward + backward
+    intra_node_gbs: float = 360.0         # NVLink bus bandwidth per GPU (80% of 450 GB/s per direction)
+    inter_node_gbs: float = 40.0          # network per GPU (80% of 400 Gb/s)
+    host_gbs: float = 50.0                # host <-> device copies per GPU (PCIe Gen5 x16)
+    host_adam_gparams: float = 0.25       # billions of parameters per second that one GPU's share of the
+                                          # host's cores updates with torch's foreach AdamW (optimizer offload)
+    hbm_gbs: float = 2680.0               # device memory bandwidth (80% of 3.35 TB/s): the optimizer step
+    gpus_per_node: int = 8
+    reserve_gib: float = 1.5              # CUDA context, NCCL buffers, cuBLAS workspaces
+    fragmentation: float = 0.05           # share of the device the caching allocator cannot hand out
+
+    def usable_bytes(self, gpu_memory_gib: float) -> float:
+        return (gpu_memory_gib * (1 - self.fragmentation) - self.reserve_gib) * GIB
+
+    def link(self, span: int) -> float:
+        """Bandwidth (bytes/s) of a group whose ranks span `span` consecutive world ranks."""
+        return (self.intra_node_gbs if span <= self.gpus_per_node else self.inter_node_gbs) * 1e9
+
+
+@dataclass(frozen=True)
+class Overlap:
+    """Which communication hides behind compute (megalysses: only the gradient reduction)."""
+
+    tp: bool = False
+    ulysses: bool = False
+    p2p: bool = False
+    grad_reduce: bool = True
+    param_gather: bool = False
+
+
+@dataclass
+class StepTime:
+    compute: float            # seconds of compute per step on one rank (micro-batches x stage)
+    exposed: dict[str, float]  # seconds of communication / copies that compute does not hide, by kind
+    bubble: float
+    optimizer: float
+    bytes: dict[str, float]   # bytes per step per rank: all_to_all, all_reduce (tp + gradients), p2p, host
+    flops: dict[str, float]   # FLOPs per step per rank: matmul, attention (recompute included)
+
+    @property
+    def total(self) -> float:
+        return self.compute + sum(self.exposed.values()) + self.bubble + self.optimizer
+
+
+def step_time(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, work: Workload, hw: Hardware,
+              overlap: Overlap = Overlap(), retained: float = 0.0) -> StepTime:
+    """Predicted seconds per optimizer step on the busiest rank. `retained`: activation bytes per step
+    that activation offload copies out and back."""
+    t, P, v, M = layout.tp, layout.sp, layout.virtual_stages, work.micro_batches
+    u, ring = layout.ulysses, layout.ring
+    tokens = work.micro_batch_size * work.seq_len / P                 # per micro-batch per rank
+    L = stage_layers(m, layout)
+    dense = layer_params(m, t) - 2 * m.hidden_size
+    mlp = (3 if m.mlp == "swiglu" else 2) * m.hidden_size * m.ffn_size / t
+    q, kv = m.num_heads * m.head_dim / t, m.kv_heads / t * kv_replication(m.kv_heads // t, u) * m.head_dim
+    fwd_mm = L * 2 * dense * tokens
+    fwd_attn = L * 2 * work.micro_batch_size * work.seq_len ** 2 * q / P        # causal: half of 4 S^2 q
+    head = 2 * m.padded_vocab_size(t) / t * m.hidden_size * tokens
+    redo_mm = (fwd_mm if opts.activation_checkpointing else 0.0)
+    if tiled(opts.mlp_chunk_tokens, layout, opts, work.seq_len):
+        redo_mm += L * 2 * mlp * tokens * (2 if opts.activation_checkpointing else 1)
+    mm = M * (3 * (fwd_mm + head) + redo_mm)
+    # forward, backward (twice the forward), and under checkpointing the recomputation, unless its output is kept
+    attn = M * fwd_attn * (4 if opts.activation_checkpointing and not opts.keep_attention else 3)
+    compute = (mm / (hw.peak_tflops * 1e12 * hw.matmul_efficiency)
+               + attn / (hw.peak_tflops * 1e12 * hw.attention_efficiency))
+    passes = 3 if opts.activation_checkpointing else 2                   # forward, backward (+ recompute)
+    a = prec.act
+    span_tp, span_sp, span_grad = t, t * P, t * P * layout.dp
+    nbytes: dict[str, float] = {"all_to_all": 0.0, "all_reduce": 0.0, "p2p": 0.0, "ring_p2p": 0.0, "host": 0.0}
+    exposed: dict[str, float] = {}
+    if u > 1:
+        a2a = (u - 1) / u * tokens * (2 * q + 2 * kv) * a * L * passes * M
+        nbytes["all_to_all"] = a2a
+        exposed["Ulysses all-to-all"] = 0.0 if overlap.ulysses else a2a / hw.link(t * u)
+    if ring > 1:
+        # K/V blocks go around the ring in each forward (and the recomputation) and again in the backward,
+        # r - 1 hops each; the fp32 dK/dV accumulators r hops (parallel/ring.py). Each hop is posted before
+        # the block's attention, so only what the attention does not cover shows
+        block = tokens * 2 * kv                                            # elements of one K/V block
+        nbytes["ring_p2p"] = ((ring - 1) * passes * block * a + ring * block * 4) * L * M
+        attention = attn / (hw.peak_tflops * 1e12 * hw.attention_efficiency)
+        exposed["ring p2p"] = max(0.0, nbytes["ring_p2p"] / hw.link(span_sp) - attention)
+    if t > 1:
+        per = (t - 1) / t * tokens * m.hidden_size * a
+        if opts.tp_sequence_parallel:
+            tp = per * (2 + 2) * L * passes * M                            # QKV, gate-up gathers; 2 reduce-scatters
+        else:
+            tp = 2 * per * 2 * L * passes * M                              # 2 all-reduces, ring 2(t-1)/t
+        nbytes["all_reduce"] += tp
+        exposed["tensor-parallel collectives"] = 0.0 if overlap.tp else tp / hw.link(span_tp)
+    if layout.pp > 1:
+        r = t if opts.tp_sequence_parallel else 1
+        p2p = 2 * tokens / r * m.hidden_size * 4 * M * v
+        nbytes["p2p"] = p2p
+        exposed["pipeline p2p"] = 0.0 if overlap.p2p else p2p / hw.link(layout.world)
+    n = max(sum(stage_params(m, layout, s == 0, s == layout.pp - 1)) for s in (0, layout.pp - 1))
+    G = layout.dp * P
+    per_mb = compute / M
+    if G > 1:
+        share = (G - 1) / G * n
+        if opts.fsdp:
+            fsdp = M * share * (2 * a + 4)                                # gathers forward + backward, fp32 reduce
+            nbytes["all_reduce"] += fsdp
+            exposed["FSDP gathers and reduce-scatters"] = max(0.0, fsdp / hw.link(span_grad) - compute)
+        else:
+            reduce, gather = share * 4, share * prec.weight
+            nbytes["all_reduce"] += reduce + gather
+            rs = reduce / hw.link(span_grad)
+            exposed["gradient reduce-scatter"] = max(0.0, rs - 2 / 3 * per_mb) if overlap.grad_reduce else rs
+            exposed["parameter all-gather"] = 0.0 if overlap.param_gather else gather / hw.link(span_grad)
+    if opts.activation_offload:
+        nbytes["host"] = 2 * retained
+        exposed["activation offload copies"] = max(0.0, 2 * retained / (hw.host_gbs * 1e9) - compute)
+    comm_mb = sum(exposed.get(k, 0.0) for k in ("Ulysses all-to-all", "ring p2p", "tensor-parallel collectives",
+                                                 "pipeline p2p")) / M
+    bubble = (layout.pp - 1) / v * (per_mb + comm_mb)
+    if opts.optimizer_offload:       # gradients down, weights back up, the update on the host's cores
+        moved = n / G * 4 + n * prec.weight / G
+        nbytes["host"] += moved
+        optimizer = moved / (hw.host_gbs * 1e9) + n / G / (hw.host_adam_gparams * 1e9)
+    else:
+        optimizer = n / G * (prec.master + prec.moments + 4) * 3 / (hw.hbm_gbs * 1e9)
+    return StepTime(compute=compute, exposed=exposed, bubble=bubble, optimizer=optimizer, bytes=nbytes,
+                    flops={"matmul": mm, "attention": attn})
