@@ -293,14 +293,19 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--log-interval {args.log_interval}: give a number of documents >= 0")
     if args.vocab_extra_ids:
         p.error(f"--vocab-extra-ids {args.vocab_extra_ids}: T5 sentinel tokens are not supported; use 0")
-    if not args.output_prefix or os.path.isdir(args.output_prefix) or args.output_prefix.endswith(os.sep):
-        p.error(f"--output-prefix {args.output_prefix!r} is a directory: give a path prefix inside it, e.g. "
-                f"{os.path.join(args.output_prefix or '.', 'corpus')}")
-    parent = Path(args.output_prefix).parent
+    check_output_prefix(p, args.output_prefix)
+
+
+def check_output_prefix(p: argparse.ArgumentParser, prefix: str) -> None:
+    """--output-prefix names files in a directory that exists or can be created."""
+    if not prefix or os.path.isdir(prefix) or prefix.endswith(os.sep):
+        p.error(f"--output-prefix {prefix!r} is a directory: give a path prefix inside it, e.g. "
+                f"{os.path.join(prefix or '.', 'corpus')}")
+    parent = Path(prefix).parent
     while not parent.exists():
         parent = parent.parent
     if not parent.is_dir():
-        p.error(f"--output-prefix {args.output_prefix}: {parent} is a file, not a directory")
+        p.error(f"--output-prefix {prefix}: {parent} is a file, not a directory")
 
 
 def _empty_message(args: argparse.Namespace, key: str, docs: int, skipped: collections.Counter,
@@ -330,7 +335,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     _check_args(p, args)
     previous = None
     if threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGTERM, _stop)
+        previous = signal.signal(signal.SIGTERM, raise_stopped)
     try:
         return _run(args)
     except _USER_ERRORS as e:
@@ -347,7 +352,7 @@ class Stopped(Exception):
     """SIGTERM: raised in the main process, so that the run's temporary files are removed on the way out."""
 
 
-def _stop(signum: int, frame: object) -> None:
+def raise_stopped(signum: int, frame: object) -> None:
     raise Stopped("stopped by SIGTERM")
 
 
