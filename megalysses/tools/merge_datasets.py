@@ -49,16 +49,22 @@ def find_pairs(folder: Path) -> tuple[list[str], list[str]]:
     return [str(folder / stem) for stem in sorted(stems)], others
 
 
-def _check_inputs(prefixes: list[str]) -> tuple[list[IndexedDataset], Any]:
-    """Every dataset opened (and so checked) and their common dtype; DatasetError for a mismatch."""
-    datasets = [IndexedDataset(prefix) for prefix in prefixes]
-    first = datasets[0]
-    for ds in datasets[1:]:
+def _check_inputs(prefixes: list[str]) -> tuple[list[dict], Any]:
+    """Every dataset opened (and so checked, then closed again: a merge may have thousands) with what the
+    merge reports of it, and their common dtype; DatasetError for a mismatch."""
+    found, first = [], None
+    for prefix in prefixes:
+        ds = IndexedDataset(prefix)
+        first = first or ds
         if ds.dtype != first.dtype:
             raise DatasetError(f"{ds.idx_file} holds {ds.dtype} tokens but {first.idx_file} holds {first.dtype}: "
                                f"datasets of different dtypes (tokenized with different vocabularies: uint16 below "
                                f"65,500 ids, int32 above) cannot be merged; tokenize every shard with one tokenizer")
-    return datasets, first.dtype
+        found.append({"prefix": prefix, "documents": ds.num_documents, "tokens": ds.num_tokens,
+                      "bytes": os.path.getsize(ds.bin_file) + os.path.getsize(ds.idx_file),
+                      "bin_bytes": os.path.getsize(ds.bin_file)})
+        del ds
+    return found, first.dtype
 
 
 def merge(folder: str, output_prefix: str) -> dict[str, Any]:
@@ -83,7 +89,7 @@ def merge(folder: str, output_prefix: str) -> dict[str, Any]:
     if others:
         print(f"note: {len(others)} files of {folder} are not .bin/.idx and are not merged (e.g. {others[0]})",
               file=sys.stderr)
-    total = sum(os.path.getsize(ds.bin_file) + os.path.getsize(ds.idx_file) for ds in datasets)
+    total = sum(ds["bytes"] for ds in datasets)
     where = next(d for d in (out.parent, *out.parent.parents) if d.exists())
     free = shutil.disk_usage(where).free
     if free < total:
@@ -91,14 +97,13 @@ def merge(folder: str, output_prefix: str) -> dict[str, Any]:
                            f"{where} has {free / 1e9:,.2f} GB free: free space or write it elsewhere")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = f"{output_prefix}.tmp-{os.getpid()}"
-    progress = Progress(sum(os.path.getsize(ds.bin_file) for ds in datasets))
+    progress = Progress(sum(ds["bin_bytes"] for ds in datasets))
     docs = tokens = copied = 0
     builder = IndexedDatasetBuilder(bin_path(tmp), dtype)
     try:
         for i, ds in enumerate(datasets):
-            builder.add_index(ds.prefix)
-            docs, tokens = docs + ds.num_documents, tokens + ds.num_tokens
-            copied += os.path.getsize(ds.bin_file)
+            builder.add_index(ds["prefix"])
+            docs, tokens, copied = docs + ds["documents"], tokens + ds["tokens"], copied + ds["bin_bytes"]
             progress.report(docs, copied, copied, tokens, prefix=f"[{i + 1}/{len(datasets)}] {names[i]}: ")
         builder.finalize(idx_path(tmp))
         if os.path.exists(idx_path(output_prefix)):
@@ -115,7 +120,7 @@ def merge(folder: str, output_prefix: str) -> dict[str, Any]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input", required=True, help="the folder holding the .bin/.idx pairs to merge")
     p.add_argument("--output-prefix", required=True, help="writes {prefix}.bin and {prefix}.idx")
     p.add_argument("--multimodal", action="store_true", help=argparse.SUPPRESS)
