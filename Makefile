@@ -1,6 +1,7 @@
 # make test        : create .venv if missing, install CPU torch + megalysses[test], run the suite
 # make test-gpu    : the GPU tier (pytest -m gpu) with the machine's own python and CUDA torch
-# make lint        : ruff (rules in pyproject.toml) on the Python code, hadolint on the Dockerfile
+# make lint        : ruff (rules in pyproject.toml) on the Python code, hadolint on the Dockerfile,
+#                    kubernetes-validate on examples/kubernetes/*.yaml
 # make quickstart  : stdlib corpus -> tokenizer -> dataset (cached), train a small GPT on 4 processes
 #                    with tp=2 x sp=2, then sample text from the checkpoint
 PYTHON    ?= python3
@@ -34,9 +35,13 @@ $(VENV)/.lint: pyproject.toml $(VENV)/.installed
 	$(PY) -m pip install --quiet -e ".[lint]"
 	touch $@
 
+# the Kubernetes manifests against the bundled schemas (no network) of the oldest release they need and
+# of the newest kubernetes-validate knows; --strict refuses unknown fields
 lint: $(VENV)/.lint
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/hadolint Dockerfile
+	$(VENV)/bin/kubernetes-validate --strict --quiet -k 1.31.0 examples/kubernetes/*.yaml
+	$(VENV)/bin/kubernetes-validate --strict --quiet examples/kubernetes/*.yaml
 
 $(DATA)/stdlib.jsonl: | venv
 	$(PY) tools/build_corpus.py --stdlib --output $@

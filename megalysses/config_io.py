@@ -209,16 +209,21 @@ def read_yaml(p: Path) -> dict:
         raise ConfigError(f"config file '{p}' cannot be read: {e.strerror}") from None
     except UnicodeDecodeError as e:
         raise ConfigError(f"config file '{p}' is not UTF-8 text (byte {e.start}): save it as UTF-8 YAML") from None
-    loader = _StrictLoader(text)
-    loader.name = str(p)     # YAML errors then point at the file, not "<unicode string>"
+    if "\x00" in text:
+        raise ConfigError(f"config file '{p}' is binary, not YAML text (it holds NUL bytes): give the path of a YAML "
+                          f"config, e.g. configs/quickstart.yaml")
+    loader = None
     try:
+        loader = _StrictLoader(text)     # reading starts here: it refuses characters YAML does not allow
+        loader.name = str(p)             # YAML errors then point at the file, not "<unicode string>"
         data = loader.get_single_data()
     except ConfigError as e:
         raise ConfigError(f"config file '{p}': {e}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"config file '{p}' is not valid YAML: {' '.join(str(e).split())}") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
     if data is None:
         return {}
     if not isinstance(data, dict):

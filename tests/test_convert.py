@@ -221,12 +221,22 @@ def test_hf_to_megalysses_train_and_back(hf_dir, tmp_path):
     with torch.no_grad():
         before, after = load_hf(hf_dir)(ids).logits, trained(ids).logits
     assert torch.isfinite(after).all() and (before - after).abs().max() > 1e-4     # training changed it
+    # trained at 48 tokens, the export keeps the imported model's 256, its special tokens and generation config
+    assert (trained.config.max_position_embeddings, trained.config.bos_token_id, trained.config.eos_token_id) == \
+        (256, 1, 2)
+    assert (tmp_path / "trained" / "generation_config.json").read_bytes() == \
+        (hf_dir / "generation_config.json").read_bytes()
 
     fresh = tmp_path / "fresh"
     r = torchrun(2, run / "config.yaml", TRAIN + ["parallel.tp=1", "parallel.sp=2", f"checkpoint.init_from={hf_dir}",
                                                   f"logging.run_dir={fresh}", "training.train_steps=1"])
     assert r.returncode == 0, r.stdout + r.stderr
     assert abs(first_loss(fresh) - want) <= 1e-5 * want
+    # init_from a Hugging Face directory: the same, read from that directory
+    assert convert_checkpoint.main(["--from", str(fresh), "--to-hf", str(tmp_path / "fresh_hf")]) == 0
+    config = json.loads((tmp_path / "fresh_hf" / "config.json").read_text())
+    assert (config["max_position_embeddings"], config["bos_token_id"], config["eos_token_id"]) == (256, 1, 2)
+    assert (tmp_path / "fresh_hf" / "generation_config.json").is_file()
 
 
 @pytest.mark.parametrize("argv,message", [

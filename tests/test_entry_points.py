@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = ["megalysses-pretrain", "megalysses-preprocess", "megalysses-train-tokenizer", "megalysses-generate",
-           "megalysses-convert", "megalysses-plot", "megalysses-build-corpus", "megalysses-plan"]
+SCRIPTS = ["megalysses-pretrain", "megalysses-preprocess", "megalysses-merge-datasets", "megalysses-train-tokenizer",
+           "megalysses-generate", "megalysses-convert", "megalysses-plot", "megalysses-build-corpus", "megalysses-plan"]
 
 
 def installed() -> dict:

@@ -3,7 +3,7 @@
     cfg = model_config_from_hf(hf_model.config)             # or the dict of a config.json
     ours = GPTStage(cfg); ours.load_state_dict(from_hf_state_dict(hf_model.state_dict(), cfg))
     hf_sd = to_hf_state_dict(ours.state_dict(), cfg)
-    config_json = hf_config_dict(cfg)
+    config_json = hf_config_dict(cfg, "bfloat16", max_positions=8192, eos_token_id=2)
 
 Norms, o_proj and down_proj map one to one; embeddings and the LM head gain zero rows up to our padded
 vocabulary (model.vocab_pad_multiple) and lose them on the way back. Our fused projections are
@@ -120,8 +120,12 @@ def model_config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
     return ModelConfig(**fields)
 
 
-def hf_config_dict(cfg: ModelConfig, dtype: str = "bfloat16", max_positions: int = 8192) -> dict:
-    """The config.json of a LlamaForCausalLM with cfg's architecture (read by transformers 4 and 5)."""
+def hf_config_dict(cfg: ModelConfig, dtype: str, max_positions: int, eos_token_id: Any = None,
+                   bos_token_id: Any = None) -> dict:
+    """The config.json of a LlamaForCausalLM with cfg's architecture (read by transformers 4 and 5).
+    max_positions is the context it declares (what serving stacks limit prompts to); the special token
+    ids are an int (a list for several EOS) or None, written as null: a missing key would read as
+    transformers' defaults, BOS 1 and EOS 2."""
     if cfg.mlp != "swiglu" or cfg.norm != "rmsnorm":
         raise ValueError(f"only SwiGLU + RMSNorm models export to Llama; this one has mlp={cfg.mlp}, norm={cfg.norm}")
     out = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
@@ -130,12 +134,12 @@ def hf_config_dict(cfg: ModelConfig, dtype: str = "bfloat16", max_positions: int
            "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
            "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": cfg.attention_bias, "mlp_bias": cfg.mlp_bias,
            "max_position_embeddings": max_positions, "torch_dtype": dtype}
+    out.update(bos_token_id=bos_token_id, eos_token_id=eos_token_id)     # null, not transformers' defaults 1 and 2
     rs = cfg.rope_scaling
     if rs.type == "llama3":
         out["rope_scaling"] = {"rope_type": "llama3", "factor": rs.factor, "low_freq_factor": rs.low_freq_factor,
                                "high_freq_factor": rs.high_freq_factor,
                                "original_max_position_embeddings": rs.original_max_position_embeddings}
-        out["max_position_embeddings"] = max(max_positions, int(rs.original_max_position_embeddings * rs.factor))
     return out
 
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 from torch import Tensor
@@ -32,6 +33,11 @@ def _safetensors():
         raise HFFormatError("reading or writing Hugging Face models needs safetensors: "
                             "pip install safetensors") from None
     return safe_open
+
+
+def _damaged(path: Path, err: Exception) -> HFFormatError:
+    return HFFormatError(f"{path} is not a readable safetensors file ({' '.join(str(err).split())[:200]}): it is "
+                         f"damaged or incomplete; download or copy it again")
 
 
 def is_hf_dir(path: str | Path) -> bool:
@@ -54,9 +60,15 @@ class HFTensors:
         files = sorted(folder.glob("*.safetensors"))
         if len(files) != 1:
             raise HFFormatError(f"{folder} has {len(files)} .safetensors files and no {INDEX}")
-        handle = self._open(str(files[0]), framework="pt")
+        handle = self._open_file(files[0])
         self._files[files[0].name] = handle
         self.weight_map = {k: files[0].name for k in handle.keys()}
+
+    def _open_file(self, path: Path):
+        try:
+            return self._open(str(path), framework="pt")
+        except Exception as e:   # safetensors' SafetensorError, which has no public base besides Exception
+            raise _damaged(path, e) from None
 
     def keys(self) -> set[str]:
         return set(self.weight_map)
@@ -69,8 +81,11 @@ class HFTensors:
             path = self.folder / file
             if not path.is_file():
                 raise HFFormatError(f"{self.folder}: the index names {file}, which is missing")
-            self._files[file] = self._open(str(path), framework="pt")
-        return self._files[file].get_tensor(name)
+            self._files[file] = self._open_file(path)
+        try:
+            return self._files[file].get_tensor(name)
+        except Exception as e:   # as above
+            raise _damaged(self.folder / file, e) from None
 
 
 def open_hf_dir(path: str | Path) -> tuple[dict, HFTensors]:
@@ -90,16 +105,36 @@ def open_hf_dir(path: str | Path) -> tuple[dict, HFTensors]:
     return config, HFTensors(folder)
 
 
+def check_new_dir(path: str | Path) -> None:
+    """Raise HFFormatError unless `path` can become a new model directory: absent (below directories, not
+    below a file) or an empty directory."""
+    folder = Path(path)
+    if folder.exists() and not folder.is_dir():
+        raise HFFormatError(f"{folder} is a file: give the path of a new directory")
+    if folder.is_dir() and any(folder.iterdir()):
+        raise HFFormatError(f"{folder} already holds files (e.g. {next(folder.iterdir()).name}): give a new or "
+                            f"empty directory, or remove this one first")
+    for parent in folder.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise HFFormatError(f"{folder} lies below {parent}, which is a file: give a path below a directory")
+            break
+
+
 def write_hf_dir(path: str | Path, tensors: Iterable[tuple[str, Tensor]], config: dict,
-                 max_shard_bytes: int = 5 * 2**30) -> list[Path]:
-    """Write config.json and the tensors as safetensors shards of at most max_shard_bytes (one file,
-    model.safetensors, when they fit; else model-0000i-of-0000n.safetensors and the index). Files are
-    written under temporary names and renamed when complete. Returns the weight files."""
+                 max_shard_bytes: int = 5 * 2**30, extra: Optional[dict[str, bytes]] = None) -> list[Path]:
+    """Write config.json, the tensors as safetensors shards of at most max_shard_bytes (one file,
+    model.safetensors, when they fit; else model-0000i-of-0000n.safetensors and the index) and the `extra`
+    files (name -> bytes: generation_config.json, tokenizer files). The folder is written under a
+    temporary name beside it and renamed when complete, so it is complete or absent; it must be new or
+    empty (check_new_dir). Returns the weight files. Raises HFFormatError when it cannot be written."""
     _safetensors()
     from safetensors.torch import save_file
 
     folder = Path(path)
-    folder.mkdir(parents=True, exist_ok=True)
+    check_new_dir(folder)
+    created = next((p for p in reversed([folder, *folder.parents]) if not p.exists()), None)
+    tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}"
     shards: list[dict[str, Tensor]] = [{}]
     size = 0
     for name, t in tensors:
@@ -111,19 +146,28 @@ def write_hf_dir(path: str | Path, tensors: Iterable[tuple[str, Tensor]], config
         size += nbytes
     n = len(shards)
     names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    written = []
-    for shard, name in zip(shards, names):
-        tmp = folder / (name + ".tmp")
-        save_file(shard, str(tmp), metadata={"format": "pt"})
-        os.replace(tmp, folder / name)
-        written.append(folder / name)
-    if n > 1:
-        total = sum(t.numel() * t.element_size() for shard in shards for t in shard.values())
-        index = {"metadata": {"total_size": total},
-                 "weight_map": {k: name for shard, name in zip(shards, names) for k in shard}}
-        (folder / INDEX).write_text(json.dumps(index, indent=1) + "\n")
-    (folder / "config.json").write_text(json.dumps(config, indent=1) + "\n")
-    return written
+    try:
+        tmp.mkdir(parents=True)
+        for shard, name in zip(shards, names):
+            save_file(shard, str(tmp / name), metadata={"format": "pt"})
+        if n > 1:
+            total = sum(t.numel() * t.element_size() for shard in shards for t in shard.values())
+            index = {"metadata": {"total_size": total},
+                     "weight_map": {k: name for shard, name in zip(shards, names) for k in shard}}
+            (tmp / INDEX).write_text(json.dumps(index, indent=1) + "\n")
+        for name, data in (extra or {}).items():
+            (tmp / name).write_bytes(data)
+        (tmp / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+        os.replace(tmp, folder)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if created is not None and created != folder:
+            shutil.rmtree(created, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise HFFormatError(f"{folder} cannot be written ({e.strerror or e}): choose a place this user can "
+                                f"write to, with room for the model") from None
+        raise
+    return [folder / name for name in names]
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

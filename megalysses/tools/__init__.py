@@ -2,8 +2,9 @@
 console scripts; tools/*.py and pretrain.py at the repository root run the same `cli()` functions.
 
     pretrain          megalysses-pretrain        torchrun ... pretrain.py --config C
-    preprocess_data   megalysses-preprocess      jsonl / text folder -> Megatron .bin/.idx
-    train_tokenizer   megalysses-train-tokenizer sentencepiece BPE from jsonl / text
+    preprocess_data   megalysses-preprocess      jsonl / Parquet / Arrow / text folder -> Megatron .bin/.idx
+    merge_datasets    megalysses-merge-datasets  a folder of .bin/.idx shards -> one dataset
+    train_tokenizer   megalysses-train-tokenizer sentencepiece BPE from jsonl / Parquet / Arrow / text
     generate          megalysses-generate        sample from a run's checkpoint
     plot_metrics      megalysses-plot            metrics.jsonl -> PNG
     build_corpus      megalysses-build-corpus    the stdlib corpus of the quickstart

@@ -16,10 +16,16 @@ points a run at a Hugging Face directory directly, without converting.)
 When the Hugging Face directory has a tokenizer.json, the run keeps a copy of its tokenizer files in
 <run_dir>/tokenizer/ and its config.yaml points data.tokenizer at it (the model's ids are that
 tokenizer's), unless --set names another. The paths config.yaml names are absolute: the run works from
-any directory.
+any directory. The imported model's config.json and generation_config.json are kept in
+<run_dir>/hf_source/.
 --to-hf takes the fp32 master weights of a training checkpoint (or the weights of a weights-only one),
 converts them back, and writes sharded safetensors, the index and config.json in --dtype, with the run's
-tokenizer files when it trained with a Hugging Face tokenizer.
+tokenizer files when it trained with a Hugging Face tokenizer, into a new directory that is complete or
+absent. config.json's max_position_embeddings is what serving stacks take for the model's context: the
+longer of the longest sequence the checkpoint trained at (data.seq_len at its step, curriculum
+included) and the imported model's own (an import never trained keeps its own). eos_token_id and
+bos_token_id are data.eod / data.bos when set, else the imported model's, else the run's tokenizer's;
+the imported model's generation_config.json goes along (else one with those ids is written).
 """
 from __future__ import annotations
 
@@ -29,6 +35,7 @@ import json
 import os
 import shutil
 import sys
+import types
 import warnings
 from pathlib import Path
 from typing import Optional
@@ -39,17 +46,32 @@ import yaml
 
 from megalysses.config import Config, ConfigError
 from megalysses.config_io import apply_override, config_from_dict, config_to_dict, save_config
+from megalysses.data.tokenizer import TokenizerError, tokenizer_from_config
 from megalysses.model.gpt import GPTStage, architecture
 from megalysses.model.hf import hf_config_dict, hf_tensors, model_config_from_hf, our_names, our_tensor, check_hf_names
-from megalysses.model.hf_io import DTYPES, HFFormatError, open_hf_dir, write_hf_dir
+from megalysses.model.hf_io import DTYPES, HFFormatError, check_new_dir, is_hf_dir, open_hf_dir, write_hf_dir
 from megalysses.training.checkpoint import (LATEST, CheckpointError, SafeFileSystemReader, model_differences,
                                             resolve_checkpoint)
 from megalysses.training.initialize import WEIGHTS_ONLY, is_weights_only
 from megalysses.training.manifest import FORMAT, verify_checkpoint, write_manifest
 
 
+HF_SOURCE = "hf_source"      # <run_dir>/hf_source/: the imported model's config.json (and generation_config.json)
+SOURCE_FILES = ("config.json", "generation_config.json")
+
+
 class ConvertError(ValueError):
     """Bad input to the converter: the message names it and the fix."""
+
+
+def _check_target(path: Path, flag: str) -> None:
+    """A directory can be made at `path`: not a file, not below one."""
+    for p in (path, *path.parents):
+        if p.exists():
+            if not p.is_dir():
+                where = "is a file" if p == path else f"lies below {p}, which is a file"
+                raise ConvertError(f"{flag} {path} {where}: give the path of a directory")
+            return
 
 
 def _base_config(path: Optional[str], overrides: list[str]) -> dict:
@@ -96,44 +118,66 @@ def from_hf(hf_dir: str, run_dir: str, config: Optional[str] = None, overrides: 
 
     run = Path(run_dir)
     root = Path(cfg.checkpoint.dir or run / "checkpoints")
+    for target, flag in ((run, "--to"), (root, "checkpoint.dir")):
+        _check_target(target, flag)
     if resolve_checkpoint(root) is not None:
         raise ConvertError(f"{root} already holds checkpoints: convert into a new run directory")
-    final, tmp = root / "step_0000000", root / "step_0000000.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    # every tensor is read (and a damaged file found) before anything is written
     state = {f"model.{name}": our_tensor(name, cfg.model, tensors.get) for name in our_names(cfg.model)}
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)))
-    meta = {"step": 0, "consumed_samples": 0, "optimizer_steps": 0, WEIGHTS_ONLY: True,
-            "model_shape": architecture(cfg.model), "source": str(hf_dir), "format": FORMAT}
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-    write_manifest(tmp, {})
-    if own_tokenizer:
-        (run / "tokenizer").mkdir(exist_ok=True)
-        for name in TOKENIZER_FILES:
+    final, tmp = root / "step_0000000", root / "step_0000000.tmp"
+    created = [p for p in (run, root, run / HF_SOURCE, run / "tokenizer") if not p.exists()]
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)))
+        meta = {"step": 0, "consumed_samples": 0, "optimizer_steps": 0, WEIGHTS_ONLY: True,
+                "model_shape": architecture(cfg.model), "source": str(hf_dir), "format": FORMAT}
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        write_manifest(tmp, {})
+        shutil.rmtree(run / HF_SOURCE, ignore_errors=True)
+        (run / HF_SOURCE).mkdir(parents=True)
+        for name in SOURCE_FILES:
             if (Path(hf_dir) / name).is_file():
-                shutil.copyfile(Path(hf_dir) / name, run / "tokenizer" / name)
-    os.replace(tmp, final)
-    (root / f"{LATEST}.tmp").write_text(final.name + "\n")
-    os.replace(root / f"{LATEST}.tmp", root / LATEST)
-    save_config(cfg, run / "config.yaml")
+                shutil.copyfile(Path(hf_dir) / name, run / HF_SOURCE / name)
+        if own_tokenizer:
+            (run / "tokenizer").mkdir(exist_ok=True)
+            for name in TOKENIZER_FILES:
+                if (Path(hf_dir) / name).is_file():
+                    shutil.copyfile(Path(hf_dir) / name, run / "tokenizer" / name)
+        os.replace(tmp, final)
+        (root / f"{LATEST}.tmp").write_text(final.name + "\n")
+        os.replace(root / f"{LATEST}.tmp", root / LATEST)
+        save_config(cfg, run / "config.yaml")
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        for p in created:
+            shutil.rmtree(p, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise ConvertError(f"--to {run_dir} cannot be written ({e.strerror or e}): choose a place this user can "
+                               f"write to, with room for the model") from None
+        raise
     return final
 
 
-def _run_config(path: Path, checkpoint: Path, config: Optional[str]) -> Config:
+def _run_config(path: Path, checkpoint: Path, config: Optional[str]) -> tuple[Config, Path]:
     candidates = [Path(config)] if config else [path / "config.yaml", checkpoint.parent.parent / "config.yaml"]
     for c in candidates:
         if c.is_file():
             try:
-                return config_from_dict(yaml.safe_load(c.read_text()) or {})
+                return config_from_dict(yaml.safe_load(c.read_text()) or {}), c
             except (yaml.YAMLError, UnicodeDecodeError, ConfigError) as e:
                 raise ConvertError(f"{c} is not a megalysses config: {e}") from None
     raise ConvertError(f"no config.yaml for {path}: pass the run directory, or --config with the run's config")
 
 
 def to_hf(source: str, hf_dir: str, dtype: str = "bfloat16", config: Optional[str] = None,
-          max_shard_gib: float = 5.0) -> tuple[list[Path], str]:
-    """Write a Hugging Face directory from a run or checkpoint; returns the weight files and what became of
-    the run's tokenizer, in words."""
+          max_shard_gib: float = 5.0) -> tuple[list[Path], list[str]]:
+    """Write a Hugging Face directory from a run or checkpoint; returns the weight files and, in words,
+    what the export carries (its context, special tokens, generation config, tokenizer)."""
+    try:
+        check_new_dir(hf_dir)                          # before the weights are read
+    except HFFormatError as e:
+        raise ConvertError(f"--to-hf {e}") from None
     path = Path(source)
     checkpoint = None
     if path.is_dir():
@@ -145,7 +189,7 @@ def to_hf(source: str, hf_dir: str, dtype: str = "bfloat16", config: Optional[st
     problems = verify_checkpoint(checkpoint)
     if problems:
         raise ConvertError(f"checkpoint {checkpoint} is corrupt or incomplete: {problems[0]}")
-    cfg = _run_config(path, checkpoint, config)
+    cfg, config_path = _run_config(path, checkpoint, config)
     meta = json.loads((checkpoint / "meta.json").read_text())
     saved = meta.get("model_shape") or {}
     expect = {k: v for k, v in architecture(cfg.model).items()
@@ -165,28 +209,105 @@ def to_hf(source: str, hf_dir: str, dtype: str = "bfloat16", config: Optional[st
     tensors = [(k, v.to(out_dtype)) for n in our_names(cfg.model)
                for k, v in hf_tensors(n, state[f"{prefix}.{n}"], cfg.model).items()
                if not (cfg.model.tie_embeddings and k == "lm_head.weight")]   # tied: transformers re-ties it
-    files = write_hf_dir(hf_dir, tensors, hf_config_dict(cfg.model, dtype), int(max_shard_gib * 2**30))
-    return files, _copy_tokenizer(cfg, Path(hf_dir))
+    imported = _imported_from(cfg, [path, checkpoint.parent.parent, config_path.parent])
+    src = _read_json(imported / "config.json") if imported else {}
+    positions, context = _max_positions(cfg, int(meta.get("step", 0)), src)
+    ids = _special_ids(cfg, src)
+    extra, tokenizer = _tokenizer_files(cfg)
+    generation = imported / "generation_config.json" if imported else None
+    if generation is not None and generation.is_file():
+        extra["generation_config.json"] = generation.read_bytes()
+        gen_words = f"the generation_config.json of {generation.parent}"
+    elif ids:
+        extra["generation_config.json"] = (json.dumps(ids, indent=1) + "\n").encode()
+        gen_words = "a generation_config.json with those ids"
+    else:
+        gen_words = "no generation_config.json"
+    try:
+        files = write_hf_dir(hf_dir, tensors, hf_config_dict(cfg.model, dtype, positions, **ids),
+                             int(max_shard_gib * 2**30), extra)
+    except HFFormatError as e:
+        raise ConvertError(f"--to-hf {e}") from None
+    special = ", ".join(f"{k} {v}" for k, v in ids.items()) or (
+        "no eos_token_id / bos_token_id: neither data.eod / data.bos, an imported model nor the run's tokenizer "
+        "names them; add them to config.json")
+    return files, [f"max_position_embeddings {positions} ({context})", special, gen_words, tokenizer]
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConvertError(f"{path} cannot be read as JSON ({e}): restore it from the imported model") from None
+    return data if isinstance(data, dict) else {}
+
+
+def _imported_from(cfg: Config, run_dirs: list[Path]) -> Optional[Path]:
+    """The folder holding the config.json (and generation_config.json) of the Hugging Face model the run
+    started from: its copy in the run directory (--from-hf), or checkpoint.init_from, a Hugging Face
+    directory or a run imported so. None for a run trained from scratch."""
+    init = Path(cfg.checkpoint.init_from) if cfg.checkpoint.init_from else None
+    candidates = [d / HF_SOURCE for d in run_dirs]
+    if init is not None:
+        candidates += [init] if is_hf_dir(init) else [init / HF_SOURCE, init.parent.parent / HF_SOURCE]
+    return next((c for c in candidates if (c / "config.json").is_file()), None)
+
+
+def _max_positions(cfg: Config, step: int, source: dict) -> tuple[int, str]:
+    """config.json's max_position_embeddings, and why: the longer of the longest sequence the checkpoint
+    trained at (the curriculum's length at its last step) and the imported model's own."""
+    own = source.get("max_position_embeddings")
+    own = own if isinstance(own, int) and own > 0 else None
+    trained = cfg.data.seq_len_at(step - 1) if step > 0 else None
+    if trained is None:
+        if own is not None:
+            return own, "the imported model's own: this checkpoint has not trained"
+        return cfg.data.seq_len, "data.seq_len: this checkpoint has not trained"
+    if own is not None and own > trained:
+        return own, f"the imported model's own, longer than the {trained} tokens it trained at"
+    return trained, f"the length it trained at by step {step}" + (f", longer than the imported model's {own}"
+                                                                   if own is not None and own < trained else "")
+
+
+def _special_ids(cfg: Config, source: dict) -> dict:
+    """eos_token_id / bos_token_id: data.eod / data.bos when set, else the imported model's, else those of
+    the run's tokenizer (when it can be built and fits the model); mock data ends its documents with the
+    last id and has no BOS."""
+    try:
+        tok = tokenizer_from_config(cfg.data, cfg.model.vocab_size)
+        tok = tok if tok.vocab_size <= cfg.model.vocab_size else None
+    except (TokenizerError, OSError, ValueError):
+        tok = None
+    if cfg.data.mock:
+        tok = types.SimpleNamespace(eod_id=cfg.model.vocab_size - 1, bos_id=None)
+    ids = {}
+    for key, explicit, attr in (("bos_token_id", cfg.data.bos, "bos_id"), ("eos_token_id", cfg.data.eod, "eod_id")):
+        mine = getattr(tok, attr, None) if tok is not None else None
+        if explicit is None and source.get(key) is not None:
+            ids[key] = source[key]
+        elif mine is not None and mine >= 0:
+            ids[key] = int(mine)
+    return ids
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
-def _copy_tokenizer(cfg: Config, hf_dir: Path) -> str:
-    """A run's Hugging Face tokenizer (a tokenizer.json, or its folder's tokenizer files) goes beside the
+def _tokenizer_files(cfg: Config) -> tuple[dict[str, bytes], str]:
+    """A run's Hugging Face tokenizer (a tokenizer.json, or its folder's tokenizer files), to go beside the
     weights, so that transformers' AutoTokenizer and tools/generate.py --hf load the pair; another kind
-    is left to the user. Returns what was done, in words."""
+    is left to the user. Returns {name: bytes} and what was done, in words."""
     d = cfg.data
     if d.tokenizer != "huggingface" or not d.tokenizer_model:
-        return (f"no tokenizer: the run's (data.tokenizer={d.tokenizer}) is not a Hugging Face one; put one "
-                f"beside the weights to load them with AutoTokenizer")
+        return {}, (f"no tokenizer: the run's (data.tokenizer={d.tokenizer}) is not a Hugging Face one; put one "
+                    f"beside the weights to load them with AutoTokenizer")
     source = Path(d.tokenizer_model)
     files = [f for f in ([source / n for n in TOKENIZER_FILES] if source.is_dir() else [source]) if f.is_file()]
     if not any(f.name == "tokenizer.json" or f == source for f in files):
-        return f"no tokenizer: the run's, {source}, is not there any more; copy its tokenizer.json beside the weights"
-    for f in files:
-        shutil.copyfile(f, hf_dir / ("tokenizer.json" if f == source else f.name))
-    return f"the run's tokenizer ({', '.join(f.name for f in files)} from {source})"
+        return {}, (f"no tokenizer: the run's, {source}, is not there any more; copy its tokenizer.json beside the "
+                    f"weights")
+    out = {("tokenizer.json" if f == source else f.name): f.read_bytes() for f in files}
+    return out, f"the run's tokenizer ({', '.join(f.name for f in files)} from {source})"
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -203,7 +324,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                                     "--from: the run's config.yaml, when not in the run directory")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="--from-hf: override a value of the written config; repeatable")
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="--to-hf: tensor dtype written")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES),
+                   help="--to-hf: the dtype of the tensors written. Default bfloat16, whatever the checkpoint holds "
+                        "(fp32 master weights when it trained): the dtype Llama models are published and served "
+                        "in, at half the size; float32 keeps the master weights exactly")
     p.add_argument("--max-shard-gib", type=float, default=5.0, help="--to-hf: largest safetensors file")
     args = p.parse_args(argv)
     try:
@@ -220,8 +344,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                 raise ConvertError("--from needs --to-hf HF_DIR (the Hugging Face directory to write)")
             if args.max_shard_gib <= 0:
                 raise ConvertError(f"--max-shard-gib={args.max_shard_gib} must be positive")
-            files, tokenizer = to_hf(args.source, args.to_hf, args.dtype, args.config, args.max_shard_gib)
-            print(f"wrote {len(files)} safetensors file(s) and config.json to {args.to_hf}; {tokenizer}")
+            files, notes = to_hf(args.source, args.to_hf, args.dtype, args.config, args.max_shard_gib)
+            print(f"wrote {len(files)} safetensors file(s) ({args.dtype}) and config.json to {args.to_hf}; "
+                  + "; ".join(notes))
     except (ConvertError, HFFormatError, CheckpointError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -1,8 +1,16 @@
-"""Tokenize JSON Lines (plain, gzip, bz2 or xz) or a folder of text files into Megatron-format .bin/.idx.
+"""Tokenize JSON Lines (plain, gzip, bz2, xz or zstd), Parquet, Arrow, a Hugging Face `datasets` folder or a
+folder of text files into Megatron-format .bin/.idx.
 
     python tools/preprocess_data.py --input data/stdlib.jsonl --output-prefix data/stdlib \\
         --tokenizer-type byte --append-eod --workers 2
     # -> data/stdlib_text_document.bin / .idx (one pair per --json-keys entry)
+    python tools/preprocess_data.py --input 'fineweb/data/**/*.parquet' --output-prefix data/fineweb ...
+
+--input is a file, a glob or a folder. Files are JSON Lines unless their bytes say Parquet or Arrow
+(needs pyarrow; zstd needs zstandard); --json-keys names the keys or columns to tokenize, read in
+record batches, never whole files. A `datasets` folder (save_to_disk) is read as its Arrow files, a
+folder of Parquet, Arrow or .jsonl files as those, any other folder as one text document per file.
+The same documents give the same bytes whatever their format.
 
 Megatron-LM's tools/preprocess_data.py command lines run unchanged and write the same bytes:
 --tokenizer-type HuggingFaceTokenizer / SentencePieceTokenizer / GPTSentencePieceTokenizer /
@@ -33,7 +41,6 @@ import shlex
 import signal
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
@@ -41,7 +48,9 @@ import numpy as np
 
 from megalysses.data.indexed import (DatasetError, IndexedDatasetBuilder, bin_path, idx_path, merge_datasets,
                                      optimal_dtype)
-from megalysses.data.text_input import InputError, Position, check_jsonl, input_files, read_file, read_lines
+from megalysses.data.columnar import check_columns, read_records
+from megalysses.data.progress import Progress
+from megalysses.data.text_input import InputError, Position, check_jsonl, corpus_inputs, read_file, read_lines
 from megalysses.data.tokenizer import ByteTokenizer, TokenizerError, build_tokenizer
 
 BATCH_BYTES = 1 << 20
@@ -80,14 +89,18 @@ def _init_worker(tok_args: dict[str, Any], keys: list[str], folder: bool, parall
                   eod=[tok.eod_id] if tok_args["append_eod"] else [], bos=[tok.bos_id] if tok_args["bos"] else [])
 
 
-def _parse(raw: bytes, keys: list[str], folder: bool) -> tuple[Optional[list[list[str]]], str]:
-    """Per key the texts (sentences) of one document, or (None, why it is malformed)."""
+def _parse(raw: bytes | dict, keys: list[str], folder: bool) -> tuple[Optional[list[list[str]]], str]:
+    """Per key the texts (sentences) of one document, or (None, why it is malformed). `raw` is a JSON
+    line, a whole text file (folder) or the record of a Parquet / Arrow row."""
     try:
-        if folder:
+        if isinstance(raw, dict):
+            doc = raw
+        elif folder:
             return [[raw.decode("utf-8")]], ""
-        if not raw.strip():
+        elif not raw.strip():
             return None, "blank line"
-        doc = json.loads(raw)
+        else:
+            doc = json.loads(raw)
     except UnicodeDecodeError:
         return None, "not UTF-8"
     except json.JSONDecodeError:
@@ -108,6 +121,14 @@ def _parse(raw: bytes, keys: list[str], folder: bool) -> tuple[Optional[list[lis
     return texts, ""
 
 
+def _size(doc: bytes | dict) -> int:
+    """A document's size for batching and MB/s: its bytes, or a record's characters of text."""
+    if isinstance(doc, bytes):
+        return len(doc)
+    texts = [t for v in doc.values() for t in (v if isinstance(v, list) else [v])]
+    return sum(len(t) for t in texts if isinstance(t, str))
+
+
 def _encode(texts: list[str]) -> list[np.ndarray]:
     tok = _STATE["tok"]
     if isinstance(tok, ByteTokenizer):
@@ -115,7 +136,7 @@ def _encode(texts: list[str]) -> list[np.ndarray]:
     return [np.asarray(ids, dtype=np.int64) for ids in tok.encode_batch(texts)]
 
 
-def encode_batch(batch: tuple[int, list[bytes], int]) -> dict[str, Any]:
+def encode_batch(batch: tuple[int, list[bytes | dict], int]) -> dict[str, Any]:
     """Tokenize one batch of raw documents. Per key: the concatenated tokens, the sequence lengths and
     the sequences of each document (0 for an empty one); plus the input ordinal of each kept document."""
     first, items, position = batch
@@ -133,7 +154,7 @@ def encode_batch(batch: tuple[int, list[bytes], int]) -> dict[str, Any]:
             continue
         parsed.append(texts)
         ordinals.append(first + i)
-    out: dict[str, Any] = {"skipped": skipped, "examples": examples[:5], "bytes": sum(map(len, items)),
+    out: dict[str, Any] = {"skipped": skipped, "examples": examples[:5], "bytes": sum(map(_size, items)),
                            "position": position, "ordinals": np.asarray(ordinals, dtype=np.int64),
                            "seen_keys": sorted(seen_keys), "empty": 0, "empty_example": None}
     for k, key in enumerate(keys):
@@ -168,30 +189,36 @@ def encode_batch(batch: tuple[int, list[bytes], int]) -> dict[str, Any]:
 
 
 class _Reader:
-    """Batches of raw documents (jsonl lines, or whole files of a folder) with their input ordinals."""
+    """Batches of raw documents (jsonl lines, Parquet / Arrow records, or whole files of a text folder) with
+    their input ordinals."""
 
-    def __init__(self, spec: str) -> None:
-        self.files, self.folder = input_files(spec)
-        if not self.folder:
-            for f in self.files:
-                check_jsonl(f)
-        self.total = sum(os.path.getsize(f) for f in self.files)
+    def __init__(self, spec: str, keys: list[str]) -> None:
+        self.inputs, self.folder = corpus_inputs(spec)
+        self.keys = keys
+        for path, kind in self.inputs:
+            if kind == "jsonl":
+                check_jsonl(path)
+            elif kind != "text":
+                check_columns(path, kind, keys)
+        self.total = sum(os.path.getsize(f) for f, _ in self.inputs)
         self.position = Position()
 
-    def documents(self) -> Iterator[bytes]:
-        for f in self.files:
-            if self.folder:
-                yield read_file(f, self.position)
+    def documents(self) -> Iterator[bytes | dict]:
+        for path, kind in self.inputs:
+            if kind == "text":
+                yield read_file(path, self.position)
+            elif kind == "jsonl":
+                yield from read_lines(path, self.position)
             else:
-                yield from read_lines(f, self.position)
+                yield from read_records(path, kind, self.keys, self.position)
 
-    def batches(self) -> Iterator[tuple[int, list[bytes], int]]:
+    def batches(self) -> Iterator[tuple[int, list[bytes | dict], int]]:
         """(ordinal of the first document, raw documents, input position after them)."""
-        batch: list[bytes] = []
+        batch: list[bytes | dict] = []
         size, ordinal = 0, 0
         for doc in self.documents():
             batch.append(doc)
-            size += len(doc)
+            size += _size(doc)
             if size >= BATCH_BYTES or len(batch) >= BATCH_DOCS:
                 yield ordinal, batch, self.position.done
                 ordinal += len(batch)
@@ -217,23 +244,14 @@ def _ordered_results(reader: _Reader, workers: int, init_args: tuple) -> Iterato
             yield in_flight.popleft().get()
 
 
-def _progress(start: float, docs: int, nbytes: int, tokens: int, position: int, total: int, final: bool) -> None:
-    elapsed = max(time.time() - start, 1e-9)
-    line = (f"{docs:,} docs | {docs / elapsed:,.0f} docs/s | {nbytes / elapsed / 1e6:,.2f} MB/s | "
-            f"{tokens / elapsed:,.0f} tokens/s")
-    if total and not final:
-        frac = min(position / total, 1.0)
-        eta = elapsed * (1 - frac) / frac if frac > 0 else float("nan")
-        line += f" | {100 * frac:.1f}% | ETA {eta:,.0f}s"
-    print(("done: " if final else "") + line + f" | {elapsed:,.1f}s", file=sys.stderr, flush=True)
-
-
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--input", required=True, help="a .jsonl file (plain, .gz, .bz2, .xz), a glob of them, or a "
-                                                  "folder of text files (one document per file)")
+    p.add_argument("--input", required=True, help="a .jsonl file (plain, .gz, .bz2, .xz, .zst), a Parquet or Arrow "
+                                                  "file, a glob of them, a `datasets` folder, or a folder of them or "
+                                                  "of text files (one document per file)")
     p.add_argument("--output-prefix", required=True, help="writes {prefix}_{key}_document.bin/.idx")
-    p.add_argument("--json-keys", nargs="+", default=["text"], help="jsonl keys to tokenize (default: text)")
+    p.add_argument("--json-keys", nargs="+", default=["text"], help="jsonl keys or Parquet / Arrow columns to "
+                                                                      "tokenize (default: text)")
     p.add_argument("--append-eod", action="store_true", help="append the EOD token to every non-empty document")
     p.add_argument("--workers", type=int, default=1, help="tokenizer processes (output is identical for any)")
     p.add_argument("--partitions", type=int, default=1, help="Megatron-LM's input partitions (output order only)")
@@ -276,14 +294,19 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--log-interval {args.log_interval}: give a number of documents >= 0")
     if args.vocab_extra_ids:
         p.error(f"--vocab-extra-ids {args.vocab_extra_ids}: T5 sentinel tokens are not supported; use 0")
-    if not args.output_prefix or os.path.isdir(args.output_prefix) or args.output_prefix.endswith(os.sep):
-        p.error(f"--output-prefix {args.output_prefix!r} is a directory: give a path prefix inside it, e.g. "
-                f"{os.path.join(args.output_prefix or '.', 'corpus')}")
-    parent = Path(args.output_prefix).parent
+    check_output_prefix(p, args.output_prefix)
+
+
+def check_output_prefix(p: argparse.ArgumentParser, prefix: str) -> None:
+    """--output-prefix names files in a directory that exists or can be created."""
+    if not prefix or os.path.isdir(prefix) or prefix.endswith(os.sep):
+        p.error(f"--output-prefix {prefix!r} is a directory: give a path prefix inside it, e.g. "
+                f"{os.path.join(prefix or '.', 'corpus')}")
+    parent = Path(prefix).parent
     while not parent.exists():
         parent = parent.parent
     if not parent.is_dir():
-        p.error(f"--output-prefix {args.output_prefix}: {parent} is a file, not a directory")
+        p.error(f"--output-prefix {prefix}: {parent} is a file, not a directory")
 
 
 def _empty_message(args: argparse.Namespace, key: str, docs: int, skipped: collections.Counter,
@@ -313,7 +336,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     _check_args(p, args)
     previous = None
     if threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGTERM, _stop)
+        previous = signal.signal(signal.SIGTERM, raise_stopped)
     try:
         return _run(args)
     except _USER_ERRORS as e:
@@ -330,12 +353,12 @@ class Stopped(Exception):
     """SIGTERM: raised in the main process, so that the run's temporary files are removed on the way out."""
 
 
-def _stop(signum: int, frame: object) -> None:
+def raise_stopped(signum: int, frame: object) -> None:
     raise Stopped("stopped by SIGTERM")
 
 
 def _run(args: argparse.Namespace) -> dict[str, Any]:
-    reader = _Reader(args.input)
+    reader = _Reader(args.input, args.json_keys)
     if reader.folder and len(args.json_keys) != 1:
         raise InputError("a folder input gives one text per file: pass a single --json-keys name")
     tok_args = {"type": args.tokenizer_type, "model": args.tokenizer_model, "vocab_file": args.vocab_file,
@@ -360,7 +383,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     skipped: collections.Counter = collections.Counter()
     examples: list[str] = []
     empty_example, seen_keys = None, set()
-    start = time.time()
+    progress = Progress(reader.total)
     next_log = args.log_interval
     init_args = (tok_args, args.json_keys, reader.folder, args.workers > 1)
     try:
@@ -385,7 +408,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             seen_keys.update(result["seen_keys"])
             examples += result["examples"][:5 - len(examples)]
             if docs >= next_log:
-                _progress(start, docs, nbytes, sum(tokens.values()), result["position"], reader.total, final=False)
+                progress.report(docs, nbytes, result["position"], sum(tokens.values()))
                 next_log = docs + args.log_interval
         for key, count in tokens.items():
             if count == 0:
@@ -407,7 +430,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         for prefix in temp.values():
             for leftover in glob.glob(glob.escape(prefix) + "*"):
                 os.remove(leftover)
-    _progress(start, docs, nbytes, sum(tokens.values()), reader.position.done, reader.total, final=True)
+    progress.report(docs, nbytes, reader.position.done, sum(tokens.values()), final=True)
     if skipped:
         reasons = ", ".join(f"{n} {reason}" for reason, n in sorted(skipped.items()))
         print(f"skipped {sum(skipped.values())} malformed documents ({reasons}); first: {'; '.join(examples)}",
@@ -425,7 +448,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
           f"(model.vocab_size may be larger)", file=sys.stderr)
     return {"documents": docs, "tokens": sum(tokens.values()), "bytes": nbytes, "skipped": dict(skipped),
             "empty": empty,
-            "seconds": time.time() - start, "outputs": list(finals.values())}
+            "seconds": progress.elapsed, "outputs": list(finals.values())}
 
 
 def _training_settings(args: argparse.Namespace, tokenizer: Any, finals: dict[str, str]) -> list[str]:

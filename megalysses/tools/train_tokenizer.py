@@ -1,8 +1,16 @@
-"""Train a sentencepiece BPE tokenizer from JSON Lines (plain, gzip, bz2 or xz) or plain text files.
+"""Train a sentencepiece BPE tokenizer from JSON Lines (plain, gzip, bz2, xz or zstd), Parquet, Arrow, a
+Hugging Face `datasets` folder, or plain text files.
 
     python tools/train_tokenizer.py --input data/stdlib.jsonl --model-prefix data/stdlib_sp \\
         --vocab-size 8192 --byte-fallback
     # -> data/stdlib_sp.model (use with --tokenizer-type sentencepiece) and data/stdlib_sp.vocab
+
+Each --input is a file, a glob or a folder, read as tools/preprocess_data.py reads it (Parquet and
+Arrow by their bytes, a `datasets` folder as its Arrow files, a folder of Parquet, Arrow or .jsonl
+files as those, another folder as one text document per file), except that a file whose name is not
+.jsonl / .json (compressed or not) is a text document. --json-key names the key or column. Reading
+is reported as preprocess_data reports it (documents/s, MB/s, ETA); sentencepiece's training that
+follows shows no progress of its own.
 
 Text is kept verbatim (identity normalisation, whitespace preserved) so code round-trips; documents
 are fed to the trainer in chunks of whole lines of about --chunk-chars characters. Piece ids: 0 unk,
@@ -24,7 +32,10 @@ from typing import Iterator, Optional
 
 import sentencepiece as spm
 
-from megalysses.data.text_input import InputError, check_jsonl, check_readable, read_file, read_lines
+from megalysses.data.columnar import check_columns, read_records
+from megalysses.data.progress import Progress
+from megalysses.data.text_input import (InputError, Position, check_jsonl, check_readable, corpus_inputs, read_file,
+                                        read_lines)
 
 META_PIECES = 4   # unk, BOS, EOS, PAD
 
@@ -34,13 +45,33 @@ def _is_jsonl(path: str) -> bool:
     return name.endswith((".jsonl", ".json"))
 
 
-class Documents:
-    """The documents of .jsonl/.json files (the json_key field) or whole text files; counts what it skips."""
+def resolve_inputs(specs: list[str], json_key: str) -> list[tuple[str, str]]:
+    """[(file, kind)] of the --input files, globs and folders, each checked readable (InputError if not);
+    kind is jsonl, parquet, arrow or text."""
+    inputs = []
+    for spec in specs:
+        files, _ = corpus_inputs(spec)
+        inputs += [(f, "text" if kind == "jsonl" and not _is_jsonl(f) else kind) for f, kind in files]
+    for path, kind in inputs:
+        if kind == "jsonl":
+            check_jsonl(path)
+        elif kind == "text":
+            check_readable(path)
+        else:
+            check_columns(path, kind, [json_key], "--json-key")
+    return inputs
 
-    def __init__(self, paths: list[str], json_key: str) -> None:
-        self.paths, self.json_key = paths, json_key
-        self.count, self.skipped = 0, 0
+
+class Documents:
+    """The documents of the inputs: the json_key field of .jsonl/.json lines and of Parquet / Arrow rows,
+    or whole text files; counts what it skips and reports progress every log_interval documents."""
+
+    def __init__(self, inputs: list[tuple[str, str]], json_key: str, log_interval: int = 0) -> None:
+        self.inputs, self.json_key, self.log_interval = inputs, json_key, log_interval
+        self.count, self.skipped, self.chars = 0, 0, 0
         self.error: Optional[InputError] = None
+        self.position = Position()
+        self.progress = Progress(sum(os.path.getsize(f) for f, _ in inputs))
 
     def __iter__(self) -> Iterator[str]:
         """The documents; an unreadable input ends the iteration and is kept in `error` (the trainer that
@@ -51,27 +82,45 @@ class Documents:
             self.error = err
 
     def _documents(self) -> Iterator[str]:
-        for path in self.paths:
-            if not _is_jsonl(path):
+        for text in self._texts():
+            self.count += 1
+            self.chars += len(text)
+            if self.log_interval and self.count % self.log_interval == 0:
+                self.progress.report(self.count, self.chars, self.position.done)
+            yield text
+        self.progress.report(self.count, self.chars, self.position.done, final=True, prefix="read: ")
+        print("training the tokenizer on the text read (sentencepiece shows no progress)", file=sys.stderr, flush=True)
+
+    def _texts(self) -> Iterator[str]:
+        """The non-empty texts, in input order."""
+        for path, kind in self.inputs:
+            if kind == "text":
                 try:
-                    text = read_file(path).decode("utf-8")
+                    text = read_file(path, self.position).decode("utf-8")
                 except UnicodeDecodeError:
                     self.skipped += 1
                     continue
                 if text:
-                    self.count += 1
                     yield text
                 continue
-            for line in read_lines(path):
-                try:
-                    value = json.loads(line).get(self.json_key)
-                except (UnicodeDecodeError, json.JSONDecodeError, AttributeError):
-                    value = None
+            if kind == "jsonl":
+                for line in read_lines(path, self.position):
+                    try:
+                        value = json.loads(line).get(self.json_key)
+                    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+                        value = None
+                    if isinstance(value, str):
+                        if value:
+                            yield value
+                    elif line.strip():
+                        self.skipped += 1
+                continue
+            for record in read_records(path, kind, [self.json_key], self.position):
+                value = record[self.json_key]
                 if isinstance(value, str):
                     if value:
-                        self.count += 1
                         yield value
-                elif line.strip():
+                else:
                     self.skipped += 1
 
 
@@ -100,10 +149,12 @@ def _trainer_message(err: Exception) -> str:
 
 def train(inputs: list[str], model_prefix: str, vocab_size: int, json_key: str = "text", byte_fallback: bool = False,
           special_tokens: Optional[list[str]] = None, model_type: str = "bpe", character_coverage: float = 0.9999,
-          max_sentences: int = 1_000_000, chunk_chars: int = 2000, num_threads: Optional[int] = None) -> str:
-    """Train and write `{model_prefix}.model` / `.vocab`; returns the .model path. Raises InputError for an
-    input without text and ValueError (the trainer's own words) for what sentencepiece refuses."""
-    documents = Documents(inputs, json_key)
+          max_sentences: int = 1_000_000, chunk_chars: int = 2000, num_threads: Optional[int] = None,
+          log_interval: int = 0) -> str:
+    """Train and write `{model_prefix}.model` / `.vocab`; returns the .model path. `inputs` are files, globs
+    or folders. Raises InputError for an input without text and ValueError (the trainer's own words) for
+    what sentencepiece refuses."""
+    documents = Documents(resolve_inputs(inputs, json_key), json_key, log_interval)
     model = io.BytesIO()
     try:
         spm.SentencePieceTrainer.train(
@@ -119,7 +170,7 @@ def train(inputs: list[str], model_prefix: str, vocab_size: int, json_key: str =
             raise documents.error from None
         if documents.count == 0:
             raise InputError(f"no text to train on: {', '.join(inputs)} gave no documents with a string "
-                             f"'{json_key}' ({documents.skipped} lines skipped): check --input and "
+                             f"'{json_key}' ({documents.skipped} documents skipped): check --input and "
                              f"--json-key") from None
         raise ValueError(f"sentencepiece cannot train this tokenizer: {_trainer_message(err)}") from None
     if documents.error is not None:
@@ -155,33 +206,31 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if not prefix or os.path.isdir(prefix) or prefix.endswith(os.sep):
         p.error(f"--model-prefix {prefix!r} is a directory: give a path prefix inside it, e.g. "
                 f"{os.path.join(prefix or '.', 'tokenizer')}")
-    for path in args.input:
-        if os.path.isdir(path):
-            p.error(f"--input {path}: is a directory; pass the files (e.g. {path}/*.jsonl)")
-        if not os.path.isfile(path):
-            p.error(f"--input {path}: no such file")
+    if args.log_interval < 0:
+        p.error(f"--log-interval {args.log_interval}: give a number of documents >= 0")
 
 
 def main(argv: Optional[list[str]] = None) -> str:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--input", nargs="+", required=True, help=".jsonl (.gz/.bz2/.xz) or text files")
+    p.add_argument("--input", nargs="+", required=True, help=".jsonl (.gz/.bz2/.xz/.zst), Parquet, Arrow or text "
+                                                             "files, globs of them, or folders (a `datasets` folder)")
     p.add_argument("--model-prefix", required=True, help="writes {prefix}.model and {prefix}.vocab")
     p.add_argument("--vocab-size", type=int, default=8192)
-    p.add_argument("--json-key", default="text", help="jsonl field holding the text (default: text)")
+    p.add_argument("--json-key", default="text", help="jsonl key or Parquet / Arrow column holding the text "
+                                                        "(default: text)")
     p.add_argument("--byte-fallback", action="store_true", help="unknown characters become byte pieces")
     p.add_argument("--special-tokens", nargs="*", default=[], help="extra pieces never split, e.g. <|im_start|>")
     p.add_argument("--model-type", choices=["bpe", "unigram"], default="bpe")
     p.add_argument("--character-coverage", type=float, default=0.9999)
     p.add_argument("--max-sentences", type=int, default=1_000_000, help="sample at most this many chunks (0 = all)")
     p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--log-interval", type=int, default=10000, help="documents read between progress lines (0 = none)")
     args = p.parse_args(argv)
     _check_args(p, args)
     try:
-        for path in args.input:
-            (check_jsonl if _is_jsonl(path) else check_readable)(path)
         path = train(args.input, args.model_prefix, args.vocab_size, args.json_key, args.byte_fallback,
                      args.special_tokens, args.model_type, args.character_coverage, args.max_sentences,
-                     num_threads=args.num_threads)
+                     num_threads=args.num_threads, log_interval=args.log_interval)
     except (ValueError, OSError) as e:
         raise SystemExit(f"error: {e}") from None
     print(f"wrote {path} and {args.model_prefix}.vocab (vocab size {args.vocab_size})", file=sys.stderr)

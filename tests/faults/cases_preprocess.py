@@ -143,7 +143,8 @@ CASES = [
     Case("preprocess/gz_of_nothing_useful", preprocess(gz("garbage\n" * 5)), "bad JSON"),
     Case("preprocess/truncated_bz2", preprocess(jsonl(bz2.compress(GOOD.encode() * 40)[:-200], "in.jsonl.bz2")),
          "truncated"),
-    Case("preprocess/zstd_input", preprocess(jsonl(b"\x28\xb5\x2f\xfd" + b"\x00" * 40, "in.jsonl.zst")), "zstd"),
+    Case("preprocess/zstd_garbage", preprocess(jsonl(b"\x28\xb5\x2f\xfd" + b"\x00" * 40, "in.jsonl.zst")),
+         "corrupt or truncated zstd"),
     Case("preprocess/input_missing", preprocess(lambda tmp: str(tmp / "nowhere.jsonl")), "no such file"),
     Case("preprocess/glob_matches_nothing", preprocess(lambda tmp: str(tmp / "shard_*.jsonl")), "no file matches"),
     # Megatron-LM flags that cannot be honoured
