@@ -17,6 +17,7 @@ from megalysses.data.indexed import IndexedDataset
 from megalysses.data.tokenizer import NullTokenizer, tokenizer_from_config
 from megalysses.data.validate import check_dtype_holds, check_token_ids
 from megalysses.grid import ParallelGrid
+from megalysses.training.batch_size import BatchSizes
 
 Batch = dict[str, torch.Tensor]
 
@@ -26,6 +27,7 @@ class TrainingData:
         d, t = cfg.data, cfg.training
         self.cfg, self.grid, self.device = cfg, grid, device
         self.num_micro = t.global_batch_size // (t.micro_batch_size * grid.dp_size)
+        self.batch_sizes = BatchSizes.from_config(t)      # the batch of each step (a ramp, or constant)
         if d.mock:
             self.eod_id = cfg.model.vocab_size - 1
             n = t.train_steps * t.global_batch_size
@@ -76,24 +78,28 @@ class TrainingData:
                                f"training.eval_interval=0")
 
     def _micro_batches(self, dataset, consumed: int, curriculum: bool) -> Iterator[Batch]:
-        d, g, gbs = self.cfg.data, self.grid, self.cfg.training.global_batch_size
+        d, g, step_of = self.cfg.data, self.grid, self.batch_sizes.step_of
         for mb in iterate_micro_batches(dataset, self.cfg.training.micro_batch_size, g.dp_rank, g.dp_size, g.sp_rank,
                                         g.sp_size, consumed, self.eod_id, d.reset_position_ids, d.document_mask,
                                         seq_len=d.seq_len, eod_mask_loss=d.eod_mask_loss,
                                         vocab_size=self.cfg.model.vocab_size,
                                         layout=g.sequence_layout(self.cfg.parallel.tp_sequence_parallel),
-                                        length_at=(lambda first: d.seq_len_at(first // gbs)) if curriculum else None):
+                                        length_at=(lambda first: d.seq_len_at(step_of(first))) if curriculum else None):
             yield {k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
 
     def train_batches(self, consumed_samples: int) -> Iterator[list[Batch]]:
-        """One list of micro-batches per optimizer step, from `consumed_samples` (global) on; step k's samples
-        are cut to data.seq_len_at(k) tokens (the sequence-length curriculum)."""
+        """One list of micro-batches per optimizer step, from `consumed_samples` (global) on: as many as the step's
+        global batch holds (a batch-size ramp grows it with the samples consumed); step k's samples are cut to
+        data.seq_len_at(k) tokens (the sequence-length curriculum)."""
         it = self._micro_batches(self.train, consumed_samples, curriculum=True)
+        per_micro = self.cfg.training.micro_batch_size * self.grid.dp_size
         while True:
-            step = [mb for _, mb in zip(range(self.num_micro), it)]
-            if len(step) < self.num_micro:
+            num_micro = self.batch_sizes.at(consumed_samples) // per_micro
+            step = [mb for _, mb in zip(range(num_micro), it)]
+            if len(step) < num_micro:
                 raise DatasetError("the training data ran out before training.train_steps: "
                                    "the sample index was built for fewer samples")
+            consumed_samples += num_micro * per_micro
             yield step
 
     def valid_batches(self) -> list[Batch]:
