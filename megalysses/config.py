@@ -59,6 +59,10 @@ class ModelConfig:
     """Normalisation layer type."""
     norm_eps: float = 1e-5
     """Epsilon of the norm layers."""
+    layernorm_1p: bool = False
+    """Zero-centred norm weights (Megatron-LM's --apply-layernorm-1p): every norm scales by (1 + weight) and its
+    weight starts at 0, the same function as a weight starting at 1; checkpoints hold the offset, Hugging Face
+    conversion adds or removes the 1."""
     mlp: Literal["swiglu", "gelu"] = "swiglu"
     """MLP type: SwiGLU (Llama) or GELU (GPT-2)."""
     tie_embeddings: bool = False
