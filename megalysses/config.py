@@ -142,7 +142,12 @@ class ParallelConfig:
 class DataConfig:
     paths: list[str] = field(default_factory=list)
     """Dataset prefixes (without .bin/.idx), optionally weighted:
-    ["0.7", "a_text_document", "0.3", "b_text_document"]."""
+    ["0.7", "a_text_document", "0.3", "b_text_document"]; unweighted, blended with equal weights (or by size,
+    blend_by_size)."""
+    blend_by_size: bool = False
+    """Blend an unweighted list of paths (or valid_paths) in proportion to the datasets' sizes, as Megatron-LM
+    blends an unweighted --data-path: each dataset weighs the samples of data.seq_len tokens that one pass over
+    its share of the split holds. False: equal weights. A weighted list keeps its weights either way."""
     split: str = "969,30,1"
     """train,valid,test ratios over the dataset's sequences (its documents, unless preprocessing split them
     into sentences), divided as Megatron-LM divides them (docs/DATA_FORMAT.md)."""

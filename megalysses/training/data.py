@@ -63,15 +63,16 @@ class TrainingData:
         train_samples = t.train_steps * t.global_batch_size
         if d.valid_paths:                # a validation set of its own: each set is read whole
             self.train = build_gpt_datasets(d.paths, "1,0,0", d.seq_len, t.seed, (train_samples, None, None),
-                                            d.cache_dir, validate)[0]
+                                            d.cache_dir, validate, by_size=d.blend_by_size)[0]
             self.valid = build_gpt_datasets(d.valid_paths, "0,1,0", d.seq_len, t.seed, (None, valid_samples, None),
-                                            d.cache_dir, validate, need_train=False)[1]
+                                            d.cache_dir, validate, need_train=False, by_size=d.blend_by_size)[1]
             if t.eval_interval and self.valid is None:
                 raise DatasetError(f"data.valid_paths holds too few tokens for one sample of data.seq_len={d.seq_len}: "
                                    f"give it more data, or set training.eval_interval=0")
             return
         self.train, self.valid, _ = build_gpt_datasets(
-            d.paths, d.split, d.seq_len, t.seed, (train_samples, valid_samples, None), d.cache_dir, validate)
+            d.paths, d.split, d.seq_len, t.seed, (train_samples, valid_samples, None), d.cache_dir, validate,
+            by_size=d.blend_by_size)
         if t.eval_interval and self.valid is None:
             raise DatasetError(f"training.eval_interval={t.eval_interval} but the split '{d.split}' leaves no "
                                f"validation data: give the valid split a share, give data.valid_paths, or set "
