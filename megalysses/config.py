@@ -19,6 +19,8 @@ class ConfigError(ValueError):
 
 @dataclass
 class RopeScalingConfig:
+    """Rotary frequency scaling for contexts longer than the model was trained at."""
+
     type: Literal["none", "llama3"] = "none"
     """Frequency scaling of RoPE: none, or Llama 3.1's (low frequencies divided by `factor`, high ones
     kept, a smooth ramp between), as Hugging Face's rope_type "llama3"."""
@@ -34,6 +36,8 @@ class RopeScalingConfig:
 
 @dataclass
 class ModelConfig:
+    """The model: a decoder-only transformer (Llama architecture by default) and the kernels that run it."""
+
     vocab_size: int = 4096
     """Vocabulary size: token ids are 0 .. vocab_size-1 (at least the tokenizer's size)."""
     vocab_pad_multiple: int = 128
@@ -106,6 +110,9 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
+    """How the processes split the work: tensor, sequence (Ulysses x ring) and pipeline parallelism, and
+    the data parallelism the rest of the world size gives; gradient reduction and sharding."""
+
     tp: int = 1
     """Tensor-parallel degree (keep inside a node)."""
     sp: int = 1
@@ -140,6 +147,9 @@ class ParallelConfig:
 
 @dataclass
 class DataConfig:
+    """The training data: Megatron-LM .bin/.idx datasets (tools/preprocess_data.py), their blend and split,
+    the tokenizer, and how samples are packed."""
+
     paths: list[str] = field(default_factory=list)
     """Dataset prefixes (without .bin/.idx), optionally weighted:
     ["0.7", "a_text_document", "0.3", "b_text_document"]; unweighted, blended with equal weights (or by size,
@@ -205,6 +215,8 @@ class DataConfig:
 
 @dataclass
 class OptimizerConfig:
+    """AdamW and the learning-rate schedule."""
+
     lr: float = 3e-4
     """Peak learning rate."""
     min_lr: float = 3e-5
@@ -249,6 +261,8 @@ class OptimizerConfig:
 
 @dataclass
 class TrainingConfig:
+    """The training run: batch sizes, length, stops, validation, precision and memory options."""
+
     seed: int = 1234
     """Seed for init, data order and dropout; the same seed gives the same model at every layout."""
     micro_batch_size: int = 1
@@ -311,6 +325,8 @@ class TrainingConfig:
 
 @dataclass
 class CheckpointConfig:
+    """Checkpoints: where, how often, what to resume from."""
+
     dir: Optional[str] = None
     """Checkpoint directory (default: <run_dir>/checkpoints)."""
     save_interval: int = 0
@@ -331,6 +347,8 @@ class CheckpointConfig:
 
 @dataclass
 class LoggingConfig:
+    """The run directory, metrics and their loggers."""
+
     run_dir: str = "runs/default"
     """Run directory: resolved config, metrics.jsonl, checkpoints."""
     log_interval: int = 10
