@@ -36,7 +36,7 @@ def _f(flag: str, kind: str, keys: str = "", status: str = "same", note: str = "
                 False if kind == "flag" else True if kind == "noflag" else default, choices, names, values)
 
 
-_PERF = "performance only here: what is trained does not change"
+_PERF = "speed or memory only: what is trained does not change"
 _LOG = "logging or profiling only"
 _NO_DROPOUT = "0 maps (megalysses has no dropout); any other value cannot be honoured"
 _DTYPE_NOTE = "megalysses trains in bf16 (fp32 master weights) or fp32"
@@ -120,8 +120,8 @@ _TABLE = [
     _f("--overlap-grad-reduce", "flag", "parallel.overlap_grad_reduce"),
     _f("--use-torch-fsdp2", "flag", "parallel.fsdp"),
     _f("--overlap-param-gather", "flag", status="ignored",
-       note="ZeRO-1 gathers the updated parameters after the step, not overlapped with the next forward: "
-            + _PERF),
+       note="ZeRO-1 gathers the updated parameters after the step, not overlapped with the next forward (speed "
+            "only: what is trained does not change)"),
     _f("--distributed-timeout-minutes", "int", "parallel.timeout_seconds", default=10,
        note="timeout_seconds = 60 * minutes"),
     _f("--distributed-backend", "str", "parallel.backend", default="nccl", choices=("nccl", "gloo")),
@@ -157,8 +157,9 @@ _TABLE = [
     _f("--adam-beta1", "float", "optimizer.beta1", default=0.9),
     _f("--adam-beta2", "float", "optimizer.beta2", default=0.999),
     _f("--adam-eps", "float", "optimizer.eps", default=1e-8),
-    _f("--optimizer", "str", status="partial", default="adam", choices=("adam", "sgd"),
-       note="adam maps (Megatron-LM's Adam decouples weight decay: AdamW); sgd cannot be honoured"),
+    _f("--optimizer", "str", status="partial", default="adam",
+       choices=("adam", "sgd", "muon", "dist_muon", "lion", "soap", "adaptive_muon"),
+       note="adam maps (Megatron-LM's Adam decouples weight decay: AdamW); the others cannot be honoured"),
     _f("--lr-decay-style", "str", "optimizer.schedule", status="partial", default="linear",
        choices=("constant", "linear", "cosine", "inverse-square-root", "WSD"),
        note="constant, linear, cosine and WSD map; inverse-square-root cannot be honoured"),
@@ -209,9 +210,9 @@ _TABLE = [
             "pipeline stage; otherwise it cannot be honoured (checkpointing is all layers or none here)"),
     _f("--recompute-num-layers", "int", status="partial", note="see --recompute-method"),
     _f("--cpu-offloading", "flag", status="none",
-       note="Megatron-LM offloads the activations of some layers without recomputation; megalysses offloads the "
-            "checkpointed block inputs of every layer (training.activation_offload with "
-            "activation_checkpointing): set them yourself"),
+       note="(older releases; newer ones turn it on with --cpu-offloading-num-layers) Megatron-LM offloads the "
+            "activations of some layers without recomputation; megalysses offloads the checkpointed block inputs "
+            "of every layer (training.activation_offload with activation_checkpointing): set them yourself"),
     _f("--cpu-offloading-num-layers", "int", status="none", default=0, note="see --cpu-offloading"),
     _f("--optimizer-cpu-offload", "flag", "training.optimizer_offload"),
     _f("--optimizer-offload-fraction", "float", status="partial", default=1.0, note="1.0 maps (the whole optimizer "
@@ -237,7 +238,7 @@ _TABLE = [
     _f("--no-load-rng", "flag", status="none", note="a resume loads the RNG state here"),
     # logging
     _f("--log-interval", "int", "logging.log_interval", default=100),
-    _f("--eval-interval", "int", "training.eval_interval", default=1000),
+    _f("--eval-interval", "int", "training.eval_interval", note="unset, Megatron-LM does not validate during training"),
     _f("--eval-iters", "int", "training.eval_steps", default=100, note="0 turns validation off"),
     _f("--tensorboard-dir", "str", "logging.tensorboard logging.tensorboard_dir"),
     _f("--wandb-project", "str", "logging.wandb_project logging.wandb_mode", note="wandb_mode online"),
@@ -251,14 +252,13 @@ _IGNORED = {  # flags whose only effect is speed, memory layout, profiling or lo
              "--no-bias-gelu-fusion", "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion",
              "--no-gradient-accumulation-fusion", "--use-cpu-initialization", "--log-params-norm",
              "--log-num-zeros-in-grad", "--log-timers-to-tensorboard", "--log-validation-ppl-to-tensorboard",
-             "--log-memory-to-tensorboard", "--use-pytorch-profiler", "--no-async-tensor-model-parallel-allreduce",
-             "--tp-comm-overlap", "--ckpt-fully-parallel-load", "--async-save", "--dist-ckpt-strictness",
-             "--bias-swiglu-fusion", "--bias-gelu-fusion", "--masked-softmax-fusion", "--use-legacy-models"],
+             "--log-memory-to-tensorboard", "--use-pytorch-profiler", "--tp-comm-overlap", "--ckpt-fully-parallel-load",
+             "--async-save"],
     "int": ["--num-workers", "--profile-step-start", "--profile-step-end", "--empty-unused-memory-level",
             "--manual-gc-interval", "--tensorboard-log-interval", "--timing-log-level", "--tensorboard-queue-size",
             "--num-dataset-builder-threads"],
     "str": ["--transformer-impl", "--dataloader-type", "--cross-entropy-fusion-impl", "--tiktoken-pattern",
-            "--timing-log-option"],
+            "--timing-log-option", "--dist-ckpt-strictness"],
     "ints": ["--profile-ranks"],
 }
 for _kind, _names in _IGNORED.items():
