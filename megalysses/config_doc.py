@@ -114,10 +114,9 @@ def reference_markdown() -> str:
             flags = ", ".join(f"`{f}`" for f in k.flags)
             lines.append(f"| `{k.key}` | {_cell(kind)} | `{_cell(_value(k.default))}` | {_cell(k.doc)} | {flags} |")
         lines.append("")
-    lines += ["## Megatron-LM flags without a key of their own", "",
-              ("Flags that map only for some values, or not at all. The converter names each one it meets; those that "
-              "cannot be honoured make the conversion lossy."), "", "| flag | status | what happens here |",
-              "|---|---|---|"]
+    lines += ["## Megatron-LM flags that map in part, not at all, or need no key", "",
+              ("The converter (`tools/from_megatron.py`) names each of these it meets that it cannot honour; those "
+               "make the conversion lossy."), "", "| flag | status | what happens here |", "|---|---|---|"]
     for f in megatron_names.FLAGS.values():
         if f.status in ("partial", "none") or (not f.keys and f.status == "same"):
             status = {"partial": "some values", "none": "no counterpart", "same": "the same, no key"}[f.status]

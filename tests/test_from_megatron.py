@@ -290,8 +290,12 @@ def gpt3_args(files):
             str(files / "gpt2" / "merges.txt"), str(files / "web_text_document")]
 
 
+PASS_ON = 'set -e\ntorchrun pretrain_gpt.py --data-path "$@" --seed $# --save ${HOME}/ck --lr "${LR:-1e-4}"\n'
+
+
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash as the reference")
-@pytest.mark.parametrize("script,args", [(LLAMA3, llama_args), (GPT3, gpt3_args), (LLAMA3, lambda f: [])])
+@pytest.mark.parametrize("script,args", [(LLAMA3, llama_args), (GPT3, gpt3_args), (LLAMA3, lambda f: []),
+                                         (PASS_ON, lambda f: ["a b", "c"])])
 def test_the_script_reads_as_bash_runs_it(files, tmp_path, script, args):
     """bash itself is the reference: torchrun becomes a function that prints what it would pass on."""
     path = tmp_path / "train.sh"
@@ -300,7 +304,7 @@ def test_the_script_reads_as_bash_runs_it(files, tmp_path, script, args):
     out = subprocess.run(["bash", str(path), *args(files)], cwd=files, capture_output=True, check=True).stdout
     expected = [a.strip("'") for a in out.decode().split("\0")[:-1]]
     assert script_arguments(script, args(files)) == expected
-    assert "--fp8-format" in expected and "hybrid" in expected if script is LLAMA3 else "--fp16" in expected
+    assert {LLAMA3: "--fp8-format", GPT3: "--fp16", PASS_ON: "a b"}[script] in expected
 
 
 def test_llama3_style_script(files, tmp_path, capsys):

@@ -4,11 +4,12 @@ against the flag table of megalysses/megatron_names.py.
     argv = script_arguments(Path("train.sh").read_text(), ["ckpt/", "tb/"])   # the script's $1, $2, ...
     given = parse_arguments(argv)       # {"--num-layers": 32, "--swiglu": True, "--data-path": ["a"], ...}
 
-The script is read, not run. Assignments (X=1, A=(...), A+=(...), export), expansions ($X, ${X}, ${X:-default},
-${A[@]}, $1, $((arithmetic))), quotes, line continuations, comments and if/elif/else blocks whose tests compare
-strings ([[ "$X" == y ]], [ -z "$X" ], ||, &&) are followed as bash follows them; other commands are left out,
-and the first that runs pretrain_gpt.py (through torchrun, python, srun, ...) gives the arguments. What cannot
-be followed (a loop, a command's output) is an error naming the line, with the other way to give them:
+The script is read, not run, in the environment the converter runs in. Assignments (X=1, A=(...), A+=(...),
+export), expansions ($X, ${X}, ${X:-default}, ${A[@]}, $1, "$@", $((arithmetic))), quotes, line continuations,
+comments and if/elif/else blocks whose tests compare strings ([[ "$X" == y ]], [ -z "$X" ], ||, &&) are
+followed as bash follows them; other commands are left out, and the first that runs pretrain_gpt.py (through
+torchrun, python, srun, ...) gives the arguments. What cannot be followed (a loop that builds them, a command's
+output) is an error naming the line, with the other way to give them:
 `tools/from_megatron.py -- <pretrain_gpt.py arguments>`.
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import ast
 import difflib
 import operator
+import os
 import re
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -120,7 +122,8 @@ def _lex(text: str) -> list[_Tok]:
 
 class _Shell:
     def __init__(self, args: list[str]) -> None:
-        self.scalars: dict[str, str] = {str(k): v for k, v in enumerate(args, 1)}
+        # the environment, as the script would see it where the converter runs, and its $1, $2, ...
+        self.scalars: dict[str, str] = {**os.environ, **{str(k): v for k, v in enumerate(args, 1)}}
         self.arrays: dict[str, list[str]] = {}
 
     # -- expansion
@@ -129,7 +132,8 @@ class _Shell:
         m = re.fullmatch(r"([A-Za-z_][A-Za-z0-9_]*|[0-9]+)(?:\[([@*]|[0-9]+)\])?(?:(:?[-=+])(.*))?", expr, re.S)
         if not m:
             if expr in ("@", "*", "#"):
-                return [] if expr != "#" else [str(sum(k.isdigit() for k in self.scalars))]
+                args = [self.scalars[k] for k in sorted((k for k in self.scalars if k.isdigit()), key=int)]
+                return [str(len(args))] if expr == "#" else args
             raise MegatronArgsError(f"line {line}: the expansion ${{{expr}}} is not one this reader follows; "
                                     f"{OTHER_WAY}")
         name, index, op, word = m.groups()
