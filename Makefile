@@ -2,6 +2,7 @@
 # make test-gpu    : the GPU tier (pytest -m gpu) with the machine's own python and CUDA torch
 # make lint        : ruff (rules in pyproject.toml) on the Python code, hadolint on the Dockerfile,
 #                    kubernetes-validate on examples/kubernetes/*.yaml
+# make docs        : regenerate docs/CONFIG.md from the config schema (a test fails while it is out of date)
 # make quickstart  : stdlib corpus -> tokenizer -> dataset (cached), train a small GPT on 4 processes
 #                    with tp=2 x sp=2, then sample text from the checkpoint
 PYTHON    ?= python3
@@ -11,7 +12,7 @@ TORCH_CPU ?= torch==2.13.0
 NPROC     ?= 4
 DATA      ?= data
 
-.PHONY: venv test test-gpu lint quickstart corpus clean
+.PHONY: venv test test-gpu lint docs quickstart corpus clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,6 +35,9 @@ test-gpu:
 $(VENV)/.lint: pyproject.toml $(VENV)/.installed
 	$(PY) -m pip install --quiet -e ".[lint]"
 	touch $@
+
+docs: venv
+	$(PY) tools/config_doc.py --output docs/CONFIG.md
 
 # the Kubernetes manifests against the bundled schemas (no network) of the oldest release they need and
 # of the newest kubernetes-validate knows; --strict refuses unknown fields

@@ -19,6 +19,8 @@ class ConfigError(ValueError):
 
 @dataclass
 class RopeScalingConfig:
+    """Rotary frequency scaling for contexts longer than the model was trained at."""
+
     type: Literal["none", "llama3"] = "none"
     """Frequency scaling of RoPE: none, or Llama 3.1's (low frequencies divided by `factor`, high ones
     kept, a smooth ramp between), as Hugging Face's rope_type "llama3"."""
@@ -34,6 +36,8 @@ class RopeScalingConfig:
 
 @dataclass
 class ModelConfig:
+    """The model: a decoder-only transformer (Llama architecture by default) and the kernels that run it."""
+
     vocab_size: int = 4096
     """Vocabulary size: token ids are 0 .. vocab_size-1 (at least the tokenizer's size)."""
     vocab_pad_multiple: int = 128
@@ -59,6 +63,10 @@ class ModelConfig:
     """Normalisation layer type."""
     norm_eps: float = 1e-5
     """Epsilon of the norm layers."""
+    layernorm_1p: bool = False
+    """Zero-centred norm weights (Megatron-LM's --apply-layernorm-1p): every norm scales by (1 + weight) and its
+    weight starts at 0, the same function as a weight starting at 1; checkpoints hold the offset, Hugging Face
+    conversion adds or removes the 1."""
     mlp: Literal["swiglu", "gelu"] = "swiglu"
     """MLP type: SwiGLU (Llama) or GELU (GPT-2)."""
     tie_embeddings: bool = False
@@ -102,6 +110,9 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
+    """How the processes split the work: tensor, sequence (Ulysses x ring) and pipeline parallelism, and
+    the data parallelism the rest of the world size gives; gradient reduction and sharding."""
+
     tp: int = 1
     """Tensor-parallel degree (keep inside a node)."""
     sp: int = 1
@@ -136,9 +147,17 @@ class ParallelConfig:
 
 @dataclass
 class DataConfig:
+    """The training data: Megatron-LM .bin/.idx datasets (tools/preprocess_data.py), their blend and split,
+    the tokenizer, and how samples are packed."""
+
     paths: list[str] = field(default_factory=list)
     """Dataset prefixes (without .bin/.idx), optionally weighted:
-    ["0.7", "a_text_document", "0.3", "b_text_document"]."""
+    ["0.7", "a_text_document", "0.3", "b_text_document"]; unweighted, blended with equal weights (or by size,
+    blend_by_size)."""
+    blend_by_size: bool = False
+    """Blend an unweighted list of paths (or valid_paths) in proportion to the datasets' sizes, as Megatron-LM
+    blends an unweighted --data-path: each dataset weighs the samples of data.seq_len tokens that one pass over
+    its share of the split holds. False: equal weights. A weighted list keeps its weights either way."""
     split: str = "969,30,1"
     """train,valid,test ratios over the dataset's sequences (its documents, unless preprocessing split them
     into sentences), divided as Megatron-LM divides them (docs/DATA_FORMAT.md)."""
@@ -196,6 +215,8 @@ class DataConfig:
 
 @dataclass
 class OptimizerConfig:
+    """AdamW and the learning-rate schedule."""
+
     lr: float = 3e-4
     """Peak learning rate."""
     min_lr: float = 3e-5
@@ -211,15 +232,37 @@ class OptimizerConfig:
     grad_clip: float = 1.0
     """Clip the global gradient norm to this (0 = off)."""
     schedule: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
-    """LR shape after warmup; wsd = constant then a linear decay over the last decay_fraction."""
+    """LR shape after warmup, down to min_lr at decay_steps; wsd = constant, then a decay (wsd_decay_style) over
+    the last decay_fraction (or wsd_decay_steps). Megatron-LM's spelling WSD is read as wsd with its default
+    decay style, exponential, unless wsd_decay_style is given."""
     warmup_steps: int = 100
     """Linear warmup steps."""
+    warmup_init: Optional[float] = None
+    """Megatron-LM's warmup (--lr-warmup-init): the learning rate rises from this value, step k (counted from 0)
+    training at warmup_init + (lr - warmup_init) * k / warmup_steps, so the first step trains at warmup_init
+    (0.0 in Megatron-LM) and step warmup_steps + 1 at lr. None: the first step trains at lr / warmup_steps and
+    step warmup_steps at lr."""
+    decay_steps: int = 0
+    """Steps over which the learning rate decays to min_lr, counted from the start, warmup included (Megatron-LM's
+    --lr-decay-iters): the steps after the first decay_steps train at min_lr. 0 = training.train_steps."""
     decay_fraction: float = 0.2
-    """For wsd: the fraction of training spent decaying."""
+    """For wsd without wsd_decay_steps: the fraction of decay_steps spent decaying, the last step (decay_steps)
+    training at min_lr."""
+    wsd_decay_steps: int = 0
+    """For wsd: the decay spans this many steps and ends after decay_steps, counted as Megatron-LM counts
+    --lr-wsd-decay-iters: after d = decay_steps - wsd_decay_steps steps at lr, step k (counted from 0) trains at
+    the decay's value after k - d of its steps, and the steps after the first decay_steps at min_lr.
+    0 = decay_fraction."""
+    wsd_decay_style: Literal["linear", "exponential", "cosine", "minus_sqrt"] = "linear"
+    """For wsd: the decay's shape as Megatron-LM defines them (--lr-wsd-decay-style), the share of (lr - min_lr)
+    left after a fraction r of the decay: linear 1 - r, cosine (1 + cos(pi r)) / 2, exponential 2 * 0.5^r - 1,
+    minus_sqrt 1 - sqrt(r)."""
 
 
 @dataclass
 class TrainingConfig:
+    """The training run: batch sizes, length, stops, validation, precision and memory options."""
+
     seed: int = 1234
     """Seed for init, data order and dropout; the same seed gives the same model at every layout."""
     micro_batch_size: int = 1
@@ -227,12 +270,27 @@ class TrainingConfig:
     L, each is data.seq_len / L sequences of L tokens."""
     global_batch_size: int = 8
     """Samples (of data.seq_len tokens) per optimizer step over all dp ranks (a multiple of micro_batch_size *
-    dp); at a data.seq_len_schedule stage of length L, each is data.seq_len / L sequences of L tokens."""
+    dp); at a data.seq_len_schedule stage of length L, each is data.seq_len / L sequences of L tokens. With a
+    batch-size ramp (rampup_batch_size or batch_size_schedule), the batch the ramp ends at."""
+    rampup_batch_size: list[int] = field(default_factory=list)
+    """Batch-size ramp-up, Megatron-LM's --rampup-batch-size: [start, increment, samples]: the global batch starts
+    at `start` and grows by `increment` (global_batch_size - start) / increment times, evenly over the first
+    `samples` samples consumed, then stays at global_batch_size. Each step's batch follows from the samples
+    consumed before it, so a resume is exact; the learning rate then advances by samples, counted in batches of
+    global_batch_size, as in Megatron-LM. Empty: no ramp."""
+    batch_size_schedule: list[list[int]] = field(default_factory=list)
+    """Batch size by samples consumed, Megatron-LM's --step-batch-size-schedule: [[from_sample, batch], ...]: a step
+    that starts once from_sample samples are consumed has that global batch; the first entry starts at 0, samples
+    increase and the last batch is global_batch_size. The learning rate advances as with rampup_batch_size.
+    Empty: no schedule."""
     train_steps: int = 1000
     """Optimizer steps to run."""
     exit_at_step: int = 0
     """Checkpoint and exit after this step (0 = off); the LR schedule still spans train_steps, so a
     long run can be split into jobs that resume exactly."""
+    exit_interval: int = 0
+    """Checkpoint and exit after every step that is a multiple of this (Megatron-LM's --exit-interval), so each
+    job of a resumed run trains up to the next multiple (0 = off)."""
     max_wall_minutes: float = 0.0
     """Stop (with a checkpoint) after this many minutes (0 = no limit)."""
     eval_interval: int = 0
@@ -267,6 +325,8 @@ class TrainingConfig:
 
 @dataclass
 class CheckpointConfig:
+    """Checkpoints: where, how often, what to resume from."""
+
     dir: Optional[str] = None
     """Checkpoint directory (default: <run_dir>/checkpoints)."""
     save_interval: int = 0
@@ -287,6 +347,8 @@ class CheckpointConfig:
 
 @dataclass
 class LoggingConfig:
+    """The run directory, metrics and their loggers."""
+
     run_dir: str = "runs/default"
     """Run directory: resolved config, metrics.jsonl, checkpoints."""
     log_interval: int = 10
@@ -296,8 +358,9 @@ class LoggingConfig:
     wandb_project: str = "megalysses"
     """Weights & Biases project."""
     tensorboard: bool = False
-    """Also write the logged scalars as TensorBoard event files to <run_dir>/tensorboard (the `tensorboard`
-    extra)."""
+    """Also write the logged scalars as TensorBoard event files to tensorboard_dir (the `tensorboard` extra)."""
+    tensorboard_dir: Optional[str] = None
+    """Where TensorBoard event files go (Megatron-LM's --tensorboard-dir; default: <run_dir>/tensorboard)."""
     peak_tflops: float = 0.0
     """Peak dense TFLOP/s of one device for MFU (0 = the bf16 peak guessed from the GPU name, for bf16
     runs; no MFU otherwise)."""

@@ -12,7 +12,7 @@ import dataclasses
 import math
 from typing import Optional
 
-from megalysses.config import Config, ConfigError, DataConfig
+from megalysses.config import Config, ConfigError, DataConfig, TrainingConfig
 
 
 def validate_config(cfg: Config, world_size: Optional[int] = None) -> None:
@@ -65,6 +65,8 @@ def validate_config(cfg: Config, world_size: Optional[int] = None) -> None:
                           "state is already sharded with the weights; set one of them to false")
     if t.micro_batch_size < 1 or t.global_batch_size < 1:
         raise ConfigError("training.micro_batch_size and training.global_batch_size must be >= 1")
+    _check_batch_ramp(t)
+    _check_lr_schedule(cfg)
     if world_size is not None:
         mp = p.tp * p.sp * p.pp
         if world_size % mp:
@@ -81,6 +83,7 @@ def validate_config(cfg: Config, world_size: Optional[int] = None) -> None:
             raise ConfigError(f"interleaved pipeline: {micro} micro-batches per step (global_batch_size / "
                               f"(micro_batch_size * dp)) is not a multiple of parallel.pp={p.pp}: change "
                               f"training.global_batch_size or micro_batch_size")
+        _check_ramp_layout(cfg, per_step, dp)
 
 
 MAX_SEQ_LEN = 2**31 - 2
@@ -99,7 +102,9 @@ _RANGES = [
     ("optimizer", "lr", 0.0, None), ("optimizer", "min_lr", 0.0, None), ("optimizer", "weight_decay", 0.0, None),
     ("optimizer", "beta1", 0.0, 1.0), ("optimizer", "beta2", 0.0, 1.0), ("optimizer", "eps", 0.0, None),
     ("optimizer", "grad_clip", 0.0, None), ("optimizer", "warmup_steps", 0, None),
-    ("optimizer", "decay_fraction", 0.0, 1.0),
+    ("optimizer", "decay_fraction", 0.0, 1.0), ("optimizer", "warmup_init", 0.0, None),
+    ("optimizer", "decay_steps", 0, None), ("optimizer", "wsd_decay_steps", 0, None),
+    ("training", "exit_interval", 0, None),
     ("training", "seed", 0, 2**63 - 1), ("training", "train_steps", 1, None), ("training", "exit_at_step", 0, None),
     ("training", "max_wall_minutes", 0.0, None), ("training", "eval_interval", 0, None),
     ("training", "eval_steps", 1, None), ("checkpoint", "save_interval", 0, None), ("checkpoint", "keep_last", 0, None),
@@ -144,10 +149,81 @@ def config_warnings(cfg: Config) -> list[str]:
         notes.append(f"data.seq_len_schedule: the stage from step {late[0][0]} (seq_len {late[0][1]}) starts at or "
                      f"after training.train_steps={t.train_steps}: it never runs, and neither does "
                      f"data.seq_len={cfg.data.seq_len}")
+    if o.warmup_init is not None and o.warmup_init > o.lr:
+        notes.append(f"optimizer.warmup_init={o.warmup_init:g} is above optimizer.lr={o.lr:g}: the learning rate "
+                     f"will fall during warmup")
     if o.warmup_steps > t.train_steps:
         notes.append(f"optimizer.warmup_steps={o.warmup_steps} is more than training.train_steps={t.train_steps}: "
                      f"the learning rate never reaches optimizer.lr")
     return notes
+
+
+def _check_batch_ramp(t: TrainingConfig) -> None:
+    """training.rampup_batch_size ([start, increment, samples]) or batch_size_schedule ([[from_sample, batch], ...]),
+    each ending at global_batch_size."""
+    gbs = t.global_batch_size
+    if t.rampup_batch_size and t.batch_size_schedule:
+        raise ConfigError("training.rampup_batch_size and training.batch_size_schedule are both set: a run ramps "
+                          "its batch size one way; keep one")
+    ramp = t.rampup_batch_size
+    if ramp:
+        where = f"training.rampup_batch_size={ramp}"
+        if len(ramp) != 3 or min(ramp) < 1:
+            raise ConfigError(f"{where}: give [start, increment, samples], three numbers >= 1, e.g. "
+                              f"[{max(gbs // 8, 1)}, {max(gbs // 8, 1)}, 1000000]")
+        start, increment, _ = ramp
+        if start >= gbs or (gbs - start) % increment:
+            raise ConfigError(f"{where}: the ramp goes from start={start} to training.global_batch_size={gbs} in "
+                              f"steps of increment={increment}, so start must be below {gbs} and {gbs} - start a "
+                              f"multiple of {increment}")
+    prev = -1
+    for i, entry in enumerate(t.batch_size_schedule):
+        where = f"training.batch_size_schedule[{i}]={entry}"
+        if len(entry) != 2:
+            raise ConfigError(f"{where}: each entry is a [from_sample, batch] pair, e.g. [[0, {max(gbs // 4, 1)}], "
+                              f"[100000, {gbs}]]")
+        sample, batch = entry
+        if i == 0 and sample != 0:
+            raise ConfigError(f"{where}: the first entry must start at sample 0: make it [0, {batch}]")
+        if sample <= prev:
+            raise ConfigError(f"{where}: from_sample {sample} is not after the previous entry's {prev}: list the "
+                              f"entries in order of strictly increasing from_sample")
+        if batch < 1:
+            raise ConfigError(f"{where}: batch {batch} must be >= 1")
+        prev = sample
+    if t.batch_size_schedule and t.batch_size_schedule[-1][1] != gbs:
+        raise ConfigError(f"training.batch_size_schedule ends at batch {t.batch_size_schedule[-1][1]} but "
+                          f"training.global_batch_size={gbs} is the batch it ends at: make them equal")
+
+
+def _check_ramp_layout(cfg: Config, per_step: int, dp: int) -> None:
+    """Every batch of a ramp is whole micro-batches on every dp rank (and whole pipeline rounds, interleaved)."""
+    from megalysses.training.batch_size import BatchSizes
+
+    t, p = cfg.training, cfg.parallel
+    what = "rampup_batch_size" if t.rampup_batch_size else "batch_size_schedule"
+    for batch in BatchSizes.from_config(t).batches():
+        if batch % per_step:
+            raise ConfigError(f"training.{what}: the global batch {batch} is not divisible by micro_batch_size="
+                              f"{t.micro_batch_size} * dp={dp} = {per_step}: every batch of the ramp must be; "
+                              f"make start and increment multiples of {per_step}")
+        if p.virtual_stages > 1 and (batch // per_step) % p.pp:
+            raise ConfigError(f"interleaved pipeline: the global batch {batch} of training.{what} is "
+                              f"{batch // per_step} micro-batches, not a multiple of parallel.pp={p.pp}")
+
+
+def _check_lr_schedule(cfg: Config) -> None:
+    """optimizer.decay_steps after warmup; a WSD decay (wsd_decay_steps) that starts after warmup ends."""
+    o = cfg.optimizer
+    decay = o.decay_steps or cfg.training.train_steps
+    if o.schedule != "constant" and o.decay_steps and o.decay_steps <= o.warmup_steps:
+        raise ConfigError(f"optimizer.decay_steps={o.decay_steps} is not after optimizer.warmup_steps="
+                          f"{o.warmup_steps}: the decay would end before warmup does; raise decay_steps")
+    if o.schedule == "wsd" and o.wsd_decay_steps > decay - o.warmup_steps:
+        raise ConfigError(f"optimizer.wsd_decay_steps={o.wsd_decay_steps} is more than the {decay - o.warmup_steps} "
+                          f"steps between warmup (optimizer.warmup_steps={o.warmup_steps}) and the end of the "
+                          f"decay ({'optimizer.decay_steps' if o.decay_steps else 'training.train_steps'}={decay}): "
+                          f"the decay would start during warmup; lower it")
 
 
 def _check_seq_len_schedule(d: DataConfig) -> None:

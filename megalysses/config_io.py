@@ -4,7 +4,9 @@ parsed strictly against the schema of megalysses/config.py.
     cfg = load_config("configs/quickstart.yaml", overrides=["optimizer.lr=3e-4", "parallel.tp=2"])
     save_config(cfg, "runs/x/config.yaml")   # loads back to an equal object, with its paths absolute
 
-Unknown keys fail with the key, its path and the nearest valid name; values are parsed by the
+Unknown keys fail with the key, its path and the nearest valid name, or, for a Megatron-LM name (its flags with
+underscores, e.g. context_parallel_size, or parallel.cp), the key it is here (megalysses/megatron_names.py);
+Megatron-LM's spellings of choice values (RMSNorm, WSD) read as megalysses' own. Values are parsed by the
 field's type; load_config then checks the cross-field rules (megalysses/config_checks.py).
 """
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any, Literal, Optional
 
 import yaml
 
+from megalysses import megatron_names
 from megalysses.config import PATH_KEYS, Config, ConfigError
 from megalysses.config_checks import validate_config
 
@@ -31,9 +34,12 @@ DERIVED = {"parallel.dp": ": data parallelism is what the processes leave over, 
                           "launch more or fewer processes (torchrun --nproc-per-node, --nnodes) to change it"}
 
 
-def _nearest(name: str, choices: list[str], where: str = "") -> str:
+def _nearest(name: str, choices: list[str], where: str = "", value: Any = None) -> str:
     if where in DERIVED:
         return DERIVED[where]
+    answer = megatron_names.answer_for(where, value)
+    if answer is not None:
+        return f": {answer}"
     match = difflib.get_close_matches(name, choices, n=1, cutoff=0.5)
     return f" (did you mean '{match[0]}'?)" if match else f" (valid: {', '.join(choices)})"
 
@@ -48,6 +54,7 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         return _coerce(value, args[0], path)
     if origin is Literal:
         allowed = typing.get_args(tp)
+        value = megatron_names.canonical_value(path, value)
         if value not in allowed:
             raise ConfigError(f"{path}: {value!r} is not one of {', '.join(map(str, allowed))}")
         return value
@@ -103,10 +110,13 @@ def _build(cls: type, data: Any, path: str) -> Any:
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
+    for key, value in list(data.items()):
+        for implied, implied_value in megatron_names.implied_keys(f"{path}.{key}" if path else str(key), value).items():
+            data = {implied: implied_value, **data}      # what Megatron-LM's spelling implies, unless given
     for key, value in data.items():
         where = f"{path}.{key}" if path else str(key)
         if key not in names:
-            raise ConfigError(f"unknown config key '{where}'{_nearest(str(key), names, where)}")
+            raise ConfigError(f"unknown config key '{where}'{_nearest(str(key), names, where, value)}")
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
             kwargs[key] = _build(tp, value, where)
@@ -136,7 +146,8 @@ def apply_override(data: dict, override: str) -> None:
         where = ".".join(parts[: i + 1])
         names = [f.name for f in dataclasses.fields(cls)]
         if part not in names:
-            raise ConfigError(f"override '{override}': unknown config key '{where}'{_nearest(part, names, where)}")
+            raw = raw.strip() if i == len(parts) - 1 else None
+            raise ConfigError(f"override '{override}': unknown config key '{where}'{_nearest(part, names, where, raw)}")
         tp = typing.get_type_hints(cls)[part]
         last = i == len(parts) - 1
         if dataclasses.is_dataclass(tp):
@@ -153,6 +164,8 @@ def apply_override(data: dict, override: str) -> None:
                 raise ConfigError(f"override '{override}': '{where}' is a value, not a section")
             value = _load_yaml(raw) if raw.strip() else ""
             node[part] = _coerce(value if value is not None else None, tp, where)
+            for implied, implied_value in megatron_names.implied_keys(where, value).items():
+                node.setdefault(implied, implied_value)     # what Megatron-LM's spelling implies, unless given
 
 
 def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]] = None) -> Config:

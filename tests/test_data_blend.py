@@ -89,3 +89,26 @@ def test_blended_dataset(tmp_path):
     assert required_samples([0.75, 0.25], 120) == [91, 31]
     with pytest.raises(ValueError, match="takes"):
         BlendedDataset([a[:10], b], [0.75, 0.25], size=120)
+
+
+def test_unweighted_blend_by_size(tmp_path):
+    """data.blend_by_size: an unweighted list weighs each dataset by the samples one epoch of its split holds, as
+    Megatron-LM blends an unweighted --data-path; without it, equal weights; a weighted list keeps its weights."""
+    from megalysses.data.build import build_gpt_datasets, epoch_samples
+    from megalysses.data.gpt_dataset import split_ranges
+    from test_data_gpt import make_dataset
+
+    small = make_dataset(tmp_path / "small", [50] * 40)       # 2000 tokens
+    large = make_dataset(tmp_path / "large", [70] * 90)       # 6300 tokens
+    paths, seq = [str(tmp_path / "small"), str(tmp_path / "large")], 16
+    sizes = [epoch_samples(ds, split_ranges("90,10,0", len(ds))[0], seq) for ds in (small, large)]
+    assert sizes == [(36 * 50 - 1) // seq, (81 * 70 - 1) // seq]
+
+    def shares(spec, by_size):
+        train = build_gpt_datasets(spec, "90,10,0", seq, 1, (300, None, None), str(tmp_path / "cache"),
+                                   by_size=by_size)[0]
+        return np.bincount(train.dataset_index, minlength=2) / 300
+
+    assert shares(paths, True) == pytest.approx(np.array(sizes) / sum(sizes), abs=1 / 300)
+    assert shares(paths, False) == pytest.approx([0.5, 0.5], abs=1 / 300)
+    assert shares(["0.2", paths[0], "0.8", paths[1]], True) == pytest.approx([0.2, 0.8], abs=1 / 300)

@@ -144,10 +144,12 @@ def test_compiled_flex_through_a_curriculum_stays_compiled(tmp_path):
 def test_attention_auto_on_this_gpu_can_run_every_head_dim():
     """auto never picks a backend that fails on the shape: run it for head dims Inductor and flash-attn
     treat differently, with packed documents, forward and backward."""
-    from megalysses.kernels.attention import core_attention, prepare_attention_mask, select_backend
+    from megalysses.kernels.attention import core_attention, prepare_attention_mask
+    from megalysses.plan import Machine
+    from megalysses.plan.run_plan import choose_attention
 
     for D in (8, 16, 48, 64, 128):
-        backend = select_backend("auto", "cuda", torch.bfloat16, head_dim=D, has_docs=True)[0]
+        backend = choose_attention("auto", Machine.current("cuda"), "bfloat16", head_dim=D, has_docs=True)[0]
         q, k, v = (torch.randn(1, 256, h, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                    for h in (4, 2, 2))
         doc_ids = torch.cat([torch.zeros(100, dtype=torch.long), torch.ones(156, dtype=torch.long)])[None].cuda()

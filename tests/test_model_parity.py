@@ -130,7 +130,8 @@ CASES = {
         # several KV heads a Ulysses rank: their order over ranks must be the query heads' order
         case(1, 2, True, model=GQA_2_PER_RANK), case(1, 2, model=MHA_2_PER_RANK),
         # biases and LayerNorm's shift under TP sequence sharding: their gradients are summed over tp
-        case(2, 1, True, True, model=BIASES), case(2, 1, True, True, model=LAYERNORM)],
+        case(2, 1, True, True, model=BIASES), case(2, 1, True, True, model=LAYERNORM),
+        case(2, 1, True, True, model={"layernorm_1p": True})],           # zero-centred norm weights
     4: [case(1, 4), case(1, 4, True),                                    # sp=4 with 2 KV heads: KV replication
         case(2, 2, tied=True), case(2, 2, True, True), case(2, 2, True, tied=True, tile=3), case(2, 1, True, True),
         case(1, 4, True, model=MQA, seq_len=250),                         # ulysses 2 x ring 2, 250 tokens

@@ -32,19 +32,25 @@ BLEND_VERSION = "blend-edf-v1"
 _EPS = 1e-9
 
 
+def _is_number(s: str) -> bool:
+    try:
+        float(s)
+        return True
+    except ValueError:
+        return False
+
+
+def is_weighted(spec: Sequence[str]) -> bool:
+    """Whether a dataset list gives weights (["0.7", "a", "0.3", "b"]) rather than bare prefixes."""
+    return bool(spec) and _is_number(str(spec[0]))
+
+
 def parse_blend(spec: Sequence[str]) -> tuple[list[str], list[float]]:
     """["0.7", "pathA", "0.3", "pathB"] or ["pathA", "pathB"] (equal weights) -> (paths, normalised weights)."""
     items = [str(s) for s in spec]
     if not items:
         raise ValueError("empty dataset list: give dataset prefixes, optionally weighted ['0.7', 'a', '0.3', 'b']")
-
-    def is_number(s: str) -> bool:
-        try:
-            float(s)
-            return True
-        except ValueError:
-            return False
-
+    is_number = _is_number
     if not is_number(items[0]):
         if any(is_number(s) for s in items):
             raise ValueError(f"dataset list {items}: mixes weights and unweighted paths")

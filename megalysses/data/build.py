@@ -15,7 +15,7 @@ import math
 import os
 from typing import Callable, Optional, Sequence
 
-from megalysses.data.blend import BlendedDataset, parse_blend, required_samples
+from megalysses.data.blend import BlendedDataset, is_weighted, parse_blend, required_samples
 from megalysses.data.gpt_dataset import GPTDataset, split_ranges
 from megalysses.data.indexed import DatasetError, IndexedDataset
 
@@ -27,11 +27,22 @@ def default_cache_dir(prefix: str) -> str:
     return os.path.join(os.path.dirname(os.path.abspath(prefix)), "index_cache")
 
 
+def epoch_samples(ds: IndexedDataset, documents: tuple[int, int], seq_len: int) -> int:
+    """Samples of seq_len + 1 tokens that one epoch of documents [start, end) holds (consecutive samples share a
+    token), as GPTDataset and Megatron-LM count them."""
+    start, end = documents
+    tokens = int(ds.sequence_lengths[start:end].sum(dtype="int64")) if end > start else 0
+    return max(0, (tokens - 1) // seq_len)
+
+
 def build_gpt_datasets(paths: Sequence[str], split: str, seq_len: int, seed: int,
                        num_samples: Sequence[Optional[int]], cache_dir: Optional[str] = None,
                        validate: Optional[Callable[[IndexedDataset, str], None]] = None, need_train: bool = True,
-                       ) -> list[GPTDataset | BlendedDataset | None]:
+                       by_size: bool = False) -> list[GPTDataset | BlendedDataset | None]:
     """[train, valid, test]; num_samples[i] is the samples that split must provide (None = one epoch).
+
+    An unweighted list of several prefixes is blended with equal weights, or with `by_size` as Megatron-LM blends
+    an unweighted --data-path: each dataset weighs the samples one epoch of its share of the split holds.
 
     `validate(indexed, cache_dir)` is called on every dataset once it is open (the trainer checks the
     token ids against the vocabulary there). An empty dataset, or a split that gives the train set no
@@ -53,8 +64,11 @@ def build_gpt_datasets(paths: Sequence[str], split: str, seq_len: int, seed: int
         raise DatasetError(f"split '{split}' gives the training set no sequences ({counts}): give the first "
                            f"(train) ratio a share large enough for at least one sequence, e.g. '969,30,1'")
     out: list[GPTDataset | BlendedDataset | None] = []
+    sized = by_size and not is_weighted(paths) and len(indexed) > 1
     for s, name in enumerate(SPLIT_NAMES):
-        members = [(ds, rng[s], w) for ds, rng, w in zip(indexed, ranges, weights) if w > 0 and rng[s][1] > rng[s][0]]
+        split_weights = [epoch_samples(ds, rng[s], seq_len) for ds, rng in zip(indexed, ranges)] if sized else weights
+        members = [(ds, rng[s], w) for ds, rng, w in zip(indexed, ranges, split_weights)
+                   if w > 0 and rng[s][1] > rng[s][0]]
         n = num_samples[s]
         total = sum(w for _, _, w in members)
         need = [n] * len(members) if n is None or len(members) == 1 else required_samples(

@@ -38,7 +38,7 @@ def architecture(m: ModelConfig, tp: int = 1) -> dict:
     return {"vocab_size": m.vocab_size, "padded_vocab_size": m.padded_vocab_size(tp), "hidden_size": m.hidden_size,
             "num_layers": m.num_layers, "num_heads": m.num_heads, "num_kv_heads": m.kv_heads, "ffn_size": m.ffn_size,
             "mlp": m.mlp, "norm": m.norm, "tie_embeddings": m.tie_embeddings, "attention_bias": m.attention_bias,
-            "mlp_bias": m.mlp_bias}
+            "mlp_bias": m.mlp_bias, **({"layernorm_1p": True} if m.layernorm_1p else {})}
 
 
 def stage_layers(num_layers: int, pp: int, pp_rank: int) -> range:
@@ -127,8 +127,8 @@ class GPTStage(nn.Module):
 
 
 def _init_kind(name: str, cfg: ModelConfig) -> tuple[str, float]:
-    if name.endswith("bias") or "norm" in name:
-        return ("ones", 0.0) if name.endswith("norm.weight") else ("zeros", 0.0)
+    if name.endswith("bias") or "norm" in name:     # norm weights start at 1 (with layernorm_1p, their offset at 0)
+        return ("ones", 0.0) if name.endswith("norm.weight") and not cfg.layernorm_1p else ("zeros", 0.0)
     std = cfg.init_std
     if cfg.scaled_residual_init and (name.endswith("o_proj.weight") or name.endswith("down_proj.weight")):
         std /= math.sqrt(2 * cfg.num_layers)

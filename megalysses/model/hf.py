@@ -185,6 +185,8 @@ def our_tensor(name: str, cfg: ModelConfig, get: Callable[[str], Tensor]) -> Ten
         return fuse_qkv(*parts, cfg.kv_heads)
     if ".gate_up_proj." in name:
         return interleave_gate_up(*parts)
+    if cfg.layernorm_1p and name.endswith("norm.weight"):      # Hugging Face holds the scale, we its offset from 1
+        return parts[0] - 1.0
     return parts[0]
 
 
@@ -198,6 +200,8 @@ def hf_tensors(name: str, t: Tensor, cfg: ModelConfig) -> dict[str, Tensor]:
         return dict(zip(sources, unfuse_qkv(t, cfg.num_heads, cfg.kv_heads)))
     if ".gate_up_proj." in name:
         return dict(zip(sources, split_gate_up(t)))
+    if cfg.layernorm_1p and name.endswith("norm.weight"):
+        return {sources[0]: t + 1.0}
     return {sources[0]: t}
 
 

@@ -47,17 +47,20 @@ class ParallelGroups:
 
 class Norm(nn.Module):
     """RMSNorm or LayerNorm over the last dim. With TP sequence sharding each tp rank normalises other
-    tokens, so the weight's gradient is summed over tp (copy_to_tp on the weight)."""
+    tokens, so the weight's gradient is summed over tp (copy_to_tp on the weight). With model.layernorm_1p
+    the parameter is the offset from 1 (zero-centred), the norm scaling by 1 + weight."""
 
     def __init__(self, cfg: ModelConfig, groups: ParallelGroups) -> None:
         super().__init__()
-        self.kind, self.eps, self.impl = cfg.norm, cfg.norm_eps, cfg.kernels
+        self.kind, self.eps, self.impl, self.one_plus = cfg.norm, cfg.norm_eps, cfg.kernels, cfg.layernorm_1p
         self.tp, self.sequence_parallel = groups.tp, groups.sequence_parallel
-        self.weight = mark_tp(nn.Parameter(torch.ones(cfg.hidden_size)), None)
+        self.weight = mark_tp(nn.Parameter(torch.full((cfg.hidden_size,), 0.0 if self.one_plus else 1.0)), None)
         self.bias = mark_tp(nn.Parameter(torch.zeros(cfg.hidden_size)), None) if cfg.norm == "layernorm" else None
 
     def _params(self) -> tuple[Tensor, Optional[Tensor]]:
         weight, bias = self.weight, self.bias
+        if self.one_plus:
+            weight = weight + 1.0
         if self.sequence_parallel:
             weight = comm.copy_to_tp(weight, self.tp)
             bias = comm.copy_to_tp(bias, self.tp) if bias is not None else None

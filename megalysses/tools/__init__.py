@@ -9,4 +9,6 @@ console scripts; tools/*.py and pretrain.py at the repository root run the same 
     plot_metrics      megalysses-plot            metrics.jsonl -> PNG
     build_corpus      megalysses-build-corpus    the stdlib corpus of the quickstart
     plan              megalysses-plan            layouts that fit a model at a length, ranked by throughput
+    from_megatron     megalysses-from-megatron   a Megatron-LM pretrain_gpt.py command line -> a config
+    config_doc        (tools/config_doc.py)      docs/CONFIG.md from the config schema (make docs)
 """

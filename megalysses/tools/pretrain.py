@@ -1,6 +1,9 @@
 """Pretrain a GPT with megalysses.
 
     torchrun --nproc-per-node 4 pretrain.py --config configs/quickstart.yaml [--set section.key=value ...]
+    python pretrain.py --config configs/quickstart.yaml --print-config    # the resolved config, explained
+
+Every key is listed in docs/CONFIG.md; tools/from_megatron.py turns a Megatron-LM command line into a config.
 
 On CPU the processes talk over gloo, on GPUs over NCCL (one process per GPU). Bad input (config,
 layout, data, checkpoint) ends the run with one message on rank 0 and a non-zero exit.
@@ -18,6 +21,7 @@ import torch.distributed as dist
 
 from megalysses.config import ConfigError
 from megalysses.config_checks import config_warnings, validate_config
+from megalysses.config_doc import annotated_yaml
 from megalysses.config_io import load_config
 from megalysses.data import DatasetError
 from megalysses.distributed import (collective_failure, destroy_distributed, die_with_launcher, init_distributed,
@@ -39,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", help="YAML config (see configs/)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override one config value; repeatable")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved config as YAML, each key's meaning as a comment, and exit")
     args = parser.parse_args(argv)
     signals = StopSignals()        # first: a preemption signal during start-up is kept, not fatal
     try:
@@ -68,6 +74,10 @@ def _run(args: argparse.Namespace, signals: StopSignals) -> int:
             print(f"config error: {e}", file=sys.stderr)
         write_error_file(f"config error: {e}")
         return 2
+    if args.print_config:
+        if rank0:
+            print(annotated_yaml(cfg), end="")
+        return 0
     die_with_launcher()
     try:
         device = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_seconds)

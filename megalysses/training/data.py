@@ -17,6 +17,7 @@ from megalysses.data.indexed import IndexedDataset
 from megalysses.data.tokenizer import NullTokenizer, tokenizer_from_config
 from megalysses.data.validate import check_dtype_holds, check_token_ids
 from megalysses.grid import ParallelGrid
+from megalysses.training.batch_size import BatchSizes
 
 Batch = dict[str, torch.Tensor]
 
@@ -26,6 +27,7 @@ class TrainingData:
         d, t = cfg.data, cfg.training
         self.cfg, self.grid, self.device = cfg, grid, device
         self.num_micro = t.global_batch_size // (t.micro_batch_size * grid.dp_size)
+        self.batch_sizes = BatchSizes.from_config(t)      # the batch of each step (a ramp, or constant)
         if d.mock:
             self.eod_id = cfg.model.vocab_size - 1
             n = t.train_steps * t.global_batch_size
@@ -61,39 +63,44 @@ class TrainingData:
         train_samples = t.train_steps * t.global_batch_size
         if d.valid_paths:                # a validation set of its own: each set is read whole
             self.train = build_gpt_datasets(d.paths, "1,0,0", d.seq_len, t.seed, (train_samples, None, None),
-                                            d.cache_dir, validate)[0]
+                                            d.cache_dir, validate, by_size=d.blend_by_size)[0]
             self.valid = build_gpt_datasets(d.valid_paths, "0,1,0", d.seq_len, t.seed, (None, valid_samples, None),
-                                            d.cache_dir, validate, need_train=False)[1]
+                                            d.cache_dir, validate, need_train=False, by_size=d.blend_by_size)[1]
             if t.eval_interval and self.valid is None:
                 raise DatasetError(f"data.valid_paths holds too few tokens for one sample of data.seq_len={d.seq_len}: "
                                    f"give it more data, or set training.eval_interval=0")
             return
         self.train, self.valid, _ = build_gpt_datasets(
-            d.paths, d.split, d.seq_len, t.seed, (train_samples, valid_samples, None), d.cache_dir, validate)
+            d.paths, d.split, d.seq_len, t.seed, (train_samples, valid_samples, None), d.cache_dir, validate,
+            by_size=d.blend_by_size)
         if t.eval_interval and self.valid is None:
             raise DatasetError(f"training.eval_interval={t.eval_interval} but the split '{d.split}' leaves no "
                                f"validation data: give the valid split a share, give data.valid_paths, or set "
                                f"training.eval_interval=0")
 
     def _micro_batches(self, dataset, consumed: int, curriculum: bool) -> Iterator[Batch]:
-        d, g, gbs = self.cfg.data, self.grid, self.cfg.training.global_batch_size
+        d, g, step_of = self.cfg.data, self.grid, self.batch_sizes.step_of
         for mb in iterate_micro_batches(dataset, self.cfg.training.micro_batch_size, g.dp_rank, g.dp_size, g.sp_rank,
                                         g.sp_size, consumed, self.eod_id, d.reset_position_ids, d.document_mask,
                                         seq_len=d.seq_len, eod_mask_loss=d.eod_mask_loss,
                                         vocab_size=self.cfg.model.vocab_size,
                                         layout=g.sequence_layout(self.cfg.parallel.tp_sequence_parallel),
-                                        length_at=(lambda first: d.seq_len_at(first // gbs)) if curriculum else None):
+                                        length_at=(lambda first: d.seq_len_at(step_of(first))) if curriculum else None):
             yield {k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
 
     def train_batches(self, consumed_samples: int) -> Iterator[list[Batch]]:
-        """One list of micro-batches per optimizer step, from `consumed_samples` (global) on; step k's samples
-        are cut to data.seq_len_at(k) tokens (the sequence-length curriculum)."""
+        """One list of micro-batches per optimizer step, from `consumed_samples` (global) on: as many as the step's
+        global batch holds (a batch-size ramp grows it with the samples consumed); step k's samples are cut to
+        data.seq_len_at(k) tokens (the sequence-length curriculum)."""
         it = self._micro_batches(self.train, consumed_samples, curriculum=True)
+        per_micro = self.cfg.training.micro_batch_size * self.grid.dp_size
         while True:
-            step = [mb for _, mb in zip(range(self.num_micro), it)]
-            if len(step) < self.num_micro:
+            num_micro = self.batch_sizes.at(consumed_samples) // per_micro
+            step = [mb for _, mb in zip(range(num_micro), it)]
+            if len(step) < num_micro:
                 raise DatasetError("the training data ran out before training.train_steps: "
                                    "the sample index was built for fewer samples")
+            consumed_samples += num_micro * per_micro
             yield step
 
     def valid_batches(self) -> list[Batch]:

@@ -35,8 +35,9 @@ from megalysses.training.optimizer import Optimizer, ShardedAdamW
 from megalysses.training.rundir import check_writable, mark_start
 from megalysses.plan import RunPlan
 from megalysses.plan.search import check_phase_time
+from megalysses.training.batch_size import batch_line
 from megalysses.training.runtime import flex_compile_budget, model_config, resolve_run, startup_line, write_runtime
-from megalysses.training.schedule import lr_at
+from megalysses.training.schedule import lr_at, lr_progress
 from megalysses.training.signals import StopSignals
 from megalysses.training.step import NonFiniteLossError, evaluate, train_step
 from megalysses.training.watchdog import Watchdog
@@ -116,6 +117,8 @@ def _prepare_dirs(cfg: Config, run_dir: Path, ckpt_dir: Path) -> None:
     """Rank 0: both directories writable before anything is trained."""
     check_writable(run_dir, "logging.run_dir")
     check_writable(ckpt_dir, "checkpoint.dir" if cfg.checkpoint.dir else "checkpoint.dir (<run_dir>/checkpoints)")
+    if cfg.logging.tensorboard and cfg.logging.tensorboard_dir:
+        check_writable(Path(cfg.logging.tensorboard_dir), "logging.tensorboard_dir")
 
 
 def train(cfg: Config, grid: ParallelGrid, device: torch.device, signals: Optional[StopSignals] = None,
@@ -193,26 +196,30 @@ def train(cfg: Config, grid: ParallelGrid, device: torch.device, signals: Option
 
     batches = data.train_batches(consumed)
     first_step, saved_at, first_updates = step, step, updates
-    seq_len = 0
+    seq_len, samples = 0, 0
+    per_micro = cfg.training.micro_batch_size * grid.dp_size
     try:
         while step < total:
-            lr = lr_at(step, cfg.optimizer, total)
+            lr = lr_at(step, cfg.optimizer, total, lr_progress(cfg.training, step, consumed))
             if cfg.data.seq_len_at(step) != seq_len:
                 seq_len = cfg.data.seq_len_at(step)
                 if cfg.data.seq_len_schedule:
                     print0(stage_line(cfg, step))
             doing(f"reading the batch of step {step + 1}")
             batch = next(batches)
+            if len(batch) * per_micro != samples:           # this step's global batch (a ramp grows it)
+                samples = len(batch) * per_micro
+                if data.batch_sizes.ramped:
+                    print0(batch_line(step, samples, data.batch_sizes, per_micro))
             doing(f"training step {step + 1}")
             result = train_step(model, opt, batch, grid, lr=lr, grad_clip=cfg.optimizer.grad_clip,
                                 dtype=dtype, nan_policy=cfg.training.nan_policy)
             step += 1
             updates += not result.skipped
-            consumed += cfg.training.global_batch_size
+            consumed += samples
             loss = result.loss if math.isfinite(result.loss) else loss   # the last finite loss
             # throughput counts every token processed (masked labels included), as the FLOPs do
-            logger.step(step, result.loss, lr, result.grad_norm, cfg.training.global_batch_size * cfg.data.seq_len,
-                        seq_len)
+            logger.step(step, result.loss, lr, result.grad_norm, samples * cfg.data.seq_len, seq_len)
             t0 = time.perf_counter()
             if cfg.training.eval_interval and step % cfg.training.eval_interval == 0:
                 doing(f"validating at step {step}")
@@ -226,8 +233,10 @@ def train(cfg: Config, grid: ParallelGrid, device: torch.device, signals: Option
             stop = torch.tensor([float(flags.signalled), float(over_time)], device=device)
             doing(f"waiting for every rank to finish step {step}")
             comm.all_reduce_(stop, comm.world(), op="max")
-            if (stop.any() or step == cfg.training.exit_at_step) and step < total:
-                stopped_by = "signal" if stop[0] else "max_wall_minutes" if stop[1] else "exit_at_step"
+            interval = cfg.training.exit_interval and step % cfg.training.exit_interval == 0
+            if (stop.any() or step == cfg.training.exit_at_step or interval) and step < total:
+                stopped_by = ("signal" if stop[0] else "max_wall_minutes" if stop[1] else
+                              "exit_at_step" if step == cfg.training.exit_at_step else "exit_interval")
                 break
         if updates == first_updates and step > first_step and stopped_by != "signal":
             raise NonFiniteLossError(f"every step of this run (steps {first_step + 1} to {step}) was skipped: the "

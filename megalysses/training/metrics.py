@@ -32,7 +32,7 @@ def peak_for(configured: float, device: torch.device, dtype: torch.dtype) -> Opt
 class MetricsLogger:
     """Rank 0 writes one JSON object per logged step to <run_dir>/metrics.jsonl, prints a line, and
     mirrors the same scalars, under the same names, to wandb and to TensorBoard event files in
-    <run_dir>/tensorboard when enabled."""
+    logging.tensorboard_dir (<run_dir>/tensorboard) when enabled."""
 
     def __init__(self, cfg: Config, run_dir: Path, world: int, device: torch.device, total_steps: int,
                  dtype: torch.dtype = torch.bfloat16) -> None:
@@ -51,7 +51,7 @@ class MetricsLogger:
             if cfg.logging.tensorboard:
                 from torch.utils.tensorboard import SummaryWriter  # the `tensorboard` extra
 
-                self.tensorboard = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+                self.tensorboard = SummaryWriter(log_dir=cfg.logging.tensorboard_dir or str(run_dir / "tensorboard"))
 
     def step(self, step: int, loss: float, lr: float, grad_norm: float, tokens: int, seq_len: int,
              force: bool = False) -> None:

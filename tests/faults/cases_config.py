@@ -113,7 +113,7 @@ NOT_FINITE = [
         ("optimizer.beta2", "nan"), ("optimizer.eps", "inf"), ("optimizer.min_lr", "nan"),
         ("optimizer.weight_decay", "nan"), ("optimizer.decay_fraction", "nan"), ("model.rope_theta", "nan"),
         ("model.norm_eps", "inf"), ("model.init_std", "nan"), ("logging.peak_tflops", "inf"),
-        ("parallel.timeout_seconds", "inf"),
+        ("parallel.timeout_seconds", "inf"), ("optimizer.warmup_init", "nan"),
     ]
 ]
 
@@ -134,6 +134,8 @@ RANGES = [
         ("parallel.virtual_stages", "0"), ("parallel.grad_bucket_elements", "0"), ("model.rope_theta", "0.0"),
         ("model.norm_eps", "-1.0"), ("parallel.grad_bucket_elements", "-5"), ("model.init_std", "-0.02"),
         ("optimizer.min_lr", "-1e-05"), ("optimizer.weight_decay", "-0.1"), ("logging.peak_tflops", "-5.0"),
+        ("optimizer.decay_steps", "-1"), ("optimizer.wsd_decay_steps", "-2"), ("optimizer.warmup_init", "-0.5"),
+        ("training.exit_interval", "-1"),
     ]
 ]
 
@@ -184,6 +186,28 @@ RULES = [
          "data.seq_len=32 is the final length"),
     Case("config/seq_len_schedule_not_pairs", pretrain("data.seq_len_schedule=[[0, 8, 2]]"),
          "[from_step, seq_len] pair"),
+    # Megatron-LM's schedule settings
+    Case("config/rampup_two_numbers", pretrain("training.rampup_batch_size=[1, 1]"), "[start, increment, samples]"),
+    Case("config/rampup_not_reaching_the_batch", pretrain("training.global_batch_size=4",
+                                                          "training.rampup_batch_size=[1, 2, 10]"),
+         "4 - start a multiple of 2"),
+    Case("config/batch_schedule_not_from_0", pretrain("training.batch_size_schedule=[[5, 1], [9, 2]]"),
+         "must start at sample 0"),
+    Case("config/batch_schedule_not_ending_at_the_batch", pretrain("training.batch_size_schedule=[[0, 1], [9, 4]]"),
+         "ends at batch 4"),
+    Case("config/two_batch_ramps", pretrain("training.rampup_batch_size=[1, 1, 4]",
+                                            "training.batch_size_schedule=[[0, 1], [4, 2]]"), "both set"),
+    Case("config/ramp_batch_over_dp", pretrain("training.global_batch_size=4", "training.micro_batch_size=2",
+                                               "training.rampup_batch_size=[1, 1, 8]"),
+         "global batch 1 is not divisible"),
+    Case("config/decay_before_warmup_ends", pretrain("optimizer.decay_steps=5", "optimizer.warmup_steps=5"),
+         "decay_steps=5 is not after"),
+    Case("config/wsd_decay_longer_than_the_run", pretrain("optimizer.schedule=wsd", "optimizer.warmup_steps=0",
+                                                          "optimizer.wsd_decay_steps=3"), "wsd_decay_steps=3"),
+    Case("config/wsd_decay_style_unknown", pretrain("optimizer.wsd_decay_style=step"), "optimizer.wsd_decay_style"),
+    Case("config/megatron_name_as_key", pretrain("parallel.context_parallel_size=2"), "here parallel.sp"),
+    Case("config/megatron_selective_recompute", pretrain("training.recompute_granularity=selective"),
+         "recomputes core attention only"),
 ]
 
 MACHINE = [
