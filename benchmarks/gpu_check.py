@@ -18,6 +18,7 @@ Inductor compiles included); one that fails or runs out of time is recorded so a
                  beside the memory model's prediction, and its prediction for the full step
   5. full_steps  megalysses alone at 128K, then 256K, while the time left holds a step
   6. profile     one 16K step: the kernels by time, grouped as GEMM, attention, copies and casts, elementwise
+                 (and communication, other)
 The risky parts run as child processes, killed with what they started at their bound: a hang or a CUDA crash
 ends that child, never this harness.
 

@@ -365,6 +365,7 @@ def render_three_way(result: dict) -> list[str]:
 
 PROFILE_LENGTH, SMOKE_PROFILE_LENGTH = 16384, 64
 CATEGORIES = (      # first match wins, on the lower-cased kernel (or, on CPU, aten op) name
+    ("communication", ("nccl",)),
     ("attention", ("flash", "fmha", "attention", "sdpa", "flex")),
     ("GEMM", ("gemm", "gemv", "cutlass", "cublas", "nvjet", "xmma", "matmul", "aten::mm", "aten::addmm", "aten::bmm",
               "aten::linear")),

@@ -222,3 +222,36 @@ def test_liger_wheel_is_unpacked_onto_the_path_of_the_run(tmp_path, monkeypatch)
     done = subprocess.run([sys.executable, "-c", code], env=child_env(), capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.startswith("9.9.0 " + str(work)), done.stdout + done.stderr
     assert gpu_check.liger_from_wheel(wheels, tmp_path / "again") is None     # importable now: left alone
+
+
+FLASH_BWD = ("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<64, 128, 128, "
+             "8, 4, cutlass::bfloat16_t>>(pytorch_flash::Flash_bwd_params)")
+
+
+@pytest.mark.parametrize("name,group", [
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off", "GEMM"),
+    ("nvjet_tst_128x256_64x4_1x2_h_bz_coopB_TNT", "GEMM"),
+    ("ampere_bf16_s16816gemm_bf16_128x128_ldg8_f2f_stages_64x3_tn", "GEMM"),
+    (FLASH_BWD, "attention"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x64_4x1x1_kernel0_0", "attention"),
+    ("triton_tem_fused_flex_attention_0", "attention"),
+    ("fmha_cutlassB_bf16_aligned_64x64_k64_sm80(PyTorchMemEffAttention::AttentionBackwardKernel)", "attention"),
+    ("void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)>",
+     "copies and casts"),
+    ("Memcpy DtoH (Device -> Pinned)", "copies and casts"),
+    ("void at::native::(anonymous namespace)::CatArrayBatchedCopy<at::native::(anonymous namespace)::OpaqueType<2u>>",
+     "copies and casts"),
+    ("_rms_norm_bwd", "elementwise"), ("_rope_qkv_kernel", "elementwise"), ("_swiglu_fwd", "elementwise"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>>", "elementwise"),
+    ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::func_wrapper_t<float>>>",
+     "elementwise"),
+    ("aten::mm", "GEMM"), ("aten::_scaled_dot_product_flash_attention_for_cpu", "attention"),
+    ("aten::copy_", "copies and casts"),
+    ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "communication"), ("some_new_kernel", "other"),
+])
+def test_profile_groups_kernels_by_what_they_do(name, group):
+    """CUDA kernel names as the profiler reports them (aten op names on CPU) in GEMM, attention, copies and
+    casts, elementwise; flash-attention's templates name cutlass, and are attention, not GEMM."""
+    assert gpu_check_stages.category(name) == group
+    summary = gpu_check_stages.summarise([(name, 300.0, 2), ("_swiglu_bwd", 100.0, 1)])
+    assert summary["total_ms"] == pytest.approx(0.4) and summary["top"][0]["share"] == pytest.approx(0.75)
