@@ -40,6 +40,7 @@ import importlib
 import importlib.util
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -164,13 +165,27 @@ def run_stages(check: Check, names: Optional[set] = None) -> None:
             except Exception as e:  # noqa: BLE001 - a stage's failure is its result; the next stage runs
                 check.note("the stage raised", traceback.format_exc())
                 result = {"status": "failed", "why": f"{type(e).__name__}: {str(e)[:300]}"}
+            except BaseException as e:      # Ctrl-C, SIGTERM: the rows so far are kept, marked as stopped
+                so_far = check.results.get(stage.name, {})
+                check.results[stage.name] = {**so_far, "status": "stopped", "why": f"{type(e).__name__}: {e}",
+                                             "seconds": round(time.monotonic() - began, 1), "bound_s": round(bound, 1)}
+                check.save()
+                raise
             result["seconds"] = round(time.monotonic() - began, 1)
         result["bound_s"] = round(bound, 1)
         check.results[stage.name] = result
         check.save()
         print(f"\n### {number}. {stage.title}: {result['status']}" + (f" ({result['why']})" if result.get("why")
                                                                          else ""), flush=True)
-        print("\n".join(stage.render(result)), flush=True)
+        print("\n".join(rendered(stage, result)), flush=True)
+
+
+def rendered(stage: Stage, result: dict) -> list[str]:
+    """A stage's tables; a result its renderer cannot read is said so (the JSON has it), never a crash."""
+    try:
+        return stage.render(result)
+    except Exception as e:  # noqa: BLE001 - the results must be written whatever a stage returned
+        return [f"(this result could not be rendered, {type(e).__name__}: {e}; the JSON has it)"]
 
 
 # ----------------------------------------------------------------------------------------------- results
@@ -220,7 +235,7 @@ def section(check: Check) -> list[str]:
             lines.append(f"| {number}. {stage.name} | {r['status']} | {r.get('seconds', 0):.0f} "
                          f"({r.get('bound_s', 0):.0f}) | {r.get('why', '')} |")
     for number, stage in enumerate(check.stages, 1):
-        body = stage.render(check.results[stage.name]) if stage.name in check.results else []
+        body = rendered(stage, check.results[stage.name]) if stage.name in check.results else []
         if body:
             lines += ["", f"### {number}. {stage.title}", ""] + body
     return lines
@@ -234,7 +249,8 @@ def write_results(check: Check) -> None:
             "and transformers + Liger, the memory model against measured peaks, and a profile, in one time budget. "
             f"Newest run first; each run's numbers are in {check.stem}.json."), "", MARKER, ""]
     write_text(check.out, f"{check.stem}.md", "\n".join(head + section(check)) + "\n" + ("\n" + md if md else ""))
-    write_text(check.out, f"{check.stem}.json", json.dumps({"runs": [run_record(check)] + runs}, indent=1) + "\n")
+    write_text(check.out, f"{check.stem}.json",
+               json.dumps({"runs": [run_record(check)] + runs}, indent=1, default=str) + "\n")
     header = f"######## {check.date}: {check.command}\n"
     write_text(check.out, f"{check.stem}.log", log + header + "\n\n".join(check.log) + "\n")
 
@@ -264,6 +280,10 @@ def liger_from_wheel(wheels: Path, work: Path) -> Optional[str]:
     return f"{wheels.name}/{found[-1].name}"
 
 
+def _stop(signum: int, frame) -> None:
+    raise SystemExit(f"stopped by {signal.Signals(signum).name}")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--budget", type=float, default=None,
@@ -289,6 +309,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if budget <= 0:
         p.error(f"--budget {budget:g}: give the seconds the check may take (default {BUDGET_S:.0f})")
     command = "python benchmarks/gpu_check.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    for sig in (signal.SIGTERM, signal.SIGHUP):     # a timeout's SIGTERM: children killed, rows so far kept
+        signal.signal(sig, _stop)
     with tempfile.TemporaryDirectory(prefix="gpu_check-") as tmp:
         check = Check(smoke=args.smoke, budget_s=budget, out=out, work=Path(tmp), command=command.strip())
         check.liger_source = liger_from_wheel(WHEELS, Path(tmp))

@@ -38,11 +38,10 @@ def base_config(check):
 
 
 def hardware(check):
+    """The planner's hardware: its defaults (an H100 SXM) with this GPU's bf16 peak where stage 1 knew it."""
     from megalysses.tools.plan import Hardware
-    from megalysses.training.metrics import PEAK_TFLOPS
 
-    name = (check.env or {}).get("gpu") or ""
-    peak = next((v for k, v in sorted(PEAK_TFLOPS.items(), key=lambda kv: -len(kv[0])) if k in name), None)
+    peak = (check.env or {}).get("peak_tflops")
     return Hardware(peak_tflops=peak) if peak else Hardware()
 
 

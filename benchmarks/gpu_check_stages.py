@@ -100,8 +100,11 @@ def environment_worker(smoke: bool) -> dict:
                             "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
                             "triton": ver("triton"), "transformers": ver("transformers"), "gpu": None}
     if torch.cuda.is_available():
+        from megalysses.training.metrics import peak_tflops
+
         props = torch.cuda.get_device_properties(0)
-        info.update(gpu=props.name, gpu_memory_gib=props.total_memory / GIB, capability=f"{props.major}.{props.minor}")
+        info.update(gpu=props.name, gpu_memory_gib=props.total_memory / GIB, capability=f"{props.major}.{props.minor}",
+                    peak_tflops=peak_tflops(0.0, torch.device("cuda", 0), torch.bfloat16))
         smi = run_bounded(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], 20) \
             if shutil.which("nvidia-smi") else None
         info["driver"] = smi.stdout.strip().splitlines()[0] if smi and smi.returncode == 0 and smi.stdout.strip() \

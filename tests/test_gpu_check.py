@@ -255,3 +255,55 @@ def test_profile_groups_kernels_by_what_they_do(name, group):
     assert gpu_check_stages.category(name) == group
     summary = gpu_check_stages.summarise([(name, 300.0, 2), ("_swiglu_bwd", 100.0, 1)])
     assert summary["total_ms"] == pytest.approx(0.4) and summary["top"][0]["share"] == pytest.approx(0.75)
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_stops_the_stage_running_kills_its_child_and_keeps_the_rows(tmp_path):
+    """A timeout around gpu_check (SIGTERM) ends it at once: the child of the stage running is killed with
+    it (children run in sessions of their own, out of reach of a signal to the process group), and the
+    results say which stage was stopped."""
+    out = tmp_path / "out"
+    p = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--smoke", "--out-dir", str(out)],
+                         cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not (out / "gpu_smoke.json").exists() and time.monotonic() < deadline:   # stage 1 done
+            time.sleep(0.05)
+        kids = []
+        while not kids and time.monotonic() < deadline:          # stage 2's pytest, or a later stage's child
+            kids = _children(p.pid)
+            time.sleep(0.02)
+        assert kids, "no child process seen"
+        p.terminate()
+        assert p.wait(timeout=30) == 1 and "stopped by SIGTERM" in p.stderr.read()
+    finally:
+        p.kill()
+    for _ in range(50):
+        if not any(_alive(k) for k in kids):
+            break
+        time.sleep(0.1)
+    assert not any(_alive(k) for k in kids), kids
+    stages = json.loads((out / "gpu_smoke.json").read_text())["runs"][0]["stages"]
+    assert stages["env"]["status"] == "ran"
+    stopped = [name for name, s in stages.items() if s["status"] == "stopped"]
+    assert len(stopped) == 1 and list(stages)[-1] == stopped[0], stages
+    assert "SystemExit: stopped by SIGTERM" in stages[stopped[0]]["why"]
