@@ -127,6 +127,13 @@ class Check:
             return "gpu_smoke"
         return "gpu_" + (gpu_tag(self.env["gpu"]) if self.env and self.env.get("gpu") else "unknown")
 
+    def latest(self, name: str) -> dict:
+        """Stage `name`'s result in this run, else in the newest earlier run that has it (when a run with --stages
+        repeats the later stages, the profile takes the fastest settings the three-way found before)."""
+        if name in self.results or self.out is None:
+            return self.results.get(name, {})
+        return next((run["stages"][name] for run in earlier(self)[1] if name in run.get("stages", {})), {})
+
     def deadline(self) -> float:
         return self.start + self.budget_s
 
@@ -196,17 +203,19 @@ def earlier(check: Check) -> tuple[str, list, str]:
     if check.stem not in check.earlier:
         md, runs, log = "", [], ""
         for folder in dict.fromkeys([check.out, RESULTS]):
-            path = folder / f"{check.stem}.md"
-            if path.exists():
-                text = path.read_text()
+            md_path, json_path, log_path = (folder / f"{check.stem}.{ext}" for ext in ("md", "json", "log"))
+            if not (md_path.exists() or json_path.exists()):
+                continue
+            if md_path.exists():
+                text = md_path.read_text()
                 md = text.split(MARKER, 1)[1].lstrip("\n") if MARKER in text else text
-                try:
-                    runs = json.loads((folder / f"{check.stem}.json").read_text()).get("runs", [])
-                except (OSError, ValueError, AttributeError):
-                    runs = []
-                if folder == check.out and (folder / f"{check.stem}.log").exists():
-                    log = (folder / f"{check.stem}.log").read_text()
-                break
+            try:
+                runs = json.loads(json_path.read_text()).get("runs", [])
+            except (OSError, ValueError, AttributeError):
+                runs = []
+            if folder == check.out and log_path.exists():
+                log = log_path.read_text()
+            break
         check.earlier[check.stem] = (md, runs, log)
     return check.earlier[check.stem]
 

@@ -437,7 +437,7 @@ def profile_worker(seq: int, opts: dict, smoke: bool) -> dict:
 
 def profile(check, until: float) -> dict:
     seq = SMOKE_PROFILE_LENGTH if check.smoke else PROFILE_LENGTH
-    fastest = _best(check.results.get("three_way", {}).get("rows", []), "megalysses", seq, "speed")
+    fastest = _best(check.latest("three_way").get("rows", []), "megalysses", seq, "speed")
     opts = fastest["options"] if fastest else {}
     done = run_bounded(worker_cmd("profile", check.smoke, "--seq", str(seq), "--opts", json.dumps(opts)),
                        until - time.monotonic())

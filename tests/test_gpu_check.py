@@ -23,8 +23,9 @@ def test_smoke_runs_every_stage_end_to_end(tmp_path):
     pytest.importorskip("transformers")
     before = sorted(os.listdir(RESULTS))
     out = tmp_path / "out"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}             # on CPU, even where a GPU is visible
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--smoke", "--out-dir", str(out)],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=230)
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=230)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert sorted(os.listdir(RESULTS)) == before                      # nothing beside the recorded results
     assert sorted(os.listdir(out)) == ["gpu_smoke.json", "gpu_smoke.log", "gpu_smoke.md"]
@@ -101,15 +102,19 @@ def test_results_keep_the_history_newest_first(tmp_path, monkeypatch):
     first = _check(out, "first")
     first.save()
     first.save()                                               # saved after every stage: the history is read once
-    gpu_check.write_results(_check(out, "second"))
+    gpu_check.write_results(_check(out, "second", rows=[2]))
     md = (out / "gpu_smoke.md").read_text()
     assert md.count("# GPU check:") == 1 and md.count(gpu_check.MARKER) == 1 and "old title" not in md
     assert md.index("## second") < md.index("## first") < md.index("## the tracked run")
     assert md.count("## first") == 1
     assert [r["date"] for r in json.loads((out / "gpu_smoke.json").read_text())["runs"]] == ["second", "first",
                                                                                             "tracked"]
+    rerun = _check(out, "a rerun of some stages")
+    rerun.results = {}
+    assert rerun.latest("one")["rows"] == [2]           # a stage not run again: the newest earlier result of it
     (tracked / "gpu_smoke.md").write_text("notes written by hand\n")          # no marker: all of it kept below
-    (out / "gpu_smoke.md").unlink()
+    for name in ("gpu_smoke.md", "gpu_smoke.json"):          # a fresh --out-dir
+        (out / name).unlink()
     gpu_check.write_results(_check(out, "third"))
     md = (out / "gpu_smoke.md").read_text()
     assert md.index("## third") < md.index("notes written by hand")
