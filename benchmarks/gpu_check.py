@@ -54,6 +54,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import gpu_check_memory as memory  # noqa: E402
+from benchmarks import gpu_check_profile as profile  # noqa: E402
 from benchmarks import gpu_check_stages as stages  # noqa: E402
 from benchmarks.bench_gpu import gpu_tag  # noqa: E402
 from benchmarks.harness import RESULTS, add_output_args, output_dir, write_text  # noqa: E402
@@ -83,7 +84,7 @@ STAGES = (
     Stage("probe", "1M-token probe: the first 2 of 16 layers against the memory model", None, 30, memory.probe,
           memory.render_probe),
     Stage("full_steps", "Full steps, megalysses alone", None, None, memory.full_steps, memory.render_full_steps),
-    Stage("profile", "Profile of one 16K step", 60, 30, stages.profile, stages.render_profile),
+    Stage("profile", "Profile of one 16K step", 60, 30, profile.profile, profile.render_profile),
 )
 
 
@@ -310,7 +311,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(stages.RESULT + json.dumps(stages.environment_worker(args.smoke)), flush=True)
         return 0
     if args.worker == "profile":
-        result = stages.profile_worker(args.seq, json.loads(args.opts), args.smoke)
+        result = profile.profile_worker(args.seq, json.loads(args.opts), args.smoke)
         print(stages.RESULT + json.dumps(result), flush=True)
         return 0
     out = output_dir(p, args, args.smoke)

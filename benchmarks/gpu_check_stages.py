@@ -1,7 +1,7 @@
-"""The stages of benchmarks/gpu_check.py that are not about the memory model: the environment, the GPU tier's
-fast subset, the three-way benchmark and the profile. Each stage is `stage(check, until) -> result` (until: the
-time.monotonic() by which it must be done; every child process it starts is bounded by it), and its result
-renders as markdown lines with `render_<stage>(result)`.
+"""The first stages of benchmarks/gpu_check.py: the environment, the GPU tier's fast subset and the three-way
+benchmark (the memory stages are in gpu_check_memory.py, the profile in gpu_check_profile.py). Each stage is
+`stage(check, until) -> result` (until: the time.monotonic() by which it must be done; every child process it
+starts is bounded by it), and its result renders as markdown lines with `render_<stage>(result)`.
 
     python benchmarks/gpu_check.py --smoke --out-dir /tmp/gpu_check     # every stage at a tiny shape on CPU
 
@@ -311,7 +311,7 @@ def three_way(check, until: float) -> dict:
     return {**result, "status": "ran"}
 
 
-def _best(rows: list[dict], fw: str, seq: int, purpose: str) -> Optional[dict]:
+def best_row(rows: list[dict], fw: str, seq: int, purpose: str) -> Optional[dict]:
     for r in rows:
         if r["framework"] == fw and r["seq_len"] == seq and purpose in r.get("for", "") and r.get("fits"):
             return r
@@ -324,9 +324,9 @@ def compare(rows: list[dict], lengths) -> list[dict]:
     out = []
     for seq in lengths:
         row = {"seq_len": seq}
-        ours_speed, ours_mem = _best(rows, "megalysses", seq, "speed"), _best(rows, "megalysses", seq, "memory")
+        ours_speed, ours_mem = best_row(rows, "megalysses", seq, "speed"), best_row(rows, "megalysses", seq, "memory")
         for peer in ("liger", "transformers"):
-            speed, mem = _best(rows, peer, seq, "speed"), _best(rows, peer, seq, "memory")
+            speed, mem = best_row(rows, peer, seq, "speed"), best_row(rows, peer, seq, "memory")
             row[f"speed_vs_{peer}"] = ours_speed["tokens_per_s"] / speed["tokens_per_s"] if ours_speed and speed \
                 else None
             peaks = ours_mem and mem and ours_mem.get("peak_gib") and mem.get("peak_gib")
@@ -361,99 +361,4 @@ def render_three_way(result: dict) -> list[str]:
         ratios = " | ".join(num(c[k], ".2f", unit="x") for k in ("speed_vs_liger", "speed_vs_transformers",
                                                                    "peak_vs_liger", "peak_vs_transformers"))
         lines.append(f"| {c['seq_len']} | {ratios} | {num(c['mfu'], '.1f', 100, '%')} |")
-    return lines
-
-
-# ------------------------------------------------------------------------------------------ 6. profile
-
-PROFILE_LENGTH, SMOKE_PROFILE_LENGTH = 16384, 64
-CATEGORIES = (      # first match wins, on the lower-cased kernel (or, on CPU, aten op) name
-    ("communication", ("nccl",)),
-    ("attention", ("flash", "fmha", "attention", "sdpa", "flex")),
-    ("GEMM", ("gemm", "gemv", "cutlass", "cublas", "nvjet", "xmma", "matmul", "aten::mm", "aten::addmm", "aten::bmm",
-              "aten::linear")),
-    ("copies and casts", ("memcpy", "memset", "copy", "cast", "aten::to", "aten::cat", "aten::clone", "contiguous")),
-    ("elementwise", ("elementwise", "vectorized", "unrolled", "reduce", "norm", "rope", "swiglu", "silu", "triton",
-                     "softmax", "entropy", "adam", "foreach", "aten::")),
-)
-TOP_KERNELS = 12
-
-
-def category(name: str) -> str:
-    low = name.lower()
-    return next((cat for cat, words in CATEGORIES if any(w in low for w in words)), "other")
-
-
-def summarise(kernels: list[tuple[str, float, int]]) -> dict:
-    """(name, microseconds, calls) per kernel -> time per category and the top kernels, largest first."""
-    total = sum(us for _, us, _ in kernels) or 1.0
-    cats: dict[str, float] = {}
-    for name, us, _ in kernels:
-        cats[category(name)] = cats.get(category(name), 0.0) + us
-    top = sorted(kernels, key=lambda k: -k[1])[:TOP_KERNELS]
-    return {"total_ms": total / 1e3,
-            "categories": [{"category": c, "ms": us / 1e3, "share": us / total}
-                           for c, us in sorted(cats.items(), key=lambda kv: -kv[1])],
-            "top": [{"name": n[:120], "category": category(n), "ms": us / 1e3, "calls": calls, "share": us / total}
-                    for n, us, calls in top]}
-
-
-def profile_worker(seq: int, opts: dict, smoke: bool) -> dict:
-    """In a child: one megalysses step (bench_gpu's, as the three-way runs it) after a warm-up, under the profiler;
-    CUDA kernels by self time on a GPU, aten ops by self CPU time without one."""
-    import torch
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda" if cuda else "cpu")
-    shape = bench_gpu.SMOKE if smoke else bench_gpu.LLAMA_1B
-    step = bench_gpu.megalysses_step(shape, seq, opts, device, torch.bfloat16 if cuda else torch.float32)
-    tokens = torch.randint(0, shape["vocab"], (1, seq + 1), generator=torch.Generator().manual_seed(1)).to(device)
-
-    def sync():
-        if cuda:
-            torch.cuda.synchronize()
-    step(tokens)                     # warm-up: compiles, the allocator's pools
-    sync()
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
-        start = time.perf_counter()
-        step(tokens)
-        sync()
-        wall = time.perf_counter() - start
-    kernels = []
-    for e in prof.key_averages():
-        if cuda and e.device_type == DeviceType.CUDA:
-            us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
-        elif not cuda and e.key.startswith("aten::"):
-            us = e.self_cpu_time_total
-        else:
-            continue
-        if us > 0:
-            kernels.append((e.key, float(us), int(e.count)))
-    return {"seq_len": seq, "options": opts, "settings": step.settings, "step_s": wall,
-            "measured": "CUDA kernels, self time" if cuda else "aten ops, self CPU time (no GPU)", **summarise(kernels)}
-
-
-def profile(check, until: float) -> dict:
-    seq = SMOKE_PROFILE_LENGTH if check.smoke else PROFILE_LENGTH
-    fastest = _best(check.latest("three_way").get("rows", []), "megalysses", seq, "speed")
-    opts = fastest["options"] if fastest else {}
-    done = run_bounded(worker_cmd("profile", check.smoke, "--seq", str(seq), "--opts", json.dumps(opts)),
-                       until - time.monotonic())
-    out = worker_result(done, f"profile worker {seq}", check)
-    return {"status": "ran", **out} if out is not None else failure(done)
-
-
-def render_profile(result: dict) -> list[str]:
-    if "categories" not in result:
-        return []
-    opts = ", ".join(k for k, v in result["options"].items() if v) or "-"
-    lines = [(f"One megalysses step of {result['seq_len']:,d} tokens ({opts}; {result['settings']}): "
-             f"{result['step_s']:.3f} s wall, {result['total_ms']:.1f} ms of {result['measured']}."), "",
-             "| group | ms | share |", "|---|---:|---:|"]
-    lines += [f"| {c['category']} | {c['ms']:.1f} | {c['share']:.1%} |" for c in result["categories"]]
-    lines += ["", "| kernel | group | calls | ms | share |", "|---|---|---:|---:|---:|"]
-    lines += [f"| `{k['name']}` | {k['category']} | {k['calls']} | {k['ms']:.2f} | {k['share']:.1%} |"
-              for k in result["top"]]
     return lines

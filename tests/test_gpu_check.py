@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from benchmarks import bench_gpu, gpu_check, gpu_check_memory, gpu_check_stages
+from benchmarks import bench_gpu, gpu_check, gpu_check_memory, gpu_check_profile, gpu_check_stages
 from benchmarks.harness import RESULTS, run_bounded
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -257,8 +257,8 @@ FLASH_BWD = ("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<F
 def test_profile_groups_kernels_by_what_they_do(name, group):
     """CUDA kernel names as the profiler reports them (aten op names on CPU) in GEMM, attention, copies and
     casts, elementwise; flash-attention's templates name cutlass, and are attention, not GEMM."""
-    assert gpu_check_stages.category(name) == group
-    summary = gpu_check_stages.summarise([(name, 300.0, 2), ("_swiglu_bwd", 100.0, 1)])
+    assert gpu_check_profile.category(name) == group
+    summary = gpu_check_profile.summarise([(name, 300.0, 2), ("_swiglu_bwd", 100.0, 1)])
     assert summary["total_ms"] == pytest.approx(0.4) and summary["top"][0]["share"] == pytest.approx(0.75)
 
 
