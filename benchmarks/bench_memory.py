@@ -153,7 +153,7 @@ def in_subprocess(config: str, overrides: list[str], length: int, steps: int, ti
     seconds (None: no limit): its row. `log(what, output)` receives the output of a child that failed."""
     cmd = [sys.executable, __file__, "--config", config, "--child", str(length), "--steps", str(steps)]
     cmd += [a for o in overrides for a in ("--set", o)]
-    done = run_bounded(cmd, timeout if timeout is not None else float("inf"))
+    done = run_bounded(cmd, timeout)
     rows = [json.loads(line[4:]) for line in done.stdout.splitlines() if line.startswith("ROW ")]
     if rows:
         return rows[0]

@@ -84,17 +84,18 @@ class Finished:
 PIPE_GRACE_S = 10.0     # after the kill, how long the pipes may stay open (a process that left the group)
 
 
-def run_bounded(cmd: Sequence[str], timeout: float, env: Optional[dict] = None,
+def run_bounded(cmd: Sequence[str], timeout: Optional[float], env: Optional[dict] = None,
                 cwd: Optional[Path] = None) -> Finished:
-    """Run `cmd` with its output captured; at `timeout` seconds kill it and everything it started (it runs
-    in a session of its own: pytest's ranks, compile workers), keeping the output it had written. A hang or a
-    crash of the child never takes the caller down; Ctrl-C in the caller kills the child too."""
+    """Run `cmd` with its output captured; at `timeout` seconds (None: no limit) kill it and everything it
+    started (it runs in a session of its own: pytest's ranks, compile workers), keeping the output it had
+    written. A hang or a crash of the child never takes the caller down; Ctrl-C or SIGTERM in the caller (as
+    an exception) kills the child too."""
     start = time.monotonic()
     p = subprocess.Popen(list(cmd), cwd=cwd or ROOT, env=env if env is not None else child_env(),
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace",
                          start_new_session=True)
     try:
-        out, err = p.communicate(timeout=max(timeout, 0.01))
+        out, err = p.communicate(timeout=None if timeout is None else max(timeout, 0.01))
         code: Optional[int] = p.returncode
     except subprocess.TimeoutExpired:
         _kill_group(p)

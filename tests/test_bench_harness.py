@@ -83,3 +83,4 @@ def test_run_bounded_kills_the_child_and_what_it_started(tmp_path):
     code = "import sys; print('out'); print('bad', file=sys.stderr); sys.exit(3)"
     ok = harness.run_bounded([sys.executable, "-c", code], timeout=30)
     assert (ok.returncode, ok.stdout, ok.last_line(), ok.timed_out) == (3, "out\n", "bad", False)
+    assert harness.run_bounded([sys.executable, "-c", "print(1)"], None).stdout == "1\n"     # no limit
