@@ -1,5 +1,7 @@
 # make test        : create .venv if missing, install CPU torch + megalysses[test], run the suite
 # make test-gpu    : the GPU tier (pytest -m gpu) with the machine's own python and CUDA torch
+# make gpu-check   : a GPU window's one command (benchmarks/gpu_check.py, ~7 min): the GPU tier's fast subset,
+#                    the three-way benchmark, the memory probes, a profile; results in GPU_CHECK_OUT
 # make lint        : ruff (rules in pyproject.toml) on the Python code, hadolint on the Dockerfile,
 #                    kubernetes-validate on examples/kubernetes/*.yaml
 # make docs        : regenerate docs/CONFIG.md from the config schema (a test fails while it is out of date)
@@ -12,7 +14,7 @@ TORCH_CPU ?= torch==2.13.0
 NPROC     ?= 4
 DATA      ?= data
 
-.PHONY: venv test test-gpu lint docs quickstart corpus clean
+.PHONY: venv test test-gpu gpu-check lint docs quickstart corpus clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,6 +33,13 @@ test: venv
 GPU_PYTHON ?= python3
 test-gpu:
 	OMP_NUM_THREADS=1 $(GPU_PYTHON) -m pytest -q -m gpu tests
+
+# everything a GPU window measures, in GPU_CHECK_BUDGET seconds (cold compiles included), written into
+# GPU_CHECK_OUT after every stage: copy its gpu_<gpu>.md and .json into benchmarks/results/ to record them
+GPU_CHECK_OUT    ?= runs/gpu_check
+GPU_CHECK_BUDGET ?= 420
+gpu-check:
+	$(GPU_PYTHON) benchmarks/gpu_check.py --budget $(GPU_CHECK_BUDGET) --out-dir $(GPU_CHECK_OUT)
 
 $(VENV)/.lint: pyproject.toml $(VENV)/.installed
 	$(PY) -m pip install --quiet -e ".[lint]"

@@ -2,7 +2,7 @@
 helper, blending.
 
     python benchmarks/bench_data.py [--corpus data/stdlib.jsonl] [--index-docs 10000000] [--repeats 3]
-                                    [--json benchmarks/results/data.json]
+                                    [--out-dir DIR | --record]
 
 1. Preprocessing: tools/preprocess_data.py on the stdlib corpus (built with tools/build_corpus.py
    when --corpus is not given) at 1 and 2 workers, with the byte tokenizer and with a sentencepiece
@@ -16,7 +16,7 @@ helper, blending.
    after checking that both sample indices are equal. Each timing is the best of --repeats runs, ours
    and megatron-core's interleaved. Also: the cache-key hash, the cache write, the mmap reload.
 3. Blending: blend indices for millions of samples.
-Prints a markdown table and writes the numbers as JSON.
+Prints a markdown table; with --out-dir (or --record: benchmarks/results/) writes the numbers as data.json.
 """
 from __future__ import annotations
 
@@ -36,10 +36,14 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from megalysses.data.blend import blend_indices
-from megalysses.data.cache import cached_arrays, hash_key
-from megalysses.data.gpt_dataset import build_gpt_indices, sample_index, shuffle_samples, shuffled_documents
-from megalysses.tools import build_corpus, preprocess_data, train_tokenizer
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.harness import add_output_args, output_dir, write_text  # noqa: E402
+from megalysses.data.blend import blend_indices  # noqa: E402
+from megalysses.data.cache import cached_arrays, hash_key  # noqa: E402
+from megalysses.data.gpt_dataset import build_gpt_indices, sample_index, shuffle_samples, shuffled_documents  # noqa: E402
+from megalysses.tools import build_corpus, preprocess_data, train_tokenizer  # noqa: E402
 
 
 def megatron_helper() -> Optional[Any]:
@@ -193,8 +197,9 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--repeats", type=int, default=3, help="index timings: best of this many interleaved runs")
     p.add_argument("--skip-preprocess", action="store_true", help="only the index and blend measurements")
-    p.add_argument("--json", default="benchmarks/results/data.json")
+    add_output_args(p)
     args = p.parse_args()
+    folder = output_dir(p, args)
     load = os.getloadavg()[0]   # other work on the machine inflates every timing; recorded with them
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -220,9 +225,9 @@ def main() -> None:
           f"{info['python']}, numpy {info['numpy']}; megatron-core helper {info['megatron_helper']}; load average "
           f"{info['load_average_at_start']} -> {info['load_average_at_end']}")
     print(table(rows, helper is not None))
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"info": info, "rows": rows}, indent=2))
-    print(f"\nwrote {args.json}", file=sys.stderr)
+    if folder is not None:
+        out = write_text(folder, "data.json", json.dumps({"info": info, "rows": rows}, indent=2))
+        print(f"\nwrote {out}", file=sys.stderr)
 
 
 if __name__ == "__main__":

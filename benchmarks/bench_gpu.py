@@ -1,8 +1,9 @@
 """One GPU, three trainers side by side: megalysses, transformers' LlamaForCausalLM, transformers + Liger.
 
     python benchmarks/bench_gpu.py                      # Llama-3.2-1B shape, 8K/16K/32K/128K, longest length
-    python benchmarks/bench_gpu.py --lengths 16384 32768 --no-longest
-    python benchmarks/bench_gpu.py --smoke --out-dir /tmp/smoke   # a tiny shape end to end on CPU
+    python benchmarks/bench_gpu.py --lengths 16384 32768 --no-longest --out-dir runs/bench_gpu
+    python benchmarks/bench_gpu.py --record             # into benchmarks/results/three_way_<gpu>.md and .json
+    python benchmarks/bench_gpu.py --smoke              # a tiny shape end to end on CPU
 
 Every run is its own process (`--worker`), so one trainer's allocator state or compiled kernels never
 help or hurt another. All three train the same shape, batch 1, in bf16 on CUDA (fp32 on CPU), with
@@ -23,23 +24,26 @@ it says nothing about where memory runs out.
 tokens/s is the median over timed steps after warm-up; MFU uses one formula for all
 (megalysses.training.metrics.flops_per_token: 6 N_matmul + 6 L H D S per token, causal attention
 counted in full) against the device's dense bf16 peak; peak GiB is torch.cuda.max_memory_allocated.
-Writes benchmarks/results/gpu_<device>.md and .json with the commit and the torch, CUDA and Triton
-versions.
+Prints the table; with --out-dir (or --record: benchmarks/results/) writes it as three_way_<gpu>.md and .json
+(three_way_smoke with --smoke) with the commit and the torch, CUDA and Triton versions. benchmarks/gpu_check.py
+runs its workers at 16K and 32K as one stage of a GPU window.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Callable, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.harness import add_output_args, output_dir, run_bounded, write_text  # noqa: E402
+
 LR, WD, BETAS, EPS, CLIP = 3e-4, 0.1, (0.9, 0.95), 1e-8, 1.0
 LLAMA_1B = dict(vocab=128256, hidden=2048, layers=16, heads=32, kv_heads=8, ffn=8192, tied=True, theta=500000.0)
 SMOKE = dict(vocab=512, hidden=64, layers=2, heads=4, kv_heads=2, ffn=160, tied=True, theta=10000.0)
@@ -69,7 +73,7 @@ def settings_of(framework: str, shape: dict, device, dtype) -> list[dict]:
     return [s for s in SETTINGS[framework] if sdpa or not s.get("keep_attn")]
 
 
-def _megalysses_step(shape: dict, seq: int, opts: dict, device, dtype) -> Callable:
+def megalysses_step(shape: dict, seq: int, opts: dict, device, dtype) -> Callable:
     import dataclasses
 
     import torch
@@ -103,7 +107,7 @@ def _megalysses_step(shape: dict, seq: int, opts: dict, device, dtype) -> Callab
     return step
 
 
-def _transformers_step(shape: dict, seq: int, opts: dict, device, dtype, liger: bool) -> Callable:
+def transformers_step(shape: dict, seq: int, opts: dict, device, dtype, liger: bool) -> Callable:
     import torch
     import transformers
 
@@ -150,9 +154,9 @@ def worker(args: argparse.Namespace) -> dict:
     row = {"framework": args.framework, "seq_len": args.seq, "options": opts}
     try:
         if args.framework == "megalysses":
-            step = _megalysses_step(shape, args.seq, opts, device, dtype)
+            step = megalysses_step(shape, args.seq, opts, device, dtype)
         else:
-            step = _transformers_step(shape, args.seq, opts, device, dtype, liger=args.framework == "liger")
+            step = transformers_step(shape, args.seq, opts, device, dtype, liger=args.framework == "liger")
         gen = torch.Generator().manual_seed(1)
         times, loss = [], None
         for i in range(args.warmup + args.steps):
@@ -178,24 +182,24 @@ def worker(args: argparse.Namespace) -> dict:
 
 # ----------------------------------------------------------------------------------------------- driver
 
-def run_child(framework: str, seq: int, opts: dict, args: argparse.Namespace, steps: int, warmup: int,
-              timeout: float) -> dict:
+def run_child(framework: str, seq: int, opts: dict, smoke: bool, steps: int, warmup: int, timeout: float,
+              log: Optional[Callable[[str, str], None]] = None) -> dict:
+    """One trainer at one length and setting in a process of its own (killed, with what it started, at
+    `timeout` seconds): its result row; fits False when it ran out of memory, None when it failed or timed out
+    (`error` says how). `log(what, output)` receives the output of a child that failed."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--framework", framework, "--seq", str(seq),
-           "--opts", json.dumps(opts), "--steps", str(steps), "--warmup", str(warmup)]
-    if args.smoke:
-        cmd.append("--smoke")
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired:
-        return {"framework": framework, "seq_len": seq, "options": opts, "fits": None, "error": "timed out"}
-    lines = [x for x in p.stdout.splitlines() if x.startswith("{")]
-    if p.returncode != 0 or not lines:
-        tail = (p.stderr or p.stdout).strip().splitlines()[-1:] or ["no output"]
-        oom = "out of memory" in (p.stderr + p.stdout).lower()
-        return {"framework": framework, "seq_len": seq, "options": opts, "fits": False if oom else None,
-                "error": None if oom else tail[0][:300]}
-    return json.loads(lines[-1])
+           "--opts", json.dumps(opts), "--steps", str(steps), "--warmup", str(warmup)] + (["--smoke"] if smoke else [])
+    done = run_bounded(cmd, timeout)
+    row = {"framework": framework, "seq_len": seq, "options": opts}
+    lines = [x for x in done.stdout.splitlines() if x.startswith("{")]
+    if done.returncode == 0 and lines:
+        return json.loads(lines[-1])
+    if log is not None:
+        log(f"bench_gpu worker {framework} {seq} {json.dumps(opts)}", done.stdout + done.stderr)
+    if done.timed_out:
+        return {**row, "fits": None, "error": "timed out"}
+    oom = "out of memory" in (done.stderr + done.stdout).lower()
+    return {**row, "fits": False if oom else None, "error": None if oom else done.last_line()[:300]}
 
 
 def available(framework: str) -> Optional[str]:
@@ -305,12 +309,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--time-budget", type=float, default=570.0,
                    help="seconds for the whole benchmark (0: none): runs that would start past it are not "
                         "run, and the longest-sequence search stops with the interval it has narrowed to")
-    p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
+    add_output_args(p)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--framework", help=argparse.SUPPRESS)
     p.add_argument("--seq", type=int, help=argparse.SUPPRESS)
     p.add_argument("--opts", default="{}", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    out = output_dir(p, args, args.smoke)
     if args.worker:
         print(json.dumps(worker(args)), flush=True)
         return 0
@@ -346,7 +351,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     r = {"framework": fw, "seq_len": seq, "options": opts, "fits": None,
                          "error": "not run: the time budget ended"}
                 else:
-                    r = run_child(fw, seq, opts, args, args.steps, args.warmup, child_timeout())
+                    r = run_child(fw, seq, opts, args.smoke, args.steps, args.warmup, child_timeout())
                 print(f"  {fw:<12} {seq:>8} {json.dumps(opts):<40} "
                       f"{'fits' if r.get('fits') else 'out of memory' if r.get('fits') is False else r.get('error')}",
                       flush=True)
@@ -367,7 +372,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             def fits(s: int, fw: str = fw, opts: dict = opts, known: int = known) -> Optional[bool]:
                 if s <= known:
                     return True
-                r = run_child(fw, s, opts, args, 1, 0, child_timeout())
+                r = run_child(fw, s, opts, args.smoke, 1, 0, child_timeout())
                 if r.get("fits") is None:
                     print(f"  longest {fw} at {s}: {r.get('error')}", flush=True)
                 return r.get("fits")
@@ -409,14 +414,13 @@ def main(argv: Optional[list[str]] = None) -> int:
                   for fw, n in longest.items()]
     text = "\n".join(lines) + "\n"
     print("\n" + text)
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = "gpu_smoke" if args.smoke else "gpu_" + gpu_tag(device)
-    (out / f"{stem}.md").write_text(text)
-    (out / f"{stem}.json").write_text(json.dumps({"device": device, "versions": versions, "shape": shape,
-                                                  "rows": rows, "longest": longest, "skipped": skipped},
-                                                 indent=1) + "\n")
-    print(f"wrote {out / stem}.md and .json")
+    if out is not None:
+        stem = "three_way_" + ("smoke" if args.smoke else gpu_tag(device))
+        write_text(out, f"{stem}.md", text)
+        write_text(out, f"{stem}.json", json.dumps({"device": device, "versions": versions, "shape": shape,
+                                                    "rows": rows, "longest": longest, "skipped": skipped},
+                                                   indent=1) + "\n")
+        print(f"wrote {out / stem}.md and .json")
     return 0
 
 

@@ -3,23 +3,24 @@ and tokens/s and MFU by sequence length, on one GPU.
 
     python benchmarks/bench_memory.py              # gpt_1b_1m_offload: Llama-3.2-1B shape, 32K..1M tokens
     python benchmarks/bench_memory.py --lengths 32768 131072 --set training.activation_offload=false \\
-        --set model.kernels=torch [--json benchmarks/results/memory_h100.json]
+        --set model.kernels=torch [--out-dir runs/memory | --record]
     python benchmarks/bench_memory.py --smoke      # a tiny shape on CPU: the harness end to end (the suite runs it)
-    python benchmarks/bench_memory.py --lengths 1048576 --steps 1 --time-budget 0   # no time limit
+    python benchmarks/bench_memory.py --lengths 1048576 --steps 1 --time-budget 0 --record   # no time limit
 
 Each length runs in its own process, built as pretrain builds it (tp = sp = pp = 1, a world of one):
 two optimizer steps on random tokens; the second is measured. With --steps 1 (for lengths whose step
 takes minutes) the optimizer state is created first, as a resumed run has it, and the one step is
-measured; its time then includes first-call work. Columns: the predicted peak
-(megalysses.memory) and the measured one (torch.cuda.max_memory_allocated over the second step) with
-their error, the host memory offload used, the step time, tokens/s and MFU (the 6N + 6LHDS FLOPs per
-token of training/metrics.py against the GPU's bf16 peak). A length that runs out of memory is a row
+measured; its time then includes first-call work. Columns: the predicted peak (megalysses.memory, asked
+about the attention backend the run resolved) and the measured one (torch.cuda.max_memory_allocated over
+the second step) with their error, the host memory offload used, the step time, tokens/s and MFU (the 6N +
+6LHDS FLOPs per token of training/metrics.py against the GPU's bf16 peak). A length that runs out of memory is a row
 saying so. Then the issue's targets: the longest length that trained, the MFU at 512K within 15% of the
-MFU at 128K (offload hidden behind compute), and every error within 10%. Writes JSON with the commit,
-the device and the torch / CUDA versions, rewritten after every length, so a run cut short keeps the rows
-done so far; rows that an earlier run of the same config, overrides, device and commit wrote to the same
-file for other lengths are kept, so lengths run as separate commands (a 1M-token step takes minutes)
-add up to one record and one check of the targets. --time-budget (seconds, default 570, 0: none) bounds
+MFU at 128K (offload hidden behind compute), and every error within 10%. Prints the table; with --out-dir
+(or --record: benchmarks/results/) writes memory_<device>.json with the commit, the device and the torch /
+CUDA versions, rewritten after every length, so a run cut short keeps the rows done so far; rows that an
+earlier run of the same config, overrides, device and commit wrote to the same file for other lengths are
+kept, so lengths run as separate commands (a 1M-token step takes minutes) add up to one record and one
+check of the targets. --time-budget (seconds, default 570, 0: none) bounds
 the whole run: a length still running when it ends is stopped and is a row saying so, and the lengths
 after it are rows saying they were not run.
 
@@ -31,9 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -50,6 +49,8 @@ from megalysses.config_checks import validate_config  # noqa: E402
 from megalysses.config_io import load_config  # noqa: E402
 from megalysses.memory import GIB, estimate_plan, fmt_bytes  # noqa: E402
 from megalysses.training.runtime import source_commit  # noqa: E402
+
+from benchmarks.harness import add_output_args, output_dir, run_bounded, write_text  # noqa: E402
 
 SMOKE = ["model.vocab_size=256", "model.hidden_size=64", "model.num_layers=4", "model.num_heads=4",
          "model.num_kv_heads=2", "model.ffn_hidden_size=160", "model.attention_backend=sdpa", "model.kernels=torch",
@@ -130,31 +131,36 @@ def run_length(cfg: Config, device: torch.device, steps: int = 2) -> dict:
 
 
 def child(args: argparse.Namespace, overrides: list[str]) -> int:
-    """--child: one length, one JSON line on stdout (out of memory is a row too)."""
+    """--child: one length on the GPU (on the CPU where there is none), one JSON line on stdout (out of memory
+    is a row too)."""
     cfg = load_config(args.config, overrides + [f"data.seq_len={args.child}"])
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        row = run_length(cfg, torch.device("cuda"), args.steps)
+        row = run_length(cfg, device, args.steps)
     except torch.cuda.OutOfMemoryError as e:
         from megalysses.training.runtime import resolve_run
 
         row = {"seq_len": args.child, "error_text": f"out of memory: {str(e).splitlines()[0]}",
-               "predicted_gib": estimate_plan(cfg, resolve_run(cfg, torch.device("cuda"))).peak / GIB}
+               "predicted_gib": estimate_plan(cfg, resolve_run(cfg, device)).peak / GIB}
     print("ROW " + json.dumps(row), flush=True)
     return 0
 
 
-def in_subprocess(args: argparse.Namespace, length: int, timeout: float | None) -> dict:
-    cmd = [sys.executable, __file__, "--config", args.config, "--child", str(length), "--steps", str(args.steps)]
-    cmd += [a for o in args.overrides for a in ("--set", o)]
-    try:
-        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"seq_len": length, "error_text": "did not finish within the time budget"}
+def in_subprocess(config: str, overrides: list[str], length: int, steps: int, timeout: float | None,
+                  log=None) -> dict:
+    """One length of `config` (+ overrides) in a process of its own, killed with what it started at `timeout`
+    seconds (None: no limit): its row. `log(what, output)` receives the output of a child that failed."""
+    cmd = [sys.executable, __file__, "--config", config, "--child", str(length), "--steps", str(steps)]
+    cmd += [a for o in overrides for a in ("--set", o)]
+    done = run_bounded(cmd, timeout)
     rows = [json.loads(line[4:]) for line in done.stdout.splitlines() if line.startswith("ROW ")]
-    if not rows:
-        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
-        return {"seq_len": length, "error_text": f"exit {done.returncode}: {tail[0]}"}
-    return rows[0]
+    if rows:
+        return rows[0]
+    if log is not None:
+        log(f"bench_memory child {length} tokens ({config})", done.stdout + done.stderr)
+    if done.timed_out:
+        return {"seq_len": length, "error_text": "did not finish within the time budget"}
+    return {"seq_len": length, "error_text": f"exit {done.returncode}: {done.last_line()}"}
 
 
 def targets(rows: list[dict]) -> dict:
@@ -180,13 +186,6 @@ def earlier_rows(out: Path, record: dict, lengths: list[int]) -> list[dict]:
     return [r for r in old.get("rows", []) if r.get("seq_len") not in lengths]
 
 
-def write_json(out: Path, record: dict) -> None:
-    """Replace `out` in one step, so a run stopped while writing still leaves the previous rows."""
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(record, indent=1))
-    os.replace(tmp, out)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=str(ROOT / "configs" / "gpt_1b_1m_offload.yaml"))
@@ -194,8 +193,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="sequence lengths (default 32768 131072 524288 1048576; with --smoke 256 1024)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--smoke", action="store_true", help="tiny shape on CPU, lengths 256 and 1024, in this process")
-    p.add_argument("--json", default=None,
-                   help="where to write the results (default benchmarks/results/memory_<device>.json)")
+    add_output_args(p)
     p.add_argument("--steps", type=int, default=2, choices=(1, 2),
                    help="steps per length; the last is measured (1: for lengths whose step takes minutes)")
     p.add_argument("--time-budget", type=float, default=570.0,
@@ -203,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                         "stopped, and the lengths after it are not run (both are rows saying so)")
     p.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    folder = output_dir(p, args, args.smoke)
     start = time.monotonic()
     if args.time_budget < 0:
         print(f"error: --time-budget {args.time_budget:g} is negative: give seconds, or 0 for no budget",
@@ -223,13 +222,12 @@ def main(argv: list[str] | None = None) -> int:
     lengths = args.lengths or ([256, 1024] if args.smoke else [32768, 131072, 524288, 1048576])
     deadline = start + args.time_budget if args.time_budget else float("inf")
     name = torch.cuda.get_device_name().replace(" ", "_") if not args.smoke else "cpu"
-    out = Path(args.json) if args.json else ROOT / "benchmarks" / "results" / f"memory_{name}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = folder / f"memory_{name}.json" if folder is not None else None
     record = {"config": args.config, "overrides": overrides, "device": name, "commit": source_commit() or "unknown",
               "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version()}
     print(f"{'seq_len':>9} {'predicted':>11} {'measured':>11} {'error':>7} {'host':>10} {'step s':>8} {'tok/s':>9} "
           f"{'MFU':>6}  phase", flush=True)
-    kept = earlier_rows(out, record, lengths)
+    kept = earlier_rows(out, record, lengths) if out is not None else []
     if kept:
         print(f"kept from an earlier run in {out}: the rows of {', '.join(str(r['seq_len']) for r in kept)}",
               flush=True)
@@ -240,10 +238,12 @@ def main(argv: list[str] | None = None) -> int:
         elif args.smoke:
             row = run_length(replace(base, data=replace(base.data, seq_len=S)), torch.device("cpu"), args.steps)
         else:
-            row = in_subprocess(args, S, max(1.0, deadline - time.monotonic()) if args.time_budget else None)
+            row = in_subprocess(args.config, args.overrides, S, args.steps,
+                                max(1.0, deadline - time.monotonic()) if args.time_budget else None)
         rows.append(row)
         every = sorted(kept + rows, key=lambda r: r["seq_len"])
-        write_json(out, {**record, "rows": every, "targets": targets(every)})
+        if out is not None:
+            write_text(out.parent, out.name, json.dumps({**record, "rows": every, "targets": targets(every)}, indent=1))
         if "measured_gib" not in row:
             predicted = fmt_bytes(row["predicted_gib"] * GIB) if "predicted_gib" in row else "-"
             print(f"{S:>9} {predicted:>11}  {row['error_text']}", flush=True)
@@ -255,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = targets(every)                                            # this run's rows and the kept ones
     print("targets: " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()),
           flush=True)
-    print(f"wrote {out}", flush=True)                                   # after every length, above
+    if out is not None:
+        print(f"wrote {out}", flush=True)                               # after every length, above
     return 0
 
 

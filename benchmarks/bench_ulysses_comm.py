@@ -1,7 +1,7 @@
 """Communication volume of sequence parallelism, sp = ulysses x ring, for every factorisation of sp.
 
     python benchmarks/bench_ulysses_comm.py [--seq-len 4096] [--hidden 1024] [--heads 16] [--kv-heads 4]
-                                            [--sp 2 4 8] [--json benchmarks/results/ulysses_comm.json]
+                                            [--sp 2 4 8] [--out-dir DIR | --record] [--name ulysses_comm]
 
 For each sequence-parallel degree sp the script spawns sp gloo ranks on this machine and, for every
 split sp = u x r that the heads allow (u: Ulysses degree, r: ring degree), runs one attention layer of
@@ -18,8 +18,8 @@ with h_q = Hq*D, h_kv = Hkv'*D (Hkv' = Hkv times its replication up to u) and S/
     Ring fwd     (r-1) * S/r * 2*h_kv/u                 the K and V block, r-1 hops
     Ring bwd     (2r-1) * S/r * 2*h_kv/u  (r > 1)       K and V again (r-1 hops), dK/dV (r hops, fp32)
 Ulysses volume falls as 1/u; the ring's stays near 2*S*h_kv/u whatever r is, and it travels to one
-neighbour, overlapped with the block computation. Prints a markdown table and writes the numbers as
-JSON; exits non-zero if a count differs from its closed form.
+neighbour, overlapped with the block computation. Prints a markdown table; with --out-dir (or --record:
+benchmarks/results/) writes the numbers as <name>.json. Exits non-zero if a count differs from its closed form.
 """
 from __future__ import annotations
 
@@ -35,16 +35,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megalysses.config import ConfigError, ModelConfig
-from megalysses.config_checks import check_heads
-from megalysses.grid import ParallelGrid
-from megalysses.kernels.rope import rope_cos_sin
-from megalysses.model.layers import Attention, ParallelGroups
-from megalysses.parallel.sequence_layout import SequenceLayout
-from megalysses.parallel.ulysses import kv_replication, prepare_sequence_mask
-from megalysses.testing import run_distributed
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.harness import add_output_args, output_dir, write_text  # noqa: E402
+from megalysses.config import ConfigError, ModelConfig  # noqa: E402
+from megalysses.config_checks import check_heads  # noqa: E402
+from megalysses.grid import ParallelGrid  # noqa: E402
+from megalysses.kernels.rope import rope_cos_sin  # noqa: E402
+from megalysses.model.layers import Attention, ParallelGroups  # noqa: E402
+from megalysses.parallel.sequence_layout import SequenceLayout  # noqa: E402
+from megalysses.parallel.ulysses import kv_replication, prepare_sequence_mask  # noqa: E402
+from megalysses.testing import run_distributed  # noqa: E402
+
 KEYS = ("ulysses_fwd", "ring_fwd", "ulysses_bwd", "ring_bwd")   # the table's column order
 
 
@@ -141,8 +144,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--sp", type=int, nargs="+", default=[2, 4, 8])
-    p.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "ulysses_comm.json"))
+    add_output_args(p, name="ulysses_comm")
     args = p.parse_args(argv)
+    folder = output_dir(p, args)
     shape = {"seq_len": args.seq_len, "batch": args.batch, "hidden": args.hidden, "heads": args.heads,
              "kv_heads": args.kv_heads}
     rows = []
@@ -177,10 +181,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         total = sum(r[key] for key in KEYS)
         print(f"| {r['sp']} | {r['ulysses']} x {r['ring']} | {r['kv_replication']} | {' | '.join(cells)} "
               f"| {total / mib:.2f} |")
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"shape": shape, "rows": rows, "machine": platform.platform(),
-                                           "torch": torch.__version__}, indent=2) + "\n")
-    print(f"\nwrote {args.json}")
+    if folder is not None:
+        out = write_text(folder, f"{args.name or 'ulysses_comm'}.json",
+                         json.dumps({"shape": shape, "rows": rows, "machine": platform.platform(),
+                                     "torch": torch.__version__}, indent=2) + "\n")
+        print(f"\nwrote {out}")
     if mismatches:
         print("error: counted bytes differ from the closed form: " + "; ".join(mismatches), file=sys.stderr)
         raise SystemExit(1)

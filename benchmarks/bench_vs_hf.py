@@ -2,7 +2,7 @@
 
     pip install -e ".[test]"       # transformers is a test / benchmark extra
     python benchmarks/bench_vs_hf.py [--hidden 256 --layers 4 --heads 8 --kv-heads 4 --seq-len 512 --batch 4]
-                                     [--steps 10 --rounds 3] [--json benchmarks/results/vs_hf.json]
+                                     [--steps 10 --rounds 3] [--out-dir DIR | --record] [--name vs_hf]
 
 Both sides train the same model: a random LlamaForCausalLM is built from the config, and its
 weights are converted into a megalysses GPT (megalysses.model.hf), so the first-step losses agree
@@ -15,7 +15,8 @@ transformers runs model(input_ids, labels=...) + clip_grad_norm_ + torch.optim.A
 Attention is SDPA on both sides. On CUDA megalysses computes with bf16 weights (fp32 masters in its
 optimizer) and transformers under bf16 autocast over fp32 weights; on CPU both in float32.
 The two are timed in alternating rounds (after warm-up steps) so that machine noise hits both
-alike; tokens/s is the median over rounds. Prints a table with the ratio and writes JSON.
+alike; tokens/s is the median over rounds. Prints a table with the ratio; with --out-dir (or --record:
+benchmarks/results/) writes it as <name>.json.
 """
 from __future__ import annotations
 
@@ -23,19 +24,23 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from megalysses.config import ModelConfig
-from megalysses.grid import ParallelGrid
-from megalysses.model.gpt import GPTStage
-from megalysses.model.hf import from_hf_state_dict, model_config_from_hf
-from megalysses.training.optimizer import ShardedAdamW
-from megalysses.training.step import train_step
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.harness import add_output_args, output_dir, write_text  # noqa: E402
+from megalysses.config import ModelConfig  # noqa: E402
+from megalysses.grid import ParallelGrid  # noqa: E402
+from megalysses.model.gpt import GPTStage  # noqa: E402
+from megalysses.model.hf import from_hf_state_dict, model_config_from_hf  # noqa: E402
+from megalysses.training.optimizer import ShardedAdamW  # noqa: E402
+from megalysses.training.step import train_step  # noqa: E402
+
 LR, WD, BETAS, EPS, CLIP = 3e-4, 0.1, (0.9, 0.95), 1e-8, 1.0
 
 
@@ -106,8 +111,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=10, help="timed steps per round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "vs_hf.json"))
+    add_output_args(p, name="vs_hf")
     args = p.parse_args(argv)
+    folder = output_dir(p, args)
     try:
         import transformers
     except ImportError:
@@ -155,13 +161,13 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"| {row['framework']} | {row['ms_per_step']:.1f} | {row['tokens_per_s']:.0f} "
               f"| {row['first_step_loss']:.6f} |")
     print(f"\nmegalysses / transformers tokens/s: {ratio:.2f}x")
-    recorded = {k: v for k, v in vars(args).items() if k != "json"}   # the output path names the machine
+    recorded = {k: v for k, v in vars(args).items() if k not in ("out_dir", "record", "name")}
     result = {"args": recorded, "device": device.type, "dtype": str(dtype), "threads": torch.get_num_threads(),
               "rows": rows, "ratio": ratio, "machine": platform.platform(), "torch": torch.__version__,
               "transformers": transformers.__version__}
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.json}")
+    if folder is not None:
+        out = write_text(folder, f"{args.name or 'vs_hf'}.json", json.dumps(result, indent=2) + "\n")
+        print(f"wrote {out}")
     return result
 
 

@@ -3,14 +3,15 @@ memory per kernel, on any machine (no GPU needed).
 
     python benchmarks/kernel_build.py                       # 1B and 8B configs, sm_90 (H100/H200) and sm_80 (A100)
     python benchmarks/kernel_build.py --config configs/gpt_1b_32k.yaml --arch 90 --dtype float32
-    python benchmarks/kernel_build.py --json benchmarks/results/kernel_build.json
+    python benchmarks/kernel_build.py --record           # benchmarks/results/kernel_build_triton<version>.json
 
 For each config, megalysses.kernels.cuda_build records the Triton launches of one forward and backward of
 one block (on the meta device, planned as on an H100: nothing runs), then compiles each distinct launch
 with the installed Triton for each compute capability and reads the binary's resources back with the
 cuobjdump that Triton ships. Columns: the kernel, its block sizes, warps, pointer dtypes, the target, the
-registers per thread, the bytes spilled per thread (stack) and the shared memory. A
-kernel that does not compile is a row with the error. Exit status 1 when any kernel failed to compile,
+registers per thread, the bytes spilled per thread (stack) and the shared memory. A kernel that does not
+compile is a row with the error. With --out-dir (or --record: benchmarks/results/) the rows and versions are
+also written as kernel_build_triton<major><minor>.json. Exit status 1 when any kernel failed to compile,
 spilled, or needs more shared memory than a block may have; tests/test_kernel_build.py runs this.
 
 What this does not measure: time on a GPU. It shows that the kernels compile for the target with the
@@ -26,6 +27,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from benchmarks.harness import add_output_args, output_dir, write_text  # noqa: E402
 
 DEFAULT_CONFIGS = ("configs/gpt_1b_1m_offload.yaml", "configs/llama3_8b_128k.yaml")
 
@@ -79,8 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arch", nargs="+", type=int, default=[90, 80],
                    help="compute capabilities: 90 = H100/H200, 80 = A100")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="compute dtype of the step")
-    p.add_argument("--json", default=None, help="also write the rows and versions here")
+    add_output_args(p, name="kernel_build_triton<major><minor>")
     args = p.parse_args(argv)
+    folder = output_dir(p, args)
     import importlib
 
     import torch
@@ -99,9 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     for r in bad:
         why = r.get("error") or (f"spills {r['spill_bytes']} B" if r["spill_bytes"] else "shared memory over the limit")
         print(f"FAIL {r['config']} {r['kernel']} sm_{r['arch']}: {why}")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"info": info, "rows": rows}, indent=1))
+    if folder is not None:
+        name = args.name or "kernel_build_triton" + "".join(triton.__version__.split(".")[:2])
+        print(f"wrote {write_text(folder, name + '.json', json.dumps({'info': info, 'rows': rows}, indent=1))}")
     return 1 if bad else 0
 
 

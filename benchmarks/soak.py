@@ -2,7 +2,8 @@
 every time, and compare every step's loss and gradient norm with an uninterrupted run.
 
     python benchmarks/soak.py --kills 20                        # torchrun, 2 processes (tp=2)
-    python benchmarks/soak.py --kills 3 --nproc 1 --steps 10 --json soak.json
+    python benchmarks/soak.py --kills 3 --nproc 1 --steps 10 --out-dir runs/soak
+    python benchmarks/soak.py --kills 20 --record          # into benchmarks/results/soak.json
 
 Each kill takes down the whole job at once, the launcher and every worker (as a node crash would).
 Half of the kills wait until the checkpoint of a random step is complete and strike within the next
@@ -11,8 +12,8 @@ a checkpoint is being written (its `step_N.tmp` directory exists) and strike a f
 later. After each kill the checkpoint that `latest` names must verify (every file against its
 manifest checksum), and the next launch resumes from it. The killed job's steps appear in
 metrics.jsonl again after the resume; the start marks there say which records supersede which.
-Prints one row per kill, then the comparison, and writes the result as JSON with --json; exits 1
-unless every checkpoint verified and every loss is identical.
+Prints one row per kill, then the comparison; with --out-dir (or --record: benchmarks/results/) writes the
+result as soak.json. Exits 1 unless every checkpoint verified and every loss is identical.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.harness import add_output_args, output_dir, write_text  # noqa: E402
 from megalysses.training.manifest import checkpoints_in, read_latest, step_of, verify_checkpoint  # noqa: E402
 
 MODEL = ["data.mock=true", "data.seq_len=64", "model.vocab_size=256", "model.hidden_size=64", "model.num_layers=2",
@@ -205,8 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="seed of the kill schedule")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for one moment to strike")
     p.add_argument("--workdir", type=Path, default=None, help="where the runs go (default: a temporary dir)")
-    p.add_argument("--json", type=Path, default=None, help="write the result here")
+    add_output_args(p)
     args = p.parse_args(argv)
+    folder = output_dir(p, args)
     if args.kills < 1 or args.nproc < 1 or (args.steps and args.steps < 3 * args.kills + 2):
         print("error: --kills and --nproc must be at least 1, --steps at least 3 per kill + 2", file=sys.stderr)
         return 2
@@ -214,8 +217,9 @@ def main(argv: list[str] | None = None) -> int:
         work = args.workdir or Path(tmp)
         result = soak(args.kills, args.nproc, args.tp or args.nproc, args.seed, work, args.timeout, args.steps)
     print(table(result))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    if folder is not None:
+        out = write_text(folder, "soak.json", json.dumps(result, indent=1) + "\n")
+        print(f"wrote {out}")
     ok = (result["all_verify"] and result["resumed_from_latest"]
           and result["identical_losses"] == result["steps_compared"])
     return 0 if ok else 1

@@ -74,14 +74,14 @@ def test_smoke_run(tmp_path):
                         "--warmup", "1", "--out-dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
-    result = json.loads((tmp_path / "gpu_smoke.json").read_text())
+    result = json.loads((tmp_path / "three_way_smoke.json").read_text())
     rows = {row["framework"]: row for row in result["rows"]}
     assert set(rows) == {"megalysses", "transformers"}
     for row in rows.values():
         assert row["fits"] and row["tokens_per_s"] > 0 and row["loss"] == row["loss"], row
     assert result["longest"] == {fw: {"good": 128, "bad": None, "stopped": None}
                                  for fw in ("megalysses", "transformers")}
-    assert result["versions"]["torch"] and "| 64 | megalysses |" in (tmp_path / "gpu_smoke.md").read_text()
+    assert result["versions"]["torch"] and "| 64 | megalysses |" in (tmp_path / "three_way_smoke.md").read_text()
 
 
 def test_time_budget_ends_the_run_with_what_it_has(tmp_path):
@@ -91,11 +91,11 @@ def test_time_budget_ends_the_run_with_what_it_has(tmp_path):
                         "--frameworks", "megalysses", "--time-budget", "0.5", "--out-dir", str(tmp_path)],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
-    result = json.loads((tmp_path / "gpu_smoke.json").read_text())
+    result = json.loads((tmp_path / "three_way_smoke.json").read_text())
     assert [(row["seq_len"], row["error"]) for row in result["rows"]] == [
         (64, "timed out"), (128, "not run: the time budget ended")]
     assert result["longest"] == {"megalysses": {"good": None, "bad": None, "stopped": "time budget"}}
-    assert "not searched (the time budget ended first)" in (tmp_path / "gpu_smoke.md").read_text()
+    assert "not searched (the time budget ended first)" in (tmp_path / "three_way_smoke.md").read_text()
 
 
 def test_kept_attention_is_tried_only_where_attention_runs_on_sdpa(monkeypatch):

@@ -29,7 +29,8 @@ def test_kernels_build_for_hopper_and_ampere_at_model_shapes(tmp_path):
         pytest.skip("needs triton with its NVIDIA backend (ptxas, cuobjdump): pip install triton on Linux x86-64")
     out = tmp_path / "builds.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/kernel_build.py"), "--json", str(out)],
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/kernel_build.py"), "--out-dir", str(tmp_path),
+                           "--name", "builds"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     print(proc.stdout)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

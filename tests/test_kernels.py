@@ -327,14 +327,15 @@ def test_linear_cross_entropy_matches_logits_then_loss(chunk, dtype):
         torch.testing.assert_close(linear_cross_entropy(x, w, labels, vocab_size=V, chunk_tokens=chunk), got)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("impl", ["liger", "apex"])
-def test_library_kernels_match_torch(impl):
+def test_library_kernels_match_torch(impl, dtype):
     """model.kernels=liger / apex: each op the library provides (apex: RMSNorm and the add before it; the
-    rest falls to our Triton kernels) against the torch reference, forward and backward, in bf16."""
+    rest falls to our Triton kernels) against the torch reference, forward and backward, in fp32 and bf16."""
     from megalysses.kernels.triton_support import LIBRARY_OPS, library_importable
     if DEVICE != "cuda" or not library_importable(impl):
         pytest.skip(f"{impl} needs its package and a CUDA device")
-    dtype, tol = torch.bfloat16, dict(rtol=2e-2, atol=3e-2)
+    tol = dict(rtol=2e-2, atol=3e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
     x, d = randn(4, 9, 64, dtype=dtype, grad=True), randn(4, 9, 64, dtype=dtype, seed=2, grad=True)
     w = (1 + 0.5 * randn(64, seed=3)).to(dtype).requires_grad_()
     gu = randn(4, 9, 2 * 96, dtype=dtype, seed=4, grad=True)

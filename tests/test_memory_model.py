@@ -7,7 +7,6 @@ Fails if any retained activation grows as S^2 (measured at S and 2S) or is left 
 (a rank keeps 1/sp of one process's bytes plus the sp buffers the model names); both checks are shown
 to fail on a case made for it (the reference backend's S x S probabilities, an attention that gathers
 the sequence)."""
-import argparse
 import functools
 import importlib.util
 import json
@@ -397,14 +396,14 @@ def test_bench_memory_smoke(tmp_path):
     spec = importlib.util.spec_from_file_location("bench_memory", "benchmarks/bench_memory.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    out = tmp_path / "memory.json"
-    assert bench.main(["--smoke", "--json", str(out)]) == 0
+    out = tmp_path / "memory_cpu.json"
+    assert bench.main(["--smoke", "--out-dir", str(tmp_path)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [r["seq_len"] for r in rows] == [256, 1024]
     for r in rows:     # the smoke shape offloads its activations (configs/gpt_1b_1m_offload.yaml)
         assert abs(r["error"]) <= 0.10 and r["loss"] > 0 and r["activation_offload"] and r["host_gib"] > 0, r
     # one step (for lengths whose step takes minutes), after creating the optimizer state as a resume does
-    assert bench.main(["--smoke", "--steps", "1", "--json", str(out)]) == 0
+    assert bench.main(["--smoke", "--steps", "1", "--out-dir", str(tmp_path)]) == 0
     for one, two in zip(json.loads(out.read_text())["rows"], rows):
         assert one["steps"] == 1 and two["steps"] == 2 and abs(one["error"]) <= 0.10, one
 
@@ -415,13 +414,14 @@ def test_bench_memory_runs_add_up(tmp_path):
     spec = importlib.util.spec_from_file_location("bench_memory", "benchmarks/bench_memory.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    out = tmp_path / "memory.json"
-    assert bench.main(["--smoke", "--lengths", "256", "--json", str(out)]) == 0
-    assert bench.main(["--smoke", "--lengths", "384", "--steps", "1", "--json", str(out)]) == 0
+    out = tmp_path / "memory_cpu.json"
+    assert bench.main(["--smoke", "--lengths", "256", "--out-dir", str(tmp_path)]) == 0
+    assert bench.main(["--smoke", "--lengths", "384", "--steps", "1", "--out-dir", str(tmp_path)]) == 0
     result = json.loads(out.read_text())
     assert [(r["seq_len"], r["steps"]) for r in result["rows"]] == [(256, 2), (384, 1)]
     assert result["targets"]["longest_trained"] == 384
-    assert bench.main(["--smoke", "--lengths", "256", "--set", "training.mlp_chunk_tokens=64", "--json", str(out)]) == 0
+    assert bench.main(["--smoke", "--lengths", "256", "--set", "training.mlp_chunk_tokens=64",
+                       "--out-dir", str(tmp_path)]) == 0
     assert [r["seq_len"] for r in json.loads(out.read_text())["rows"]] == [256]
 
 
@@ -431,13 +431,12 @@ def test_bench_memory_time_budget(tmp_path):
     spec = importlib.util.spec_from_file_location("bench_memory", "benchmarks/bench_memory.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    out = tmp_path / "memory.json"
-    assert bench.main(["--smoke", "--time-budget", "1e-9", "--json", str(out)]) == 0
+    out = tmp_path / "memory_cpu.json"
+    assert bench.main(["--smoke", "--time-budget", "1e-9", "--out-dir", str(tmp_path)]) == 0
     result = json.loads(out.read_text())
     assert [(r["seq_len"], r["error_text"]) for r in result["rows"]] == [
         (256, "not run: the time budget ended"), (1024, "not run: the time budget ended")]
     assert result["targets"]["longest_trained"] == 0
-    args = argparse.Namespace(config="configs/gpt_1b_1m_offload.yaml", steps=1, overrides=[])
-    assert bench.in_subprocess(args, 256, timeout=0.01) == {
+    assert bench.in_subprocess("configs/gpt_1b_1m_offload.yaml", [], 256, steps=1, timeout=0.01) == {
         "seq_len": 256, "error_text": "did not finish within the time budget"}
-    assert bench.main(["--smoke", "--time-budget", "-1", "--json", str(out)]) == 1
+    assert bench.main(["--smoke", "--time-budget", "-1", "--out-dir", str(tmp_path)]) == 1
