@@ -5,7 +5,7 @@ memory per kernel, on any machine (no GPU needed).
     python benchmarks/kernel_build.py --config configs/gpt_1b_32k.yaml --arch 90 --dtype float32
     python benchmarks/kernel_build.py --record           # benchmarks/results/kernel_build_triton<version>.json
 
-For each config, megalysses.kernels.cuda_build records the Triton launches of one forward and backward of
+For each config, megalysses.tools.triton_build records the Triton launches of one forward and backward of
 one block (on the meta device, planned as on an H100: nothing runs), then compiles each distinct launch
 with the installed Triton for each compute capability and reads the binary's resources back with the
 cuobjdump that Triton ships. Columns: the kernel, its block sizes, warps, pointer dtypes, the target, the
@@ -37,7 +37,7 @@ def build_rows(config: str, dtype: str, archs: list[int]) -> list[dict]:
     import torch
 
     from megalysses.config_io import load_config
-    from megalysses.kernels.cuda_build import build, record_step, unique
+    from megalysses.tools.triton_build import build, record_step, unique
 
     model = load_config(ROOT / config if not Path(config).exists() else config).model
     rows = []
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import triton
 
-    from megalysses.kernels.cuda_build import KERNEL_MODULES
+    from megalysses.tools.triton_build import KERNEL_MODULES
     from megalysses.training.runtime import source_commit
 
     rows = [r for c in args.config for r in build_rows(c, args.dtype, args.arch)]

@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.harness import add_output_args, output_dir, write_text  # noqa: E402
-from megalysses.training.manifest import checkpoints_in, read_latest, step_of, verify_checkpoint  # noqa: E402
+from megalysses.checkpoint.manifest import checkpoints_in, read_latest, step_of, verify_checkpoint  # noqa: E402
 
 MODEL = ["data.mock=true", "data.seq_len=64", "model.vocab_size=256", "model.hidden_size=64", "model.num_layers=2",
          "model.num_heads=4", "training.global_batch_size=4", "training.micro_batch_size=1", "logging.log_interval=1",

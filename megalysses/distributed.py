@@ -18,7 +18,7 @@ import signal
 import sys
 import time
 from datetime import timedelta
-from typing import Callable, Optional, TypeVar
+from typing import Any, Callable, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -162,3 +162,13 @@ def on_rank0(fn: Callable[[], T]) -> T:
     if error is not None:
         raise error
     return result
+
+
+def is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def print0(*args: Any) -> None:
+    """The one place rank 0 prints from."""
+    if is_rank0():
+        print(*args, flush=True)

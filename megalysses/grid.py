@@ -259,7 +259,8 @@ class ParallelGrid:
         ranks = L.ranks.permute(0, 3, 1, 2).reshape(L.pp, L.tp, L.dp * L.sp)
         # fresh row-major strides: torch 2.11 takes the mesh layout from them, and a size-1 dim of the
         # permuted view keeps a stride that makes mesh["tp", "grad"] fail as out of order
-        mesh = DeviceMesh(device.type, ranks.flatten().view(ranks.shape), mesh_dim_names=("pp", "tp", "grad"))
+        kind = "cpu" if device.type == "meta" else device.type      # a meta build (a dry run) meshes host ranks
+        mesh = DeviceMesh(kind, ranks.flatten().view(ranks.shape), mesh_dim_names=("pp", "tp", "grad"))
         if self.timeout is not None:    # DeviceMesh creates its groups with torch's default timeout
             for name in ("pp", "tp", "grad"):
                 _set_group_timeout(self.timeout, mesh.get_group(name))

@@ -9,7 +9,7 @@
 A rank that raises fails the call with that rank's traceback; a rank that hangs is ended by the
 short collective timeout and, failing that, by the overall `timeout`.
 
-Ranks start from a fork server that has imported torch and the training stack once (`PRELOAD`), so a
+Ranks start from a fork server that has imported torch (and what `preload` adds) once, so a
 rank costs a fork instead of several seconds of imports; the fork server only imports (it never runs
 an OpenMP region), so forking it is safe. Each rank then takes the caller's environment of the moment
 of the call, as a spawned process would.
@@ -35,9 +35,13 @@ class DistributedTestError(AssertionError):
     """A rank failed: the message carries its traceback."""
 
 
-# imported once by the fork server: what a training rank needs (torch.optim pulls in dynamo on first use)
-PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch.distributed.checkpoint",
-           "torch.distributed.fsdp", "megalysses.training.loop"]
+# imported once by the fork server (torch.optim pulls in dynamo on first use); `preload` adds to it
+_preload = ["torch", "torch.distributed", "torch._dynamo", "torch.distributed.checkpoint", "torch.distributed.fsdp"]
+
+
+def preload(*modules: str) -> None:
+    """Have the fork server import `modules` too (before its first use), so that ranks start with them loaded."""
+    _preload.extend(m for m in modules if m not in _preload)
 
 
 def _worker(rank: int, fn: Callable, world: int, store: str, out_dir: str, args: tuple, pg_timeout: float,
@@ -66,7 +70,7 @@ def run_distributed(fn: Callable, world: int, tmp_dir: Optional[str | os.PathLik
     """Run `fn(rank, world, *args)` on `world` gloo ranks; return the per-rank results in rank order."""
     tmp = Path(tempfile.mkdtemp(prefix="mgl-", dir=tmp_dir))
     store = tmp / "store"
-    mp.get_context("forkserver").set_forkserver_preload(PRELOAD)   # takes effect when the server starts
+    mp.get_context("forkserver").set_forkserver_preload(_preload)   # takes effect when the server starts
     ctx = mp.start_processes(_worker, args=(fn, world, str(store), str(tmp), args, pg_timeout, dict(os.environ)),
                              nprocs=world, join=False, start_method="forkserver")
     deadline = time.monotonic() + timeout

@@ -2,6 +2,10 @@
 import pytest
 import torch
 
+from megalysses import testing
+
+testing.preload("megalysses.training.loop")     # what most distributed tests' ranks import
+
 
 @pytest.fixture(scope="session", autouse=True)
 def room_for_compiled_flex():

@@ -88,7 +88,7 @@ def _init_from_bad_input(tmp_path: Path, source: Path) -> None:
     """init_from a missing path, a run that saved no checkpoint, a corrupt checkpoint: one ConfigError each
     (pretrain prints it as its one `error:` line), raised before any weight is touched."""
     from megalysses.config import ConfigError
-    from megalysses.training.initialize import load_initial_weights
+    from megalysses.checkpoint.initial import load_initial_weights
 
     empty = tmp_path / "no_checkpoints"
     (empty / "checkpoints").mkdir(parents=True)
@@ -208,7 +208,7 @@ def test_resume_after_a_skipped_step_is_exact(tmp_path):
 
 def _die_during_save(rank, world, runs):
     """Rank 0 dies abruptly while renaming the step-4 checkpoint into place."""
-    import megalysses.training.checkpoint as ckpt
+    import megalysses.checkpoint.dcp_io as ckpt
 
     real = os.replace
 
@@ -248,7 +248,7 @@ class _Evil:
 def test_metadata_never_unpickles_arbitrary_objects(tmp_path):
     import pickle
 
-    from megalysses.training.checkpoint import CheckpointError, SafeFileSystemReader
+    from megalysses.checkpoint.dcp_io import CheckpointError, SafeFileSystemReader
 
     (tmp_path / ".metadata").write_bytes(pickle.dumps(_Evil()))
     with pytest.raises(CheckpointError, match="refusing to unpickle"):

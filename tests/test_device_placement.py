@@ -33,7 +33,8 @@ LAYOUTS = {
 
 def _meta_default_worker(rank, world, tmp):
     from megalysses.grid import ParallelGrid
-    from megalysses.training import checkpoint, loop
+    from megalysses.checkpoint import dcp_io as checkpoint
+    from megalysses.training import loop
 
     def on_cpu(fn):
         def run(*args, **kwargs):

@@ -1,6 +1,6 @@
 """Our Triton kernels compile for CUDA GPUs (sm_90: H100/H200, sm_80: A100) at the launches a training step
 of the 1B and 8B configs makes, without spilling registers or overflowing shared memory: the Triton
-compiler and ptxas run here, no GPU needed (benchmarks/kernel_build.py, megalysses.kernels.cuda_build)."""
+compiler and ptxas run here, no GPU needed (benchmarks/kernel_build.py, megalysses.tools.triton_build)."""
 import json
 import os
 import subprocess

@@ -18,13 +18,13 @@ from megalysses.grid import ParallelGrid
 from megalysses.kernels import attention, block_attention as blocks
 from megalysses.kernels.attention import core_attention
 from megalysses.kernels.block_attention import AttentionBlock, merge_block
-from megalysses.parallel import ring as ring_module
-from megalysses.parallel.ring import blockwise_attention
 from megalysses.parallel.sequence_layout import IGNORE_INDEX, SequenceLayout, shard_sample
 from megalysses.plan import Machine
 from megalysses.plan.run_plan import choose_attention
 from megalysses.testing import run_distributed
 from megalysses.training.runtime import resolve_run, startup_line, write_runtime
+from tests import ring_oracle
+from tests.ring_oracle import blockwise_attention
 from test_model_parity import MQA, ONE_HEAD, THREE_HEADS, _parity_worker, case, check_parity
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -143,7 +143,7 @@ def test_flex_blocks_forward_and_their_backward_formula(monkeypatch):
 
     monkeypatch.setattr(AttentionBlock, "flex_mask", lambda self, sq, sk, device: self)
     monkeypatch.setattr(blocks, "_flex_call", stand_in)
-    monkeypatch.setattr(ring_module, "check_backend", lambda *args, **kwargs: None)   # no flex backward on CPU
+    monkeypatch.setattr(ring_oracle, "check_backend", lambda *args, **kwargs: None)   # no flex backward on CPU
     for docs in (None, doc_ids()):
         want = core_attention(q, k, v, doc_ids=docs, backend="reference")
         got = blockwise_attention(q, k, v, 4, doc_ids=docs, backend="flex")

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from megalysses.kernels.attention import core_attention
-from megalysses.parallel.ring import blockwise_attention
 from megalysses.plan import Machine
 from megalysses.plan.run_plan import choose_attention
+from tests.ring_oracle import blockwise_attention
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the GPU tier)")]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from megalysses.kernels.rope import split_qkv
+from megalysses.kernels.qkv_layout import split_qkv
 
 
 def rms_norm(impl: str, x: Tensor, weight: Tensor, eps: float) -> Tensor:

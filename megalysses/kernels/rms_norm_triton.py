@@ -14,10 +14,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from megalysses.kernels.triton_support import num_programs
+from megalysses.kernels.triton_support import launch, num_programs
 
 MAX_COLS = 65536
-LAUNCHED = ("_rms_norm_fwd", "_rms_norm_bwd")  # the kernels launched from Python (kernels/cuda_build.py)
+LAUNCHED = ("_rms_norm_fwd", "_rms_norm_bwd")  # the kernels launched from Python (tools/triton_build.py)
 
 
 @triton.jit
@@ -97,8 +97,8 @@ class RMSNormTriton(torch.autograd.Function):
         rstd = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
         block, warps = _launch_config(n_cols)
         grid = (num_programs(x2.shape[0], x.device),)
-        _rms_norm_fwd[grid](x2, x2, w, x2, y, rstd, x2.shape[0], n_cols, eps, BLOCK=block, HAS_DELTA=False,
-                            num_warps=warps)
+        launch(_rms_norm_fwd, grid, x2, x2, w, x2, y, rstd, x2.shape[0], n_cols, eps, BLOCK=block, HAS_DELTA=False,
+               num_warps=warps)
         ctx.save_for_backward(x2, w, rstd)
         ctx.x_shape = x.shape
         return y.view(x.shape)
@@ -112,8 +112,8 @@ class RMSNormTriton(torch.autograd.Function):
         block, warps = _launch_config(n_cols, backward=True)
         grid = (num_programs(n_rows, x2.device),)
         dw_partial = torch.empty(grid[0], n_cols, dtype=torch.float32, device=x2.device)
-        _rms_norm_bwd[grid](dy2, x2, w, rstd, dx, dw_partial, dx, n_rows, n_cols, BLOCK=block, HAS_DRES=False,
-                            num_warps=warps)
+        launch(_rms_norm_bwd, grid, dy2, x2, w, rstd, dx, dw_partial, dx, n_rows, n_cols, BLOCK=block, HAS_DRES=False,
+               num_warps=warps)
         return dx.view(ctx.x_shape), dw_partial.sum(0).to(w.dtype), None
 
 
@@ -133,8 +133,8 @@ class AddRMSNormTriton(torch.autograd.Function):
         rstd = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
         block, warps = _launch_config(n_cols)
         grid = (num_programs(x2.shape[0], x.device),)
-        _rms_norm_fwd[grid](x2, d2, w, r, y, rstd, x2.shape[0], n_cols, eps, BLOCK=block, HAS_DELTA=True,
-                            num_warps=warps)
+        launch(_rms_norm_fwd, grid, x2, d2, w, r, y, rstd, x2.shape[0], n_cols, eps, BLOCK=block, HAS_DELTA=True,
+               num_warps=warps)
         ctx.save_for_backward(r, w, rstd)
         ctx.x_shape = x.shape
         return r.view(x.shape), y.view(x.shape)
@@ -149,7 +149,7 @@ class AddRMSNormTriton(torch.autograd.Function):
         block, warps = _launch_config(n_cols, backward=True)
         grid = (num_programs(n_rows, r.device),)
         dw_partial = torch.empty(grid[0], n_cols, dtype=torch.float32, device=r.device)
-        _rms_norm_bwd[grid](dy2, r, w, rstd, dx, dw_partial, dr2, n_rows, n_cols, BLOCK=block, HAS_DRES=True,
-                            num_warps=warps)
+        launch(_rms_norm_bwd, grid, dy2, r, w, rstd, dx, dw_partial, dr2, n_rows, n_cols, BLOCK=block, HAS_DRES=True,
+               num_warps=warps)
         dx = dx.view(ctx.x_shape)
         return dx, dx, dw_partial.sum(0).to(w.dtype), None

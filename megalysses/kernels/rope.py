@@ -14,6 +14,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
+from megalysses.kernels.qkv_layout import split_qkv
 from megalysses.kernels.triton_support import choose_impl
 
 
@@ -78,14 +79,6 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, impl: str = "auto") -> Tenso
         return apply_rope_torch(x, cos, sin)
     from megalysses.kernels.rope_triton import RoPETriton
     return RoPETriton.apply(x, cos, sin)
-
-
-def split_qkv(qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """A fused QKV output grouped by KV head, (B, S, Hkv, rep + 2, D) (the rep query heads of group g,
-    then k_g, then v_g), as q (B, S, Hkv*rep, D), k, v (B, S, Hkv, D). Query head i reads KV head i // rep."""
-    B, S, hk, c, D = qkv.shape
-    rep = c - 2
-    return qkv[:, :, :, :rep].reshape(B, S, hk * rep, D), qkv[:, :, :, rep], qkv[:, :, :, rep + 1]
 
 
 def rope_qkv_torch(qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:

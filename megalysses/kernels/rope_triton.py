@@ -12,9 +12,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from megalysses.kernels.triton_support import num_programs
+from megalysses.kernels.triton_support import launch, num_programs
 
-LAUNCHED = ("_rope_kernel", "_rope_qkv_kernel")   # the kernels launched from Python (kernels/cuda_build.py)
+LAUNCHED = ("_rope_kernel", "_rope_qkv_kernel")   # the kernels launched from Python (tools/triton_build.py)
 
 
 @triton.jit
@@ -68,8 +68,8 @@ def _rope(x: Tensor, cos: Tensor, sin: Tensor, backward: bool) -> Tensor:
     y = torch.empty_like(x)
     grid = (num_programs(B * S, x.device),)
     block_h, block_half = triton.next_power_of_2(H), triton.next_power_of_2(D // 2)
-    _rope_kernel[grid](x, cos, sin, y, B * S, H, D, BACKWARD=backward, BLOCK_H=block_h, BLOCK_HALF=block_half,
-                       num_warps=_num_warps(block_h * block_half))
+    launch(_rope_kernel, grid, x, cos, sin, y, B * S, H, D, BACKWARD=backward, BLOCK_H=block_h, BLOCK_HALF=block_half,
+           num_warps=_num_warps(block_h * block_half))
     return y
 
 
@@ -147,8 +147,8 @@ def _launch_qkv(qkv: Tensor, cos: Tensor, sin: Tensor, q: Tensor, k: Tensor, v: 
     B, S, hk, c, D = qkv.shape
     grid = (num_programs(B * S, qkv.device),)
     block_slots, block_half = triton.next_power_of_2(hk * c), triton.next_power_of_2(D // 2)
-    _rope_qkv_kernel[grid](qkv, cos, sin, q, k, v, B * S, hk, c - 2, D, BACKWARD=backward, BLOCK_SLOTS=block_slots,
-                           BLOCK_HALF=block_half, num_warps=_num_warps(block_slots * block_half))
+    launch(_rope_qkv_kernel, grid, qkv, cos, sin, q, k, v, B * S, hk, c - 2, D, BACKWARD=backward,
+           BLOCK_SLOTS=block_slots, BLOCK_HALF=block_half, num_warps=_num_warps(block_slots * block_half))
 
 
 class RoPEQKVTriton(torch.autograd.Function):

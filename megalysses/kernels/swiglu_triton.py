@@ -11,9 +11,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from megalysses.kernels.triton_support import gpu_sms
+from megalysses.kernels.triton_support import gpu_sms, launch
 
-LAUNCHED = ("_swiglu_fwd", "_swiglu_bwd")      # the kernels launched from Python (kernels/cuda_build.py)
+LAUNCHED = ("_swiglu_fwd", "_swiglu_bwd")      # the kernels launched from Python (tools/triton_build.py)
 
 
 @triton.jit
@@ -54,7 +54,7 @@ class SwiGLUTriton(torch.autograd.Function):
         y = torch.empty(x.shape[:-1] + (x.shape[-1] // 2,), dtype=x.dtype, device=x.device)
         n = y.numel()
         block = _block(n, x.device)
-        _swiglu_fwd[(triton.cdiv(n, block),)](x, y, n, BLOCK=block)
+        launch(_swiglu_fwd, (triton.cdiv(n, block),), x, y, n, BLOCK=block)
         ctx.save_for_backward(x)
         return y
 
@@ -65,5 +65,5 @@ class SwiGLUTriton(torch.autograd.Function):
         dx = torch.empty_like(x)
         n = dy.numel()
         block = _block(n, x.device)
-        _swiglu_bwd[(triton.cdiv(n, block),)](x, dy, dx, n, BLOCK=block)
+        launch(_swiglu_bwd, (triton.cdiv(n, block),), x, dy, dx, n, BLOCK=block)
         return dx

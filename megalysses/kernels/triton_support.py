@@ -9,9 +9,11 @@ still selects the interpreter (triton reads it when a kernel is decorated)."""
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import dataclasses
 import functools
 import os
-from typing import Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import Tensor
@@ -21,8 +23,18 @@ IMPLS = ("auto", "torch", "triton", "liger", "apex")
 LIBRARY_OPS = {"liger": ("rms_norm", "add_rms_norm", "swiglu", "rope_qkv"),
                "apex": ("rms_norm", "add_rms_norm")}
 _PACKAGES = {"liger": "liger_kernel", "apex": "apex"}
-# SM count of the GPU whose launches kernels/cuda_build.py is recording on the host (None: not recording)
-_planned_sms: Optional[int] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchHook:
+    """Where our kernels' launches go instead of the GPU (tools/triton_build.py records them): the SMs the
+    grids are planned for, and the function each launch is handed to as (kernel, grid, args, kwargs)."""
+
+    sms: int
+    take: Callable[[Any, tuple, tuple, dict], None]
+
+
+_hook: contextvars.ContextVar[Optional[LaunchHook]] = contextvars.ContextVar("megalysses_launch_hook", default=None)
 
 
 @functools.lru_cache(maxsize=1)
@@ -41,27 +53,36 @@ def triton_interpreting() -> bool:
 
 
 def triton_usable(t: Tensor) -> bool:
-    return triton_importable() and (t.is_cuda or triton_interpreting() or _planned_sms is not None)
+    return triton_importable() and (t.is_cuda or triton_interpreting() or _hook.get() is not None)
 
 
 @contextlib.contextmanager
-def planning_for_gpu(sms: int) -> Iterator[None]:
-    """Inside, launches are planned (grid, blocks) as on a CUDA GPU with `sms` SMs whatever the tensors'
-    device, and the Triton impl is usable on host tensors: for kernels/cuda_build.py, which records the
-    launches a step makes instead of running them. Nothing else should launch kernels inside."""
-    global _planned_sms
-    before, _planned_sms = _planned_sms, sms
+def launches_to(hook: LaunchHook) -> Iterator[None]:
+    """Inside (this thread or task), every launch of our kernels is handed to `hook` instead of run, planned
+    (grid, blocks) as on a CUDA GPU with hook.sms SMs whatever the tensors' device, and the Triton impl is
+    usable on host tensors."""
+    token = _hook.set(hook)
     try:
         yield
     finally:
-        _planned_sms = before
+        _hook.reset(token)
+
+
+def launch(kernel: Any, grid: tuple, *args: Any, **kwargs: Any) -> None:
+    """kernel[grid](*args, **kwargs), or the launch handed to the hook `launches_to` installed."""
+    hook = _hook.get()
+    if hook is not None:
+        hook.take(kernel, grid, args, kwargs)
+    else:
+        kernel[grid](*args, **kwargs)
 
 
 def gpu_sms(device: torch.device) -> Optional[int]:
-    """SMs of the GPU a launch on `device` is planned for: the device's on CUDA, the recorded target's
-    inside planning_for_gpu, None under the CPU interpreter."""
-    if _planned_sms is not None:
-        return _planned_sms
+    """SMs of the GPU a launch on `device` is planned for: the device's on CUDA, the hook's inside
+    launches_to, None under the CPU interpreter."""
+    hook = _hook.get()
+    if hook is not None:
+        return hook.sms
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return None

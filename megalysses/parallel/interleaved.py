@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from megalysses.comm import send_recv
-from megalysses.parallel.pipeline import Batch, _backward, _forward, _release
+from megalysses.parallel.pipeline import Batch, release_output, stage_backward, stage_forward
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,7 @@ def run_interleaved(model: VirtualStages, microbatches: list[Batch], scale: floa
             vs, chunk = a.chunk * P + r, model.chunks[a.chunk]
             if a.kind == "F":
                 x = inputs.pop((a.mb, a.chunk)) if vs > 0 else None
-                out = _forward(chunk, microbatches[a.mb], x, scale)
+                out = stage_forward(chunk, microbatches[a.mb], x, scale)
                 if vs == V - 1:
                     total += out.detach()
                 else:
@@ -126,7 +126,7 @@ def run_interleaved(model: VirtualStages, microbatches: list[Batch], scale: floa
                     saved[(a.mb, a.chunk)] = (x, out)
             else:
                 x, out = saved.pop((a.mb, a.chunk))
-                _backward(out, None if vs == V - 1 else grads.pop((a.mb, a.chunk)))
+                stage_backward(out, None if vs == V - 1 else grads.pop((a.mb, a.chunk)))
                 if vs > 0:
                     sends.append((x.grad, rank_of_stage((vs - 1) % P)))
         # what the neighbours produced in this slot and this rank needs
@@ -149,5 +149,5 @@ def run_interleaved(model: VirtualStages, microbatches: list[Batch], scale: floa
             for buf in received_inputs:
                 buf.requires_grad_()
             for out in released:
-                _release(out)
+                release_output(out)
     return total

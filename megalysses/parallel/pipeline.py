@@ -1,5 +1,5 @@
-"""Forward/backward over micro-batches: plain accumulation (pp=1) or the 1F1B pipeline schedule
-(interleaved virtual stages: interleaved.py).
+"""Forward/backward over micro-batches: plain accumulation (pp=1), the 1F1B pipeline schedule
+(interleaved virtual stages: interleaved.py), and the forward-only schedule of validation.
 
 1F1B on stage p of P with M micro-batches: min(P-p-1, M) warm-up forwards, then alternate one
 forward and one backward, then the remaining backwards. Activations travel between neighbouring
@@ -19,7 +19,7 @@ from megalysses.comm import send_recv
 Batch = dict[str, Tensor]
 
 
-def _forward(stage: torch.nn.Module, mb: Batch, x: Optional[Tensor], scale: float) -> Tensor:
+def stage_forward(stage: torch.nn.Module, mb: Batch, x: Optional[Tensor], scale: float) -> Tensor:
     """The scaled loss (fp32) on the last stage; elsewhere the hidden states, in the compute dtype (the
     dtype of the pipeline buffers)."""
     out = stage(mb["input_ids"] if stage.first else x, mb["position_ids"], doc_ids=mb.get("doc_ids"),
@@ -32,18 +32,19 @@ def forward_backward_local(stage: torch.nn.Module, microbatches: list[Batch], sc
     (on the batch's device: no host synchronisation between micro-batches)."""
     total = torch.zeros((), dtype=torch.float32, device=microbatches[0]["labels"].device)
     for mb in microbatches:
-        loss = _forward(stage, mb, None, scale)
+        loss = stage_forward(stage, mb, None, scale)
         loss.backward()
         total += loss.detach()
     return total
 
 
-def _release(t: Tensor) -> None:
+def release_output(t: Tensor) -> None:
     """Free an output's storage after it was sent; its grad_fn is kept for the backward."""
     t.data = torch.empty((1,), device=t.device, dtype=t.dtype)
 
 
-def _backward(out: Tensor, grad: Optional[Tensor]) -> None:
+def stage_backward(out: Tensor, grad: Optional[Tensor]) -> None:
+    """The backward of one stage's output: the loss on the last stage, else from the next stage's gradient."""
     if grad is None:                 # last stage: out is the loss
         out.backward()
     else:                            # bypass the shape check against the released storage
@@ -74,20 +75,20 @@ def forward_backward_1f1b(stage: torch.nn.Module, microbatches: list[Batch], sca
 
     def run_forward(i: int, x: Optional[Tensor]) -> Tensor:
         nonlocal total
-        out = _forward(stage, microbatches[i], x, scale)
+        out = stage_forward(stage, microbatches[i], x, scale)
         if last:
             total += out.detach()
         return out
 
     def run_backward(x: Optional[Tensor], out: Tensor, grad: Optional[Tensor]) -> Optional[Tensor]:
-        _backward(out, grad)
+        stage_backward(out, grad)
         return None if x is None else x.grad
 
     for i in range(warmup):
         x = recv_forward()
         out = run_forward(i, x)
         send_recv(sends=[(out, nxt)])
-        _release(out)
+        release_output(out)
         pending.append((x, out))
 
     x = recv_forward() if M - warmup > 0 else None
@@ -97,7 +98,7 @@ def forward_backward_1f1b(stage: torch.nn.Module, microbatches: list[Batch], sca
         if not last:
             grad = buf()
             send_recv(sends=[(out, nxt)], recvs=[(grad, nxt)])
-            _release(out)
+            release_output(out)
         pending.append((x, out))
         x0, out0 = pending.pop(0)
         gx = run_backward(x0, out0, grad)
@@ -117,4 +118,25 @@ def forward_backward_1f1b(stage: torch.nn.Module, microbatches: list[Batch], sca
         gx = run_backward(x0, out0, grad)
         if not first:
             send_recv(sends=[(gx, prev)])
+    return total
+
+
+def forward_only(stage: torch.nn.Module, microbatches: list[Batch], scale: float, *, pp_rank: int, pp_size: int,
+                 rank_of_stage: Callable[[int], int], hidden_shape: tuple[int, ...], dtype: torch.dtype,
+                 device: torch.device) -> Tensor:
+    """Forward only (validation), micro-batch by micro-batch through the pipeline; the summed scaled loss on
+    the last stage (zero elsewhere)."""
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    prev = rank_of_stage(pp_rank - 1) if pp_rank > 0 else None
+    nxt = rank_of_stage(pp_rank + 1) if pp_rank < pp_size - 1 else None
+    for mb in microbatches:
+        x = None
+        if prev is not None:
+            x = torch.empty(hidden_shape, dtype=dtype, device=device)
+            send_recv(recvs=[(x, prev)])
+        out = stage_forward(stage, mb, x, scale)
+        if nxt is not None:
+            send_recv(sends=[(out, nxt)])
+        else:
+            total += out.float()
     return total

@@ -30,7 +30,6 @@ from __future__ import annotations
 import math
 from typing import Iterable, Iterator, Optional
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -85,7 +84,7 @@ class RingMask:
         return self._blocks[j]
 
 
-def _schedule(rank: int, size: int) -> list[int]:
+def ring_schedule(rank: int, size: int) -> list[int]:
     """The ring rank whose block this rank holds at each step: its own, then i-1, i-2, ..."""
     return [(rank - t) % size for t in range(size)]
 
@@ -101,7 +100,7 @@ def _rotate(kv: Tensor, group: Group) -> Iterator[Tensor]:
             (kv,) = pending.wait()
 
 
-def _forward_blocks(q: Tensor, blocks: Iterable[tuple[int, Tensor]], mask: RingMask, backend: str,
+def forward_blocks(q: Tensor, blocks: Iterable[tuple[int, Tensor]], mask: RingMask, backend: str,
                     scale: float) -> tuple[Tensor, Tensor, object]:
     """Attend q (B, S/r, Hq, D) to every (j, kv (2, B, S/r, Hkv, D)) in turn and merge: fp32 out and
     lse (B, Hq, S/r), plus the first block's aux (kernel state the backward hands back)."""
@@ -118,7 +117,7 @@ def _forward_blocks(q: Tensor, blocks: Iterable[tuple[int, Tensor]], mask: RingM
     return out, lse, aux
 
 
-def _backward_block(dq: Tensor, dout: Tensor, q: Tensor, kv: Tensor, out: Tensor, lse: Tensor, mask: RingMask,
+def backward_block(dq: Tensor, dout: Tensor, q: Tensor, kv: Tensor, out: Tensor, lse: Tensor, mask: RingMask,
                     j: int, backend: str, scale: float, aux: object) -> tuple[slice, Tensor, Tensor]:
     """Add this rank's dQ against block j into dq (fp32) and return its part of block j's dK and dV: the
     key columns it covers, and their gradients."""
@@ -138,8 +137,8 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, group: Group, mask: RingMask, backend: str,
                 scale: float) -> Tensor:
         kv = torch.stack([k, v])                                          # (2, B, S/r, Hkv, D): one message
-        schedule = _schedule(mask.rank, mask.size)
-        out, lse, aux = _forward_blocks(q, zip(schedule, _rotate(kv, group)), mask, backend, scale)
+        schedule = ring_schedule(mask.rank, mask.size)
+        out, lse, aux = forward_blocks(q, zip(schedule, _rotate(kv, group)), mask, backend, scale)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, kv, out, lse)
         ctx.group, ctx.mask, ctx.backend, ctx.scale, ctx.aux = group, mask, backend, scale, aux
@@ -151,11 +150,11 @@ class _RingAttention(torch.autograd.Function):
         group, mask = ctx.group, ctx.mask
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dkv = None          # the accumulator of the block held at the previous step
-        schedule = _schedule(mask.rank, mask.size)
+        schedule = ring_schedule(mask.rank, mask.size)
         for t, j in enumerate(schedule):
             sends = ([kv] if t + 1 < mask.size else []) + ([dkv] if dkv is not None else [])
             pending = comm.ring_exchange(sends, group) if sends else None
-            cols, gk, gv = _backward_block(dq, dout, q, kv, out, lse, mask, j, ctx.backend, ctx.scale, ctx.aux)
+            cols, gk, gv = backward_block(dq, dout, q, kv, out, lse, mask, j, ctx.backend, ctx.scale, ctx.aux)
             received = pending.wait() if pending is not None else []
             if t + 1 < mask.size:
                 kv = received.pop(0)
@@ -182,64 +181,3 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: Group, mask: RingMask
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     check_backend(backend, q, mask.doc_ids is not None, ring=True)
     return _RingAttention.apply(q, k, v, group, mask, backend, scale)
-
-
-# ----------------------------------------------------------------------------- the ring on one device
-
-class _Blockwise(torch.autograd.Function):
-    """What the r ranks of a ring compute, on one device without communication: for each ring rank, the
-    same blocks, kernels and merge as `_RingAttention`. Forward and backward as there."""
-
-    @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, masks: list, backend: str, scale: float) -> Tensor:
-        r = len(masks)
-        qs, kvs = q.chunk(r, dim=1), torch.stack([k, v]).chunk(r, dim=2)
-        outs, lses, auxes = [], [], []
-        for i, mask in enumerate(masks):
-            schedule = _schedule(i, r)
-            out, lse, aux = _forward_blocks(qs[i], ((j, kvs[j]) for j in schedule), mask, backend, scale)
-            outs.append(out.to(q.dtype))
-            lses.append(lse)
-            auxes.append(aux)
-        out = torch.cat(outs, dim=1)
-        ctx.save_for_backward(q, k, v, out, *lses)
-        ctx.masks, ctx.backend, ctx.scale, ctx.auxes = masks, backend, scale, auxes
-        return out
-
-    @staticmethod
-    def backward(ctx, dout: Tensor):
-        q, k, v, out, *lses = ctx.saved_tensors
-        r = len(ctx.masks)
-        qs, outs, douts = q.chunk(r, dim=1), out.chunk(r, dim=1), dout.chunk(r, dim=1)
-        kvs = torch.stack([k, v]).chunk(r, dim=2)
-        dqs = [torch.zeros(x.shape, dtype=torch.float32, device=q.device) for x in qs]
-        dkvs = [torch.zeros(x.shape, dtype=torch.float32, device=q.device) for x in kvs]
-        for i, mask in enumerate(ctx.masks):
-            for j in _schedule(i, r):
-                cols, gk, gv = _backward_block(dqs[i], douts[i], qs[i], kvs[j], outs[i], lses[i], mask, j,
-                                               ctx.backend, ctx.scale, ctx.auxes[i])
-                dkvs[j][0][:, cols] += gk
-                dkvs[j][1][:, cols] += gv
-        dkv = torch.cat(dkvs, dim=2)
-        return torch.cat(dqs, dim=1).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
-
-
-def blockwise_attention(q: Tensor, k: Tensor, v: Tensor, ring_size: int, doc_ids: Optional[Tensor] = None,
-                        backend: str = "sdpa", scale: Optional[float] = None) -> Tensor:
-    """Causal attention over a whole sequence computed as a ring of `ring_size` ranks would, on one device:
-    q (B, S, Hq, D), k, v (B, S, Hkv, D) in natural order -> (B, S, Hq, D). For tests and for timing the
-    block-wise kernels and merge against single-pass attention; S must be a multiple of 2 * ring_size."""
-    S = q.shape[1]
-    layout = SequenceLayout(sp=ring_size, ring=ring_size)
-    masks = [RingMask(doc_ids, i, ring_size, S, q.device) for i in range(ring_size)]
-    order = torch.from_numpy(_zigzag_order(layout, S)).to(q.device)   # ring rank 0's block, then 1's, ...
-    zq, zk, zv = (t.index_select(1, order) for t in (q, k, v))
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    check_backend(backend, q, doc_ids is not None, ring=True)
-    out = _Blockwise.apply(zq, zk, zv, masks, backend, scale)
-    return torch.empty_like(out).index_copy(1, order, out)
-
-
-def _zigzag_order(layout: SequenceLayout, seq_len: int) -> np.ndarray:
-    """Global positions of every ring rank's block, ring rank 0 first (a permutation of the sequence)."""
-    return np.concatenate([layout.ring_positions(seq_len, i) for i in range(layout.ring)])

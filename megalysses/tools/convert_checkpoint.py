@@ -50,10 +50,10 @@ from megalysses.data.tokenizer import TokenizerError, tokenizer_from_config
 from megalysses.model.gpt import GPTStage, architecture
 from megalysses.model.hf import hf_config_dict, hf_tensors, model_config_from_hf, our_names, our_tensor, check_hf_names
 from megalysses.model.hf_io import DTYPES, HFFormatError, check_new_dir, is_hf_dir, open_hf_dir, write_hf_dir
-from megalysses.training.checkpoint import (LATEST, CheckpointError, SafeFileSystemReader, model_differences,
+from megalysses.checkpoint.dcp_io import (LATEST, CheckpointError, SafeFileSystemReader, model_differences,
                                             resolve_checkpoint)
-from megalysses.training.initialize import WEIGHTS_ONLY, is_weights_only
-from megalysses.training.manifest import FORMAT, verify_checkpoint, write_manifest
+from megalysses.checkpoint.initial import WEIGHTS_ONLY, is_weights_only
+from megalysses.checkpoint.manifest import FORMAT, verify_checkpoint, write_manifest
 
 
 HF_SOURCE = "hf_source"      # <run_dir>/hf_source/: the imported model's config.json (and generation_config.json)

@@ -34,7 +34,7 @@ from megalysses.model.hf_io import HFFormatError, open_hf_dir
 from megalysses.model.kv_cache import KVCache
 from megalysses.plan import Machine
 from megalysses.plan.run_plan import compute_dtype
-from megalysses.training.checkpoint import (
+from megalysses.checkpoint.dcp_io import (
     CheckpointError, check_model_shape, load_model_weights, resolve_checkpoint)
 
 

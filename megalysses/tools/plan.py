@@ -142,7 +142,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         validate_config(own, world_size=args.gpus)
         mine = evaluate(own, args.gpus, args.gpu_memory_gib, args.host_memory_gib, hw, packages)
-        own_row = {**mine.row(), "why_not": mine.why_not}
+        own_row = {**mine.row(), "why_not": mine.why_not, "plan": mine.run.record()}
     except (ConfigError, ValueError) as e:
         own_row = {"fits": False, "why_not": str(e)}
     rows = [f.row() for f in fitting[:args.top]]

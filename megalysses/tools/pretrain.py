@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import traceback
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -28,9 +29,11 @@ from megalysses.distributed import (collective_failure, destroy_distributed, die
                                     write_error_file)
 from megalysses.grid import LayoutError, ParallelGrid
 from megalysses.plan import Machine, resolve
-from megalysses.training.checkpoint import CheckpointError
+from megalysses.plan.machine import PLAIN_TORCH
+from megalysses.training.dry_run import dry_run
+from megalysses.checkpoint.dcp_io import CheckpointError
 from megalysses.training.loop import train
-from megalysses.training.metrics import print0
+from megalysses.distributed import print0
 from megalysses.training.signals import StopSignals
 from megalysses.training.step import NonFiniteLossError
 from megalysses.training.watchdog import Watchdog
@@ -45,6 +48,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="override one config value; repeatable")
     parser.add_argument("--print-config", action="store_true",
                         help="print the resolved config as YAML, each key's meaning as a comment, and exit")
+    dry = parser.add_argument_group("dry run: the start-up path up to step 1, runtime.json written, nothing trained")
+    dry.add_argument("--dry-run", action="store_true",
+                     help="stop before step 1; under torchrun on this machine, or with --gpus in this one process "
+                          "for a described machine (as tools/plan.py plans for it)")
+    dry.add_argument("--gpus", type=int, help="--dry-run for a described machine of this many GPUs in all")
+    dry.add_argument("--gpu", default="H100", help="the described GPU (default H100)")
+    dry.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    dry.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of one GPU (default 80)")
+    dry.add_argument("--packages", default=",".join(PLAIN_TORCH),
+                     help=f"the described machine's optional packages (default {','.join(PLAIN_TORCH)})")
     args = parser.parse_args(argv)
     signals = StopSignals()        # first: a preemption signal during start-up is kept, not fatal
     try:
@@ -78,6 +91,8 @@ def _run(args: argparse.Namespace, signals: StopSignals) -> int:
         if rank0:
             print(annotated_yaml(cfg), end="")
         return 0
+    if args.gpus is not None:
+        return _described_dry_run(cfg, args)
     die_with_launcher()
     try:
         device = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_seconds)
@@ -94,8 +109,10 @@ def _run(args: argparse.Namespace, signals: StopSignals) -> int:
         validate_config(cfg, world_size=dist.get_world_size())
         run = resolve(cfg, Machine.current(device), dist.get_world_size())    # every decision, once
         grid = ParallelGrid.for_plan(run, cfg.parallel.timeout_seconds)
-        summary = train(cfg, grid, device, signals=signals, watchdog=watchdog, run=run)
-        if summary["stopped_by"] == "already_finished":
+        summary = train(cfg, grid, device, signals=signals, watchdog=watchdog, run=run, dry_run=args.dry_run)
+        if summary["stopped_by"] == "dry_run":
+            print0(f"dry run: stopped before step 1; {cfg.logging.run_dir}/runtime.json written")
+        elif summary["stopped_by"] == "already_finished":
             print0(f"done: this run already finished: its checkpoint is at step {summary['step']} "
                    f"(training.train_steps={cfg.training.train_steps}); raise training.train_steps to train further")
         else:
@@ -114,6 +131,25 @@ def _run(args: argparse.Namespace, signals: StopSignals) -> int:
     finally:
         watchdog.stop()
         destroy_distributed()
+
+
+def _described_dry_run(cfg, args: argparse.Namespace) -> int:
+    """--dry-run --gpus N: rank 0's start-up path of a run on a described machine (training/dry_run.py)."""
+    if not args.dry_run or args.gpus < 1 or args.gpus_per_node < 1:
+        print("error: --gpus N (N >= 1, with --gpus-per-node >= 1) describes the machine of a --dry-run: add "
+              "--dry-run", file=sys.stderr)
+        return 2
+    try:
+        machine = Machine.described(args.gpu, ranks_per_node=min(args.gpus, args.gpus_per_node),
+                                    memory_gib=args.gpu_memory_gib,
+                                    packages=tuple(p for p in args.packages.split(",") if p))
+        record = dry_run(cfg, machine, args.gpus)
+    except (ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"dry run: {args.gpus} x {args.gpu}: attention {record['attention']}, kernels {record['kernels']}, "
+          f"{record['dtype']}; {Path(cfg.logging.run_dir) / 'runtime.json'} written")
+    return 0
 
 
 def _error_line(e: Exception, doing: str) -> str:

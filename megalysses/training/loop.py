@@ -19,24 +19,26 @@ from megalysses import comm
 from megalysses.config import Config, ConfigError
 from megalysses.config_checks import check_logging_backends
 from megalysses.config_io import save_config
-from megalysses.distributed import on_rank0
 from megalysses.grid import ParallelGrid
 from megalysses.kernels.attention import reserve_compiles
 from megalysses.model.gpt import GPTStage, architecture, init_weights, stage_layers
 from megalysses.model.layers import ParallelGroups
 from megalysses.parallel.interleaved import VirtualStages
-from megalysses.training.checkpoint import load_checkpoint, save_checkpoint
+from megalysses.checkpoint.dcp_io import load_checkpoint, save_checkpoint
 from megalysses.training.data import TrainingData
 from megalysses.training.fsdp import FSDPAdamW, shard_model
-from megalysses.training.initialize import is_weights_only, load_initial_weights
-from megalysses.training.manifest import choose_checkpoint
-from megalysses.training.metrics import MetricsLogger, peak_for, print0
+from megalysses.checkpoint.initial import is_weights_only, load_initial_weights
+from megalysses.checkpoint.manifest import choose_checkpoint
+from megalysses.distributed import on_rank0, print0
+from megalysses.plan.flops import peak_tflops
+from megalysses.training.metrics import MetricsLogger
 from megalysses.training.optimizer import Optimizer, ShardedAdamW
 from megalysses.training.rundir import check_writable, mark_start
 from megalysses.plan import RunPlan
 from megalysses.plan.search import check_phase_time
 from megalysses.training.batch_size import batch_line
-from megalysses.training.runtime import flex_compile_budget, model_config, resolve_run, startup_line, write_runtime
+from megalysses.training.runtime import (check_built, flex_compile_budget, model_config, resolve_run, startup_line,
+                                         write_runtime)
 from megalysses.training.schedule import lr_at, lr_progress
 from megalysses.training.signals import StopSignals
 from megalysses.training.step import NonFiniteLossError, evaluate, train_step
@@ -59,7 +61,8 @@ def build_model(cfg: Config, grid: ParallelGrid, device: torch.device, mesh: Dev
         with torch.device(device):      # allocated where it runs, never staged through host memory
             chunk = GPTStage(model_cfg, groups, stage_layers(cfg.model.num_layers, V, vs), first=vs == 0,
                              last=vs == V - 1, policy=run.activation)
-        init_weights(chunk, cfg.training.seed, grid.tp_rank, grid.tp_size)
+        if device.type != "meta":      # a meta build (a dry run for a described machine) has shapes only
+            init_weights(chunk, cfg.training.seed, grid.tp_rank, grid.tp_size)
         if cfg.parallel.fsdp:
             shard_model(chunk, mesh["grad"], run.torch_dtype)
         chunks.append(chunk)
@@ -122,12 +125,14 @@ def _prepare_dirs(cfg: Config, run_dir: Path, ckpt_dir: Path) -> None:
 
 
 def train(cfg: Config, grid: ParallelGrid, device: torch.device, signals: Optional[StopSignals] = None,
-          watchdog: Optional[Watchdog] = None, run: Optional[RunPlan] = None) -> dict:
+          watchdog: Optional[Watchdog] = None, run: Optional[RunPlan] = None, dry_run: bool = False) -> dict:
     """Run training to the end (or a stop); returns a summary {step, loss, stopped_by}.
 
     `signals` carries signals received before training started (the entry point creates it first thing);
     `watchdog` is told what the loop does; `run` is the plan of this run on this machine (resolved here
-    when not given)."""
+    when not given). `dry_run`: the start-up path only, up to step 1: the model and optimizer are built
+    (on the meta device for a described machine) and checked against the plan, runtime.json is written,
+    and nothing is read or trained."""
     run_dir = Path(cfg.logging.run_dir)
     ckpt_dir = Path(cfg.checkpoint.dir or run_dir / "checkpoints")
     doing = watchdog.doing if watchdog is not None else (lambda what: None)
@@ -135,8 +140,8 @@ def train(cfg: Config, grid: ParallelGrid, device: torch.device, signals: Option
     on_rank0(lambda: _prepare_dirs(cfg, run_dir, ckpt_dir))
     run = run or resolve_run(cfg, device, grid)
     check_logging_backends(cfg)
-    if watchdog is not None:         # a known GPU's peak, or logging.peak_tflops
-        check_phase_time(cfg, run, peak_for(cfg.logging.peak_tflops, device, run.torch_dtype))
+    if watchdog is not None or dry_run:      # the machine's GPU's peak, or logging.peak_tflops
+        check_phase_time(cfg, run, peak_tflops(cfg.logging.peak_tflops, run.machine.gpu, run.dtype))
     if run.attention == "flex" and device.type == "cuda":
         reserve_compiles(flex_compile_budget(run))
     print0(startup_line(cfg, grid, run))
@@ -147,7 +152,7 @@ def train(cfg: Config, grid: ParallelGrid, device: torch.device, signals: Option
     total = cfg.training.train_steps
     source = ckpt_dir if cfg.checkpoint.load == "auto" else cfg.checkpoint.load
     path = None
-    if source is not None:
+    if source is not None and not dry_run:
         doing(f"verifying the checkpoints in {source}")
         path = choose_checkpoint(source, explicit=cfg.checkpoint.load != "auto", fallback=cfg.checkpoint.fallback)
     # weights without optimizer state (a converted model) start the run; so does init_from when there is
@@ -155,7 +160,13 @@ def train(cfg: Config, grid: ParallelGrid, device: torch.device, signals: Option
     initial = path if path is not None and is_weights_only(path) else None if path else cfg.checkpoint.init_from
     if initial is not None:
         path = None
+    if dry_run:
+        initial = None
     model, opt = build_model_and_optimizer(cfg, grid, device, run, mesh, initial, doing)
+    check_built(model, grid, run)
+    if dry_run:
+        on_rank0(lambda: write_runtime(run_dir, cfg, grid, run))
+        return {"step": 0, "loss": float("nan"), "stopped_by": "dry_run"}
     doing("opening the datasets")
     data = TrainingData(cfg, grid, device)
     if path is not None:

@@ -5,23 +5,13 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from megalysses.config import Config
+from megalysses.distributed import is_rank0, print0
 from megalysses.plan.flops import flops_per_token, peak_tflops
-
-def is_rank0() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
-def print0(*args: Any) -> None:
-    """The one place rank 0 prints from."""
-    if is_rank0():
-        print(*args, flush=True)
-
 
 def peak_for(configured: float, device: torch.device, dtype: torch.dtype) -> Optional[float]:
     """The peak MFU is measured against on `device` (plan.flops.peak_tflops with the device's GPU name)."""

@@ -36,6 +36,37 @@ def resolve_run(cfg: Config, device: torch.device, grid: Optional[ParallelGrid] 
     return run
 
 
+def check_built(model: torch.nn.Module, grid: ParallelGrid, run: RunPlan) -> None:
+    """The built model and grid do what the plan says: every attention layer runs the plan's backend, every
+    fused op its kernels, the stage its activation policy, the grid its ulysses x ring, the weights its
+    dtype (FSDP keeps fp32 shards and gathers in the plan's dtype). A difference is a bug: what the planner
+    predicted would not be what the run does."""
+    from megalysses.model.gpt import GPTStage
+    from megalysses.model.layers import MLP, Attention, Norm
+
+    wrong = []
+    if (grid.ulysses_size, grid.ring_size) != (run.ulysses, run.ring):
+        wrong.append(f"grid ulysses x ring {grid.ulysses_size} x {grid.ring_size}")
+    for name, m in model.named_modules():
+        if isinstance(m, Attention) and m.backend != run.attention:
+            wrong.append(f"{name} attention {m.backend}")
+        if isinstance(m, (Attention, MLP, Norm)) and m.impl != run.kernels:
+            wrong.append(f"{name} kernels {m.impl}")
+        if isinstance(m, GPTStage):
+            a = run.activation
+            kept = (m.activation_checkpointing, m.offload is not None, m.loss_chunk_tokens,
+                    {b.mlp_chunk_tokens for b in m.layers.values()} or {a.mlp_chunk_tokens})
+            if kept != (a.checkpointing, a.offload, a.loss_chunk_tokens, {a.mlp_chunk_tokens}):
+                wrong.append(f"{name or 'stage'} activation policy {kept}")
+    if run.optimizer != "fsdp":
+        dtypes = {str(p.dtype).removeprefix("torch.") for p in model.parameters()}
+        if dtypes != {run.dtype}:
+            wrong.append(f"weights in {sorted(dtypes)}")
+    if wrong:
+        raise RuntimeError(f"the built run differs from its plan ({', '.join(wrong)}): planned {run.attention} "
+                           f"attention, {run.kernels} kernels, {run.dtype}, ulysses {run.ulysses} x ring {run.ring}")
+
+
 def model_config(cfg: Config, run: RunPlan) -> ModelConfig:
     """cfg.model with the concrete attention backend and kernels the run uses."""
     return dataclasses.replace(cfg.model, attention_backend=run.attention, kernels=run.kernels)

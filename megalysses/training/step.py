@@ -15,8 +15,7 @@ from torch import Tensor
 from megalysses import comm
 from megalysses.grid import ParallelGrid
 from megalysses.parallel.interleaved import VirtualStages, run_interleaved
-from megalysses.parallel.pipeline import Batch, _forward, forward_backward_1f1b, forward_backward_local
-from megalysses.comm import send_recv
+from megalysses.parallel.pipeline import Batch, forward_backward_1f1b, forward_backward_local, forward_only
 from megalysses.training.fsdp import reshard
 from megalysses.training.optimizer import Optimizer
 
@@ -103,26 +102,9 @@ def evaluate(model: torch.nn.Module, microbatches: list[Batch], grid: ParallelGr
                                 rank_of_stage=grid.stage_rank, device=device, dtype=dtype, forward_only=True,
                                 hidden_shape=_hidden_shape(model, microbatches[0], grid))
     else:
-        total = _forward_through_stages(model, microbatches, grid, scale, device, dtype)
+        total = forward_only(model, microbatches, scale, pp_rank=grid.pp_rank, pp_size=grid.pp_size,
+                             rank_of_stage=grid.stage_rank, hidden_shape=_hidden_shape(model, microbatches[0], grid),
+                             dtype=dtype, device=device)
     reshard(model)
     model.train()
     return _global_loss(total, grid, device)
-
-
-def _forward_through_stages(model: torch.nn.Module, microbatches: list[Batch], grid: ParallelGrid, scale: float,
-                            device: torch.device, dtype: torch.dtype) -> Tensor:
-    """Forward only, micro-batch by micro-batch through the pipeline; the summed scaled loss on the last stage."""
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    prev = grid.stage_rank(grid.pp_rank - 1) if not grid.is_first_stage else None
-    nxt = grid.stage_rank(grid.pp_rank + 1) if not grid.is_last_stage else None
-    for mb in microbatches:
-        x = None
-        if prev is not None:
-            x = torch.empty(_hidden_shape(model, mb, grid), dtype=dtype, device=device)
-            send_recv(recvs=[(x, prev)])
-        out = _forward(model, mb, x, scale)
-        if nxt is not None:
-            send_recv(sends=[(out, nxt)])
-        else:
-            total += out.float()
-    return total

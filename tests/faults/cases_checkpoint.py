@@ -127,7 +127,7 @@ class _Evil:
 
 def _evil_metadata(ckpts: Path) -> None:
     """.metadata replaced by a pickle that runs a command, and the manifest updated to match."""
-    from megalysses.training.manifest import write_manifest
+    from megalysses.checkpoint.manifest import write_manifest
 
     step = ckpts / STEP
     (step / ".metadata").write_bytes(pickle.dumps(_Evil()))

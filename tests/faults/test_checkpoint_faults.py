@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from megalysses.training.manifest import MANIFEST, read_latest, verify_checkpoint
+from megalysses.checkpoint.manifest import MANIFEST, read_latest, verify_checkpoint
 from megalysses.testing import run_distributed
 from tests.faults.launch import TINY
 
@@ -78,8 +78,8 @@ def test_damage_is_named(saved, tmp_path, damage, needle):
 def test_a_stuck_rank_while_loading_is_not_a_damaged_checkpoint(saved, monkeypatch):
     """A collective that times out inside dcp.load (another rank stuck) is raised as it is, for pretrain
     to hand to the watchdog (which names the rank); any other failure in there names the checkpoint."""
-    from megalysses.training import checkpoint
-    from megalysses.training.manifest import CheckpointError
+    from megalysses.checkpoint import dcp_io as checkpoint
+    from megalysses.checkpoint.manifest import CheckpointError
 
     latest = read_latest(saved / "checkpoints")[0]
     timeout = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting "
@@ -122,7 +122,7 @@ def _lifecycle(rank, world, root):
     """Several runs in one directory at tp=2; returns what each phase saw (rank 0's output included)."""
     from megalysses.config_io import load_config
     from megalysses.grid import ParallelGrid
-    from megalysses.training.checkpoint import CheckpointError
+    from megalysses.checkpoint.dcp_io import CheckpointError
     from megalysses.training.loop import train
     import torch
     import torch.distributed as dist

@@ -11,7 +11,7 @@ from pathlib import Path
 import kubernetes_validate
 import yaml
 
-from megalysses.training.manifest import read_latest, step_of, verify_checkpoint
+from megalysses.checkpoint.manifest import read_latest, step_of, verify_checkpoint
 from tests.faults.launch import ROOT, TINY, env, free_port, gone, kill_all, sets, wait_for_steps, workers_of
 
 EXAMPLE = ROOT / "examples" / "kubernetes"

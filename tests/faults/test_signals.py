@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from megalysses.training.manifest import read_latest, verify_checkpoint
+from megalysses.checkpoint.manifest import read_latest, verify_checkpoint
 from tests.faults.launch import (ROOT, TINY, env, free_port, gone, kill_all, sets, torchrun_cmd, wait_for_steps,
                                  workers_of)
 

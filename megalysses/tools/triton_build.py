@@ -1,7 +1,7 @@
 """Build the Triton kernels a training step launches for a CUDA GPU, on any machine, GPU or not.
 
 record_step: one forward and backward of a one-block model of a config's shapes, on the host, inside
-triton_support.planning_for_gpu: each Triton launch is recorded (kernel, argument types, block
+triton_support.launches_to: each Triton launch is recorded (kernel, argument types, block
 sizes, warps, and the hints Triton's JIT derives from argument values) instead of run, with the grid
 and blocks planned as on the GPU. apply_rope, the public rotary op that the block's fused rope_qkv
 replaces, is recorded too, at the block's query shape.
@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import importlib
 import inspect
 import os
 import re
@@ -31,7 +30,7 @@ from typing import Any, Iterator
 import torch
 
 from megalysses.config import ModelConfig
-from megalysses.kernels.triton_support import planning_for_gpu, triton_importable, triton_interpreting
+from megalysses.kernels.triton_support import LaunchHook, launches_to, triton_importable, triton_interpreting
 
 KERNEL_MODULES = ("megalysses.kernels.rms_norm_triton", "megalysses.kernels.rope_triton",
                   "megalysses.kernels.swiglu_triton")
@@ -107,41 +106,23 @@ def _launch(kernel: Any, args: tuple, kwargs: dict) -> Launch:
     return Launch(kernel, signature, constexprs, attrs, options)
 
 
-class _Recorder:
-    """Stands in for a kernel at its launch sites: kernel[grid](*args, **kwargs) appends a Launch."""
-
-    def __init__(self, kernel: Any, launches: list[Launch]) -> None:
-        self.kernel, self.launches = kernel, launches
-
-    def __getitem__(self, grid: tuple):
-        def launch(*args, **kwargs):
-            self.launches.append(_launch(self.kernel, args, kwargs))
-        return launch
-
-
 @contextlib.contextmanager
 def recording(sms: int = H100_SMS) -> Iterator[list[Launch]]:
-    """Inside, our Triton kernels are recorded rather than launched, planned as for a GPU with `sms` SMs;
-    the list fills as they are called. Outputs of recorded kernels are left uninitialised."""
+    """Inside, our Triton kernels are recorded rather than launched (triton_support.launches_to), planned as
+    for a GPU with `sms` SMs; the list fills as they are called. Outputs of recorded kernels are left
+    uninitialised."""
     if not triton_importable():
         raise RuntimeError("triton is not importable: pip install triton (Linux x86-64)")
     if triton_interpreting():
         raise RuntimeError("TRITON_INTERPRET is set: the kernels would be built for the CPU interpreter, not a "
                            "GPU; unset it (it is read when a kernel module is first imported)")
-    modules = [importlib.import_module(m) for m in KERNEL_MODULES]
     launches: list[Launch] = []
-    swapped = []
-    try:
-        for module in modules:
-            for name in module.LAUNCHED:
-                kernel = getattr(module, name)
-                swapped.append((module, name, kernel))
-                setattr(module, name, _Recorder(kernel, launches))
-        with planning_for_gpu(sms):
-            yield launches
-    finally:
-        for module, name, kernel in swapped:
-            setattr(module, name, kernel)
+
+    def take(kernel: Any, grid: tuple, args: tuple, kwargs: dict) -> None:
+        launches.append(_launch(kernel, args, kwargs))
+
+    with launches_to(LaunchHook(sms, take)):
+        yield launches
 
 
 def one_block(model: ModelConfig) -> ModelConfig:

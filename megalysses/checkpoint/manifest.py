@@ -29,7 +29,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from megalysses.training.metrics import print0
+from megalysses.distributed import print0
 
 MANIFEST = "manifest.json"
 LATEST = "latest"

@@ -34,9 +34,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from megalysses.distributed import collective_failure
 from megalysses.grid import ParallelGrid
-from megalysses.training.manifest import (FORMAT, LATEST, CheckpointError, checksums, own_files, prune, read_latest,
+from megalysses.checkpoint.manifest import (FORMAT, LATEST, CheckpointError, checksums, own_files, prune, read_latest,
                                           write_manifest)
-from megalysses.training.optimizer import Optimizer
 
 
 # ----------------------------------------------------------------------------- safe metadata
@@ -102,7 +101,7 @@ def _dt(local: torch.Tensor, mesh: DeviceMesh, placements: list, shape: list[int
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride)
 
 
-def _model_entry(p: torch.Tensor, sub: DeviceMesh, tp: int) -> DTensor:
+def model_entry(p: torch.Tensor, sub: DeviceMesh, tp: int) -> DTensor:
     """A parameter as a DTensor over (tp, grad): whole on every grad rank, or its dim-0 chunk under FSDP."""
     full = _full_shape(p, tp)
     if isinstance(p.data, DTensor):
@@ -110,10 +109,10 @@ def _model_entry(p: torch.Tensor, sub: DeviceMesh, tp: int) -> DTensor:
     return _dt(p.data, sub, [_tp_placement(p), Replicate()], full)
 
 
-def training_state(model: torch.nn.Module, opt: Optimizer, grid: ParallelGrid, mesh: DeviceMesh) -> dict:
+def training_state(model: torch.nn.Module, opt: Any, grid: ParallelGrid, mesh: DeviceMesh) -> dict:
     """Tensors to save / load in place, keyed by layout-independent names."""
     sub = mesh["tp", "grad"]   # this rank's pipeline stage
-    state: dict[str, Any] = {f"model.{name}": _model_entry(p, sub, grid.tp_size)
+    state: dict[str, Any] = {f"model.{name}": model_entry(p, sub, grid.tp_size)
                              for name, p in model.named_parameters()}
     for name, param, chunks in opt.checkpoint_slots():
         full = _full_shape(param, grid.tp_size)
@@ -125,7 +124,7 @@ def training_state(model: torch.nn.Module, opt: Optimizer, grid: ParallelGrid, m
 
 # ----------------------------------------------------------------------------- save / load
 
-def save_checkpoint(ckpt_dir: str | Path, step: int, model: torch.nn.Module, opt: Optimizer,
+def save_checkpoint(ckpt_dir: str | Path, step: int, model: torch.nn.Module, opt: Any,
                     grid: ParallelGrid, mesh: DeviceMesh, meta: dict, keep_last: int = 2) -> Path:
     """Write <dir>/step_N atomically (tmp dir + manifest + rename), then update `latest`, then prune."""
     root = Path(ckpt_dir)
@@ -191,7 +190,7 @@ def _load(state: dict, path: Path) -> None:
 def load_model_weights(path: Path, model: torch.nn.Module, grid: ParallelGrid, mesh: DeviceMesh) -> None:
     """Load only the model weights (inference, conversion), resharding to this layout."""
     sub = mesh["tp", "grad"]
-    state = {f"model.{n}": _model_entry(p, sub, grid.tp_size) for n, p in model.named_parameters()}
+    state = {f"model.{n}": model_entry(p, sub, grid.tp_size) for n, p in model.named_parameters()}
     _load(state, path)
 
 
@@ -229,7 +228,7 @@ def model_differences(saved: dict, expect_model: dict) -> str:
                      if saved.get(k) != v)
 
 
-def load_checkpoint(path: Path, model: torch.nn.Module, opt: Optimizer, grid: ParallelGrid, mesh: DeviceMesh,
+def load_checkpoint(path: Path, model: torch.nn.Module, opt: Any, grid: ParallelGrid, mesh: DeviceMesh,
                     expect_model: dict) -> dict:
     """Load model + optimizer (resharding to this layout) and return meta (step, consumed samples, ...)."""
     meta = check_model_shape(path, expect_model)

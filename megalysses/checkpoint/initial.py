@@ -25,9 +25,9 @@ from megalysses.grid import ParallelGrid
 from megalysses.model.gpt import architecture
 from megalysses.model.hf import check_hf_names, model_config_from_hf, our_tensor
 from megalysses.model.hf_io import HFFormatError, is_hf_dir, open_hf_dir
-from megalysses.training.checkpoint import (CheckpointError, SafeFileSystemReader, _model_entry, check_model_shape,
+from megalysses.checkpoint.dcp_io import (CheckpointError, SafeFileSystemReader, model_entry, check_model_shape,
                                             resolve_checkpoint)
-from megalysses.training.manifest import verify_checkpoint
+from megalysses.checkpoint.manifest import verify_checkpoint
 
 WEIGHTS_ONLY = "weights_only"
 
@@ -82,7 +82,7 @@ def _from_checkpoint(path: Path, model: nn.Module, cfg: Config, grid: ParallelGr
     check_model_shape(path, architecture(cfg.model, grid.tp_size))
     prefix = "model" if is_weights_only(path) else "master"     # the fp32 masters of a training checkpoint
     sub = mesh["tp", "grad"]
-    state = {f"{prefix}.{n}": _model_entry(p, sub, grid.tp_size) for n, p in model.named_parameters()}
+    state = {f"{prefix}.{n}": model_entry(p, sub, grid.tp_size) for n, p in model.named_parameters()}
     dcp.load(state, storage_reader=SafeFileSystemReader(str(path)))
     return f"initial weights from {path}"
 

@@ -1,0 +1,10 @@
+"""Checkpoints, used by the training loop and the tools alike.
+
+    dcp_io.py    save and load with torch.distributed.checkpoint under layout-independent names (a run saved
+                 at one layout resumes at another); complete-or-absent directories; `latest`
+    manifest.py  every file checksummed at save and verified before a resume; which checkpoint to resume
+                 from (and what to fall back to)
+    initial.py   starting weights from a Hugging Face model directory or another run, at any layout
+
+It may import config, grid, model and the data-free parts below them; nothing in training or tools.
+"""

@@ -1,0 +1,66 @@
+"""What the planner predicts is what the run does: the plan tools/plan.py prints for a config equals the
+runtime.json that the run's own start-up path writes (train() up to step 1, its model and optimizer built
+and checked against the plan), for every shipped config at its GPU count on described H100s with a plain
+torch install, and for a tiny real run on this CPU."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megalysses.config_io import load_config
+from megalysses.plan import Machine
+from megalysses.plan.search import evaluate
+from megalysses.plan.step_time import Hardware
+from megalysses.tools import plan as plan_cli
+from megalysses.tools import pretrain
+
+ROOT = Path(__file__).resolve().parent.parent
+SHIPPED = [("configs/quickstart.yaml", 4), ("configs/gpt_1b_32k.yaml", 8), ("configs/gpt_1b_8gpu.yaml", 8),
+           ("configs/gpt_1b_1m_offload.yaml", 1), ("configs/llama3_8b_128k.yaml", 32),
+           ("configs/llama3_8b_1m.yaml", 64)]
+
+
+def test_every_shipped_config_is_covered():
+    assert sorted(p for p, _ in SHIPPED) == sorted(f"configs/{f.name}" for f in (ROOT / "configs").glob("*.yaml"))
+
+
+def agree(planned: dict, runtime: dict) -> None:
+    assert planned, "the planner printed no plan"
+    differ = {k: (v, runtime.get(k)) for k, v in planned.items() if runtime.get(k) != v}
+    assert not differ, f"planned vs run: {differ}"
+
+
+@pytest.mark.parametrize("path, gpus", SHIPPED)
+def test_the_planned_run_is_the_run_that_starts(path, gpus, tmp_path, capsys):
+    config = str(ROOT / path)
+    assert plan_cli.main(["--config", config, "--gpus", str(gpus), "--gpu-memory-gib", "80", "--json",
+                          "--top", "1"]) == 0
+    planned = json.loads(capsys.readouterr().out)["config_layout"]["plan"]
+    run_dir = tmp_path / "run"
+    assert pretrain.main(["--config", config, "--dry-run", "--gpus", str(gpus),
+                          "--set", f"logging.run_dir={run_dir}"]) == 0
+    assert "runtime.json written" in capsys.readouterr().out
+    agree(planned, json.loads((run_dir / "runtime.json").read_text()))
+    assert not (run_dir / "metrics.jsonl").exists() and not any((run_dir / "checkpoints").glob("step_*"))
+
+
+def test_a_real_run_on_this_cpu_is_the_planned_one(tmp_path):
+    """Two gloo ranks under torchrun, one step: its runtime.json is the planner's plan of the same config on
+    this machine (its packages, two ranks to the node); --dry-run stops the same launch before step 1."""
+    sets = ["data.mock=true", "data.seq_len=32", "model.vocab_size=128", "model.hidden_size=32",
+            "model.num_layers=2", "model.num_heads=4", "training.global_batch_size=2", "training.micro_batch_size=1",
+            "training.train_steps=1", "parallel.sp=2", "training.activation_checkpointing=true",
+            "training.loss_chunk_tokens=8", "parallel.timeout_seconds=60"]
+    cfg = load_config(overrides=sets)
+    planned = evaluate(cfg, 2, 80, None, Hardware(), machine=Machine.current("cpu", ranks_per_node=2)).run.record()
+    for dry, name in ((False, "real"), (True, "dry")):
+        run_dir = tmp_path / name
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               str(ROOT / "pretrain.py")] + [a for s in sets + [f"logging.run_dir={run_dir}"] for a in ("--set", s)]
+        r = subprocess.run(cmd + (["--dry-run"] if dry else []), cwd=ROOT, capture_output=True, text=True,
+                           timeout=120, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+        assert r.returncode == 0, r.stdout + r.stderr
+        agree(planned, json.loads((run_dir / "runtime.json").read_text()))
+        assert (run_dir / "metrics.jsonl").exists() != dry
