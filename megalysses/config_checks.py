@@ -198,7 +198,7 @@ def _check_batch_ramp(t: TrainingConfig) -> None:
 
 def _check_ramp_layout(cfg: Config, per_step: int, dp: int) -> None:
     """Every batch of a ramp is whole micro-batches on every dp rank (and whole pipeline rounds, interleaved)."""
-    from megalysses.training.batch_size import BatchSizes
+    from megalysses.data.batch_schedule import BatchSizes
 
     t, p = cfg.training, cfg.parallel
     what = "rampup_batch_size" if t.rampup_batch_size else "batch_size_schedule"

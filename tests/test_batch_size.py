@@ -9,7 +9,7 @@ import torch
 from megalysses.config import ConfigError, TrainingConfig
 from megalysses.config_io import load_config
 from megalysses.testing import run_distributed
-from megalysses.training.batch_size import BatchSizes, rampup_stages
+from megalysses.data.batch_schedule import BatchSizes, rampup_stages
 from megalysses.training.schedule import lr_at, lr_progress
 from test_curriculum import _recording_worker
 from test_training_parity import BASE, full_weights, losses, rel

@@ -17,7 +17,7 @@ from megalysses.data.indexed import IndexedDataset
 from megalysses.data.tokenizer import NullTokenizer, tokenizer_from_config
 from megalysses.data.validate import check_dtype_holds, check_token_ids
 from megalysses.grid import ParallelGrid
-from megalysses.training.batch_size import BatchSizes
+from megalysses.data.batch_schedule import BatchSizes
 
 Batch = dict[str, torch.Tensor]
 

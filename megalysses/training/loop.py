@@ -36,7 +36,7 @@ from megalysses.training.optimizer import Optimizer, ShardedAdamW
 from megalysses.training.rundir import check_writable, mark_start
 from megalysses.plan import RunPlan
 from megalysses.plan.search import check_phase_time
-from megalysses.training.batch_size import batch_line
+from megalysses.data.batch_schedule import batch_line
 from megalysses.training.runtime import (check_built, flex_compile_budget, model_config, resolve_run, startup_line,
                                          write_runtime)
 from megalysses.training.schedule import lr_at, lr_progress
