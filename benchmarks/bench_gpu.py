@@ -74,36 +74,43 @@ def settings_of(framework: str, shape: dict, device, dtype) -> list[dict]:
 
 
 def megalysses_step(shape: dict, seq: int, opts: dict, device, dtype) -> Callable:
-    import dataclasses
-
+    """One training step of megalysses as a run builds it (the run plan on this machine, the one build path),
+    at its fastest kernels here: the Triton kernels where they run, else the torch references."""
     import torch
 
+    from megalysses.config import ConfigError
+    from megalysses.config_io import load_config
     from megalysses.grid import ParallelGrid
-    from megalysses.kernels.triton_support import triton_usable
-    from megalysses.model.gpt import GPTStage, init_weights
-    from megalysses.plan import ActivationPolicy, Machine
-    from megalysses.plan.run_plan import choose_attention
-    from megalysses.training.optimizer import ShardedAdamW
+    from megalysses.training.loop import build_model_and_optimizer
+    from megalysses.training.runtime import resolve_run
     from megalysses.training.step import train_step
 
-    cfg = _model_config(shape)
-    kernels = "triton" if triton_usable(torch.empty(0, device=device)) else "torch"
-    backend = choose_attention("auto", Machine.current(device), str(dtype).removeprefix("torch."), cfg.head_dim)[0]
-    cfg = dataclasses.replace(cfg, kernels=kernels, attention_backend=backend)
-    with torch.device(device):
-        model = GPTStage(cfg, policy=ActivationPolicy(checkpointing=bool(opts.get("ckpt")),
-                                                      mlp_chunk_tokens=seq // 8 if opts.get("tiled_mlp") else 0,
-                                                      keep_attention=bool(opts.get("keep_attn"))))
-    init_weights(model, seed=0)
-    opt = ShardedAdamW(model.named_parameters(), None, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
-    model.to(dtype)
-    grid = ParallelGrid(world=1, rank=0)
+    sets = [f"model.vocab_size={shape['vocab']}", f"model.hidden_size={shape['hidden']}",
+            f"model.num_layers={shape['layers']}", f"model.num_heads={shape['heads']}",
+            f"model.num_kv_heads={shape['kv_heads']}", f"model.ffn_hidden_size={shape['ffn']}",
+            f"model.tie_embeddings={shape['tied']}", f"model.rope_theta={shape['theta']}", "data.mock=true",
+            f"data.seq_len={seq}", "data.document_mask=false", f"training.dtype={str(dtype).removeprefix('torch.')}",
+            f"training.activation_checkpointing={bool(opts.get('ckpt'))}",
+            f"training.recompute_attention={not opts.get('keep_attn')}",
+            f"training.mlp_chunk_tokens={seq // 8 if opts.get('tiled_mlp') else 0}", f"optimizer.lr={LR}",
+            f"optimizer.weight_decay={WD}", f"optimizer.beta1={BETAS[0]}", f"optimizer.beta2={BETAS[1]}",
+            f"optimizer.eps={EPS}", f"optimizer.grad_clip={CLIP}", "training.global_batch_size=1"]
+    grid = ParallelGrid.single()
+    for kernels in ("triton", "torch"):
+        cfg = load_config(overrides=sets + [f"model.kernels={kernels}"])
+        try:
+            run = resolve_run(cfg, device, grid)
+            break
+        except ConfigError:
+            if kernels == "torch":
+                raise
+    model, opt = build_model_and_optimizer(cfg, grid, device, run)
 
     def step(tokens):
         batch = {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:],
                  "position_ids": torch.arange(seq, device=device)[None]}
-        return train_step(model, opt, [batch], grid, lr=LR, grad_clip=CLIP, dtype=dtype).loss
-    step.settings = f"kernels={kernels}, attention={backend}"
+        return train_step(model, opt, [batch], grid, lr=LR, grad_clip=CLIP, dtype=run.torch_dtype).loss
+    step.settings = f"kernels={run.kernels}, attention={run.attention}"
     return step
 
 

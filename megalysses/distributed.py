@@ -26,13 +26,14 @@ import torch.distributed as dist
 T = TypeVar("T")
 
 def pick_backend(backend: str = "auto") -> str:
-    """auto: NCCL when every local process can have its own GPU, gloo on CPU otherwise."""
-    if backend == "auto":
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= local_world else "gloo"
-    if backend == "nccl" and not torch.cuda.is_available():
-        raise RuntimeError("parallel.backend=nccl needs CUDA, which is not available here: use gloo or auto")
-    return backend
+    """The collective backend of this process (plan.run_plan.collective_backend, the one rule): NCCL where
+    every local process can have its own GPU, gloo otherwise."""
+    from megalysses.plan.machine import Machine
+    from megalysses.plan.run_plan import collective_backend
+
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= local_world
+    return collective_backend(backend, Machine(device="cuda" if cuda else "cpu"))
 
 
 def init_distributed(backend: str = "auto", timeout_seconds: float = 600.0, init_method: Optional[str] = None,
