@@ -388,7 +388,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             longest[fw] = {"good": good, "bad": bad, "stopped": stopped}
             print(f"  longest {fw}: {longest_text(good, bad, quantum, longest_max, stopped)}", flush=True)
 
-    from megalysses.training.runtime import source_commit
+    from benchmarks.harness import source_commit
 
     versions = {"torch": torch.__version__, "cuda": torch.version.cuda, "commit": source_commit(),
                 "python": platform.python_version()}

@@ -48,7 +48,7 @@ from megalysses.config import Config, ConfigError  # noqa: E402
 from megalysses.config_checks import validate_config  # noqa: E402
 from megalysses.config_io import load_config  # noqa: E402
 from megalysses.memory import GIB, estimate_plan, fmt_bytes  # noqa: E402
-from megalysses.training.runtime import source_commit  # noqa: E402
+from benchmarks.harness import source_commit  # noqa: E402
 
 from benchmarks.harness import add_output_args, output_dir, run_bounded, write_text  # noqa: E402
 

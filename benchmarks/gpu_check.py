@@ -266,7 +266,7 @@ def write_results(check: Check) -> None:
 
 
 def _commit() -> Optional[str]:
-    from megalysses.training.runtime import source_commit
+    from benchmarks.harness import source_commit
     return source_commit()
 
 

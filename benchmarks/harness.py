@@ -117,3 +117,15 @@ def _kill_group(p: subprocess.Popen) -> None:
         os.killpg(p.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def source_commit() -> str | None:
+    """The short git commit of the megalysses checkout this runs from (benchmarks record it with their
+    results); None outside a git checkout or without git."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                             check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return out or None

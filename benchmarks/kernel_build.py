@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     import triton
 
     from megalysses.tools.triton_build import KERNEL_MODULES
-    from megalysses.training.runtime import source_commit
+    from benchmarks.harness import source_commit
 
     rows = [r for c in args.config for r in build_rows(c, args.dtype, args.arch)]
     info = {"commit": source_commit() or "unknown", "triton": triton.__version__, "torch": torch.__version__,

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import platform
-import subprocess
 from pathlib import Path
 from typing import Optional
 
@@ -152,15 +151,3 @@ def _version(module: str) -> str | None:
         return version(module.replace("_", "-"))
     except PackageNotFoundError:
         return None
-
-
-def source_commit() -> str | None:
-    """The short git commit of the megalysses checkout this runs from (benchmarks record it with their
-    results); None outside a git checkout or without git."""
-    root = Path(__file__).resolve().parents[2]
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
-                             check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return out or None
