@@ -24,11 +24,11 @@ def rms_norm_torch(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return x_hat.to(x.dtype) * weight
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, impl: str = "auto") -> Tensor:
+def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, impl: str = "torch") -> Tensor:
     """RMSNorm over the last dim. x (..., N), weight (N,) -> (..., N) in the promoted dtype of x and weight.
 
     impl: "torch" (reference), "triton" (fused forward + backward; CUDA, or CPU under TRITON_INTERPRET=1),
-    "liger" or "apex" (their fused RMSNorm, CUDA), or "auto" (the torch reference; the others are opt-in)."""
+    "liger" or "apex" (their fused RMSNorm, CUDA); the run plan chooses (model.kernels)."""
     if weight.shape != x.shape[-1:]:
         raise ValueError(f"weight {tuple(weight.shape)} does not match the last dim of x {tuple(x.shape)}")
     impl = choose_impl(impl, x, "rms_norm")
@@ -48,7 +48,7 @@ def add_rms_norm_torch(x: Tensor, delta: Tensor, weight: Tensor, eps: float) -> 
 
 
 def add_rms_norm(x: Tensor, delta: Tensor, weight: Tensor, eps: float = 1e-6,
-                 impl: str = "auto") -> tuple[Tensor, Tensor]:
+                 impl: str = "torch") -> tuple[Tensor, Tensor]:
     """The residual add and the RMSNorm of its result: (x + delta, rms_norm(x + delta)), x and delta
     (..., N) of one dtype, weight (N,). impl as for rms_norm; the Triton kernel reads x and delta once
     and writes both outputs (gradients flow to x, delta and weight)."""

@@ -66,11 +66,11 @@ def apply_rope_torch(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rotate_half(x) * sin
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, impl: str = "auto") -> Tensor:
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, impl: str = "torch") -> Tensor:
     """Rotate x (B, S, H, D) by the angles in cos, sin (B, S, D) (from rope_cos_sin) -> (B, S, H, D).
 
     impl: "torch" (reference, bit-identical to HF), "triton" (fused forward + backward in fp32; CUDA,
-    or CPU under TRITON_INTERPRET=1), or "auto" (the torch reference; Triton is opt-in).
+    or CPU under TRITON_INTERPRET=1); the run plan chooses (model.kernels).
     Gradients flow to x only."""
     if cos.shape != sin.shape or cos.shape[-1] != x.shape[-1] or cos.dim() != 3:
         raise ValueError(f"cos, sin must be (B, S, D) for x {tuple(x.shape)}; "
@@ -87,7 +87,7 @@ def rope_qkv_torch(qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tenso
     return apply_rope_torch(q, cos, sin), apply_rope_torch(k, cos, sin), v
 
 
-def rope_qkv(qkv: Tensor, cos: Tensor, sin: Tensor, impl: str = "auto") -> tuple[Tensor, Tensor, Tensor]:
+def rope_qkv(qkv: Tensor, cos: Tensor, sin: Tensor, impl: str = "torch") -> tuple[Tensor, Tensor, Tensor]:
     """Split a fused QKV projection output (B, S, Hkv, rep + 2, D) into q (B, S, Hkv*rep, D), k, v
     (B, S, Hkv, D), with q and k rotated by cos, sin (B, S, D). impl as for apply_rope; the Triton kernel
     reads qkv once and writes contiguous q, k and v (and the reverse in the backward)."""

@@ -18,11 +18,11 @@ def swiglu_torch(gate_up: Tensor) -> Tensor:
     return F.silu(gate) * up
 
 
-def swiglu(gate_up: Tensor, impl: str = "auto") -> Tensor:
+def swiglu(gate_up: Tensor, impl: str = "torch") -> Tensor:
     """silu(gate) * up from the interleaved (..., 2f) gate-up output -> (..., f).
 
     impl: "torch" (reference), "triton" (one kernel forward, one backward, fp32 arithmetic, saving only
-    the input), "liger" (liger-kernel's, on contiguous gate and up halves), or "auto" (the torch reference)."""
+    the input), "liger" (liger-kernel's, on contiguous gate and up halves); the run plan chooses (model.kernels)."""
     if gate_up.shape[-1] % 2:
         raise ValueError(f"swiglu: the last dim ({gate_up.shape[-1]}) holds gate/up pairs and must be even")
     impl = choose_impl(impl, gate_up, "swiglu")

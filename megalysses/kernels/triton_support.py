@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch import Tensor
 
-IMPLS = ("auto", "torch", "triton", "liger", "apex")
+IMPLS = ("torch", "triton", "liger", "apex")
 # the ops each library provides; apex has a fused RMSNorm only, so the others use our Triton kernels
 LIBRARY_OPS = {"liger": ("rms_norm", "add_rms_norm", "swiglu", "rope_qkv"),
                "apex": ("rms_norm", "add_rms_norm")}
@@ -98,26 +98,23 @@ def library_importable(name: str) -> bool:
 def choose_impl(impl: str, t: Tensor, what: str) -> str:
     """The implementation `what` (an op name) runs for `impl`: "torch", "triton", "liger" or "apex".
 
-    auto takes the torch reference: the Triton kernels are checked against it under the interpreter
-    only, so they are opt-in ("triton") until verified on a GPU. With "apex", ops apex lacks use our
-    Triton kernels. An explicit choice that cannot run raises, naming why."""
+    The run plan chose `impl` (megalysses.plan: model.kernels); with "apex", ops apex lacks use our Triton
+    kernels. A choice that cannot run raises, naming why."""
     if impl not in IMPLS:
         raise ValueError(f"unknown {what} impl {impl!r}; choose one of {', '.join(IMPLS)}")
-    if impl == "auto":
-        return "torch"
     if impl in LIBRARY_OPS:
         if not library_importable(impl) or not t.is_cuda:
             why = (f"{_PACKAGES[impl]} is not installed" if not library_importable(impl)
                    else f"the tensor is on {t.device}")
             raise RuntimeError(f"{what} impl {impl!r} is unavailable: {why} ({impl} runs on CUDA); "
-                               f"available: auto, torch, triton")
+                               f"available: torch, triton")
         if what in LIBRARY_OPS[impl] or what.startswith("model.kernels"):
             return impl
         impl = "triton"
     if impl == "triton" and not triton_usable(t):
         why = ("triton is not importable" if not triton_importable()
                else f"the tensor is on {t.device} (Triton needs CUDA, or TRITON_INTERPRET=1 set before first use)")
-        raise RuntimeError(f"{what} impl 'triton' is unavailable: {why}; available: auto, torch")
+        raise RuntimeError(f"{what} impl 'triton' is unavailable: {why}; available: torch")
     return impl
 
 

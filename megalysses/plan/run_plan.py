@@ -15,8 +15,8 @@ block-sparse mask, where SDPA would need a dense (S, S) one); else SDPA. For the
 only backends that return the log-sum-exp qualify: torch's SDPA flash kernel (CPU; CUDA without
 documents, half precision), then FlexAttention, then the reference. The backend is resolved for
 training (a backward), which is what every phase of the run then uses: evaluation runs the same kernel
-forward only. Kernels `auto` take the torch references (the Triton kernels are opt-in until measured on
-a GPU).
+forward only. The kernels are model.kernels' (the torch references by default: the Triton kernels are
+opt-in until measured on a GPU), refused where they cannot run.
 """
 from __future__ import annotations
 
@@ -149,21 +149,19 @@ _LIBRARY_PACKAGES = {"liger": "liger_kernel", "apex": "apex"}
 
 
 def choose_kernels(requested: str, machine: Machine) -> str:
-    """model.kernels: auto = the torch references; triton needs triton on CUDA (or its CPU interpreter);
-    liger and apex need their package on CUDA (apex's missing ops run on our Triton kernels)."""
-    if requested == "auto":
-        return "torch"
+    """model.kernels as given, where it can run: triton needs triton on CUDA (or its CPU interpreter); liger
+    and apex need their package on CUDA (apex's missing ops run on our Triton kernels)."""
     if requested in _LIBRARY_PACKAGES:
         package = _LIBRARY_PACKAGES[requested]
         if not machine.has(package) or not machine.cuda:
             why = f"{package} is not installed" if not machine.has(package) else f"the device is {machine.device}"
             raise ConfigError(f"model.kernels={requested}: {requested} is unavailable: {why} ({requested} runs on "
-                              f"CUDA); available: auto, torch, triton")
+                              f"CUDA); available: torch, triton")
     if requested in ("triton", "apex"):
         if not machine.has("triton") or not (machine.cuda or machine.triton_interpreter):
             why = ("triton is not importable" if not machine.has("triton") else
                    f"the device is {machine.device} (Triton needs CUDA, or TRITON_INTERPRET=1 set before first use)")
-            raise ConfigError(f"model.kernels={requested}: impl 'triton' is unavailable: {why}; available: auto, torch")
+            raise ConfigError(f"model.kernels={requested}: impl 'triton' is unavailable: {why}; available: torch")
     return requested
 
 
