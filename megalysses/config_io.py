@@ -254,8 +254,10 @@ def absolute_paths(cfg: Config) -> Config:
     def absolute(value: Optional[str]) -> Optional[str]:
         return value if value is None else os.path.abspath(value)
 
-    def blend(values: list[str]) -> list[str]:      # weighted blends start with a weight: [w, path, w, path]
-        weighted = bool(values) and _is_number(values[0])
+    def blend(values: list[str]) -> list[str]:      # a weighted blend: [w, path, w, path]
+        from megalysses.data.blend import is_weighted
+
+        weighted = is_weighted(values)
         return [v if weighted and i % 2 == 0 else absolute(v) for i, v in enumerate(values)]
 
     out = copy.deepcopy(cfg)
@@ -267,14 +269,6 @@ def absolute_paths(cfg: Config) -> Config:
         elif not (section, key, value) == ("checkpoint", "load", "auto"):
             setattr(part, key, absolute(value))
     return out
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-        return True
-    except (TypeError, ValueError):
-        return False
 
 
 def save_config(cfg: Config, path: str | Path) -> None:

@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from megalysses.data.blend import is_weighted
 from megalysses.megatron_names import FLAGS
 from megalysses.tools.megatron_script import MegatronArgsError
 
@@ -202,7 +203,7 @@ def _data(c: _Converter) -> None:
     c.set("--split", data__split=split.replace(" ", ""))
     if c.get("--valid-data-path"):
         c.set("--valid-data-path", data__valid_paths=[str(p) for p in c.get("--valid-data-path")])
-    unweighted = paths and not _is_number(str(paths[0]))
+    unweighted = paths and not is_weighted(paths)
     if not mock and unweighted and len(paths) > 1:
         c.set("--data-path --train-data-path", data__blend_by_size=True)
         if c.read_files:
@@ -227,14 +228,6 @@ def _data(c: _Converter) -> None:
     c.set("--vocab-size --tokenizer-model --vocab-file", model__vocab_size=vocab)
     multiple = c.get("--make-vocab-size-divisible-by") * c.get("--tensor-model-parallel-size")
     c.set("--make-vocab-size-divisible-by", model__vocab_pad_multiple=multiple)
-
-
-def _is_number(s: str) -> bool:
-    try:
-        float(s)
-        return True
-    except ValueError:
-        return False
 
 
 def _batch_and_schedule(c: _Converter) -> None:
