@@ -38,7 +38,7 @@ def options_of(cfg: Config, plan: RunPlan) -> Options:
     a, p = plan.activation, cfg.parallel
     native, accumulator = attention_buffers(plan, cfg.data.document_mask)
     return Options(activation_checkpointing=a.checkpointing, activation_offload=a.offload,
-                   keep_attention=a.keep_attention, mlp_chunk_tokens=a.mlp_chunk_tokens,
+                   keep_attention=a.keep_attention, mlp_chunk_tokens=a.mlp_chunk_tokens, head_chunks=a.head_chunks,
                    loss_chunk_tokens=a.loss_chunk_tokens, tp_sequence_parallel=a.tp_sequence_parallel,
                    fsdp=plan.optimizer == "fsdp", optimizer_offload=plan.optimizer == "zero1-host",
                    kernels=plan.kernels, attention=plan.attention, native_gqa=native, dq_accumulator=accumulator,
