@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 
 class ConfigError(ValueError):
@@ -312,6 +312,14 @@ class TrainingConfig:
     mlp_chunk_tokens: int = 0
     """Run each MLP over sequence tiles of this many (local) tokens, recomputed in the backward, so only
     one tile's (tile x ffn/tp) intermediate exists at a time (0 = no tiling). For long context."""
+    attention_head_chunks: Union[int, Literal["auto"]] = 1
+    """Run the attention half of each layer over this many groups of the rank's heads, one at a time (QKV
+    projection, RoPE, the Ulysses all-to-all, attention, the inverse all-to-all and the group's share of the
+    output projection, which accumulates), each group recomputed in the backward: attention's activations
+    and its backward's buffers shrink to 1/chunks. A count keeps whole KV groups together and splits
+    evenly over the Ulysses ranks; another is a config error listing the valid ones. 1 = all heads at once;
+    auto = the fewest chunks with which the predicted peak fits the GPU (or, when none does, the fewest
+    with the lowest peak), 1 where the device's memory is unknown (CPU)."""
     activation_offload: bool = False
     """Keep the checkpointed block inputs in pinned host memory instead of on the device: copied out on a
     side stream during the forward, copied back one block ahead of the backward. Needs

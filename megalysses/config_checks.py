@@ -60,6 +60,10 @@ def validate_config(cfg: Config, world_size: Optional[int] = None) -> None:
     if t.activation_offload and not t.activation_checkpointing:
         raise ConfigError("training.activation_offload=true needs training.activation_checkpointing=true: the "
                           "offloaded tensors are the checkpointed block inputs (set both, or neither)")
+    if t.attention_head_chunks not in ("auto", 1) and not t.recompute_attention:
+        raise ConfigError(f"training.attention_head_chunks={t.attention_head_chunks} with "
+                          f"training.recompute_attention=false is not supported: kept attention outputs are every "
+                          f"layer's, all heads, which chunks cannot shrink; choose one of them")
     if t.optimizer_offload and p.fsdp:
         raise ConfigError("training.optimizer_offload=true is for ZeRO-1: with parallel.fsdp=true the optimizer "
                           "state is already sharded with the weights; set one of them to false")
@@ -109,6 +113,7 @@ _RANGES = [
     ("training", "max_wall_minutes", 0.0, None), ("training", "eval_interval", 0, None),
     ("training", "eval_steps", 1, None), ("checkpoint", "save_interval", 0, None), ("checkpoint", "keep_last", 0, None),
     ("training", "loss_chunk_tokens", 0, None), ("training", "mlp_chunk_tokens", 0, None),
+    ("training", "attention_head_chunks", 1, None),
     ("logging", "log_interval", 1, None), ("logging", "peak_tflops", 0.0, None),
     ("parallel", "timeout_seconds", 1.0, None),
     ("parallel", "tp", 1, None), ("parallel", "sp", 1, None), ("parallel", "sp_ring", 0, None),
@@ -128,7 +133,7 @@ def _check_ranges(cfg: Config) -> None:
         for part in section.split("."):
             owner = getattr(owner, part)
         value = getattr(owner, name)
-        if value is None:
+        if value is None or isinstance(value, str):       # None or a choice ("auto") beside the number
             continue
         if value < lo or (hi is not None and value > hi):
             allowed = f">= {lo}" if hi is None else f"between {lo} and {hi}"
@@ -324,6 +329,27 @@ def check_heads(num_heads: int, kv_heads: int, tp: int, sp: int, sp_ring: int = 
                           f"KV heads per tp rank = {hk} must divide it or be divisible by it; sp_ring can be one of "
                           f"{', '.join(map(str, sorted(rings)))} (or 0 for automatic)")
     return ulysses, sp_ring
+
+
+def head_chunk_counts(num_heads: int, kv_heads: int, tp: int, ulysses: int) -> list[int]:
+    """The values of training.attention_head_chunks a layout allows: each chunk holds whole KV groups of the tp
+    rank (a KV head with the query heads that read it: chunks divide the KV heads per tp rank), and its heads
+    split over the Ulysses ranks as check_heads requires of all of them (its query heads divisible by ulysses,
+    its KV heads dividing ulysses or divisible by it; fewer are replicated)."""
+    hq, hk = num_heads // tp, kv_heads // tp
+    return [n for n in range(1, hk + 1) if hk % n == 0 and (hq // n) % ulysses == 0
+            and ((hk // n) % ulysses == 0 or ulysses % (hk // n) == 0)]
+
+
+def check_head_chunks(num_heads: int, kv_heads: int, tp: int, ulysses: int, ring: int, chunks: int) -> None:
+    """training.attention_head_chunks=`chunks` at this layout, or ConfigError naming the values it allows."""
+    allowed = head_chunk_counts(num_heads, kv_heads, tp, ulysses)
+    if chunks not in allowed:
+        raise ConfigError(
+            f"training.attention_head_chunks={chunks} does not split this layout's heads: each chunk holds whole KV "
+            f"groups of a tp rank ({num_heads // tp} query heads on {kv_heads // tp} KV heads at parallel.tp={tp}) "
+            f"and splits evenly over the {ulysses} Ulysses ranks (sp = ulysses {ulysses} x ring {ring}); choose "
+            f"one of {', '.join(map(str, allowed))}, or auto")
 
 
 def check_kept_attention(cfg: Config, backend: str, ulysses: int, ring: int) -> None:

@@ -50,9 +50,10 @@ def _docstrings(cls: type) -> dict[str, str]:
 def _type_name(tp: Any) -> tuple[str, tuple[str, ...]]:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
-        inner = [a for a in typing.get_args(tp) if a is not type(None)][0]
-        name, choices = _type_name(inner)
-        return f"{name} or null", choices
+        inner = [_type_name(a) for a in typing.get_args(tp) if a is not type(None)]
+        nullable = type(None) in typing.get_args(tp)
+        name = " or ".join(dict.fromkeys(n for n, _ in inner)) + (" or null" if nullable else "")
+        return name, tuple(c for _, choices in inner for c in choices)
     if origin is Literal:
         return "str", tuple(str(a) for a in typing.get_args(tp))
     if origin is list:

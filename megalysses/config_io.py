@@ -49,9 +49,22 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "~")):
+        if len(args) < len(typing.get_args(tp)) and (
+                value is None or (isinstance(value, str) and value.lower() in ("none", "null", "~"))):
             return None
-        return _coerce(value, args[0], path)
+        for arg in args[:-1]:               # int | Literal["auto"]: the first type that takes the value
+            try:
+                return _coerce(value, arg, path)
+            except ConfigError:
+                pass
+        try:
+            return _coerce(value, args[-1], path)
+        except ConfigError:
+            if len(args) == 1:
+                raise
+        kinds = " or ".join("an integer" if a is int else ", ".join(map(str, typing.get_args(a)))
+                            if typing.get_origin(a) is Literal else a.__name__ for a in args)
+        raise ConfigError(f"{path}: expected {kinds}, got {value!r}")
     if origin is Literal:
         allowed = typing.get_args(tp)
         value = megatron_names.canonical_value(path, value)

@@ -15,7 +15,9 @@ BASE = ["data.mock=true", "data.seq_len=16", "model.vocab_size=64", "model.hidde
         "training.micro_batch_size=1", "training.train_steps=1",
         "optimizer.warmup_steps=1", "parallel.timeout_seconds=60"]
 BESIDE = {"": [], "tp2": ["parallel.tp=2"], "sp2": ["parallel.sp=2"],
-          "ring2": ["parallel.sp=2", "parallel.sp_ring=2"], "dp2": []}
+          "ring2": ["parallel.sp=2", "parallel.sp_ring=2"], "dp2": [],
+          # attention in 2 head chunks over Ulysses (each chunk's KV head replicated), up to 2 stages
+          "sp2_chunks2": ["parallel.sp=2", "training.attention_head_chunks=2"]}
 
 
 def layouts() -> dict[str, tuple[int, tuple[int, bool], list[str]]]:
@@ -23,7 +25,7 @@ def layouts() -> dict[str, tuple[int, tuple[int, bool], list[str]]]:
     virtual stage; 2 * pp sequences a step, so that every dp rank's micro-batches are a multiple of pp."""
     out = {}
     for pp, v, tied, fsdp, beside in itertools.product((1, 2, 3, 4), (1, 2), (True, False), (False, True), BESIDE):
-        if pp == 1 and v > 1:
+        if (pp == 1 and v > 1) or (beside == "sp2_chunks2" and pp > 2):
             continue
         layers = pp * v
         name = f"pp{pp}" + (f"v{v}" if v > 1 else "") + ("_tied" if tied else "") + ("_fsdp" if fsdp else "") \

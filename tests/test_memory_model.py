@@ -23,7 +23,7 @@ from megalysses.config_io import load_config
 from megalysses.grid import ParallelGrid
 from megalysses.kernels.triton_support import triton_importable
 from megalysses.measure import Retained, measure_peak, measure_retained
-from megalysses.memory import (PRECISIONS, Layout, Options, Workload, bytes_per_token, estimate, estimate_config,
+from megalysses.memory import (PRECISIONS, Layout, Options, Workload, bytes_per_token, estimate,
                                head_weight_grad_bytes, in_flight, layer_terms, retained_activation_bytes,
                                sp_buffer_bytes_per_token, stage_params)
 from megalysses.model.gpt import GPTStage, init_weights
@@ -31,6 +31,7 @@ from megalysses.model.layers import ParallelGroups
 from megalysses.parallel.interleaved import rank_order
 from megalysses.parallel.sequence_layout import SequenceLayout
 from megalysses.plan import ActivationPolicy, Machine
+from megalysses.plan.search import estimate_config
 from megalysses.testing import run_distributed
 
 S = 64                     # and 2S: the S^2 check
@@ -42,6 +43,7 @@ OPTIONS = {
     "tiled MLP": {"mlp_chunk_tokens": 16},
     "loss tiles": {"loss_chunk_tokens": 16},
     "all three": {"activation_checkpointing": True, "mlp_chunk_tokens": 16, "loss_chunk_tokens": 16},
+    "head chunks": {"head_chunks": 2},
 }
 
 
@@ -60,7 +62,7 @@ def measure_forward(cfg: ModelConfig, seq: int, opts: dict, groups: Optional[Par
     model = GPTStage(cfg, groups, policy=ActivationPolicy(
         checkpointing=opts.get("activation_checkpointing", False), loss_chunk_tokens=opts.get("loss_chunk_tokens", 0),
         mlp_chunk_tokens=opts.get("mlp_chunk_tokens", 0), offload=opts.get("activation_offload", False),
-        keep_attention=opts.get("keep_attention", False)))
+        keep_attention=opts.get("keep_attention", False), head_chunks=opts.get("head_chunks", 1)))
     init_weights(model, 0, tp_rank, groups.tp_size)
     model.to(dtype)
     ids = torch.randint(0, cfg.vocab_size, (1, seq))
@@ -183,6 +185,9 @@ LAYOUTS = {   # name: (tp, sp, ring, TP sequence sharding, memory options), on 2
     "sp2 as a ring of 2": (1, 2, 2, False, "none"),
     "sp2 as a ring of 2, tiled MLP": (1, 2, 2, False, "tiled MLP"),
     "sp2 as a ring of 2, multi-head attention": (1, 2, 2, False, "none"),
+    "sp2, head chunks (each chunk's KV head replicated)": (1, 2, 1, False, "head chunks"),
+    "sp2 as a ring of 2, head chunks": (1, 2, 2, False, "head chunks"),
+    "tp2 sequence-parallel, multi-head attention, head chunks": (2, 1, 1, True, "head chunks"),
 }
 UNSHARDED = "sp2 with an attention that gathers the whole sequence"
 
@@ -312,6 +317,14 @@ LAYOUT_PEAKS = {   # name: overrides on 2 ranks
         "model.ffn_hidden_size=32", "training.loss_chunk_tokens=64"],
     "tp2 sequence-parallel, fp32": ["parallel.tp=2", "parallel.tp_sequence_parallel=true",
                                     "training.dtype=float32", "training.global_batch_size=1"],
+    "sp2 as a ring of 2, 4 KV heads, bf16, checkpointing, 2 head chunks": [
+        "parallel.sp=2", "parallel.sp_ring=2", "training.dtype=bfloat16", "training.global_batch_size=1",
+        "training.activation_checkpointing=true", "model.num_kv_heads=4", "model.ffn_hidden_size=32",
+        "training.loss_chunk_tokens=64", "training.attention_head_chunks=2"],
+    "tp2 sequence-parallel, 8 heads on 4 KV heads, fp32, 2 head chunks": [
+        "parallel.tp=2", "parallel.tp_sequence_parallel=true", "training.dtype=float32", "training.global_batch_size=1",
+        "model.num_heads=8", "model.num_kv_heads=4", "model.ffn_hidden_size=32", "training.loss_chunk_tokens=64",
+        "training.attention_head_chunks=2"],
 }
 
 
@@ -365,6 +378,37 @@ def test_training_step_peaks_match_the_model(name):
     group)."""
     measured, predicted = measured_step_peak(PEAKS[name])
     _close(measured, predicted, f"{name}: the peak of a training step")
+
+
+HEAD_CHUNKS = {   # name: overrides (one rank), run with training.attention_head_chunks 1 and 4
+    # the peak is the MLP norm's backward, then the final norm's: what the layers keep shrinks
+    "fp32, 8 query heads on 4 KV heads": ["training.dtype=float32", "training.global_batch_size=1",
+                                          "model.num_heads=8", "model.num_kv_heads=4", "model.ffn_hidden_size=32",
+                                          "training.loss_chunk_tokens=64"],
+    # the peak is the recomputed attention's backward, then a chunk's (its QKV input gradients summed)
+    "fp32, LayerNorm, 16 query heads on 8 KV heads, checkpointing": [
+        "training.dtype=float32", "training.global_batch_size=1", "model.hidden_size=128", "model.num_heads=16",
+        "model.num_kv_heads=8", "model.ffn_hidden_size=32", "model.norm=layernorm", "model.mlp=gelu",
+        "training.loss_chunk_tokens=64", "training.activation_checkpointing=true"],
+}
+
+
+@pytest.mark.parametrize("name", list(HEAD_CHUNKS))
+def test_head_chunks_lower_the_peak_as_predicted(name):
+    """Attention in 4 head chunks against all heads at once: both peaks are the model's within 10%, and the
+    measured drop, a sizeable share of the peak, is the predicted drop within 10%. (With checkpointing, 2
+    chunks too: there the peak is one chunk's attention backward.)"""
+    counts = (1, 2, 4) if "checkpointing" in name else (1, 4)
+    peaks = {n: measured_step_peak(HEAD_CHUNKS[name] + [f"training.attention_head_chunks={n}"]) for n in counts}
+    for n, (measured, predicted) in peaks.items():
+        _close(measured, predicted, f"{name}, {n} head chunks: the peak")
+    (one, one_predicted), (four, four_predicted) = peaks[1], peaks[4]
+    assert one - four > 0.15 * one, (name, one, four)
+    _close(one - four, one_predicted - four_predicted, f"{name}: what 4 head chunks take off the peak")
+    if 2 in peaks:
+        terms = [t.name for t in estimate_config(load_config(overrides=STEP + HEAD_CHUNKS[name] + [
+            "training.attention_head_chunks=2"]), 1, CPU).terms]
+        assert any("one of 2 head chunks" in t for t in terms), terms
 
 
 def test_estimate_breakdown_adds_up_and_offload_moves_activations_to_host():

@@ -6,6 +6,8 @@ also builds the single-process reference from the same seed. A case may use fewe
 (sp = 3, 5, 6, 7 inside test_ring.py's group of 8 ranks): the others only take part in creating the
 process groups.
 """
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -77,8 +79,6 @@ def local_batch(batch, grid: ParallelGrid, seq_par: bool, docs: bool):
 
 
 def _parity_worker(rank, world, cases):
-    import torch.distributed as dist
-
     results = []
     for case in cases:
         tp, sp, docs, seq_par, tied, tile = (case[k] for k in ("tp", "sp", "docs", "seq_par", "tied", "tile"))
@@ -94,21 +94,43 @@ def _parity_worker(rank, world, cases):
 
         groups = ParallelGroups(tp=grid.tp_group, ulysses=grid.ulysses_group, ring=grid.ring_group,
                                 sequence_parallel=seq_par)
-        model = GPTStage(cfg, groups, policy=ActivationPolicy(loss_chunk_tokens=tile, mlp_chunk_tokens=tile))
-        init_weights(model, seed=7, tp_rank=grid.tp_rank, tp_size=grid.tp_size)
         mb = local_batch(batch, grid, seq_par, docs)
         count = (batch[1] != -100).sum()                              # the GLOBAL count of valid tokens
-        loss = model(mb["input_ids"], mb["position_ids"], doc_ids=mb.get("doc_ids"), labels=mb["labels"]) / count
-        loss.backward()
-        total = loss.detach().clone()
-        if grid.grad_group is not None:
-            dist.all_reduce(total, group=grid.grad_group)
+
+        policy = ActivationPolicy(loss_chunk_tokens=tile, mlp_chunk_tokens=tile, checkpointing=case.get("ckpt", False))
+        chunks = case.get("chunks", 1)
+        total, grads, logits = _run_layout(cfg, grid, groups, replace(policy, head_chunks=chunks), mb, count)
         errs = {"loss": rel_err(total, ref_loss)}
-        for name, p in model.named_parameters():
-            errs[name] = rel_err(gather_full(grid, p), ref_grads[name])
+        for name, g in grads.items():
+            errs[name] = rel_err(g, ref_grads[name])
         assert set(errs) - {"loss"} == set(ref_grads), "parameter names differ from the reference"
+        if chunks > 1:       # the same layout with all heads at once: within CHUNKED_TOLERANCE
+            total1, grads1, logits1 = _run_layout(cfg, grid, groups, policy, mb, count)
+            errs[f"{CHUNKED}loss"] = rel_err(total, total1)
+            errs[f"{CHUNKED}logits"] = rel_err(logits[logits.isfinite()], logits1[logits1.isfinite()])
+            errs.update({f"{CHUNKED}{name}": rel_err(g, grads1[name]) for name, g in grads.items()})
         results.append(({**case, "dp": grid.dp_size, "ulysses": grid.ulysses_size, "ring": ring}, errs))
     return results
+
+
+CHUNKED, CHUNKED_TOLERANCE = "head chunks against all heads at once: ", 1e-6
+
+
+def _run_layout(cfg: ModelConfig, grid: ParallelGrid, groups: ParallelGroups, policy: ActivationPolicy, mb: dict,
+                count: torch.Tensor):
+    """(global loss, full gradients, this rank's logits) of the model at this layout and policy."""
+    import torch.distributed as dist
+
+    model = GPTStage(cfg, groups, policy=policy)
+    init_weights(model, seed=7, tp_rank=grid.tp_rank, tp_size=grid.tp_size)
+    with torch.no_grad():
+        logits = model(mb["input_ids"], mb["position_ids"], doc_ids=mb.get("doc_ids"))
+    loss = model(mb["input_ids"], mb["position_ids"], doc_ids=mb.get("doc_ids"), labels=mb["labels"]) / count
+    loss.backward()
+    total = loss.detach().clone()
+    if grid.grad_group is not None:
+        dist.all_reduce(total, group=grid.grad_group)
+    return total, {name: gather_full(grid, p) for name, p in model.named_parameters()}, logits
 
 
 def case(tp, sp, docs=False, seq_par=False, tied=False, tile=0, **extra):
@@ -131,24 +153,34 @@ CASES = {
         case(1, 2, True, model=GQA_2_PER_RANK), case(1, 2, model=MHA_2_PER_RANK),
         # biases and LayerNorm's shift under TP sequence sharding: their gradients are summed over tp
         case(2, 1, True, True, model=BIASES), case(2, 1, True, True, model=LAYERNORM),
-        case(2, 1, True, True, model={"layernorm_1p": True})],           # zero-centred norm weights
+        case(2, 1, True, True, model={"layernorm_1p": True}),            # zero-centred norm weights
+        # head chunks: tp with TP sequence sharding and biases (one gather, one reduce-scatter, the bias once);
+        # Ulysses with each chunk's one KV head replicated; a ring, under activation checkpointing
+        case(2, 1, True, True, model={**GQA_2_PER_RANK, **BIASES}, chunks=2),
+        case(1, 2, True, chunks=2), case(1, 2, True, sp_ring=2, seq_len=31, chunks=2, ckpt=True),
+        case(1, 1, True, model=MHA_2_PER_RANK, chunks=4, ckpt=True)],   # dp2, one KV head a chunk
     4: [case(1, 4), case(1, 4, True),                                    # sp=4 with 2 KV heads: KV replication
         case(2, 2, tied=True), case(2, 2, True, True), case(2, 2, True, tied=True, tile=3), case(2, 1, True, True),
         case(1, 4, True, model=MQA, seq_len=250),                         # ulysses 2 x ring 2, 250 tokens
         case(1, 4, True, model=ONE_HEAD, seq_len=30),                     # ring 4
         case(2, 2, True, True, sp_ring=2, seq_len=29),                    # tp x ring with TP sequence sharding
-        case(1, 2, False, sp_ring=2, model=MQA, seq_len=33)],             # ring 2 x dp 2, plain causal
+        case(1, 2, False, sp_ring=2, model=MQA, seq_len=33),              # ring 2 x dp 2, plain causal
+        # head chunks: tp x Ulysses with TP sequence sharding (KV replicated in each chunk); Ulysses 4; ulysses
+        # 2 x ring 2 under activation checkpointing
+        case(2, 2, True, True, tied=True, model=GQA_2_PER_RANK, chunks=2), case(1, 4, True, chunks=2),
+        case(1, 4, True, sp_ring=2, model=GQA_2_PER_RANK, seq_len=30, chunks=2, ckpt=True)],
 }
 
 
 def check_parity(results: list, cases: list) -> None:
-    """Every case ran, and every rank's loss and gradients equal the reference's within 1e-5 relative."""
+    """Every case ran, and every rank's loss and gradients equal the reference's within 1e-5 relative; with head
+    chunks, the loss, logits and gradients equal those of the same layout without them within 1e-6."""
     ran = {tuple(sorted((k, str(v)) for k, v in layout.items()))
            for rank_results in results for layout, _ in rank_results}
     assert len(ran) == len(cases)
     for rank_results in results:
         for layout, errs in rank_results:
-            bad = {k: v for k, v in errs.items() if v > 1e-5}
+            bad = {k: v for k, v in errs.items() if v > (CHUNKED_TOLERANCE if k.startswith(CHUNKED) else 1e-5)}
             assert not bad, f"{layout}: relative errors {bad}"
 
 

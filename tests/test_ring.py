@@ -25,7 +25,7 @@ from megalysses.testing import run_distributed
 from megalysses.training.runtime import resolve_run, startup_line, write_runtime
 from tests import ring_oracle
 from tests.ring_oracle import blockwise_attention
-from test_model_parity import MQA, ONE_HEAD, THREE_HEADS, _parity_worker, case, check_parity
+from test_model_parity import GQA_2_PER_RANK, MQA, ONE_HEAD, THREE_HEADS, _parity_worker, case, check_parity
 
 ROOT = Path(__file__).resolve().parent.parent
 spec = importlib.util.spec_from_file_location("bench_ulysses_comm", ROOT / "benchmarks" / "bench_ulysses_comm.py")
@@ -43,6 +43,8 @@ PARITY_ON_8 = [
     case(1, 5, True, model=ONE_HEAD, seq_len=23, world=5),
     case(1, 6, True, model=THREE_HEADS, seq_len=50, world=6),         # ulysses 3 x ring 2
     case(1, 7, False, model=MQA, seq_len=45, world=7),
+    # tp 2 x ulysses 2 x ring 2 in 2 head chunks (each chunk's KV head replicated), checkpointed
+    case(2, 4, True, True, sp_ring=2, seq_len=61, model=GQA_2_PER_RANK, chunks=2, ckpt=True),
 ]
 
 

@@ -59,6 +59,13 @@ LAYOUTS = {  # name: (world, overrides)
     "single_tied_6": (1, ["model.tie_embeddings=true", "model.num_layers=6"]),
     "pp4_tied": (4, ["parallel.pp=4", "model.tie_embeddings=true"]),
     "pp3_tied": (3, ["parallel.pp=3", "model.tie_embeddings=true", "model.num_layers=6"]),
+    # attention in head chunks (2 KV heads: one each), recomputed per chunk: with pp under checkpointing, with
+    # FSDP and activation offload over Ulysses (each chunk's KV head replicated), with a ring and pp
+    "chunks2_pp2": (2, ["parallel.pp=2", "training.activation_checkpointing=true", "training.attention_head_chunks=2"]),
+    "chunks2_fsdp_sp2_offload": (2, ["parallel.sp=2", "parallel.fsdp=true", "training.activation_checkpointing=true",
+                                     "training.activation_offload=true", "training.attention_head_chunks=2"]),
+    "chunks2_ring2pp2": (4, ["parallel.sp=2", "parallel.sp_ring=2", "parallel.pp=2",
+                             "training.attention_head_chunks=2"]),
     "tp2u2ring2": (8, ["parallel.tp=2", "parallel.sp=4", "parallel.sp_ring=2", "parallel.tp_sequence_parallel=true",
                        "model.tie_embeddings=true"]),
 }
@@ -174,7 +181,7 @@ def check_against(reference, got, name):
 
 def test_layouts_on_2_ranks(tmp_path, reference):
     results = run_layouts(tmp_path, 2, ["tp2", "sp2", "pp2", "dp2", "dp2_no_overlap", "fsdp_dp2",
-                                             "fsdp_sp2", "pp2v2", "ring2"])
+                                             "fsdp_sp2", "pp2v2", "ring2", "chunks2_pp2", "chunks2_fsdp_sp2_offload"])
     for name, got in results.items():
         check_against(reference, got, name)
 
@@ -182,8 +189,9 @@ def test_layouts_on_2_ranks(tmp_path, reference):
 def test_layouts_on_4_ranks(tmp_path, references):
     # sp4: 2 KV heads over 4 sp ranks (KV replication); FSDP with tp + sp and with a pipeline
     results = run_layouts(tmp_path, 4, ["sp4", "fsdp_tp2sp2", "fsdp_pp2dp2", "fsdp_pp2v2dp2", "bf16_pp2dp2",
-                                        "bf16_fsdp_pp2dp2", "ring2pp2", "fsdp_u2ring2", "ring2pp2_31", "pp4_tied"])
-    for name in ("sp4", "fsdp_tp2sp2", "fsdp_pp2dp2", "fsdp_pp2v2dp2", "ring2pp2", "fsdp_u2ring2"):
+                                        "bf16_fsdp_pp2dp2", "ring2pp2", "fsdp_u2ring2", "ring2pp2_31", "pp4_tied",
+                                        "chunks2_ring2pp2"])
+    for name in ("sp4", "fsdp_tp2sp2", "fsdp_pp2dp2", "fsdp_pp2v2dp2", "ring2pp2", "fsdp_u2ring2", "chunks2_ring2pp2"):
         check_against(references["single"], results[name], name)
     check_against(references["single_31"], results["ring2pp2_31"], "ring2pp2_31")
     check_against(references["single_tied"], results["pp4_tied"], "pp4_tied")

@@ -29,9 +29,12 @@ What a layer keeps for the backward (megalysses/model/layers.py, no checkpointin
                       travelling the ring. The reference backend on a ring is refused (not modelled)
     o_proj            its input (the inverse all-to-all's output when sp>1, else the attention output)
     SwiGLU MLP        gate-up output (2 x ffn/tp), silu(gate) (torch), the down projection's input
-With training.mlp_chunk_tokens the MLP keeps only its norm output (tiles are recomputed); with activation
-checkpointing a layer keeps only its input, and with activation offload not even that: the inputs go to
-host memory and a window of `offload_prefetch` layers comes back ahead of the backward. Per stage: rotary
+With training.attention_head_chunks the attention keeps only the QKV input (each chunk is recomputed in its
+backward: one chunk's activations and buffers at a time, the running sum of o_proj's partial outputs and of
+the QKV input's gradients beside them). With training.mlp_chunk_tokens the MLP keeps only its norm output
+(tiles are recomputed); with activation checkpointing a layer keeps only its input, and with activation
+offload not even that: the inputs go to host memory and a window of `offload_prefetch` layers comes back
+ahead of the backward. Per stage: rotary
 cos/sin (fp32, when something saves them), tp-local token ids; on the last, the final norm and the LM head +
 loss, which computes its gradients in the forward and keeps them: the head input's (tokens x h) and the
 head weight's (V/tp x h).
@@ -44,7 +47,8 @@ Megatron's warm-up count + 1 model chunks):
     backward    one layer's backward (the first one, with every layer's activations, or the last one,
                 with every layer's gradients): its recomputed activations under checkpointing, the
                 residual-stream gradients, then the largest of the attention kernel's buffers (or ring
-                attention's), the QKV gradient assembly, the all-to-all's, the MLP's
+                attention's), the QKV gradient assembly, the all-to-all's, the MLP's (with head chunks:
+                one chunk's, and a chunk's forward and the summing of the chunks' QKV input gradients)
     optimizer   the AdamW step: reduced fp32 gradient shards and the sqrt of v (activations are gone)
 Optimizer offload (ZeRO-1) keeps masters, moments and the reduced gradients in host memory and updates
 there. Parameter offload (FSDP) is modelled for other systems' published points (tests/test_plan.py).
@@ -68,12 +72,12 @@ from megalysses.memory.activations import (SP_BUFFERS, PerToken, bytes_per_token
 from megalysses.memory.states import in_flight, layer_params, stage_params
 from megalysses.memory.transients import loss_tile_tokens, norm_backward_bytes
 from megalysses.memory.estimate import estimate, longest_sequence
-from megalysses.memory.from_plan import (attention_buffers, estimate_config, estimate_plan, layout_of, options_of,
+from megalysses.memory.from_plan import (attention_buffers, estimate_plan, layout_of, options_of,
                                          precision_of, workload_of)
 
 __all__ = ["Estimate", "GIB", "KERNELS", "Kernels", "Layout", "Options", "PRECISIONS", "PerToken", "Precision",
            "SP_BUFFERS", "Term", "Workload", "attention_buffers", "bytes_per_token", "cos_sin_kept", "estimate",
-           "estimate_config", "estimate_plan", "fmt_bytes", "head_weight_grad_bytes", "in_flight", "kv_replication",
+           "estimate_plan", "fmt_bytes", "head_weight_grad_bytes", "in_flight", "kv_replication",
            "layer_params", "layer_terms", "layout_of", "longest_sequence", "loss_tile_tokens", "norm_backward_bytes",
            "norm_keeps_block_input", "options_of", "precision_of", "retained_activation_bytes",
            "sp_buffer_bytes_per_token", "stage_layers", "stage_params", "stage_terms", "tiled", "workload_of"]

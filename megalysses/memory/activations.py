@@ -15,15 +15,17 @@ def kv_replication(kv_heads: int, sp: int) -> int:
     return 1 if kv_heads >= sp else sp // kv_heads
 
 
-def dims(m: ModelConfig, layout: Layout, opts: Options) -> dict[str, Any]:
+def dims(m: ModelConfig, layout: Layout, opts: Options, chunks: int = 1) -> dict[str, Any]:
     """Sizes per S/sp token on one rank. P: the Ulysses degree (all-to-alls, KV replication); ring: the
-    ring degree (ring attention keeps its own copies and expands KV heads inside its kernels only)."""
+    ring degree (ring attention keeps its own copies and expands KV heads inside its kernels only).
+    `chunks`: the attention sizes (q, kv, hq, qkv) of one of that many head chunks (each replicating its
+    own KV heads to the Ulysses degree when it has fewer)."""
     t, P, ring = layout.tp, layout.ulysses, layout.ring
     if ring > 1 and opts.attention == "reference":
         raise ValueError(f"memory model: ring attention (sp={layout.sp} = ulysses {P} x ring {ring}) with the "
                          f"reference backend keeps dense S/ring x S/ring masks and fp32 scores per block, which "
                          f"the model does not count; plan with sdpa, flash or flex")
-    hq, hk = m.num_heads // t, m.kv_heads // t
+    hq, hk = m.num_heads // t // chunks, m.kv_heads // t // chunks
     rep = kv_replication(hk, P)
     q, kv = hq * m.head_dim, hk * rep * m.head_dim           # per S/sp token on one tp rank
     expand = ring == 1 and (opts.attention == "reference" or not opts.native_gqa) and hq != hk * rep
@@ -63,9 +65,8 @@ def layer_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, 
     gathered = " (all-gathered over tp)" if opts.tp_sequence_parallel and layout.tp > 1 else ""
     terms = norm_terms("attention norm", h, r, a, k, m.norm)
     terms.append(("QKV input (norm output" + gathered + ")", h, a))
-    if k.rope_casts and a != 4:
-        terms.append((f"cos, sin cast to the compute dtype ({k.rope_casts} copies)", k.rope_casts * m.head_dim, a))
-    terms += _attention_terms(d, opts, a, seq_len)
+    if opts.head_chunks == 1:     # (head chunks keep only their input, the QKV input: they are recomputed)
+        terms += attention_terms(m, layout, opts, prec, seq_len)
     terms += norm_terms("MLP norm", h, r, a, k, m.norm)
     if tiled(opts.mlp_chunk_tokens, layout, opts, seq_len):
         terms.append(("MLP norm output (tile inputs)", h / r, a))
@@ -79,6 +80,17 @@ def layer_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, 
         terms += [("up output", d["f"], a)]
     terms.append(("down input (ffn/tp)", d["f"], a))
     return terms
+
+
+def attention_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, seq_len: int = 0,
+                    chunks: int = 1) -> PerToken:
+    """What the attention between the QKV projection and o_proj keeps (RoPE's casts, q, k, v, the output, the
+    log-sum-exp, o_proj's input), for all heads or for one of `chunks` head chunks."""
+    d, k, a = dims(m, layout, opts, chunks), KERNELS[opts.kernels], prec.act
+    terms = []
+    if k.rope_casts and a != 4:
+        terms.append((f"cos, sin cast to the compute dtype ({k.rope_casts} copies)", k.rope_casts * m.head_dim, a))
+    return terms + _attention_terms(d, opts, a, seq_len)
 
 
 def kept_attention_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision) -> PerToken:
@@ -134,9 +146,10 @@ def sp_buffer_bytes_per_token(m: ModelConfig, layout: Layout, opts: Options, pre
 
 
 def cos_sin_kept(opts: Options, prec: Precision) -> bool:
-    """Whether the stage's fp32 rotary cos, sin stay for the backward: checkpoint inputs, the fused RoPE's
-    saved tensors, or (fp32) the torch reference's."""
-    return opts.activation_checkpointing or KERNELS[opts.kernels].rope_saves_cos_sin or prec.act == 4
+    """Whether the stage's fp32 rotary cos, sin stay for the backward: checkpoint inputs (of blocks or head
+    chunks), the fused RoPE's saved tensors, or (fp32) the torch reference's."""
+    return (opts.activation_checkpointing or opts.head_chunks > 1 or KERNELS[opts.kernels].rope_saves_cos_sin
+            or prec.act == 4)
 
 
 def stage_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, first: bool, last: bool) -> PerToken:

@@ -9,8 +9,7 @@ from __future__ import annotations
 from megalysses.config import Config
 from megalysses.memory.estimate import estimate
 from megalysses.memory.types import PRECISIONS, Estimate, Layout, Options, Precision, Workload
-from megalysses.plan.machine import Machine
-from megalysses.plan.run_plan import RunPlan, resolve
+from megalysses.plan.types import RunPlan
 
 
 def precision_of(plan: RunPlan) -> Precision:
@@ -38,7 +37,7 @@ def options_of(cfg: Config, plan: RunPlan) -> Options:
     a, p = plan.activation, cfg.parallel
     native, accumulator = attention_buffers(plan, cfg.data.document_mask)
     return Options(activation_checkpointing=a.checkpointing, activation_offload=a.offload,
-                   keep_attention=a.keep_attention, mlp_chunk_tokens=a.mlp_chunk_tokens,
+                   keep_attention=a.keep_attention, mlp_chunk_tokens=a.mlp_chunk_tokens, head_chunks=a.head_chunks,
                    loss_chunk_tokens=a.loss_chunk_tokens, tp_sequence_parallel=a.tp_sequence_parallel,
                    fsdp=plan.optimizer == "fsdp", optimizer_offload=plan.optimizer == "zero1-host",
                    kernels=plan.kernels, attention=plan.attention, native_gqa=native, dq_accumulator=accumulator,
@@ -57,8 +56,3 @@ def workload_of(cfg: Config, plan: RunPlan) -> Workload:
 def estimate_plan(cfg: Config, plan: RunPlan) -> Estimate:
     """The predicted peak per rank of the run `plan` resolved `cfg` into."""
     return estimate(cfg.model, layout_of(plan), options_of(cfg, plan), precision_of(plan), workload_of(cfg, plan))
-
-
-def estimate_config(cfg: Config, world_size: int, machine: Machine) -> Estimate:
-    """The predicted peak per rank of a run of `cfg` on `world_size` ranks of `machine`."""
-    return estimate_plan(cfg, resolve(cfg, machine, world_size))

@@ -3,8 +3,8 @@ backward's temporaries and the LM head + loss forward."""
 from __future__ import annotations
 
 from megalysses.config import ModelConfig
-from megalysses.memory.activations import (bytes_per_token, dims, kept_attention_terms, layer_terms,
-                                           norm_keeps_block_input, tiled)
+from megalysses.memory.activations import (attention_terms, bytes_per_token, dims, kept_attention_terms,
+                                           layer_terms, norm_keeps_block_input, tiled)
 from megalysses.memory.types import GIB, KERNELS, Layout, Options, Precision, Term
 
 
@@ -18,15 +18,25 @@ def backward_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precisio
         attention  the attention half's activations; dout, dq, dk, dv (and flash's fp32 dq accumulator)
         QKV        the norm's and the QKV input; the QKV output's gradient being assembled (and, with
                    sp>1, the all-to-all's gradient buffers)
-    plus the residual stream's gradient throughout (four moments, then)."""
+    plus the residual stream's gradient throughout (four moments, then). With head chunks the attention
+    half keeps only the QKV input: the attention and QKV moments are those of one chunk, recomputed, with
+    the QKV input's gradient summed over the chunks beside them."""
     d = dims(m, layout, opts)
-    k, a = d["k"], prec.act
-    q, kv, h, r, f = d["q"], d["kv"], d["h"], d["r"], d["f"]
+    k, a, N = d["k"], prec.act, opts.head_chunks
+    h, r, f = d["h"], d["r"], d["f"]
     full = layer_terms(m, layout, opts, prec, seq_len, checkpointed=False)
     cut = next(i for i, t in enumerate(full) if t[0].startswith("MLP norm"))
     attn_half = bytes_per_token(full[:cut])
     before_core = bytes_per_token([t for t in full[:cut]
                                    if t[0].startswith(("attention norm", "QKV input", "cos, sin"))])
+    chunk_name, summed, at_core = "", 0.0, attn_half
+    if N > 1:           # one chunk's activations, recomputed; the QKV input's gradient accumulating
+        chunk = attention_terms(m, layout, opts, prec, seq_len, N)
+        at_core += bytes_per_token(chunk)
+        before_core += bytes_per_token([t for t in chunk if t[0].startswith("cos, sin")])
+        d = dims(m, layout, opts, N)
+        chunk_name, summed = f" (one of {N} head chunks, the QKV input's gradient summed)", h * a
+    q, kv = d["q"], d["kv"]
     # flash-attn's backward writes dk, dv at the query-head count when a rank has fewer KV heads (GQA)
     kv_grads = q if d["expand"] or (opts.attention == "flash" and q != kv) else kv
     accumulator = 4 * q if opts.dq_accumulator else 0
@@ -39,18 +49,25 @@ def backward_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precisio
     core = (2 * q + 2 * kv_grads) * a + accumulator
     core_name = "attention: dout, dq, dk, dv" + (", fp32 dq accumulator" if accumulator else "")
     if d["ring"] > 1:
-        core, core_name = _ring_backward(q, kv, a, d["ring"], opts, accumulator)
+        core, core_name = _ring_backward(q, kv, a, d["ring"], opts, accumulator,
+                                         recomputed=opts.activation_checkpointing or N > 1)
+    core, core_name = core + summed, core_name + chunk_name
     mlp_norm = bytes_per_token([t for t in full
                                 if t[0].startswith("MLP norm") and "input" in t[0] or t[0] == "MLP norm 1/rms"])
     norm_temps = norm_backward_bytes(m, opts, prec) * h / r
-    assembly = (k.qkv_grad_buffers * d["qkv"] + (3 * (q + 2 * kv) if d["P"] > 1 else 0)) * a
+    assembly = (k.qkv_grad_buffers * d["qkv"] + (3 * (q + 2 * kv) if d["P"] > 1 else 0)) * a + summed
     # with the attention output and LSE kept, those of the moments past attention are retained, not recomputed
     kept = bytes_per_token(kept_attention_terms(m, layout, opts, prec))
     moments = {mlp_name: (bytes_per_token(full) - kept, mlp),
-               core_name: (attn_half - kept, core),
+               core_name: (at_core - kept, core),
                "MLP norm: its backward's temporaries": (attn_half + mlp_norm - kept, norm_temps),
-               "QKV: the output's gradient" + (", the all-to-all's buffers" if d["P"] > 1 else ""):
+               "QKV: the output's gradient" + (", the all-to-all's buffers" if d["P"] > 1 else "") + chunk_name:
                    (before_core, assembly)}
+    if N > 1:   # a chunk's forward (recomputed under checkpointing): its activations, the partial outputs' running
+        # sum and the new one; in the backward autograd sums the chunks' QKV input gradients out of place
+        moments["head chunk forward: its activations, o_proj's partial sum and the next partial"] = (
+            at_core - attn_half + before_core - kept, 2 * h * a)
+        moments["head chunks' QKV input gradients: the sum, a chunk's, their new sum"] = (before_core - kept, 3 * h * a)
     name, (alive, grads) = max(moments.items(), key=lambda kv_: sum(kv_[1]))
     offloaded = opts.activation_offload and opts.activation_checkpointing
     if opts.activation_checkpointing and not offloaded and norm_keeps_block_input(m, opts, prec):
@@ -76,7 +93,8 @@ def norm_backward_bytes(m: ModelConfig, opts: Options, prec: Precision) -> float
     return (4 + (a != 4)) * 4 if KERNELS[opts.kernels].norm_fp32_input and m.norm == "rmsnorm" else a
 
 
-def _ring_backward(q: float, kv: float, a: int, ring: int, opts: Options, accumulator: float) -> tuple[float, str]:
+def _ring_backward(q: float, kv: float, a: int, ring: int, opts: Options, accumulator: float,
+                   recomputed: bool) -> tuple[float, str]:
     """Bytes per S/sp token of ring attention's backward (parallel/ring.py) at its worst moment, beyond the
     layer's activations: the fp32 dQ, dout, the K/V block in hand (under checkpointing it takes the place
     of the saved one, which the recomputation hands over once) and D, this step's fp32 dK/dV (`kv`
@@ -87,8 +105,9 @@ def _ring_backward(q: float, kv: float, a: int, ring: int, opts: Options, accumu
         merge   the arrived D that this block's dK, dV (in the compute dtype) are added into, the one sent
                 before still held by its exchange
         end     the last D, the one before it still held by its exchange, the sum that came home, and the
-                gradients' copies in the compute dtype."""
-    base = 4 * q + q * a + (0 if opts.activation_checkpointing else 2 * kv * a)
+                gradients' copies in the compute dtype.
+    `recomputed`: the attention ran again for this backward (checkpointing, head chunks)."""
+    base = 4 * q + q * a + (0 if recomputed else 2 * kv * a)
     if opts.attention == "flex":
         grads = 8 * q + 2 * q * a + (q + 2 * kv) * a
     elif not opts.native_gqa and q != kv:

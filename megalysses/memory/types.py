@@ -93,6 +93,7 @@ class Options:
     keep_attention: bool = False       # checkpointing keeps attention outputs (training.recompute_attention=false)
     mlp_chunk_tokens: int = 0
     loss_chunk_tokens: int = 0         # LM head + loss tile (0: automatic, <= 512 MiB of fp32 logits)
+    head_chunks: int = 1               # attention runs over this many groups of heads, each recomputed
     tp_sequence_parallel: bool = False
     fsdp: bool = False
     optimizer_offload: bool = False

@@ -29,7 +29,7 @@ from megalysses.kernels.linear_cross_entropy import linear_cross_entropy
 from megalysses.parallel.offload import ActivationOffload
 from megalysses.parallel.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding, column_parallel_linear
 from megalysses.parallel.ulysses import prepare_sequence_mask
-from megalysses.plan.run_plan import ActivationPolicy
+from megalysses.plan.types import ActivationPolicy
 
 
 def architecture(m: ModelConfig, tp: int = 1) -> dict:
@@ -71,7 +71,8 @@ class GPTStage(nn.Module):
         if first or (last and cfg.tie_embeddings):
             # on a last stage without the first, this copy is the tied LM head (grads synced over `embed`)
             self.embed = VocabParallelEmbedding(self.vocab_padded, cfg.hidden_size, groups.tp, sp_)
-        self.layers = nn.ModuleDict({str(i): Block(cfg, groups, policy.mlp_chunk_tokens) for i in layers})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, groups, policy.mlp_chunk_tokens, policy.head_chunks)
+                                     for i in layers})
         if last:
             self.final_norm = Norm(cfg, groups)
             if not cfg.tie_embeddings:

@@ -22,7 +22,8 @@ from megalysses.kernels.norms import add_rms_norm, rms_norm
 from megalysses.kernels.rope import rope_qkv
 from megalysses.kernels.swiglu import swiglu
 from megalysses.model.kv_cache import LayerKV
-from megalysses.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, mark_tp
+from megalysses.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, column_parallel_input,
+                                                  mark_tp)
 from megalysses.parallel.ring import ring_attention
 from megalysses.parallel.ulysses import ulysses_attention
 
@@ -87,25 +88,44 @@ class Attention(nn.Module):
 
     The fused QKV weight ((Hq + 2 Hkv) * D, h) is grouped by KV head: for each KV head g, the rep = Hq/Hkv
     query heads that read it, then k_g, then v_g. Splitting its rows over tp therefore gives every rank
-    whole groups (its own query heads with their KV heads), and the full tensor does not depend on tp."""
+    whole groups (its own query heads with their KV heads), and the full tensor does not depend on tp.
 
-    def __init__(self, cfg: ModelConfig, groups: ParallelGroups) -> None:
+    With `head_chunks` = N > 1 the rank's heads run in N chunks of hk/N whole KV groups, one after the
+    other: the chunk's rows of the QKV weight (contiguous, by the grouping above), RoPE, the all-to-all,
+    attention, the inverse all-to-all and the chunk's columns of o_proj, whose partial outputs add up to
+    the projection of all heads. The tp input (the all-gather under TP sequence sharding) is made once,
+    and the tp reduction (reduce-scatter) and o_proj's bias come once, on the sum. Each chunk is
+    recomputed in the backward, so only one chunk's (B, S/sp, (hq + 2 hk) D / N) intermediates exist at
+    a time."""
+
+    def __init__(self, cfg: ModelConfig, groups: ParallelGroups, head_chunks: int = 1) -> None:
         super().__init__()
         h, D, tp = cfg.hidden_size, cfg.head_dim, groups.tp_size
         self.groups, self.head_dim, self.backend, self.impl = groups, D, cfg.attention_backend, cfg.kernels
         self.hq, self.hk = cfg.num_heads // tp, cfg.kv_heads // tp
         self.rep = cfg.num_heads // cfg.kv_heads
+        if head_chunks < 1 or self.hk % head_chunks:
+            raise ValueError(f"Attention: {head_chunks} head chunks do not split the {self.hk} KV heads of a tp rank "
+                             f"into whole KV groups (config_checks.check_head_chunks names the valid counts)")
+        self.head_chunks = head_chunks
         sp_ = groups.sequence_parallel
         self.qkv_proj = ColumnParallelLinear(h, (cfg.num_heads + 2 * cfg.kv_heads) * D, groups.tp,
                                              cfg.attention_bias, sp_)
         self.o_proj = RowParallelLinear(cfg.num_heads * D, h, groups.tp, cfg.attention_bias, sp_)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Any, cache: Optional[LayerKV] = None) -> Tensor:
+        if self.head_chunks > 1 and cache is None:
+            return self._chunked(x, cos, sin, mask)
         qkv = self.qkv_proj(x)                                                   # (B, S/sp, hk*(rep+2)*D)
+        return self.o_proj(self._attend(qkv, cos, sin, mask, cache))            # (B, s, h)
+
+    def _attend(self, qkv: Tensor, cos: Tensor, sin: Tensor, mask: Any, cache: Optional[LayerKV] = None) -> Tensor:
+        """The projection of some whole KV groups (B, S/sp, g*(rep+2)*D) -> their attention output
+        (B, S/sp, g*rep*D): RoPE, then Ulysses around core or ring attention (or the generation cache)."""
         B, s = qkv.shape[:2]
-        qkv = qkv.view(B, s, self.hk, self.rep + 2, self.head_dim)              # (B, S/sp, hk, rep+2, D)
+        qkv = qkv.view(B, s, -1, self.rep + 2, self.head_dim)                   # (B, S/sp, g, rep+2, D)
         q, k, v = rope_qkv(qkv, cos, sin, impl=self.impl)                        # global positions
-        # q (B, S/sp, hq, D), k, v (B, S/sp, hk, D)
+        # q (B, S/sp, g*rep, D), k, v (B, S/sp, g, D)
         ring = self.groups.ring
         if cache is not None:                                                    # generation, one process
             out = cache.attend(q, k, v)
@@ -117,7 +137,29 @@ class Attention(nn.Module):
                 def attn(q_: Tensor, k_: Tensor, v_: Tensor) -> Tensor:
                     return core_attention(q_, k_, v_, mask=mask, backend=self.backend)
             out = ulysses_attention(q, k, v, self.groups.ulysses, attn)
-        return self.o_proj(out.reshape(B, s, self.hq * self.head_dim))          # (B, s, h)
+        return out.reshape(B, s, -1)
+
+    def _chunk(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Any, c: int) -> Tensor:
+        """Chunk c of the heads from the tp input x (B, S/sp, h): its partial o_proj output (B, S/sp, h)."""
+        rows = self.qkv_proj.weight.shape[0] // self.head_chunks
+        cols = self.o_proj.weight.shape[1] // self.head_chunks
+        bias = self.qkv_proj.bias
+        qkv = F.linear(x, self.qkv_proj.weight[c * rows:(c + 1) * rows],
+                       None if bias is None else bias[c * rows:(c + 1) * rows])  # (B, S/sp, (rep+2)*D*hk/N)
+        return F.linear(self._attend(qkv, cos, sin, mask), self.o_proj.weight[:, c * cols:(c + 1) * cols])
+
+    def _chunked(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Any) -> Tensor:
+        x = column_parallel_input(x, self.groups.tp, self.groups.sequence_parallel)   # (B, S/sp, h), once
+
+        def chunk(c: int) -> Tensor:
+            if torch.is_grad_enabled():
+                return checkpoint(self._chunk, x, cos, sin, mask, c, use_reentrant=False)
+            return self._chunk(x, cos, sin, mask, c)
+
+        y = chunk(0)
+        for c in range(1, self.head_chunks):
+            y = y + chunk(c)                     # (B, S/sp, h) partial sum; each partial freed once added
+        return self.o_proj.reduce(y)                                             # (B, s, h)
 
 
 class MLP(nn.Module):
@@ -152,18 +194,19 @@ class Block(nn.Module):
     (The MLP is token-wise; with TP sequence sharding every tp rank tiles its shard the same way,
     so the all-gather / reduce-scatter inside pair up tile by tile.)"""
 
-    def __init__(self, cfg: ModelConfig, groups: ParallelGroups, mlp_chunk_tokens: int = 0) -> None:
+    def __init__(self, cfg: ModelConfig, groups: ParallelGroups, mlp_chunk_tokens: int = 0,
+                 head_chunks: int = 1) -> None:
         super().__init__()
         self.attn_norm = Norm(cfg, groups)
-        self.attn = Attention(cfg, groups)
+        self.attn = Attention(cfg, groups, head_chunks)
         self.mlp_norm = Norm(cfg, groups)
         self.mlp = MLP(cfg, groups)
         self.mlp_chunk_tokens = mlp_chunk_tokens
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Optional[Any],
                 cache: Optional[LayerKV] = None) -> Tensor:
-        delta = self.attn(self.attn_norm(x), cos, sin, mask, cache)
-        x, normed = self.mlp_norm.add_forward(x, delta)                      # x + delta, then its norm
+        # x + attention, then its norm (the attention output is not held while the MLP runs)
+        x, normed = self.mlp_norm.add_forward(x, self.attn(self.attn_norm(x), cos, sin, mask, cache))
         return x + self._mlp(normed)
 
     def _mlp(self, x: Tensor) -> Tensor:

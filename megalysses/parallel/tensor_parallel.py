@@ -42,11 +42,15 @@ class ColumnParallelLinear(nn.Module):
 def column_parallel_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], tp_group: Group,
                            sequence_parallel: bool) -> Tensor:
     """The column-parallel matmul on a weight split by rows over tp (also used by a tied LM head)."""
+    return F.linear(column_parallel_input(x, tp_group, sequence_parallel), weight, bias)   # (B, S, out/tp)
+
+
+def column_parallel_input(x: Tensor, tp_group: Group, sequence_parallel: bool) -> Tensor:
+    """What a column-parallel matmul reads: the all-gathered sequence under TP sequence sharding, else x
+    itself (its gradient all-reduced over tp)."""
     if sequence_parallel:
-        x = comm.all_gather_from_tp(x, tp_group, dim=1)        # (B, S/tp, h) -> (B, S, h)
-    else:
-        x = comm.copy_to_tp(x, tp_group)                       # (B, S, h), grad all-reduced
-    return F.linear(x, weight, bias)                           # (B, S, out/tp)
+        return comm.all_gather_from_tp(x, tp_group, dim=1)     # (B, S/tp, h) -> (B, S, h)
+    return comm.copy_to_tp(x, tp_group)                        # (B, S, h), grad all-reduced
 
 
 class RowParallelLinear(nn.Module):
@@ -63,7 +67,11 @@ class RowParallelLinear(nn.Module):
         self.bias = mark_tp(nn.Parameter(torch.zeros(out_features)), None) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
-        y = F.linear(x, self.weight)                                      # (B, S, out) partial sum
+        return self.reduce(F.linear(x, self.weight))                      # (B, S, out) partial sum, reduced
+
+    def reduce(self, y: Tensor) -> Tensor:
+        """This rank's partial sum y (B, S, out), summed over tp (reduce-scattered over the sequence under TP
+        sequence sharding), plus the bias."""
         if self.sequence_parallel:
             y = comm.reduce_scatter_to_tp(y, self.tp_group, dim=1)        # (B, S/tp, out)
             bias = comm.copy_to_tp(self.bias, self.tp_group) if self.bias is not None else None

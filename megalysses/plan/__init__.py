@@ -2,6 +2,7 @@
 memory model (megalysses.memory) and the cost models here read.
 
     machine.py    Machine: the real device and its packages, or a described one (planning)
+    types.py      RunPlan, Phase, ActivationPolicy: what a resolved run is
     run_plan.py   resolve(cfg, machine, world) -> RunPlan: dtype, ulysses x ring, attention, kernels, ...
     flops.py      FLOPs per token and the peak table (MFU)
     step_time.py  Hardware and the step-time model
@@ -12,6 +13,7 @@ It may import config, config_checks, kernels (what each kernel can run), paralle
 memory; nothing in model, training or tools.
 """
 from megalysses.plan.machine import Machine
-from megalysses.plan.run_plan import ActivationPolicy, Phase, RunPlan, resolve
+from megalysses.plan.run_plan import resolve
+from megalysses.plan.types import ActivationPolicy, Phase, RunPlan
 
 __all__ = ["ActivationPolicy", "Machine", "Phase", "RunPlan", "resolve"]

@@ -16,88 +16,21 @@ only backends that return the log-sum-exp qualify: torch's SDPA flash kernel (CP
 documents, half precision), then FlexAttention, then the reference. The backend is resolved for
 training (a backward), which is what every phase of the run then uses: evaluation runs the same kernel
 forward only. The kernels are model.kernels' (the torch references by default: the Triton kernels are
-opt-in until measured on a GPU), refused where they cannot run.
+opt-in until measured on a GPU), refused where they cannot run. Attention head chunks are checked against
+the layout's heads (config_checks.head_chunk_counts); `auto` asks the memory model for the fewest that fit
+the device (auto_head_chunks).
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import replace
 from typing import Optional
 
 from megalysses.config import Config, ConfigError
-from megalysses.config_checks import check_heads, check_kept_attention
+from megalysses.config_checks import check_head_chunks, check_heads, check_kept_attention, head_chunk_counts
 from megalysses.kernels.attention import unsupported_reason
 from megalysses.parallel.sequence_layout import SequenceLayout
 from megalysses.plan.machine import Machine
-
-
-@dataclass(frozen=True)
-class Phase:
-    """One length the run trains (or validates) at, and the padded length the layout makes of it."""
-
-    name: str                   # "train" (from_step 0), "train from step N" (a curriculum stage), "eval"
-    seq_len: int
-    padded_len: int
-
-
-@dataclass(frozen=True)
-class ActivationPolicy:
-    """What the backward keeps and where: checkpointing (and what it keeps), offload, tiles. The default
-    keeps everything on the device."""
-
-    checkpointing: bool = False
-    keep_attention: bool = False    # checkpointing keeps SDPA's outputs (training.recompute_attention=false)
-    offload: bool = False           # checkpointed block inputs live in pinned host memory
-    mlp_chunk_tokens: int = 0
-    loss_chunk_tokens: int = 0
-    tp_sequence_parallel: bool = False
-
-    def __post_init__(self) -> None:
-        if self.keep_attention and self.offload:
-            raise ValueError("keeping attention outputs with activation offload is not supported: they would stay "
-                             "on the device (config_checks.check_kept_attention refuses the config)")
-
-
-@dataclass(frozen=True)
-class RunPlan:
-    """Every decision of a run of one config on one machine."""
-
-    machine: Machine
-    world: int
-    tp: int
-    sp: int
-    pp: int
-    dp: int
-    virtual_stages: int
-    ulysses: int
-    ring: int
-    dtype: str                      # compute dtype: "float32" or "bfloat16" (weights, activations, kernels)
-    master_dtype: str               # the optimizer's masters and moments: always "float32"
-    attention: str                  # core attention (reference, sdpa, flex or flash), or with a ring (ring > 1)
-    attention_reason: str           # the backend of its blocks (reference, sdpa or flex)
-    kernels: str                    # norms, RoPE, SwiGLU: torch, triton, liger or apex
-    collective: str                 # nccl or gloo
-    phases: tuple[Phase, ...]
-    activation: ActivationPolicy
-    optimizer: str                  # where the state lives: "fsdp", "zero1" or "zero1-host" (optimizer offload)
-
-    @property
-    def padded_seq_len(self) -> int:
-        """data.seq_len padded to the layout's multiple (the longest phase)."""
-        return max(p.padded_len for p in self.phases)
-
-    @property
-    def torch_dtype(self):
-        import torch
-
-        return getattr(torch, self.dtype)
-
-    def record(self) -> dict:
-        """The plan as plain data (runtime.json, tools/plan.py --json)."""
-        out = asdict(self)
-        out["machine"] = self.machine.summary()
-        out["phases"] = [asdict(p) for p in self.phases]
-        out["padded_seq_len"] = self.padded_seq_len
-        return out
+from megalysses.plan.types import ActivationPolicy, Phase, RunPlan
 
 
 def compute_dtype(requested: str, machine: Machine) -> str:
@@ -194,10 +127,40 @@ def resolve(cfg: Config, machine: Machine, world_size: int) -> RunPlan:
                                   keep_attention=t.activation_checkpointing and not t.recompute_attention,
                                   offload=t.activation_offload, mlp_chunk_tokens=t.mlp_chunk_tokens,
                                   loss_chunk_tokens=t.loss_chunk_tokens, tp_sequence_parallel=p.tp_sequence_parallel)
-    return RunPlan(machine=machine, world=world_size, tp=p.tp, sp=p.sp, pp=p.pp,
-                   dp=max(world_size // (p.tp * p.sp * p.pp), 1), virtual_stages=p.virtual_stages,
-                   ulysses=ulysses, ring=ring, dtype=dtype, master_dtype="float32",
-                   attention=attention, attention_reason=reason,
-                   kernels=choose_kernels(m.kernels, machine), collective=collective_backend(p.backend, machine),
-                   phases=_phases(cfg, sequence), activation=activation,
-                   optimizer="fsdp" if p.fsdp else "zero1-host" if t.optimizer_offload else "zero1")
+    if t.attention_head_chunks != "auto":
+        check_head_chunks(m.num_heads, m.kv_heads, p.tp, ulysses, ring, t.attention_head_chunks)
+        activation = replace(activation, head_chunks=t.attention_head_chunks)
+    run = RunPlan(machine=machine, world=world_size, tp=p.tp, sp=p.sp, pp=p.pp,
+                  dp=max(world_size // (p.tp * p.sp * p.pp), 1), virtual_stages=p.virtual_stages,
+                  ulysses=ulysses, ring=ring, dtype=dtype, master_dtype="float32",
+                  attention=attention, attention_reason=reason,
+                  kernels=choose_kernels(m.kernels, machine), collective=collective_backend(p.backend, machine),
+                  phases=_phases(cfg, sequence), activation=activation,
+                  optimizer="fsdp" if p.fsdp else "zero1-host" if t.optimizer_offload else "zero1")
+    if t.attention_head_chunks == "auto":
+        run = replace(run, activation=replace(activation, head_chunks=auto_head_chunks(cfg, run)))
+    return run
+
+
+def auto_head_chunks(cfg: Config, run: RunPlan) -> int:
+    """training.attention_head_chunks=auto: the fewest chunks the layout allows with which the memory model's
+    peak fits the device (its memory less the planner's fragmentation and reserve), or when none fits the
+    fewest with the lowest peak. 1 where the device's memory is unknown (CPU), where attention outputs are
+    kept (recompute_attention=false), or where the memory model does not cover the run."""
+    if run.machine.memory_gib is None or run.activation.keep_attention:
+        return 1
+    from megalysses.memory.from_plan import estimate_plan      # the memory model reads RunPlans: import late
+    from megalysses.plan.step_time import Hardware
+
+    budget = Hardware().usable_bytes(run.machine.memory_gib)
+    m = cfg.model
+    peaks = []
+    for n in head_chunk_counts(m.num_heads, m.kv_heads, run.tp, run.ulysses):
+        try:
+            peak = estimate_plan(cfg, replace(run, activation=replace(run.activation, head_chunks=n))).peak
+        except ValueError:
+            return 1
+        if peak <= budget:
+            return n
+        peaks.append((peak, n))
+    return min(peaks)[1]

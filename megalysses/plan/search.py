@@ -14,11 +14,12 @@ from dataclasses import dataclass, replace
 from typing import Iterator, Optional
 
 from megalysses.config import Config, ConfigError, ModelConfig
-from megalysses.config_checks import check_heads, validate_config
+from megalysses.config_checks import check_heads, head_chunk_counts, validate_config
 from megalysses.memory import GIB, Estimate, estimate_plan, options_of, precision_of, workload_of, layout_of
 from megalysses.plan.flops import flops_per_token
 from megalysses.plan.machine import PLAIN_TORCH, Machine
-from megalysses.plan.run_plan import RunPlan, resolve
+from megalysses.plan.run_plan import resolve
+from megalysses.plan.types import RunPlan
 from megalysses.plan.step_time import Hardware, Overlap, StepTime, step_time
 
 
@@ -40,7 +41,8 @@ def candidate_configs(cfg: Config, gpus: int, offload: bool, gpus_per_node: int 
     (split into ulysses x ring automatically: the largest Ulysses degree the heads allow, inside a node
     when one is, the rest a ring),
     pp, virtual stages, checkpointing (with attention outputs kept or recomputed), MLP tiles (the config's
-    size, else 8192 tokens), TP sequence sharding, FSDP or ZeRO-1, and with host memory (`offload`)
+    size, else 8192 tokens), attention head chunks (1 and every count the layout allows, not with kept
+    attention outputs), TP sequence sharding, FSDP or ZeRO-1, and with host memory (`offload`)
     activation and optimizer offload. The LM head + loss keeps the config's tile."""
     m, t = cfg.model, cfg.training
     mlp_tile = t.mlp_chunk_tokens or 8192
@@ -55,18 +57,22 @@ def candidate_configs(cfg: Config, gpus: int, offload: bool, gpus_per_node: int 
         for sp in divisors(gpus // tp):
             if not heads_allow(m, tp, sp):
                 continue
+            ulysses = check_heads(m.num_heads, m.kv_heads, tp, sp, 0, min(gpus, gpus_per_node))[0]
+            chunk_counts = head_chunk_counts(m.num_heads, m.kv_heads, tp, ulysses)
             for pp in divisors(gpus // (tp * sp)):
                 options = itertools.product([1] + [x for x in (2, 4) if pp > 1], activations,
                                             sorted({0, mlp_tile if mlp_tile < S // sp else 0}),
-                                            (False, True) if tp > 1 else (False,), states)
-                for v, (ckpt, offl, keep), tile, tsp, (fsdp, opt_off) in options:
+                                            (False, True) if tp > 1 else (False,), states, chunk_counts)
+                for v, (ckpt, offl, keep), tile, tsp, (fsdp, opt_off), chunks in options:
+                    if keep and chunks > 1:
+                        continue
                     yield replace(
                         cfg,
                         parallel=replace(cfg.parallel, tp=tp, sp=sp, sp_ring=0, pp=pp, virtual_stages=v,
                                          tp_sequence_parallel=tsp, fsdp=fsdp),
                         training=replace(t, activation_checkpointing=ckpt, activation_offload=offl,
                                          recompute_attention=not keep, optimizer_offload=opt_off,
-                                         mlp_chunk_tokens=tile))
+                                         mlp_chunk_tokens=tile, attention_head_chunks=chunks))
 
 
 @dataclass
@@ -93,6 +99,7 @@ class Prediction:
                 "recompute_attention": c.training.recompute_attention,
                 "activation_offload": c.training.activation_offload, "optimizer_offload": c.training.optimizer_offload,
                 "mlp_chunk_tokens": c.training.mlp_chunk_tokens, "loss_chunk_tokens": c.training.loss_chunk_tokens,
+                "attention_head_chunks": self.run.activation.head_chunks,
                 "tp_sequence_parallel": c.parallel.tp_sequence_parallel, "fsdp": c.parallel.fsdp,
                 "peak_gib": round(self.estimate.peak / GIB, 2), "peak_phase": self.estimate.phase,
                 "host_gib_per_node": round(self.host_per_node / GIB, 1),
@@ -101,6 +108,11 @@ class Prediction:
                 "p2p_gb": round(s.bytes["p2p"] / 1e9, 2), "ring_p2p_gb": round(s.bytes["ring_p2p"] / 1e9, 2),
                 "step_s": round(s.total, 4), "tokens_per_s": round(tok_s, 1),
                 "mfu": round(mfu, 4), "fits": self.fits}
+
+
+def estimate_config(cfg: Config, world_size: int, machine: Machine) -> Estimate:
+    """The predicted peak per rank of a run of `cfg` on `world_size` ranks of `machine`."""
+    return estimate_plan(cfg, resolve(cfg, machine, world_size))
 
 
 def described_machine(gpus: int, gpu_memory_gib: float, hw: Hardware, packages: tuple[str, ...] = PLAIN_TORCH,

@@ -1,6 +1,7 @@
 """The step-time model: predicted seconds per optimizer step on the busiest rank of a layout.
 
-Step time = the compute at stated sustained FLOP/s + the communication megalysses does not overlap
+Step time = the compute at stated sustained FLOP/s (with head chunks, each chunk's attention, projections
+and all-to-alls once more: its recomputation in the backward) + the communication megalysses does not overlap
 (tp collectives, Ulysses all-to-alls, pipeline p2p, ZeRO-1's parameter all-gather; the ring's K/V and
 dK/dV hops beyond the attention they travel under; the gradient reduce-scatter beyond the last
 backward; FSDP beyond its micro-batch) at stated bandwidths + the pipeline bubble + activation-offload
@@ -79,25 +80,32 @@ def step_time(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, wo
     L = stage_layers(m, layout)
     dense = layer_params(m, t) - 2 * m.hidden_size
     mlp = (3 if m.mlp == "swiglu" else 2) * m.hidden_size * m.ffn_size / t
-    q, kv = m.num_heads * m.head_dim / t, m.kv_heads / t * kv_replication(m.kv_heads // t, u) * m.head_dim
+    # with head chunks each chunk replicates its own KV heads to the Ulysses degree when it has fewer
+    N = opts.head_chunks
+    hk = m.kv_heads // t // N
+    q, kv = m.num_heads * m.head_dim / t, N * hk * kv_replication(hk, u) * m.head_dim
     fwd_mm = L * 2 * dense * tokens
     fwd_attn = L * 2 * work.micro_batch_size * work.seq_len ** 2 * q / P        # causal: half of 4 S^2 q
     head = 2 * m.padded_vocab_size(t) / t * m.hidden_size * tokens
     redo_mm = (fwd_mm if opts.activation_checkpointing else 0.0)
     if tiled(opts.mlp_chunk_tokens, layout, opts, work.seq_len):
         redo_mm += L * 2 * mlp * tokens * (2 if opts.activation_checkpointing else 1)
+    if N > 1:       # each head chunk's forward runs again in its backward: QKV and output projections
+        redo_mm += L * 2 * (m.hidden_size * (q + 2 * m.kv_heads * m.head_dim / t) + q * m.hidden_size) * tokens
     mm = M * (3 * (fwd_mm + head) + redo_mm)
-    # forward, backward (twice the forward), and under checkpointing the recomputation, unless its output is kept
-    attn = M * fwd_attn * (4 if opts.activation_checkpointing and not opts.keep_attention else 3)
+    # forward, backward (twice the forward), and under checkpointing the recomputation, unless its output is
+    # kept; head chunks recompute attention once more (per chunk, in the backward)
+    attn = M * fwd_attn * ((4 if opts.activation_checkpointing and not opts.keep_attention else 3) + (N > 1))
     compute = (mm / (hw.peak_tflops * 1e12 * hw.matmul_efficiency)
                + attn / (hw.peak_tflops * 1e12 * hw.attention_efficiency))
     passes = 3 if opts.activation_checkpointing else 2                   # forward, backward (+ recompute)
+    attn_passes = passes + (N > 1)     # head chunks: the all-to-alls and the ring's hops once more, per chunk
     a = prec.act
     span_tp, span_sp, span_grad = t, t * P, t * P * layout.dp
     nbytes: dict[str, float] = {"all_to_all": 0.0, "all_reduce": 0.0, "p2p": 0.0, "ring_p2p": 0.0, "host": 0.0}
     exposed: dict[str, float] = {}
     if u > 1:
-        a2a = (u - 1) / u * tokens * (2 * q + 2 * kv) * a * L * passes * M
+        a2a = (u - 1) / u * tokens * (2 * q + 2 * kv) * a * L * attn_passes * M
         nbytes["all_to_all"] = a2a
         exposed["Ulysses all-to-all"] = 0.0 if overlap.ulysses else a2a / hw.link(t * u)
     if ring > 1:
@@ -105,7 +113,7 @@ def step_time(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, wo
         # r - 1 hops each; the fp32 dK/dV accumulators r hops (parallel/ring.py). Each hop is posted before
         # the block's attention, so only what the attention does not cover shows
         block = tokens * 2 * kv                                            # elements of one K/V block
-        nbytes["ring_p2p"] = ((ring - 1) * passes * block * a + ring * block * 4) * L * M
+        nbytes["ring_p2p"] = ((ring - 1) * attn_passes * block * a + ring * block * 4) * L * M
         attention = attn / (hw.peak_tflops * 1e12 * hw.attention_efficiency)
         exposed["ring p2p"] = max(0.0, nbytes["ring_p2p"] / hw.link(span_sp) - attention)
     if t > 1:

@@ -11,7 +11,7 @@ The model, batch (training.global_batch_size and micro_batch_size), dtype, kerne
 resolves them (megalysses.plan.resolve: H100 nodes of --gpus-per-node with the optional --packages, by
 default those of a plain CUDA torch install, so `auto` attention is SDPA or FlexAttention, not
 flash-attn); the layout and memory options (checkpointing,
-tiled MLP, TP sequence sharding, FSDP vs ZeRO-1, and activation and optimizer offload when
+tiled MLP, attention head chunks, TP sequence sharding, FSDP vs ZeRO-1, and activation and optimizer offload when
 --host-memory-gib is given) are enumerated under the config's own layout rules
 (config_checks.validate_config). The config's own layout is evaluated too.
 
@@ -49,6 +49,8 @@ def _flags(r: dict) -> str:
         parts.insert(1, "keep-attn")
     parts += [f"{name}{r[key] // 1024}k" if r[key] >= 1024 else f"{name}{r[key]}"
               for key, name in (("mlp_chunk_tokens", "mlp-tile"), ("loss_chunk_tokens", "loss-tile")) if r[key]]
+    if r["attention_head_chunks"] > 1:
+        parts.append(f"head-chunks{r['attention_head_chunks']}")
     return ",".join(parts) or "-"
 
 

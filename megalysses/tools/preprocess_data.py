@@ -234,7 +234,9 @@ def _ordered_results(reader: _Reader, workers: int, init_args: tuple) -> Iterato
         for batch in reader.batches():
             yield encode_batch(batch)
         return
-    with mp.get_context("fork").Pool(workers, _init_worker, init_args) as pool:
+    # forkserver: workers fork from a clean server process, never from this one, whose reader and tokenizer
+    # threads (Arrow's pool, HF tokenizers' rayon) a fork would copy mid-lock
+    with mp.get_context("forkserver").Pool(workers, _init_worker, init_args) as pool:
         in_flight: collections.deque = collections.deque()
         for batch in reader.batches():
             in_flight.append(pool.apply_async(encode_batch, (batch,)))

@@ -94,6 +94,9 @@ def memory_options(cfg: Config, run: RunPlan) -> list[str]:
         opts.append("optimizer state and update on the host")
     if a.mlp_chunk_tokens:
         opts.append(f"tiled MLP ({a.mlp_chunk_tokens} tokens)")
+    if a.head_chunks > 1:
+        auto = " (auto)" if cfg.training.attention_head_chunks == "auto" else ""
+        opts.append(f"attention in {a.head_chunks} head chunks{auto}")
     if a.loss_chunk_tokens:
         opts.append(f"tiled loss ({a.loss_chunk_tokens} tokens)")
     if a.tp_sequence_parallel:

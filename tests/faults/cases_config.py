@@ -135,7 +135,7 @@ RANGES = [
         ("model.norm_eps", "-1.0"), ("parallel.grad_bucket_elements", "-5"), ("model.init_std", "-0.02"),
         ("optimizer.min_lr", "-1e-05"), ("optimizer.weight_decay", "-0.1"), ("logging.peak_tflops", "-5.0"),
         ("optimizer.decay_steps", "-1"), ("optimizer.wsd_decay_steps", "-2"), ("optimizer.warmup_init", "-0.5"),
-        ("training.exit_interval", "-1"),
+        ("training.exit_interval", "-1"), ("training.attention_head_chunks", "0"),
     ]
 ]
 
@@ -163,6 +163,14 @@ RULES = [
     Case("config/sp_ring_leaves_ulysses_the_kv_heads_refuse",
          pretrain("model.num_heads=12", "model.num_kv_heads=6", "model.hidden_size=96", "parallel.sp=4",
                   "parallel.sp_ring=1"), "sp_ring can be one of 2, 4"),
+    # attention head chunks: whole KV groups (4 heads, MHA: 1, 2 or 4), a count or auto, not with kept outputs
+    Case("config/head_chunks_not_whole_kv_groups", pretrain("training.attention_head_chunks=3"),
+         "choose one of 1, 2, 4, or auto"),
+    Case("config/head_chunks_not_a_count", pretrain("training.attention_head_chunks=half"),
+         "expected an integer or auto, got 'half'"),
+    Case("config/head_chunks_with_kept_attention",
+         pretrain("training.attention_head_chunks=2", "training.activation_checkpointing=true",
+                  "training.recompute_attention=false"), "attention_head_chunks=2 with training.recompute_attention"),
     Case("config/micro_batch_zero", pretrain("training.micro_batch_size=0"), "micro_batch_size"),
     Case("config/global_batch_negative", pretrain("training.global_batch_size=-2"), "global_batch_size"),
     Case("config/global_batch_not_divisible", pretrain("training.micro_batch_size=2", "training.global_batch_size=3"),

@@ -1,0 +1,82 @@
+"""What a resolved run is: the RunPlan (every decision of a run of one config on one machine), its
+phases and its activation policy. megalysses.plan.resolve makes them; the model, the memory model and
+the cost models read them."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from megalysses.plan.machine import Machine
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One length the run trains (or validates) at, and the padded length the layout makes of it."""
+
+    name: str                   # "train" (from_step 0), "train from step N" (a curriculum stage), "eval"
+    seq_len: int
+    padded_len: int
+
+
+@dataclass(frozen=True)
+class ActivationPolicy:
+    """What the backward keeps and where: checkpointing (and what it keeps), offload, tiles. The default
+    keeps everything on the device."""
+
+    checkpointing: bool = False
+    keep_attention: bool = False    # checkpointing keeps SDPA's outputs (training.recompute_attention=false)
+    offload: bool = False           # checkpointed block inputs live in pinned host memory
+    mlp_chunk_tokens: int = 0
+    loss_chunk_tokens: int = 0
+    tp_sequence_parallel: bool = False
+    head_chunks: int = 1            # attention runs over this many groups of heads (model/layers.py Attention)
+
+    def __post_init__(self) -> None:
+        if self.keep_attention and self.offload:
+            raise ValueError("keeping attention outputs with activation offload is not supported: they would stay "
+                             "on the device (config_checks.check_kept_attention refuses the config)")
+        if self.keep_attention and self.head_chunks > 1:
+            raise ValueError("keeping attention outputs with head chunks is not supported (validate_config refuses "
+                             "the config)")
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """Every decision of a run of one config on one machine."""
+
+    machine: Machine
+    world: int
+    tp: int
+    sp: int
+    pp: int
+    dp: int
+    virtual_stages: int
+    ulysses: int
+    ring: int
+    dtype: str                      # compute dtype: "float32" or "bfloat16" (weights, activations, kernels)
+    master_dtype: str               # the optimizer's masters and moments: always "float32"
+    attention: str                  # core attention (reference, sdpa, flex or flash), or with a ring (ring > 1)
+    attention_reason: str           # the backend of its blocks (reference, sdpa or flex)
+    kernels: str                    # norms, RoPE, SwiGLU: torch, triton, liger or apex
+    collective: str                 # nccl or gloo
+    phases: tuple[Phase, ...]
+    activation: ActivationPolicy
+    optimizer: str                  # where the state lives: "fsdp", "zero1" or "zero1-host" (optimizer offload)
+
+    @property
+    def padded_seq_len(self) -> int:
+        """data.seq_len padded to the layout's multiple (the longest phase)."""
+        return max(p.padded_len for p in self.phases)
+
+    @property
+    def torch_dtype(self):
+        import torch
+
+        return getattr(torch, self.dtype)
+
+    def record(self) -> dict:
+        """The plan as plain data (runtime.json, tools/plan.py --json)."""
+        out = asdict(self)
+        out["machine"] = self.machine.summary()
+        out["phases"] = [asdict(p) for p in self.phases]
+        out["padded_seq_len"] = self.padded_seq_len
+        return out
