@@ -208,6 +208,38 @@ def test_cli_bad_input_is_one_error_line(capsys, argv, message):
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0]
 
 
+HARDWARE_FLAGS = [("--peak-tflops", "0"), ("--peak-tflops", "inf"), ("--matmul-efficiency", "0"),
+                  ("--matmul-efficiency", "1.5"), ("--attention-efficiency", "0"), ("--attention-efficiency", "nan"),
+                  ("--intra-node-gbs", "0"), ("--inter-node-gbs", "-40"), ("--host-gbs", "0"),
+                  ("--host-adam-gparams", "0"), ("--hbm-gbs", "0"), ("--gpus-per-node", "0"),
+                  ("--reserve-gib", "-1"), ("--fragmentation", "1"), ("--fragmentation", "-0.1")]
+
+
+@pytest.mark.parametrize("flag, value", HARDWARE_FLAGS)
+def test_cli_hardware_flags_are_checked(capsys, flag, value):
+    """Each of Hardware's figures out of range is one error line naming its flag, not a division by zero, an
+    MFU over 100% or "no layout fits"; the dataclass refuses it too."""
+    argv = ["--config", "configs/gpt_1b_8gpu.yaml", "--gpus", "8", "--gpu-memory-gib", "80", "--seq-len", "8192"]
+    assert main(argv + [flag, value]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {flag} must be"), err
+    field = flag[2:].replace("-", "_")
+    with pytest.raises(ValueError, match=field):
+        Hardware(**{field: type(getattr(Hardware(), field))(float(value))})
+
+
+def test_cli_every_bad_flag_is_a_line(capsys):
+    argv = ["--config", "configs/gpt_1b_8gpu.yaml", "--gpus", "0", "--gpu-memory-gib", "80", "--peak-tflops", "0",
+            "--matmul-efficiency", "2", "--gpus-per-node", "0"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert [line.split()[1] for line in err] == ["--gpus", "--peak-tflops", "--matmul-efficiency", "--gpus-per-node"]
+    # the edges that are allowed: an efficiency of 1, no reserve, no fragmentation
+    assert main(argv[:3] + ["8", "--gpu-memory-gib", "80", "--seq-len", "8192", "--matmul-efficiency", "1",
+                            "--reserve-gib", "0", "--fragmentation", "0", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["best"]["mfu"] <= 1
+
+
 def test_offload_needs_host_memory():
     """Offload layouts are only planned with --host-memory-gib, and must fit in it."""
     cfg = load_config("configs/gpt_1b_1m_offload.yaml")

@@ -36,7 +36,7 @@ from megalysses.config_io import load_config
 from megalysses.memory import GIB, KERNELS, fmt_bytes
 from megalysses.plan.machine import OPTIONAL_PACKAGES, PLAIN_TORCH
 from megalysses.plan.search import Prediction, evaluate, plan
-from megalysses.plan.step_time import Hardware
+from megalysses.plan.step_time import Hardware, hardware_problems
 
 
 # ----------------------------------------------------------------------------- output
@@ -110,12 +110,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         p.add_argument("--" + f.name.replace("_", "-"), type=type(getattr(d, f.name)), default=getattr(d, f.name),
                        help=f"default {getattr(d, f.name)}")
     args = p.parse_args(argv)
-    for name in ("gpus", "seq_len", "gpu_memory_gib", "top"):
-        if getattr(args, name) is not None and getattr(args, name) <= 0:
-            print(f"error: --{name.replace('_', '-')} must be positive, got {getattr(args, name)}", file=sys.stderr)
-            return 1
-    if args.host_memory_gib is not None and args.host_memory_gib <= 0:
-        print(f"error: --host-memory-gib must be positive, got {args.host_memory_gib}", file=sys.stderr)
+    bad = {name: f"must be positive, got {getattr(args, name)}"
+           for name in ("gpus", "seq_len", "gpu_memory_gib", "top", "host_memory_gib")
+           if getattr(args, name) is not None and not getattr(args, name) > 0}
+    bad.update(hardware_problems({f.name: getattr(args, f.name) for f in dataclasses.fields(Hardware)}))
+    for name, why in bad.items():          # one line per bad flag
+        print(f"error: --{name.replace('_', '-')} {why}", file=sys.stderr)
+    if bad:
         return 1
     try:
         cfg = load_config(args.config)
