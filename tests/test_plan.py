@@ -127,9 +127,41 @@ def test_configs_give_a_step_the_time_it_takes(path, gpus):
 
 def test_a_long_validation_needs_the_time_too():
     cfg = load_config("configs/gpt_1b_8gpu.yaml", ["training.eval_interval=100", "training.eval_steps=20"])
-    with pytest.raises(ConfigError, match="the time of a validation predicted"):
+    with pytest.raises(ConfigError, match=r"time of a validation \(20 x global batch 8 x 1048576 tokens\) predicted"):
         check_phase_time(cfg, h100s(cfg, 8), 989.0)
     check_phase_time(replace(cfg, training=replace(cfg.training, eval_interval=0)), h100s(cfg, 8), 989.0)
+
+
+def _one_gpu_8b(**sets):
+    """Llama-3.1-8B at 1M tokens on one GPU, global batch 1: the settings of the issue's one-GPU target."""
+    return _load("configs/llama3_8b_1m.yaml", **{"parallel.sp": 1, "parallel.pp": 1, "parallel.virtual_stages": 1,
+                                                 "training.global_batch_size": 1, "training.activation_offload": "true",
+                                                 "training.optimizer_offload": "true", "model.kernels": "triton",
+                                                 **sets})
+
+
+def test_phase_time_is_judged_at_the_runs_own_batch_and_longest_length():
+    """The step the watchdog check predicts is the run's own: its global batch (where a batch ramp ends) and its
+    curriculum's longest length. A 1M-token run of the 8B model on one GPU at global batch 1 is accepted with a
+    timeout over twice its step, though that timeout is far under a step of global batch 8 (hours), which is
+    refused, naming the batch it judged."""
+    one = _one_gpu_8b()
+    step = predicted_step_seconds(one, 1, Hardware())
+    eight = predicted_step_seconds(_one_gpu_8b(**{"training.global_batch_size": 8}), 1, Hardware())
+    assert step > 600 and eight > 7 * step         # minutes at batch 1; hours at batch 8
+    timeout = 2.5 * step
+    check_phase_time(_one_gpu_8b(**{"parallel.timeout_seconds": timeout}), h100s(one, 1), 989.0)
+    batch8 = _one_gpu_8b(**{"parallel.timeout_seconds": timeout, "training.global_batch_size": 8})
+    with pytest.raises(ConfigError, match=r"a training step \(global batch 8 x 1048576 tokens\) predicted .* "
+                                          r"\(~\d+ s at 989 TFLOP/s"):
+        check_phase_time(batch8, h100s(batch8, 1), 989.0)
+    # a ramp ends at the global batch, which is what is judged; a curriculum's longest length is data.seq_len
+    ramp = _one_gpu_8b(**{"training.global_batch_size": 8, "training.rampup_batch_size": "[1,1,100]"})
+    curriculum = _one_gpu_8b(**{"data.seq_len_schedule": "[[0,131072],[100,1048576]]"})
+    assert predicted_step_seconds(ramp, 1, Hardware()) == eight
+    assert predicted_step_seconds(curriculum, 1, Hardware()) == step
+    short = _one_gpu_8b(**{"data.seq_len": 131072})
+    assert predicted_step_seconds(short, 1, Hardware()) < step / 10
 
 
 def test_one_gpu_config_needs_offload_and_its_kernels():

@@ -165,16 +165,24 @@ def check_phase_time(cfg: Config, run: RunPlan, peak_tflops: Optional[float]) ->
     """ConfigError when a training step, or a validation, at the planner's predicted speed on a GPU of
     `peak_tflops` takes more than half of parallel.timeout_seconds, the longest the watchdog lets a rank
     spend in one phase of the loop: it would end the run as stuck. Half leaves room for the prediction's
-    error; a run on an unknown GPU (no peak) or outside what the planner covers is not checked. The step is
-    predicted for `run`'s own machine (its attention backend and kernels)."""
+    error; a run on an unknown GPU (no peak) or outside what the planner covers is not checked.
+
+    The step judged is the run's own longest: its global batch (training.global_batch_size, where a batch
+    ramp ends), each sample at the longest length of its curriculum (data.seq_len), on `run`'s own machine
+    (its attention backend, kernels and ranks per node); a validation is training.eval_steps such batches,
+    forward only. The message names the batch and length it judged."""
     if not peak_tflops:
         return
-    step = predicted_step_seconds(cfg, run.world, Hardware(peak_tflops=peak_tflops), run.machine)
+    nodes = run.machine.ranks_per_node
+    hw = Hardware(peak_tflops=peak_tflops, **({"gpus_per_node": nodes} if nodes else {}))
+    step = predicted_step_seconds(cfg, run.world, hw, run.machine)
     if step is None:
         return
     t = cfg.training
     validation = step / 3 * t.eval_steps if t.eval_interval else 0.0     # forward passes only
-    what, seconds = ("a validation", validation) if validation > step else ("a training step", step)
+    batch = f"global batch {t.global_batch_size} x {run.padded_seq_len} tokens"
+    what, seconds = ((f"a validation ({t.eval_steps} x {batch})", validation) if validation > step
+                     else (f"a training step ({batch})", step))
     timeout = cfg.parallel.timeout_seconds
     if 2 * seconds > timeout:
         suggest = 600 * -(-4 * seconds // 600)
