@@ -164,15 +164,18 @@ def test_phase_time_is_judged_at_the_runs_own_batch_and_longest_length():
     assert predicted_step_seconds(short, 1, Hardware()) < step / 10
 
 
-def test_one_gpu_config_needs_offload_and_its_kernels():
-    """The 1M-token single-GPU config fits only with its memory options: activation offload, and the
-    fused kernels (the torch references keep fp32 copies of every norm input)."""
+def test_one_gpu_config_needs_offload():
+    """The 1M-token single-GPU config fits only with activation offload. Its fused kernels keep the least; the
+    torch norms run over row tiles (no fp32 copy of the whole activation), so the torch kernels fit too, their
+    peak set by the MLP tile, not the norms' backward."""
     cfg = load_config("configs/gpt_1b_1m_offload.yaml")
     assert cfg.training.activation_offload and cfg.model.kernels == "triton"
     on_device = replace(cfg, training=replace(cfg.training, activation_offload=False))
     assert not evaluate(on_device, 1, 80, 256, Hardware()).fits
-    torch_kernels = replace(cfg, model=replace(cfg.model, kernels="torch"))
-    assert not evaluate(torch_kernels, 1, 80, 256, Hardware()).fits
+    fused = evaluate(cfg, 1, 80, 256, Hardware())
+    torch_kernels = evaluate(replace(cfg, model=replace(cfg.model, kernels="torch")), 1, 80, 256, Hardware())
+    assert torch_kernels.fits and torch_kernels.estimate.peak > fused.estimate.peak
+    assert not any("norm" in t.name for t in torch_kernels.estimate.terms if t.name.startswith("backward of one"))
 
 
 def test_planned_layouts_obey_the_layout_rules():
