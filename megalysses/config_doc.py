@@ -50,9 +50,12 @@ def _docstrings(cls: type) -> dict[str, str]:
 def _type_name(tp: Any) -> tuple[str, tuple[str, ...]]:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
-        inner = [a for a in typing.get_args(tp) if a is not type(None)][0]
-        name, choices = _type_name(inner)
-        return f"{name} or null", choices
+        inner = [_type_name(a) for a in typing.get_args(tp) if a is not type(None)]
+        null = " or null" if type(None) in typing.get_args(tp) else ""
+        if len(inner) == 1:
+            return inner[0][0] + null, inner[0][1]
+        # int | Literal["auto"]: "int or auto"
+        return " or ".join(choices and "/".join(choices) or name for name, choices in inner) + null, ()
     if origin is Literal:
         return "str", tuple(str(a) for a in typing.get_args(tp))
     if origin is list:

@@ -297,6 +297,10 @@ PEAKS = {   # name: overrides (one rank); each is the peak of a second step, the
         "training.recompute_attention=false", "training.mlp_chunk_tokens=256"],
     "bf16, tiled MLP, 4 layers": ["training.dtype=bfloat16", "training.global_batch_size=1", "model.num_layers=4",
                                   "training.mlp_chunk_tokens=128"],
+    # tiles resolved from the memory model (plan/tiles.py; on CPU, with no device memory to fill)
+    "bf16, checkpointing, auto tiles": ["training.dtype=bfloat16", "training.global_batch_size=1",
+                                        "training.activation_checkpointing=true", "training.mlp_chunk_tokens=auto",
+                                        "training.loss_chunk_tokens=auto"],
 }
 LAYOUT_PEAKS = {   # name: overrides on 2 ranks
     "sp2, bf16, checkpointing": ["parallel.sp=2", "training.dtype=bfloat16", "training.global_batch_size=1",

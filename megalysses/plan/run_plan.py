@@ -20,7 +20,7 @@ a GPU).
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
 from megalysses.config import Config, ConfigError
@@ -192,14 +192,22 @@ def resolve(cfg: Config, machine: Machine, world_size: int) -> RunPlan:
     if not t.recompute_attention:
         check_kept_attention(cfg, attention, ulysses, ring)
     sequence = SequenceLayout(p.sp, ring, p.tp if p.tp_sequence_parallel else 1)
+    auto = [k for k in ("mlp_chunk_tokens", "loss_chunk_tokens") if getattr(t, k) == "auto"]
     activation = ActivationPolicy(checkpointing=t.activation_checkpointing,
                                   keep_attention=t.activation_checkpointing and not t.recompute_attention,
-                                  offload=t.activation_offload, mlp_chunk_tokens=t.mlp_chunk_tokens,
-                                  loss_chunk_tokens=t.loss_chunk_tokens, tp_sequence_parallel=p.tp_sequence_parallel)
-    return RunPlan(machine=machine, world=world_size, tp=p.tp, sp=p.sp, pp=p.pp,
+                                  offload=t.activation_offload,
+                                  **{k: 0 if k in auto else getattr(t, k) for k in ("mlp_chunk_tokens",
+                                                                                     "loss_chunk_tokens")},
+                                  tp_sequence_parallel=p.tp_sequence_parallel)
+    plan = RunPlan(machine=machine, world=world_size, tp=p.tp, sp=p.sp, pp=p.pp,
                    dp=max(world_size // (p.tp * p.sp * p.pp), 1), virtual_stages=p.virtual_stages,
                    ulysses=ulysses, ring=ring, dtype=dtype, master_dtype="float32",
                    attention=attention, attention_reason=reason,
                    kernels=choose_kernels(m.kernels, machine), collective=collective_backend(p.backend, machine),
                    phases=_phases(cfg, sequence), activation=activation,
                    optimizer="fsdp" if p.fsdp else "zero1-host" if t.optimizer_offload else "zero1")
+    if auto:                            # tiles from the memory model (plan/tiles.py), which reads RunPlans
+        from megalysses.plan.tiles import auto_tiles
+
+        plan = replace(plan, activation=auto_tiles(cfg, plan))
+    return plan

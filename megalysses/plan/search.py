@@ -39,12 +39,14 @@ def candidate_configs(cfg: Config, gpus: int, offload: bool, gpus_per_node: int 
     """Every layout and memory-option combination of `cfg` on `gpus` ranks that its rules allow: tp, sp
     (split into ulysses x ring automatically: the largest Ulysses degree the heads allow, inside a node
     when one is, the rest a ring),
-    pp, virtual stages, checkpointing (with attention outputs kept or recomputed), MLP tiles (the config's
-    size, else 8192 tokens), TP sequence sharding, FSDP or ZeRO-1, and with host memory (`offload`)
-    activation and optimizer offload. The LM head + loss keeps the config's tile."""
+    pp, virtual stages, checkpointing (with attention outputs kept or recomputed), MLP tiles (none, or auto:
+    plan/tiles.py searches the tile sizes for the largest that keeps the peak at its least), LM head + loss
+    tiles (auto; for any tile the step-time model counts the same time), TP sequence sharding, FSDP or
+    ZeRO-1, and with host memory (`offload`) activation and optimizer offload. Candidates whose tiles
+    resolve alike are one run: plan() keeps the first."""
     m, t = cfg.model, cfg.training
-    mlp_tile = t.mlp_chunk_tokens or 8192
     S = cfg.data.seq_len
+    mlp_tiles, loss_tiles = [0, "auto"], ["auto"]
     # checkpointing, activation offload, attention outputs kept
     activations = ((False, False, False), (True, False, False), (True, False, True)) + \
         (((True, True, False),) if offload else ())
@@ -56,17 +58,18 @@ def candidate_configs(cfg: Config, gpus: int, offload: bool, gpus_per_node: int 
             if not heads_allow(m, tp, sp):
                 continue
             for pp in divisors(gpus // (tp * sp)):
+                tiles = [x for x in mlp_tiles if x == "auto" or x < S // sp or x == 0]
                 options = itertools.product([1] + [x for x in (2, 4) if pp > 1], activations,
-                                            sorted({0, mlp_tile if mlp_tile < S // sp else 0}),
+                                            itertools.product(tiles, loss_tiles),
                                             (False, True) if tp > 1 else (False,), states)
-                for v, (ckpt, offl, keep), tile, tsp, (fsdp, opt_off) in options:
+                for v, (ckpt, offl, keep), (tile, loss_tile), tsp, (fsdp, opt_off) in options:
                     yield replace(
                         cfg,
                         parallel=replace(cfg.parallel, tp=tp, sp=sp, sp_ring=0, pp=pp, virtual_stages=v,
                                          tp_sequence_parallel=tsp, fsdp=fsdp),
                         training=replace(t, activation_checkpointing=ckpt, activation_offload=offl,
                                          recompute_attention=not keep, optimizer_offload=opt_off,
-                                         mlp_chunk_tokens=tile))
+                                         mlp_chunk_tokens=tile, loss_chunk_tokens=loss_tile))
 
 
 @dataclass
@@ -92,7 +95,9 @@ class Prediction:
                 "activation_checkpointing": c.training.activation_checkpointing,
                 "recompute_attention": c.training.recompute_attention,
                 "activation_offload": c.training.activation_offload, "optimizer_offload": c.training.optimizer_offload,
-                "mlp_chunk_tokens": c.training.mlp_chunk_tokens, "loss_chunk_tokens": c.training.loss_chunk_tokens,
+                # the tiles the run takes (`auto` resolved; a loss tile of 0: the kernel's default)
+                "mlp_chunk_tokens": self.run.activation.mlp_chunk_tokens,
+                "loss_chunk_tokens": self.run.activation.loss_chunk_tokens,
                 "tp_sequence_parallel": c.parallel.tp_sequence_parallel, "fsdp": c.parallel.fsdp,
                 "peak_gib": round(self.estimate.peak / GIB, 2), "peak_phase": self.estimate.phase,
                 "host_gib_per_node": round(self.host_per_node / GIB, 1),
@@ -144,17 +149,21 @@ def plan(cfg: Config, gpus: int, seq_len: int, gpu_memory_gib: float, host_memor
     """(the layouts that fit, best first; how many were considered), on H100s (`hw`, default Hardware())."""
     hw = hw or Hardware()
     cfg = replace(cfg, data=replace(cfg.data, seq_len=seq_len))
-    fitting, considered = [], 0
+    fitting, considered, runs = [], 0, set()
     for cand in candidate_configs(cfg, gpus, host_memory_gib is not None, hw.gpus_per_node):
         try:
             validate_config(cand, world_size=gpus)
         except ConfigError:
             continue
-        considered += 1
         try:
             p = evaluate(cand, gpus, gpu_memory_gib, host_memory_gib, hw, packages)
         except ValueError:        # one the memory model does not cover, or the run refuses (it says which): not planned
+            considered += 1
             continue
+        if p.run in runs:         # tiles that resolve to another candidate's
+            continue
+        runs.add(p.run)
+        considered += 1
         if p.fits:
             fitting.append(p)
     fitting.sort(key=lambda p: (p.step.total, p.estimate.peak))
