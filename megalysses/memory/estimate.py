@@ -105,12 +105,11 @@ def _stage_estimate(m: ModelConfig, layout: Layout, opts: Options, prec: Precisi
         before = [t for t in grads if "reduced" not in t.name] if M > 1 or opts.fsdp else []
         phases["loss"] = (fixed + before + activations(flight - 1, n_layers) + head
                           + loss_terms(m, layout, opts, prec, tokens))
-        # the backward's first step, the final norm's, under every layer's activations: what the norm keeps
-        # but the normalised x (its product with the weight has run backward), the gradient coming in, and
-        # the norm backward's temporaries
+        # the backward's first step, the final norm's, under every layer's activations: what the norm keeps,
+        # the gradient coming in, and the norm backward's temporaries (one tile's, for the torch norms)
         d = dims(m, layout, opts)
-        norm_tok = bytes_per_token([t for t in norm_terms("final norm", d["h"], d["r"], prec.act, d["k"], m.norm)
-                                    if "normalised x" not in t[0]]) + d["h"] / d["r"] * prec.act
+        norm_tok = (bytes_per_token(norm_terms("final norm", d["h"], d["r"], prec.act, d["k"], m.norm))
+                    + d["h"] / d["r"] * prec.act)
         temps = (norm_backward_bytes(m, opts, prec) * d["h"] / d["r"]
                  + norm_tile_bytes(m, opts, prec, tokens / d["r"]) / tokens)
         phases["final norm"] = (fixed + head_grads + activations(flight - 1, n_layers)

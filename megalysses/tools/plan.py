@@ -11,14 +11,17 @@ The model, batch (training.global_batch_size and micro_batch_size), dtype, kerne
 resolves them (megalysses.plan.resolve: H100 nodes of --gpus-per-node with the optional --packages, by
 default those of a plain CUDA torch install, so `auto` attention is SDPA or FlexAttention, not
 flash-attn); the layout and memory options (checkpointing,
-tiled MLP, TP sequence sharding, FSDP vs ZeRO-1, and activation and optimizer offload when
---host-memory-gib is given) are enumerated under the config's own layout rules
-(config_checks.validate_config). The config's own layout is evaluated too.
+the MLP untiled or in `auto` tiles, the LM head + loss in `auto` tiles (megalysses/plan/tiles.py), TP
+sequence sharding, FSDP vs ZeRO-1, and activation and optimizer offload when --host-memory-gib is
+given) are enumerated under the config's own layout rules (config_checks.validate_config). The config's
+own layout is evaluated too.
 
 Memory is megalysses.memory's prediction. A layout fits when its peak is at most the usable device
 memory (--gpu-memory-gib less --fragmentation of it and --reserve-gib for the CUDA context, NCCL and
 cuBLAS) and, with activation offload, the --host-memory-gib of a node holds what its ranks offload.
-Step time is megalysses.plan.step_time's model at the stated figures (defaults: H100 SXM nodes of 8).
+Step time is megalysses.plan.step_time's model at the stated figures (defaults: H100 SXM nodes of 8;
+each is checked: efficiencies in (0, 1], the peak and bandwidths positive, at least one GPU per node), at
+the config's global batch.
 This command line is a front end: the models and the search live in megalysses.plan.
 """
 from __future__ import annotations
