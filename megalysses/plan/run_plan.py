@@ -192,22 +192,30 @@ def resolve(cfg: Config, machine: Machine, world_size: int) -> RunPlan:
     if not t.recompute_attention:
         check_kept_attention(cfg, attention, ulysses, ring)
     sequence = SequenceLayout(p.sp, ring, p.tp if p.tp_sequence_parallel else 1)
-    auto = [k for k in ("mlp_chunk_tokens", "loss_chunk_tokens") if getattr(t, k) == "auto"]
     activation = ActivationPolicy(checkpointing=t.activation_checkpointing,
                                   keep_attention=t.activation_checkpointing and not t.recompute_attention,
-                                  offload=t.activation_offload,
-                                  **{k: 0 if k in auto else getattr(t, k) for k in ("mlp_chunk_tokens",
-                                                                                     "loss_chunk_tokens")},
+                                  offload=t.activation_offload, mlp_chunk_tokens=_until_auto(t.mlp_chunk_tokens),
+                                  loss_chunk_tokens=_until_auto(t.loss_chunk_tokens),
                                   tp_sequence_parallel=p.tp_sequence_parallel)
-    plan = RunPlan(machine=machine, world=world_size, tp=p.tp, sp=p.sp, pp=p.pp,
+    return _auto_tiles(cfg, RunPlan(machine=machine, world=world_size, tp=p.tp, sp=p.sp, pp=p.pp,
                    dp=max(world_size // (p.tp * p.sp * p.pp), 1), virtual_stages=p.virtual_stages,
                    ulysses=ulysses, ring=ring, dtype=dtype, master_dtype="float32",
                    attention=attention, attention_reason=reason,
                    kernels=choose_kernels(m.kernels, machine), collective=collective_backend(p.backend, machine),
                    phases=_phases(cfg, sequence), activation=activation,
-                   optimizer="fsdp" if p.fsdp else "zero1-host" if t.optimizer_offload else "zero1")
-    if auto:                            # tiles from the memory model (plan/tiles.py), which reads RunPlans
-        from megalysses.plan.tiles import auto_tiles
+                   optimizer="fsdp" if p.fsdp else "zero1-host" if t.optimizer_offload else "zero1"))
 
-        plan = replace(plan, activation=auto_tiles(cfg, plan))
-    return plan
+
+def _until_auto(tile: int | str) -> int:
+    """A tile of the config, 0 where it is `auto` until _auto_tiles decides it."""
+    return 0 if tile == "auto" else tile
+
+
+def _auto_tiles(cfg: Config, plan: RunPlan) -> RunPlan:
+    """`plan` with the config's `auto` MLP and loss tiles made concrete by the memory model (plan/tiles.py,
+    imported here: it reads RunPlans)."""
+    if "auto" not in (cfg.training.mlp_chunk_tokens, cfg.training.loss_chunk_tokens):
+        return plan
+    from megalysses.plan.tiles import auto_tiles
+
+    return replace(plan, activation=auto_tiles(cfg, plan))
