@@ -306,12 +306,16 @@ class TrainingConfig:
     forward, so the backward recomputes everything in the block but attention (the S^2 part), for about
     one more block input of memory per layer. Needs attention_backend sdpa, no ring (parallel.sp at most
     the heads allow) and no activation_offload."""
-    loss_chunk_tokens: int = 0
-    """Compute the LM head + loss in sequence tiles of this many tokens, recomputed in the backward
-    (0 = no tiling). Needed at long context: the full logits would be S/sp x V/tp floats."""
-    mlp_chunk_tokens: int = 0
+    loss_chunk_tokens: Union[int, Literal["auto"]] = 0
+    """The LM head + loss runs over sequence tiles of this many tokens (its gradients computed tile by tile in
+    the forward), so full logits (S/sp x V/tp floats) never exist. 0: tiles of at most 512 MiB of fp32
+    logits. auto: the largest tile, from that one up to the whole sequence, that does not raise the step's
+    predicted peak (megalysses/plan/tiles.py); the start-up line says which."""
+    mlp_chunk_tokens: Union[int, Literal["auto"]] = 0
     """Run each MLP over sequence tiles of this many (local) tokens, recomputed in the backward, so only
-    one tile's (tile x ffn/tp) intermediate exists at a time (0 = no tiling). For long context."""
+    one tile's (tile x ffn/tp) intermediate exists at a time (0 = no tiling). For long context. auto: from
+    the memory model, the largest tile, from `hidden` tokens (ALST's TiledMLP) up to no tiling, that does not
+    raise the step's predicted peak above that of hidden-token tiles (megalysses/plan/tiles.py)."""
     attention_head_chunks: Union[int, Literal["auto"]] = 1
     """Run the attention half of each layer over this many groups of the rank's heads, one at a time (QKV
     projection, RoPE, the Ulysses all-to-all, attention, the inverse all-to-all and the group's share of the

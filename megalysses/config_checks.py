@@ -133,7 +133,7 @@ def _check_ranges(cfg: Config) -> None:
         for part in section.split("."):
             owner = getattr(owner, part)
         value = getattr(owner, name)
-        if value is None or isinstance(value, str):       # None or a choice ("auto") beside the number
+        if value is None or isinstance(value, str):      # None, or a word an integer field also takes (auto)
             continue
         if value < lo or (hi is not None and value > hi):
             allowed = f">= {lo}" if hi is None else f"between {lo} and {hi}"

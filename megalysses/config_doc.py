@@ -51,9 +51,11 @@ def _type_name(tp: Any) -> tuple[str, tuple[str, ...]]:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         inner = [_type_name(a) for a in typing.get_args(tp) if a is not type(None)]
-        nullable = type(None) in typing.get_args(tp)
-        name = " or ".join(dict.fromkeys(n for n, _ in inner)) + (" or null" if nullable else "")
-        return name, tuple(c for _, choices in inner for c in choices)
+        null = " or null" if type(None) in typing.get_args(tp) else ""
+        if len(inner) == 1:
+            return inner[0][0] + null, inner[0][1]
+        # int | Literal["auto"]: "int or auto"
+        return " or ".join(choices and "/".join(choices) or name for name, choices in inner) + null, ()
     if origin is Literal:
         return "str", tuple(str(a) for a in typing.get_args(tp))
     if origin is list:

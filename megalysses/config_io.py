@@ -44,27 +44,28 @@ def _nearest(name: str, choices: list[str], where: str = "", value: Any = None) 
     return f" (did you mean '{match[0]}'?)" if match else f" (valid: {', '.join(choices)})"
 
 
+def _expected(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return " or ".join(map(str, typing.get_args(tp)))
+    return {int: "an integer", float: "a number", bool: "true/false", str: "a string"}.get(tp, str(tp))
+
+
 def _coerce(value: Any, tp: Any, path: str) -> Any:
     """Convert a YAML / override value to the field type `tp`, or raise ConfigError naming `path`."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(args) < len(typing.get_args(tp)) and (
-                value is None or (isinstance(value, str) and value.lower() in ("none", "null", "~"))):
+        nullable = len(args) < len(typing.get_args(tp))
+        if nullable and (value is None or (isinstance(value, str) and value.lower() in ("none", "null", "~"))):
             return None
-        for arg in args[:-1]:               # int | Literal["auto"]: the first type that takes the value
+        if len(args) == 1:
+            return _coerce(value, args[0], path)
+        for arg in args:                     # the first type that takes the value (int | Literal["auto"])
             try:
                 return _coerce(value, arg, path)
             except ConfigError:
                 pass
-        try:
-            return _coerce(value, args[-1], path)
-        except ConfigError:
-            if len(args) == 1:
-                raise
-        kinds = " or ".join("an integer" if a is int else ", ".join(map(str, typing.get_args(a)))
-                            if typing.get_origin(a) is Literal else a.__name__ for a in args)
-        raise ConfigError(f"{path}: expected {kinds}, got {value!r}")
+        raise ConfigError(f"{path}: expected {' or '.join(_expected(a) for a in args)}, got {value!r}")
     if origin is Literal:
         allowed = typing.get_args(tp)
         value = megatron_names.canonical_value(path, value)

@@ -302,6 +302,10 @@ PEAKS = {   # name: overrides (one rank); each is the peak of a second step, the
         "training.recompute_attention=false", "training.mlp_chunk_tokens=256"],
     "bf16, tiled MLP, 4 layers": ["training.dtype=bfloat16", "training.global_batch_size=1", "model.num_layers=4",
                                   "training.mlp_chunk_tokens=128"],
+    # tiles resolved from the memory model (plan/tiles.py; on CPU, with no device memory to fill)
+    "bf16, checkpointing, auto tiles": ["training.dtype=bfloat16", "training.global_batch_size=1",
+                                        "training.activation_checkpointing=true", "training.mlp_chunk_tokens=auto",
+                                        "training.loss_chunk_tokens=auto"],
 }
 LAYOUT_PEAKS = {   # name: overrides on 2 ranks
     "sp2, bf16, checkpointing": ["parallel.sp=2", "training.dtype=bfloat16", "training.global_batch_size=1",
@@ -409,6 +413,22 @@ def test_head_chunks_lower_the_peak_as_predicted(name):
         terms = [t.name for t in estimate_config(load_config(overrides=STEP + HEAD_CHUNKS[name] + [
             "training.attention_head_chunks=2"]), 1, CPU).terms]
         assert any("one of 2 head chunks" in t for t in terms), terms
+
+
+@pytest.mark.parametrize("tile_rows", [512, 256])
+def test_norm_tiles_at_the_peak_of_a_training_step(monkeypatch, tile_rows):
+    """The torch norms in tiles of `tile_rows` of the 1024 tokens (kernels/norms.py; 2^24 elements by default),
+    with small MLP and loss tiles: the MLP norm's backward, with one norm tile's temporaries, is the worst
+    moment of the step, and the model's peak is the measured one within 10%."""
+    from megalysses.kernels import norms
+
+    monkeypatch.setattr(norms, "NORM_TILE_ELEMENTS", tile_rows * 64)
+    overrides = ["training.dtype=bfloat16", "training.global_batch_size=1", "training.activation_checkpointing=true",
+                 "training.mlp_chunk_tokens=64", "training.loss_chunk_tokens=64"]
+    est = estimate_config(load_config(overrides=STEP + overrides), 1, CPU)
+    assert est.phase == "backward" and any(t.name.endswith("MLP norm: its backward's temporaries") for t in est.terms)
+    measured, predicted = measured_step_peak(overrides)
+    _close(measured, predicted, f"norm tiles of {tile_rows} rows: the peak of a training step")
 
 
 def test_estimate_breakdown_adds_up_and_offload_moves_activations_to_host():

@@ -127,20 +127,55 @@ def test_configs_give_a_step_the_time_it_takes(path, gpus):
 
 def test_a_long_validation_needs_the_time_too():
     cfg = load_config("configs/gpt_1b_8gpu.yaml", ["training.eval_interval=100", "training.eval_steps=20"])
-    with pytest.raises(ConfigError, match="the time of a validation predicted"):
+    with pytest.raises(ConfigError, match=r"time of a validation \(20 x global batch 8 x 1048576 tokens\) predicted"):
         check_phase_time(cfg, h100s(cfg, 8), 989.0)
     check_phase_time(replace(cfg, training=replace(cfg.training, eval_interval=0)), h100s(cfg, 8), 989.0)
 
 
-def test_one_gpu_config_needs_offload_and_its_kernels():
-    """The 1M-token single-GPU config fits only with its memory options: activation offload, and the
-    fused kernels (the torch references keep fp32 copies of every norm input)."""
+def _one_gpu_8b(**sets):
+    """Llama-3.1-8B at 1M tokens on one GPU, global batch 1: the settings of the issue's one-GPU target."""
+    return _load("configs/llama3_8b_1m.yaml", **{"parallel.sp": 1, "parallel.pp": 1, "parallel.virtual_stages": 1,
+                                                 "training.global_batch_size": 1, "training.activation_offload": "true",
+                                                 "training.optimizer_offload": "true", "model.kernels": "triton",
+                                                 **sets})
+
+
+def test_phase_time_is_judged_at_the_runs_own_batch_and_longest_length():
+    """The step the watchdog check predicts is the run's own: its global batch (where a batch ramp ends) and its
+    curriculum's longest length. A 1M-token run of the 8B model on one GPU at global batch 1 is accepted with a
+    timeout over twice its step, though that timeout is far under a step of global batch 8 (hours), which is
+    refused, naming the batch it judged."""
+    one = _one_gpu_8b()
+    step = predicted_step_seconds(one, 1, Hardware())
+    eight = predicted_step_seconds(_one_gpu_8b(**{"training.global_batch_size": 8}), 1, Hardware())
+    assert step > 600 and eight > 7 * step         # minutes at batch 1; hours at batch 8
+    timeout = 2.5 * step
+    check_phase_time(_one_gpu_8b(**{"parallel.timeout_seconds": timeout}), h100s(one, 1), 989.0)
+    batch8 = _one_gpu_8b(**{"parallel.timeout_seconds": timeout, "training.global_batch_size": 8})
+    with pytest.raises(ConfigError, match=r"a training step \(global batch 8 x 1048576 tokens\) predicted .* "
+                                          r"\(~\d+ s at 989 TFLOP/s"):
+        check_phase_time(batch8, h100s(batch8, 1), 989.0)
+    # a ramp ends at the global batch, which is what is judged; a curriculum's longest length is data.seq_len
+    ramp = _one_gpu_8b(**{"training.global_batch_size": 8, "training.rampup_batch_size": "[1,1,100]"})
+    curriculum = _one_gpu_8b(**{"data.seq_len_schedule": "[[0,131072],[100,1048576]]"})
+    assert predicted_step_seconds(ramp, 1, Hardware()) == eight
+    assert predicted_step_seconds(curriculum, 1, Hardware()) == step
+    short = _one_gpu_8b(**{"data.seq_len": 131072})
+    assert predicted_step_seconds(short, 1, Hardware()) < step / 10
+
+
+def test_one_gpu_config_needs_offload():
+    """The 1M-token single-GPU config fits only with activation offload. Its fused kernels keep the least; the
+    torch norms run over row tiles (no fp32 copy of the whole activation), so the torch kernels fit too, their
+    peak set by the MLP tile, not the norms' backward."""
     cfg = load_config("configs/gpt_1b_1m_offload.yaml")
     assert cfg.training.activation_offload and cfg.model.kernels == "triton"
     on_device = replace(cfg, training=replace(cfg.training, activation_offload=False))
     assert not evaluate(on_device, 1, 80, 256, Hardware()).fits
-    torch_kernels = replace(cfg, model=replace(cfg.model, kernels="torch"))
-    assert not evaluate(torch_kernels, 1, 80, 256, Hardware()).fits
+    fused = evaluate(cfg, 1, 80, 256, Hardware())
+    torch_kernels = evaluate(replace(cfg, model=replace(cfg.model, kernels="torch")), 1, 80, 256, Hardware())
+    assert torch_kernels.fits and torch_kernels.estimate.peak > fused.estimate.peak
+    assert not any("norm" in t.name for t in torch_kernels.estimate.terms if t.name.startswith("backward of one"))
 
 
 def test_planned_layouts_obey_the_layout_rules():
@@ -206,6 +241,38 @@ def test_cli_bad_input_is_one_error_line(capsys, argv, message):
     assert main(argv) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0]
+
+
+HARDWARE_FLAGS = [("--peak-tflops", "0"), ("--peak-tflops", "inf"), ("--matmul-efficiency", "0"),
+                  ("--matmul-efficiency", "1.5"), ("--attention-efficiency", "0"), ("--attention-efficiency", "nan"),
+                  ("--intra-node-gbs", "0"), ("--inter-node-gbs", "-40"), ("--host-gbs", "0"),
+                  ("--host-adam-gparams", "0"), ("--hbm-gbs", "0"), ("--gpus-per-node", "0"),
+                  ("--reserve-gib", "-1"), ("--fragmentation", "1"), ("--fragmentation", "-0.1")]
+
+
+@pytest.mark.parametrize("flag, value", HARDWARE_FLAGS)
+def test_cli_hardware_flags_are_checked(capsys, flag, value):
+    """Each of Hardware's figures out of range is one error line naming its flag, not a division by zero, an
+    MFU over 100% or "no layout fits"; the dataclass refuses it too."""
+    argv = ["--config", "configs/gpt_1b_8gpu.yaml", "--gpus", "8", "--gpu-memory-gib", "80", "--seq-len", "8192"]
+    assert main(argv + [flag, value]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {flag} must be"), err
+    field = flag[2:].replace("-", "_")
+    with pytest.raises(ValueError, match=field):
+        Hardware(**{field: type(getattr(Hardware(), field))(float(value))})
+
+
+def test_cli_every_bad_flag_is_a_line(capsys):
+    argv = ["--config", "configs/gpt_1b_8gpu.yaml", "--gpus", "0", "--gpu-memory-gib", "80", "--peak-tflops", "0",
+            "--matmul-efficiency", "2", "--gpus-per-node", "0"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert [line.split()[1] for line in err] == ["--gpus", "--peak-tflops", "--matmul-efficiency", "--gpus-per-node"]
+    # the edges that are allowed: an efficiency of 1, no reserve, no fragmentation
+    assert main(argv[:3] + ["8", "--gpu-memory-gib", "80", "--seq-len", "8192", "--matmul-efficiency", "1",
+                            "--reserve-gib", "0", "--fragmentation", "0", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["best"]["mfu"] <= 1
 
 
 def test_offload_needs_host_memory():

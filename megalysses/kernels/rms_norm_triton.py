@@ -71,7 +71,7 @@ def _rms_norm_bwd(DY, X, W, RSTD, DX, DW_PARTIAL, DRES, n_rows, n_cols, BLOCK: t
         if HAS_DRES:   # the gradient that reached the residual output directly
             dx += tl.load(DRES + base + cols, mask=in_row, other=0.0).to(tl.float32)
         tl.store(DX + base + cols, dx.to(DX.dtype.element_ty), mask=in_row)
-    tl.store(DW_PARTIAL + pid * n_cols + cols, dw, mask=in_row)
+    tl.store(DW_PARTIAL + tl.cast(pid, tl.int64) * n_cols + cols, dw, mask=in_row)      # 64-bit, as every offset
 
 
 def _launch_config(n_cols: int, backward: bool = False) -> tuple[int, int]:

@@ -11,13 +11,13 @@ code keeps, and are the places to update when it changes:
     PRECISIONS  the compute dtype: the model's weights and activations (bf16 on GPUs, fp32 on CPU); the
                 optimizer alone holds fp32 masters and moments; gradients accumulate in the compute dtype
                 with one micro-batch per step and in fp32 (ZeRO-1's main_grad) with more
-    KERNELS     what model.kernels keeps: the torch references (RMSNorm keeps an fp32 copy of its input
-                and the normalised x; RoPE keeps cos/sin cast to the compute dtype; SwiGLU keeps the
-                gate-up output and silu(gate)) or the fused kernels (input + 1/rms; the gate-up output)
+    KERNELS     what model.kernels keeps: the torch references (norms over row tiles keep their input
+                alone; RoPE keeps cos/sin cast to the compute dtype; SwiGLU keeps the gate-up output and
+                silu(gate)) or the fused kernels (input + 1/rms; the gate-up output)
 
 What a layer keeps for the backward (megalysses/model/layers.py, no checkpointing):
-    each norm         its input and 1/rms (the torch reference: an fp32 copy of the input and the
-                      normalised x in the compute dtype)
+    each norm         its input (and 1/rms, with a fused RMSNorm); the torch norms run over row tiles
+                      (kernels/norms.py) and their backward recomputes one tile at a time
     QKV, gate-up      the norm output (under TP sequence sharding the all-gathered copy)
     RoPE              the torch reference in bf16: cos and sin cast to bf16 for q and for k
     core attention    q, k, v (with Ulysses the all-to-all buffer they are views of; k and v repeated to
@@ -67,10 +67,10 @@ from megalysses.memory.types import (GIB, KERNELS, PRECISIONS, Estimate, Kernels
                                      Workload, fmt_bytes)
 from megalysses.memory.activations import (SP_BUFFERS, PerToken, bytes_per_token, cos_sin_kept,
                                            head_weight_grad_bytes, kv_replication, layer_terms,
-                                           norm_keeps_block_input, retained_activation_bytes,
+                                           retained_activation_bytes,
                                            sp_buffer_bytes_per_token, stage_layers, stage_terms, tiled)
 from megalysses.memory.states import in_flight, layer_params, stage_params
-from megalysses.memory.transients import loss_tile_tokens, norm_backward_bytes
+from megalysses.memory.transients import loss_tile_tokens, norm_backward_bytes, norm_tile_bytes
 from megalysses.memory.estimate import estimate, longest_sequence
 from megalysses.memory.from_plan import (attention_buffers, estimate_plan, layout_of, options_of,
                                          precision_of, workload_of)
@@ -79,5 +79,5 @@ __all__ = ["Estimate", "GIB", "KERNELS", "Kernels", "Layout", "Options", "PRECIS
            "SP_BUFFERS", "Term", "Workload", "attention_buffers", "bytes_per_token", "cos_sin_kept", "estimate",
            "estimate_plan", "fmt_bytes", "head_weight_grad_bytes", "in_flight", "kv_replication",
            "layer_params", "layer_terms", "layout_of", "longest_sequence", "loss_tile_tokens", "norm_backward_bytes",
-           "norm_keeps_block_input", "options_of", "precision_of", "retained_activation_bytes",
+           "norm_tile_bytes", "options_of", "precision_of", "retained_activation_bytes",
            "sp_buffer_bytes_per_token", "stage_layers", "stage_params", "stage_terms", "tiled", "workload_of"]

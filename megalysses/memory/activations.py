@@ -42,16 +42,11 @@ def tiled(chunk: int, layout: Layout, opts: Options, seq_len: int) -> bool:
 
 
 def norm_terms(name: str, h: float, r: float, a: int, k: Kernels, kind: str) -> PerToken:
-    if kind == "layernorm":
-        return [(f"{name} input", h / r, a), (f"{name} mean, 1/std", 2 / r, 4)]
-    if k.norm_fp32_input:
-        return [(f"{name} input (fp32)", h / r, 4), (f"{name} 1/rms", 1 / r, 4), (f"{name} normalised x", h / r, a)]
+    """What a norm keeps: its input as it is (the attention norm's is the block input itself), and 1/rms for
+    the fused RMSNorm kernels; the tiled torch norms (LayerNorm always) recompute the rest."""
+    if kind == "layernorm" or k.norm_tiled:
+        return [(f"{name} input", h / r, a)]
     return [(f"{name} input", h / r, a), (f"{name} 1/rms", 1 / r, 4)]
-
-
-def norm_keeps_block_input(m: ModelConfig, opts: Options, prec: Precision) -> bool:
-    """The attention norm keeps the block input tensor itself (not an fp32 copy of it)."""
-    return m.norm == "layernorm" or not KERNELS[opts.kernels].norm_fp32_input or prec.act == 4
 
 
 def layer_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, seq_len: int = 0,

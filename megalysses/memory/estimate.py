@@ -9,7 +9,7 @@ from megalysses.config import ModelConfig
 from megalysses.memory.activations import (bytes_per_token, dims, head_weight_grad_bytes, layer_terms, norm_terms,
                                            stage_layers, stage_terms)
 from megalysses.memory.states import in_flight, optimizer_terms, stage_params, state_terms
-from megalysses.memory.transients import backward_terms, loss_terms, norm_backward_bytes
+from megalysses.memory.transients import backward_terms, loss_terms, norm_backward_bytes, norm_tile_bytes
 from megalysses.memory.types import Estimate, Layout, Options, Precision, Term, Workload
 
 
@@ -105,13 +105,13 @@ def _stage_estimate(m: ModelConfig, layout: Layout, opts: Options, prec: Precisi
         before = [t for t in grads if "reduced" not in t.name] if M > 1 or opts.fsdp else []
         phases["loss"] = (fixed + before + activations(flight - 1, n_layers) + head
                           + loss_terms(m, layout, opts, prec, tokens))
-        # the backward's first step, the final norm's, under every layer's activations: what the norm keeps
-        # but the normalised x (its product with the weight has run backward), the gradient coming in, and
-        # the norm backward's temporaries
+        # the backward's first step, the final norm's, under every layer's activations: what the norm keeps,
+        # the gradient coming in, and the norm backward's temporaries (one tile's, for the torch norms)
         d = dims(m, layout, opts)
-        norm_tok = bytes_per_token([t for t in norm_terms("final norm", d["h"], d["r"], prec.act, d["k"], m.norm)
-                                    if "normalised x" not in t[0]]) + d["h"] / d["r"] * prec.act
-        temps = norm_backward_bytes(m, opts, prec) * d["h"] / d["r"]
+        norm_tok = (bytes_per_token(norm_terms("final norm", d["h"], d["r"], prec.act, d["k"], m.norm))
+                    + d["h"] / d["r"] * prec.act)
+        temps = (norm_backward_bytes(m, opts, prec) * d["h"] / d["r"]
+                 + norm_tile_bytes(m, opts, prec, tokens / d["r"]) / tokens)
         phases["final norm"] = (fixed + head_grads + activations(flight - 1, n_layers)
                                 + [Term("final norm: its input, 1/rms and the gradient coming in", tokens * norm_tok,
                                         f"{tokens:.4g} tok x {norm_tok:.4g} B"),

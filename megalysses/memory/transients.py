@@ -3,8 +3,9 @@ backward's temporaries and the LM head + loss forward."""
 from __future__ import annotations
 
 from megalysses.config import ModelConfig
+from megalysses.kernels.norms import norm_tile_rows
 from megalysses.memory.activations import (attention_terms, bytes_per_token, dims, kept_attention_terms,
-                                           layer_terms, norm_keeps_block_input, tiled)
+                                           layer_terms, tiled)
 from megalysses.memory.types import GIB, KERNELS, Layout, Options, Precision, Term
 
 
@@ -54,7 +55,8 @@ def backward_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precisio
     core, core_name = core + summed, core_name + chunk_name
     mlp_norm = bytes_per_token([t for t in full
                                 if t[0].startswith("MLP norm") and "input" in t[0] or t[0] == "MLP norm 1/rms"])
-    norm_temps = norm_backward_bytes(m, opts, prec) * h / r
+    # the norm's dx for every token, and one tile's temporaries (tokens / r rows of the residual stream)
+    norm_temps = norm_backward_bytes(m, opts, prec) * h / r + norm_tile_bytes(m, opts, prec, tokens / r) / tokens
     assembly = (k.qkv_grad_buffers * d["qkv"] + (3 * (q + 2 * kv) if d["P"] > 1 else 0)) * a + summed
     # with the attention output and LSE kept, those of the moments past attention are retained, not recomputed
     kept = bytes_per_token(kept_attention_terms(m, layout, opts, prec))
@@ -70,7 +72,7 @@ def backward_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precisio
         moments["head chunks' QKV input gradients: the sum, a chunk's, their new sum"] = (before_core - kept, 3 * h * a)
     name, (alive, grads) = max(moments.items(), key=lambda kv_: sum(kv_[1]))
     offloaded = opts.activation_offload and opts.activation_checkpointing
-    if opts.activation_checkpointing and not offloaded and norm_keeps_block_input(m, opts, prec):
+    if opts.activation_checkpointing and not offloaded:
         alive -= h / r * a                 # the norm's input is the retained block input itself
     what = "recomputed" if opts.activation_checkpointing else "own"
     terms = [] if not opts.activation_checkpointing else [
@@ -86,11 +88,22 @@ def backward_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precisio
 
 
 def norm_backward_bytes(m: ModelConfig, opts: Options, prec: Precision) -> float:
-    """Bytes per hidden element of a norm's backward temporaries: the torch RMSNorm's runs in fp32 (the
-    mean's gradient, pow, two products: four at once; in bf16 a fifth, the gradient's fp32 copy); a fused
-    kernel writes dx in one pass."""
+    """Bytes per hidden element per token of a norm's backward beyond one tile: its input's gradient, dx (a
+    fused kernel writes it in one pass; the tiled torch norms tile by tile into one tensor)."""
+    return prec.act
+
+
+def norm_tile_bytes(m: ModelConfig, opts: Options, prec: Precision, rows: float) -> float:
+    """Bytes of the temporaries of a norm's backward over `rows` rows that exist for one tile at a time: the
+    torch norms (kernels/norms.py TiledNorm, norm_tile_rows rows a tile) recompute a tile and take its
+    gradients under autograd. RMSNorm's reference then holds six fp32 copies of the tile at its worst (x^2,
+    x * 1/rms, the output, the gradients of the normalised x, of x and of the weight's product), and in bf16
+    a compute-dtype one more; LayerNorm's the recomputed output and the tile's dx. Fused kernels: none."""
+    if not KERNELS[opts.kernels].norm_tiled and m.norm == "rmsnorm":
+        return 0.0
     a = prec.act
-    return (4 + (a != 4)) * 4 if KERNELS[opts.kernels].norm_fp32_input and m.norm == "rmsnorm" else a
+    per_element = (24 + (a if a != 4 else 0)) if m.norm == "rmsnorm" else 2 * a
+    return per_element * min(rows, norm_tile_rows(m.hidden_size)) * m.hidden_size
 
 
 def _ring_backward(q: float, kv: float, a: int, ring: int, opts: Options, accumulator: float,

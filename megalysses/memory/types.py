@@ -32,8 +32,8 @@ class Kernels:
     """What model.kernels keeps for the backward (kernels/norms.py, rope.py, swiglu.py, external.py)."""
 
     name: str
-    norm_fp32_input: bool      # RMSNorm keeps an fp32 copy of its input (in fp32: the input itself) and the
-                               # normalised x in the compute dtype; else its input as it is and 1/rms
+    norm_tiled: bool           # the torch path: norms over row tiles (kernels/norms.py TiledNorm) keep their
+                               # input alone and recompute a tile in the backward; else input and 1/rms
     rope_casts: int            # cos/sin copies in the compute dtype kept per layer (bf16 only)
     rope_saves_cos_sin: bool   # the kernel keeps the stage's fp32 cos, sin themselves
     fresh_qkv: bool            # q, k, v come out as new tensors (else v is a view of the QKV output)
@@ -46,13 +46,13 @@ class Kernels:
 # RoPE one bf16 cos and sin, its SwiGLU contiguous gate and up halves (the same 2 x ffn); apex's RMSNorm
 # keeps input and 1/rms, with our Triton kernels for the rest.
 KERNELS: dict[str, Kernels] = {
-    "torch": Kernels("torch", norm_fp32_input=True, rope_casts=4, rope_saves_cos_sin=False, fresh_qkv=False,
+    "torch": Kernels("torch", norm_tiled=True, rope_casts=4, rope_saves_cos_sin=False, fresh_qkv=False,
                      swiglu_silu=True, qkv_grad_buffers=2),
-    "triton": Kernels("triton", norm_fp32_input=False, rope_casts=0, rope_saves_cos_sin=True, fresh_qkv=True,
+    "triton": Kernels("triton", norm_tiled=False, rope_casts=0, rope_saves_cos_sin=True, fresh_qkv=True,
                       swiglu_silu=False, qkv_grad_buffers=1),
-    "liger": Kernels("liger", norm_fp32_input=False, rope_casts=2, rope_saves_cos_sin=False, fresh_qkv=False,
+    "liger": Kernels("liger", norm_tiled=False, rope_casts=2, rope_saves_cos_sin=False, fresh_qkv=False,
                      swiglu_silu=False, qkv_grad_buffers=2),
-    "apex": Kernels("apex", norm_fp32_input=False, rope_casts=0, rope_saves_cos_sin=True, fresh_qkv=True,
+    "apex": Kernels("apex", norm_tiled=False, rope_casts=0, rope_saves_cos_sin=True, fresh_qkv=True,
                     swiglu_silu=False, qkv_grad_buffers=1),
 }
 

@@ -18,7 +18,7 @@ from megalysses import comm
 from megalysses.comm import Group
 from megalysses.config import ModelConfig
 from megalysses.kernels.attention import core_attention
-from megalysses.kernels.norms import add_rms_norm, rms_norm
+from megalysses.kernels.norms import add_rms_norm, layer_norm, rms_norm
 from megalysses.kernels.rope import rope_qkv
 from megalysses.kernels.swiglu import swiglu
 from megalysses.model.kv_cache import LayerKV
@@ -71,7 +71,7 @@ class Norm(nn.Module):
         weight, bias = self._params()
         if self.kind == "rmsnorm":
             return rms_norm(x, weight, self.eps, impl=self.impl)
-        return F.layer_norm(x, (x.shape[-1],), weight, bias, self.eps)
+        return layer_norm(x, weight, bias, self.eps)
 
     def add_forward(self, x: Tensor, delta: Tensor) -> tuple[Tensor, Tensor]:
         """(x + delta, norm(x + delta)): the residual add fused with the norm (one kernel for RMSNorm)."""

@@ -4,6 +4,7 @@ memory model (megalysses.memory) and the cost models here read.
     machine.py    Machine: the real device and its packages, or a described one (planning)
     types.py      RunPlan, Phase, ActivationPolicy: what a resolved run is
     run_plan.py   resolve(cfg, machine, world) -> RunPlan: dtype, ulysses x ring, attention, kernels, ...
+    tiles.py      the MLP and loss tiles `auto` resolves to, from the memory model
     flops.py      FLOPs per token and the peak table (MFU)
     step_time.py  Hardware and the step-time model
     search.py     a config's predicted memory and step time on a machine, the layouts that fit, and the

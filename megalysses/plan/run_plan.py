@@ -125,21 +125,37 @@ def resolve(cfg: Config, machine: Machine, world_size: int) -> RunPlan:
     sequence = SequenceLayout(p.sp, ring, p.tp if p.tp_sequence_parallel else 1)
     activation = ActivationPolicy(checkpointing=t.activation_checkpointing,
                                   keep_attention=t.activation_checkpointing and not t.recompute_attention,
-                                  offload=t.activation_offload, mlp_chunk_tokens=t.mlp_chunk_tokens,
-                                  loss_chunk_tokens=t.loss_chunk_tokens, tp_sequence_parallel=p.tp_sequence_parallel)
+                                  offload=t.activation_offload, mlp_chunk_tokens=_until_auto(t.mlp_chunk_tokens),
+                                  loss_chunk_tokens=_until_auto(t.loss_chunk_tokens),
+                                  tp_sequence_parallel=p.tp_sequence_parallel)
     if t.attention_head_chunks != "auto":
         check_head_chunks(m.num_heads, m.kv_heads, p.tp, ulysses, ring, t.attention_head_chunks)
         activation = replace(activation, head_chunks=t.attention_head_chunks)
-    run = RunPlan(machine=machine, world=world_size, tp=p.tp, sp=p.sp, pp=p.pp,
-                  dp=max(world_size // (p.tp * p.sp * p.pp), 1), virtual_stages=p.virtual_stages,
-                  ulysses=ulysses, ring=ring, dtype=dtype, master_dtype="float32",
-                  attention=attention, attention_reason=reason,
-                  kernels=choose_kernels(m.kernels, machine), collective=collective_backend(p.backend, machine),
-                  phases=_phases(cfg, sequence), activation=activation,
-                  optimizer="fsdp" if p.fsdp else "zero1-host" if t.optimizer_offload else "zero1")
+    run = _auto_tiles(cfg, RunPlan(machine=machine, world=world_size, tp=p.tp, sp=p.sp, pp=p.pp,
+                      dp=max(world_size // (p.tp * p.sp * p.pp), 1), virtual_stages=p.virtual_stages,
+                      ulysses=ulysses, ring=ring, dtype=dtype, master_dtype="float32",
+                      attention=attention, attention_reason=reason,
+                      kernels=choose_kernels(m.kernels, machine), collective=collective_backend(p.backend, machine),
+                      phases=_phases(cfg, sequence), activation=activation,
+                      optimizer="fsdp" if p.fsdp else "zero1-host" if t.optimizer_offload else "zero1"))
     if t.attention_head_chunks == "auto":
-        run = replace(run, activation=replace(activation, head_chunks=auto_head_chunks(cfg, run)))
+        run = replace(run, activation=replace(run.activation, head_chunks=auto_head_chunks(cfg, run)))
     return run
+
+
+def _until_auto(tile: int | str) -> int:
+    """A tile of the config, 0 where it is `auto` until _auto_tiles decides it."""
+    return 0 if tile == "auto" else tile
+
+
+def _auto_tiles(cfg: Config, plan: RunPlan) -> RunPlan:
+    """`plan` with the config's `auto` MLP and loss tiles made concrete by the memory model (plan/tiles.py,
+    imported here: it reads RunPlans)."""
+    if "auto" not in (cfg.training.mlp_chunk_tokens, cfg.training.loss_chunk_tokens):
+        return plan
+    from megalysses.plan.tiles import auto_tiles
+
+    return replace(plan, activation=auto_tiles(cfg, plan))
 
 
 def auto_head_chunks(cfg: Config, run: RunPlan) -> int:

@@ -40,13 +40,15 @@ def candidate_configs(cfg: Config, gpus: int, offload: bool, gpus_per_node: int 
     """Every layout and memory-option combination of `cfg` on `gpus` ranks that its rules allow: tp, sp
     (split into ulysses x ring automatically: the largest Ulysses degree the heads allow, inside a node
     when one is, the rest a ring),
-    pp, virtual stages, checkpointing (with attention outputs kept or recomputed), MLP tiles (the config's
-    size, else 8192 tokens), attention head chunks (1 and every count the layout allows, not with kept
-    attention outputs), TP sequence sharding, FSDP or ZeRO-1, and with host memory (`offload`)
-    activation and optimizer offload. The LM head + loss keeps the config's tile."""
+    pp, virtual stages, checkpointing (with attention outputs kept or recomputed), MLP tiles (none, or auto:
+    plan/tiles.py searches the tile sizes for the largest that keeps the peak at its least), LM head + loss
+    tiles (auto; for any tile the step-time model counts the same time), attention head chunks (1 and every
+    count the layout allows, not with kept attention outputs), TP sequence sharding, FSDP or ZeRO-1, and
+    with host memory (`offload`) activation and optimizer offload. Candidates whose tiles resolve alike are
+    one run: plan() keeps the first."""
     m, t = cfg.model, cfg.training
-    mlp_tile = t.mlp_chunk_tokens or 8192
     S = cfg.data.seq_len
+    mlp_tiles, loss_tiles = [0, "auto"], ["auto"]
     # checkpointing, activation offload, attention outputs kept
     activations = ((False, False, False), (True, False, False), (True, False, True)) + \
         (((True, True, False),) if offload else ())
@@ -60,10 +62,11 @@ def candidate_configs(cfg: Config, gpus: int, offload: bool, gpus_per_node: int 
             ulysses = check_heads(m.num_heads, m.kv_heads, tp, sp, 0, min(gpus, gpus_per_node))[0]
             chunk_counts = head_chunk_counts(m.num_heads, m.kv_heads, tp, ulysses)
             for pp in divisors(gpus // (tp * sp)):
+                tiles = [x for x in mlp_tiles if x == "auto" or x < S // sp or x == 0]
                 options = itertools.product([1] + [x for x in (2, 4) if pp > 1], activations,
-                                            sorted({0, mlp_tile if mlp_tile < S // sp else 0}),
+                                            itertools.product(tiles, loss_tiles),
                                             (False, True) if tp > 1 else (False,), states, chunk_counts)
-                for v, (ckpt, offl, keep), tile, tsp, (fsdp, opt_off), chunks in options:
+                for v, (ckpt, offl, keep), (tile, loss_tile), tsp, (fsdp, opt_off), chunks in options:
                     if keep and chunks > 1:
                         continue
                     yield replace(
@@ -72,7 +75,8 @@ def candidate_configs(cfg: Config, gpus: int, offload: bool, gpus_per_node: int 
                                          tp_sequence_parallel=tsp, fsdp=fsdp),
                         training=replace(t, activation_checkpointing=ckpt, activation_offload=offl,
                                          recompute_attention=not keep, optimizer_offload=opt_off,
-                                         mlp_chunk_tokens=tile, attention_head_chunks=chunks))
+                                         mlp_chunk_tokens=tile, loss_chunk_tokens=loss_tile,
+                                         attention_head_chunks=chunks))
 
 
 @dataclass
@@ -98,7 +102,9 @@ class Prediction:
                 "activation_checkpointing": c.training.activation_checkpointing,
                 "recompute_attention": c.training.recompute_attention,
                 "activation_offload": c.training.activation_offload, "optimizer_offload": c.training.optimizer_offload,
-                "mlp_chunk_tokens": c.training.mlp_chunk_tokens, "loss_chunk_tokens": c.training.loss_chunk_tokens,
+                # the tiles the run takes (`auto` resolved; a loss tile of 0: the kernel's default)
+                "mlp_chunk_tokens": self.run.activation.mlp_chunk_tokens,
+                "loss_chunk_tokens": self.run.activation.loss_chunk_tokens,
                 "attention_head_chunks": self.run.activation.head_chunks,
                 "tp_sequence_parallel": c.parallel.tp_sequence_parallel, "fsdp": c.parallel.fsdp,
                 "peak_gib": round(self.estimate.peak / GIB, 2), "peak_phase": self.estimate.phase,
@@ -156,17 +162,21 @@ def plan(cfg: Config, gpus: int, seq_len: int, gpu_memory_gib: float, host_memor
     """(the layouts that fit, best first; how many were considered), on H100s (`hw`, default Hardware())."""
     hw = hw or Hardware()
     cfg = replace(cfg, data=replace(cfg.data, seq_len=seq_len))
-    fitting, considered = [], 0
+    fitting, considered, runs = [], 0, set()
     for cand in candidate_configs(cfg, gpus, host_memory_gib is not None, hw.gpus_per_node):
         try:
             validate_config(cand, world_size=gpus)
         except ConfigError:
             continue
-        considered += 1
         try:
             p = evaluate(cand, gpus, gpu_memory_gib, host_memory_gib, hw, packages)
         except ValueError:        # one the memory model does not cover, or the run refuses (it says which): not planned
+            considered += 1
             continue
+        if p.run in runs:         # tiles that resolve to another candidate's
+            continue
+        runs.add(p.run)
+        considered += 1
         if p.fits:
             fitting.append(p)
     fitting.sort(key=lambda p: (p.step.total, p.estimate.peak))
@@ -177,16 +187,24 @@ def check_phase_time(cfg: Config, run: RunPlan, peak_tflops: Optional[float]) ->
     """ConfigError when a training step, or a validation, at the planner's predicted speed on a GPU of
     `peak_tflops` takes more than half of parallel.timeout_seconds, the longest the watchdog lets a rank
     spend in one phase of the loop: it would end the run as stuck. Half leaves room for the prediction's
-    error; a run on an unknown GPU (no peak) or outside what the planner covers is not checked. The step is
-    predicted for `run`'s own machine (its attention backend and kernels)."""
+    error; a run on an unknown GPU (no peak) or outside what the planner covers is not checked.
+
+    The step judged is the run's own longest: its global batch (training.global_batch_size, where a batch
+    ramp ends), each sample at the longest length of its curriculum (data.seq_len), on `run`'s own machine
+    (its attention backend, kernels and ranks per node); a validation is training.eval_steps such batches,
+    forward only. The message names the batch and length it judged."""
     if not peak_tflops:
         return
-    step = predicted_step_seconds(cfg, run.world, Hardware(peak_tflops=peak_tflops), run.machine)
+    nodes = run.machine.ranks_per_node
+    hw = Hardware(peak_tflops=peak_tflops, **({"gpus_per_node": nodes} if nodes else {}))
+    step = predicted_step_seconds(cfg, run.world, hw, run.machine)
     if step is None:
         return
     t = cfg.training
     validation = step / 3 * t.eval_steps if t.eval_interval else 0.0     # forward passes only
-    what, seconds = ("a validation", validation) if validation > step else ("a training step", step)
+    batch = f"global batch {t.global_batch_size} x {run.padded_seq_len} tokens"
+    what, seconds = ((f"a validation ({t.eval_steps} x {batch})", validation) if validation > step
+                     else (f"a training step ({batch})", step))
     timeout = cfg.parallel.timeout_seconds
     if 2 * seconds > timeout:
         suggest = 600 * -(-4 * seconds // 600)

@@ -11,7 +11,9 @@ are the memory model's (megalysses.memory), read off a RunPlan by megalysses.pla
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Mapping
 
 from megalysses.config import ModelConfig
 from megalysses.memory import GIB, Layout, Options, Precision, Workload, kv_replication, layer_params, stage_layers, \
@@ -37,12 +39,41 @@ class Hardware:
     reserve_gib: float = 1.5              # CUDA context, NCCL buffers, cuBLAS workspaces
     fragmentation: float = 0.05           # share of the device the caching allocator cannot hand out
 
+    def __post_init__(self) -> None:
+        bad = hardware_problems(asdict(self))
+        if bad:
+            raise ValueError("Hardware: " + "; ".join(f"{name} {why}" for name, why in bad.items()))
+
     def usable_bytes(self, gpu_memory_gib: float) -> float:
         return (gpu_memory_gib * (1 - self.fragmentation) - self.reserve_gib) * GIB
 
     def link(self, span: int) -> float:
         """Bandwidth (bytes/s) of a group whose ranks span `span` consecutive world ranks."""
         return (self.intra_node_gbs if span <= self.gpus_per_node else self.inter_node_gbs) * 1e9
+
+
+# what each figure must be: efficiencies are fractions of the peak, rates and bandwidths are divided by
+_FRACTION = ("matmul_efficiency", "attention_efficiency")
+_POSITIVE = ("peak_tflops", "intra_node_gbs", "inter_node_gbs", "host_gbs", "host_adam_gparams", "hbm_gbs")
+
+
+def hardware_problems(values: Mapping[str, Any]) -> dict[str, str]:
+    """{field: what it must be, and what it is} for each of Hardware's figures in `values` that is out of
+    range: efficiencies in (0, 1], the peak, bandwidths and rates positive and finite, at least one GPU per
+    node, a reserve of zero or more GiB, a fragmentation in [0, 1)."""
+    out = {}
+    for name, v in values.items():
+        if name in _FRACTION and not 0 < v <= 1:
+            out[name] = f"must be in (0, 1] (a fraction of the peak), got {v:g}"
+        elif name in _POSITIVE and not (v > 0 and math.isfinite(v)):
+            out[name] = f"must be positive and finite, got {v:g}"
+        elif name == "gpus_per_node" and not v >= 1:
+            out[name] = f"must be at least 1, got {v}"
+        elif name == "reserve_gib" and not (v >= 0 and math.isfinite(v)):
+            out[name] = f"must be zero or more, got {v:g}"
+        elif name == "fragmentation" and not 0 <= v < 1:
+            out[name] = f"must be in [0, 1) (a share of the device), got {v:g}"
+    return out
 
 
 @dataclass(frozen=True)

@@ -11,14 +11,17 @@ The model, batch (training.global_batch_size and micro_batch_size), dtype, kerne
 resolves them (megalysses.plan.resolve: H100 nodes of --gpus-per-node with the optional --packages, by
 default those of a plain CUDA torch install, so `auto` attention is SDPA or FlexAttention, not
 flash-attn); the layout and memory options (checkpointing,
-tiled MLP, attention head chunks, TP sequence sharding, FSDP vs ZeRO-1, and activation and optimizer offload when
+the MLP untiled or in `auto` tiles, the LM head + loss in `auto` tiles (megalysses/plan/tiles.py),
+attention head chunks, TP sequence sharding, FSDP vs ZeRO-1, and activation and optimizer offload when
 --host-memory-gib is given) are enumerated under the config's own layout rules
 (config_checks.validate_config). The config's own layout is evaluated too.
 
 Memory is megalysses.memory's prediction. A layout fits when its peak is at most the usable device
 memory (--gpu-memory-gib less --fragmentation of it and --reserve-gib for the CUDA context, NCCL and
 cuBLAS) and, with activation offload, the --host-memory-gib of a node holds what its ranks offload.
-Step time is megalysses.plan.step_time's model at the stated figures (defaults: H100 SXM nodes of 8).
+Step time is megalysses.plan.step_time's model at the stated figures (defaults: H100 SXM nodes of 8;
+each is checked: efficiencies in (0, 1], the peak and bandwidths positive, at least one GPU per node), at
+the config's global batch.
 This command line is a front end: the models and the search live in megalysses.plan.
 """
 from __future__ import annotations
@@ -36,7 +39,7 @@ from megalysses.config_io import load_config
 from megalysses.memory import GIB, KERNELS, fmt_bytes
 from megalysses.plan.machine import OPTIONAL_PACKAGES, PLAIN_TORCH
 from megalysses.plan.search import Prediction, evaluate, plan
-from megalysses.plan.step_time import Hardware
+from megalysses.plan.step_time import Hardware, hardware_problems
 
 
 # ----------------------------------------------------------------------------- output
@@ -112,12 +115,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         p.add_argument("--" + f.name.replace("_", "-"), type=type(getattr(d, f.name)), default=getattr(d, f.name),
                        help=f"default {getattr(d, f.name)}")
     args = p.parse_args(argv)
-    for name in ("gpus", "seq_len", "gpu_memory_gib", "top"):
-        if getattr(args, name) is not None and getattr(args, name) <= 0:
-            print(f"error: --{name.replace('_', '-')} must be positive, got {getattr(args, name)}", file=sys.stderr)
-            return 1
-    if args.host_memory_gib is not None and args.host_memory_gib <= 0:
-        print(f"error: --host-memory-gib must be positive, got {args.host_memory_gib}", file=sys.stderr)
+    bad = {name: f"must be positive, got {getattr(args, name)}"
+           for name in ("gpus", "seq_len", "gpu_memory_gib", "top", "host_memory_gib")
+           if getattr(args, name) is not None and not getattr(args, name) > 0}
+    bad.update(hardware_problems({f.name: getattr(args, f.name) for f in dataclasses.fields(Hardware)}))
+    for name, why in bad.items():          # one line per bad flag
+        print(f"error: --{name.replace('_', '-')} {why}", file=sys.stderr)
+    if bad:
         return 1
     try:
         cfg = load_config(args.config)
