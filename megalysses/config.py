@@ -318,7 +318,14 @@ class TrainingConfig:
     activation_checkpointing (the block inputs are all a checkpointed forward keeps)."""
     optimizer_offload: bool = False
     """ZeRO-1: keep the fp32 master weights, AdamW's moments and the reduced gradients in pinned host
-    memory and run the AdamW update on the CPU; the device holds the compute weights and gradients only."""
+    memory and run the AdamW update on the CPU. The gradients stream there during the backward, bucket by
+    bucket as each is complete, and a step's micro-batches are summed on the host: the device holds the
+    compute weights and the gradients of a layer or two, never a whole model's."""
+    param_offload: bool = False
+    """With parallel.fsdp: keep the weights in pinned host memory too (FSDP2's CPUOffloadPolicy): each block's
+    weights are copied in one block ahead of its forward and its backward and freed after, its gradients go
+    back to host memory as its backward finishes, and the AdamW update runs on the CPU. The device holds two
+    blocks' weights, one block's gradients and the embedding and head."""
     nan_policy: Literal["abort", "skip"] = "abort"
     """On a NaN/Inf loss: abort the run, or skip the step."""
 

@@ -60,6 +60,13 @@ def validate_config(cfg: Config, world_size: Optional[int] = None) -> None:
     if t.activation_offload and not t.activation_checkpointing:
         raise ConfigError("training.activation_offload=true needs training.activation_checkpointing=true: the "
                           "offloaded tensors are the checkpointed block inputs (set both, or neither)")
+    if t.param_offload and not p.fsdp:
+        raise ConfigError("training.param_offload=true streams the weights through FSDP2 (its CPUOffloadPolicy): set "
+                          "parallel.fsdp=true as well (ZeRO-1 keeps whole weights on every rank; "
+                          "training.optimizer_offload is its offload)")
+    if t.param_offload and t.optimizer_offload:
+        raise ConfigError("training.param_offload=true already keeps the optimizer state in host memory and updates "
+                          "it there: drop training.optimizer_offload (it is ZeRO-1's)")
     if t.optimizer_offload and p.fsdp:
         raise ConfigError("training.optimizer_offload=true is for ZeRO-1: with parallel.fsdp=true the optimizer "
                           "state is already sharded with the weights; set one of them to false")

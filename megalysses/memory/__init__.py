@@ -47,7 +47,12 @@ Megatron's warm-up count + 1 model chunks):
                 attention's), the QKV gradient assembly, the all-to-all's, the MLP's
     optimizer   the AdamW step: reduced fp32 gradient shards and the sqrt of v (activations are gone)
 Optimizer offload (ZeRO-1) keeps masters, moments and the reduced gradients in host memory and updates
-there. Parameter offload (FSDP) is modelled for other systems' published points (tests/test_plan.py).
+there; the gradients stream out during the backward, so the device holds those waiting for their bucket
+(a layer's or a bucket's) and a bucket being reduced, never a whole model's. Parameter offload (FSDP2's
+CPUOffloadPolicy) keeps the shards, their gradients and the optimizer state in host memory: the device holds
+two gathered blocks, the embedding and head, and one block's gradient (bf16, its fp32 copy and its reduced
+shard on the way out). Both are megalysses' own (tests/test_optimizer_offload.py measures them) and model
+other systems' published points too (tests/test_plan.py).
 
 Checked on CPU against the bytes a forward retains and the peak a training step reaches
 (tests/test_memory_model.py, within 10%); benchmarks/bench_memory.py compares the peak with

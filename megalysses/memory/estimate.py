@@ -8,7 +8,7 @@ from typing import Optional
 from megalysses.config import ModelConfig
 from megalysses.memory.activations import (bytes_per_token, dims, head_weight_grad_bytes, layer_terms, norm_terms,
                                            stage_layers, stage_terms)
-from megalysses.memory.states import in_flight, optimizer_terms, stage_params, state_terms
+from megalysses.memory.states import in_flight, optimizer_terms, stage_params, state_terms, streams_gradients
 from megalysses.memory.transients import backward_terms, loss_terms, norm_backward_bytes
 from megalysses.memory.types import Estimate, Layout, Options, Precision, Term, Workload
 
@@ -71,7 +71,10 @@ def _stage_estimate(m: ModelConfig, layout: Layout, opts: Options, prec: Precisi
     # the input embedding's gradient comes last (the LM head's, when tied, is the same tensor)
     embedding = m.padded_vocab_size(layout.tp) * m.hidden_size / layout.tp if first and not (
         last and m.tie_embeddings) else 0.0
-    if M == 1 and not opts.fsdp:    # one micro-batch: the gradients appear layer by layer in the backward
+    streamed = streams_gradients(opts)
+    if streamed:                    # the same few gradients at every layer: the rest are on the host
+        early = late = head_grads = grads
+    elif M == 1 and not opts.fsdp:  # one micro-batch: the gradients appear layer by layer in the backward
         def so_far(done: int, ready: Optional[float] = None) -> list[Term]:
             ready = other + done * blocks / max(n_layers, 1) if ready is None else ready
             # a bucket is reduced once all of its gradients are there (whole buckets only)
@@ -94,7 +97,7 @@ def _stage_estimate(m: ModelConfig, layout: Layout, opts: Options, prec: Precisi
     phases = {"backward": max(fixed + early + activations(flight - 1, n_layers) + layer_bwd,
                               fixed + late + activations(flight - 1, 1) + layer_bwd, key=_device),
               "optimizer": fixed + [t for t in grads if not t.name.startswith("gradient bucket")
-                                    and not (opts.optimizer_offload and "reduced" in t.name)]
+                                    and not (opts.optimizer_offload and "reduced" in t.name) and not streamed]
                            + optimizer_terms(m, layout, opts, prec, n, M)}
     if last:
         head_tok = bytes_per_token(stage_terms(m, layout, opts, prec, False, True)) - \
@@ -102,7 +105,7 @@ def _stage_estimate(m: ModelConfig, layout: Layout, opts: Options, prec: Precisi
         head = [Term("final norm + head-input gradient", tokens * head_tok, f"{tokens:.4g} tok x {head_tok:.4g} B"),
                 Term("head weight gradient (computed in the forward)", head_weight_grad_bytes(m, layout, prec),
                      f"{m.padded_vocab_size(layout.tp) / layout.tp:.4g} x {m.hidden_size} x {prec.weight} B")]
-        before = [t for t in grads if "reduced" not in t.name] if M > 1 or opts.fsdp else []
+        before = [t for t in grads if "reduced" not in t.name] if (M > 1 or opts.fsdp) and not streamed else []
         phases["loss"] = (fixed + before + activations(flight - 1, n_layers) + head
                           + loss_terms(m, layout, opts, prec, tokens))
         # the backward's first step, the final norm's, under every layer's activations: what the norm keeps

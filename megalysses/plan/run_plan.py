@@ -6,8 +6,9 @@
 The decisions that depend on the machine or the layout are made here and nowhere else: the compute
 dtype, sp = ulysses x ring, the attention backend of core attention and of the ring's blocks, the kernel
 implementation, the collective backend, the padded length of every phase, the activation policy and
-where the optimizer state lives. The model, the layers and the kernels receive the concrete names; the
-start-up line, runtime.json, the memory model and the planner read the same RunPlan.
+where the weights, the gradients and the optimizer state live. The model, the layers and the kernels
+receive the concrete names; the start-up line, runtime.json, the memory model and the planner read the
+same RunPlan.
 
 Attention `auto` picks the first backend that can run the shape (kernels/attention.unsupported_reason):
 flash-attn on CUDA in half precision; on CUDA with packed documents compiled FlexAttention (a
@@ -78,7 +79,10 @@ class RunPlan:
     collective: str                 # nccl or gloo
     phases: tuple[Phase, ...]
     activation: ActivationPolicy
-    optimizer: str                  # where the state lives: "fsdp", "zero1" or "zero1-host" (optimizer offload)
+    optimizer: str                  # where the state lives: "fsdp", "zero1", "zero1-host" (optimizer offload) or
+                                    # "fsdp-host" (parameter offload)
+    weights: str = "device"         # "host": pinned host memory, streamed in a block ahead (parameter offload)
+    gradients: str = "device"       # "host": each bucket (block) leaves the device as its backward finishes
 
     @property
     def padded_seq_len(self) -> int:
@@ -202,4 +206,7 @@ def resolve(cfg: Config, machine: Machine, world_size: int) -> RunPlan:
                    attention=attention, attention_reason=reason,
                    kernels=choose_kernels(m.kernels, machine), collective=collective_backend(p.backend, machine),
                    phases=_phases(cfg, sequence), activation=activation,
-                   optimizer="fsdp" if p.fsdp else "zero1-host" if t.optimizer_offload else "zero1")
+                   optimizer=("fsdp-host" if t.param_offload else "fsdp") if p.fsdp else
+                   "zero1-host" if t.optimizer_offload else "zero1",
+                   weights="host" if t.param_offload else "device",
+                   gradients="host" if t.param_offload or t.optimizer_offload else "device")

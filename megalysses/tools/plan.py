@@ -43,8 +43,8 @@ from megalysses.plan.step_time import Hardware
 
 def _flags(r: dict) -> str:
     parts = [name for key, name in (("activation_checkpointing", "ckpt"), ("activation_offload", "act-offload"),
-                                    ("optimizer_offload", "opt-offload"), ("tp_sequence_parallel", "tp-seq"),
-                                    ("fsdp", "fsdp")) if r[key]]
+                                    ("optimizer_offload", "opt-offload"), ("param_offload", "param-offload"),
+                                    ("tp_sequence_parallel", "tp-seq"), ("fsdp", "fsdp")) if r[key]]
     if r["activation_checkpointing"] and not r["recompute_attention"]:
         parts.insert(1, "keep-attn")
     parts += [f"{name}{r[key] // 1024}k" if r[key] >= 1024 else f"{name}{r[key]}"

@@ -56,12 +56,14 @@ def flex_compile_budget(run: RunPlan) -> int:
 
 def memory_options(cfg: Config, run: RunPlan) -> list[str]:
     a = run.activation
-    opts = [{"fsdp": "FSDP2", "zero1": "ZeRO-1", "zero1-host": "ZeRO-1"}[run.optimizer]]
+    opts = [{"fsdp": "FSDP2", "fsdp-host": "FSDP2", "zero1": "ZeRO-1", "zero1-host": "ZeRO-1"}[run.optimizer]]
     if a.checkpointing:
         opts.append("activation checkpointing" + (" (inputs offloaded to host memory)" if a.offload else "")
                     + (" (attention outputs kept)" if a.keep_attention else ""))
     if run.optimizer == "zero1-host":
-        opts.append("optimizer state and update on the host")
+        opts.append("optimizer state and update on the host, gradients streamed there")
+    if run.weights == "host":
+        opts.append("weights, gradients and optimizer on the host, streamed a block ahead")
     if a.mlp_chunk_tokens:
         opts.append(f"tiled MLP ({a.mlp_chunk_tokens} tokens)")
     if a.loss_chunk_tokens:

@@ -208,6 +208,10 @@ RULES = [
     Case("config/megatron_name_as_key", pretrain("parallel.context_parallel_size=2"), "here parallel.sp"),
     Case("config/megatron_selective_recompute", pretrain("training.recompute_granularity=selective"),
          "recomputes core attention only"),
+    Case("config/param_offload_without_fsdp", pretrain("training.param_offload=true"), "set parallel.fsdp=true"),
+    Case("config/param_offload_with_optimizer_offload", pretrain("training.param_offload=true", "parallel.fsdp=true",
+                                                                 "training.optimizer_offload=true"),
+         "drop training.optimizer_offload"),
 ]
 
 MACHINE = [
