@@ -23,7 +23,7 @@ bucket is reduce-scattered from the gradient hooks as soon as its gradients are 
 `overlap` says), its reduced chunk is copied to host memory on a side stream and the device gradients are
 dropped (training/host_gradients.py). The micro-batches' chunks are summed in fp32 on the host, so no
 `main_grad` of the whole model ever exists on the device: at any moment it holds the gradients of the
-layers whose buckets are not complete yet and two buckets in flight. The norm, the clipping and the AdamW
+layers whose bucket is not complete yet and one bucket in flight. The norm, the clipping and the AdamW
 update run on the CPU, and the updated chunks are copied back for the all-gather. The arithmetic is the
 same (tests/test_optimizer_offload.py): bit for bit where the sums are taken in the same order (one
 micro-batch per step, or a grad group of one rank); with more of both, the micro-batches are summed after
@@ -273,7 +273,8 @@ class ShardedAdamW:
 
     def _stream_ready(self) -> None:
         """Offload: launch, in order, every (micro-batch, bucket) whose gradients are all in, and send the
-        reduced chunks of all but the newest to host memory."""
+        reduced chunks of the bucket launched before it to host memory: one reduction stays in flight under
+        the backward (gloo's wait blocks the caller; on CUDA the side stream waits, not the caller)."""
         per = len(self._streamed)
         while self._next < self._expected * per:
             micro, i = divmod(self._next, per)
@@ -282,9 +283,9 @@ class ShardedAdamW:
                 return
             self._launch(self._streamed[i], micro)
             self._next += 1
-            self._to_host(keep=1)
+            self._to_host(keep=1 if i < per - 1 else 0)     # nothing left behind after a micro-batch's last
 
-    def _to_host(self, keep: int) -> None:
+    def _to_host(self, keep: int = 0) -> None:
         """Offload: hand all launched buckets but the newest `keep` to host memory (accumulating after a
         step's first micro-batch); the device keeps nothing of them once the copies have read it."""
         while len(self._launched) > keep:
@@ -313,7 +314,7 @@ class ShardedAdamW:
                 self._launch(self._streamed[i], micro)
                 self._next += 1
                 self._to_host(keep=1)
-            self._to_host(keep=0)
+            self._to_host()
             self.host.finish()
             for index in (i for i in range(len(self.buckets)) if i not in self._streamed):
                 self._launch(index)
