@@ -316,6 +316,11 @@ class TrainingConfig:
     """Keep the checkpointed block inputs in pinned host memory instead of on the device: copied out on a
     side stream during the forward, copied back one block ahead of the backward. Needs
     activation_checkpointing (the block inputs are all a checkpointed forward keeps)."""
+    checkpoint_stride: int = 1
+    """With activation_checkpointing: keep the input of every k-th block only (groups of k blocks). The
+    backward recomputes a group from its input, keeping each block's input on the device, then each block
+    recomputes itself in its own backward: 1/k of the inputs kept (or offloaded to host memory), for one
+    more forward of every layer and k - 1 more block inputs on the device while a group runs backward."""
     optimizer_offload: bool = False
     """ZeRO-1: keep the fp32 master weights, AdamW's moments and the reduced gradients in pinned host
     memory and run the AdamW update on the CPU. The gradients stream there during the backward, bucket by

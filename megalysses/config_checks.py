@@ -60,6 +60,13 @@ def validate_config(cfg: Config, world_size: Optional[int] = None) -> None:
     if t.activation_offload and not t.activation_checkpointing:
         raise ConfigError("training.activation_offload=true needs training.activation_checkpointing=true: the "
                           "offloaded tensors are the checkpointed block inputs (set both, or neither)")
+    if t.checkpoint_stride > 1 and not t.activation_checkpointing:
+        raise ConfigError(f"training.checkpoint_stride={t.checkpoint_stride} needs "
+                          f"training.activation_checkpointing=true: it says which block inputs the checkpoints keep")
+    if t.checkpoint_stride > 1 and not t.recompute_attention:
+        raise ConfigError(f"training.checkpoint_stride={t.checkpoint_stride} with training.recompute_attention=false "
+                          f"is not supported: a group's recomputation would keep attention's outputs for every block "
+                          f"of the group; choose one of them")
     if t.param_offload and not p.fsdp:
         raise ConfigError("training.param_offload=true streams the weights through FSDP2 (its CPUOffloadPolicy): set "
                           "parallel.fsdp=true as well (ZeRO-1 keeps whole weights on every rank; "
@@ -116,6 +123,7 @@ _RANGES = [
     ("training", "max_wall_minutes", 0.0, None), ("training", "eval_interval", 0, None),
     ("training", "eval_steps", 1, None), ("checkpoint", "save_interval", 0, None), ("checkpoint", "keep_last", 0, None),
     ("training", "loss_chunk_tokens", 0, None), ("training", "mlp_chunk_tokens", 0, None),
+    ("training", "checkpoint_stride", 1, None),
     ("logging", "log_interval", 1, None), ("logging", "peak_tflops", 0.0, None),
     ("parallel", "timeout_seconds", 1.0, None),
     ("parallel", "tp", 1, None), ("parallel", "sp", 1, None), ("parallel", "sp_ring", 0, None),

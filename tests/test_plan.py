@@ -319,3 +319,23 @@ def test_streamed_gradients_leave_no_main_grad_on_the_device():
     assert host["reduced fp32 gradients"] == n * 4 / G and host["gradient staging buffers"] == 2 * bucket * 4 / G
     step = step_time(m, layout, replace(base, optimizer_offload=True), bf16, work, Hardware())
     assert step.bytes["host"] == pytest.approx(4 * n / G * 4 + n / G * 2)
+
+
+def test_a_checkpoint_stride_is_planned_where_host_memory_binds():
+    """The 1B model at 1M tokens on one GPU offloads 64 GiB of block inputs: with 40 GiB of host memory only
+    layouts keeping every 2nd or 4th block input fit (32 and 16 GiB of them), slower by a forward of every
+    layer; with 80 GiB, those keeping every input come first."""
+    cfg = load_config("configs/gpt_1b_1m_offload.yaml")
+    tight, _ = plan(cfg, 1, 1 << 20, 80, host_memory_gib=40)
+    assert tight and all(p.cfg.training.checkpoint_stride > 1 for p in tight)
+    assert all(p.host_per_node <= 40 * GIB for p in tight)
+    roomy, _ = plan(cfg, 1, 1 << 20, 80, host_memory_gib=80)
+    assert roomy[0].cfg.training.checkpoint_stride == 1
+    every = {p.cfg.training.checkpoint_stride: p for p in roomy if not p.cfg.parallel.fsdp}
+    one, two = every[1], every[2]
+    offloaded = {k: sum(t.bytes for t in p.estimate.terms if t.name == "offloaded block inputs")
+                 for k, p in every.items()}
+    assert offloaded[2] == offloaded[1] / 2
+    # one more forward of every layer (forward, backward = 2, recomputations 1 -> 2): matmuls and attention
+    assert two.step.flops["attention"] == pytest.approx(one.step.flops["attention"] * 5 / 4)
+    assert two.step.flops["matmul"] > one.step.flops["matmul"] and one.step.total < two.step.total

@@ -30,8 +30,9 @@ What a layer keeps for the backward (megalysses/model/layers.py, no checkpointin
     o_proj            its input (the inverse all-to-all's output when sp>1, else the attention output)
     SwiGLU MLP        gate-up output (2 x ffn/tp), silu(gate) (torch), the down projection's input
 With training.mlp_chunk_tokens the MLP keeps only its norm output (tiles are recomputed); with activation
-checkpointing a layer keeps only its input, and with activation offload not even that: the inputs go to
-host memory and a window of `offload_prefetch` layers comes back ahead of the backward. Per stage: rotary
+checkpointing a layer keeps only its input (with a checkpoint stride k, one layer in k: a group's backward
+recomputes the other k - 1 inputs), and with activation offload not even that: the inputs go to host
+memory and a window of `offload_prefetch` layers comes back ahead of the backward. Per stage: rotary
 cos/sin (fp32, when something saves them), tp-local token ids; on the last, the final norm and the LM head +
 loss, which computes its gradients in the forward and keeps them: the head input's (tokens x h) and the
 head weight's (V/tp x h).
@@ -67,7 +68,7 @@ and phases, the longest sequence that fits), from_plan.py (all of it read off a 
 from megalysses.memory.types import (GIB, KERNELS, PRECISIONS, Estimate, Kernels, Layout, Options, Precision, Term,
                                      Workload, fmt_bytes)
 from megalysses.memory.activations import (SP_BUFFERS, PerToken, bytes_per_token, cos_sin_kept,
-                                           head_weight_grad_bytes, kv_replication, layer_terms,
+                                           head_weight_grad_bytes, kept_layers, kv_replication, layer_terms,
                                            norm_keeps_block_input, retained_activation_bytes,
                                            sp_buffer_bytes_per_token, stage_layers, stage_terms, tiled)
 from megalysses.memory.states import in_flight, layer_params, stage_params
@@ -78,7 +79,7 @@ from megalysses.memory.from_plan import (attention_buffers, estimate_config, est
 
 __all__ = ["Estimate", "GIB", "KERNELS", "Kernels", "Layout", "Options", "PRECISIONS", "PerToken", "Precision",
            "SP_BUFFERS", "Term", "Workload", "attention_buffers", "bytes_per_token", "cos_sin_kept", "estimate",
-           "estimate_config", "estimate_plan", "fmt_bytes", "head_weight_grad_bytes", "in_flight", "kv_replication",
-           "layer_params", "layer_terms", "layout_of", "longest_sequence", "loss_tile_tokens", "norm_backward_bytes",
-           "norm_keeps_block_input", "options_of", "precision_of", "retained_activation_bytes",
+           "estimate_config", "estimate_plan", "fmt_bytes", "head_weight_grad_bytes", "in_flight", "kept_layers",
+           "kv_replication", "layer_params", "layer_terms", "layout_of", "longest_sequence", "loss_tile_tokens",
+           "norm_backward_bytes", "norm_keeps_block_input", "options_of", "precision_of", "retained_activation_bytes",
            "sp_buffer_bytes_per_token", "stage_layers", "stage_params", "stage_terms", "tiled", "workload_of"]

@@ -6,8 +6,8 @@ from dataclasses import replace
 from typing import Optional
 
 from megalysses.config import ModelConfig
-from megalysses.memory.activations import (bytes_per_token, dims, head_weight_grad_bytes, layer_terms, norm_terms,
-                                           stage_layers, stage_terms)
+from megalysses.memory.activations import (bytes_per_token, dims, head_weight_grad_bytes, kept_layers, layer_terms,
+                                           norm_terms, stage_layers, stage_terms)
 from megalysses.memory.states import in_flight, optimizer_terms, stage_params, state_terms, streams_gradients
 from megalysses.memory.transients import backward_terms, loss_terms, norm_backward_bytes
 from megalysses.memory.types import Estimate, Layout, Options, Precision, Term, Workload
@@ -33,9 +33,10 @@ def _stage_estimate(m: ModelConfig, layout: Layout, opts: Options, prec: Precisi
         """The retained activations: `behind` whole micro-batches, the current one's first `current_layers`."""
         mbs = behind + 1
         if not offload:
-            count = behind * n_layers + current_layers
+            every, now = kept_layers(n_layers, opts), kept_layers(current_layers, opts)
+            count = behind * every + now
             terms = [Term("layer activations", count * tokens * layer_tok,
-                          f"({behind:g} mb x {n_layers} + {current_layers}) layers x {tokens:.4g} tok x "
+                          f"({behind:g} mb x {every} + {now}) layers x {tokens:.4g} tok x "
                           f"{layer_tok:.4g} B")]
         else:
             kept = 0 if first else 1                # a received pipeline input stays (the schedule holds it)
@@ -124,7 +125,7 @@ def _stage_estimate(m: ModelConfig, layout: Layout, opts: Options, prec: Precisi
     terms = [t for t in phases[phase] if not t.host and t.bytes]
     host = [t for t in fixed + optimizer_terms(m, layout, opts, prec, n, M) if t.host]
     if offload:
-        off = n_layers - (0 if first else 1)
+        off = kept_layers(n_layers, opts) - (0 if first else 1)
         host.insert(0, Term("offloaded block inputs", flight * tokens * off * layer_tok,
                             f"{flight:g} mb x {off} layers x {tokens:.4g} tok x {layer_tok:.4g} B", host=True))
     return Estimate(peak=_device(terms), stage=stage, phase=phase, terms=terms + host,

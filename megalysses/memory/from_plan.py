@@ -38,6 +38,7 @@ def options_of(cfg: Config, plan: RunPlan) -> Options:
     a, p = plan.activation, cfg.parallel
     native, accumulator = attention_buffers(plan, cfg.data.document_mask)
     return Options(activation_checkpointing=a.checkpointing, activation_offload=a.offload,
+                   checkpoint_stride=a.checkpoint_stride,
                    keep_attention=a.keep_attention, mlp_chunk_tokens=a.mlp_chunk_tokens,
                    loss_chunk_tokens=a.loss_chunk_tokens, tp_sequence_parallel=a.tp_sequence_parallel,
                    fsdp=plan.optimizer in ("fsdp", "fsdp-host"), optimizer_offload=plan.optimizer == "zero1-host",

@@ -48,6 +48,7 @@ class ActivationPolicy:
     checkpointing: bool = False
     keep_attention: bool = False    # checkpointing keeps SDPA's outputs (training.recompute_attention=false)
     offload: bool = False           # checkpointed block inputs live in pinned host memory
+    checkpoint_stride: int = 1      # checkpointing keeps every k-th block input (groups of k blocks)
     mlp_chunk_tokens: int = 0
     loss_chunk_tokens: int = 0
     tp_sequence_parallel: bool = False
@@ -199,6 +200,7 @@ def resolve(cfg: Config, machine: Machine, world_size: int) -> RunPlan:
     activation = ActivationPolicy(checkpointing=t.activation_checkpointing,
                                   keep_attention=t.activation_checkpointing and not t.recompute_attention,
                                   offload=t.activation_offload, mlp_chunk_tokens=t.mlp_chunk_tokens,
+                                  checkpoint_stride=t.checkpoint_stride if t.activation_checkpointing else 1,
                                   loss_chunk_tokens=t.loss_chunk_tokens, tp_sequence_parallel=p.tp_sequence_parallel)
     return RunPlan(machine=machine, world=world_size, tp=p.tp, sp=p.sp, pp=p.pp,
                    dp=max(world_size // (p.tp * p.sp * p.pp), 1), virtual_stages=p.virtual_stages,

@@ -41,14 +41,15 @@ def candidate_configs(cfg: Config, gpus: int, offload: bool, gpus_per_node: int 
     when one is, the rest a ring),
     pp, virtual stages, checkpointing (with attention outputs kept or recomputed), MLP tiles (the config's
     size, else 8192 tokens), TP sequence sharding, FSDP or ZeRO-1, and with host memory (`offload`)
-    activation offload, optimizer offload (ZeRO-1) and parameter offload (FSDP). The LM head + loss keeps the
-    config's tile."""
+    activation offload (of every block's input, or of every 2nd or 4th block's: training.checkpoint_stride),
+    optimizer offload (ZeRO-1) and parameter offload (FSDP). The LM head + loss keeps the config's tile."""
     m, t = cfg.model, cfg.training
     mlp_tile = t.mlp_chunk_tokens or 8192
     S = cfg.data.seq_len
-    # checkpointing, activation offload, attention outputs kept
-    activations = ((False, False, False), (True, False, False), (True, False, True)) + \
-        (((True, True, False),) if offload else ())
+    # checkpointing, activation offload, attention outputs kept, checkpoint stride (host memory binding: 1/k of
+    # the block inputs offloaded)
+    activations = ((False, False, False, 1), (True, False, False, 1), (True, False, True, 1)) + \
+        (((True, True, False, 1), (True, True, False, 2), (True, True, False, 4)) if offload else ())
     # FSDP, optimizer offload, parameter offload
     states = ((False, False, False), (True, False, False)) + \
         (((False, True, False), (True, False, True)) if offload else ())
@@ -62,14 +63,14 @@ def candidate_configs(cfg: Config, gpus: int, offload: bool, gpus_per_node: int 
                 options = itertools.product([1] + [x for x in (2, 4) if pp > 1], activations,
                                             sorted({0, mlp_tile if mlp_tile < S // sp else 0}),
                                             (False, True) if tp > 1 else (False,), states)
-                for v, (ckpt, offl, keep), tile, tsp, (fsdp, opt_off, par_off) in options:
+                for v, (ckpt, offl, keep, stride), tile, tsp, (fsdp, opt_off, par_off) in options:
                     yield replace(
                         cfg,
                         parallel=replace(cfg.parallel, tp=tp, sp=sp, sp_ring=0, pp=pp, virtual_stages=v,
                                          tp_sequence_parallel=tsp, fsdp=fsdp),
                         training=replace(t, activation_checkpointing=ckpt, activation_offload=offl,
                                          recompute_attention=not keep, optimizer_offload=opt_off,
-                                         param_offload=par_off,
+                                         param_offload=par_off, checkpoint_stride=stride,
                                          mlp_chunk_tokens=tile))
 
 
@@ -96,7 +97,7 @@ class Prediction:
                 "activation_checkpointing": c.training.activation_checkpointing,
                 "recompute_attention": c.training.recompute_attention,
                 "activation_offload": c.training.activation_offload, "optimizer_offload": c.training.optimizer_offload,
-                "param_offload": c.training.param_offload,
+                "param_offload": c.training.param_offload, "checkpoint_stride": c.training.checkpoint_stride,
                 "mlp_chunk_tokens": c.training.mlp_chunk_tokens, "loss_chunk_tokens": c.training.loss_chunk_tokens,
                 "tp_sequence_parallel": c.parallel.tp_sequence_parallel, "fsdp": c.parallel.fsdp,
                 "peak_gib": round(self.estimate.peak / GIB, 2), "peak_phase": self.estimate.phase,

@@ -85,15 +85,17 @@ def step_time(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, wo
     fwd_mm = L * 2 * dense * tokens
     fwd_attn = L * 2 * work.micro_batch_size * work.seq_len ** 2 * q / P        # causal: half of 4 S^2 q
     head = 2 * m.padded_vocab_size(t) / t * m.hidden_size * tokens
-    redo_mm = (fwd_mm if opts.activation_checkpointing else 0.0)
+    # forwards recomputed in the backward: one under checkpointing, two with a stride (the group's, the block's)
+    recomputes = (2 if opts.checkpoint_stride > 1 else 1) if opts.activation_checkpointing else 0
+    redo_mm = fwd_mm * recomputes
     if tiled(opts.mlp_chunk_tokens, layout, opts, work.seq_len):
-        redo_mm += L * 2 * mlp * tokens * (2 if opts.activation_checkpointing else 1)
+        redo_mm += L * 2 * mlp * tokens * (1 + recomputes)
     mm = M * (3 * (fwd_mm + head) + redo_mm)
     # forward, backward (twice the forward), and under checkpointing the recomputation, unless its output is kept
-    attn = M * fwd_attn * (4 if opts.activation_checkpointing and not opts.keep_attention else 3)
+    attn = M * fwd_attn * (3 + (0 if opts.keep_attention else recomputes))
     compute = (mm / (hw.peak_tflops * 1e12 * hw.matmul_efficiency)
                + attn / (hw.peak_tflops * 1e12 * hw.attention_efficiency))
-    passes = 3 if opts.activation_checkpointing else 2                   # forward, backward (+ recompute)
+    passes = 2 + recomputes                                              # forward, backward (+ recomputes)
     a = prec.act
     span_tp, span_sp, span_grad = t, t * P, t * P * layout.dp
     nbytes: dict[str, float] = {"all_to_all": 0.0, "all_reduce": 0.0, "p2p": 0.0, "ring_p2p": 0.0, "host": 0.0}

@@ -47,6 +47,8 @@ def _flags(r: dict) -> str:
                                     ("tp_sequence_parallel", "tp-seq"), ("fsdp", "fsdp")) if r[key]]
     if r["activation_checkpointing"] and not r["recompute_attention"]:
         parts.insert(1, "keep-attn")
+    if r["checkpoint_stride"] > 1:
+        parts.insert(1, f"every-{r['checkpoint_stride']}")
     parts += [f"{name}{r[key] // 1024}k" if r[key] >= 1024 else f"{name}{r[key]}"
               for key, name in (("mlp_chunk_tokens", "mlp-tile"), ("loss_chunk_tokens", "loss-tile")) if r[key]]
     return ",".join(parts) or "-"
@@ -160,8 +162,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if rows:
         print(table(rows))
     else:
-        print("no layout fits: more GPUs, a shorter sequence, or --host-memory-gib for activation and optimizer "
-              "offload")
+        print("no layout fits: more GPUs, a shorter sequence, or --host-memory-gib for activation, optimizer and "
+              "parameter offload")
     verdict = "fits" if own_row["fits"] else f"does not fit ({own_row['why_not']})"
     extra = (f", peak {own_row['peak_gib']:.1f} GiB, {own_row['tokens_per_s']:.0f} tok/s"
              if "peak_gib" in own_row else "")

@@ -58,7 +58,9 @@ def memory_options(cfg: Config, run: RunPlan) -> list[str]:
     a = run.activation
     opts = [{"fsdp": "FSDP2", "fsdp-host": "FSDP2", "zero1": "ZeRO-1", "zero1-host": "ZeRO-1"}[run.optimizer]]
     if a.checkpointing:
-        opts.append("activation checkpointing" + (" (inputs offloaded to host memory)" if a.offload else "")
+        opts.append("activation checkpointing" + (f" (one block input in {a.checkpoint_stride} kept)"
+                                                  if a.checkpoint_stride > 1 else "")
+                    + (" (inputs offloaded to host memory)" if a.offload else "")
                     + (" (attention outputs kept)" if a.keep_attention else ""))
     if run.optimizer == "zero1-host":
         opts.append("optimizer state and update on the host, gradients streamed there")
