@@ -150,7 +150,25 @@ def _worker(rank: int, world: int, tmp: str) -> dict:
     out["param resumed"] = [_resumed(tmp, "fsdp from host", weights, sharded),
                             _resumed(tmp, "fsdp to host", sharded, weights)]
     out["peaks"] = {name: [measured_step_peak(BASE + o, world) for o in pair] for name, pair in PEAKS.items()}
+    out["host piece"] = _host_piece_stays(rank, world)
     return out
+
+
+def _host_piece_stays(rank: int, world: int) -> bool:
+    """A host-memory tensor in a checkpoint on a GPU mesh (made here without its backend, as this machine has no
+    GPU) is the tensor itself, not a copy on the device: a load fills it."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard
+
+    from megalysses.training.checkpoint import dtensor_view
+
+    mesh = DeviceMesh("cuda", torch.arange(world), _init_backend=False)
+    host = torch.arange(6.0).view(3, 2) + rank
+    try:
+        piece = dtensor_view(host, mesh, [Shard(0)], [3 * world, 2])
+    except (AssertionError, RuntimeError) as e:     # what copying it to a GPU raises here
+        return f"moved to the device: {e}"
+    return piece.device_mesh.device_type == "cuda" and piece.to_local().data_ptr() == host.data_ptr()
 
 
 def _same_training(name: str, plain: dict, offloaded: dict) -> None:
@@ -200,6 +218,10 @@ def test_a_checkpoint_resumes_with_and_without_offload(ranks):
                 assert step == 3, (kind, step)
                 for n, w in straight.items():
                     assert torch.equal(weights[n], w), f"{kind}resumed, rank {rank}: {n}"
+
+
+def test_checkpoints_take_host_memory_tensors_as_they_are(ranks):
+    assert all(results["host piece"] is True for results in ranks), [results["host piece"] for results in ranks]
 
 
 def test_offload_lowers_the_measured_peak_by_what_the_model_predicts(ranks):
