@@ -35,7 +35,7 @@ PARAM_RUNS = {   # FSDP, with and without parameter offload
                                          "training.activation_checkpointing=true", "training.activation_offload=true"],
 }
 PEAK = ["training.dtype=bfloat16", "training.activation_checkpointing=true", "training.global_batch_size=4",
-        "model.num_layers=4", "parallel.grad_bucket_elements=20000", "data.seq_len=256"]
+        "data.document_mask=false", "model.num_layers=4", "parallel.grad_bucket_elements=20000", "data.seq_len=256"]
 PEAKS = {   # (without, with) the offload, on 2 ranks (dp2, 2 micro-batches each)
     "optimizer offload (ZeRO-1)": (PEAK, PEAK + ["training.optimizer_offload=true"]),
     "parameter offload (FSDP)": (PEAK + ["parallel.fsdp=true"],

@@ -60,15 +60,16 @@ def streams_gradients(opts: Options) -> bool:
 def _streamed_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, n: float) -> list[Term]:
     """The gradients on the device when they stream to host memory: those waiting for their bucket to
     complete (at most a bucket's or a layer's, the larger) in the compute dtype, and with a grad group of
-    more than one rank the bucket being reduced (its fp32 reduce-scatter input and this rank's output)."""
+    more than one rank the bucket being reduced while the next one fills (its fp32 reduce-scatter input and
+    this rank's output)."""
     G = layout.dp * layout.sp
-    bucket = opts.bucket_bytes / 4
+    bucket = min(n, opts.bucket_bytes / 4)
     waiting = min(n, max(layer_params(m, layout.tp), bucket))
     terms = [Term("gradients waiting for their bucket (then streamed to the host)", waiting * prec.weight,
                   f"max(a layer, a bucket) {waiting:.4g} x {prec.weight} B")]
     if G > 1:
-        sent = min(bucket, n) * (1 + 1 / G)
-        terms.append(Term("gradient bucket being reduced", sent * 4, f"{min(bucket, n):.4g} x 4 B x (1 + 1/{G})"))
+        terms.append(Term("gradient bucket being reduced", bucket * 4 * (1 + 1 / G),
+                          f"{bucket:.4g} x 4 B x (1 + 1/{G})"))
     return terms
 
 

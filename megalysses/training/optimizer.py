@@ -273,8 +273,7 @@ class ShardedAdamW:
 
     def _stream_ready(self) -> None:
         """Offload: launch, in order, every (micro-batch, bucket) whose gradients are all in, and send the
-        reduced chunks of the bucket launched before it to host memory: one reduction stays in flight under
-        the backward (gloo's wait blocks the caller; on CUDA the side stream waits, not the caller)."""
+        reduced chunks to host memory."""
         per = len(self._streamed)
         while self._next < self._expected * per:
             micro, i = divmod(self._next, per)
@@ -283,7 +282,9 @@ class ShardedAdamW:
                 return
             self._launch(self._streamed[i], micro)
             self._next += 1
-            self._to_host(keep=1 if i < per - 1 else 0)     # nothing left behind after a micro-batch's last
+            # gloo's wait blocks: leave the newest reduction running under the backward (none after a
+            # micro-batch's last bucket); on CUDA the side stream waits for it, not this thread
+            self._to_host(keep=1 if i < per - 1 and self.host.stream is None else 0)
 
     def _to_host(self, keep: int = 0) -> None:
         """Offload: hand all launched buckets but the newest `keep` to host memory (accumulating after a
