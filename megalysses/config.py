@@ -132,7 +132,8 @@ class ParallelConfig:
     """Shard norms and the residual stream over tp (Megatron 'sequence parallel')."""
     overlap_grad_reduce: bool = True
     """ZeRO-1: start each gradient bucket's reduce-scatter during the last micro-batch's backward, as soon
-    as its gradients are final, instead of after the backward."""
+    as its gradients are final, instead of after the backward. With training.optimizer_offload the buckets
+    are reduced during every micro-batch's backward either way (the gradients stream to host memory)."""
     grad_bucket_elements: int = 32_000_000
     """ZeRO-1: gradient elements per reduce-scatter / all-gather bucket."""
     fsdp: bool = False
