@@ -132,7 +132,8 @@ class ParallelConfig:
     """Shard norms and the residual stream over tp (Megatron 'sequence parallel')."""
     overlap_grad_reduce: bool = True
     """ZeRO-1: start each gradient bucket's reduce-scatter during the last micro-batch's backward, as soon
-    as its gradients are final, instead of after the backward."""
+    as its gradients are final, instead of after the backward. With training.optimizer_offload the buckets
+    are reduced during every micro-batch's backward either way (the gradients stream to host memory)."""
     grad_bucket_elements: int = 32_000_000
     """ZeRO-1: gradient elements per reduce-scatter / all-gather bucket."""
     fsdp: bool = False
@@ -328,9 +329,21 @@ class TrainingConfig:
     """Keep the checkpointed block inputs in pinned host memory instead of on the device: copied out on a
     side stream during the forward, copied back one block ahead of the backward. Needs
     activation_checkpointing (the block inputs are all a checkpointed forward keeps)."""
+    checkpoint_stride: int = 1
+    """With activation_checkpointing: keep the input of every k-th block only (groups of k blocks). The
+    backward recomputes a group from its input, keeping each block's input on the device, then each block
+    recomputes itself in its own backward: 1/k of the inputs kept (or offloaded to host memory), for one
+    more forward of every layer and k - 1 more block inputs on the device while a group runs backward."""
     optimizer_offload: bool = False
     """ZeRO-1: keep the fp32 master weights, AdamW's moments and the reduced gradients in pinned host
-    memory and run the AdamW update on the CPU; the device holds the compute weights and gradients only."""
+    memory and run the AdamW update on the CPU. The gradients stream there during the backward, bucket by
+    bucket as each is complete, and a step's micro-batches are summed on the host: the device holds the
+    compute weights and the gradients of a layer or two, never a whole model's."""
+    param_offload: bool = False
+    """With parallel.fsdp: keep the weights in pinned host memory too (FSDP2's CPUOffloadPolicy): each block's
+    weights are copied in one block ahead of its forward and its backward and freed after, its gradients go
+    back to host memory as its backward finishes, and the AdamW update runs on the CPU. The device holds two
+    blocks' weights, one block's gradients and the embedding and head."""
     nan_policy: Literal["abort", "skip"] = "abort"
     """On a NaN/Inf loss: abort the run, or skip the step."""
 

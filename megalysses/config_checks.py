@@ -64,6 +64,20 @@ def validate_config(cfg: Config, world_size: Optional[int] = None) -> None:
         raise ConfigError(f"training.attention_head_chunks={t.attention_head_chunks} with "
                           f"training.recompute_attention=false is not supported: kept attention outputs are every "
                           f"layer's, all heads, which chunks cannot shrink; choose one of them")
+    if t.checkpoint_stride > 1 and not t.activation_checkpointing:
+        raise ConfigError(f"training.checkpoint_stride={t.checkpoint_stride} needs "
+                          f"training.activation_checkpointing=true: it says which block inputs the checkpoints keep")
+    if t.checkpoint_stride > 1 and not t.recompute_attention:
+        raise ConfigError(f"training.checkpoint_stride={t.checkpoint_stride} with training.recompute_attention=false "
+                          f"is not supported: a group's recomputation would keep attention's outputs for every block "
+                          f"of the group; choose one of them")
+    if t.param_offload and not p.fsdp:
+        raise ConfigError("training.param_offload=true streams the weights through FSDP2 (its CPUOffloadPolicy): set "
+                          "parallel.fsdp=true as well (ZeRO-1 keeps whole weights on every rank; "
+                          "training.optimizer_offload is its offload)")
+    if t.param_offload and t.optimizer_offload:
+        raise ConfigError("training.param_offload=true already keeps the optimizer state in host memory and updates "
+                          "it there: drop training.optimizer_offload (it is ZeRO-1's)")
     if t.optimizer_offload and p.fsdp:
         raise ConfigError("training.optimizer_offload=true is for ZeRO-1: with parallel.fsdp=true the optimizer "
                           "state is already sharded with the weights; set one of them to false")
@@ -114,6 +128,7 @@ _RANGES = [
     ("training", "eval_steps", 1, None), ("checkpoint", "save_interval", 0, None), ("checkpoint", "keep_last", 0, None),
     ("training", "loss_chunk_tokens", 0, None), ("training", "mlp_chunk_tokens", 0, None),
     ("training", "attention_head_chunks", 1, None),
+    ("training", "checkpoint_stride", 1, None),
     ("logging", "log_interval", 1, None), ("logging", "peak_tflops", 0.0, None),
     ("parallel", "timeout_seconds", 1.0, None),
     ("parallel", "tp", 1, None), ("parallel", "sp", 1, None), ("parallel", "sp_ring", 0, None),

@@ -3,6 +3,7 @@ backward, and the peak of live tensor bytes over any piece of code, on CPU as on
 
     out, kept = measure_retained(lambda: model(ids, pos, labels=ids), exclude=tuple(model.parameters()))
     peak = measure_peak(lambda: train_step(...), baseline=tensors_that_exist_before)
+    opt.optimizer.step = unmeasured(opt.optimizer.step)      # an offloaded update: host memory, not counted
 
 Both watch every tensor the dispatcher produces (a TorchDispatchMode) and follow storages by weak
 reference, so views are counted once and nothing is kept alive by the measurement. measure_peak is the
@@ -14,12 +15,12 @@ from __future__ import annotations
 import gc
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves
 
 
@@ -96,11 +97,15 @@ class Peak:
 
 
 def measure_peak(run: Callable[[], Any], baseline: Iterable[torch.Tensor] = (), device: str = "cpu",
-                 timeline: bool = False, exclude: Iterable[torch.Tensor] = ()) -> tuple[Any, Peak]:
+                 timeline: bool = False, exclude: Iterable[torch.Tensor] = (),
+                 host: Optional[Callable[[], Iterable[torch.Tensor]]] = None) -> tuple[Any, Peak]:
     """Run `run()` and return (its result, the peak of live tensor bytes on `device`): the `baseline`
     tensors (weights, optimizer state: whatever exists before) while they live, plus every tensor made
     during the run while it lives, except the storages of `exclude` (on CPU: host copies standing for
-    another memory). `timeline`: also record the live bytes after every op."""
+    another memory) and of the tensors `host()` returns whenever the live bytes are counted (on CPU:
+    tensors made during the run that live in host memory on a GPU, such as offloaded gradients).
+    `timeline`: also record the live bytes after every op. Work that runs on the host (an offloaded
+    optimizer's update) is left out by running it under `unmeasured()`."""
     skip = {t.untyped_storage()._cdata for t in exclude}
     live: dict[int, tuple] = {}
     for t in baseline:
@@ -116,7 +121,8 @@ def measure_peak(run: Callable[[], Any], baseline: Iterable[torch.Tensor] = (), 
     def purge() -> int:
         for key in [k for k, v in live.items() if v[0].expired()]:
             del live[key]
-        return sum(v[1] for v in live.values())
+        away = {t.untyped_storage()._cdata for t in host()} if host is not None else set()
+        return sum(v[1] for k, v in live.items() if k not in away)
 
     class Track(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -136,10 +142,19 @@ def measure_peak(run: Callable[[], Any], baseline: Iterable[torch.Tensor] = (), 
             if timeline:
                 peak.timeline.append((str(func), total))
             if total > peak.bytes:
+                away = {t.untyped_storage()._cdata for t in host()} if host is not None else set()
                 peak.bytes, peak.op = total, str(func)
-                peak.storages = sorted(((v[1], v[2], v[3]) for v in live.values()), reverse=True)
+                peak.storages = sorted(((v[1], v[2], v[3]) for k, v in live.items() if k not in away), reverse=True)
             return out
 
     with Track():
         out = run()
     return out, peak
+
+
+def unmeasured(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` run outside any measurement in progress: what it allocates is not counted (host-side work)."""
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with _disable_current_modes():
+            return fn(*args, **kwargs)
+    return call

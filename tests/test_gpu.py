@@ -286,3 +286,42 @@ def test_activation_offload_copies_overlap_compute():
     assert with_offload - compute <= 0.5 * copies, \
         f"with offload {with_offload:.2f} ms, compute {compute:.2f} ms, the copies alone {copies:.2f} ms"
     assert offloaded.offload.stats.on_demand == offloaded.offload.stats.offloaded // OFFLOAD_LAYERS
+
+
+# ----------------------------------------------------------------------------- gradients and weights off the GPU
+
+OFF_GPU = TINY + ["model.vocab_size=32000", "model.hidden_size=1024", "model.num_layers=4", "model.num_heads=8",
+                  "model.num_kv_heads=4", "data.seq_len=1024", "training.global_batch_size=2",
+                  "training.micro_batch_size=1", "training.train_steps=4", "training.activation_checkpointing=true",
+                  "training.dtype=bfloat16", "optimizer.lr=1e-4"]
+OFF_GPU_RUNS = {   # name: (overrides, its plain counterpart)
+    "zero1": ([], None),
+    "zero1, optimizer offload (gradients streamed)": (["training.optimizer_offload=true"], "zero1"),
+    "fsdp": (["parallel.fsdp=true"], None),
+    "fsdp, parameter offload": (["parallel.fsdp=true", "training.param_offload=true"], "fsdp"),
+}
+
+
+@pytest.mark.timeout(900)   # four runs
+def test_gradients_and_weights_off_the_gpu(tmp_path):
+    """torchrun on one GPU (NCCL), 2 micro-batches a step, ~116M parameters: with ZeRO-1's optimizer offload
+    the gradients stream to pinned host memory (training/host_gradients.py: the side stream, the staged sums of
+    the second micro-batch), with FSDP's parameter offload the weights live there; both train the losses of
+    the runs without them (the update runs on the CPU: its rounding may differ in the last bits) at a much
+    lower peak (fp32 masters, moments and gradients of the whole model are gone from the GPU)."""
+    base = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+            str(ROOT / "pretrain.py")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    got = {}
+    for name, (extra, _) in OFF_GPU_RUNS.items():
+        run = tmp_path / name.replace(" ", "_").replace(",", "")
+        sets = OFF_GPU + extra + [f"logging.run_dir={run}"]
+        done = subprocess.run(base + _sets(sets), cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout + done.stderr
+        records = [r for r in _metrics(run) if "loss" in r]
+        got[name] = ([r["loss"] for r in records], max(r["peak_mem_gib"] for r in records))
+    for name, (_, plain) in OFF_GPU_RUNS.items():
+        if plain is not None:
+            (losses, peak), (plain_losses, plain_peak) = got[name], got[plain]
+            assert len(losses) == 4 and losses == pytest.approx(plain_losses, rel=1e-3), (name, losses, plain_losses)
+            assert peak < 0.6 * plain_peak, (name, peak, plain_peak)

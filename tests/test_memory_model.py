@@ -22,7 +22,7 @@ from megalysses.config import ModelConfig
 from megalysses.config_io import load_config
 from megalysses.grid import ParallelGrid
 from megalysses.kernels.triton_support import triton_importable
-from megalysses.measure import Retained, measure_peak, measure_retained
+from megalysses.measure import Retained, measure_peak, measure_retained, unmeasured
 from megalysses.memory import (PRECISIONS, Layout, Options, Workload, bytes_per_token, estimate,
                                head_weight_grad_bytes, in_flight, layer_terms, retained_activation_bytes,
                                sp_buffer_bytes_per_token, stage_params)
@@ -306,6 +306,9 @@ PEAKS = {   # name: overrides (one rank); each is the peak of a second step, the
     "bf16, checkpointing, auto tiles": ["training.dtype=bfloat16", "training.global_batch_size=1",
                                         "training.activation_checkpointing=true", "training.mlp_chunk_tokens=auto",
                                         "training.loss_chunk_tokens=auto"],
+    "bf16, checkpointing, optimizer offload (gradients streamed), 2 micro-batches": [
+        "training.dtype=bfloat16", "training.global_batch_size=2", "training.activation_checkpointing=true",
+        "training.optimizer_offload=true", "model.num_layers=4"],
 }
 LAYOUT_PEAKS = {   # name: overrides on 2 ranks
     "sp2, bf16, checkpointing": ["parallel.sp=2", "training.dtype=bfloat16", "training.global_batch_size=1",
@@ -334,7 +337,9 @@ LAYOUT_PEAKS = {   # name: overrides on 2 ranks
 
 def measured_step_peak(overrides: list[str], world: int = 1, exclude_host: bool = False) -> tuple[int, float]:
     """(the measured peak of live bytes over one training step, the model's prediction) on this rank;
-    `exclude_host`: leave out the activation offload's host copies (CPU tensors here)."""
+    `exclude_host`: leave out the activation offload's host copies (CPU tensors here). What an offloaded
+    optimizer keeps in host memory is left out too (masters, moments, host gradients; with parameter offload
+    FSDP's shards and their gradients), and so is its update, which runs on the host."""
     from megalysses.training.loop import build_model_and_optimizer
     from megalysses.training.runtime import resolve_run
     from megalysses.training.step import train_step
@@ -351,7 +356,7 @@ def measured_step_peak(overrides: list[str], world: int = 1, exclude_host: bool 
 
     def batch() -> list[dict]:
         out = []
-        for _ in range(cfg.training.global_batch_size):
+        for _ in range(cfg.training.global_batch_size // grid.dp_size):
             tokens = torch.randint(0, cfg.model.vocab_size, (1, S_ + 1), generator=g)
             out.append({"input_ids": tokens[:, :-1][:, local].contiguous(),
                         "labels": tokens[:, 1:][:, local].contiguous(), "position_ids": local[None]})
@@ -362,12 +367,28 @@ def measured_step_peak(overrides: list[str], world: int = 1, exclude_host: bool 
 
     step(batch())
     mbs = batch()
-    state = [t for st in opt.optimizer.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
-    before = (list(model.parameters()) + state + [s_.master for s_ in opt.slots if s_.master is not None]
-              + [t for mb in mbs for t in mb.values()])
+
+    def as_local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    shards = list(model.parameters())      # FSDP: the sharded parameters (a forward swaps in gathered ones)
+    state = [as_local(t) for st in opt.optimizer.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+    masters = [s_.master for s_ in opt.slots if s_.master is not None] if hasattr(opt, "slots") else []
     chunks = model.chunks if hasattr(model, "chunks") else [model]
     host = [t for c in chunks if c.offload is not None for t in c.offload.host_buffers()] if exclude_host else []
-    _, peak = measure_peak(lambda: step(mbs), before, exclude=host)
+    held = runtime.optimizer in ("zero1-host", "fsdp-host")       # the optimizer in host memory
+    if held:
+        host += state + masters + [s_.host_grad for s_ in getattr(opt, "slots", []) if s_.host_grad is not None]
+        opt.optimizer.step = unmeasured(opt.optimizer.step)
+
+    def offloaded() -> list[torch.Tensor]:   # parameter offload: FSDP's shards and their gradients
+        if runtime.weights != "host":
+            return []
+        return [as_local(q) for q in shards] + [as_local(q.grad) for q in shards if q.grad is not None]
+
+    before = ([] if runtime.weights == "host" else [as_local(q) for q in shards]) + ([] if held else state + masters) \
+        + [t for mb in mbs for t in mb.values()]
+    _, peak = measure_peak(lambda: step(mbs), before, exclude=host, host=offloaded)
     return peak.bytes, estimate_config(cfg, world, CPU).peak
 
 

@@ -3,8 +3,11 @@ between the forward and the backward (megalysses/parallel/offload.py).
 
 On CPU the host copy is a separate CPU tensor: the losses and every gradient of a training step must be
 exactly those without offload, at every layout, pipeline schedule and memory option, and what the
-forward leaves on the "device" must drop to what the memory model says. The GPU tier (tests/test_gpu.py)
+forward leaves on the "device" must drop to what the memory model says; with training.checkpoint_stride
+only every k-th block input is kept (or offloaded), for the same gradients. The GPU tier (tests/test_gpu.py)
 checks the side streams: the copies overlap compute and the device memory drops."""
+import functools
+
 import pytest
 import torch
 
@@ -35,6 +38,8 @@ LAYOUTS = {   # name: overrides on 4 ranks
     "sp2 as a ring of 2, dp2, FSDP, tiled MLP": ["parallel.sp=2", "parallel.sp_ring=2", "parallel.fsdp=true",
                                                  "training.mlp_chunk_tokens=8"],
     "sp4 = ulysses 2 x ring 2": ["parallel.sp=4", "parallel.sp_ring=2"],
+    "pp2 dp2, 1F1B, every 2nd block input kept (a group of 2 blocks a stage)": [
+        "parallel.pp=2", "training.checkpoint_stride=2"],
 }
 
 
@@ -218,6 +223,41 @@ def test_a_longer_sequence_lets_the_shorter_ones_host_buffers_go():
                 assert {tuple(t.shape) for t in model.offload.host_buffers()} == {(1, S, 64)}
         grads[offload] = [p.grad for p in model.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(grads[True], grads[False]))
+
+
+def test_a_checkpoint_stride_keeps_every_kth_block_input_for_the_same_gradients():
+    """training.checkpoint_stride: groups of k blocks keep their input only (on the device, or offloaded), and
+    recompute each block's input in the backward: the same loss and gradients bit for bit, 1/k of the block
+    inputs kept, what the forward keeps exactly the model's, and the peak of a step within 10% of it."""
+    for extra in ([], ["training.activation_offload=true"]):
+        plain = one_step(["training.global_batch_size=1"] + extra, 1)
+        for k in (2, 3):
+            grouped = one_step(["training.global_batch_size=1", f"training.checkpoint_stride={k}"] + extra, 1)
+            assert grouped["loss"] == plain["loss"] and grouped["norm"] == plain["norm"], (k, extra)
+            assert all(torch.equal(grouped["grads"][n], g) for n, g in plain["grads"].items()), (k, extra)
+            if extra:      # 4 blocks: 2 groups whatever k (2 + 2, 3 + 1), each group's input offloaded
+                assert [s.offloaded for s in grouped["stats"]] == [2], grouped["stats"]
+    S, fp32 = 64, PRECISIONS["fp32"]
+    ids, pos = torch.randint(0, 256, (1, S)), torch.arange(S)[None]
+    for offload in (False, True):
+        model = _model()
+        model.checkpoint_stride, model.offload = 2, model.offload if offload else None
+        _, kept = measure_retained(functools.partial(model, ids, pos, labels=ids),
+                                   exclude=tuple(model.parameters()) + (pos, ids))
+        host = sum(t.numel() * t.element_size() for t in model.offload.host_buffers()) if offload else 0
+        opts = Options(activation_checkpointing=True, activation_offload=offload, checkpoint_stride=2,
+                       attention="sdpa", native_gqa=False)
+        assert kept.bytes - host == retained_activation_bytes(model.cfg, Layout(), opts, fp32, S), (offload, kept)
+        assert host == (2 * S * 64 * 4 if offload else 0)                   # 2 of the 4 block inputs
+    for extra in (["training.checkpoint_stride=2"],
+                  ["training.checkpoint_stride=4", "training.activation_offload=true"]):
+        measured, predicted = measured_step_peak(PEAK + extra, exclude_host=True)
+        assert abs(predicted - measured) <= 0.10 * measured, (extra, measured, predicted)
+    with pytest.raises(ConfigError, match="checkpoint_stride=2 needs training.activation_checkpointing"):
+        load_config(overrides=["data.mock=true", "training.checkpoint_stride=2"])
+    with pytest.raises(ConfigError, match="checkpoint_stride=2 with training.recompute_attention=false"):
+        load_config(overrides=["data.mock=true", "training.checkpoint_stride=2",
+                               "training.activation_checkpointing=true", "training.recompute_attention=false"])
 
 
 def test_a_block_input_comes_back_once():

@@ -11,7 +11,8 @@ import torch
 from megalysses.config import ConfigError, ModelConfig
 from megalysses.config_checks import check_heads, validate_config
 from megalysses.config_io import load_config
-from megalysses.memory import PRECISIONS, Layout, Options, Workload, longest_sequence
+from megalysses.memory import (GIB, PRECISIONS, Layout, Options, Workload, estimate, layer_params,
+                               longest_sequence, stage_params)
 from megalysses.plan import resolve
 from megalysses.plan.search import check_phase_time, described_machine, evaluate, plan, predicted_step_seconds
 from megalysses.plan.step_time import Hardware, Overlap, step_time
@@ -211,6 +212,10 @@ def test_cli_json_best_and_null(capsys):
     assert {"tp", "sp", "pp", "dp", "peak_gib"} <= set(best)
     assert best["tp"] * best["sp"] * best["pp"] * best["dp"] == 8 and best["peak_gib"] <= 80
     assert out["layouts"][0] == best and out["config_layout"]["fits"]
+    # --set overrides the config as pretrain.py's does
+    assert main(["--config", "configs/gpt_1b_8gpu.yaml", "--gpus", "8", "--gpu-memory-gib", "80", "--json",
+                 "--seq-len", "65536", "--top", "1", "--set", "training.global_batch_size=16"]) == 0
+    assert json.loads(capsys.readouterr().out)["config_layout"]["micro_batches"] == 16
     # nothing fits: the 8B model's states alone on one small GPU
     assert main(["--config", "configs/llama3_8b_1m.yaml", "--gpus", "1", "--gpu-memory-gib", "16",
                  "--seq-len", "8192", "--json"]) == 0
@@ -330,3 +335,82 @@ def test_kept_attention_is_planned_with_sdpa_faster_for_more_memory():
                                                  recompute_attention=False))
     with pytest.raises(ConfigError, match="model.attention_backend=sdpa"):
         evaluate(flash_kept, 1, 80, None, Hardware(), FLASH)
+
+
+
+def test_parameter_offload_is_planned_where_the_weights_bind():
+    """Llama-3-8B on one 80 GB GPU at 512K tokens with Triton kernels: nothing fits without host memory; with
+    it the planner offers parameter offload (FSDP2's CPUOffloadPolicy: two blocks' weights and one block's
+    gradients on the device) and ranks it first, below ZeRO-1 with optimizer offload (gradients streamed, the
+    weights on the device). The run it plans resolves to weights, gradients and optimizer on the host, and
+    its step counts the host copies: every block's fp32 shard in twice and its gradient out once."""
+    cfg = _load("configs/llama3_8b_1m.yaml", **{"training.global_batch_size": 1, "model.kernels": "triton"})
+    S = 1 << 19
+    assert not plan(cfg, 1, S, 80)[0]
+    fitting, _ = plan(cfg, 1, S, 80, host_memory_gib=1769)
+    best = fitting[0]
+    assert best.cfg.training.param_offload and best.cfg.parallel.fsdp, [p.row() for p in fitting]
+    assert (best.run.weights, best.run.gradients, best.run.optimizer) == ("host", "host", "fsdp-host")
+    # ZeRO-1 with optimizer offload at the same activation options (checkpointing, tiles, head chunks, stride)
+    same = [p for p in fitting if p.cfg.training.optimizer_offload and p.run.activation == best.run.activation]
+    assert same, [p.row() for p in fitting]
+    streamed = min(same, key=lambda p: p.estimate.peak)
+    assert (streamed.run.weights, streamed.run.gradients) == ("device", "host")
+    assert best.estimate.peak < streamed.estimate.peak - 8 * GIB
+    blocks, root = stage_params(cfg.model, Layout(), True, True)    # root: embedding, final norm, head
+    n, block = blocks + root, layer_params(cfg.model)
+    device = {t.name: t.bytes for t in best.estimate.terms if not t.host}
+    weights_and_grads = sum(device[k] for k in ("gathered blocks (in flight + prefetched)",
+                                                "gathered embedding / head (kept through the step)",
+                                                "unsharded gradient of one block (and its fp32 copy)",
+                                                "one block's fp32 gradient shard on its way to the host"))
+    assert weights_and_grads == block * (2 * 2 + 2 + 4 + 4) + root * 2
+    host = {t.name: t.bytes for t in best.estimate.terms if t.host}
+    assert host["master, moments, gradients (FSDP shards)"] == n * 16
+    activations = host["offloaded block inputs"]
+    assert best.step.bytes["host"] == pytest.approx(2 * activations + n * (2 * 4 + 4))
+    assert streamed.step.bytes["host"] == pytest.approx(2 * activations + n * 4 + n * 2)
+
+
+def test_streamed_gradients_leave_no_main_grad_on_the_device():
+    """ZeRO-1 with optimizer offload, 4 micro-batches: without it the fp32 main_grad of every parameter is on
+    the device (29.9 GiB at 8B); with it, the gradients of a layer (or a bucket, the larger) and one bucket
+    being reduced. The host holds the reduced fp32 gradients and two buckets staged for their addition; every
+    micro-batch's reduced chunks are copied out, the weights come back once."""
+    m, layout, bf16 = LLAMA3_8B, Layout(sp=8), PRECISIONS["bf16"]
+    base = Options(activation_checkpointing=True, activation_offload=True, loss_chunk_tokens=8192)
+    work = Workload(1 << 20, 1, 4)
+    on_device = estimate(m, layout, base, bf16, work)
+    streamed = estimate(m, layout, replace(base, optimizer_offload=True), bf16, work)
+    n, G, bucket = sum(stage_params(m, layout, True, True)), 8, base.bucket_bytes / 4
+    assert {t.name: t.bytes for t in on_device.terms}["gradients (fp32 main_grad)"] == n * 4
+    device = {t.name: t.bytes for t in streamed.terms if not t.host}
+    grads = {k: b for k, b in device.items() if k.startswith("gradient")}
+    assert grads == {"gradients waiting for their bucket (then streamed to the host)": layer_params(m) * 2,
+                     "gradient bucket being reduced": bucket * 4 * (1 + 1 / G)}
+    assert on_device.peak - streamed.peak > n * 4
+    host = {t.name: t.bytes for t in streamed.terms if t.host}
+    assert host["reduced fp32 gradients"] == n * 4 / G and host["gradient staging buffers"] == 2 * bucket * 4 / G
+    step = step_time(m, layout, replace(base, optimizer_offload=True), bf16, work, Hardware())
+    assert step.bytes["host"] == pytest.approx(4 * n / G * 4 + n / G * 2)
+
+
+def test_a_checkpoint_stride_is_planned_where_host_memory_binds():
+    """The 1B model at 1M tokens on one GPU offloads 64 GiB of block inputs: with 40 GiB of host memory only
+    layouts keeping every 2nd or 4th block input fit (32 and 16 GiB of them), slower by a forward of every
+    layer; with 80 GiB, those keeping every input come first."""
+    cfg = load_config("configs/gpt_1b_1m_offload.yaml")
+    tight, _ = plan(cfg, 1, 1 << 20, 80, host_memory_gib=40)
+    assert tight and all(p.cfg.training.checkpoint_stride > 1 for p in tight)
+    assert all(p.host_per_node <= 40 * GIB for p in tight)
+    roomy, _ = plan(cfg, 1, 1 << 20, 80, host_memory_gib=80)
+    assert roomy[0].cfg.training.checkpoint_stride == 1
+    every = {p.cfg.training.checkpoint_stride: p for p in roomy if not p.cfg.parallel.fsdp
+             and p.run.activation.head_chunks == 1 and not p.run.activation.keep_attention}
+    one, two = every[1], every[2]
+    offloaded = {k: sum(t.bytes for t in p.estimate.terms if t.name == "offloaded block inputs")
+                 for k, p in every.items()}
+    assert offloaded[2] == offloaded[1] / 2
+    # one more forward of every layer (forward, backward = 2, recomputations 1 -> 2): matmuls and attention
+    assert two.step.flops["attention"] == pytest.approx(one.step.flops["attention"] * 5 / 4)
+    assert two.step.flops["matmul"] > one.step.flops["matmul"] and one.step.total < two.step.total

@@ -31,6 +31,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from megalysses.distributed import collective_failure
 from megalysses.grid import ParallelGrid
@@ -96,17 +97,21 @@ def _full_shape(p: torch.Tensor, tp: int) -> list[int]:
     return shape
 
 
-def _dt(local: torch.Tensor, mesh: DeviceMesh, placements: list, shape: list[int]) -> DTensor:
-    stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride)
+def dtensor_view(local: torch.Tensor, mesh: DeviceMesh, placements: list, shape: list[int]) -> DTensor:
+    """`local` as this rank's piece of a DTensor of `shape` on `mesh`, the tensor itself wherever it is (as
+    FSDP builds its sharded parameters). DTensor.from_local would copy a tensor in host memory (optimizer or
+    parameter offload) to the mesh's device: a save would allocate the whole state there, and a load would
+    fill the copy, not the tensor."""
+    meta = TensorMeta(torch.Size(shape), torch.empty(shape, device="meta").stride(), local.dtype)
+    return DTensor(local, DTensorSpec(mesh, tuple(placements), tensor_meta=meta), requires_grad=False)
 
 
 def model_entry(p: torch.Tensor, sub: DeviceMesh, tp: int) -> DTensor:
     """A parameter as a DTensor over (tp, grad): whole on every grad rank, or its dim-0 chunk under FSDP."""
     full = _full_shape(p, tp)
     if isinstance(p.data, DTensor):
-        return _dt(p.data.to_local(), sub, [_tp_placement(p), Shard(0)], full)
-    return _dt(p.data, sub, [_tp_placement(p), Replicate()], full)
+        return dtensor_view(p.data.to_local(), sub, [_tp_placement(p), Shard(0)], full)
+    return dtensor_view(p.data, sub, [_tp_placement(p), Replicate()], full)
 
 
 def training_state(model: torch.nn.Module, opt: Any, grid: ParallelGrid, mesh: DeviceMesh) -> dict:
@@ -118,7 +123,7 @@ def training_state(model: torch.nn.Module, opt: Any, grid: ParallelGrid, mesh: D
         full = _full_shape(param, grid.tp_size)
         placements = [_tp_placement(param), Shard(0)]
         for kind, local in chunks.items():
-            state[f"{kind}.{name}"] = _dt(local, sub, placements, full)
+            state[f"{kind}.{name}"] = dtensor_view(local, sub, placements, full)
     return state
 
 

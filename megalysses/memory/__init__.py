@@ -32,7 +32,8 @@ What a layer keeps for the backward (megalysses/model/layers.py, no checkpointin
 With training.attention_head_chunks the attention keeps only the QKV input (each chunk is recomputed in its
 backward: one chunk's activations and buffers at a time, the running sum of o_proj's partial outputs and of
 the QKV input's gradients beside them). With training.mlp_chunk_tokens the MLP keeps only its norm output
-(tiles are recomputed); with activation checkpointing a layer keeps only its input, and with activation
+(tiles are recomputed); with activation checkpointing a layer keeps only its input (with a checkpoint
+stride k, one layer in k: a group's backward recomputes the other k - 1 inputs), and with activation
 offload not even that: the inputs go to host memory and a window of `offload_prefetch` layers comes back
 ahead of the backward. Per stage: rotary
 cos/sin (fp32, when something saves them), tp-local token ids; on the last, the final norm and the LM head +
@@ -51,7 +52,12 @@ Megatron's warm-up count + 1 model chunks):
                 one chunk's, and a chunk's forward and the summing of the chunks' QKV input gradients)
     optimizer   the AdamW step: reduced fp32 gradient shards and the sqrt of v (activations are gone)
 Optimizer offload (ZeRO-1) keeps masters, moments and the reduced gradients in host memory and updates
-there. Parameter offload (FSDP) is modelled for other systems' published points (tests/test_plan.py).
+there; the gradients stream out during the backward, so the device holds those waiting for their bucket
+(a layer's or a bucket's) and a bucket being reduced, never a whole model's. Parameter offload (FSDP2's
+CPUOffloadPolicy) keeps the shards, their gradients and the optimizer state in host memory: the device holds
+two gathered blocks, the embedding and head, and one block's gradient (bf16, its fp32 copy and its reduced
+shard on the way out). Both are megalysses' own (tests/test_optimizer_offload.py measures them) and model
+other systems' published points too (tests/test_plan.py).
 
 Checked on CPU against the bytes a forward retains and the peak a training step reaches
 (tests/test_memory_model.py, within 10%); benchmarks/bench_memory.py compares the peak with
@@ -66,7 +72,7 @@ and phases, the longest sequence that fits), from_plan.py (all of it read off a 
 from megalysses.memory.types import (GIB, KERNELS, PRECISIONS, Estimate, Kernels, Layout, Options, Precision, Term,
                                      Workload, fmt_bytes)
 from megalysses.memory.activations import (SP_BUFFERS, PerToken, bytes_per_token, cos_sin_kept,
-                                           head_weight_grad_bytes, kv_replication, layer_terms,
+                                           head_weight_grad_bytes, kept_layers, kv_replication, layer_terms,
                                            retained_activation_bytes,
                                            sp_buffer_bytes_per_token, stage_layers, stage_terms, tiled)
 from megalysses.memory.states import in_flight, layer_params, stage_params
@@ -77,7 +83,7 @@ from megalysses.memory.from_plan import (attention_buffers, estimate_plan, layou
 
 __all__ = ["Estimate", "GIB", "KERNELS", "Kernels", "Layout", "Options", "PRECISIONS", "PerToken", "Precision",
            "SP_BUFFERS", "Term", "Workload", "attention_buffers", "bytes_per_token", "cos_sin_kept", "estimate",
-           "estimate_plan", "fmt_bytes", "head_weight_grad_bytes", "in_flight", "kv_replication",
+           "estimate_plan", "fmt_bytes", "head_weight_grad_bytes", "in_flight", "kept_layers", "kv_replication",
            "layer_params", "layer_terms", "layout_of", "longest_sequence", "loss_tile_tokens", "norm_backward_bytes",
            "norm_tile_bytes", "options_of", "precision_of", "retained_activation_bytes",
            "sp_buffer_bytes_per_token", "stage_layers", "stage_params", "stage_terms", "tiled", "workload_of"]

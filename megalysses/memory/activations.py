@@ -165,6 +165,12 @@ def head_weight_grad_bytes(m: ModelConfig, layout: Layout, prec: Precision) -> f
     return m.padded_vocab_size(layout.tp) / layout.tp * m.hidden_size * prec.weight
 
 
+def kept_layers(layers: int, opts: Options) -> int:
+    """Of `layers` blocks, how many keep their input: every k-th under checkpointing with a stride."""
+    k = opts.checkpoint_stride if opts.activation_checkpointing else 1
+    return -(-layers // k)
+
+
 def bytes_per_token(terms: PerToken) -> float:
     return sum(n * b for _, n, b in terms)
 
@@ -185,4 +191,5 @@ def retained_activation_bytes(m: ModelConfig, layout: Layout, opts: Options, pre
     if opts.activation_offload and opts.activation_checkpointing:
         # the block inputs are in host memory, except a received pipeline input (the schedule holds it)
         per_layer, n = (per_layer, 1) if not first else (0.0, 0)
-    return tokens * n * per_layer + stage + (head_weight_grad_bytes(m, layout, prec) if last else 0.0)
+    head = head_weight_grad_bytes(m, layout, prec) if last else 0.0
+    return tokens * kept_layers(n, opts) * per_layer + stage + head

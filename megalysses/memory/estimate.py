@@ -6,9 +6,9 @@ from dataclasses import replace
 from typing import Optional
 
 from megalysses.config import ModelConfig
-from megalysses.memory.activations import (bytes_per_token, dims, head_weight_grad_bytes, layer_terms, norm_terms,
-                                           stage_layers, stage_terms)
-from megalysses.memory.states import in_flight, optimizer_terms, stage_params, state_terms
+from megalysses.memory.activations import (bytes_per_token, dims, head_weight_grad_bytes, kept_layers, layer_terms,
+                                           norm_terms, stage_layers, stage_terms)
+from megalysses.memory.states import in_flight, optimizer_terms, stage_params, state_terms, streams_gradients
 from megalysses.memory.transients import backward_terms, loss_terms, norm_backward_bytes, norm_tile_bytes
 from megalysses.memory.types import Estimate, Layout, Options, Precision, Term, Workload
 
@@ -33,9 +33,10 @@ def _stage_estimate(m: ModelConfig, layout: Layout, opts: Options, prec: Precisi
         """The retained activations: `behind` whole micro-batches, the current one's first `current_layers`."""
         mbs = behind + 1
         if not offload:
-            count = behind * n_layers + current_layers
+            every, now = kept_layers(n_layers, opts), kept_layers(current_layers, opts)
+            count = behind * every + now
             terms = [Term("layer activations", count * tokens * layer_tok,
-                          f"({behind:g} mb x {n_layers} + {current_layers}) layers x {tokens:.4g} tok x "
+                          f"({behind:g} mb x {every} + {now}) layers x {tokens:.4g} tok x "
                           f"{layer_tok:.4g} B")]
         else:
             kept = 0 if first else 1                # a received pipeline input stays (the schedule holds it)
@@ -71,7 +72,10 @@ def _stage_estimate(m: ModelConfig, layout: Layout, opts: Options, prec: Precisi
     # the input embedding's gradient comes last (the LM head's, when tied, is the same tensor)
     embedding = m.padded_vocab_size(layout.tp) * m.hidden_size / layout.tp if first and not (
         last and m.tie_embeddings) else 0.0
-    if M == 1 and not opts.fsdp:    # one micro-batch: the gradients appear layer by layer in the backward
+    streamed = streams_gradients(opts)
+    if streamed:                    # the same few gradients at every layer: the rest are on the host
+        early = late = head_grads = grads
+    elif M == 1 and not opts.fsdp:  # one micro-batch: the gradients appear layer by layer in the backward
         def so_far(done: int, ready: Optional[float] = None) -> list[Term]:
             ready = other + done * blocks / max(n_layers, 1) if ready is None else ready
             # a bucket is reduced once all of its gradients are there (whole buckets only)
@@ -94,7 +98,7 @@ def _stage_estimate(m: ModelConfig, layout: Layout, opts: Options, prec: Precisi
     phases = {"backward": max(fixed + early + activations(flight - 1, n_layers) + layer_bwd,
                               fixed + late + activations(flight - 1, 1) + layer_bwd, key=_device),
               "optimizer": fixed + [t for t in grads if not t.name.startswith("gradient bucket")
-                                    and not (opts.optimizer_offload and "reduced" in t.name)]
+                                    and not (opts.optimizer_offload and "reduced" in t.name) and not streamed]
                            + optimizer_terms(m, layout, opts, prec, n, M)}
     if last:
         head_tok = bytes_per_token(stage_terms(m, layout, opts, prec, False, True)) - \
@@ -102,7 +106,7 @@ def _stage_estimate(m: ModelConfig, layout: Layout, opts: Options, prec: Precisi
         head = [Term("final norm + head-input gradient", tokens * head_tok, f"{tokens:.4g} tok x {head_tok:.4g} B"),
                 Term("head weight gradient (computed in the forward)", head_weight_grad_bytes(m, layout, prec),
                      f"{m.padded_vocab_size(layout.tp) / layout.tp:.4g} x {m.hidden_size} x {prec.weight} B")]
-        before = [t for t in grads if "reduced" not in t.name] if M > 1 or opts.fsdp else []
+        before = [t for t in grads if "reduced" not in t.name] if (M > 1 or opts.fsdp) and not streamed else []
         phases["loss"] = (fixed + before + activations(flight - 1, n_layers) + head
                           + loss_terms(m, layout, opts, prec, tokens))
         # the backward's first step, the final norm's, under every layer's activations: what the norm keeps,
@@ -121,7 +125,7 @@ def _stage_estimate(m: ModelConfig, layout: Layout, opts: Options, prec: Precisi
     terms = [t for t in phases[phase] if not t.host and t.bytes]
     host = [t for t in fixed + optimizer_terms(m, layout, opts, prec, n, M) if t.host]
     if offload:
-        off = n_layers - (0 if first else 1)
+        off = kept_layers(n_layers, opts) - (0 if first else 1)
         host.insert(0, Term("offloaded block inputs", flight * tokens * off * layer_tok,
                             f"{flight:g} mb x {off} layers x {tokens:.4g} tok x {layer_tok:.4g} B", host=True))
     return Estimate(peak=_device(terms), stage=stage, phase=phase, terms=terms + host,

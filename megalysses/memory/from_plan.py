@@ -37,9 +37,11 @@ def options_of(cfg: Config, plan: RunPlan) -> Options:
     a, p = plan.activation, cfg.parallel
     native, accumulator = attention_buffers(plan, cfg.data.document_mask)
     return Options(activation_checkpointing=a.checkpointing, activation_offload=a.offload,
-                   keep_attention=a.keep_attention, mlp_chunk_tokens=a.mlp_chunk_tokens, head_chunks=a.head_chunks,
+                   checkpoint_stride=a.checkpoint_stride, head_chunks=a.head_chunks,
+                   keep_attention=a.keep_attention, mlp_chunk_tokens=a.mlp_chunk_tokens,
                    loss_chunk_tokens=a.loss_chunk_tokens, tp_sequence_parallel=a.tp_sequence_parallel,
-                   fsdp=plan.optimizer == "fsdp", optimizer_offload=plan.optimizer == "zero1-host",
+                   fsdp=plan.optimizer in ("fsdp", "fsdp-host"), optimizer_offload=plan.optimizer == "zero1-host",
+                   param_offload=plan.weights == "host",
                    kernels=plan.kernels, attention=plan.attention, native_gqa=native, dq_accumulator=accumulator,
                    documents=cfg.data.document_mask, bucket_bytes=0 if p.fsdp else p.grad_bucket_elements * 4,
                    overlap_grad_reduce=p.overlap_grad_reduce)

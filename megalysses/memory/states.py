@@ -51,12 +51,39 @@ def _reduced_bytes(prec: Precision, opts: Options, G: int, M: int) -> float:
     return 4 if prec.grad(M) != 4 and not opts.optimizer_offload else 0
 
 
+def streams_gradients(opts: Options) -> bool:
+    """ZeRO-1 with optimizer offload: each bucket leaves the device as soon as its gradients are in, in every
+    micro-batch (training/optimizer.py), so a step's gradients never accumulate there."""
+    return opts.optimizer_offload and not opts.fsdp
+
+
+def _streamed_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, n: float) -> list[Term]:
+    """The gradients on the device when they stream to host memory: those waiting for their bucket to
+    complete (at most a bucket's or a layer's, the larger) in the compute dtype, and with a grad group of
+    more than one rank the bucket being reduced while the next one fills (its fp32 reduce-scatter input and
+    this rank's output)."""
+    G = layout.dp * layout.sp
+    bucket = min(n, opts.bucket_bytes / 4)
+    waiting = min(n, max(layer_params(m, layout.tp), bucket))
+    terms = [Term("gradients waiting for their bucket (then streamed to the host)", waiting * prec.weight,
+                  f"max(a layer, a bucket) {waiting:.4g} x {prec.weight} B")]
+    if G > 1:
+        terms.append(Term("gradient bucket being reduced", bucket * 4 * (1 + 1 / G),
+                          f"{bucket:.4g} x 4 B x (1 + 1/{G})"))
+    return terms
+
+
 def state_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, first: bool, last: bool,
                 M: int) -> tuple[list[Term], list[Term]]:
     """(weights and optimizer state: always there; gradients: once a step's first backward has run,
     with ZeRO-1's reduced chunks of the buckets already reduced)."""
     blocks, other = stage_params(m, layout, first, last)
     n, G = blocks + other, layout.dp * layout.sp
+    if streams_gradients(opts):
+        states = prec.master + prec.moments
+        fixed = [Term("weights", n * prec.weight, f"{n:.4g} params x {prec.weight} B"),
+                 Term("master + moments (ZeRO-1)", n * states / G, f"{n:.4g} params x {states} B / {G}", host=True)]
+        return fixed, _streamed_terms(m, layout, opts, prec, n)
     if not opts.fsdp:
         g = prec.grad(M)
         states = prec.master + prec.moments
@@ -78,6 +105,9 @@ def state_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, 
         gathered.append(Term("gathered embedding / head (kept through the step)", other * a, f"{other:.4g} x {a} B"))
     unsharded = [Term("unsharded gradient of one block (and its fp32 copy)", block * (a + 4),
                       f"{block:.4g} x ({a} + 4) B")]
+    if opts.param_offload:          # the reduce-scatter's output, on the device until its copy to the host
+        unsharded.append(Term("one block's fp32 gradient shard on its way to the host", block * 4 / G,
+                              f"{block:.4g} x 4 B / {G}"))
     if opts.param_offload or opts.optimizer_offload:
         shard = prec.master + prec.moments + 4
         fixed = [Term("master, moments, gradients (FSDP shards)", n * shard / G, f"{n:.4g} x {shard} B / {G}",
@@ -98,6 +128,9 @@ def optimizer_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precisi
     if not opts.fsdp:
         if opts.optimizer_offload:
             terms.append(Term("reduced fp32 gradients", n * 4 / G, f"{n:.4g} x 4 B / {G}", host=True))
+            if M > 1:    # the later micro-batches' buckets wait in pinned buffers to be added (host_gradients.py)
+                staged = 2 * min(opts.bucket_bytes, n * 4) / G
+                terms.append(Term("gradient staging buffers", staged, f"2 buckets x 4 B / {G}", host=True))
         elif not opts.overlap_grad_reduce and _reduced_bytes(prec, opts, G, M):
             reduced = _reduced_bytes(prec, opts, G, M)
             terms.append(Term("gradients: reduced fp32 chunks", n * reduced, f"{n:.4g} params x {reduced:.3g} B"))

@@ -83,6 +83,10 @@ def backward_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precisio
                           f"-{tokens:.4g} tok x {bytes_per_token(full) - alive:.4g} B"))
     each = ", ".join(f"{n.split(':')[0]} {(al + g) * tokens / GIB:.3g} GiB" for n, (al, g) in moments.items())
     terms.append(Term(f"backward of one layer, {name}", tokens * grads, f"{tokens:.4g} tok x {grads:.4g} B; {each}"))
+    k = opts.checkpoint_stride if opts.activation_checkpointing else 1
+    if k > 1:   # a group recomputed from its input keeps every block input of the group (model/gpt.py)
+        terms.append(Term(f"the group's other recomputed block inputs ({k - 1})", (k - 1) * tokens * h / r * a,
+                          f"{k - 1} x {tokens:.4g} tok x {h / r:.4g} x {a} B"))
     terms.append(Term("residual-stream gradient", tokens * h / r * a, f"{tokens:.4g} tok x {h / r:.4g} x {a} B"))
     return terms
 

@@ -90,6 +90,7 @@ class Options:
 
     activation_checkpointing: bool = False
     activation_offload: bool = False
+    checkpoint_stride: int = 1         # checkpointing keeps every k-th block input (training.checkpoint_stride)
     keep_attention: bool = False       # checkpointing keeps attention outputs (training.recompute_attention=false)
     mlp_chunk_tokens: int = 0
     loss_chunk_tokens: int = 0         # LM head + loss tile (0: automatic, <= 512 MiB of fp32 logits)

@@ -11,6 +11,7 @@ every (tp, sp, pp).
 """
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from typing import Optional
@@ -60,6 +61,7 @@ class GPTStage(nn.Module):
         self.cfg, self.groups = cfg, groups
         self.first, self.last = first, last
         self.activation_checkpointing = policy.checkpointing
+        self.checkpoint_stride = policy.checkpoint_stride if policy.checkpointing else 1
         # checkpointing keeps the attention kernels' outputs too (model/recompute.py)
         self.checkpoint_context = checkpoint_context(policy.checkpointing and policy.keep_attention)
         # checkpointed block inputs in host memory until the backward (parallel/offload.py)
@@ -98,12 +100,18 @@ class GPTStage(nn.Module):
         mask = prepare_sequence_mask(doc_ids, self.cfg.attention_backend, self.groups.ulysses, self.groups.ring,
                                      position_ids.shape[1])                           # once per step
         x = self.embed(inputs) if self.first else inputs                               # (B, s, h)
-        for index, block in self.layers.items():
+        blocks = list(self.layers.items())
+        stride = self.checkpoint_stride if self.activation_checkpointing and self.training else 1
+        for start in range(0, len(blocks), stride):
+            group = blocks[start:start + stride]
+            # a group of blocks keeps its input only; recomputed, each of its blocks keeps its own
+            fn = group[0][1] if len(group) == 1 else functools.partial(_checkpointed, [b for _, b in group])
             if self.activation_checkpointing and self.training and self.offload is not None:
-                x = self.offload.checkpoint(block, x, cos, sin, mask)
+                x = self.offload.checkpoint(fn, x, cos, sin, mask)
             elif self.activation_checkpointing and self.training:
-                x = checkpoint(block, x, cos, sin, mask, use_reentrant=False, context_fn=self.checkpoint_context)
+                x = checkpoint(fn, x, cos, sin, mask, use_reentrant=False, context_fn=self.checkpoint_context)
             else:
+                index, block = group[0]
                 x = block(x, cos, sin, mask, cache.layer(int(index)) if cache is not None else None)
         if isinstance(self.checkpoint_context, KeptAttention) and self.training and torch.is_grad_enabled():
             self.checkpoint_context.check()
@@ -125,6 +133,13 @@ class GPTStage(nn.Module):
             x = comm.copy_to_tp(x, self.groups.tp)
         return linear_cross_entropy(x, head, labels, self.groups.tp, self.vocab_start, self.cfg.vocab_size,
                                     self.loss_chunk_tokens)
+
+
+def _checkpointed(blocks: list[nn.Module], x: Tensor, cos: Tensor, sin: Tensor, mask) -> Tensor:
+    """Blocks in a row, each under its own checkpoint (the inside of a checkpointed group of blocks)."""
+    for block in blocks:
+        x = checkpoint(block, x, cos, sin, mask, use_reentrant=False)
+    return x
 
 
 def _init_kind(name: str, cfg: ModelConfig) -> tuple[str, float]:

@@ -6,8 +6,9 @@
 The decisions that depend on the machine or the layout are made here and nowhere else: the compute
 dtype, sp = ulysses x ring, the attention backend of core attention and of the ring's blocks, the kernel
 implementation, the collective backend, the padded length of every phase, the activation policy and
-where the optimizer state lives. The model, the layers and the kernels receive the concrete names; the
-start-up line, runtime.json, the memory model and the planner read the same RunPlan.
+where the weights, the gradients and the optimizer state live. The model, the layers and the kernels
+receive the concrete names; the start-up line, runtime.json, the memory model and the planner read the
+same RunPlan.
 
 Attention `auto` picks the first backend that can run the shape (kernels/attention.unsupported_reason):
 flash-attn on CUDA in half precision; on CUDA with packed documents compiled FlexAttention (a
@@ -127,6 +128,7 @@ def resolve(cfg: Config, machine: Machine, world_size: int) -> RunPlan:
                                   keep_attention=t.activation_checkpointing and not t.recompute_attention,
                                   offload=t.activation_offload, mlp_chunk_tokens=_until_auto(t.mlp_chunk_tokens),
                                   loss_chunk_tokens=_until_auto(t.loss_chunk_tokens),
+                                  checkpoint_stride=t.checkpoint_stride if t.activation_checkpointing else 1,
                                   tp_sequence_parallel=p.tp_sequence_parallel)
     if t.attention_head_chunks != "auto":
         check_head_chunks(m.num_heads, m.kv_heads, p.tp, ulysses, ring, t.attention_head_chunks)
@@ -137,7 +139,10 @@ def resolve(cfg: Config, machine: Machine, world_size: int) -> RunPlan:
                       attention=attention, attention_reason=reason,
                       kernels=choose_kernels(m.kernels, machine), collective=collective_backend(p.backend, machine),
                       phases=_phases(cfg, sequence), activation=activation,
-                      optimizer="fsdp" if p.fsdp else "zero1-host" if t.optimizer_offload else "zero1"))
+                      optimizer=("fsdp-host" if t.param_offload else "fsdp") if p.fsdp else
+                      "zero1-host" if t.optimizer_offload else "zero1",
+                      weights="host" if t.param_offload else "device",
+                      gradients="host" if t.param_offload or t.optimizer_offload else "device"))
     if t.attention_head_chunks == "auto":
         run = replace(run, activation=replace(run.activation, head_chunks=auto_head_chunks(cfg, run)))
     return run

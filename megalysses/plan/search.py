@@ -44,15 +44,19 @@ def candidate_configs(cfg: Config, gpus: int, offload: bool, gpus_per_node: int 
     plan/tiles.py searches the tile sizes for the largest that keeps the peak at its least), LM head + loss
     tiles (auto; for any tile the step-time model counts the same time), attention head chunks (1 and every
     count the layout allows, not with kept attention outputs), TP sequence sharding, FSDP or ZeRO-1, and
-    with host memory (`offload`) activation and optimizer offload. Candidates whose tiles resolve alike are
-    one run: plan() keeps the first."""
+    with host memory (`offload`) activation offload (of every block's input, or of every 2nd or 4th block's:
+    training.checkpoint_stride), optimizer offload (ZeRO-1) and parameter offload (FSDP). Candidates whose
+    tiles resolve alike are one run: plan() keeps the first."""
     m, t = cfg.model, cfg.training
     S = cfg.data.seq_len
     mlp_tiles, loss_tiles = [0, "auto"], ["auto"]
-    # checkpointing, activation offload, attention outputs kept
-    activations = ((False, False, False), (True, False, False), (True, False, True)) + \
-        (((True, True, False),) if offload else ())
-    states = ((False, False), (True, False)) + (((False, True),) if offload else ())        # FSDP, optimizer offload
+    # checkpointing, activation offload, attention outputs kept, checkpoint stride (host memory binding: 1/k of
+    # the block inputs offloaded)
+    activations = ((False, False, False, 1), (True, False, False, 1), (True, False, True, 1)) + \
+        (((True, True, False, 1), (True, True, False, 2), (True, True, False, 4)) if offload else ())
+    # FSDP, optimizer offload, parameter offload
+    states = ((False, False, False), (True, False, False)) + \
+        (((False, True, False), (True, False, True)) if offload else ())
     for tp in divisors(gpus):
         if tp > gpus_per_node:
             continue
@@ -66,7 +70,8 @@ def candidate_configs(cfg: Config, gpus: int, offload: bool, gpus_per_node: int 
                 options = itertools.product([1] + [x for x in (2, 4) if pp > 1], activations,
                                             itertools.product(tiles, loss_tiles),
                                             (False, True) if tp > 1 else (False,), states, chunk_counts)
-                for v, (ckpt, offl, keep), (tile, loss_tile), tsp, (fsdp, opt_off), chunks in options:
+                for v, (ckpt, offl, keep, stride), (tile, loss_tile), tsp, (fsdp, opt_off, par_off), chunks \
+                        in options:
                     if keep and chunks > 1:
                         continue
                     yield replace(
@@ -75,6 +80,7 @@ def candidate_configs(cfg: Config, gpus: int, offload: bool, gpus_per_node: int 
                                          tp_sequence_parallel=tsp, fsdp=fsdp),
                         training=replace(t, activation_checkpointing=ckpt, activation_offload=offl,
                                          recompute_attention=not keep, optimizer_offload=opt_off,
+                                         param_offload=par_off, checkpoint_stride=stride,
                                          mlp_chunk_tokens=tile, loss_chunk_tokens=loss_tile,
                                          attention_head_chunks=chunks))
 
@@ -102,6 +108,7 @@ class Prediction:
                 "activation_checkpointing": c.training.activation_checkpointing,
                 "recompute_attention": c.training.recompute_attention,
                 "activation_offload": c.training.activation_offload, "optimizer_offload": c.training.optimizer_offload,
+                "param_offload": c.training.param_offload, "checkpoint_stride": c.training.checkpoint_stride,
                 # the tiles the run takes (`auto` resolved; a loss tile of 0: the kernel's default)
                 "mlp_chunk_tokens": self.run.activation.mlp_chunk_tokens,
                 "loss_chunk_tokens": self.run.activation.loss_chunk_tokens,

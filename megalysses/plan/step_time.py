@@ -4,8 +4,10 @@ Step time = the compute at stated sustained FLOP/s (with head chunks, each chunk
 and all-to-alls once more: its recomputation in the backward) + the communication megalysses does not overlap
 (tp collectives, Ulysses all-to-alls, pipeline p2p, ZeRO-1's parameter all-gather; the ring's K/V and
 dK/dV hops beyond the attention they travel under; the gradient reduce-scatter beyond the last
-backward; FSDP beyond its micro-batch) at stated bandwidths + the pipeline bubble + activation-offload
-copies beyond the compute + the optimizer step (on the host's cores with optimizer offload). The
+backward; FSDP beyond its micro-batch) at stated bandwidths + the pipeline bubble + host copies beyond
+the compute (activation offload; with optimizer offload the gradients streamed out in every micro-batch;
+with parameter offload every block's fp32 shard copied in for its forward and its backward and its
+gradient shard copied out) + the optimizer step (on the host's cores with either offload). The
 figures are `Hardware`'s (H100 SXM nodes of 8 by default); the layout, options, precision and workload
 are the memory model's (megalysses.memory), read off a RunPlan by megalysses.plan.search.
 """
@@ -118,18 +120,20 @@ def step_time(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, wo
     fwd_mm = L * 2 * dense * tokens
     fwd_attn = L * 2 * work.micro_batch_size * work.seq_len ** 2 * q / P        # causal: half of 4 S^2 q
     head = 2 * m.padded_vocab_size(t) / t * m.hidden_size * tokens
-    redo_mm = (fwd_mm if opts.activation_checkpointing else 0.0)
+    # forwards recomputed in the backward: one under checkpointing, two with a stride (the group's, the block's)
+    recomputes = (2 if opts.checkpoint_stride > 1 else 1) if opts.activation_checkpointing else 0
+    redo_mm = fwd_mm * recomputes
     if tiled(opts.mlp_chunk_tokens, layout, opts, work.seq_len):
-        redo_mm += L * 2 * mlp * tokens * (2 if opts.activation_checkpointing else 1)
+        redo_mm += L * 2 * mlp * tokens * (1 + recomputes)
     if N > 1:       # each head chunk's forward runs again in its backward: QKV and output projections
         redo_mm += L * 2 * (m.hidden_size * (q + 2 * m.kv_heads * m.head_dim / t) + q * m.hidden_size) * tokens
     mm = M * (3 * (fwd_mm + head) + redo_mm)
-    # forward, backward (twice the forward), and under checkpointing the recomputation, unless its output is
+    # forward, backward (twice the forward), and under checkpointing the recomputations, unless their output is
     # kept; head chunks recompute attention once more (per chunk, in the backward)
-    attn = M * fwd_attn * ((4 if opts.activation_checkpointing and not opts.keep_attention else 3) + (N > 1))
+    attn = M * fwd_attn * (3 + (0 if opts.keep_attention else recomputes) + (N > 1))
     compute = (mm / (hw.peak_tflops * 1e12 * hw.matmul_efficiency)
                + attn / (hw.peak_tflops * 1e12 * hw.attention_efficiency))
-    passes = 3 if opts.activation_checkpointing else 2                   # forward, backward (+ recompute)
+    passes = 2 + recomputes                                              # forward, backward (+ recomputes)
     attn_passes = passes + (N > 1)     # head chunks: the all-to-alls and the ring's hops once more, per chunk
     a = prec.act
     span_tp, span_sp, span_grad = t, t * P, t * P * layout.dp
@@ -169,22 +173,37 @@ def step_time(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, wo
             fsdp = M * share * (2 * a + 4)                                # gathers forward + backward, fp32 reduce
             nbytes["all_reduce"] += fsdp
             exposed["FSDP gathers and reduce-scatters"] = max(0.0, fsdp / hw.link(span_grad) - compute)
+        elif opts.optimizer_offload:     # every micro-batch's buckets reduced during its own backward
+            reduce, gather = share * 4, share * prec.weight
+            nbytes["all_reduce"] += M * reduce + gather
+            rs = reduce / hw.link(span_grad)
+            exposed["gradient reduce-scatter"] = M * max(0.0, rs - 2 / 3 * per_mb)
+            exposed["parameter all-gather"] = 0.0 if overlap.param_gather else gather / hw.link(span_grad)
         else:
             reduce, gather = share * 4, share * prec.weight
             nbytes["all_reduce"] += reduce + gather
             rs = reduce / hw.link(span_grad)
             exposed["gradient reduce-scatter"] = max(0.0, rs - 2 / 3 * per_mb) if overlap.grad_reduce else rs
             exposed["parameter all-gather"] = 0.0 if overlap.param_gather else gather / hw.link(span_grad)
+    copies = 0.0                     # host <-> device bytes per step beyond the optimizer's own
     if opts.activation_offload:
-        nbytes["host"] = 2 * retained
-        exposed["activation offload copies"] = max(0.0, 2 * retained / (hw.host_gbs * 1e9) - compute)
+        copies += 2 * retained
+    if opts.optimizer_offload and not opts.fsdp:
+        copies += M * n / G * 4                                          # reduced fp32 chunks out
+    if opts.param_offload and opts.fsdp:
+        copies += M * n / G * (2 * 4 + 4)                                # fp32 shards in twice, gradients out
+    if copies:
+        nbytes["host"] = copies
+        exposed["host copies (offload)"] = max(0.0, copies / (hw.host_gbs * 1e9) - compute)
     comm_mb = sum(exposed.get(k, 0.0) for k in ("Ulysses all-to-all", "ring p2p", "tensor-parallel collectives",
                                                  "pipeline p2p")) / M
     bubble = (layout.pp - 1) / v * (per_mb + comm_mb)
-    if opts.optimizer_offload:       # gradients down, weights back up, the update on the host's cores
-        moved = n / G * 4 + n * prec.weight / G
+    if opts.optimizer_offload and not opts.fsdp:   # weights back up, the update on the host's cores
+        moved = n * prec.weight / G
         nbytes["host"] += moved
         optimizer = moved / (hw.host_gbs * 1e9) + n / G / (hw.host_adam_gparams * 1e9)
+    elif opts.param_offload and opts.fsdp:          # the update on the host's cores, in place
+        optimizer = n / G / (hw.host_adam_gparams * 1e9)
     else:
         optimizer = n / G * (prec.master + prec.moments + 4) * 3 / (hw.hbm_gbs * 1e9)
     return StepTime(compute=compute, exposed=exposed, bubble=bubble, optimizer=optimizer, bytes=nbytes,

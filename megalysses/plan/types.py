@@ -25,6 +25,7 @@ class ActivationPolicy:
     checkpointing: bool = False
     keep_attention: bool = False    # checkpointing keeps SDPA's outputs (training.recompute_attention=false)
     offload: bool = False           # checkpointed block inputs live in pinned host memory
+    checkpoint_stride: int = 1      # checkpointing keeps every k-th block input (groups of k blocks)
     mlp_chunk_tokens: int = 0
     loss_chunk_tokens: int = 0
     tp_sequence_parallel: bool = False
@@ -60,7 +61,10 @@ class RunPlan:
     collective: str                 # nccl or gloo
     phases: tuple[Phase, ...]
     activation: ActivationPolicy
-    optimizer: str                  # where the state lives: "fsdp", "zero1" or "zero1-host" (optimizer offload)
+    optimizer: str                  # where the state lives: "fsdp", "zero1", "zero1-host" (optimizer offload) or
+                                    # "fsdp-host" (parameter offload)
+    weights: str = "device"         # "host": pinned host memory, streamed in a block ahead (parameter offload)
+    gradients: str = "device"       # "host": each bucket (block) leaves the device as its backward finishes
 
     @property
     def padded_seq_len(self) -> int:

@@ -46,10 +46,12 @@ from megalysses.plan.step_time import Hardware, hardware_problems
 
 def _flags(r: dict) -> str:
     parts = [name for key, name in (("activation_checkpointing", "ckpt"), ("activation_offload", "act-offload"),
-                                    ("optimizer_offload", "opt-offload"), ("tp_sequence_parallel", "tp-seq"),
-                                    ("fsdp", "fsdp")) if r[key]]
+                                    ("optimizer_offload", "opt-offload"), ("param_offload", "param-offload"),
+                                    ("tp_sequence_parallel", "tp-seq"), ("fsdp", "fsdp")) if r[key]]
     if r["activation_checkpointing"] and not r["recompute_attention"]:
         parts.insert(1, "keep-attn")
+    if r["checkpoint_stride"] > 1:
+        parts.insert(1, f"every-{r['checkpoint_stride']}")
     parts += [f"{name}{r[key] // 1024}k" if r[key] >= 1024 else f"{name}{r[key]}"
               for key, name in (("mlp_chunk_tokens", "mlp-tile"), ("loss_chunk_tokens", "loss-tile")) if r[key]]
     if r["attention_head_chunks"] > 1:
@@ -97,6 +99,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     d = Hardware()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, help="YAML config: model, batch, dtype, attention backend")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one config value, as pretrain.py's --set; repeatable")
     p.add_argument("--gpus", type=int, required=True, help="GPUs in all")
     p.add_argument("--gpu-memory-gib", type=float, required=True, help="memory of one GPU (80 for an H100 80GB)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the config's data.seq_len)")
@@ -124,7 +128,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if bad:
         return 1
     try:
-        cfg = load_config(args.config)
+        cfg = load_config(args.config, args.overrides)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -166,8 +170,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if rows:
         print(table(rows))
     else:
-        print("no layout fits: more GPUs, a shorter sequence, or --host-memory-gib for activation and optimizer "
-              "offload")
+        print("no layout fits: more GPUs, a shorter sequence, or --host-memory-gib for activation, optimizer and "
+              "parameter offload")
     verdict = "fits" if own_row["fits"] else f"does not fit ({own_row['why_not']})"
     extra = (f", peak {own_row['peak_gib']:.1f} GiB, {own_row['tokens_per_s']:.0f} tok/s"
              if "peak_gib" in own_row else "")

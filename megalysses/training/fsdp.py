@@ -12,6 +12,15 @@ reduced in fp32; on GPU the weights are gathered in the compute dtype (bf16) whi
 parameters are the master weights. FSDPAdamW mirrors ShardedAdamW (global-norm clipping with every
 element counted once, tied-embedding sync across pipeline stages, AdamW on the local chunks), and
 checkpoints describe the same chunks with the same names, so runs move freely between FSDP and ZeRO-1.
+
+With training.param_offload every unit takes FSDP2's CPUOffloadPolicy: the sharded fp32 parameters (the
+masters), their gradients and AdamW's moments live in host memory (pinned on CUDA) and the update runs on
+the CPU. A block's shard is copied to the device on FSDP's all-gather copy-in stream, cast and gathered
+just before the block runs, forward and backward (each block prefetches the next one's, one layer ahead),
+and freed after; its gradient is reduce-scattered in fp32 and copied back to host memory as the block's
+backward finishes, where a step's micro-batches are summed. The device holds two blocks' weights, one
+block's gradient and the root unit (embedding, final norm, head) through the step. The losses are those
+without offload, bit for bit (tests/test_optimizer_offload.py).
 """
 from __future__ import annotations
 
@@ -26,7 +35,7 @@ from megalysses.comm import Group
 from megalysses.config import ConfigError
 
 try:  # public since torch 2.6
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 except ImportError:  # pragma: no cover - depends on the installed torch
     fully_shard = None
 
@@ -42,8 +51,11 @@ def adam_state(optimizer: torch.optim.Optimizer, p: Tensor) -> dict:
     return st
 
 
-def shard_model(model: nn.Module, grad_mesh: DeviceMesh, compute_dtype: torch.dtype) -> nn.Module:
-    """Apply fully_shard to each block and to the stage (in place); parameters become DTensors."""
+def shard_model(model: nn.Module, grad_mesh: DeviceMesh, compute_dtype: torch.dtype,
+                offload: bool = False) -> nn.Module:
+    """Apply fully_shard to each block and to the stage (in place); parameters become DTensors. `offload`
+    (training.param_offload): the shards in host memory (the model is built there), each block's weights
+    prefetched one block ahead, forward and backward."""
     if fully_shard is None or not hasattr(FSDPModule, "set_force_sum_reduction_for_comms"):
         raise ConfigError(f"parallel.fsdp needs FSDP2 with sum-only reductions "
                           f"(FSDPModule.set_force_sum_reduction_for_comms), which torch {torch.__version__} lacks: "
@@ -51,9 +63,15 @@ def shard_model(model: nn.Module, grad_mesh: DeviceMesh, compute_dtype: torch.dt
     tp_dims = {name: getattr(p, "tp_dim", None) for name, p in model.named_parameters()}
     policy = MixedPrecisionPolicy(param_dtype=None if compute_dtype == torch.float32 else compute_dtype,
                                   reduce_dtype=torch.float32)
-    for block in model.layers.values():
-        fully_shard(block, mesh=grad_mesh, mp_policy=policy)
-    fully_shard(model, mesh=grad_mesh, mp_policy=policy, reshard_after_forward=False)
+    where = CPUOffloadPolicy(pin_memory=grad_mesh.device_type == "cuda") if offload else OffloadPolicy()
+    blocks = list(model.layers.values())
+    for block in blocks:
+        fully_shard(block, mesh=grad_mesh, mp_policy=policy, offload_policy=where)
+    fully_shard(model, mesh=grad_mesh, mp_policy=policy, reshard_after_forward=False, offload_policy=where)
+    if offload:                 # the next block's copy-in and all-gather start when a block starts
+        for before, after in zip(blocks, blocks[1:]):
+            before.set_modules_to_forward_prefetch([after])
+            after.set_modules_to_backward_prefetch([before])
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_force_sum_reduction_for_comms(True)   # plain SUM (no AVG / PREMUL_SUM)
@@ -82,8 +100,10 @@ class FSDPAdamW:
 
     def __init__(self, model: nn.Module, *, lr: float, betas: tuple[float, float], eps: float,
                  weight_decay: float, tp_rank: int = 0, embed_group: Group = None,
-                 tied_head_copy: bool = False) -> None:
+                 tied_head_copy: bool = False, device: Optional[torch.device] = None) -> None:
+        """`device`: where the collectives run (the compute device), when the shards live in host memory."""
         self.named = list(model.named_parameters())
+        self.device = device or _local(self.named[0][1]).device
         self.embed_group = embed_group
         self.tied_embed = [p for n, p in self.named if n == "embed.weight"] if embed_group is not None else []
         self.counts = {n: not (getattr(p, "tp_dim", None) is None and tp_rank != 0)
@@ -111,6 +131,7 @@ class FSDPAdamW:
         for n, p in self.named:
             if p.grad is not None and self.counts[n]:
                 local += _local(p.grad).float().pow(2).sum()
+        local = local.to(self.device)                 # offload: the host's sum, reduced on the device
         comm.all_reduce_(local, comm.world())
         return local.sqrt()
 
@@ -122,13 +143,17 @@ class FSDPAdamW:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         for p in self.tied_embed:       # both copies hold the same chunk layout: sum chunk-wise
-            comm.all_reduce_(_local(p.grad), self.embed_group)
+            grad = _local(p.grad)
+            summed = grad.to(self.device)             # offload: through the device and back
+            comm.all_reduce_(summed, self.embed_group)
+            if summed is not grad:
+                grad.copy_(summed)
         norm = self.grad_norm()
         if not torch.isfinite(norm):   # the same on every rank: drop the gradients, change nothing
             self.zero_grad()
             return norm.item()
         if max_norm > 0:
-            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0).to(_local(self.named[0][1]).device)
             for _, p in self.named:
                 _local(p.grad).mul_(coef)
         for _, p in self.named:

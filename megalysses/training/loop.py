@@ -56,20 +56,24 @@ def build_model(cfg: Config, grid: ParallelGrid, device: torch.device, mesh: Dev
     v = cfg.parallel.virtual_stages
     V = grid.pp_size * v
     chunks = []
+    # allocated where the weights live: where they run, never staged through host memory, or (parameter
+    # offload) in host memory, where FSDP keeps their shards
+    where = torch.device("cpu") if run.weights == "host" else device
     for k in range(v):   # chunk k of this rank is virtual stage k * pp + pp_rank
         vs = k * grid.pp_size + grid.pp_rank
-        with torch.device(device):      # allocated where it runs, never staged through host memory
+        with torch.device(where):
             chunk = GPTStage(model_cfg, groups, stage_layers(cfg.model.num_layers, V, vs), first=vs == 0,
                              last=vs == V - 1, policy=run.activation)
         if device.type != "meta":      # a meta build (a dry run for a described machine) has shapes only
             init_weights(chunk, cfg.training.seed, grid.tp_rank, grid.tp_size)
         if cfg.parallel.fsdp:
-            shard_model(chunk, mesh["grad"], run.torch_dtype)
+            shard_model(chunk, mesh["grad"], run.torch_dtype, offload=run.weights == "host")
         chunks.append(chunk)
     return chunks[0] if v == 1 else VirtualStages(chunks)
 
 
-def build_optimizer(cfg: Config, model: GPTStage, grid: ParallelGrid) -> Optimizer:
+def build_optimizer(cfg: Config, model: GPTStage, grid: ParallelGrid,
+                    device: Optional[torch.device] = None) -> Optimizer:
     o = cfg.optimizer
     # the two copies of a tied embedding (first and last stage) sum their gradients; a middle stage has neither
     tied_across_stages = cfg.model.tie_embeddings and grid.pp_size > 1 and (grid.is_first_stage or grid.is_last_stage)
@@ -77,7 +81,7 @@ def build_optimizer(cfg: Config, model: GPTStage, grid: ParallelGrid) -> Optimiz
                   embed_group=grid.embed_group if tied_across_stages else None,
                   tied_head_copy=tied_across_stages and not grid.is_first_stage)
     if cfg.parallel.fsdp:
-        return FSDPAdamW(model, **common)
+        return FSDPAdamW(model, **common, device=device)
     return ShardedAdamW(model.named_parameters(), grid.grad_group, **common,
                         bucket_elements=cfg.parallel.grad_bucket_elements, overlap=cfg.parallel.overlap_grad_reduce,
                         offload=cfg.training.optimizer_offload)
@@ -99,7 +103,7 @@ def build_model_and_optimizer(cfg: Config, grid: ParallelGrid, device: torch.dev
         doing(f"loading the initial weights {initial}")
         print0(load_initial_weights(initial, model, cfg, grid, mesh))
     doing("building the optimizer")
-    opt = build_optimizer(cfg, model, grid)
+    opt = build_optimizer(cfg, model, grid, device)
     if not cfg.parallel.fsdp:
         model.to(run.torch_dtype)
     return model, opt

@@ -18,9 +18,18 @@ step the bf16 gradient is used as it is and converted in the reduction. One step
 The layout (chunk r along dim 0 of the tp shard) is what checkpoints describe as DTensor placements.
 
 With `offload` (training.optimizer_offload) the masters, moments and reduced gradients live in host
-memory (pinned on CUDA): each bucket's reduced chunk is copied there, the norm, the clipping and the
-AdamW update run on the CPU, and the updated chunks are copied back for the all-gather. The device holds
-the compute weights and gradients only; the arithmetic is the same (tests/test_optimizer_offload.py).
+memory (pinned on CUDA), and the gradients stream there during the backward: in every micro-batch, each
+bucket is reduce-scattered from the gradient hooks as soon as its gradients are in (whatever
+`overlap` says), its reduced chunk is copied to host memory on a side stream and the device gradients are
+dropped (training/host_gradients.py). The micro-batches' chunks are summed in fp32 on the host, so no
+`main_grad` of the whole model ever exists on the device: at any moment it holds the gradients of the
+layers whose bucket is not complete yet and one bucket in flight. The norm, the clipping and the AdamW
+update run on the CPU, and the updated chunks are copied back for the all-gather. The arithmetic is the
+same (tests/test_optimizer_offload.py): bit for bit where the sums are taken in the same order (one
+micro-batch per step, or a grad group of one rank); with more of both, the micro-batches are summed after
+the reduction instead of before it (as DeepSpeed's ZeRO offload does), the same sum up to fp32 rounding.
+A tied embedding split over pipeline stages keeps its fp32 `main_grad` on the device and is reduced at the
+end, as without offload.
 """
 from __future__ import annotations
 
@@ -34,6 +43,7 @@ from torch import Tensor, nn
 from megalysses import comm
 from megalysses.comm import Group
 from megalysses.training.fsdp import FSDPAdamW, adam_state
+from megalysses.training.host_gradients import HostGradients
 
 BUCKET_ELEMENTS = 32 * 1024 * 1024
 
@@ -73,11 +83,13 @@ class ShardedAdamW:
         """`tied_head_copy`: this stage holds the LM-head copy of a tied embedding (not the first stage).
         `overlap`: launch each bucket's reduce-scatter from the backward, as soon as the last micro-batch
         has produced all of its gradients (see begin_step); otherwise everything is reduced in step().
-        `offload`: masters, moments and reduced gradients in host memory, the update on the CPU."""
+        `offload`: masters, moments and reduced gradients in host memory, the gradients streamed there during
+        the backward, the update on the CPU."""
         self.grad_group, self.embed_group = grad_group, embed_group
         self.G, self.r = comm.group_size(grad_group), comm.group_rank(grad_group)
         self.offload = offload
         self.slots: list[_Slot] = []
+        self.host: Optional[HostGradients] = None
         decay, no_decay = [], []
         for name, p in named_params:
             rows = p.shape[0]
@@ -91,6 +103,8 @@ class ShardedAdamW:
                 self.slots[-1].host_grad = torch.empty_like(master, pin_memory=p.is_cuda)
             if master is not None:
                 (no_decay if p.dim() < 2 else decay).append(master)
+        if offload and self.slots:
+            self.host = HostGradients(self.slots[0].param.device)
         groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=True)
         self.tied_embed = [s.param for s in self.slots if s.name == "embed.weight"] if embed_group is not None else []
@@ -98,10 +112,13 @@ class ShardedAdamW:
         self._expected = 0                           # backward passes per step; 0 = no overlap this step
         self._fired: dict[int, int] = {}             # id(param) -> gradient accumulations seen this step
         self._missing: list[int] = []                # per bucket: params still waiting for their last gradient
-        self._launched: list[tuple] = []             # (work, received chunks, bucket) in launch order
+        self._launched: list[tuple] = []             # (work, received chunks, bucket, micro-batch) in launch order
+        # offload: the buckets streamed in every micro-batch, in bucket order; the next (micro-batch, bucket)
+        self._streamed = [i for i, b in enumerate(self.buckets) if not any(self._tied(s) for s in b)]
+        self._next = 0
         for index, bucket in enumerate(self.buckets):
             # a tied embedding is summed over the embed group first, in step(): never launched early
-            launch = overlap and not any(self._tied(s) for s in bucket)
+            launch = (overlap or offload) and not any(self._tied(s) for s in bucket)
             for s in bucket:
                 s.param.register_post_accumulate_grad_hook(
                     lambda p, s=s, i=index, launch=launch: self._on_grad(s, i if launch else None))
@@ -162,10 +179,12 @@ class ShardedAdamW:
 
     def zero_grad(self) -> None:
         """Drop the gradients (and any reduction already in flight, e.g. of a skipped step)."""
-        for work, _, _ in self._launched:
+        for work, *_ in self._launched:
             if work is not None:
                 work.wait()
-        self._launched, self._expected = [], 0
+        if self.host is not None:
+            self.host.drop()
+        self._launched, self._expected, self._next = [], 0, 0
         for s in self.slots:
             s.param.grad, s.main_grad = None, None
 
@@ -192,20 +211,24 @@ class ShardedAdamW:
         self._expected = backward_passes
         self._fired = {id(s.param): 0 for s in self.slots}
         self._missing = [len(b) for b in self.buckets]
-        self._launched = []
+        self._launched, self._next = [], 0
 
     def _on_grad(self, s: _Slot, bucket: Optional[int]) -> None:
         """A micro-batch's gradient of s.param has arrived: accumulate it in fp32 when the parameter is
-        low-precision and more micro-batches follow; launch the bucket's reduction once it is complete."""
+        low-precision and more micro-batches follow; launch the bucket's reduction once it is complete
+        (offload: in every micro-batch)."""
         if not self._expected:
             return
         param = s.param
-        if self._expected > 1 and param.dtype != torch.float32:
+        if self._expected > 1 and param.dtype != torch.float32 and not (self.offload and bucket is not None):
             grad = param.grad.float()
             s.main_grad = grad if s.main_grad is None else s.main_grad.add_(grad)
             param.grad = None
         self._fired[id(param)] += 1
         if bucket is None:
+            return
+        if self.offload:
+            self._stream_ready()
             return
         if self._fired[id(param)] == self._expected:
             self._missing[bucket] -= 1
@@ -214,20 +237,68 @@ class ShardedAdamW:
                 self._launch(len(self._launched))
 
     @torch.no_grad()
-    def _launch(self, index: int) -> None:
-        """Start the fp32 reduce-scatter of bucket `index` (asynchronously when the group has > 1 rank)."""
+    def _launch(self, index: int, micro: int = 0) -> None:
+        """Start the fp32 reduce-scatter of bucket `index` (asynchronously when the group has > 1 rank), of
+        micro-batch `micro` when the gradients stream (offload), which then leave the device gradients."""
         bucket = self.buckets[index]
+        streamed = self.offload and index in self._streamed
         if self.G == 1:                       # nothing to reduce: each master takes its gradient as it is
             # (offload: as it is on the device; the copy to host memory converts it)
             grads = [self._raw_grad(s) if self.offload else s.grad() for s in bucket]
-            self._launched.append((None, grads, bucket))
-            return
-        grads = [s.grad() for s in bucket]
-        # rank-major layout: [chunk 0 of every param | chunk 1 of every param | ...]
-        send = torch.cat([self._rank_chunk(g, s, j) for j in range(self.G) for s, g in zip(bucket, grads)])
-        mine = send.new_empty(send.numel() // self.G)
-        work = comm.reduce_scatter_into(mine, send, self.grad_group, async_op=True)
-        self._launched.append((work, mine, bucket))
+            self._launched.append((None, grads, bucket, micro))
+        else:
+            send = self._send_buffer(bucket) if streamed else torch.cat(
+                [self._rank_chunk(g, s, j) for j in range(self.G) for s, g in zip(bucket, [s.grad() for s in bucket])])
+            mine = send.new_empty(send.numel() // self.G)
+            work = comm.reduce_scatter_into(mine, send, self.grad_group, async_op=True)
+            self._launched.append((work, mine, bucket, micro))
+        if streamed:
+            for s in bucket:
+                s.param.grad, s.main_grad = None, None
+
+    def _send_buffer(self, bucket: list[_Slot]) -> Tensor:
+        """The bucket's gradients as one fp32 reduce-scatter input in rank-major layout ([chunk 0 of every
+        param | chunk 1 of every param | ...], each chunk zero-padded), converted as they are copied in."""
+        send = torch.empty(sum(s.padded for s in bucket) * self.G, dtype=torch.float32, device=bucket[0].param.device)
+        offset = 0
+        for j in range(self.G):
+            for s in bucket:
+                g = self._raw_grad(s)
+                lo, hi = chunk_rows(g.shape[0], self.G, j)
+                n = g[lo:hi].numel()
+                send[offset:offset + n].copy_(g[lo:hi].reshape(-1))
+                send[offset + n:offset + s.padded].zero_()
+                offset += s.padded
+        return send
+
+    def _stream_ready(self) -> None:
+        """Offload: launch, in order, every (micro-batch, bucket) whose gradients are all in, and send the
+        reduced chunks to host memory."""
+        per = len(self._streamed)
+        while self._next < self._expected * per:
+            micro, i = divmod(self._next, per)
+            bucket = self.buckets[self._streamed[i]]
+            if any(self._fired[id(s.param)] <= micro for s in bucket):
+                return
+            self._launch(self._streamed[i], micro)
+            self._next += 1
+            # gloo's wait blocks: leave the newest reduction running under the backward (none after a
+            # micro-batch's last bucket); on CUDA the side stream waits for it, not this thread
+            self._to_host(keep=1 if i < per - 1 and self.host.stream is None else 0)
+
+    def _to_host(self, keep: int = 0) -> None:
+        """Offload: hand all launched buckets but the newest `keep` to host memory (accumulating after a
+        step's first micro-batch); the device keeps nothing of them once the copies have read it."""
+        while len(self._launched) > keep:
+            work, mine, bucket, micro = self._launched.pop(0)
+            pieces, offset = [], 0
+            for k, s in enumerate(bucket):
+                if s.master is not None:
+                    s.master.grad = s.host_grad
+                    piece = mine[k] if isinstance(mine, list) else mine[offset:offset + s.master.numel()]
+                    pieces.append((s.host_grad, piece))
+                offset += s.padded
+            self.host.put(pieces, work, accumulate=micro > 0)
 
     @torch.no_grad()
     def reduce_gradients(self) -> None:
@@ -237,9 +308,21 @@ class ShardedAdamW:
             if self._tied(s):
                 s.main_grad = s.grad().clone()
                 comm.all_reduce_(s.main_grad, self.embed_group)
-        while len(self._launched) < len(self.buckets):
-            self._launch(len(self._launched))
-        for work, mine, bucket in self._launched:
+        if self.offload:             # what the backward has not streamed yet, then the tied embedding's bucket
+            per = len(self._streamed)
+            while self._next < max(self._expected, 1) * per:
+                micro, i = divmod(self._next, per)
+                self._launch(self._streamed[i], micro)
+                self._next += 1
+                self._to_host(keep=1)
+            self._to_host()
+            self.host.finish()
+            for index in (i for i in range(len(self.buckets)) if i not in self._streamed):
+                self._launch(index)
+        else:
+            while len(self._launched) < len(self.buckets):
+                self._launch(len(self._launched))
+        for work, mine, bucket, _ in self._launched:
             if work is not None:
                 work.wait()
             if isinstance(mine, list):        # a group of one: the full gradients themselves
@@ -253,7 +336,7 @@ class ShardedAdamW:
                 offset += s.padded
         if self.offload and self.slots and self.slots[0].param.is_cuda:
             torch.cuda.current_stream(self.slots[0].param.device).synchronize()   # the host copies are done
-        self._launched, self._expected = [], 0
+        self._launched, self._expected, self._next = [], 0, 0
 
     @torch.no_grad()
     def grad_norm(self) -> Tensor:

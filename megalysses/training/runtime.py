@@ -47,17 +47,18 @@ def check_built(model: torch.nn.Module, grid: ParallelGrid, run: RunPlan) -> Non
     if (grid.ulysses_size, grid.ring_size) != (run.ulysses, run.ring):
         wrong.append(f"grid ulysses x ring {grid.ulysses_size} x {grid.ring_size}")
     for name, m in model.named_modules():
-        if isinstance(m, Attention) and m.backend != run.attention:
-            wrong.append(f"{name} attention {m.backend}")
+        if isinstance(m, Attention) and (m.backend, m.head_chunks) != (run.attention, run.activation.head_chunks):
+            wrong.append(f"{name} attention {m.backend} in {m.head_chunks} head chunks")
         if isinstance(m, (Attention, MLP, Norm)) and m.impl != run.kernels:
             wrong.append(f"{name} kernels {m.impl}")
         if isinstance(m, GPTStage):
             a = run.activation
-            kept = (m.activation_checkpointing, m.offload is not None, m.loss_chunk_tokens,
+            kept = (m.activation_checkpointing, m.offload is not None, m.loss_chunk_tokens, m.checkpoint_stride,
                     {b.mlp_chunk_tokens for b in m.layers.values()} or {a.mlp_chunk_tokens})
-            if kept != (a.checkpointing, a.offload, a.loss_chunk_tokens, {a.mlp_chunk_tokens}):
+            if kept != (a.checkpointing, a.offload, a.loss_chunk_tokens, a.checkpoint_stride if a.checkpointing else 1,
+                        {a.mlp_chunk_tokens}):
                 wrong.append(f"{name or 'stage'} activation policy {kept}")
-    if run.optimizer != "fsdp":
+    if not run.optimizer.startswith("fsdp"):
         dtypes = {str(p.dtype).removeprefix("torch.") for p in model.parameters()}
         if dtypes != {run.dtype}:
             wrong.append(f"weights in {sorted(dtypes)}")
@@ -86,12 +87,16 @@ def flex_compile_budget(run: RunPlan) -> int:
 
 def memory_options(cfg: Config, run: RunPlan) -> list[str]:
     a = run.activation
-    opts = [{"fsdp": "FSDP2", "zero1": "ZeRO-1", "zero1-host": "ZeRO-1"}[run.optimizer]]
+    opts = [{"fsdp": "FSDP2", "fsdp-host": "FSDP2", "zero1": "ZeRO-1", "zero1-host": "ZeRO-1"}[run.optimizer]]
     if a.checkpointing:
-        opts.append("activation checkpointing" + (" (inputs offloaded to host memory)" if a.offload else "")
+        opts.append("activation checkpointing" + (f" (one block input in {a.checkpoint_stride} kept)"
+                                                  if a.checkpoint_stride > 1 else "")
+                    + (" (inputs offloaded to host memory)" if a.offload else "")
                     + (" (attention outputs kept)" if a.keep_attention else ""))
     if run.optimizer == "zero1-host":
-        opts.append("optimizer state and update on the host")
+        opts.append("optimizer state and update on the host, gradients streamed there")
+    if run.weights == "host":
+        opts.append("weights, gradients and optimizer on the host, streamed a block ahead")
     if a.mlp_chunk_tokens:
         opts.append(f"tiled MLP ({a.mlp_chunk_tokens} tokens)")
     if a.head_chunks > 1:

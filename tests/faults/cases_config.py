@@ -218,6 +218,13 @@ RULES = [
     Case("config/megatron_name_as_key", pretrain("parallel.context_parallel_size=2"), "here parallel.sp"),
     Case("config/megatron_selective_recompute", pretrain("training.recompute_granularity=selective"),
          "recomputes core attention only"),
+    Case("config/checkpoint_stride_without_checkpointing", pretrain("training.checkpoint_stride=2"),
+         "needs training.activation_checkpointing=true"),
+    Case("config/checkpoint_stride_zero", pretrain("training.checkpoint_stride=0"), "training.checkpoint_stride"),
+    Case("config/param_offload_without_fsdp", pretrain("training.param_offload=true"), "set parallel.fsdp=true"),
+    Case("config/param_offload_with_optimizer_offload", pretrain("training.param_offload=true", "parallel.fsdp=true",
+                                                                 "training.optimizer_offload=true"),
+         "drop training.optimizer_offload"),
 ]
 
 MACHINE = [
