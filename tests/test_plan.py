@@ -414,3 +414,20 @@ def test_a_checkpoint_stride_is_planned_where_host_memory_binds():
     # one more forward of every layer (forward, backward = 2, recomputations 1 -> 2): matmuls and attention
     assert two.step.flops["attention"] == pytest.approx(one.step.flops["attention"] * 5 / 4)
     assert two.step.flops["matmul"] > one.step.flops["matmul"] and one.step.total < two.step.total
+
+
+@pytest.mark.parametrize("gpus, tokens, alst", [(1, 1 << 20, 500_000), (8, 6 << 20, 3_700_000)])
+def test_longer_sequences_than_alst_with_megalysses_own_layouts(gpus, tokens, alst):
+    """Llama-3.1-8B, global batch 1 sequence, on 80 GB H100s with 1,769 GiB of host memory per node and the
+    Triton kernels: megalysses' own layouts (head chunks, tiles, offload of activations, gradients and
+    weights) fit 1M tokens on one GPU and 6M on eight (ALST, arXiv 2506.13996: 500K and 3.7M; UPipe 5M on
+    eight). The top-ranked layout is what a run of it resolves to, and its step time and MFU are finite."""
+    cfg = _load("configs/llama3_8b_1m.yaml", **{"training.global_batch_size": 1, "model.kernels": "triton",
+                                                "parallel.pp": 1, "parallel.virtual_stages": 1})
+    fitting, _ = plan(cfg, gpus, tokens, 80, host_memory_gib=1769)
+    assert fitting and tokens > alst
+    best = fitting[0]
+    assert best.estimate.peak <= Hardware().usable_bytes(80) and best.host_per_node <= 1769 * GIB
+    row = best.row()
+    assert 0 < row["mfu"] < 1 and row["step_s"] > 0
+    validate_config(best.cfg, world_size=gpus)
