@@ -30,17 +30,11 @@ def flops_per_token(m: ModelConfig, seq_len: int) -> float:
     return 6.0 * matmul_params(m) + 6.0 * m.num_layers * m.num_heads * m.head_dim * seq_len
 
 
-def gpu_peak_tflops(gpu: Optional[str]) -> Optional[float]:
-    """The bf16 dense peak of the GPU `gpu` names (a device name or a fragment such as "H100"); None if unknown."""
-    for key, value in PEAK_TFLOPS.items():
-        if gpu is not None and key in gpu:
-            return value
-    return None
-
-
 def peak_tflops(configured: float, gpu: Optional[str], dtype: str = "bfloat16") -> Optional[float]:
     """logging.peak_tflops when set; else the bf16 dense peak of a known `gpu` for bf16 compute; else None
     (no MFU is given rather than one against the wrong peak)."""
     if configured > 0:
         return configured
-    return gpu_peak_tflops(gpu) if dtype == "bfloat16" else None
+    if gpu is None or dtype != "bfloat16":
+        return None
+    return next((value for key, value in PEAK_TFLOPS.items() if key in gpu), None)

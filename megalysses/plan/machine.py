@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -68,9 +68,6 @@ class Machine:
             raise ValueError(f"unknown packages {sorted(unknown)}: choose from {', '.join(OPTIONAL_PACKAGES)}")
         return cls(device="cuda" if gpu else "cpu", gpu=gpu, memory_gib=memory_gib if gpu else None,
                    ranks_per_node=ranks_per_node, packages=frozenset(packages) | {"flex"})
-
-    def with_ranks_per_node(self, n: int) -> "Machine":
-        return replace(self, ranks_per_node=n)
 
     def summary(self) -> dict:
         """What runtime.json records of the machine."""

@@ -20,20 +20,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megalysses.checkpoint.dcp_io import CheckpointError
 from megalysses.config import ConfigError
 from megalysses.config_checks import config_warnings, validate_config
 from megalysses.config_doc import annotated_yaml
 from megalysses.config_io import load_config
 from megalysses.data import DatasetError
 from megalysses.distributed import (collective_failure, destroy_distributed, die_with_launcher, init_distributed,
-                                    write_error_file)
+                                    print0, write_error_file)
 from megalysses.grid import LayoutError, ParallelGrid
 from megalysses.plan import Machine, resolve
 from megalysses.plan.machine import PLAIN_TORCH
 from megalysses.training.dry_run import dry_run
-from megalysses.checkpoint.dcp_io import CheckpointError
 from megalysses.training.loop import train
-from megalysses.distributed import print0
 from megalysses.training.signals import StopSignals
 from megalysses.training.step import NonFiniteLossError
 from megalysses.training.watchdog import Watchdog

@@ -16,34 +16,33 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from megalysses import comm
+from megalysses.checkpoint.dcp_io import load_checkpoint, save_checkpoint
+from megalysses.checkpoint.initial import is_weights_only, load_initial_weights
+from megalysses.checkpoint.manifest import choose_checkpoint
 from megalysses.config import Config, ConfigError
 from megalysses.config_checks import check_logging_backends
 from megalysses.config_io import save_config
+from megalysses.data.batch_schedule import batch_line
+from megalysses.distributed import on_rank0, print0
 from megalysses.grid import ParallelGrid
 from megalysses.kernels.attention import reserve_compiles
 from megalysses.model.gpt import GPTStage, architecture, init_weights, stage_layers
 from megalysses.model.layers import ParallelGroups
 from megalysses.parallel.interleaved import VirtualStages
-from megalysses.checkpoint.dcp_io import load_checkpoint, save_checkpoint
+from megalysses.plan import RunPlan
+from megalysses.plan.flops import peak_tflops
+from megalysses.plan.search import check_phase_time
 from megalysses.training.data import TrainingData
 from megalysses.training.fsdp import FSDPAdamW, shard_model
-from megalysses.checkpoint.initial import is_weights_only, load_initial_weights
-from megalysses.checkpoint.manifest import choose_checkpoint
-from megalysses.distributed import on_rank0, print0
-from megalysses.plan.flops import peak_tflops
 from megalysses.training.metrics import MetricsLogger
 from megalysses.training.optimizer import Optimizer, ShardedAdamW
 from megalysses.training.rundir import check_writable, mark_start
-from megalysses.plan import RunPlan
-from megalysses.plan.search import check_phase_time
-from megalysses.data.batch_schedule import batch_line
 from megalysses.training.runtime import (check_built, flex_compile_budget, model_config, resolve_run, startup_line,
                                          write_runtime)
 from megalysses.training.schedule import lr_at, lr_progress
 from megalysses.training.signals import StopSignals
 from megalysses.training.step import NonFiniteLossError, evaluate, train_step
 from megalysses.training.watchdog import Watchdog
-
 
 def build_model(cfg: Config, grid: ParallelGrid, device: torch.device, mesh: DeviceMesh,
                 run: RunPlan) -> GPTStage | VirtualStages:
@@ -160,12 +159,11 @@ def train(cfg: Config, grid: ParallelGrid, device: torch.device, signals: Option
         doing(f"verifying the checkpoints in {source}")
         path = choose_checkpoint(source, explicit=cfg.checkpoint.load != "auto", fallback=cfg.checkpoint.fallback)
     # weights without optimizer state (a converted model) start the run; so does init_from when there is
-    # no checkpoint of this run to resume
+    # no checkpoint of this run to resume (a dry run reads no weights)
     initial = path if path is not None and is_weights_only(path) else None if path else cfg.checkpoint.init_from
     if initial is not None:
         path = None
-    if dry_run:
-        initial = None
+    initial = None if dry_run else initial
     model, opt = build_model_and_optimizer(cfg, grid, device, run, mesh, initial, doing)
     check_built(model, grid, run)
     if dry_run:

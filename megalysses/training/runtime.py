@@ -55,8 +55,7 @@ def check_built(model: torch.nn.Module, grid: ParallelGrid, run: RunPlan) -> Non
             a = run.activation
             kept = (m.activation_checkpointing, m.offload is not None, m.loss_chunk_tokens, m.checkpoint_stride,
                     {b.mlp_chunk_tokens for b in m.layers.values()} or {a.mlp_chunk_tokens})
-            if kept != (a.checkpointing, a.offload, a.loss_chunk_tokens, a.checkpoint_stride if a.checkpointing else 1,
-                        {a.mlp_chunk_tokens}):
+            if kept != (a.checkpointing, a.offload, a.loss_chunk_tokens, a.checkpoint_stride, {a.mlp_chunk_tokens}):
                 wrong.append(f"{name or 'stage'} activation policy {kept}")
     if not run.optimizer.startswith("fsdp"):
         dtypes = {str(p.dtype).removeprefix("torch.") for p in model.parameters()}
