@@ -439,13 +439,14 @@ def test_head_chunks_lower_the_peak_as_predicted(name):
 @pytest.mark.parametrize("tile_rows", [512, 256])
 def test_norm_tiles_at_the_peak_of_a_training_step(monkeypatch, tile_rows):
     """The torch norms in tiles of `tile_rows` of the 1024 tokens (kernels/norms.py; 2^24 elements by default),
-    with small MLP and loss tiles: the MLP norm's backward, with one norm tile's temporaries, is the worst
-    moment of the step, and the model's peak is the measured one within 10%."""
+    with a small MLP (untiled: MLP tiles run their norm inside each tile) and loss tiles: the MLP norm's
+    backward, with one norm tile's temporaries, is the worst moment of the step, and the model's peak is the
+    measured one within 10%."""
     from megalysses.kernels import norms
 
     monkeypatch.setattr(norms, "NORM_TILE_ELEMENTS", tile_rows * 64)
     overrides = ["training.dtype=bfloat16", "training.global_batch_size=1", "training.activation_checkpointing=true",
-                 "training.mlp_chunk_tokens=64", "training.loss_chunk_tokens=64"]
+                 "model.ffn_hidden_size=32", "training.loss_chunk_tokens=64"]
     est = estimate_config(load_config(overrides=STEP + overrides), 1, CPU)
     assert est.phase == "backward" and any(t.name.endswith("MLP norm: its backward's temporaries") for t in est.terms)
     measured, predicted = measured_step_peak(overrides)

@@ -54,18 +54,37 @@ def layer_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, 
     """(name, elements per S/sp token, bytes each) that one layer keeps for its backward. `seq_len` decides
     whether MLP tiles split the sequence, and sizes the reference backend's S x S probabilities."""
     d = dims(m, layout, opts)
-    h, r, k, a = d["h"], d["r"], d["k"], prec.act
+    h, r, a = d["h"], d["r"], prec.act
     if opts.activation_checkpointing if checkpointed is None else checkpointed:
         return [("block input (checkpoint)", h / r, a)] + kept_attention_terms(m, layout, opts, prec)
+    return attention_half_terms(m, layout, opts, prec, seq_len) + mlp_half_terms(m, layout, opts, prec, seq_len)
+
+
+def attention_half_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, seq_len: int = 0) -> PerToken:
+    """What the norm, the QKV projection, attention and o_proj keep (not checkpointed). Head chunks keep the
+    block input alone (model/tiled.py HeadChunks recomputes the rest)."""
+    d = dims(m, layout, opts)
+    h, r, k, a = d["h"], d["r"], d["k"], prec.act
+    if opts.head_chunks > 1:
+        return [(HEAD_CHUNKS_INPUT, h / r, a)]
     gathered = " (all-gathered over tp)" if opts.tp_sequence_parallel and layout.tp > 1 else ""
     terms = norm_terms("attention norm", h, r, a, k, m.norm)
     terms.append(("QKV input (norm output" + gathered + ")", h, a))
-    if opts.head_chunks == 1:     # (head chunks keep only their input, the QKV input: they are recomputed)
-        terms += attention_terms(m, layout, opts, prec, seq_len)
-    terms += norm_terms("MLP norm", h, r, a, k, m.norm)
+    return terms + attention_terms(m, layout, opts, prec, seq_len)
+
+
+HEAD_CHUNKS_INPUT = "block input (the head chunks' input)"
+
+
+def mlp_half_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, seq_len: int = 0) -> PerToken:
+    """What the MLP norm and the MLP keep (not checkpointed). MLP tiles keep their input alone, the residual
+    after attention (model/tiled.py MLPTiles recomputes the norm and the MLP tile by tile)."""
+    d = dims(m, layout, opts)
+    h, r, k, a = d["h"], d["r"], d["k"], prec.act
     if tiled(opts.mlp_chunk_tokens, layout, opts, seq_len):
-        terms.append(("MLP norm output (tile inputs)", h / r, a))
-        return terms
+        return [("MLP tiles' input (the residual after attention)", h / r, a)]
+    gathered = " (all-gathered over tp)" if opts.tp_sequence_parallel and layout.tp > 1 else ""
+    terms = norm_terms("MLP norm", h, r, a, k, m.norm)
     terms.append(("gate-up input (norm output" + gathered + ")", h, a))
     if m.mlp == "swiglu":
         terms.append(("gate-up output (2 x ffn/tp)", 2 * d["f"], a))

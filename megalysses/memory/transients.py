@@ -4,47 +4,60 @@ from __future__ import annotations
 
 from megalysses.config import ModelConfig
 from megalysses.kernels.norms import norm_tile_rows
-from megalysses.memory.activations import (attention_terms, bytes_per_token, dims, kept_attention_terms,
-                                           layer_terms, tiled)
+from megalysses.memory.activations import (attention_half_terms, attention_terms, bytes_per_token, dims,
+                                           kept_attention_terms, mlp_half_terms, tiled)
 from megalysses.memory.types import GIB, KERNELS, Layout, Options, Precision, Term
 
 
 def backward_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, tokens: float,
                    seq_len: int) -> list[Term]:
     """One layer's backward on one rank, on top of what the other layers keep: its own activations
-    (retained or recomputed) and the gradients being computed, at the worst of four moments as the
+    (retained or recomputed) and the gradients being computed, at the worst of its moments as the
     backward walks the layer from its end (each moment's activations are those not yet freed):
-        MLP        every activation of the layer; the down input's gradient and its factors'
-        MLP norm   the attention half's activations and the norm's; its backward's temporaries
+        MLP        every activation of the layer; the down input's gradient and its factors' (with MLP
+                   tiles: the residual's gradient, written tile by tile, and one tile's recomputation)
+        MLP norm   the attention half's activations and the norm's; its backward's temporaries (with
+                   MLP tiles the norm runs inside them)
         attention  the attention half's activations; dout, dq, dk, dv (and flash's fp32 dq accumulator)
         QKV        the norm's and the QKV input; the QKV output's gradient being assembled (and, with
                    sp>1, the all-to-all's gradient buffers)
-    plus the residual stream's gradient throughout (four moments, then). With head chunks the attention
-    half keeps only the QKV input: the attention and QKV moments are those of one chunk, recomputed, with
-    the QKV input's gradient summed over the chunks beside them."""
+        attention norm  its input; the QKV input's gradient, dx and its backward's temporaries
+    plus the residual stream's gradient throughout. With head chunks (model/tiled.py HeadChunks) the
+    attention half keeps only the block input: its backward recomputes the norm output (the QKV input),
+    and the attention and QKV moments are those of one chunk, recomputed, beside the QKV input's gradient
+    that the chunks sum into; then the attention norm's backward writes the block input's gradient over
+    that sum; and each chunk's forward (the recomputation) adds into one output."""
     d = dims(m, layout, opts)
     k, a, N = d["k"], prec.act, opts.head_chunks
     h, r, f = d["h"], d["r"], d["f"]
-    full = layer_terms(m, layout, opts, prec, seq_len, checkpointed=False)
-    cut = next(i for i, t in enumerate(full) if t[0].startswith("MLP norm"))
-    attn_half = bytes_per_token(full[:cut])
-    before_core = bytes_per_token([t for t in full[:cut]
-                                   if t[0].startswith(("attention norm", "QKV input", "cos, sin"))])
-    chunk_name, summed, at_core = "", 0.0, attn_half
-    if N > 1:           # one chunk's activations, recomputed; the QKV input's gradient accumulating
+    attn_terms = attention_half_terms(m, layout, opts, prec, seq_len)
+    full = attn_terms + mlp_half_terms(m, layout, opts, prec, seq_len)
+    attn_half = bytes_per_token(attn_terms)
+    chunk_name, summed = "", 0.0
+    if N > 1:           # the block input, the recomputed QKV input, one chunk's activations
         chunk = attention_terms(m, layout, opts, prec, seq_len, N)
-        at_core += bytes_per_token(chunk)
-        before_core += bytes_per_token([t for t in chunk if t[0].startswith("cos, sin")])
+        before_core = attn_half + h * a + bytes_per_token([t for t in chunk if t[0].startswith("cos, sin")])
+        at_core = attn_half + h * a + bytes_per_token(chunk)
         d = dims(m, layout, opts, N)
         chunk_name, summed = f" (one of {N} head chunks, the QKV input's gradient summed)", h * a
+    else:
+        before_core = bytes_per_token([t for t in attn_terms
+                                       if t[0].startswith(("attention norm", "QKV input", "cos, sin"))])
+        at_core = attn_half
     q, kv = d["q"], d["kv"]
     # flash-attn's backward writes dk, dv at the query-head count when a rank has fewer KV heads (GQA)
     kv_grads = q if d["expand"] or (opts.attention == "flash" and q != kv) else kv
     accumulator = 4 * q if opts.dq_accumulator else 0
-    if tiled(opts.mlp_chunk_tokens, layout, opts, seq_len):
+    mlp_tiled = tiled(opts.mlp_chunk_tokens, layout, opts, seq_len)
+    if mlp_tiled:
         tile = opts.mlp_chunk_tokens * r / tokens      # a tile's share of the tokens
-        mlp = (tile * ((4 if k.swiglu_silu else 3) + 2) * f + 2 * h / r) * a
-        mlp_name = "MLP tile: its recomputation and gradients, the full-length gradient of the tile inputs"
+        # a tile: its norm output (gathered over tp) and gradient, the gate-up output, silu, the down input and
+        # their gradients, the norm's temporaries; the residual's gradient for every token
+        # and the MLP's weights' gradients: their fp32 sums over the tiles, one tile's in the weights' dtype
+        mlp = (tile * (((4 if k.swiglu_silu else 3) + 2) * f + 3 * h) + h / r) * a \
+            + (norm_tile_bytes(m, opts, prec, opts.mlp_chunk_tokens) + mlp_weights(m, layout.tp) * (4 + prec.weight)) \
+            / tokens
+        mlp_name = "MLP tile: its recomputation and gradients, the residual's gradient, the weights' fp32 sums"
     else:
         mlp, mlp_name = 2 * f * a, "MLP: the down input's gradient and its factors'"
     core = (2 * q + 2 * kv_grads) * a + accumulator
@@ -53,23 +66,29 @@ def backward_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precisio
         core, core_name = _ring_backward(q, kv, a, d["ring"], opts, accumulator,
                                          recomputed=opts.activation_checkpointing or N > 1)
     core, core_name = core + summed, core_name + chunk_name
-    mlp_norm = bytes_per_token([t for t in full
-                                if t[0].startswith("MLP norm") and "input" in t[0] or t[0] == "MLP norm 1/rms"])
-    # the norm's dx for every token, and one tile's temporaries (tokens / r rows of the residual stream)
-    norm_temps = norm_backward_bytes(m, opts, prec) * h / r + norm_tile_bytes(m, opts, prec, tokens / r) / tokens
     assembly = (k.qkv_grad_buffers * d["qkv"] + (3 * (q + 2 * kv) if d["P"] > 1 else 0)) * a + summed
     # with the attention output and LSE kept, those of the moments past attention are retained, not recomputed
     kept = bytes_per_token(kept_attention_terms(m, layout, opts, prec))
     moments = {mlp_name: (bytes_per_token(full) - kept, mlp),
                core_name: (at_core - kept, core),
-               "MLP norm: its backward's temporaries": (attn_half + mlp_norm - kept, norm_temps),
                "QKV: the output's gradient" + (", the all-to-all's buffers" if d["P"] > 1 else "") + chunk_name:
                    (before_core, assembly)}
-    if N > 1:   # a chunk's forward (recomputed under checkpointing): its activations, the partial outputs' running
-        # sum and the new one; in the backward autograd sums the chunks' QKV input gradients out of place
-        moments["head chunk forward: its activations, o_proj's partial sum and the next partial"] = (
-            at_core - attn_half + before_core - kept, 2 * h * a)
-        moments["head chunks' QKV input gradients: the sum, a chunk's, their new sum"] = (before_core - kept, 3 * h * a)
+    if not mlp_tiled:
+        mlp_norm = bytes_per_token([t for t in full if t[0].startswith("MLP norm")])
+        # the norm's dx for every token, and one tile's temporaries (tokens / r rows of the residual stream)
+        norm_temps = norm_backward_bytes(m, opts, prec) * h / r + norm_tile_bytes(m, opts, prec, tokens / r) / tokens
+        moments["MLP norm: its backward's temporaries"] = (attn_half + mlp_norm - kept, norm_temps)
+    # the attention norm's backward: the QKV input's gradient coming in, dx, one tile's temporaries
+    norm_in = [t for t in attn_terms if t[0].startswith("attention norm")]
+    if norm_in:
+        moments["attention norm: its backward's temporaries"] = (
+            bytes_per_token(norm_in), h * a + norm_backward_bytes(m, opts, prec) * h / r
+            + norm_tile_bytes(m, opts, prec, tokens / r) / tokens)
+    if N > 1:   # a chunk's forward (recomputed under checkpointing): its activations and the running output sum;
+        # then the norm's backward, over row tiles, into the summed gradient (reduce-scattered over tp first)
+        moments["head chunk forward: its activations, o_proj's running sum"] = (at_core - kept, h * a)
+        moments["attention norm's backward: the QKV input's gradient, the block input's written over it"] = (
+            attn_half, h * a + (h / r * a if r > 1 else 0) + norm_tile_bytes(m, opts, prec, tokens / r) / tokens)
     name, (alive, grads) = max(moments.items(), key=lambda kv_: sum(kv_[1]))
     offloaded = opts.activation_offload and opts.activation_checkpointing
     if opts.activation_checkpointing and not offloaded:
@@ -89,6 +108,13 @@ def backward_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precisio
                           f"{k - 1} x {tokens:.4g} tok x {h / r:.4g} x {a} B"))
     terms.append(Term("residual-stream gradient", tokens * h / r * a, f"{tokens:.4g} tok x {h / r:.4g} x {a} B"))
     return terms
+
+
+def mlp_weights(m: ModelConfig, tp: int) -> float:
+    """Parameters of one block's MLP and MLP norm on one tp rank (biases included)."""
+    n = 3 if m.mlp == "swiglu" else 2
+    return (n * m.hidden_size * m.ffn_size / tp + ((n - 1) * m.ffn_size / tp + m.hidden_size if m.mlp_bias else 0)
+            + m.hidden_size * (2 if m.norm == "layernorm" else 1))
 
 
 def norm_backward_bytes(m: ModelConfig, opts: Options, prec: Precision) -> float:

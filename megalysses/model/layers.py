@@ -12,7 +12,6 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 from megalysses import comm
 from megalysses.comm import Group
@@ -22,8 +21,8 @@ from megalysses.kernels.norms import add_rms_norm, layer_norm, rms_norm
 from megalysses.kernels.rope import rope_qkv
 from megalysses.kernels.swiglu import swiglu
 from megalysses.model.kv_cache import LayerKV
-from megalysses.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, column_parallel_input,
-                                                  mark_tp)
+from megalysses.model.tiled import HeadChunks, MLPTiles, attention_params, mlp_params
+from megalysses.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, mark_tp
 from megalysses.parallel.ring import ring_attention
 from megalysses.parallel.ulysses import ulysses_attention
 
@@ -93,10 +92,10 @@ class Attention(nn.Module):
     With `head_chunks` = N > 1 the rank's heads run in N chunks of hk/N whole KV groups, one after the
     other: the chunk's rows of the QKV weight (contiguous, by the grouping above), RoPE, the all-to-all,
     attention, the inverse all-to-all and the chunk's columns of o_proj, whose partial outputs add up to
-    the projection of all heads. The tp input (the all-gather under TP sequence sharding) is made once,
-    and the tp reduction (reduce-scatter) and o_proj's bias come once, on the sum. Each chunk is
-    recomputed in the backward, so only one chunk's (B, S/sp, (hq + 2 hk) D / N) intermediates exist at
-    a time."""
+    the projection of all heads. The norm and the tp input (the all-gather under TP sequence sharding) are
+    made once, and the tp reduction (reduce-scatter) and o_proj's bias come once, on the sum. Only the
+    block input is kept: the backward recomputes the norm and each chunk (model/tiled.py HeadChunks), so
+    only one chunk's (B, S/sp, (hq + 2 hk) D / N) intermediates exist at a time."""
 
     def __init__(self, cfg: ModelConfig, groups: ParallelGroups, head_chunks: int = 1) -> None:
         super().__init__()
@@ -114,8 +113,6 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(cfg.num_heads * D, h, groups.tp, cfg.attention_bias, sp_)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Any, cache: Optional[LayerKV] = None) -> Tensor:
-        if self.head_chunks > 1 and cache is None:
-            return self._chunked(x, cos, sin, mask)
         qkv = self.qkv_proj(x)                                                   # (B, S/sp, hk*(rep+2)*D)
         return self.o_proj(self._attend(qkv, cos, sin, mask, cache))            # (B, s, h)
 
@@ -139,27 +136,23 @@ class Attention(nn.Module):
             out = ulysses_attention(q, k, v, self.groups.ulysses, attn)
         return out.reshape(B, s, -1)
 
-    def _chunk(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Any, c: int) -> Tensor:
-        """Chunk c of the heads from the tp input x (B, S/sp, h): its partial o_proj output (B, S/sp, h)."""
+    def chunk_slices(self, c: int) -> tuple[slice, slice]:
+        """Head chunk c's rows of the QKV weight (and bias) and its columns of o_proj's weight."""
         rows = self.qkv_proj.weight.shape[0] // self.head_chunks
         cols = self.o_proj.weight.shape[1] // self.head_chunks
+        return slice(c * rows, (c + 1) * rows), slice(c * cols, (c + 1) * cols)
+
+    def chunk_weights(self, c: int) -> tuple[Tensor, Optional[Tensor], Tensor]:
+        """Head chunk c's QKV weight (and bias) and o_proj weight (views)."""
+        rows, cols = self.chunk_slices(c)
         bias = self.qkv_proj.bias
-        qkv = F.linear(x, self.qkv_proj.weight[c * rows:(c + 1) * rows],
-                       None if bias is None else bias[c * rows:(c + 1) * rows])  # (B, S/sp, (rep+2)*D*hk/N)
-        return F.linear(self._attend(qkv, cos, sin, mask), self.o_proj.weight[:, c * cols:(c + 1) * cols])
+        return self.qkv_proj.weight[rows], None if bias is None else bias[rows], self.o_proj.weight[:, cols]
 
-    def _chunked(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Any) -> Tensor:
-        x = column_parallel_input(x, self.groups.tp, self.groups.sequence_parallel)   # (B, S/sp, h), once
-
-        def chunk(c: int) -> Tensor:
-            if torch.is_grad_enabled():
-                return checkpoint(self._chunk, x, cos, sin, mask, c, use_reentrant=False)
-            return self._chunk(x, cos, sin, mask, c)
-
-        y = chunk(0)
-        for c in range(1, self.head_chunks):
-            y = y + chunk(c)                     # (B, S/sp, h) partial sum; each partial freed once added
-        return self.o_proj.reduce(y)                                             # (B, s, h)
+    def chunked(self, norm: nn.Module, x: Tensor, cos: Tensor, sin: Tensor, mask: Any) -> Tensor:
+        """attn(norm(x)) in head chunks (model/tiled.py HeadChunks: only x is kept), tp-reduced, o_proj's bias
+        added once."""
+        acc = HeadChunks.apply(self, norm, x, cos, sin, mask, *attention_params(self, norm))
+        return self.o_proj.reduce(acc)                                           # (B, s, h)
 
 
 class MLP(nn.Module):
@@ -189,8 +182,9 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(x)).
 
-    With `mlp_chunk_tokens` the MLP runs over sequence tiles of that many local tokens, each tile
-    recomputed in the backward, so only one tile's (B, tile, f/tp) intermediates exist at a time.
+    With `mlp_chunk_tokens` the MLP norm and the MLP run over sequence tiles of that many local tokens,
+    keeping only their input (model/tiled.py MLPTiles); each tile is recomputed in the backward, so only one
+    tile's (B, tile, f/tp) intermediates exist at a time.
     (The MLP is token-wise; with TP sequence sharding every tp rank tiles its shard the same way,
     so the all-gather / reduce-scatter inside pair up tile by tile.)"""
 
@@ -205,15 +199,13 @@ class Block(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Optional[Any],
                 cache: Optional[LayerKV] = None) -> Tensor:
+        if self.attn.head_chunks > 1 and cache is None:
+            a = self.attn.chunked(self.attn_norm, x, cos, sin, mask)              # keeps x alone
+        else:
+            a = self.attn(self.attn_norm(x), cos, sin, mask, cache)
+        tile = self.mlp_chunk_tokens
+        if tile and tile < x.shape[1]:
+            return MLPTiles.apply(self, x + a, tile, *mlp_params(self))          # keeps x + a alone
         # x + attention, then its norm (the attention output is not held while the MLP runs)
-        x, normed = self.mlp_norm.add_forward(x, self.attn(self.attn_norm(x), cos, sin, mask, cache))
-        return x + self._mlp(normed)
-
-    def _mlp(self, x: Tensor) -> Tensor:
-        chunk, s = self.mlp_chunk_tokens, x.shape[1]
-        if not chunk or chunk >= s:
-            return self.mlp(x)                                                 # (B, s, h)
-        if not torch.is_grad_enabled():
-            return torch.cat([self.mlp(x[:, lo:lo + chunk]) for lo in range(0, s, chunk)], dim=1)
-        return torch.cat([checkpoint(self.mlp, x[:, lo:lo + chunk], use_reentrant=False)
-                          for lo in range(0, s, chunk)], dim=1)               # (B, s, h)
+        x, normed = self.mlp_norm.add_forward(x, a)
+        return x + self.mlp(normed)

@@ -53,6 +53,15 @@ def column_parallel_input(x: Tensor, tp_group: Group, sequence_parallel: bool) -
     return comm.copy_to_tp(x, tp_group)                        # (B, S, h), grad all-reduced
 
 
+def column_parallel_input_grad(dy: Tensor, tp_group: Group, sequence_parallel: bool) -> Tensor:
+    """column_parallel_input's backward, for a caller that computes the gradient of what it read (dy) itself:
+    reduce-scattered over the sequence under TP sequence sharding, else all-reduced over tp."""
+    with torch.no_grad():
+        if sequence_parallel:
+            return comm.reduce_scatter_to_tp(dy, tp_group, dim=1)  # (B, S, h) -> (B, S/tp, h)
+        return comm.reduce_from_tp(dy, tp_group)
+
+
 class RowParallelLinear(nn.Module):
     """y = x W^T with W split by columns (input features) over tp; partial sums reduced over tp."""
 
