@@ -9,13 +9,14 @@ import pytest
 import torch
 
 from megalysses.config import ConfigError, ModelConfig
-from megalysses.config_checks import check_heads, validate_config
+from megalysses.config_checks import check_heads, check_world_size, validate_config
 from megalysses.config_io import load_config
 from megalysses.memory import (GIB, PRECISIONS, Layout, Options, Workload, estimate, layer_params,
                                longest_sequence, stage_params)
 from megalysses.plan import resolve
 from megalysses.plan.search import check_phase_time, described_machine, evaluate, plan, predicted_step_seconds
 from megalysses.plan.step_time import Hardware, Overlap, step_time
+from megalysses.plan.tiles import could_fit
 from megalysses.tools.plan import _flags, main
 from megalysses.training.runtime import resolve_run
 
@@ -431,3 +432,40 @@ def test_longer_sequences_than_alst_with_megalysses_own_layouts(gpus, tokens, al
     row = best.row()
     assert 0 < row["mfu"] < 1 and row["step_s"] > 0
     validate_config(best.cfg, world_size=gpus)
+
+
+@pytest.mark.parametrize("path, sets, gpus, tokens, gpu_gib, host_gib", [
+    ("configs/llama3_8b_1m.yaml", {"training.global_batch_size": 1, "model.kernels": "triton"}, 1, 1 << 19, 80, 1769),
+    # on a 24 GiB GPU some fit only with the loss in one tile of the whole sequence (no fp32 head gradient sum)
+    ("configs/llama3_8b_1m.yaml", {"training.global_batch_size": 1, "model.kernels": "triton"}, 1, 4096, 24, 1769),
+    ("configs/quickstart.yaml", {"data.mock": "true", "data.document_mask": "false", "training.micro_batch_size": 1,
+                                 "training.global_batch_size": 4}, 8, 1 << 16, 2, None)])
+def test_the_search_skips_only_what_cannot_fit(monkeypatch, path, sets, gpus, tokens, gpu_gib, host_gib):
+    """plan() checks a layout's batch arithmetic once for all its memory options, and skips the tile search of a
+    candidate that no tiles can fit: the layouts that fit, their order and how many were considered are those
+    of validating and searching every candidate; and the shortcuts skip some here."""
+    import megalysses.plan.search as search
+
+    cfg = _load(path, **sets)
+    skipped = {"layouts": 0, "candidates": 0}
+
+    def world(c, n):
+        try:
+            check_world_size(c, n)
+        except ConfigError:
+            skipped["layouts"] += 1
+            raise
+
+    def bound(*args):
+        fits = could_fit(*args)
+        skipped["candidates"] += not fits
+        return fits
+
+    monkeypatch.setattr(search, "check_world_size", world)
+    monkeypatch.setattr(search, "could_fit", bound)
+    fitting, considered = plan(cfg, gpus, tokens, gpu_gib, host_gib)
+    assert fitting and skipped["candidates"] > 0 and (gpus == 1 or skipped["layouts"] > 0), skipped
+    monkeypatch.setattr(search, "check_world_size", lambda c, n: None)
+    monkeypatch.setattr(search, "could_fit", lambda *args: True)
+    every, every_considered = plan(cfg, gpus, tokens, gpu_gib, host_gib)
+    assert [p.row() for p in fitting] == [p.row() for p in every] and considered == every_considered

@@ -14,11 +14,12 @@ from dataclasses import dataclass, replace
 from typing import Iterator, Optional
 
 from megalysses.config import Config, ConfigError, ModelConfig
-from megalysses.config_checks import check_heads, head_chunk_counts, validate_config
+from megalysses.config_checks import check_heads, check_world_size, head_chunk_counts, validate_config
 from megalysses.memory import GIB, Estimate, estimate_plan, options_of, precision_of, workload_of, layout_of
 from megalysses.plan.flops import flops_per_token
 from megalysses.plan.machine import PLAIN_TORCH, Machine
 from megalysses.plan.run_plan import resolve
+from megalysses.plan.tiles import could_fit
 from megalysses.plan.types import RunPlan
 from megalysses.plan.step_time import Hardware, Overlap, StepTime, step_time
 
@@ -166,24 +167,40 @@ def predicted_step_seconds(cfg: Config, gpus: int, hw: Hardware, machine: Option
 
 def plan(cfg: Config, gpus: int, seq_len: int, gpu_memory_gib: float, host_memory_gib: Optional[float] = None,
          hw: Optional[Hardware] = None, packages: tuple[str, ...] = PLAIN_TORCH) -> tuple[list[Prediction], int]:
-    """(the layouts that fit, best first; how many were considered), on H100s (`hw`, default Hardware())."""
+    """(the layouts that fit, best first, each run once; how many candidates were considered: those that
+    validate), on H100s (`hw`, default Hardware()). A layout's batch arithmetic (config_checks.check_world_size)
+    is checked once for all its memory options, and a candidate whose peak no tiles can bring within the
+    device's usable memory (plan/tiles.py could_fit) is not searched further: it fits at none of them."""
     hw = hw or Hardware()
     cfg = replace(cfg, data=replace(cfg.data, seq_len=seq_len))
-    fitting, considered, runs = [], 0, set()
+    machine = described_machine(gpus, gpu_memory_gib, hw, packages)
+    budget = hw.usable_bytes(gpu_memory_gib)
+    fitting, considered, runs, layouts = [], 0, set(), {}
     for cand in candidate_configs(cfg, gpus, host_memory_gib is not None, hw.gpus_per_node):
+        par = cand.parallel
+        layout = (par.tp, par.sp, par.pp, par.virtual_stages)
+        if layout not in layouts:
+            try:
+                check_world_size(cand, gpus)
+                layouts[layout] = True
+            except ConfigError:
+                layouts[layout] = False
+        if not layouts[layout]:
+            continue
         try:
             validate_config(cand, world_size=gpus)
         except ConfigError:
             continue
+        considered += 1
         try:
-            p = evaluate(cand, gpus, gpu_memory_gib, host_memory_gib, hw, packages)
+            if not could_fit(cand, resolve(cand, machine, gpus, tiles=False), budget):
+                continue
+            p = evaluate(cand, gpus, gpu_memory_gib, host_memory_gib, hw, machine=machine)
         except ValueError:        # one the memory model does not cover, or the run refuses (it says which): not planned
-            considered += 1
             continue
         if p.run in runs:         # tiles that resolve to another candidate's
             continue
         runs.add(p.run)
-        considered += 1
         if p.fits:
             fitting.append(p)
     fitting.sort(key=lambda p: (p.step.total, p.estimate.peak))
