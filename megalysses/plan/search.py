@@ -24,13 +24,20 @@ from megalysses.plan.types import RunPlan
 from megalysses.plan.step_time import Hardware, Overlap, StepTime, step_time
 
 
-def heads_allow(m: ModelConfig, tp: int, sp: int) -> bool:
-    """The head rule of a (tp, sp) layout: the one function to swap when the layout rules change."""
+def heads_allow(m: ModelConfig, tp: int, sp: int, sp_ring: int) -> bool:
+    """The head rule of a (tp, sp = ulysses x sp_ring) layout: the one function to swap when the layout rules
+    change."""
     try:
-        check_heads(m.num_heads, m.kv_heads, tp, sp)
+        check_heads(m.num_heads, m.kv_heads, tp, sp, sp_ring)
     except ConfigError:
         return False
     return True
+
+
+def ring_degrees(m: ModelConfig, tp: int, sp: int) -> list[int]:
+    """Every ring degree of sp = ulysses x ring that the heads allow at tp, the ring growing (the Ulysses degree
+    falling): those whose Ulysses degree gives each rank whole query heads and whole (or replicated) KV heads."""
+    return [r for r in divisors(sp) if heads_allow(m, tp, sp, r)]
 
 
 def divisors(n: int) -> list[int]:
@@ -38,16 +45,17 @@ def divisors(n: int) -> list[int]:
 
 
 def candidate_configs(cfg: Config, gpus: int, offload: bool, gpus_per_node: int = 8) -> Iterator[Config]:
-    """Every layout and memory-option combination of `cfg` on `gpus` ranks that its rules allow: tp, sp
-    (split into ulysses x ring automatically: the largest Ulysses degree the heads allow, inside a node
-    when one is, the rest a ring),
-    pp, virtual stages, checkpointing (with attention outputs kept or recomputed), MLP tiles (none, or auto:
+    """Every layout and memory-option combination of `cfg` on `gpus` ranks that its rules allow: tp (inside a
+    node), sp split into ulysses x ring every way the heads allow (ring_degrees; a Ulysses group that spans
+    nodes too, its all-to-all timed on the links between them; parallel.sp_ring is set to the ring, so the
+    config runs the split it was planned with, where sp_ring=0 would take the largest Ulysses degree), pp,
+    virtual stages, checkpointing (with attention outputs kept or recomputed), MLP tiles (none, or auto:
     plan/tiles.py searches the tile sizes for the largest that keeps the peak at its least), LM head + loss
     tiles (auto; for any tile the step-time model counts the same time), attention head chunks (1 and every
-    count the layout allows, not with kept attention outputs), TP sequence sharding, FSDP or ZeRO-1, and
-    with host memory (`offload`) activation offload (of every block's input, or of every 2nd or 4th block's:
-    training.checkpoint_stride), optimizer offload (ZeRO-1) and parameter offload (FSDP). Candidates whose
-    tiles resolve alike are one run: plan() keeps the first."""
+    count the split's Ulysses degree allows, not with kept attention outputs), TP sequence sharding, FSDP or
+    ZeRO-1, and with host memory (`offload`) activation offload (of every block's input, or of every 2nd or
+    4th block's: training.checkpoint_stride), optimizer offload (ZeRO-1) and parameter offload (FSDP).
+    Candidates whose tiles resolve alike are one run: plan() keeps the first."""
     m, t = cfg.model, cfg.training
     S = cfg.data.seq_len
     mlp_tiles, loss_tiles = [0, "auto"], ["auto"]
@@ -62,11 +70,8 @@ def candidate_configs(cfg: Config, gpus: int, offload: bool, gpus_per_node: int 
         if tp > gpus_per_node:
             continue
         for sp in divisors(gpus // tp):
-            if not heads_allow(m, tp, sp):
-                continue
-            ulysses = check_heads(m.num_heads, m.kv_heads, tp, sp, 0, min(gpus, gpus_per_node))[0]
-            chunk_counts = head_chunk_counts(m.num_heads, m.kv_heads, tp, ulysses)
-            for pp in divisors(gpus // (tp * sp)):
+            for ring, pp in itertools.product(ring_degrees(m, tp, sp), divisors(gpus // (tp * sp))):
+                chunk_counts = head_chunk_counts(m.num_heads, m.kv_heads, tp, sp // ring)
                 tiles = [x for x in mlp_tiles if x == "auto" or x < S // sp or x == 0]
                 options = itertools.product([1] + [x for x in (2, 4) if pp > 1], activations,
                                             itertools.product(tiles, loss_tiles),
@@ -77,7 +82,7 @@ def candidate_configs(cfg: Config, gpus: int, offload: bool, gpus_per_node: int 
                         continue
                     yield replace(
                         cfg,
-                        parallel=replace(cfg.parallel, tp=tp, sp=sp, sp_ring=0, pp=pp, virtual_stages=v,
+                        parallel=replace(cfg.parallel, tp=tp, sp=sp, sp_ring=ring, pp=pp, virtual_stages=v,
                                          tp_sequence_parallel=tsp, fsdp=fsdp),
                         training=replace(t, activation_checkpointing=ckpt, activation_offload=offl,
                                          recompute_attention=not keep, optimizer_offload=opt_off,
