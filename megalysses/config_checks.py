@@ -81,27 +81,44 @@ def validate_config(cfg: Config, world_size: Optional[int] = None) -> None:
     if t.optimizer_offload and p.fsdp:
         raise ConfigError("training.optimizer_offload=true is for ZeRO-1: with parallel.fsdp=true the optimizer "
                           "state is already sharded with the weights; set one of them to false")
+    _check_batch_sizes(t)
+    _check_lr_schedule(cfg)
+    if world_size is not None:
+        _check_world(cfg, world_size)
+
+
+def check_world_size(cfg: Config, world_size: int) -> None:
+    """The batch arithmetic of `cfg`'s layout on `world_size` ranks, a part of validate_config (which raises
+    whatever this raises): it reads the layout (tp, sp, pp, virtual stages) and the batch settings only, so
+    the planner checks a layout once for all its memory options."""
+    _check_batch_sizes(cfg.training)
+    _check_world(cfg, world_size)
+
+
+def _check_batch_sizes(t: TrainingConfig) -> None:
     if t.micro_batch_size < 1 or t.global_batch_size < 1:
         raise ConfigError("training.micro_batch_size and training.global_batch_size must be >= 1")
     _check_batch_ramp(t)
-    _check_lr_schedule(cfg)
-    if world_size is not None:
-        mp = p.tp * p.sp * p.pp
-        if world_size % mp:
-            raise ConfigError(f"world size {world_size} is not divisible by tp*sp*pp = {p.tp}*{p.sp}*{p.pp} = {mp}: "
-                              f"launch a multiple of {mp} processes (torchrun --nproc-per-node {mp} pretrain.py ...) "
-                              f"or change the layout")
-        dp = world_size // mp
-        per_step = t.micro_batch_size * dp
-        if t.global_batch_size % per_step:
-            raise ConfigError(f"training.global_batch_size={t.global_batch_size} is not divisible by "
-                              f"micro_batch_size={t.micro_batch_size} * dp={dp} = {per_step}")
-        micro = t.global_batch_size // per_step
-        if p.virtual_stages > 1 and micro % p.pp:
-            raise ConfigError(f"interleaved pipeline: {micro} micro-batches per step (global_batch_size / "
-                              f"(micro_batch_size * dp)) is not a multiple of parallel.pp={p.pp}: change "
-                              f"training.global_batch_size or micro_batch_size")
-        _check_ramp_layout(cfg, per_step, dp)
+
+
+def _check_world(cfg: Config, world_size: int) -> None:
+    p, t = cfg.parallel, cfg.training
+    mp = p.tp * p.sp * p.pp
+    if world_size % mp:
+        raise ConfigError(f"world size {world_size} is not divisible by tp*sp*pp = {p.tp}*{p.sp}*{p.pp} = {mp}: "
+                          f"launch a multiple of {mp} processes (torchrun --nproc-per-node {mp} pretrain.py ...) "
+                          f"or change the layout")
+    dp = world_size // mp
+    per_step = t.micro_batch_size * dp
+    if t.global_batch_size % per_step:
+        raise ConfigError(f"training.global_batch_size={t.global_batch_size} is not divisible by "
+                          f"micro_batch_size={t.micro_batch_size} * dp={dp} = {per_step}")
+    micro = t.global_batch_size // per_step
+    if p.virtual_stages > 1 and micro % p.pp:
+        raise ConfigError(f"interleaved pipeline: {micro} micro-batches per step (global_batch_size / "
+                          f"(micro_batch_size * dp)) is not a multiple of parallel.pp={p.pp}: change "
+                          f"training.global_batch_size or micro_batch_size")
+    _check_ramp_layout(cfg, per_step, dp)
 
 
 MAX_SEQ_LEN = 2**31 - 2

@@ -9,13 +9,15 @@ import pytest
 import torch
 
 from megalysses.config import ConfigError, ModelConfig
-from megalysses.config_checks import check_heads, validate_config
+from megalysses.config_checks import check_heads, check_world_size, validate_config
 from megalysses.config_io import load_config
 from megalysses.memory import (GIB, PRECISIONS, Layout, Options, Workload, estimate, layer_params,
                                longest_sequence, stage_params)
 from megalysses.plan import resolve
-from megalysses.plan.search import check_phase_time, described_machine, evaluate, plan, predicted_step_seconds
+from megalysses.plan.search import (candidate_configs, check_phase_time, described_machine, evaluate, plan,
+                                     predicted_step_seconds)
 from megalysses.plan.step_time import Hardware, Overlap, step_time
+from megalysses.plan.tiles import could_fit
 from megalysses.tools.plan import _flags, main
 from megalysses.training.runtime import resolve_run
 
@@ -180,28 +182,54 @@ def test_one_gpu_config_needs_offload():
 
 
 def test_planned_layouts_obey_the_layout_rules():
-    """A 4-head model gets Ulysses degrees that divide its heads per tp rank and a ring for the rest of sp,
-    as the config resolves it; every layout validates; the ring's bytes appear with a ring only. (Without
-    document masks: with them, a ring's blocks at this head dim of 48 would need FlexAttention, which takes
-    powers of two only, and the reference backend, which the memory model does not cover on a ring.)"""
+    """A 4-head model (2 KV heads) gets every Ulysses degree that divides its heads per tp rank (KV heads dividing
+    it or divisible by it) and a ring for the rest of sp, as the config resolves it; every layout validates; the
+    ring's bytes appear with a ring only. (Without document masks: with them, a ring's blocks at this head dim of
+    48 would need FlexAttention, which takes powers of two only, and the reference backend, which the memory
+    model does not cover on a ring.)"""
     cfg = _load("configs/quickstart.yaml", **{"data.mock": "true", "training.global_batch_size": 8,
                                               "data.document_mask": "false"})
     fitting, considered = plan(cfg, 8, 4096, 80)
     assert considered and fitting
-    rings = set()
+    rings = {}
     for p in fitting:
         validate_config(p.cfg, world_size=8)
         par, layout = p.cfg.parallel, p.estimate.layout
         m = p.cfg.model
         ulysses, ring = check_heads(m.num_heads, m.kv_heads, par.tp, par.sp, par.sp_ring, ranks_per_node=8)
-        assert (p.run.ulysses, p.run.ring) == (ulysses, ring)
+        assert (p.run.ulysses, p.run.ring) == (ulysses, ring) == (par.sp // par.sp_ring, par.sp_ring)
         assert (layout.ulysses, layout.ring) == (ulysses, ring) and cfg.model.num_heads // par.tp % ulysses == 0
         assert par.tp * par.sp * par.pp * layout.dp == 8
         assert (p.row()["ring_p2p_gb"] > 0) == (ring > 1) and (p.row()["all_to_all_gb"] > 0) == (ulysses > 1)
-        rings.add(ring)
-    assert rings == {1, 2}             # sp 8 on 4 heads: ulysses 4 x ring 2; tp 2, sp 4: ulysses 2 x ring 2
+        rings.setdefault((par.tp, par.sp), set()).add(ring)
+    # tp 1 (4 query, 2 KV heads per rank): Ulysses 1, 2 or 4; tp 2 (2 and 1): Ulysses 1 or 2; tp 4: 2 KV heads
+    # do not split over 4 ranks
+    assert rings == {(1, 1): {1}, (1, 2): {1, 2}, (1, 4): {1, 2, 4}, (1, 8): {2, 4, 8},
+                     (2, 1): {1}, (2, 2): {1, 2}, (2, 4): {2, 4}}
     times = [p.step.total for p in fitting]
     assert times == sorted(times)
+
+
+def test_candidates_split_sp_every_way_the_heads_allow():
+    """candidate_configs gives each (tp, sp) every ulysses x ring split the heads allow, the ring explicit
+    (parallel.sp_ring), each with the head chunk counts of its own Ulysses degree; each candidate validates
+    (at one stage, where every dp divides the batch) and resolves to its split (with attention recomputed:
+    kept attention outputs need SDPA, which document masks rule out here)."""
+    cfg = _load("configs/quickstart.yaml", **{"data.mock": "true", "training.global_batch_size": 8,
+                                              "training.micro_batch_size": 1})
+    splits, chunks = {}, {}
+    for c in candidate_configs(cfg, 8, offload=False):
+        p = c.parallel
+        splits.setdefault((p.tp, p.sp), set()).add(p.sp_ring)
+        chunks.setdefault((p.tp, p.sp, p.sp_ring), set()).add(c.training.attention_head_chunks)
+        if p.pp == 1:
+            validate_config(c, world_size=8)
+        if p.pp == 1 and c.training.recompute_attention:
+            run = h100s(c, 8)
+            assert (run.ulysses, run.ring) == (p.sp // p.sp_ring, p.sp_ring)
+    assert splits[(1, 8)] == {2, 4, 8} and splits[(1, 4)] == {1, 2, 4} and splits[(2, 4)] == {2, 4}
+    # 2 KV heads per rank: 2 chunks of one KV head and 2 query heads split over at most 2 Ulysses ranks
+    assert chunks[(1, 8, 2)] == {1} and chunks[(1, 8, 4)] == chunks[(1, 8, 8)] == {1, 2}
 
 
 def test_cli_json_best_and_null(capsys):
@@ -416,12 +444,16 @@ def test_a_checkpoint_stride_is_planned_where_host_memory_binds():
     assert two.step.flops["matmul"] > one.step.flops["matmul"] and one.step.total < two.step.total
 
 
-@pytest.mark.parametrize("gpus, tokens, alst", [(1, 1 << 20, 500_000), (8, 6 << 20, 3_700_000)])
+@pytest.mark.parametrize("gpus, tokens, alst", [(1, 1 << 20, 500_000), (8, 6 << 20, 3_700_000),
+                                                (32, 24 << 20, 15_000_000)])
 def test_longer_sequences_than_alst_with_megalysses_own_layouts(gpus, tokens, alst):
     """Llama-3.1-8B, global batch 1 sequence, on 80 GB H100s with 1,769 GiB of host memory per node and the
     Triton kernels: megalysses' own layouts (head chunks, tiles, offload of activations, gradients and
-    weights) fit 1M tokens on one GPU and 6M on eight (ALST, arXiv 2506.13996: 500K and 3.7M; UPipe 5M on
-    eight). The top-ranked layout is what a run of it resolves to, and its step time and MFU are finite."""
+    weights, sp split into ulysses x ring every way the heads allow) fit 1M tokens on one GPU, 6M on eight
+    and 24M on 32 (ALST, arXiv 2506.13996: 500K, 3.7M and 15M; UPipe 5M on eight). At 24M on 32 the largest
+    Ulysses degree (8, one KV head per rank, so at most 8 head chunks of ring attention over 4) fits at no
+    option: a ring-heavier split does. The top-ranked layout is what a run of it resolves to, and its step
+    time and MFU are finite."""
     cfg = _load("configs/llama3_8b_1m.yaml", **{"training.global_batch_size": 1, "model.kernels": "triton",
                                                 "parallel.pp": 1, "parallel.virtual_stages": 1})
     fitting, _ = plan(cfg, gpus, tokens, 80, host_memory_gib=1769)
@@ -430,7 +462,9 @@ def test_longer_sequences_than_alst_with_megalysses_own_layouts(gpus, tokens, al
     assert best.estimate.peak <= Hardware().usable_bytes(80) and best.host_per_node <= 1769 * GIB
     row = best.row()
     assert 0 < row["mfu"] < 1 and row["step_s"] > 0
+    assert (row["tp"], row["sp"] // row["ring"], row["ring"]) == (best.run.tp, best.run.ulysses, best.run.ring)
     validate_config(best.cfg, world_size=gpus)
+    assert h100s(best.cfg, gpus).activation == best.run.activation
 
 
 def test_llama_8b_activation_bytes_per_token_and_1b_at_1m_within_60_gib():
@@ -454,3 +488,41 @@ def test_llama_8b_activation_bytes_per_token_and_1b_at_1m_within_60_gib():
     assert best.estimate.peak <= 60 * GIB and best.host_per_node <= 120 * GIB
     row = best.row()
     assert 0 < row["mfu"] < 1 and row["step_s"] > 0
+
+
+
+@pytest.mark.parametrize("path, sets, gpus, tokens, gpu_gib, host_gib", [
+    ("configs/llama3_8b_1m.yaml", {"training.global_batch_size": 1, "model.kernels": "triton"}, 1, 1 << 19, 80, 1769),
+    # on a 24 GiB GPU some fit only with the loss in one tile of the whole sequence (no fp32 head gradient sum)
+    ("configs/llama3_8b_1m.yaml", {"training.global_batch_size": 1, "model.kernels": "triton"}, 1, 4096, 24, 1769),
+    ("configs/quickstart.yaml", {"data.mock": "true", "data.document_mask": "false", "training.micro_batch_size": 1,
+                                 "training.global_batch_size": 4}, 8, 1 << 16, 2, None)])
+def test_the_search_skips_only_what_cannot_fit(monkeypatch, path, sets, gpus, tokens, gpu_gib, host_gib):
+    """plan() checks a layout's batch arithmetic once for all its memory options, and skips the tile search of a
+    candidate that no tiles can fit: the layouts that fit, their order and how many were considered are those
+    of validating and searching every candidate; and the shortcuts skip some here."""
+    import megalysses.plan.search as search
+
+    cfg = _load(path, **sets)
+    skipped = {"layouts": 0, "candidates": 0}
+
+    def world(c, n):
+        try:
+            check_world_size(c, n)
+        except ConfigError:
+            skipped["layouts"] += 1
+            raise
+
+    def bound(*args):
+        fits = could_fit(*args)
+        skipped["candidates"] += not fits
+        return fits
+
+    monkeypatch.setattr(search, "check_world_size", world)
+    monkeypatch.setattr(search, "could_fit", bound)
+    fitting, considered = plan(cfg, gpus, tokens, gpu_gib, host_gib)
+    assert fitting and skipped["candidates"] > 0 and (gpus == 1 or skipped["layouts"] > 0), skipped
+    monkeypatch.setattr(search, "check_world_size", lambda c, n: None)
+    monkeypatch.setattr(search, "could_fit", lambda *args: True)
+    every, every_considered = plan(cfg, gpus, tokens, gpu_gib, host_gib)
+    assert [p.row() for p in fitting] == [p.row() for p in every] and considered == every_considered

@@ -106,9 +106,11 @@ def _phases(cfg: Config, sequence: SequenceLayout) -> tuple[Phase, ...]:
     return tuple(train) + (Phase("eval", d.seq_len, sequence.padded_len(d.seq_len)),)
 
 
-def resolve(cfg: Config, machine: Machine, world_size: int) -> RunPlan:
+def resolve(cfg: Config, machine: Machine, world_size: int, tiles: bool = True) -> RunPlan:
     """Every decision of a run of `cfg` on `world_size` ranks of `machine`; ConfigError names what cannot run
-    there. `cfg` is assumed to have passed config_checks.validate_config at this world size."""
+    there. `cfg` is assumed to have passed config_checks.validate_config at this world size. With
+    tiles=False the `auto` MLP and loss tiles are left undecided, 0 in the plan's activation policy (the
+    planner bounds what they can resolve to: plan/tiles.py could_fit)."""
     m, p, t = cfg.model, cfg.parallel, cfg.training
     ulysses, ring = check_heads(m.num_heads, m.kv_heads, p.tp, p.sp, p.sp_ring, machine.ranks_per_node)
     dtype = compute_dtype(t.dtype, machine)
@@ -133,16 +135,18 @@ def resolve(cfg: Config, machine: Machine, world_size: int) -> RunPlan:
     if t.attention_head_chunks != "auto":
         check_head_chunks(m.num_heads, m.kv_heads, p.tp, ulysses, ring, t.attention_head_chunks)
         activation = replace(activation, head_chunks=t.attention_head_chunks)
-    run = _auto_tiles(cfg, RunPlan(machine=machine, world=world_size, tp=p.tp, sp=p.sp, pp=p.pp,
-                      dp=max(world_size // (p.tp * p.sp * p.pp), 1), virtual_stages=p.virtual_stages,
-                      ulysses=ulysses, ring=ring, dtype=dtype, master_dtype="float32",
-                      attention=attention, attention_reason=reason,
-                      kernels=choose_kernels(m.kernels, machine), collective=collective_backend(p.backend, machine),
-                      phases=_phases(cfg, sequence), activation=activation,
-                      optimizer=("fsdp-host" if t.param_offload else "fsdp") if p.fsdp else
-                      "zero1-host" if t.optimizer_offload else "zero1",
-                      weights="host" if t.param_offload else "device",
-                      gradients="host" if t.param_offload or t.optimizer_offload else "device"))
+    run = RunPlan(machine=machine, world=world_size, tp=p.tp, sp=p.sp, pp=p.pp,
+              dp=max(world_size // (p.tp * p.sp * p.pp), 1), virtual_stages=p.virtual_stages,
+              ulysses=ulysses, ring=ring, dtype=dtype, master_dtype="float32",
+              attention=attention, attention_reason=reason,
+              kernels=choose_kernels(m.kernels, machine), collective=collective_backend(p.backend, machine),
+              phases=_phases(cfg, sequence), activation=activation,
+              optimizer=("fsdp-host" if t.param_offload else "fsdp") if p.fsdp else
+              "zero1-host" if t.optimizer_offload else "zero1",
+              weights="host" if t.param_offload else "device",
+              gradients="host" if t.param_offload or t.optimizer_offload else "device")
+    if tiles:
+        run = _auto_tiles(cfg, run)
     if t.attention_head_chunks == "auto":
         run = replace(run, activation=replace(run.activation, head_chunks=auto_head_chunks(cfg, run)))
     return run

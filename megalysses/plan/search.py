@@ -14,22 +14,30 @@ from dataclasses import dataclass, replace
 from typing import Iterator, Optional
 
 from megalysses.config import Config, ConfigError, ModelConfig
-from megalysses.config_checks import check_heads, head_chunk_counts, validate_config
+from megalysses.config_checks import check_heads, check_world_size, head_chunk_counts, validate_config
 from megalysses.memory import GIB, Estimate, estimate_plan, options_of, precision_of, workload_of, layout_of
 from megalysses.plan.flops import flops_per_token
 from megalysses.plan.machine import PLAIN_TORCH, Machine
 from megalysses.plan.run_plan import resolve
+from megalysses.plan.tiles import could_fit
 from megalysses.plan.types import RunPlan
 from megalysses.plan.step_time import Hardware, Overlap, StepTime, step_time
 
 
-def heads_allow(m: ModelConfig, tp: int, sp: int) -> bool:
-    """The head rule of a (tp, sp) layout: the one function to swap when the layout rules change."""
+def heads_allow(m: ModelConfig, tp: int, sp: int, sp_ring: int) -> bool:
+    """The head rule of a (tp, sp = ulysses x sp_ring) layout: the one function to swap when the layout rules
+    change."""
     try:
-        check_heads(m.num_heads, m.kv_heads, tp, sp)
+        check_heads(m.num_heads, m.kv_heads, tp, sp, sp_ring)
     except ConfigError:
         return False
     return True
+
+
+def ring_degrees(m: ModelConfig, tp: int, sp: int) -> list[int]:
+    """Every ring degree of sp = ulysses x ring that the heads allow at tp, the ring growing (the Ulysses degree
+    falling): those whose Ulysses degree gives each rank whole query heads and whole (or replicated) KV heads."""
+    return [r for r in divisors(sp) if heads_allow(m, tp, sp, r)]
 
 
 def divisors(n: int) -> list[int]:
@@ -37,16 +45,17 @@ def divisors(n: int) -> list[int]:
 
 
 def candidate_configs(cfg: Config, gpus: int, offload: bool, gpus_per_node: int = 8) -> Iterator[Config]:
-    """Every layout and memory-option combination of `cfg` on `gpus` ranks that its rules allow: tp, sp
-    (split into ulysses x ring automatically: the largest Ulysses degree the heads allow, inside a node
-    when one is, the rest a ring),
-    pp, virtual stages, checkpointing (with attention outputs kept or recomputed), MLP tiles (none, or auto:
+    """Every layout and memory-option combination of `cfg` on `gpus` ranks that its rules allow: tp (inside a
+    node), sp split into ulysses x ring every way the heads allow (ring_degrees; a Ulysses group that spans
+    nodes too, its all-to-all timed on the links between them; parallel.sp_ring is set to the ring, so the
+    config runs the split it was planned with, where sp_ring=0 would take the largest Ulysses degree), pp,
+    virtual stages, checkpointing (with attention outputs kept or recomputed), MLP tiles (none, or auto:
     plan/tiles.py searches the tile sizes for the largest that keeps the peak at its least), LM head + loss
     tiles (auto; for any tile the step-time model counts the same time), attention head chunks (1 and every
-    count the layout allows, not with kept attention outputs), TP sequence sharding, FSDP or ZeRO-1, and
-    with host memory (`offload`) activation offload (of every block's input, or of every 2nd or 4th block's:
-    training.checkpoint_stride), optimizer offload (ZeRO-1) and parameter offload (FSDP). Candidates whose
-    tiles resolve alike are one run: plan() keeps the first."""
+    count the split's Ulysses degree allows, not with kept attention outputs), TP sequence sharding, FSDP or
+    ZeRO-1, and with host memory (`offload`) activation offload (of every block's input, or of every 2nd or
+    4th block's: training.checkpoint_stride), optimizer offload (ZeRO-1) and parameter offload (FSDP).
+    Candidates whose tiles resolve alike are one run: plan() keeps the first."""
     m, t = cfg.model, cfg.training
     S = cfg.data.seq_len
     mlp_tiles, loss_tiles = [0, "auto"], ["auto"]
@@ -61,11 +70,8 @@ def candidate_configs(cfg: Config, gpus: int, offload: bool, gpus_per_node: int 
         if tp > gpus_per_node:
             continue
         for sp in divisors(gpus // tp):
-            if not heads_allow(m, tp, sp):
-                continue
-            ulysses = check_heads(m.num_heads, m.kv_heads, tp, sp, 0, min(gpus, gpus_per_node))[0]
-            chunk_counts = head_chunk_counts(m.num_heads, m.kv_heads, tp, ulysses)
-            for pp in divisors(gpus // (tp * sp)):
+            for ring, pp in itertools.product(ring_degrees(m, tp, sp), divisors(gpus // (tp * sp))):
+                chunk_counts = head_chunk_counts(m.num_heads, m.kv_heads, tp, sp // ring)
                 tiles = [x for x in mlp_tiles if x == "auto" or x < S // sp or x == 0]
                 options = itertools.product([1] + [x for x in (2, 4) if pp > 1], activations,
                                             itertools.product(tiles, loss_tiles),
@@ -76,7 +82,7 @@ def candidate_configs(cfg: Config, gpus: int, offload: bool, gpus_per_node: int 
                         continue
                     yield replace(
                         cfg,
-                        parallel=replace(cfg.parallel, tp=tp, sp=sp, sp_ring=0, pp=pp, virtual_stages=v,
+                        parallel=replace(cfg.parallel, tp=tp, sp=sp, sp_ring=ring, pp=pp, virtual_stages=v,
                                          tp_sequence_parallel=tsp, fsdp=fsdp),
                         training=replace(t, activation_checkpointing=ckpt, activation_offload=offl,
                                          recompute_attention=not keep, optimizer_offload=opt_off,
@@ -166,24 +172,40 @@ def predicted_step_seconds(cfg: Config, gpus: int, hw: Hardware, machine: Option
 
 def plan(cfg: Config, gpus: int, seq_len: int, gpu_memory_gib: float, host_memory_gib: Optional[float] = None,
          hw: Optional[Hardware] = None, packages: tuple[str, ...] = PLAIN_TORCH) -> tuple[list[Prediction], int]:
-    """(the layouts that fit, best first; how many were considered), on H100s (`hw`, default Hardware())."""
+    """(the layouts that fit, best first, each run once; how many candidates were considered: those that
+    validate), on H100s (`hw`, default Hardware()). A layout's batch arithmetic (config_checks.check_world_size)
+    is checked once for all its memory options, and a candidate whose peak no tiles can bring within the
+    device's usable memory (plan/tiles.py could_fit) is not searched further: it fits at none of them."""
     hw = hw or Hardware()
     cfg = replace(cfg, data=replace(cfg.data, seq_len=seq_len))
-    fitting, considered, runs = [], 0, set()
+    machine = described_machine(gpus, gpu_memory_gib, hw, packages)
+    budget = hw.usable_bytes(gpu_memory_gib)
+    fitting, considered, runs, layouts = [], 0, set(), {}
     for cand in candidate_configs(cfg, gpus, host_memory_gib is not None, hw.gpus_per_node):
+        par = cand.parallel
+        layout = (par.tp, par.sp, par.pp, par.virtual_stages)
+        if layout not in layouts:
+            try:
+                check_world_size(cand, gpus)
+                layouts[layout] = True
+            except ConfigError:
+                layouts[layout] = False
+        if not layouts[layout]:
+            continue
         try:
             validate_config(cand, world_size=gpus)
         except ConfigError:
             continue
+        considered += 1
         try:
-            p = evaluate(cand, gpus, gpu_memory_gib, host_memory_gib, hw, packages)
+            if not could_fit(cand, resolve(cand, machine, gpus, tiles=False), budget):
+                continue
+            p = evaluate(cand, gpus, gpu_memory_gib, host_memory_gib, hw, machine=machine)
         except ValueError:        # one the memory model does not cover, or the run refuses (it says which): not planned
-            considered += 1
             continue
         if p.run in runs:         # tiles that resolve to another candidate's
             continue
         runs.add(p.run)
-        considered += 1
         if p.fits:
             fitting.append(p)
     fitting.sort(key=lambda p: (p.step.total, p.estimate.peak))

@@ -44,11 +44,12 @@ def _local_tokens(plan: RunPlan) -> int:
     return plan.padded_seq_len // (plan.sp * (plan.tp if plan.activation.tp_sequence_parallel else 1))
 
 
-def _largest_within(cfg: Config, plan: RunPlan, key: str, reference: int, ladder: list[int]) -> int:
-    """The largest tile of `ladder` (ascending, above `reference`) whose peak is at most the peak at `reference`,
-    or `reference`. The peak does not fall as a tile grows (a larger tile's intermediates are larger), so a
-    binary search finds it."""
-    limit = _peak(cfg, plan, **{key: reference}) * (1 + 1e-12)
+def _largest_within(cfg: Config, plan: RunPlan, key: str, reference: int, at_reference: float,
+                    ladder: list[int]) -> int:
+    """The largest tile of `ladder` (ascending, above `reference`) whose peak is at most `at_reference`, the peak
+    at `reference`, or `reference`. The peak does not fall as a tile grows (a larger tile's intermediates are
+    larger), so a binary search finds it."""
+    limit = at_reference * (1 + 1e-12)
     lo, hi = 0, len(ladder)                       # ladder[:lo] fit, ladder[hi:] do not
     while lo < hi:
         mid = (lo + hi) // 2
@@ -65,24 +66,44 @@ def mlp_tile(cfg: Config, plan: RunPlan) -> int:
     memory = plan.machine.memory_gib
     if memory and untiled <= Hardware().usable_bytes(memory):
         return 0
-    if untiled <= _peak(cfg, plan, mlp_chunk_tokens=h) * (1 + 1e-12):
+    at_h = _peak(cfg, plan, mlp_chunk_tokens=h)
+    if untiled <= at_h * (1 + 1e-12):
         return 0
     ladder = [h << k for k in range((local // h).bit_length()) if h << k < local]
-    return _largest_within(cfg, plan, "mlp_chunk_tokens", h, ladder)
+    return _largest_within(cfg, plan, "mlp_chunk_tokens", h, at_h, ladder)
+
+
+def _loss_tokens(cfg: Config, plan: RunPlan) -> int:
+    """Tokens of a rank's LM head + loss: one tile of them all is the largest loss tile."""
+    return cfg.training.micro_batch_size * plan.padded_seq_len // plan.sp
 
 
 def loss_tile(cfg: Config, plan: RunPlan) -> int:
     """The auto loss tile of `plan` (its MLP tile as it stands), in tokens."""
-    tokens = cfg.training.micro_batch_size * plan.padded_seq_len // plan.sp
+    tokens = _loss_tokens(cfg, plan)
     default = replace(options_of(cfg, plan), loss_chunk_tokens=0)
     reference = int(loss_tile_tokens(cfg.model, layout_of(plan), default, tokens))
     if reference >= tokens:
         return reference
     # one tile of the whole sequence also drops the head weight's fp32 gradient sum: weighed on its own
-    if _peak(cfg, plan, loss_chunk_tokens=tokens) <= _peak(cfg, plan, loss_chunk_tokens=reference) * (1 + 1e-12):
+    at_reference = _peak(cfg, plan, loss_chunk_tokens=reference)
+    if _peak(cfg, plan, loss_chunk_tokens=tokens) <= at_reference * (1 + 1e-12):
         return tokens
     ladder = [reference << k for k in range(1, (tokens // reference).bit_length()) if reference << k < tokens]
-    return _largest_within(cfg, plan, "loss_chunk_tokens", reference, ladder)
+    return _largest_within(cfg, plan, "loss_chunk_tokens", reference, at_reference, ladder)
+
+
+def could_fit(cfg: Config, plan: RunPlan, budget: float) -> bool:
+    """Whether some tiles that `cfg`'s `auto` ones can resolve to on `plan` (resolved with tiles=False: 0 where
+    auto) leave the peak within `budget`; False means none can, so the search need not run. As the searches
+    assume, the peak does not fall as a tile grows along a ladder, so the least peak is at a corner: the MLP
+    at the smallest tile (`hidden` tokens) or untiled, the loss at the reference tile (0, the kernel's
+    default) or one tile of the whole sequence. A layout the memory model does not cover raises its
+    ValueError."""
+    t, a, h = cfg.training, plan.activation, cfg.model.hidden_size
+    mlp = ([h, 0] if _local_tokens(plan) > h else [0]) if t.mlp_chunk_tokens == AUTO else [a.mlp_chunk_tokens]
+    loss = [0, _loss_tokens(cfg, plan)] if t.loss_chunk_tokens == AUTO else [a.loss_chunk_tokens]
+    return any(_peak(cfg, plan, mlp_chunk_tokens=m, loss_chunk_tokens=x) <= budget for m in mlp for x in loss)
 
 
 def auto_tiles(cfg: Config, plan: RunPlan) -> ActivationPolicy:

@@ -10,11 +10,12 @@ The model, batch (training.global_batch_size and micro_batch_size), dtype, kerne
 --kernels) and attention backend come from the config, resolved as a run on the described machine
 resolves them (megalysses.plan.resolve: H100 nodes of --gpus-per-node with the optional --packages, by
 default those of a plain CUDA torch install, so `auto` attention is SDPA or FlexAttention, not
-flash-attn); the layout and memory options (checkpointing,
-the MLP untiled or in `auto` tiles, the LM head + loss in `auto` tiles (megalysses/plan/tiles.py),
-attention head chunks, TP sequence sharding, FSDP vs ZeRO-1, and activation and optimizer offload when
---host-memory-gib is given) are enumerated under the config's own layout rules
-(config_checks.validate_config). The config's own layout is evaluated too.
+flash-attn); the layout (sp split into ulysses x ring every way the heads allow: a row's `ring` is its
+parallel.sp_ring, to set as well, since sp_ring=0 takes the largest Ulysses degree) and memory options
+(checkpointing, the MLP untiled or in `auto` tiles, the LM head + loss in `auto` tiles
+(megalysses/plan/tiles.py), attention head chunks, TP sequence sharding, FSDP vs ZeRO-1, and activation,
+optimizer and parameter offload when --host-memory-gib is given) are enumerated under the config's own
+layout rules (config_checks.validate_config). The config's own layout is evaluated too.
 
 Memory is megalysses.memory's prediction. A layout fits when its peak is at most the usable device
 memory (--gpu-memory-gib less --fragmentation of it and --reserve-gib for the CUDA context, NCCL and
