@@ -526,3 +526,20 @@ def test_the_search_skips_only_what_cannot_fit(monkeypatch, path, sets, gpus, to
     monkeypatch.setattr(search, "could_fit", lambda *args: True)
     every, every_considered = plan(cfg, gpus, tokens, gpu_gib, host_gib)
     assert [p.row() for p in fitting] == [p.row() for p in every] and considered == every_considered
+
+
+def test_ring_steps_pay_their_fp32_merges():
+    """Ring attention merges each step's block into fp32 outputs (and accumulates dq, dK/dV in the backward):
+    the step-time model charges those memory-bound passes, so a pure ring does not tie with Ulysses, whose one
+    kernel per head does none. Llama-3.1-8B at 6M tokens on 8 H100s ranks Ulysses 8 first."""
+    m = load_config("configs/llama3_8b_1m.yaml").model
+    opts, bf16, work, hw = Options(activation_checkpointing=True), PRECISIONS["bf16"], Workload(1 << 20), Hardware()
+    ring = step_time(m, Layout(sp=8, ring=8), opts, bf16, work, hw)
+    tokens, q, kv = (1 << 20) / 8, m.num_heads * m.head_dim, m.kv_heads * m.head_dim
+    merges = 8 * m.num_layers * tokens * (2 * q + q + 2 * kv) * (2 + 8) / (hw.hbm_gbs * 1e9)
+    assert ring.exposed["ring merges (fp32, device memory)"] == pytest.approx(merges)
+    assert "ring merges (fp32, device memory)" not in step_time(m, Layout(sp=8), opts, bf16, work, hw).exposed
+    cfg = _load("configs/llama3_8b_1m.yaml", **{"training.global_batch_size": 1, "model.kernels": "triton",
+                                                "parallel.pp": 1, "parallel.virtual_stages": 1})
+    fitting, _ = plan(cfg, 8, 6 << 20, 80, host_memory_gib=1769)
+    assert fitting[0].run.ring == 1 and any(p.run.ring == 8 for p in fitting)

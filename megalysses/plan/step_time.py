@@ -151,6 +151,12 @@ def step_time(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, wo
         nbytes["ring_p2p"] = ((ring - 1) * attn_passes * block * a + ring * block * 4) * L * M
         attention = attn / (hw.peak_tflops * 1e12 * hw.attention_efficiency)
         exposed["ring p2p"] = max(0.0, nbytes["ring_p2p"] / hw.link(span_sp) - attention)
+        # what one fused kernel over the whole sequence does not do: at each of the r steps the block's output is
+        # merged into the fp32 output and LSE (every forward), and the backward adds the block's dq and dK/dV into
+        # fp32 accumulators (parallel/ring.py); each a memory-bound pass of about (a + 8) bytes an element
+        fwd_passes = 1 + (0 if opts.keep_attention else recomputes) + (N > 1)
+        merges = ring * L * M * tokens * (q * fwd_passes + q + 2 * kv) * (a + 8)
+        exposed["ring merges (fp32, device memory)"] = merges / (hw.hbm_gbs * 1e9)
     if t > 1:
         per = (t - 1) / t * tokens * m.hidden_size * a
         if opts.tp_sequence_parallel:
