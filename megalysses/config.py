@@ -122,7 +122,8 @@ class ParallelConfig:
     """Ring degree r of sp (a divisor of sp; Ulysses gets sp / r). 0 = automatic: the largest Ulysses degree
     the heads allow (query heads per tp rank divisible by it, KV heads dividing it or divisible by it) whose
     tp x ulysses ranks fit inside a node (the launcher's ranks per node, LOCAL_WORLD_SIZE), so the
-    all-to-alls stay on the node's links and only the ring's overlapped p2p crosses nodes."""
+    all-to-alls stay on the node's links and only the ring's overlapped p2p crosses nodes. tools/plan.py
+    tries every split the heads allow and names the ring of each layout it lists (its `ring` column)."""
     pp: int = 1
     """Pipeline-parallel degree (stages)."""
     virtual_stages: int = 1
