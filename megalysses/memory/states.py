@@ -13,16 +13,24 @@ def layer_params(m: ModelConfig, tp: int = 1) -> float:
     attn = h * D * (2 * m.num_heads + 2 * m.kv_heads) / tp
     if m.attention_bias:
         attn += (m.num_heads + 2 * m.kv_heads) * D / tp + h
-    n_mlp = 3 if m.mlp == "swiglu" else 2
-    mlp = n_mlp * h * m.ffn_size / tp + ((n_mlp - 1) * m.ffn_size / tp + h if m.mlp_bias else 0)
-    return attn + mlp + 2 * h * (2 if m.norm == "layernorm" else 1)
+    return attn + mlp_params(m, tp) + 2 * norm_params(m)
+
+
+def mlp_params(m: ModelConfig, tp: int = 1) -> float:
+    """Parameters of one block's MLP on one tp rank (biases included)."""
+    n = 3 if m.mlp == "swiglu" else 2
+    return n * m.hidden_size * m.ffn_size / tp + ((n - 1) * m.ffn_size / tp + m.hidden_size if m.mlp_bias else 0)
+
+
+def norm_params(m: ModelConfig) -> float:
+    """Parameters of one norm (replicated over tp)."""
+    return m.hidden_size * (2 if m.norm == "layernorm" else 1)
 
 
 def stage_params(m: ModelConfig, layout: Layout, first: bool, last: bool) -> tuple[float, float]:
     """(block parameters, the rest: embedding, final norm, LM head over the padded vocabulary) on one rank."""
     emb = m.padded_vocab_size(layout.tp) * m.hidden_size / layout.tp
-    norm = m.hidden_size * (2 if m.norm == "layernorm" else 1)
-    other = (emb if first else 0.0) + (norm + emb if last else 0.0)
+    other = (emb if first else 0.0) + (norm_params(m) + emb if last else 0.0)
     if first and last and m.tie_embeddings:
         other -= emb
     return stage_layers(m, layout) * layer_params(m, layout.tp), other

@@ -6,6 +6,7 @@ from megalysses.config import ModelConfig
 from megalysses.kernels.norms import norm_tile_rows
 from megalysses.memory.activations import (attention_half_terms, attention_terms, bytes_per_token, dims,
                                            kept_attention_terms, mlp_half_terms, tiled)
+from megalysses.memory.states import mlp_params, norm_params
 from megalysses.memory.types import GIB, KERNELS, Layout, Options, Precision, Term
 
 
@@ -54,9 +55,9 @@ def backward_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precisio
         # a tile: its norm output (gathered over tp) and gradient, the gate-up output, silu, the down input and
         # their gradients, the norm's temporaries; the residual's gradient for every token
         # and the MLP's weights' gradients: their fp32 sums over the tiles, one tile's in the weights' dtype
+        weights = (mlp_params(m, layout.tp) + norm_params(m)) * (4 + prec.weight)
         mlp = (tile * (((4 if k.swiglu_silu else 3) + 2) * f + 3 * h) + h / r) * a \
-            + (norm_tile_bytes(m, opts, prec, opts.mlp_chunk_tokens) + mlp_weights(m, layout.tp) * (4 + prec.weight)) \
-            / tokens
+            + (norm_tile_bytes(m, opts, prec, opts.mlp_chunk_tokens) + weights) / tokens
         mlp_name = "MLP tile: its recomputation and gradients, the residual's gradient, the weights' fp32 sums"
     else:
         mlp, mlp_name = 2 * f * a, "MLP: the down input's gradient and its factors'"
@@ -78,17 +79,14 @@ def backward_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precisio
         # the norm's dx for every token, and one tile's temporaries (tokens / r rows of the residual stream)
         norm_temps = norm_backward_bytes(m, opts, prec) * h / r + norm_tile_bytes(m, opts, prec, tokens / r) / tokens
         moments["MLP norm: its backward's temporaries"] = (attn_half + mlp_norm - kept, norm_temps)
-    # the attention norm's backward: the QKV input's gradient coming in, dx, one tile's temporaries
-    norm_in = [t for t in attn_terms if t[0].startswith("attention norm")]
-    if norm_in:
-        moments["attention norm: its backward's temporaries"] = (
-            bytes_per_token(norm_in), h * a + norm_backward_bytes(m, opts, prec) * h / r
-            + norm_tile_bytes(m, opts, prec, tokens / r) / tokens)
-    if N > 1:   # a chunk's forward (recomputed under checkpointing): its activations and the running output sum;
-        # then the norm's backward, over row tiles, into the summed gradient (reduce-scattered over tp first)
+    # the attention norm's backward over row tiles: the QKV input's gradient coming in, and dx (head chunks write it
+    # over that gradient, reduce-scattered over tp first)
+    norm_in = attn_terms if N > 1 else [t for t in attn_terms if t[0].startswith("attention norm")]
+    dx = (h / r * a if r > 1 else 0) if N > 1 else norm_backward_bytes(m, opts, prec) * h / r
+    moments["attention norm: its backward's temporaries"] = (
+        bytes_per_token(norm_in), h * a + dx + norm_tile_bytes(m, opts, prec, tokens / r) / tokens)
+    if N > 1:   # a chunk's forward (recomputed under checkpointing): its activations and the running output sum
         moments["head chunk forward: its activations, o_proj's running sum"] = (at_core - kept, h * a)
-        moments["attention norm's backward: the QKV input's gradient, the block input's written over it"] = (
-            attn_half, h * a + (h / r * a if r > 1 else 0) + norm_tile_bytes(m, opts, prec, tokens / r) / tokens)
     name, (alive, grads) = max(moments.items(), key=lambda kv_: sum(kv_[1]))
     offloaded = opts.activation_offload and opts.activation_checkpointing
     if opts.activation_checkpointing and not offloaded:
@@ -108,13 +106,6 @@ def backward_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precisio
                           f"{k - 1} x {tokens:.4g} tok x {h / r:.4g} x {a} B"))
     terms.append(Term("residual-stream gradient", tokens * h / r * a, f"{tokens:.4g} tok x {h / r:.4g} x {a} B"))
     return terms
-
-
-def mlp_weights(m: ModelConfig, tp: int) -> float:
-    """Parameters of one block's MLP and MLP norm on one tp rank (biases included)."""
-    n = 3 if m.mlp == "swiglu" else 2
-    return (n * m.hidden_size * m.ffn_size / tp + ((n - 1) * m.ffn_size / tp + m.hidden_size if m.mlp_bias else 0)
-            + m.hidden_size * (2 if m.norm == "layernorm" else 1))
 
 
 def norm_backward_bytes(m: ModelConfig, opts: Options, prec: Precision) -> float:

@@ -1,14 +1,18 @@
 """A block's two halves over pieces, each keeping one (tokens x hidden) tensor for its backward.
 
-    acc = HeadChunks.apply(attn, norm, x, cos, sin, mask)   # sum over head chunks of o_proj(attn(norm(x)))
-    out = MLPTiles.apply(block, h, tile)                    # h + mlp(mlp_norm(h)), tile by tile
+    acc = HeadChunks.apply(attn, norm, x, cos, sin, mask, *attention_params(attn, norm))
+    out = MLPTiles.apply(block, h, tile, *mlp_params(block))    # h + mlp(mlp_norm(h)), tile by tile
 
-HeadChunks keeps only the block input x. Its forward computes the norm once, then each chunk of heads
-(the chunk's QKV rows, RoPE, the all-to-alls, attention, the chunk's o_proj columns) adds its partial
-output into one sum. Its backward recomputes the norm, runs each chunk again under autograd (the weights'
-gradients accumulate in their .grad as usual) and adds the chunk's QKV gradient into one gradient of the
-norm output, in place (dy += dqkv_c W_c). The norm's backward then runs over row tiles into that same
-buffer, so the attention half holds x, the norm output, its gradient and one chunk's tensors at most.
+HeadChunks keeps only the block input x; acc is the sum over head chunks of o_proj(attn(norm(x))). Its
+forward computes the norm once, then each chunk of heads (the chunk's QKV rows, RoPE, the all-to-alls,
+attention, the chunk's o_proj columns) adds its partial output into one sum. Its backward recomputes the
+norm, runs each chunk again under autograd (the chunk's weights as leaves of their own, o_proj's part by
+hand) and adds the chunk's QKV gradient into one gradient of the norm output, in place (dy += dqkv_c W_c).
+The norm's backward then runs over row tiles into that same buffer, so the attention half holds x, the
+norm output, its gradient and one chunk's tensors at most.
+
+Both return their parameters' gradients from the backward, so autograd accumulates each once per
+backward, as it does for any parameter (the data-parallel hooks count on it).
 
 MLPTiles keeps only its input h (the residual after attention). Each tile runs the MLP norm and the MLP;
 its backward recomputes a tile under autograd and writes the tile's rows of h's gradient, the residual's
@@ -82,9 +86,9 @@ def chunks_backward(attn: nn.Module, norm: nn.Module, x: Tensor, cos: Tensor, si
         y = _tp_input(attn, norm, x)
     dy = torch.zeros(y.shape, dtype=y.dtype, device=y.device)
     dy2 = dy.view(-1, dy.shape[-1])
-    qkv_b = attn.qkv_proj.bias
+    bias = attn.qkv_proj.bias
     d_qkv_w, d_o_w = torch.zeros_like(attn.qkv_proj.weight), torch.zeros_like(attn.o_proj.weight)
-    d_qkv_b = torch.zeros_like(qkv_b) if qkv_b is not None else None
+    d_qkv_b = torch.zeros_like(bias) if bias is not None else None
     d_acc2 = d_acc.reshape(-1, d_acc.shape[-1])
     for c in range(attn.head_chunks):
         rows, cols = attn.chunk_slices(c)

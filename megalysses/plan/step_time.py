@@ -130,7 +130,8 @@ def step_time(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, wo
     mm = M * (3 * (fwd_mm + head) + redo_mm)
     # forward, backward (twice the forward), and under checkpointing the recomputations, unless their output is
     # kept; head chunks recompute attention once more (per chunk, in the backward)
-    attn = M * fwd_attn * (3 + (0 if opts.keep_attention else recomputes) + (N > 1))
+    forwards = 1 + (0 if opts.keep_attention else recomputes) + (N > 1)     # of attention, per layer
+    attn = M * fwd_attn * (forwards + 2)
     compute = (mm / (hw.peak_tflops * 1e12 * hw.matmul_efficiency)
                + attn / (hw.peak_tflops * 1e12 * hw.attention_efficiency))
     passes = 2 + recomputes                                              # forward, backward (+ recomputes)
@@ -154,8 +155,7 @@ def step_time(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, wo
         # what one fused kernel over the whole sequence does not do: at each of the r steps the block's output is
         # merged into the fp32 output and LSE (every forward), and the backward adds the block's dq and dK/dV into
         # fp32 accumulators (parallel/ring.py); each a memory-bound pass of about (a + 8) bytes an element
-        fwd_passes = 1 + (0 if opts.keep_attention else recomputes) + (N > 1)
-        merges = ring * L * M * tokens * (q * fwd_passes + q + 2 * kv) * (a + 8)
+        merges = ring * L * M * tokens * (q * forwards + q + 2 * kv) * (a + 8)
         exposed["ring merges (fp32, device memory)"] = merges / (hw.hbm_gbs * 1e9)
     if t > 1:
         per = (t - 1) / t * tokens * m.hidden_size * a
