@@ -12,52 +12,16 @@ from megalysses.config import ConfigError, ModelConfig
 from megalysses.config_checks import check_heads, check_world_size, validate_config
 from megalysses.config_io import load_config
 from megalysses.memory import (GIB, PRECISIONS, Layout, Options, Workload, estimate, layer_params,
-                               longest_sequence, stage_params)
-from megalysses.plan import resolve
-from megalysses.plan.search import (candidate_configs, check_phase_time, described_machine, evaluate, plan,
+                               stage_params)
+from megalysses.plan.search import (candidate_configs, check_phase_time, evaluate, plan,
                                      predicted_step_seconds)
 from megalysses.plan.step_time import Hardware, Overlap, step_time
 from megalysses.plan.tiles import could_fit
 from megalysses.tools.plan import _flags, main
 from megalysses.training.runtime import resolve_run
+from tests.planning import LLAMA3_8B, h100s, load
 
 FLASH = ("flash_attn", "triton")      # GPU machines with flash-attn installed
-
-
-def h100s(cfg, gpus):
-    """The run of `cfg` on `gpus` described H100s (a plain torch install)."""
-    return resolve(cfg, described_machine(gpus, 80, Hardware()), gpus)
-
-LLAMA3_8B = ModelConfig(vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
-                        ffn_hidden_size=14336)
-
-
-@pytest.mark.parametrize("gpus, published", [(1, 500_000), (8, 3_700_000), (32, 15_000_000)])
-def test_alst_longest_sequences(gpus, published):
-    """ALST (Bekman et al., "Arctic Long Sequence Training", Snowflake 2025, arXiv:2506.13996): Llama-3.1-8B
-    on 80 GB H100s trains 500K tokens on 1 GPU, 3.7M on 8 and 15M on 32. Their recipes
-    (github.com/snowflakedb/ArcticTraining, projects/sequence-parallelism/run-h100-sp{1,8,32}-llama-8b.yml):
-    DeepSpeed ZeRO-3 with the optimizer in host memory (and, on one GPU, the parameters too), Ulysses
-    sp = GPUs, activation checkpointing with the checkpointed hidden states offloaded to host memory and
-    copied back when their layer recomputes (no prefetch), TiledMLP (tiles of `hidden` tokens), Liger
-    kernels (model.kernels=liger: what Liger's norms, RoPE and SwiGLU keep) with the fused linear +
-    cross-entropy that computes its gradients in the forward, as ours does (Liger's chunk: 16K tokens at
-    these lengths), FlashAttention-2, bf16, DeepSpeed's 5e8-element bf16 reduce bucket.
-
-    Liger's Triton kernels index with 32-bit offsets, so a (tokens x hidden) activation of 2^31 elements
-    or more fails whatever the memory: 524,288 tokens per rank at hidden 4096 (their one-GPU recipe notes
-    an illegal memory access at 555K). The planner's answer is the lower of that and the memory limit,
-    and the memory limit alone must not fall short of the published length."""
-    opts = Options(activation_checkpointing=True, activation_offload=True, offload_prefetch=0,
-                   mlp_chunk_tokens=LLAMA3_8B.hidden_size, loss_chunk_tokens=16384, fsdp=True, optimizer_offload=True,
-                   param_offload=gpus == 1, attention="flash", native_gqa=True, bucket_bytes=5e8 * 2,
-                   kernels="liger")
-    layout, budget = Layout(sp=gpus), Hardware().usable_bytes(80)
-    memory_only = longest_sequence(LLAMA3_8B, layout, opts, PRECISIONS["bf16"], budget, multiple=gpus * 1024)
-    longest = longest_sequence(LLAMA3_8B, layout, opts, PRECISIONS["bf16"], budget, multiple=gpus * 1024,
-                               max_elements=2 ** 31)
-    assert abs(longest - published) <= 0.15 * published, (gpus, longest, published)
-    assert memory_only >= 0.85 * published, (gpus, memory_only, published)
 
 
 # Megatron-Core r0.8.0 weak scaling on H100 (github.com/NVIDIA/Megatron-LM README, "Training Speed and
@@ -89,10 +53,6 @@ def test_megatron_core_h100_mfu(name, heads, hidden, layers, tp, pp, batch, publ
     flops = 72 * batch * S * layers * hidden ** 2 * (1 + S / (6 * hidden) + V / (12 * hidden * layers))
     mfu = flops / step.total / (layout.world * hw.peak_tflops * 1e12)
     assert abs(mfu - published) <= 0.15 * published, (name, round(mfu, 3), published)
-
-
-def _load(path: str, **sets):
-    return load_config(path, [f"{k}={v}" for k, v in sets.items()])
 
 
 @pytest.mark.parametrize("path, gpus, host_gib", [
@@ -137,7 +97,7 @@ def test_a_long_validation_needs_the_time_too():
 
 def _one_gpu_8b(**sets):
     """Llama-3.1-8B at 1M tokens on one GPU, global batch 1: the settings of the issue's one-GPU target."""
-    return _load("configs/llama3_8b_1m.yaml", **{"parallel.sp": 1, "parallel.pp": 1, "parallel.virtual_stages": 1,
+    return load("configs/llama3_8b_1m.yaml", **{"parallel.sp": 1, "parallel.pp": 1, "parallel.virtual_stages": 1,
                                                  "training.global_batch_size": 1, "training.activation_offload": "true",
                                                  "training.optimizer_offload": "true", "model.kernels": "triton",
                                                  **sets})
@@ -187,7 +147,7 @@ def test_planned_layouts_obey_the_layout_rules():
     ring's bytes appear with a ring only. (Without document masks: with them, a ring's blocks at this head dim of
     48 would need FlexAttention, which takes powers of two only, and the reference backend, which the memory
     model does not cover on a ring.)"""
-    cfg = _load("configs/quickstart.yaml", **{"data.mock": "true", "training.global_batch_size": 8,
+    cfg = load("configs/quickstart.yaml", **{"data.mock": "true", "training.global_batch_size": 8,
                                               "data.document_mask": "false"})
     fitting, considered = plan(cfg, 8, 4096, 80)
     assert considered and fitting
@@ -215,7 +175,7 @@ def test_candidates_split_sp_every_way_the_heads_allow():
     (parallel.sp_ring), each with the head chunk counts of its own Ulysses degree; each candidate validates
     (at one stage, where every dp divides the batch) and resolves to its split (with attention recomputed:
     kept attention outputs need SDPA, which document masks rule out here)."""
-    cfg = _load("configs/quickstart.yaml", **{"data.mock": "true", "training.global_batch_size": 8,
+    cfg = load("configs/quickstart.yaml", **{"data.mock": "true", "training.global_batch_size": 8,
                                               "training.micro_batch_size": 1})
     splits, chunks = {}, {}
     for c in candidate_configs(cfg, 8, offload=False):
@@ -346,7 +306,7 @@ def test_kept_attention_is_planned_with_sdpa_faster_for_more_memory():
     full recomputation where a run accepts it (SDPA, no ring, no activation offload): one attention forward
     fewer per layer, for an attention output more per layer. With flash-attn it is not planned."""
     sets = {"training.activation_offload": "false", "model.kernels": "torch"}
-    cfg = _load("configs/gpt_1b_1m_offload.yaml", **sets, **{"model.attention_backend": "sdpa"})
+    cfg = load("configs/gpt_1b_1m_offload.yaml", **sets, **{"model.attention_backend": "sdpa"})
     fitting, _ = plan(cfg, 1, 131072, 80)
     by_options = {(p.cfg.training.recompute_attention, p.cfg.training.mlp_chunk_tokens, p.cfg.parallel.fsdp): p
                   for p in fitting if p.cfg.training.activation_checkpointing}
@@ -356,7 +316,7 @@ def test_kept_attention_is_planned_with_sdpa_faster_for_more_memory():
     for p in fitting:
         if not p.cfg.training.recompute_attention:
             resolve_run(p.cfg, torch.device("cpu"))      # the run accepts what is planned
-    flash = _load("configs/gpt_1b_1m_offload.yaml", **sets, **{"model.attention_backend": "flash"})
+    flash = load("configs/gpt_1b_1m_offload.yaml", **sets, **{"model.attention_backend": "flash"})
     assert all(p.cfg.training.recompute_attention for p in plan(flash, 1, 131072, 80, packages=FLASH)[0])
     # a config that asks for it where the run refuses it is not reported as fitting
     flash_kept = replace(flash, training=replace(flash.training, activation_checkpointing=True,
@@ -372,7 +332,7 @@ def test_parameter_offload_is_planned_where_the_weights_bind():
     gradients on the device) and ranks it first, below ZeRO-1 with optimizer offload (gradients streamed, the
     weights on the device). The run it plans resolves to weights, gradients and optimizer on the host, and
     its step counts the host copies: every block's fp32 shard in twice and its gradient out once."""
-    cfg = _load("configs/llama3_8b_1m.yaml", **{"training.global_batch_size": 1, "model.kernels": "triton"})
+    cfg = load("configs/llama3_8b_1m.yaml", **{"training.global_batch_size": 1, "model.kernels": "triton"})
     S = 1 << 19
     assert not plan(cfg, 1, S, 80)[0]
     fitting, _ = plan(cfg, 1, S, 80, host_memory_gib=1769)
@@ -444,53 +404,6 @@ def test_a_checkpoint_stride_is_planned_where_host_memory_binds():
     assert two.step.flops["matmul"] > one.step.flops["matmul"] and one.step.total < two.step.total
 
 
-@pytest.mark.parametrize("gpus, tokens, alst", [(1, 1 << 20, 500_000), (8, 6 << 20, 3_700_000),
-                                                (32, 24 << 20, 15_000_000)])
-def test_longer_sequences_than_alst_with_megalysses_own_layouts(gpus, tokens, alst):
-    """Llama-3.1-8B, global batch 1 sequence, on 80 GB H100s with 1,769 GiB of host memory per node and the
-    Triton kernels: megalysses' own layouts (head chunks, tiles, offload of activations, gradients and
-    weights, sp split into ulysses x ring every way the heads allow) fit 1M tokens on one GPU, 6M on eight
-    and 24M on 32 (ALST, arXiv 2506.13996: 500K, 3.7M and 15M; UPipe 5M on eight). At 24M on 32 the largest
-    Ulysses degree (8, one KV head per rank, so at most 8 head chunks of ring attention over 4) fits at no
-    option: a ring-heavier split does. The top-ranked layout is what a run of it resolves to, and its step
-    time and MFU are finite."""
-    cfg = _load("configs/llama3_8b_1m.yaml", **{"training.global_batch_size": 1, "model.kernels": "triton",
-                                                "parallel.pp": 1, "parallel.virtual_stages": 1})
-    fitting, _ = plan(cfg, gpus, tokens, 80, host_memory_gib=1769)
-    assert fitting and tokens > alst
-    best = fitting[0]
-    assert best.estimate.peak <= Hardware().usable_bytes(80) and best.host_per_node <= 1769 * GIB
-    row = best.row()
-    assert 0 < row["mfu"] < 1 and row["step_s"] > 0
-    assert (row["tp"], row["sp"] // row["ring"], row["ring"]) == (best.run.tp, best.run.ulysses, best.run.ring)
-    validate_config(best.cfg, world_size=gpus)
-    assert h100s(best.cfg, gpus).activation == best.run.activation
-
-
-def test_llama_8b_activation_bytes_per_token_and_1b_at_1m_within_60_gib():
-    """Issue targets beside ALST's: Llama-3.1-8B at 1M tokens on one 80 GB H100 (Triton kernels, 1,769 GiB of
-    host memory, global batch 1): the top-ranked layout's GPU activations, the layer's recomputed activations
-    and its backward's temporaries at their worst moment (not the residual-stream gradient or the offload
-    window), are at most 32 KB per token. Llama-3.2-1B at 1M on one H100 with 120 GiB of host memory: the
-    top-ranked layout's peak is at most 60 GiB."""
-    cfg = _load("configs/llama3_8b_1m.yaml", **{"training.global_batch_size": 1, "model.kernels": "triton",
-                                                "parallel.pp": 1, "parallel.virtual_stages": 1})
-    fitting, _ = plan(cfg, 1, 1 << 20, 80, host_memory_gib=1769)
-    best = fitting[0]
-    tokens = (1 << 20) / best.estimate.layout.sp
-    activations = [t for t in best.estimate.terms
-                   if t.name.startswith(("the layer's recomputed activations", "backward of one layer"))]
-    assert len(activations) == 2
-    assert sum(t.bytes for t in activations) / tokens <= 32 * 1024, [(t.name, t.bytes / tokens) for t in activations]
-    cfg = _load("configs/gpt_1b_1m_offload.yaml", **{"training.global_batch_size": 1, "model.kernels": "triton"})
-    fitting, _ = plan(cfg, 1, 1 << 20, 80, host_memory_gib=120)
-    best = fitting[0]
-    assert best.estimate.peak <= 60 * GIB and best.host_per_node <= 120 * GIB
-    row = best.row()
-    assert 0 < row["mfu"] < 1 and row["step_s"] > 0
-
-
-
 @pytest.mark.parametrize("path, sets, gpus, tokens, gpu_gib, host_gib", [
     ("configs/llama3_8b_1m.yaml", {"training.global_batch_size": 1, "model.kernels": "triton"}, 1, 1 << 19, 80, 1769),
     # on a 24 GiB GPU some fit only with the loss in one tile of the whole sequence (no fp32 head gradient sum)
@@ -503,7 +416,7 @@ def test_the_search_skips_only_what_cannot_fit(monkeypatch, path, sets, gpus, to
     of validating and searching every candidate; and the shortcuts skip some here."""
     import megalysses.plan.search as search
 
-    cfg = _load(path, **sets)
+    cfg = load(path, **sets)
     skipped = {"layouts": 0, "candidates": 0}
 
     def world(c, n):
@@ -526,20 +439,3 @@ def test_the_search_skips_only_what_cannot_fit(monkeypatch, path, sets, gpus, to
     monkeypatch.setattr(search, "could_fit", lambda *args: True)
     every, every_considered = plan(cfg, gpus, tokens, gpu_gib, host_gib)
     assert [p.row() for p in fitting] == [p.row() for p in every] and considered == every_considered
-
-
-def test_ring_steps_pay_their_fp32_merges():
-    """Ring attention merges each step's block into fp32 outputs (and accumulates dq, dK/dV in the backward):
-    the step-time model charges those memory-bound passes, so a pure ring does not tie with Ulysses, whose one
-    kernel per head does none. Llama-3.1-8B at 6M tokens on 8 H100s ranks Ulysses 8 first."""
-    m = load_config("configs/llama3_8b_1m.yaml").model
-    opts, bf16, work, hw = Options(activation_checkpointing=True), PRECISIONS["bf16"], Workload(1 << 20), Hardware()
-    ring = step_time(m, Layout(sp=8, ring=8), opts, bf16, work, hw)
-    tokens, q, kv = (1 << 20) / 8, m.num_heads * m.head_dim, m.kv_heads * m.head_dim
-    merges = 8 * m.num_layers * tokens * (2 * q + q + 2 * kv) * (2 + 8) / (hw.hbm_gbs * 1e9)
-    assert ring.exposed["ring merges (fp32, device memory)"] == pytest.approx(merges)
-    assert "ring merges (fp32, device memory)" not in step_time(m, Layout(sp=8), opts, bf16, work, hw).exposed
-    cfg = _load("configs/llama3_8b_1m.yaml", **{"training.global_batch_size": 1, "model.kernels": "triton",
-                                                "parallel.pp": 1, "parallel.virtual_stages": 1})
-    fitting, _ = plan(cfg, 8, 6 << 20, 80, host_memory_gib=1769)
-    assert fitting[0].run.ring == 1 and any(p.run.ring == 8 for p in fitting)
