@@ -119,6 +119,27 @@ def check_columns(path: str, kind: str, keys: list[str], flag: str = "--json-key
         raise InputError(f"{path}: the {_NAMES[kind]} file holds no rows: nothing to read; remove it from --input")
 
 
+CHAT_SHAPES = (("messages",), ("prompt", "completion"))
+
+
+def chat_columns(path: str, kind: str) -> list[str]:
+    """The columns of a file of conversations: messages, or prompt and completion, and tools where it has them;
+    InputError for a file with neither shape, or without rows."""
+    table = _open(path, kind)
+    names = table.schema.names
+    shape = next((list(s) for s in CHAT_SHAPES if all(c in names for c in s)), None)
+    if shape is None:
+        raise InputError(f"{path}: no 'messages' column, nor 'prompt' and 'completion' (its columns: "
+                         f"{', '.join(names) or 'none'}): --chat reads conversations in one of these shapes")
+    try:
+        empty = not table.has_rows()
+    except _errors(table.pa) as err:
+        raise InputError(_corrupt(path, kind, err)) from None
+    if empty:
+        raise InputError(f"{path}: the {_NAMES[kind]} file holds no rows: nothing to read; remove it from --input")
+    return shape + (["tools"] if "tools" in names else [])
+
+
 def read_records(path: str, kind: str, keys: list[str], position: Optional[Position] = None) -> Iterator[dict]:
     """Per row, {key: value} for the key columns (values as JSON would give them: str, list of str, None)."""
     table = _open(path, kind)
