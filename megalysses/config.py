@@ -201,6 +201,20 @@ class DataConfig:
     """Position ids restart at 0 after every EOD."""
     eod_mask_loss: bool = False
     """Mask the label predicted at each EOD (the first token of the next document)."""
+    pack: Literal["ffd", "none"] = "ffd"
+    """Conversations (a dataset with a loss mask beside it, tools/preprocess_data.py --chat) are packed whole into
+    the sequences of each curriculum length: ffd = first-fit decreasing (the longest first, each into the first
+    sequence with room, then the sequences shuffled), none = one conversation per sequence. Each conversation is a
+    document of its own (needs document_mask and reset_position_ids with ffd), the padding after them too, and
+    only the tokens the loss mask marks carry the loss. A dataset without a loss mask trains every token."""
+    too_long: Literal["drop", "truncate", "error"] = "drop"
+    """A conversation longer than the sequence it is packed into (data.seq_len, or the curriculum's length at its
+    phase): drop it, truncate it to its first tokens (dropped if none of them carries the loss), or stop with an
+    error; the start-up summary counts each."""
+    loss_average: Literal["token", "document"] = "token"
+    """token: the loss is the mean over every label that carries the loss in the global batch (a long answer
+    weighs more); document: the mean over the global batch's documents (conversations) of each one's mean
+    token loss, so every conversation weighs the same. The same at every layout either way."""
     cache_dir: Optional[str] = None
     """Where sample/shuffle indices are cached (default: beside the data)."""
     mock: bool = False

@@ -324,6 +324,14 @@ def test_linear_cross_entropy_matches_logits_then_loss(chunk, dtype):
     assert torch.equal(g_got[1][V:], torch.zeros_like(g_got[1][V:]))        # padding rows learn nothing
     with torch.no_grad():                                                    # evaluation: no gradients kept
         torch.testing.assert_close(linear_cross_entropy(x, w, labels, vocab_size=V, chunk_tokens=chunk), got)
+    # per-token weights (data.loss_average: document): the weighted sum, its gradients
+    weights = torch.rand(N, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    got = linear_cross_entropy(x, w, labels, vocab_size=V, chunk_tokens=chunk, weights=weights)
+    each = torch.nn.functional.cross_entropy((x @ w[:V].t()).float(), labels, reduction="none")
+    want = (weights * each).sum()
+    torch.testing.assert_close(got, want, **tol)
+    for a, b in zip(torch.autograd.grad(got, (x, w)), torch.autograd.grad(want, (x, w))):
+        torch.testing.assert_close(a, b, **tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

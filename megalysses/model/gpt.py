@@ -86,15 +86,16 @@ class GPTStage(nn.Module):
         return comm.group_rank(self.groups.tp) * self.vocab_padded // self.groups.tp_size
 
     def forward(self, inputs: Tensor, position_ids: Tensor, doc_ids: Optional[Tensor] = None,
-                labels: Optional[Tensor] = None, cache: Optional[KVCache] = None) -> Tensor:
+                labels: Optional[Tensor] = None, cache: Optional[KVCache] = None,
+                loss_weights: Optional[Tensor] = None) -> Tensor:
         """inputs: token ids (B, S/sp) on the first stage, else the hidden states from the previous stage.
         position_ids: (B, S/sp) global positions of this sp rank's tokens (SequenceLayout.positions);
         doc_ids: (B, S) full-sequence document index for packed-document masks (None = plain causal).
 
         Returns the hidden states (B, s, h) on a non-last stage; on the last, the local sum of token
-        losses (fp32 scalar) when labels are given, else this rank's logits (B, S/sp, V/tp) over the padded
-        vocabulary (padding columns -inf). With a KV cache (generation, one process), inputs are the next
-        tokens after those already cached."""
+        losses (fp32 scalar) when labels are given (each times its loss_weights, when given), else this rank's
+        logits (B, S/sp, V/tp) over the padded vocabulary (padding columns -inf). With a KV cache (generation,
+        one process), inputs are the next tokens after those already cached."""
         cos, sin = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta,
                                 scaling=self.cfg.rope_scaling)                  # (B, S/sp, D), once
         mask = prepare_sequence_mask(doc_ids, self.cfg.attention_backend, self.groups.ulysses, self.groups.ring,
@@ -132,7 +133,7 @@ class GPTStage(nn.Module):
         else:
             x = comm.copy_to_tp(x, self.groups.tp)
         return linear_cross_entropy(x, head, labels, self.groups.tp, self.vocab_start, self.cfg.vocab_size,
-                                    self.loss_chunk_tokens)
+                                    self.loss_chunk_tokens, loss_weights)
 
 
 def _checkpointed(blocks: list[nn.Module], x: Tensor, cos: Tensor, sin: Tensor, mask) -> Tensor:
