@@ -109,10 +109,11 @@ def write_jsonl(path: Path, records: list) -> Path:
     return path
 
 
-def write_conversations(prefix: Path, count: int = 48, vocab: int = 120, seed: int = 0, longest: int = 40) -> str:
+def write_conversations(prefix: Path, count: int = 48, vocab: int = 120, seed: int = 0, longest: int = 40,
+                        shortest: int = 3) -> str:
     """A dataset of `count` synthetic conversations (token ids below `vocab`) and its loss mask, as
     tools/preprocess_data.py --chat writes them: turns of prompt (no loss) and answer (loss), of random lengths
-    from 3 to `longest` tokens in all, each counting up from a random token (quickly learnt). Returns the dataset
+    from `shortest` to `longest` tokens in all, each counting up from a random token (quickly learnt). Returns the dataset
     prefix."""
     import numpy as np
 
@@ -123,7 +124,7 @@ def write_conversations(prefix: Path, count: int = 48, vocab: int = 120, seed: i
     tokens = IndexedDatasetBuilder(f"{prefix}.bin", np.uint16)
     mask = IndexedDatasetBuilder(f"{loss_mask_prefix(prefix)}.bin", np.uint8)
     for _ in range(count):
-        n = int(rng.integers(3, longest + 1))
+        n = int(rng.integers(shortest, longest + 1))
         turns = np.sort(rng.choice(np.arange(1, n), size=min(n - 1, int(rng.integers(1, 4))), replace=False))
         answer = (np.searchsorted(turns, np.arange(n), side="right") % 2).astype(np.uint8)
         tokens.add_document((rng.integers(0, vocab) + np.arange(n)) % vocab)     # counting: quickly learnt

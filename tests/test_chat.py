@@ -12,7 +12,7 @@ from megalysses.data.chat import ChatEncoder, ChatOptions, PrefixError, RecordEr
 from megalysses.data.chat_template import ChatTemplate
 from megalysses.data.indexed import IndexedDataset, loss_mask_prefix
 from megalysses.data.tokenizer import build_tokenizer
-from megalysses.tools import preprocess_data
+from megalysses.tools import merge_datasets, preprocess_data
 
 transformers = pytest.importorskip("transformers")
 
@@ -163,6 +163,25 @@ def test_preprocess_conversations_names_bad_records_and_keeps_the_rest(folders, 
                           "--bos", "<|begin_of_text|>"])
     parquet = IndexedDataset(str(tmp_path / "pq_text_document"))
     assert [parquet[i].tolist() for i in range(2)] == [ds[i].tolist() for i in range(2)]
+
+
+def test_shards_of_conversations_merge_with_their_masks(folders, tmp_path):
+    """Preprocessed on two machines and merged: the bytes of one run over both inputs, masks included."""
+    tok = ["--chat", "--tokenizer-type", "huggingface", "--tokenizer-model", str(folders["llama3"])]
+    shards = tmp_path / "shards"
+    for k, part in enumerate((CONVERSATIONS[:2], CONVERSATIONS[2:])):
+        preprocess_data.main(["--input", str(write_jsonl(tmp_path / f"{k}.jsonl", part)), "--output-prefix",
+                              str(shards / f"shard_{k}")] + tok)
+    preprocess_data.main(["--input", str(write_jsonl(tmp_path / "all.jsonl", CONVERSATIONS)), "--output-prefix",
+                          str(tmp_path / "one")] + tok)
+    merge_datasets.main(["--input", str(shards), "--output-prefix", str(tmp_path / "merged_text_document")])
+    for name in ("text_document", "text_document_loss_mask"):
+        for ext in ("bin", "idx"):
+            assert (tmp_path / f"merged_{name}.{ext}").read_bytes() == (tmp_path / f"one_{name}.{ext}").read_bytes()
+    (shards / "shard_1_text_document_loss_mask.idx").unlink()
+    (shards / "shard_1_text_document_loss_mask.bin").unlink()
+    with pytest.raises(SystemExit, match="has a loss mask beside it .* but .*shard_1_text_document has none"):
+        merge_datasets.main(["--input", str(shards), "--output-prefix", str(tmp_path / "again")])
 
 
 def test_a_record_error_names_its_kind():

@@ -70,7 +70,8 @@ def test_configs_fit_at_their_own_layout(path, gpus, host_gib):
 
 @pytest.mark.parametrize("path, gpus", [("configs/llama3_8b_1m.yaml", 64), ("configs/gpt_1b_8gpu.yaml", 8),
                                         ("configs/gpt_1b_1m_offload.yaml", 1), ("configs/llama3_8b_128k.yaml", 8),
-                                        ("configs/gpt_1b_32k.yaml", 8), ("configs/quickstart.yaml", 4)])
+                                        ("configs/gpt_1b_32k.yaml", 8), ("configs/quickstart.yaml", 4),
+                                        ("configs/llama3_8b_chat_128k.yaml", 8)])
 def test_configs_give_a_step_the_time_it_takes(path, gpus):
     """A step of 1M tokens takes minutes: each config's parallel.timeout_seconds (the longest the watchdog
     lets a rank spend in one phase) is over twice its predicted step on H100s, and a run whose timeout

@@ -31,6 +31,10 @@ class TemplateError(ValueError):
     """A chat template that is missing, cannot be read or compiled, or fails on a conversation."""
 
 
+class NoTemplate(TemplateError):
+    """A tokenizer folder without a chat template."""
+
+
 def _environment() -> Any:
     try:
         import jinja2
@@ -162,8 +166,8 @@ class ChatTemplate:
             return cls(named["default"], special, f"{config} (default)", named.get("tool_use"))
         if isinstance(value, str):
             return cls(value, special, f"{config} (chat_template)")
-        raise TemplateError(f"{folder}: no chat template (neither chat_template.jinja nor a chat_template in "
-                            f"tokenizer_config.json): pass one with --chat-template FILE")
+        raise NoTemplate(f"{folder}: no chat template (neither chat_template.jinja nor a chat_template in "
+                         f"tokenizer_config.json): pass one with --chat-template FILE")
 
     def render(self, messages: list[dict], tools: Optional[list] = None, add_generation_prompt: bool = False,
                documents: Optional[list] = None) -> tuple[str, list[tuple[int, int]]]:

@@ -13,14 +13,14 @@ layout (fused QKV and gate-up projections, the padded vocabulary) as a DCP check
 The run's config.yaml takes its model section from the Hugging Face config and everything else from
 --config (default: the schema's defaults); set data.paths before training. (checkpoint.init_from
 points a run at a Hugging Face directory directly, without converting.)
-When the Hugging Face directory has a tokenizer.json, the run keeps a copy of its tokenizer files in
-<run_dir>/tokenizer/ and its config.yaml points data.tokenizer at it (the model's ids are that
+When the Hugging Face directory has a tokenizer.json, the run keeps a copy of its tokenizer files (its chat
+template among them) in <run_dir>/tokenizer/ and its config.yaml points data.tokenizer at it (the model's ids are that
 tokenizer's), unless --set names another. The paths config.yaml names are absolute: the run works from
 any directory. The imported model's config.json and generation_config.json are kept in
 <run_dir>/hf_source/.
 --to-hf takes the fp32 master weights of a training checkpoint (or the weights of a weights-only one),
 converts them back, and writes sharded safetensors, the index and config.json in --dtype, with the run's
-tokenizer files when it trained with a Hugging Face tokenizer, into a new directory that is complete or
+tokenizer files (and chat template) when it trained with a Hugging Face tokenizer, into a new directory that is complete or
 absent. config.json's max_position_embeddings is what serving stacks take for the model's context: the
 longer of the longest sequence the checkpoint trained at (data.seq_len at its step, curriculum
 included) and the imported model's own (an import never trained keeps its own). eos_token_id and
@@ -290,7 +290,9 @@ def _special_ids(cfg: Config, source: dict) -> dict:
     return ids
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+# the chat template travels with the tokenizer: in tokenizer_config.json, or beside it (transformers >= 4.43)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "chat_template.json")
 
 
 def _tokenizer_files(cfg: Config) -> tuple[dict[str, bytes], str]:

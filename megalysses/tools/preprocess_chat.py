@@ -15,12 +15,13 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from megalysses.data.chat import ChatEncoder, ChatOptions, PrefixError, RecordError
-from megalysses.data.chat_template import ChatTemplate
+from megalysses.data.chat_template import ChatTemplate, NoTemplate
 from megalysses.data.indexed import loss_mask_prefix
 
 SHOWN = 20   # bad records named one line each; the rest are counted
@@ -62,18 +63,14 @@ def outputs(output_prefix: str) -> dict[str, str]:
 
 
 def encoder(args: dict[str, Any], tokenizer: Any) -> ChatEncoder:
-    """The encoder of every worker; the template is read only when the tokenizer is a Hugging Face one (plain
-    prompt/completion texts need none)."""
+    """The encoder of every worker; the template is read only when the tokenizer is a Hugging Face one, and
+    one that has none is only an error for a conversation (plain prompt/completion texts need none)."""
     template = None
     if getattr(tokenizer, "tok", None) is not None:
-        from pathlib import Path
-
-        folder = Path(tokenizer.path).parent
         try:
-            template = ChatTemplate.from_folder(folder, args["template"])
-        except ValueError:
-            if args["template"] is not None:
-                raise
+            template = ChatTemplate.from_folder(Path(tokenizer.path).parent, args["template"])
+        except NoTemplate:
+            pass
     options = ChatOptions(train_on=args["train_on"], end_of_turn=args["end_of_turn"])
     return ChatEncoder(tokenizer, template, options, bos_id=tokenizer.bos_id if args["bos"] else None)
 

@@ -87,6 +87,7 @@ def _init_worker(tok_args: dict[str, Any], keys: list[str], folder: bool, parall
         signal.signal(signal.SIGTERM, signal.SIG_DFL)     # a pool worker just ends; the main process reports
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     tok = _tokenizer(tok_args)
+    _STATE.clear()                                        # an earlier run in this process leaves nothing behind
     _STATE.update(tok=tok, keys=keys, folder=folder, dtype=optimal_dtype(tok.vocab_size),
                   eod=[tok.eod_id] if tok_args["append_eod"] else [], bos=[tok.bos_id] if tok_args["bos"] else [])
     if tok_args["chat"] is not None:
