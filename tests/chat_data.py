@@ -113,8 +113,8 @@ def write_conversations(prefix: Path, count: int = 48, vocab: int = 120, seed: i
                         shortest: int = 3) -> str:
     """A dataset of `count` synthetic conversations (token ids below `vocab`) and its loss mask, as
     tools/preprocess_data.py --chat writes them: turns of prompt (no loss) and answer (loss), of random lengths
-    from `shortest` to `longest` tokens in all, each counting up from a random token (quickly learnt). Returns the dataset
-    prefix."""
+    from `shortest` to `longest` tokens in all, each counting up from a random token (quickly learnt). Returns
+    the dataset prefix."""
     import numpy as np
 
     from megalysses.data.indexed import IndexedDatasetBuilder, loss_mask_prefix

@@ -16,9 +16,10 @@ from megalysses.tools import convert_checkpoint, preprocess_data, pretrain
 
 transformers = pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parent.parent
-TINY = ["parallel.sp=1", "parallel.timeout_seconds=60", "data.seq_len=512", "data.seq_len_schedule=[[0, 256], [1, 512]]",
-        "training.global_batch_size=1", "training.train_steps=2", "training.dtype=float32", "logging.log_interval=1",
-        "optimizer.warmup_steps=1", "optimizer.lr=1e-3", "model.attention_backend=sdpa"]
+TINY = ["parallel.sp=1", "parallel.timeout_seconds=60", "data.seq_len=512",
+        "data.seq_len_schedule=[[0, 256], [1, 512]]", "training.global_batch_size=1", "training.train_steps=2",
+        "training.dtype=float32", "logging.log_interval=1", "optimizer.warmup_steps=1", "optimizer.lr=1e-3",
+        "model.attention_backend=sdpa"]
 
 
 @pytest.fixture(scope="module")
