@@ -65,6 +65,10 @@ def test_text_ids_and_assistant_mask_equal_transformers(folders):
     llama = encoder(folders["llama3"])
     hf = hf_of(folders["llama3"])
     assert trained_text(hf, *llama.encode(CONVERSATIONS[0])) == "4.<|eot_id|>6, of course.<|eot_id|>"
+    # --bos adds no second BOS to a template that writes one
+    bos = hf.convert_tokens_to_ids("<|begin_of_text|>")
+    ids, _ = ChatEncoder(llama.tokenizer, llama.template, bos_id=bos).encode(CONVERSATIONS[1])
+    assert ids.tolist() == llama.encode(CONVERSATIONS[1])[0].tolist() and ids[0] == bos != ids[1]
 
 
 def test_options_the_last_turn_and_the_end_of_turn_token(folders):

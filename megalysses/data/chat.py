@@ -164,15 +164,15 @@ class ChatEncoder:
         turns = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= first_trained]
         if not turns:
             raise RecordError("no assistant turn to train on", "nothing to train on")
-        ours = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
         turns = turns[-1:] if self.options.train_on == "last" else turns
         marked, tools = self._mark(messages), self._mark(tools)
         text, generation = self._render(marked, tools)
         if self.template.has_generation:
-            if len(generation) != len(ours):
+            if len(generation) != len(assistant):
                 raise PrefixError(f"{self.template.name}: its {{% generation %}} blocks ({len(generation)}) are not "
-                                  f"one per assistant turn ({len(ours)}), so they cannot tell the turns apart")
-            spans = [generation[ours.index(i)] for i in turns]
+                                  f"one per assistant turn ({len(assistant)}), so they cannot tell the turns apart")
+            spans = [generation[assistant.index(i)] for i in turns]
         else:
             spans = [self._turn_span(marked, tools, text, i) for i in turns]
         ids, starts, ends, special = self._tokenize(text)
