@@ -159,7 +159,7 @@ class ChatEncoder:
                                 "Face tokenizer with a chat template: --tokenizer-type huggingface --tokenizer-model "
                                 "DIR (and --chat-template FILE when DIR has none)")
         for m in messages:
-            if m["role"] not in KNOWN_ROLES and not any(m["role"] in text for text in self.template.literals):
+            if not self._knows(m["role"]):
                 raise RecordError(f"role '{m['role']}' is not one the chat template knows", "unknown role")
         turns = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= first_trained]
         if not turns:
@@ -184,6 +184,11 @@ class ChatEncoder:
             keep = self._end_of_turn(text, inside, starts, ends, special, trim=not self.template.has_generation)
             loss[inside[:keep]] = True
         return ids, loss
+
+    def _knows(self, role: str) -> bool:
+        """A role templates are written for, or one the template's own text names (as a word)."""
+        word = re.compile(rf"(?<![\w-]){re.escape(role)}(?![\w-])")
+        return role in KNOWN_ROLES or any(word.search(text) for text in self.template.literals)
 
     def _render(self, messages: list[dict], tools: Optional[list],
                 add_generation_prompt: bool = False) -> tuple[str, list[tuple[int, int]]]:
