@@ -459,6 +459,17 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             for leftover in glob.glob(glob.escape(prefix) + "*"):
                 os.remove(leftover)
     progress.report(docs, nbytes, reader.position.done, sum(tokens.values()), final=True)
+    summary = {"documents": docs, "tokens": sum(tokens.values()), "bytes": nbytes, "skipped": dict(skipped),
+               "empty": empty, "loss_tokens": loss_tokens, "seconds": progress.elapsed,
+               "outputs": list(finals.values())}
+    _report(args, tokenizer, finals, summary, examples, empty_example)
+    return summary
+
+
+def _report(args: argparse.Namespace, tokenizer: Any, finals: dict[str, str], summary: dict[str, Any],
+            examples: list[str], empty_example: Optional[str]) -> None:
+    """What was skipped and written, and the settings of a run that trains on it (stderr)."""
+    skipped, docs = summary["skipped"], summary["documents"]
     if skipped:
         reasons = ", ".join(f"{n} {reason}" for reason, n in sorted(skipped.items()))
         count = sum(skipped.values())
@@ -466,12 +477,12 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"skipped {count} records ({reasons}; {named}), kept the other {docs}" if args.chat else
               f"skipped {count} malformed documents ({reasons}); first: {'; '.join(examples)}", file=sys.stderr)
     if args.chat:
-        total = sum(tokens.values())
-        print(f"{docs} conversations, {total} tokens, {loss_tokens} of them ({100 * loss_tokens / max(total, 1):.1f}%) "
-              f"carry the loss", file=sys.stderr)
-    if empty:
-        print(f"warning: {empty} documents are empty after tokenization (first: document {empty_example}); they "
-              f"are written as Megatron-LM writes them, a document boundary with no tokens and no EOD",
+        total, loss = summary["tokens"], summary["loss_tokens"]
+        print(f"{docs} conversations, {total} tokens, {loss} of them ({100 * loss / max(total, 1):.1f}%) carry the "
+              f"loss", file=sys.stderr)
+    if summary["empty"]:
+        print(f"warning: {summary['empty']} documents are empty after tokenization (first: document {empty_example}); "
+              f"they are written as Megatron-LM writes them, a document boundary with no tokens and no EOD",
               file=sys.stderr)
     for final in finals.values():
         print(f"wrote {bin_path(final)} and {idx_path(final)}", file=sys.stderr)
@@ -480,9 +491,6 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     print(f"tokenized with {args.tokenizer_type}{default}: {tokenizer.vocab_size} ids, EOD {tokenizer.eod_id}; "
           f"train with pretrain.py {' '.join(shlex.quote(a) for a in _training_settings(args, tokenizer, finals))} "
           f"(model.vocab_size may be larger)", file=sys.stderr)
-    return {"documents": docs, "tokens": sum(tokens.values()), "bytes": nbytes, "skipped": dict(skipped),
-            "empty": empty, "loss_tokens": loss_tokens,
-            "seconds": progress.elapsed, "outputs": list(finals.values())}
 
 
 def _training_settings(args: argparse.Namespace, tokenizer: Any, finals: dict[str, str]) -> list[str]:
