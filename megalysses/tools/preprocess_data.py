@@ -5,6 +5,8 @@ folder of text files into Megatron-format .bin/.idx.
         --tokenizer-type byte --append-eod --workers 2
     # -> data/stdlib_text_document.bin / .idx (one pair per --json-keys entry)
     python tools/preprocess_data.py --input 'fineweb/data/**/*.parquet' --output-prefix data/fineweb ...
+    python tools/preprocess_data.py --chat --input chats.jsonl --output-prefix data/chats --tokenizer-type \
+        huggingface --tokenizer-model models/Qwen2.5-0.5B-Instruct     # conversations: preprocess_chat.py
 
 --input is a file, a glob or a folder. Files are JSON Lines unless their bytes say Parquet or Arrow
 (needs pyarrow; zstd needs zstandard); --json-keys names the keys or columns to tokenize, read in
