@@ -8,9 +8,9 @@ its subfolders; other files are ignored) is appended in the sorted order of the 
 merges them, which is what preprocessing the shards' inputs one after another in one run writes, byte
 for byte: number shards with zero-padded numbers (shard_007) so that name order is number order.
 Before anything is written every pair is checked as training checks it when it opens it (structure and
-sizes), and all must hold one dtype. Progress is reported per dataset (documents/s, MB/s, ETA); the
-output is written under temporary names and renamed when complete, the .idx last, so an interrupted
-merge leaves nothing behind. --multimodal (indices with sequence modes) is refused.
+sizes), and all must hold one dtype. Progress is reported per dataset (its documents and tokens, then
+those merged so far, documents/s, MB/s, ETA); the output is written under temporary names and renamed
+when complete, the .idx last, so an interrupted merge leaves nothing behind. --multimodal (indices with sequence modes) is refused.
 """
 from __future__ import annotations
 
@@ -104,7 +104,8 @@ def merge(folder: str, output_prefix: str) -> dict[str, Any]:
         for i, ds in enumerate(datasets):
             builder.add_index(ds["prefix"])
             docs, tokens, copied = docs + ds["documents"], tokens + ds["tokens"], copied + ds["bin_bytes"]
-            progress.report(docs, copied, copied, tokens, prefix=f"[{i + 1}/{len(datasets)}] {names[i]}: ")
+            progress.report(docs, copied, copied, tokens, prefix=f"[{i + 1}/{len(datasets)}] {names[i]}: "
+                            f"{ds['documents']:,} docs, {ds['tokens']:,} tokens; merged so far: ")
         builder.finalize(idx_path(tmp))
         if os.path.exists(idx_path(output_prefix)):
             os.remove(idx_path(output_prefix))

@@ -16,12 +16,14 @@ import signal
 import sys
 import traceback
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from megalysses.checkpoint.dcp_io import CheckpointError
-from megalysses.config import ConfigError
+from megalysses.checkpoint.manifest import read_latest, step_of
+from megalysses.config import Config, ConfigError
 from megalysses.config_checks import config_warnings, validate_config
 from megalysses.config_doc import annotated_yaml
 from megalysses.config_io import load_config
@@ -67,14 +69,36 @@ def main(argv: list[str] | None = None) -> int:
         signals.restore()
 
 
-def _interrupted(doing: str) -> int:
-    """Ctrl-C: one line from the first rank, and later Ctrl-Cs (a launcher passes its own on) ignored."""
+def _interrupted(doing: str, cfg: Optional[Config] = None) -> int:
+    """Ctrl-C: one line from the first rank saying what is kept, and later Ctrl-Cs (a launcher passes its own
+    on) ignored."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if os.environ.get("RANK", "0") == "0":
-        print(f"interrupted (Ctrl-C) while {doing}: nothing saved since the last checkpoint, from which the run "
-              f"resumes; to stop after the current step with a checkpoint, send SIGTERM or SIGUSR1 instead",
-              flush=True)
+        print(f"interrupted (Ctrl-C) while {doing}: {_kept(cfg)}; to stop after the current step with a "
+              f"checkpoint, send SIGTERM or SIGUSR1 instead", flush=True)
     return 130
+
+
+def _kept(cfg: Optional[Config]) -> str:
+    """What a restart of the interrupted run starts from, in words."""
+    if cfg is None:
+        return "nothing was trained"
+    root = Path(cfg.checkpoint.dir or Path(cfg.logging.run_dir) / "checkpoints")
+    latest, _ = read_latest(root)
+    load = cfg.checkpoint.load
+    if load is None:
+        restart = "a restart starts afresh (checkpoint.load: null)"
+    elif load != "auto":
+        restart = f"a restart loads checkpoint.load={load}"
+    elif latest is None:
+        start = f"the weights of checkpoint.init_from={cfg.checkpoint.init_from}" if cfg.checkpoint.init_from else \
+            "step 0"
+        return f"no checkpoint was saved ({root} holds none), so a restart begins again from {start}"
+    else:
+        restart = "a restart resumes from it"
+    if latest is None:
+        return f"no checkpoint was saved in {root}; {restart}"
+    return f"the last checkpoint saved is {latest} (step {step_of(latest)}), the steps after it are lost; {restart}"
 
 
 def _run(args: argparse.Namespace, signals: StopSignals) -> int:
@@ -101,6 +125,8 @@ def _run(args: argparse.Namespace, signals: StopSignals) -> int:
             print(message, flush=True)
         write_error_file(message)
         return 1
+    except KeyboardInterrupt:
+        return _interrupted("starting up", cfg)
     watchdog = Watchdog.start(dist.get_rank(), dist.get_world_size(), cfg.parallel.timeout_seconds)
     try:
         for note in config_warnings(cfg):
@@ -118,10 +144,10 @@ def _run(args: argparse.Namespace, signals: StopSignals) -> int:
             print0(f"done: step {summary['step']}, loss {summary['loss']:.4f} ({summary['stopped_by']})")
         return 0
     except KeyboardInterrupt:
-        return _interrupted(watchdog.current)
+        return _interrupted(watchdog.current, cfg)
     except Exception as e:  # noqa: BLE001 - every error ends the job with one line, from the rank that has it
         if signals.interrupted:          # a peer interrupted first left this rank's collective
-            return _interrupted(watchdog.current)
+            return _interrupted(watchdog.current, cfg)
         if collective_failure(e) and not isinstance(e, torch.OutOfMemoryError):
             watchdog.fail(f"a collective failed on rank {dist.get_rank()} while {watchdog.current} "
                           f"({' '.join(str(e).split())[:200]})")
