@@ -10,7 +10,8 @@ for byte: number shards with zero-padded numbers (shard_007) so that name order 
 Before anything is written every pair is checked as training checks it when it opens it (structure and
 sizes), and all must hold one dtype. Progress is reported per dataset (its documents and tokens, then
 those merged so far, documents/s, MB/s, ETA); the output is written under temporary names and renamed
-when complete, the .idx last, so an interrupted merge leaves nothing behind. --multimodal (indices with sequence modes) is refused.
+when complete, the .idx last, so an interrupted merge leaves nothing behind. --multimodal (indices with
+sequence modes) is refused.
 """
 from __future__ import annotations
 
