@@ -190,7 +190,8 @@ def train(cfg: Config, grid: ParallelGrid, device: torch.device, signals: Option
     def start_run() -> None:
         save_config(cfg, run_dir / "config.yaml")
         write_runtime(run_dir, cfg, grid, run)
-        mark_start(run_dir, step, path)
+        mark_start(run_dir, step, path, consumed * cfg.data.seq_len,
+                   {"tp": grid.tp_size, "sp": grid.sp_size, "pp": grid.pp_size, "dp": grid.dp_size})
 
     on_rank0(start_run)
     logger = MetricsLogger(cfg, run_dir, grid.world, device, total, dtype)
@@ -232,7 +233,8 @@ def train(cfg: Config, grid: ParallelGrid, device: torch.device, signals: Option
             consumed += samples
             loss = result.loss if math.isfinite(result.loss) else loss   # the last finite loss
             # throughput counts every token processed (masked labels included), as the FLOPs do
-            logger.step(step, result.loss, lr, result.grad_norm, samples * cfg.data.seq_len, seq_len)
+            logger.step(step, result.loss, lr, result.grad_norm, samples * cfg.data.seq_len, seq_len,
+                        tokens_seen=consumed * cfg.data.seq_len)
             t0 = time.perf_counter()
             if cfg.training.eval_interval and step % cfg.training.eval_interval == 0:
                 doing(f"validating at step {step}")
