@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 4 pretrain.py --config configs/quickstart.yaml [--set section.key=value ...]
     python pretrain.py --config configs/quickstart.yaml --print-config    # the resolved config, explained
+    python pretrain.py --print-config                                     # every default, explained
 
 Every key is listed in docs/CONFIG.md; tools/from_megatron.py turns a Megatron-LM command line into a config.
 
@@ -48,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override one config value; repeatable")
     parser.add_argument("--print-config", action="store_true",
-                        help="print the resolved config as YAML, each key's meaning as a comment, and exit")
+                        help="print the resolved config as YAML, each key's meaning as a comment, and exit (without "
+                             "--config: the defaults)")
     dry = parser.add_argument_group("dry run: the start-up path up to step 1, runtime.json written, nothing trained")
     dry.add_argument("--dry-run", action="store_true",
                      help="stop before step 1; under torchrun on this machine, or with --gpus in this one process "
@@ -104,7 +106,7 @@ def _kept(cfg: Optional[Config]) -> str:
 def _run(args: argparse.Namespace, signals: StopSignals) -> int:
     rank0 = os.environ.get("RANK", "0") == "0"     # before the process group exists
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, args.overrides, validate=not args.print_config)
     except ConfigError as e:
         if rank0:
             print(f"config error: {e}", file=sys.stderr)
@@ -112,7 +114,7 @@ def _run(args: argparse.Namespace, signals: StopSignals) -> int:
         return 2
     if args.print_config:
         if rank0:
-            print(annotated_yaml(cfg), end="")
+            _print_config(cfg)
         return 0
     if args.gpus is not None:
         return _described_dry_run(cfg, args)
@@ -156,6 +158,16 @@ def _run(args: argparse.Namespace, signals: StopSignals) -> int:
     finally:
         watchdog.stop()
         destroy_distributed()
+
+
+def _print_config(cfg: Config) -> None:
+    """The config as YAML, each key's meaning as a comment (without --config: the defaults); what would stop a
+    run of it as it is (the defaults name no data), on stderr."""
+    print(annotated_yaml(cfg), end="")
+    try:
+        validate_config(cfg)
+    except ConfigError as e:
+        print(f"note: a run of this config as it is would stop with: config error: {e}", file=sys.stderr)
 
 
 def _described_dry_run(cfg, args: argparse.Namespace) -> int:
