@@ -36,6 +36,7 @@ from megalysses.training.data import TrainingData
 from megalysses.training.fsdp import FSDPAdamW, shard_model
 from megalysses.training.metrics import MetricsLogger
 from megalysses.training.optimizer import Optimizer, ShardedAdamW
+from megalysses.training.profiler import StepProfiler
 from megalysses.training.rundir import check_writable, mark_start
 from megalysses.training.runtime import (check_built, flex_compile_budget, model_config, resolve_run, startup_line,
                                          write_runtime)
@@ -195,6 +196,7 @@ def train(cfg: Config, grid: ParallelGrid, device: torch.device, signals: Option
 
     on_rank0(start_run)
     logger = MetricsLogger(cfg, run_dir, grid.world, device, total, dtype)
+    profiler = StepProfiler(cfg.profile, grid.rank, run_dir, device, watchdog)
     flags = signals or StopSignals()
     start = time.monotonic()
     stopped_by, loss = "train_steps", float("nan")
@@ -226,8 +228,9 @@ def train(cfg: Config, grid: ParallelGrid, device: torch.device, signals: Option
                 if data.batch_sizes.ramped:
                     print0(batch_line(step, samples, data.batch_sizes, per_micro))
             doing(f"training step {step + 1}")
-            result = train_step(model, opt, batch, grid, lr=lr, grad_clip=cfg.optimizer.grad_clip,
-                                dtype=dtype, nan_policy=cfg.training.nan_policy)
+            with profiler.step(step + 1):
+                result = train_step(model, opt, batch, grid, lr=lr, grad_clip=cfg.optimizer.grad_clip,
+                                    dtype=dtype, nan_policy=cfg.training.nan_policy)
             step += 1
             updates += not result.skipped
             consumed += samples
@@ -262,6 +265,7 @@ def train(cfg: Config, grid: ParallelGrid, device: torch.device, signals: Option
         if stopped_by != "train_steps":
             print0(f"stopped at step {step} ({stopped_by}); checkpoint saved to {ckpt_dir}")
     finally:
+        profiler.close()
         if signals is None:
             flags.restore()
         logger.close()
