@@ -407,6 +407,24 @@ class LoggingConfig:
 
 
 @dataclass
+class ProfileConfig:
+    """The torch profiler over a window of training steps, as Megatron-LM's --profile --use-pytorch-profiler:
+    a Chrome trace per profiled rank under <run_dir>/profile/."""
+
+    start_step: Optional[int] = None
+    """The first training step profiled (1 = the run's first step; Megatron-LM's --profile-step-start).
+    Profiling is on when start_step and end_step are both set; the step before it runs under the profiler
+    unrecorded, so the recorded steps do not pay for the profiler's start."""
+    end_step: Optional[int] = None
+    """The last step profiled, inclusive (Megatron-LM's --profile-step-end). Each profiled rank then writes
+    <run_dir>/profile/rank<R>.steps<start>-<end>.pt.trace.json (CPU operators, and CUDA kernels on a GPU),
+    for Perfetto (ui.perfetto.dev), chrome://tracing or TensorBoard's profiler plugin. The watchdog allows
+    these steps, and the writing of the traces, which every rank waits for, 3 times parallel.timeout_seconds."""
+    ranks: list[int] = field(default_factory=lambda: [0])
+    """Global ranks to profile (Megatron-LM's --profile-ranks), each writing its own trace."""
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -415,6 +433,7 @@ class Config:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
 
 PATH_KEYS = (("data", "paths"), ("data", "valid_paths"), ("data", "tokenizer_model"), ("data", "vocab_file"),

@@ -83,6 +83,7 @@ def validate_config(cfg: Config, world_size: Optional[int] = None) -> None:
                           "state is already sharded with the weights; set one of them to false")
     _check_batch_sizes(t)
     _check_lr_schedule(cfg)
+    _check_profile(cfg, world_size)
     if world_size is not None:
         _check_world(cfg, world_size)
 
@@ -93,6 +94,24 @@ def check_world_size(cfg: Config, world_size: int) -> None:
     the planner checks a layout once for all its memory options."""
     _check_batch_sizes(cfg.training)
     _check_world(cfg, world_size)
+
+
+def _check_profile(cfg: Config, world_size: Optional[int]) -> None:
+    pr = cfg.profile
+    if (pr.start_step is None) != (pr.end_step is None):
+        given, missing = ("start_step", "end_step") if pr.end_step is None else ("end_step", "start_step")
+        raise ConfigError(f"profile.{given} is set but profile.{missing} is not: profiling is on when both are "
+                          f"(the first and the last step profiled); set profile.{missing} too, or neither")
+    if pr.start_step is None:
+        return
+    if pr.end_step < pr.start_step:
+        raise ConfigError(f"profile.end_step={pr.end_step} is before profile.start_step={pr.start_step}: the window "
+                          f"is start_step to end_step, both included")
+    if not pr.ranks or min(pr.ranks) < 0:
+        raise ConfigError(f"profile.ranks={pr.ranks}: give the global ranks to profile (0 or more each; default [0])")
+    if world_size is not None and max(pr.ranks) >= world_size:
+        raise ConfigError(f"profile.ranks={pr.ranks}: rank {max(pr.ranks)} is not in a world of {world_size} "
+                          f"(ranks 0 to {world_size - 1})")
 
 
 def _check_batch_sizes(t: TrainingConfig) -> None:
@@ -147,6 +166,7 @@ _RANGES = [
     ("training", "attention_head_chunks", 1, None),
     ("training", "checkpoint_stride", 1, None),
     ("logging", "log_interval", 1, None), ("logging", "peak_tflops", 0.0, None),
+    ("profile", "start_step", 1, None), ("profile", "end_step", 1, None),
     ("parallel", "timeout_seconds", 1.0, None),
     ("parallel", "tp", 1, None), ("parallel", "sp", 1, None), ("parallel", "sp_ring", 0, None),
     ("parallel", "pp", 1, None),
@@ -189,6 +209,9 @@ def config_warnings(cfg: Config) -> list[str]:
     if o.warmup_init is not None and o.warmup_init > o.lr:
         notes.append(f"optimizer.warmup_init={o.warmup_init:g} is above optimizer.lr={o.lr:g}: the learning rate "
                      f"will fall during warmup")
+    if cfg.profile.start_step is not None and cfg.profile.start_step > t.train_steps:
+        notes.append(f"profile.start_step={cfg.profile.start_step} is after training.train_steps={t.train_steps}: "
+                     f"nothing will be profiled")
     if o.warmup_steps > t.train_steps:
         notes.append(f"optimizer.warmup_steps={o.warmup_steps} is more than training.train_steps={t.train_steps}: "
                      f"the learning rate never reaches optimizer.lr")

@@ -244,22 +244,32 @@ _TABLE = [
     _f("--wandb-project", "str", "logging.wandb_project logging.wandb_mode", note="wandb_mode online"),
     _f("--wandb-exp-name", "str", status="ignored", note=_LOG),
     _f("--wandb-save-dir", "str", status="ignored", note=_LOG),
+    # profiling: the torch profiler over a window of steps
+    _f("--profile", "flag", "profile.start_step profile.end_step", status="partial",
+       note="with --use-pytorch-profiler, the torch profiler over --profile-step-start to --profile-step-end; "
+            "alone, Megatron-LM opens an nsys capture range (cudaProfilerStart/Stop) for a launch under `nsys "
+            "profile --capture-range=cudaProfilerApi`, which has no counterpart here"),
+    _f("--use-pytorch-profiler", "flag", "profile.start_step profile.end_step", note="with --profile"),
+    _f("--profile-step-start", "int", "profile.start_step", default=10,
+       note="Megatron-LM's torch profiler records steps start to end - 1, after a warm-up step: profile.start_step "
+            "= start (at least 1), profile.end_step = end - 1 (its nsys range is start + 1 to end)"),
+    _f("--profile-step-end", "int", "profile.end_step", default=12, note="profile.end_step = end - 1, inclusive"),
+    _f("--profile-ranks", "ints", "profile.ranks", default=[0],
+       note="Megatron-LM's default [0] (its newest releases profile every rank when the flag is left out)"),
 ]
 
 _IGNORED = {  # flags whose only effect is speed, memory layout, profiling or logging: accepted, named, harmless
-    "flag": ["--use-mcore-models", "--log-throughput", "--profile", "--manual-gc", "--cross-entropy-loss-fusion",
+    "flag": ["--use-mcore-models", "--log-throughput", "--manual-gc", "--cross-entropy-loss-fusion",
              "--no-create-attention-mask-in-dataloader", "--no-mmap-bin-files", "--no-masked-softmax-fusion",
              "--no-bias-gelu-fusion", "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion",
              "--no-gradient-accumulation-fusion", "--use-cpu-initialization", "--log-params-norm",
              "--log-num-zeros-in-grad", "--log-timers-to-tensorboard", "--log-validation-ppl-to-tensorboard",
-             "--log-memory-to-tensorboard", "--use-pytorch-profiler", "--tp-comm-overlap", "--ckpt-fully-parallel-load",
-             "--async-save"],
-    "int": ["--num-workers", "--profile-step-start", "--profile-step-end", "--empty-unused-memory-level",
+             "--log-memory-to-tensorboard", "--tp-comm-overlap", "--ckpt-fully-parallel-load", "--async-save"],
+    "int": ["--num-workers", "--empty-unused-memory-level",
             "--manual-gc-interval", "--tensorboard-log-interval", "--timing-log-level", "--tensorboard-queue-size",
             "--num-dataset-builder-threads"],
     "str": ["--transformer-impl", "--dataloader-type", "--cross-entropy-fusion-impl", "--tiktoken-pattern",
             "--timing-log-option", "--dist-ckpt-strictness"],
-    "ints": ["--profile-ranks"],
 }
 for _kind, _names in _IGNORED.items():
     _TABLE += [_f(n, _kind, status="ignored", note=_PERF) for n in _names]

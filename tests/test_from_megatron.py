@@ -457,10 +457,34 @@ def test_a_converted_config_trains(tmp_path, capsys):
             "--attention-dropout 0 --hidden-dropout 0 --micro-batch-size 1 --global-batch-size 4 "
             "--rampup-batch-size 2 2 4 --train-iters 4 --lr 1e-3 --lr-decay-style WSD --lr-wsd-decay-iters 2 "
             "--lr-warmup-iters 1 --mock-data --tokenizer-type NullTokenizer --vocab-size 128 --eval-iters 0 "
-            "--log-interval 1 --attention-backend unfused").split()
+            "--log-interval 1 --attention-backend unfused --profile --use-pytorch-profiler --profile-step-start 2 "
+            "--profile-step-end 4").split()
     out, run = tmp_path / "tiny.yaml", tmp_path / "run"
     assert main(["--output", str(out), "--run-dir", str(run), "--", *argv]) == 0
     assert pretrain.main(["--config", str(out), "--set", "parallel.timeout_seconds=60"]) == 0
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[0]["lr"] == 0.0      # warmup from 0, as Megatron-LM
     assert "global batch 4 from step 3" in capsys.readouterr().out
+    # Megatron-LM's torch profiler records steps 2 and 3 of --profile-step-start 2 --profile-step-end 4, on rank 0
+    trace = json.loads((run / "profile" / "rank0.steps2-3.pt.trace.json").read_text())
+    ranges = {e["name"] for e in trace["traceEvents"] if e.get("name", "").startswith("step ")}
+    assert ranges == {"step 2", "step 3"} and any(e.get("name") == "aten::mm" for e in trace["traceEvents"])
+
+
+def test_profile_flags_map_with_the_torch_profiler_only():
+    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--max-position-embeddings", "32", "--micro-batch-size", "1", "--global-batch-size", "4",
+            "--train-iters", "4", "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", "128"]
+    window = ["--profile-step-start", "10", "--profile-step-end", "12", "--profile-ranks", "0", "3"]
+    conv = convert(parse_arguments(base + ["--profile", "--use-pytorch-profiler"] + window))
+    assert {k: v for k, v in conv.values.items() if k.startswith("profile.")} == {
+        "profile.start_step": 10, "profile.end_step": 11, "profile.ranks": [0, 3]}
+    assert {"--profile", "--use-pytorch-profiler", "--profile-step-start", "--profile-ranks"} <= set(conv.mapped)
+    nsys = convert(parse_arguments(base + ["--profile"] + window))       # an nsys capture range in Megatron-LM
+    assert not any(k.startswith("profile.") for k in nsys.values)
+    assert "nsys capture range" in nsys.ignored["--profile"] and "--profile-step-end" in nsys.ignored
+    assert "profiles nothing" in convert(parse_arguments(base + window)).ignored["--profile-ranks"]
+    with pytest.raises(MegatronArgsError, match="--profile-step-end 10 is not after --profile-step-start 10"):
+        convert(parse_arguments(base + ["--profile", "--use-pytorch-profiler", "--profile-step-start", "10",
+                                        "--profile-step-end", "10"]))

@@ -196,11 +196,16 @@ def test_candidates_split_sp_every_way_the_heads_allow():
 def test_cli_json_best_and_null(capsys):
     assert main(["--config", "configs/gpt_1b_8gpu.yaml", "--gpus", "8", "--gpu-memory-gib", "80",
                  "--seq-len", "262144", "--json", "--top", "3"]) == 0
-    out = json.loads(capsys.readouterr().out)
+    said = capsys.readouterr()
+    out, err = json.loads(said.out), said.err          # the progress goes to stderr: stdout stays one object
+    assert err.startswith("planning: ") and " candidate layouts and options searched" in err, err
     best = out["best"]
     assert {"tp", "sp", "pp", "dp", "peak_gib"} <= set(best)
     assert best["tp"] * best["sp"] * best["pp"] * best["dp"] == 8 and best["peak_gib"] <= 80
     assert out["layouts"][0] == best and out["config_layout"]["fits"]
+    own = out["config_layout"]                         # where the config's own layout ranks, and by what it trails
+    assert own["rank"] > 1 and own["step_s"] > best["step_s"]
+    assert sum(own["behind_best_s"].values()) == pytest.approx(own["step_s"] - best["step_s"], abs=1e-3)
     # --set overrides the config as pretrain.py's does
     assert main(["--config", "configs/gpt_1b_8gpu.yaml", "--gpus", "8", "--gpu-memory-gib", "80", "--json",
                  "--seq-len", "65536", "--top", "1", "--set", "training.global_batch_size=16"]) == 0
@@ -222,6 +227,13 @@ def test_cli_explain_shows_the_arithmetic(capsys):
                  "--seq-len", "1048576", "--host-memory-gib", "256", "--explain"]) == 0
     out = capsys.readouterr().out
     assert "offloaded block inputs" in out and "recomputed activations" in out and "offload window" in out
+    # the table's columns line up whatever the options' length; the options are named and explained
+    lines = out.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.lstrip().startswith("#  tp"))
+    rows = [line for line in lines[head + 1:] if line[:3].strip().isdigit()]
+    assert len({len(line) for line in [lines[head]] + rows}) == 1, lines
+    assert "loss-tile=" in out and "options: " in out and "loss-tile = training.loss_chunk_tokens" in out
+    assert "the config's own layout (tp 1, sp 1 (ring 1), pp 1, dp 1;" in out and "fits" in out
     assert "TFLOP/s" in out and "tokens/s" in out and "peak" in out
 
 

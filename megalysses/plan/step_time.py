@@ -102,6 +102,11 @@ class StepTime:
     def total(self) -> float:
         return self.compute + sum(self.exposed.values()) + self.bubble + self.optimizer
 
+    def terms(self) -> dict[str, float]:
+        """The seconds that add up to `total`, by name."""
+        return {"compute": self.compute, **{f"exposed {k}": v for k, v in self.exposed.items()},
+                "pipeline bubble": self.bubble, "optimizer": self.optimizer}
+
 
 def step_time(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, work: Workload, hw: Hardware,
               overlap: Overlap = Overlap(), retained: float = 0.0) -> StepTime:

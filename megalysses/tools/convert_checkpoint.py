@@ -20,11 +20,12 @@ any directory. The imported model's config.json and generation_config.json are k
 <run_dir>/hf_source/.
 --to-hf takes the fp32 master weights of a training checkpoint (or the weights of a weights-only one),
 converts them back, and writes sharded safetensors, the index and config.json in --dtype, with the run's
-tokenizer files (and chat template) when it trained with a Hugging Face tokenizer, into a new directory that
-is complete or absent. config.json's max_position_embeddings is what serving stacks take for the model's context: the
-longer of the longest sequence the checkpoint trained at (data.seq_len at its step, curriculum
-included) and the imported model's own (an import never trained keeps its own). eos_token_id and
-bos_token_id are data.eod / data.bos when set, else the imported model's, else the run's tokenizer's;
+tokenizer (a Hugging Face tokenizer's own files, its chat template included; a sentencepiece, byte or GPT-2 BPE one rebuilt as a
+tokenizer.json that gives the ids it trained on), into a new directory that is complete or absent, its
+files with the mode the umask gives. config.json's max_position_embeddings is what serving stacks take
+for the model's context: the longer of the longest sequence the checkpoint trained at (data.seq_len at
+its step, curriculum included) and the imported model's own (an import never trained keeps its own).
+eos_token_id and bos_token_id are data.eod / data.bos when set, else the imported model's, else the run's tokenizer's;
 the imported model's generation_config.json goes along (else one with those ids is written).
 """
 from __future__ import annotations
@@ -46,7 +47,8 @@ import yaml
 
 from megalysses.config import Config, ConfigError
 from megalysses.config_io import apply_override, config_from_dict, config_to_dict, save_config
-from megalysses.data.tokenizer import TokenizerError, tokenizer_from_config
+from megalysses.data.hf_tokenizer import hf_tokenizer_files, source_name
+from megalysses.data.tokenizer import TokenizerError, canonical_kind, tokenizer_from_config
 from megalysses.model.gpt import GPTStage, architecture
 from megalysses.model.hf import hf_config_dict, hf_tensors, model_config_from_hf, our_names, our_tensor, check_hf_names
 from megalysses.model.hf_io import DTYPES, HFFormatError, check_new_dir, is_hf_dir, open_hf_dir, write_hf_dir
@@ -213,7 +215,7 @@ def to_hf(source: str, hf_dir: str, dtype: str = "bfloat16", config: Optional[st
     src = _read_json(imported / "config.json") if imported else {}
     positions, context = _max_positions(cfg, int(meta.get("step", 0)), src)
     ids = _special_ids(cfg, src)
-    extra, tokenizer = _tokenizer_files(cfg)
+    extra, tokenizer = _tokenizer_files(cfg, positions)
     generation = imported / "generation_config.json" if imported else None
     if generation is not None and generation.is_file():
         extra["generation_config.json"] = generation.read_bytes()
@@ -295,15 +297,28 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "chat_template.json")
 
 
-def _tokenizer_files(cfg: Config) -> tuple[dict[str, bytes], str]:
-    """A run's Hugging Face tokenizer (a tokenizer.json, or its folder's tokenizer files), to go beside the
-    weights, so that transformers' AutoTokenizer and tools/generate.py --hf load the pair; another kind
-    is left to the user. Returns {name: bytes} and what was done, in words."""
+def _tokenizer_files(cfg: Config, model_max_length: int) -> tuple[dict[str, bytes], str]:
+    """The run's tokenizer as files to go beside the weights, so that transformers' AutoTokenizer and
+    tools/generate.py --hf load the pair and encode as the run did: a Hugging Face tokenizer's own files (its
+    tokenizer.json, or its folder's tokenizer files), or a sentencepiece, byte or GPT-2 BPE tokenizer rebuilt
+    as a tokenizer.json (megalysses/data/hf_tokenizer.py, checked to give the run's ids). Returns
+    {name: bytes} and what was done, in words."""
     d = cfg.data
-    if d.tokenizer != "huggingface" or not d.tokenizer_model:
-        return {}, (f"no tokenizer: the run's (data.tokenizer={d.tokenizer}) is not a Hugging Face one; put one "
-                    f"beside the weights to load them with AutoTokenizer")
-    source = Path(d.tokenizer_model)
+    kind = "mock data" if d.mock else f"data.tokenizer={d.tokenizer}"
+    if d.mock or canonical_kind(d.tokenizer) == "null":
+        return {}, (f"no tokenizer: the run has none ({kind}); put one beside the weights to load them with "
+                    f"AutoTokenizer")
+    if canonical_kind(d.tokenizer) != "huggingface":
+        try:
+            tok = tokenizer_from_config(d, cfg.model.vocab_size)
+            if tok.vocab_size > cfg.model.vocab_size:
+                return {}, (f"no tokenizer: the run's ({kind}) has {tok.vocab_size} ids, more than the model's "
+                            f"model.vocab_size={cfg.model.vocab_size}: it is not the tokenizer the model learned")
+            files = hf_tokenizer_files(tok, model_max_length)
+        except (TokenizerError, OSError) as e:
+            return {}, f"no tokenizer: the run's ({kind}) could not be converted: {e}"
+        return files, f"the run's tokenizer ({source_name(tok)}) as tokenizer.json, giving the ids it trained on"
+    source = Path(d.tokenizer_model or "")
     files = [f for f in ([source / n for n in TOKENIZER_FILES] if source.is_dir() else [source]) if f.is_file()]
     if not any(f.name == "tokenizer.json" or f == source for f in files):
         return {}, (f"no tokenizer: the run's, {source}, is not there any more; copy its tokenizer.json beside the "

@@ -74,6 +74,7 @@ def convert(given: dict[str, Any], read_files: bool = True, vocab_size: Optional
     _batch_and_schedule(c)
     _precision_memory(c)
     _checkpoint_logging(c)
+    _profiling(c)
     for flag in given:
         f = FLAGS[flag]
         if flag not in c.out.mapped and flag not in c.out.lossy:
@@ -371,6 +372,30 @@ def _precision_memory(c: _Converter) -> None:
         c.lossy("--calculate-per-token-loss", "without it Megatron-LM averages the loss per micro-batch, and with "
                                               "--eod-mask-loss micro-batches count different tokens; megalysses "
                                               "divides by the global token count")
+
+
+PROFILE_FLAGS = ("--use-pytorch-profiler", "--profile-step-start", "--profile-step-end", "--profile-ranks")
+
+
+def _profiling(c: _Converter) -> None:
+    """--profile --use-pytorch-profiler: Megatron-LM's torch profiler records steps start to end - 1 (as it logs
+    them, after a warm-up step) on --profile-ranks: the profile section, whose end_step is inclusive."""
+    if not c.get("--profile") or not c.get("--use-pytorch-profiler"):
+        why = ("without --profile Megatron-LM profiles nothing" if not c.get("--profile") else
+               "--profile without --use-pytorch-profiler: Megatron-LM opens an nsys capture range (cudaProfilerStart/"
+               "Stop over steps start + 1 to end) for `nsys profile --capture-range=cudaProfilerApi`, which has no "
+               "counterpart here; profile.start_step and profile.end_step record steps with the torch profiler")
+        for flag in ("--profile",) + PROFILE_FLAGS:
+            if c.has(flag):
+                c.out.ignored[flag] = why
+        return
+    start, end = c.get("--profile-step-start"), c.get("--profile-step-end")
+    if end <= max(start, 1):
+        raise MegatronArgsError(f"--profile-step-end {end} is not after --profile-step-start {start}: Megatron-LM's "
+                                f"torch profiler records steps start to end - 1")
+    c.set("--profile --use-pytorch-profiler --profile-step-start --profile-step-end", profile__start_step=max(start, 1),
+          profile__end_step=end - 1)
+    c.set("--profile-ranks", profile__ranks=list(c.get("--profile-ranks")))
 
 
 def _checkpoint_logging(c: _Converter) -> None:

@@ -8,9 +8,10 @@ its subfolders; other files are ignored) is appended in the sorted order of the 
 merges them, which is what preprocessing the shards' inputs one after another in one run writes, byte
 for byte: number shards with zero-padded numbers (shard_007) so that name order is number order.
 Before anything is written every pair is checked as training checks it when it opens it (structure and
-sizes), and all must hold one dtype. Progress is reported per dataset (documents/s, MB/s, ETA); the
-output is written under temporary names and renamed when complete, the .idx last, so an interrupted
-merge leaves nothing behind. --multimodal (indices with sequence modes) is refused.
+sizes), and all must hold one dtype. Progress is reported per dataset (its documents and tokens, then
+those merged so far, documents/s, MB/s, ETA); the output is written under temporary names and renamed
+when complete, the .idx last, so an interrupted merge leaves nothing behind. --multimodal (indices with
+sequence modes) is refused.
 
 Shards of conversations (tools/preprocess_data.py --chat) have their loss mask beside them
 (`{shard}_loss_mask`): the masks are merged alike into `{output_prefix}_loss_mask`, so the merged tokens and
@@ -131,7 +132,8 @@ def merge(folder: str, output_prefix: str) -> dict[str, Any]:
                 if inputs is prefixes:
                     ds = datasets[i]
                     docs, tokens, copied = docs + ds["documents"], tokens + ds["tokens"], copied + ds["bin_bytes"]
-                    progress.report(docs, copied, copied, tokens, prefix=f"[{i + 1}/{len(datasets)}] {names[i]}: ")
+                    progress.report(docs, copied, copied, tokens, prefix=f"[{i + 1}/{len(datasets)}] {names[i]}: "
+                                    f"{ds['documents']:,} docs, {ds['tokens']:,} tokens; merged so far: ")
         for (_, _, t, _), builder in zip(outputs, builders):
             builder.finalize(idx_path(t))
         for _, _, t, final in outputs:

@@ -36,6 +36,7 @@ from megalysses.training.data import TrainingData
 from megalysses.training.fsdp import FSDPAdamW, shard_model
 from megalysses.training.metrics import MetricsLogger
 from megalysses.training.optimizer import Optimizer, ShardedAdamW
+from megalysses.training.profiler import StepProfiler
 from megalysses.training.rundir import check_writable, mark_start
 from megalysses.training.runtime import (check_built, flex_compile_budget, model_config, resolve_run, startup_line,
                                          write_runtime)
@@ -190,10 +191,12 @@ def train(cfg: Config, grid: ParallelGrid, device: torch.device, signals: Option
     def start_run() -> None:
         save_config(cfg, run_dir / "config.yaml")
         write_runtime(run_dir, cfg, grid, run)
-        mark_start(run_dir, step, path)
+        mark_start(run_dir, step, path, consumed * cfg.data.seq_len,
+                   {"tp": grid.tp_size, "sp": grid.sp_size, "pp": grid.pp_size, "dp": grid.dp_size})
 
     on_rank0(start_run)
     logger = MetricsLogger(cfg, run_dir, grid.world, device, total, dtype)
+    profiler = StepProfiler(cfg.profile, grid.rank, run_dir, device, watchdog)
     flags = signals or StopSignals()
     start = time.monotonic()
     stopped_by, loss = "train_steps", float("nan")
@@ -225,14 +228,16 @@ def train(cfg: Config, grid: ParallelGrid, device: torch.device, signals: Option
                 if data.batch_sizes.ramped:
                     print0(batch_line(step, samples, data.batch_sizes, per_micro))
             doing(f"training step {step + 1}")
-            result = train_step(model, opt, batch, grid, lr=lr, grad_clip=cfg.optimizer.grad_clip,
-                                dtype=dtype, nan_policy=cfg.training.nan_policy)
+            with profiler.step(step + 1):
+                result = train_step(model, opt, batch, grid, lr=lr, grad_clip=cfg.optimizer.grad_clip,
+                                    dtype=dtype, nan_policy=cfg.training.nan_policy)
             step += 1
             updates += not result.skipped
             consumed += samples
             loss = result.loss if math.isfinite(result.loss) else loss   # the last finite loss
             # throughput counts every token processed (masked labels included), as the FLOPs do
-            logger.step(step, result.loss, lr, result.grad_norm, samples * cfg.data.seq_len, seq_len)
+            logger.step(step, result.loss, lr, result.grad_norm, samples * cfg.data.seq_len, seq_len,
+                        tokens_seen=consumed * cfg.data.seq_len)
             t0 = time.perf_counter()
             if cfg.training.eval_interval and step % cfg.training.eval_interval == 0:
                 doing(f"validating at step {step}")
@@ -260,6 +265,7 @@ def train(cfg: Config, grid: ParallelGrid, device: torch.device, signals: Option
         if stopped_by != "train_steps":
             print0(f"stopped at step {step} ({stopped_by}); checkpoint saved to {ckpt_dir}")
     finally:
+        profiler.close()
         if signals is None:
             flags.restore()
         logger.close()
