@@ -21,6 +21,9 @@ BASE = [
     "parallel.grad_bucket_elements=5000",   # several buckets, reduce-scatters overlapped with the backward
     "training.eval_interval=3", "training.eval_steps=1",   # validation (with the layout's sharding) at step 3
 ]
+QWEN = ["model.qk_layernorm=true", "model.add_qkv_bias=true", "model.head_dim=12", "model.sliding_window=7",
+        "model.rope_scaling.type=yarn", "model.rope_scaling.factor=4",
+        "model.rope_scaling.original_max_position_embeddings=16"]
 LAYOUTS = {  # name: (world, overrides)
     "single": (1, []),
     "tp2": (2, ["parallel.tp=2"]),
@@ -68,6 +71,12 @@ LAYOUTS = {  # name: (world, overrides)
                              "training.attention_head_chunks=2"]),
     "tp2u2ring2": (8, ["parallel.tp=2", "parallel.sp=4", "parallel.sp_ring=2", "parallel.tp_sequence_parallel=true",
                        "model.tie_embeddings=true"]),
+    # the Qwen and Mistral settings together (q/k head norms, q/k/v-only biases, heads of 12, YaRN, a sliding
+    # window): one process, tp with TP sequence sharding, ulysses x ring under FSDP in head chunks
+    "single_qwen": (1, QWEN),
+    "qwen_tp2": (2, QWEN + ["parallel.tp=2", "parallel.tp_sequence_parallel=true"]),
+    "qwen_fsdp_u2ring2_chunks": (4, QWEN + ["parallel.sp=4", "parallel.sp_ring=2", "parallel.fsdp=true",
+                                            "training.attention_head_chunks=2"]),
 }
 
 
@@ -152,13 +161,10 @@ def run_layouts(tmp_path: Path, world: int, names: list[str], layouts: dict = LA
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    """Single-process runs, in one spawn: at seq_len 32 and at 31, and with tied embeddings (4 and 6 layers)."""
-    return run_layouts(tmp_path_factory.mktemp("ref"), 1, ["single", "single_31", "single_tied", "single_tied_6"])
-
-
-@pytest.fixture(scope="module")
-def reference(references):
-    return references["single"]
+    """Single-process runs, in one spawn: at seq_len 32 and at 31, with tied embeddings (4 and 6 layers), and
+    with the Qwen and Mistral settings."""
+    return run_layouts(tmp_path_factory.mktemp("ref"), 1, ["single", "single_31", "single_tied", "single_tied_6",
+                                                          "single_qwen"])
 
 
 def check_against(reference, got, name):
@@ -179,22 +185,24 @@ def check_against(reference, got, name):
     assert ref_losses[2] < ref_losses[0]
 
 
-def test_layouts_on_2_ranks(tmp_path, reference):
+def test_layouts_on_2_ranks(tmp_path, references):
     results = run_layouts(tmp_path, 2, ["tp2", "sp2", "pp2", "dp2", "dp2_no_overlap", "fsdp_dp2",
-                                             "fsdp_sp2", "pp2v2", "ring2", "chunks2_pp2", "chunks2_fsdp_sp2_offload"])
+                                             "fsdp_sp2", "pp2v2", "ring2", "chunks2_pp2", "chunks2_fsdp_sp2_offload",
+                                             "qwen_tp2"])
     for name, got in results.items():
-        check_against(reference, got, name)
+        check_against(references["single_qwen" if name.startswith("qwen") else "single"], got, name)
 
 
 def test_layouts_on_4_ranks(tmp_path, references):
     # sp4: 2 KV heads over 4 sp ranks (KV replication); FSDP with tp + sp and with a pipeline
     results = run_layouts(tmp_path, 4, ["sp4", "fsdp_tp2sp2", "fsdp_pp2dp2", "fsdp_pp2v2dp2", "bf16_pp2dp2",
                                         "bf16_fsdp_pp2dp2", "ring2pp2", "fsdp_u2ring2", "ring2pp2_31", "pp4_tied",
-                                        "chunks2_ring2pp2"])
+                                        "chunks2_ring2pp2", "qwen_fsdp_u2ring2_chunks"])
     for name in ("sp4", "fsdp_tp2sp2", "fsdp_pp2dp2", "fsdp_pp2v2dp2", "ring2pp2", "fsdp_u2ring2", "chunks2_ring2pp2"):
         check_against(references["single"], results[name], name)
     check_against(references["single_31"], results["ring2pp2_31"], "ring2pp2_31")
     check_against(references["single_tied"], results["pp4_tied"], "pp4_tied")
+    check_against(references["single_qwen"], results["qwen_fsdp_u2ring2_chunks"], "qwen_fsdp_u2ring2_chunks")
     # bf16: FSDP rounds the weights it gathers, so only closeness to the ZeRO-1 bf16 run is expected
     (z_loss, _, z_norm, _), (f_loss, _, f_norm, _) = results["bf16_pp2dp2"], results["bf16_fsdp_pp2dp2"]
     for a, b in zip(f_loss, z_loss):

@@ -61,10 +61,13 @@ def _from_hf(folder: Path, model: nn.Module, cfg: Config, grid: ParallelGrid) ->
     except (ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"checkpoint.init_from={folder}: {e}") from None
     ours_arch, their_arch = architecture(cfg.model), architecture(theirs)
-    diff = {k: (their_arch[k], v) for k, v in ours_arch.items() if their_arch[k] != v}
+    diff = {k: (their_arch.get(k), ours_arch.get(k)) for k in {*ours_arch, *their_arch}
+            if their_arch.get(k) != ours_arch.get(k)}
     if theirs.rope_theta != cfg.model.rope_theta or theirs.rope_scaling != cfg.model.rope_scaling:
         diff["rope"] = ((theirs.rope_theta, theirs.rope_scaling.type),
                         (cfg.model.rope_theta, cfg.model.rope_scaling.type))
+    if theirs.sliding_window != cfg.model.sliding_window:
+        diff["sliding_window"] = (theirs.sliding_window, cfg.model.sliding_window)
     if diff:
         detail = ", ".join(f"{k}: model {a} vs config {b}" for k, (a, b) in diff.items())
         raise ConfigError(f"checkpoint.init_from={folder} holds another model ({detail}): set the model section "

@@ -1,4 +1,4 @@
-"""Convert between Hugging Face Llama models and megalysses runs, in both directions.
+"""Convert between Hugging Face models (Llama, Qwen2/2.5, Qwen3, Mistral) and megalysses runs, in both directions.
 
     # Hugging Face -> a megalysses run directory (config.yaml + a weights-only checkpoint at step 0)
     python tools/convert_checkpoint.py --from-hf models/Llama-3.2-1B --to runs/llama1b [--config configs/X.yaml]
@@ -25,7 +25,9 @@ absent. config.json's max_position_embeddings is what serving stacks take for th
 longer of the longest sequence the checkpoint trained at (data.seq_len at its step, curriculum
 included) and the imported model's own (an import never trained keeps its own). eos_token_id and
 bos_token_id are data.eod / data.bos when set, else the imported model's, else the run's tokenizer's;
-the imported model's generation_config.json goes along (else one with those ids is written).
+the imported model's generation_config.json goes along (else one with those ids is written). The export is
+of the imported model's family (model_type) when it holds the run's architecture, else of the one its
+settings call for (megalysses/model/hf.py hf_model_type), with its RoPE scaling written back.
 """
 from __future__ import annotations
 
@@ -224,14 +226,17 @@ def to_hf(source: str, hf_dir: str, dtype: str = "bfloat16", config: Optional[st
     else:
         gen_words = "no generation_config.json"
     try:
-        files = write_hf_dir(hf_dir, tensors, hf_config_dict(cfg.model, dtype, positions, **ids),
-                             int(max_shard_gib * 2**30), extra)
+        config_json = hf_config_dict(cfg.model, dtype, positions, **ids, model_type=src.get("model_type"))
+        files = write_hf_dir(hf_dir, tensors, config_json, int(max_shard_gib * 2**30), extra)
     except HFFormatError as e:
         raise ConvertError(f"--to-hf {e}") from None
+    except ValueError as e:
+        raise ConvertError(f"--to-hf: {e}") from None
     special = ", ".join(f"{k} {v}" for k, v in ids.items()) or (
         "no eos_token_id / bos_token_id: neither data.eod / data.bos, an imported model nor the run's tokenizer "
         "names them; add them to config.json")
-    return files, [f"max_position_embeddings {positions} ({context})", special, gen_words, tokenizer]
+    return files, [f"{config_json['architectures'][0]}", f"max_position_embeddings {positions} ({context})", special,
+                   gen_words, tokenizer]
 
 
 def _read_json(path: Path) -> dict:
@@ -316,7 +321,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     direction = p.add_mutually_exclusive_group(required=True)
     direction.add_argument("--from-hf", metavar="HF_DIR",
-                           help="a Hugging Face Llama directory (config.json + safetensors)")
+                           help="a Hugging Face Llama, Qwen2/2.5, Qwen3 or Mistral directory (config.json + "
+                                "safetensors)")
     direction.add_argument("--from", dest="source", metavar="RUN_DIR", help="a megalysses run, or one checkpoint")
     p.add_argument("--to", metavar="RUN_DIR", help="with --from-hf: the run directory to create")
     p.add_argument("--to-hf", metavar="HF_DIR", help="with --from: the Hugging Face directory to write")
@@ -326,7 +332,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="--from-hf: override a value of the written config; repeatable")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES),
                    help="--to-hf: the dtype of the tensors written. Default bfloat16, whatever the checkpoint holds "
-                        "(fp32 master weights when it trained): the dtype Llama models are published and served "
+                        "(fp32 master weights when it trained): the dtype these models are published and served "
                         "in, at half the size; float32 keeps the master weights exactly")
     p.add_argument("--max-shard-gib", type=float, default=5.0, help="--to-hf: largest safetensors file")
     args = p.parse_args(argv)
