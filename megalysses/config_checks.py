@@ -23,8 +23,8 @@ def validate_config(cfg: Config, world_size: Optional[int] = None) -> None:
         raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}: "
                           f"the head width is hidden_size / num_heads unless model.head_dim gives it")
     if m.head_size % 2:
-        where = "model.head_dim" if m.head_dim is not None else "model head width hidden_size / num_heads"
-        raise ConfigError(f"{where}={m.head_size} must be even for rotary embeddings")
+        where = "model.head_dim" if m.head_dim is not None else "model head_dim (hidden_size / num_heads)"
+        raise ConfigError(f"{where}: head_dim={m.head_size} must be even for rotary embeddings")
     if m.num_heads % m.kv_heads:
         raise ConfigError(f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads={m.kv_heads}")
     check_heads(m.num_heads, m.kv_heads, p.tp, p.sp, p.sp_ring)

@@ -21,6 +21,12 @@ blocks with --keep-sequential-samples, then merged in partition order), --log-in
 cannot be honoured (--split-sentences, --find-optimal-num-workers, slow or remote-code Hugging Face
 tokenizers, ...) are refused with the reason.
 
+Special tokens spelled in a document's text (a source file that contains `<|endoftext|>`) are tokenized as
+text, for every tokenizer type, as Megatron-LM's tool does with GPT2BPETokenizer, GPTSentencePieceTokenizer
+and Llama2Tokenizer: the data never gains a document boundary or a control token that its text only spelled.
+--parse-special-tokens makes them the tokens instead, as Hugging Face tokenizers do (Megatron-LM's
+HuggingFaceTokenizer: with it, its bytes). The summary counts the documents whose text spells one.
+
 As in Megatron-LM, a document whose text is empty after tokenization is an empty document: a
 document boundary with no tokens and no EOD; a JSON list of strings is a pre-split document, one
 sequence per non-empty string. Lines that are not JSON, lack a key or hold a non-string are skipped,
@@ -86,7 +92,8 @@ def _init_worker(tok_args: dict[str, Any], keys: list[str], folder: bool, parall
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     tok = _tokenizer(tok_args)
     _STATE.update(tok=tok, keys=keys, folder=folder, dtype=optimal_dtype(tok.vocab_size),
-                  eod=[tok.eod_id] if tok_args["append_eod"] else [], bos=[tok.bos_id] if tok_args["bos"] else [])
+                  eod=[tok.eod_id] if tok_args["append_eod"] else [], bos=[tok.bos_id] if tok_args["bos"] else [],
+                  parse_special=tok_args["parse_special"])
 
 
 def _parse(raw: bytes | dict, keys: list[str], folder: bool) -> tuple[Optional[list[list[str]]], str]:
@@ -133,7 +140,17 @@ def _encode(texts: list[str]) -> list[np.ndarray]:
     tok = _STATE["tok"]
     if isinstance(tok, ByteTokenizer):
         return [np.frombuffer(tok.encode_bytes(t), np.uint8) for t in texts]
-    return [np.asarray(ids, dtype=np.int64) for ids in tok.encode_batch(texts)]
+    return [np.asarray(ids, dtype=np.int64) for ids in tok.encode_batch(texts, parse_special=_STATE["parse_special"])]
+
+
+def _spelling(parsed: list[list[list[str]]], ordinals: list[int]) -> tuple[int, Optional[str]]:
+    """(documents whose text, under any key, spells a special token of the tokenizer; the first as
+    'document N'), for the summary."""
+    tok = _STATE["tok"]
+    if not tok.special_tokens:
+        return 0, None
+    spelled = [d for d, doc in enumerate(parsed) if any(tok.spells_special(t) for texts in doc for t in texts)]
+    return len(spelled), f"document {ordinals[spelled[0]] + 1}" if spelled else None
 
 
 def encode_batch(batch: tuple[int, list[bytes | dict], int]) -> dict[str, Any]:
@@ -157,6 +174,7 @@ def encode_batch(batch: tuple[int, list[bytes | dict], int]) -> dict[str, Any]:
     out: dict[str, Any] = {"skipped": skipped, "examples": examples[:5], "bytes": sum(map(_size, items)),
                            "position": position, "ordinals": np.asarray(ordinals, dtype=np.int64),
                            "seen_keys": sorted(seen_keys), "empty": 0, "empty_example": None}
+    out["spelled"], out["spelled_example"] = _spelling(parsed, ordinals)
     for k, key in enumerate(keys):
         encoded = _encode([s for doc in parsed for s in doc[k]])
         bos_arr, eod_arr = np.asarray(bos, dtype=dtype), np.asarray(eod, dtype=dtype)
@@ -276,6 +294,10 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--vocab-extra-ids", type=int, default=0, help="Megatron-LM T5 sentinels: only 0 is supported")
     t.add_argument("--tokenizer-hf-no-include-special-tokens", action="store_true",
                    help="Hugging Face: do not add the post-processor's special tokens (e.g. BOS)")
+    t.add_argument("--parse-special-tokens", action="store_true",
+                   help="special tokens spelled in the text become the tokens, as Hugging Face tokenizers do "
+                        "(Megatron-LM's HuggingFaceTokenizer); default: tokenized as text, as Megatron-LM's "
+                        "GPT2BPETokenizer and sentencepiece tokenizers do")
     t.add_argument("--eod", default=None, help="the EOD token or id (default: the tokenizer's EOS)")
     t.add_argument("--bos", default=None, help="a BOS token or id to start every non-empty document with "
                                                "(default: only what the tokenizer adds)")
@@ -366,7 +388,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     tok_args = {"type": args.tokenizer_type, "model": args.tokenizer_model, "vocab_file": args.vocab_file,
                 "merge_file": args.merge_file, "vocab_size": args.vocab_size, "append_eod": args.append_eod,
                 "eod": args.eod if args.eod is not None else args.null_tokenizer_eod_id, "bos": args.bos,
-                "special": not args.tokenizer_hf_no_include_special_tokens}
+                "special": not args.tokenizer_hf_no_include_special_tokens, "parse_special": args.parse_special_tokens}
     tokenizer = _tokenizer(tok_args)
     dtype = optimal_dtype(tokenizer.vocab_size)
     Path(args.output_prefix).parent.mkdir(parents=True, exist_ok=True)
@@ -380,11 +402,11 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     temp = {k: f"{f}{tag}" for k, f in finals.items()}      # every temporary file starts with this
     parts_of = {(k, q): f"{temp[k]}.part{q}" for k in finals for q in range(parts)}
     builders = {kq: IndexedDatasetBuilder(bin_path(prefix), dtype) for kq, prefix in parts_of.items()}
-    docs = nbytes = empty = 0
+    docs = nbytes = empty = spelled = 0
     tokens = dict.fromkeys(args.json_keys, 0)
     skipped: collections.Counter = collections.Counter()
     examples: list[str] = []
-    empty_example, seen_keys = None, set()
+    empty_example, spelled_example, seen_keys = None, None, set()
     progress = Progress(reader.total)
     next_log = args.log_interval
     init_args = (tok_args, args.json_keys, reader.folder, args.workers > 1)
@@ -406,6 +428,8 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             nbytes += result["bytes"]
             empty += result["empty"]
             empty_example = empty_example or result["empty_example"]
+            spelled += result["spelled"]
+            spelled_example = spelled_example or result["spelled_example"]
             skipped.update(result["skipped"])
             seen_keys.update(result["seen_keys"])
             examples += result["examples"][:5 - len(examples)]
@@ -441,6 +465,8 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"warning: {empty} documents are empty after tokenization (first: document {empty_example}); they "
               f"are written as Megatron-LM writes them, a document boundary with no tokens and no EOD",
               file=sys.stderr)
+    if spelled:
+        print(_spelled_message(spelled, spelled_example, args), file=sys.stderr)
     for final in finals.values():
         print(f"wrote {bin_path(final)} and {idx_path(final)}", file=sys.stderr)
     # the tokenizer is not recorded in the .bin/.idx (Megatron-LM's format): name the one a run must use
@@ -449,8 +475,18 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
           f"train with pretrain.py {' '.join(shlex.quote(a) for a in _training_settings(args, tokenizer, finals))} "
           f"(model.vocab_size may be larger)", file=sys.stderr)
     return {"documents": docs, "tokens": sum(tokens.values()), "bytes": nbytes, "skipped": dict(skipped),
-            "empty": empty,
+            "empty": empty, "special_spelled": spelled,
             "seconds": progress.elapsed, "outputs": list(finals.values())}
+
+
+def _spelled_message(spelled: int, first: str, args: argparse.Namespace) -> str:
+    """The summary of the documents whose text spells a special token."""
+    what = f"{spelled} documents spell a special token of the tokenizer in their text (first: {first})"
+    if args.parse_special_tokens:
+        return f"{what}: written as the special tokens (--parse-special-tokens)"
+    return (f"{what}: tokenized as text, as Megatron-LM's GPT2BPETokenizer and sentencepiece tokenizers do; "
+            f"--parse-special-tokens writes them as the tokens, as Hugging Face tokenizers (and Megatron-LM's "
+            f"HuggingFaceTokenizer) do")
 
 
 def _training_settings(args: argparse.Namespace, tokenizer: Any, finals: dict[str, str]) -> list[str]:
