@@ -249,8 +249,8 @@ def test_special_tokens_spelled_in_text(corpus, tokenizers_dir, tmp_path, capsys
             f"--append-eod --workers 2", tmp_path)
     eod = json.loads(Path(tokenizers_dir["vocab"]).read_text())["<|endoftext|>"]
     check(out, "text", megatron_bytes(docs, gpt2_bpe(tokenizers_dir["vocab"], tokenizers_dir["merges"]), eod, 300))
-    assert "3 documents spell a special token of the tokenizer in their text (first: document 1): tokenized as " \
-           "text" in capsys.readouterr().err
+    assert ("3 documents spell a special token of the tokenizer in their text (first: document 1): tokenized as "
+            "text") in capsys.readouterr().err
     ref = AutoTokenizer.from_pretrained(tokenizers_dir["llama"])
     for flag, encode in (("", lambda t: ref(t, split_special_tokens=True).input_ids),
                          ("--parse-special-tokens", lambda t: ref(t).input_ids)):

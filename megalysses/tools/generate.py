@@ -7,11 +7,11 @@ Qwen3, Mistral), in one process.
 --run reads <run>/config.yaml and the newest checkpoint under <run>/checkpoints (or --checkpoint) and
 loads the model weights into a single process (DCP reshards them); the prompts are encoded with the
 run's tokenizer (data.tokenizer: byte, sentencepiece, a Hugging Face tokenizer.json, ...) as its
-training documents were, except that a special token a prompt spells is that token (as transformers encodes
-prompts: chat markup typed into a prompt is the markup). --hf reads config.json, the safetensors and tokenizer.json of a Hugging Face
-model directory. All prompts are sampled together, left-padded, with a KV cache (the prompt once, then
-one token per step); each stops at the end-of-document token or after --max-new-tokens. Sampling:
-temperature (0 = greedy), then top-k and top-p (nucleus) cuts.
+training documents were, except that a special token a prompt spells is that token (as transformers
+encodes prompts: chat markup typed into a prompt is the markup). --hf reads config.json, the safetensors
+and tokenizer.json of a Hugging Face model directory. All prompts are sampled together, left-padded, with
+a KV cache (the prompt once, then one token per step); each stops at the end-of-document token or after
+--max-new-tokens. Sampling: temperature (0 = greedy), then top-k and top-p (nucleus) cuts.
 """
 from __future__ import annotations
 
