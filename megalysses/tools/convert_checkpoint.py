@@ -11,7 +11,9 @@
 layout (fused QKV and gate-up projections, the padded vocabulary) as a DCP checkpoint that loads at any
 (tp, sp, pp, dp) layout, with or without FSDP; training starts from it with a fresh optimizer at step 0.
 The run's config.yaml takes its model section from the Hugging Face config and everything else from
---config (default: the schema's defaults); set data.paths before training. (checkpoint.init_from
+--config (default: the schema's defaults); set data.paths before training. --set model.rope_theta,
+model.rope_scaling.* and model.sliding_window change the model section too (no tensor depends on them: a
+context extension's RoPE scaling, say). (checkpoint.init_from
 points a run at a Hugging Face directory directly, without converting.)
 When the Hugging Face directory has a tokenizer.json, the run keeps a copy of its tokenizer files in
 <run_dir>/tokenizer/ and its config.yaml points data.tokenizer at it (the model's ids are that
@@ -59,6 +61,8 @@ from megalysses.checkpoint.manifest import FORMAT, verify_checkpoint, write_mani
 
 
 HF_SOURCE = "hf_source"      # <run_dir>/hf_source/: the imported model's config.json (and generation_config.json)
+RUN_MODEL_KEYS = ("model.rope_theta", "model.rope_scaling", "model.sliding_window")
+"""Model keys --from-hf takes from --set rather than from the Hugging Face config: they change no tensor."""
 SOURCE_FILES = ("config.json", "generation_config.json")
 
 
@@ -111,6 +115,9 @@ def from_hf(hf_dir: str, run_dir: str, config: Optional[str] = None, overrides: 
     kept = ("kernels", "attention_backend", "vocab_pad_multiple", "init_std")
     keep = {k: base_model[k] for k in kept if k in base_model}
     data["model"] = {**config_to_dict(Config())["model"], **dataclasses.asdict(model), **keep}
+    for ov in overrides or []:       # what the weights do not fix, a context extension's RoPE scaling say, is --set's
+        if ov.startswith(RUN_MODEL_KEYS):
+            apply_override(data, ov)
     data.setdefault("logging", {})["run_dir"] = str(run_dir)
     cfg = config_from_dict(data)
     try:
