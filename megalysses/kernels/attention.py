@@ -48,6 +48,7 @@ except Exception:   # not installed, or built for another torch/CUDA
     flash_attn_func = flash_attn_varlen_func = None
 
 BACKENDS = ("reference", "sdpa", "flex", "flash")
+_FLASH_WINDOW = flash_attn_func is not None and "window_size" in inspect.signature(flash_attn_func).parameters
 _HALF = (torch.float16, torch.bfloat16)
 DeviceLike = Union[torch.device, str]
 
@@ -111,6 +112,8 @@ def unsupported_reason(backend: str, device: DeviceLike, dtype: torch.dtype, hea
             return f"needs float16 or bfloat16 inputs, got {dtype}; use 'sdpa' or 'flex' for {dtype}"
         if head_dim is not None and (head_dim % 8 or head_dim > 256):
             return f"needs a head dim that is a multiple of 8 and at most 256, got {head_dim}"
+        if window and flash_attn_func is not None and not _FLASH_WINDOW:      # (described machines: a recent one)
+            return "masks no sliding window in this flash-attn release (window_size came in 2.3); use auto or flex"
     if backend == "sdpa" and ring and on_cuda:
         kernel = ("runs ring-attention blocks on CUDA with torch's flash kernel (the SDPA kernel that returns "
                   "the log-sum-exp)")
