@@ -262,3 +262,9 @@ def test_special_tokens_spelled_in_text(corpus, tokenizers_dir, tmp_path, capsys
         assert result["special_spelled"] == 2                # the Llama-3 markup: documents 3 and 4
     assert "written as the special tokens (--parse-special-tokens)" in capsys.readouterr().err
     assert encode(docs[2]).count(ref.eos_token_id) == 1      # parsed: Megatron-LM's HuggingFaceTokenizer's EOS
+    # sentencepiece: its control pieces spelled in text are text (as sentencepiece encodes them), parsed on request
+    from megalysses.data.tokenizer import build_tokenizer
+    sp = build_tokenizer("sentencepiece", tokenizers_dir["sp"])
+    text = "alpha </s> beta"
+    assert sp.spells_special(text) and sp.eod_id not in sp.encode(text)
+    assert sp.encode(text, parse_special=True) == sp.encode("alpha ") + [sp.eod_id] + sp.encode(" beta")

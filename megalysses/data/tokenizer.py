@@ -37,7 +37,8 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Optional, Protocol, Sequence, runtime_checkable
+from types import MappingProxyType
+from typing import Any, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
 KINDS = ("byte", "sentencepiece", "huggingface", "gpt2bpe", "null")
 _MEGATRON_KINDS = {
@@ -73,7 +74,7 @@ class Tokenizer(Protocol):
     eos_id: int
     eod_id: int
     pad_id: int
-    special_tokens: dict[str, int]
+    special_tokens: Mapping[str, int]
 
     def encode(self, text: str, parse_special: bool = False) -> list[int]: ...
 
@@ -87,11 +88,11 @@ class Tokenizer(Protocol):
 class _Specials:
     """The special tokens of a tokenizer, by their spelling, and the search for them in text."""
 
-    special_tokens: dict[str, int] = {}
+    special_tokens: Mapping[str, int] = MappingProxyType({})
     _spelled: Optional[re.Pattern] = None
 
     def _set_specials(self, specials: dict[str, int]) -> None:
-        self.special_tokens = dict(specials)
+        self.special_tokens = MappingProxyType(dict(specials))
         names = sorted((s for s in specials if s), key=len, reverse=True)      # the longest spelling first
         self._spelled = re.compile("|".join(map(re.escape, names))) if names else None
 
