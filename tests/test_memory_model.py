@@ -139,7 +139,7 @@ def test_qwen_settings_keep_what_the_model_says(dtype):
     """q/k head norms (their input keeps the whole QKV output, a view of it), q/k/v-only biases and an attention
     width other than hidden: exactly the model's bytes."""
     cfg = replace(small_model(), **QWEN)
-    for name in ("none", "tiled MLP", "head chunks"):
+    for name in ("none", "head chunks"):
         kept = measure_forward(cfg, S, OPTIONS[name], dtype=DTYPES[dtype])
         assert kept.bytes == _predicted(cfg, S, OPTIONS[name], dtype=dtype), (name, dtype, kept.storages)
 

@@ -138,9 +138,8 @@ def test_flex_blocks_forward_and_their_backward_formula(monkeypatch):
     with torch.no_grad():                     # documents: blocks of every shape, masked, with empty rows
         want = core_attention(q, k, v, doc_ids=doc_ids(), backend="reference")
         assert close(blockwise_attention(q, k, v, 2, doc_ids=doc_ids(), backend="flex"), want)
-        for docs in (None, doc_ids()):          # a sliding window, with and without documents
-            want = core_attention(q, k, v, doc_ids=docs, backend="reference", window=5)
-            assert close(blockwise_attention(q, k, v, 4, doc_ids=docs, backend="flex", window=5), want)
+        want = core_attention(q, k, v, doc_ids=doc_ids(), backend="reference", window=5)       # and a window
+        assert close(blockwise_attention(q, k, v, 2, doc_ids=doc_ids(), backend="flex", window=5), want)
 
     # the stand-in: reference math with out and LSE both differentiable, shaped as FlexAttention's
     def stand_in(q_, k_, v_, block, scale):

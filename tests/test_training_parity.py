@@ -72,11 +72,10 @@ LAYOUTS = {  # name: (world, overrides)
     "tp2u2ring2": (8, ["parallel.tp=2", "parallel.sp=4", "parallel.sp_ring=2", "parallel.tp_sequence_parallel=true",
                        "model.tie_embeddings=true"]),
     # the Qwen and Mistral settings together (q/k head norms, q/k/v-only biases, heads of 12, YaRN, a sliding
-    # window): one process, tp with TP sequence sharding, ulysses x ring under FSDP in head chunks
+    # window): one process, and tp (TP sequence sharding) x a ring under FSDP
     "single_qwen": (1, QWEN),
-    "qwen_tp2": (2, QWEN + ["parallel.tp=2", "parallel.tp_sequence_parallel=true"]),
-    "qwen_fsdp_u2ring2_chunks": (4, QWEN + ["parallel.sp=4", "parallel.sp_ring=2", "parallel.fsdp=true",
-                                            "training.attention_head_chunks=2"]),
+    "qwen_fsdp_tp2ring2": (4, QWEN + ["parallel.tp=2", "parallel.tp_sequence_parallel=true", "parallel.sp=2",
+                                      "parallel.sp_ring=2", "parallel.fsdp=true"]),
 }
 
 
@@ -187,22 +186,21 @@ def check_against(reference, got, name):
 
 def test_layouts_on_2_ranks(tmp_path, references):
     results = run_layouts(tmp_path, 2, ["tp2", "sp2", "pp2", "dp2", "dp2_no_overlap", "fsdp_dp2",
-                                             "fsdp_sp2", "pp2v2", "ring2", "chunks2_pp2", "chunks2_fsdp_sp2_offload",
-                                             "qwen_tp2"])
+                                             "fsdp_sp2", "pp2v2", "ring2", "chunks2_pp2", "chunks2_fsdp_sp2_offload"])
     for name, got in results.items():
-        check_against(references["single_qwen" if name.startswith("qwen") else "single"], got, name)
+        check_against(references["single"], got, name)
 
 
 def test_layouts_on_4_ranks(tmp_path, references):
     # sp4: 2 KV heads over 4 sp ranks (KV replication); FSDP with tp + sp and with a pipeline
     results = run_layouts(tmp_path, 4, ["sp4", "fsdp_tp2sp2", "fsdp_pp2dp2", "fsdp_pp2v2dp2", "bf16_pp2dp2",
                                         "bf16_fsdp_pp2dp2", "ring2pp2", "fsdp_u2ring2", "ring2pp2_31", "pp4_tied",
-                                        "chunks2_ring2pp2", "qwen_fsdp_u2ring2_chunks"])
+                                        "chunks2_ring2pp2", "qwen_fsdp_tp2ring2"])
     for name in ("sp4", "fsdp_tp2sp2", "fsdp_pp2dp2", "fsdp_pp2v2dp2", "ring2pp2", "fsdp_u2ring2", "chunks2_ring2pp2"):
         check_against(references["single"], results[name], name)
     check_against(references["single_31"], results["ring2pp2_31"], "ring2pp2_31")
     check_against(references["single_tied"], results["pp4_tied"], "pp4_tied")
-    check_against(references["single_qwen"], results["qwen_fsdp_u2ring2_chunks"], "qwen_fsdp_u2ring2_chunks")
+    check_against(references["single_qwen"], results["qwen_fsdp_tp2ring2"], "qwen_fsdp_tp2ring2")
     # bf16: FSDP rounds the weights it gathers, so only closeness to the ZeRO-1 bf16 run is expected
     (z_loss, _, z_norm, _), (f_loss, _, f_norm, _) = results["bf16_pp2dp2"], results["bf16_fsdp_pp2dp2"]
     for a, b in zip(f_loss, z_loss):
