@@ -28,6 +28,9 @@ CHAT = ["data.mock=false", "data.paths=[{chat}]", "data.tokenizer=NullTokenizer"
         "data.seq_len_schedule=[[0, 16], [1, 32]]", "data.too_long=truncate", "optimizer.lr=1e-2"]
 # each conversation weighing the same in the loss (those that are too long dropped), at 32 tokens throughout
 CHAT_DOC = CHAT[:4] + ["data.loss_average=document", "optimizer.lr=1e-2"]
+QWEN = ["model.qk_layernorm=true", "model.add_qkv_bias=true", "model.head_dim=12", "model.sliding_window=7",
+        "model.rope_scaling.type=yarn", "model.rope_scaling.factor=4",
+        "model.rope_scaling.original_max_position_embeddings=16"]
 LAYOUTS = {  # name: (world, overrides)
     "single": (1, []),
     "single_chat": (1, CHAT),
@@ -80,6 +83,11 @@ LAYOUTS = {  # name: (world, overrides)
                              "training.attention_head_chunks=2"]),
     "tp2u2ring2": (8, ["parallel.tp=2", "parallel.sp=4", "parallel.sp_ring=2", "parallel.tp_sequence_parallel=true",
                        "model.tie_embeddings=true"]),
+    # the Qwen and Mistral settings together (q/k head norms, q/k/v-only biases, heads of 12, YaRN, a sliding
+    # window): one process, and tp (TP sequence sharding) x a ring under FSDP
+    "single_qwen": (1, QWEN),
+    "qwen_fsdp_tp2ring2": (4, QWEN + ["parallel.tp=2", "parallel.tp_sequence_parallel=true", "parallel.sp=2",
+                                      "parallel.sp_ring=2", "parallel.fsdp=true"]),
 }
 
 
@@ -170,10 +178,11 @@ def chat(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory, chat):
-    """Single-process runs, in one spawn: at seq_len 32 and at 31, with tied embeddings (4 and 6 layers), and on
-    packed conversations (the mean over tokens, and over conversations)."""
+    """Single-process runs, in one spawn: at seq_len 32 and at 31, with tied embeddings (4 and 6 layers), on
+    packed conversations (the mean over tokens, and over conversations), and with the Qwen and Mistral settings."""
     return run_layouts(tmp_path_factory.mktemp("ref"), 1, ["single", "single_31", "single_tied", "single_tied_6",
-                                                            "single_chat", "single_chat_doc"], chat=chat)
+                                                            "single_chat", "single_chat_doc", "single_qwen"],
+                       chat=chat)
 
 
 @pytest.fixture(scope="module")
@@ -216,12 +225,14 @@ def test_layouts_on_4_ranks(tmp_path, references, chat):
     # sp4: 2 KV heads over 4 sp ranks (KV replication); FSDP with tp + sp and with a pipeline
     results = run_layouts(tmp_path, 4, ["sp4", "fsdp_tp2sp2", "fsdp_pp2dp2", "fsdp_pp2v2dp2", "bf16_pp2dp2",
                                         "bf16_fsdp_pp2dp2", "ring2pp2", "fsdp_u2ring2", "ring2pp2_31", "pp4_tied",
-                                        "chunks2_ring2pp2", "chat_ring2pp2", "chat_doc_tp2sp2"], chat=chat)
+                                        "chunks2_ring2pp2", "chat_ring2pp2", "chat_doc_tp2sp2", "qwen_fsdp_tp2ring2"],
+                          chat=chat)
     for name in ("sp4", "fsdp_tp2sp2", "fsdp_pp2dp2", "fsdp_pp2v2dp2", "ring2pp2", "fsdp_u2ring2", "chunks2_ring2pp2",
                  "chat_ring2pp2", "chat_doc_tp2sp2"):
         check_against(references[reference_of(name)], results[name], name)
     check_against(references["single_31"], results["ring2pp2_31"], "ring2pp2_31")
     check_against(references["single_tied"], results["pp4_tied"], "pp4_tied")
+    check_against(references["single_qwen"], results["qwen_fsdp_tp2ring2"], "qwen_fsdp_tp2ring2")
     # bf16: FSDP rounds the weights it gathers, so only closeness to the ZeRO-1 bf16 run is expected
     (z_loss, _, z_norm, _), (f_loss, _, f_norm, _) = results["bf16_pp2dp2"], results["bf16_fsdp_pp2dp2"]
     for a, b in zip(f_loss, z_loss):

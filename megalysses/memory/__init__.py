@@ -19,6 +19,8 @@ What a layer keeps for the backward (megalysses/model/layers.py, no checkpointin
     each norm         its input (and 1/rms, with a fused RMSNorm); the torch norms run over row tiles
                       (kernels/norms.py) and their backward recomputes one tile at a time
     QKV, gate-up      the norm output (under TP sequence sharding the all-gathered copy)
+    q/k head norms    (model.qk_layernorm) their input: with the torch norms the whole QKV output it is a view
+                      of, with fused ones a copy of q and k and their 1/rms
     RoPE              the torch reference in bf16: cos and sin cast to bf16 for q and for k
     core attention    q, k, v (with Ulysses the all-to-all buffer they are views of; k and v repeated to
                       the query heads when the kernel has no native grouped-query attention; without either,
@@ -75,7 +77,7 @@ from megalysses.memory.activations import (SP_BUFFERS, PerToken, bytes_per_token
                                            head_weight_grad_bytes, kept_layers, kv_replication, layer_terms,
                                            retained_activation_bytes,
                                            sp_buffer_bytes_per_token, stage_layers, stage_terms, tiled)
-from megalysses.memory.states import in_flight, layer_params, stage_params
+from megalysses.memory.states import head_norm_params, in_flight, layer_params, stage_params
 from megalysses.memory.transients import loss_tile_tokens, norm_backward_bytes, norm_tile_bytes
 from megalysses.memory.estimate import estimate, longest_sequence
 from megalysses.memory.from_plan import (attention_buffers, estimate_plan, layout_of, options_of,
@@ -83,7 +85,7 @@ from megalysses.memory.from_plan import (attention_buffers, estimate_plan, layou
 
 __all__ = ["Estimate", "GIB", "KERNELS", "Kernels", "Layout", "Options", "PRECISIONS", "PerToken", "Precision",
            "SP_BUFFERS", "Term", "Workload", "attention_buffers", "bytes_per_token", "cos_sin_kept", "estimate",
-           "estimate_plan", "fmt_bytes", "head_weight_grad_bytes", "in_flight", "kept_layers", "kv_replication",
-           "layer_params", "layer_terms", "layout_of", "longest_sequence", "loss_tile_tokens", "norm_backward_bytes",
-           "norm_tile_bytes", "options_of", "precision_of", "retained_activation_bytes",
+           "estimate_plan", "fmt_bytes", "head_norm_params", "head_weight_grad_bytes", "in_flight", "kept_layers",
+           "kv_replication", "layer_params", "layer_terms", "layout_of", "longest_sequence", "loss_tile_tokens",
+           "norm_backward_bytes", "norm_tile_bytes", "options_of", "precision_of", "retained_activation_bytes",
            "sp_buffer_bytes_per_token", "stage_layers", "stage_params", "stage_terms", "tiled", "workload_of"]

@@ -50,15 +50,16 @@ def _stage_estimate(m: ModelConfig, layout: Layout, opts: Options, prec: Precisi
         if stage_tok:
             terms.append(Term("stage activations (rotary cos/sin, tp-local ids)", mbs * tokens * stage_tok,
                               f"{mbs:g} mb x {tokens:.4g} tok x {stage_tok:.4g} B"))
-        if opts.documents and opts.attention == "sdpa" and layout.ring > 1:
+        masked = opts.documents or m.sliding_window > 0              # sdpa builds dense masks for either
+        if masked and opts.attention == "sdpa" and layout.ring > 1:
             # each block's allowed pairs (bool) and additive mask (compute dtype): the rank's own block
             # whole, the r-1 others half (kernels/block_attention.py AttentionBlock, on CPU)
             r, B = layout.ring, work.micro_batch_size
             masks = B * (S / r) ** 2 * (r + 1) / 2 * (1 + prec.act)
-            terms.append(Term("dense document masks of the ring's blocks (sdpa)", masks,
+            terms.append(Term("dense document (window) masks of the ring's blocks (sdpa)", masks,
                               f"B x (S/r)^2 x (r+1)/2 x (1 + {prec.act}) B, r = {r}"))
-        elif opts.documents and opts.attention == "sdpa":
-            terms.append(Term("dense document mask (sdpa)", work.micro_batch_size * S ** 2,
+        elif masked and opts.attention == "sdpa":
+            terms.append(Term("dense document (window) mask (sdpa)", work.micro_batch_size * S ** 2,
                               f"B x S^2 = {work.micro_batch_size} x {S}^2 B"))
         return terms
 

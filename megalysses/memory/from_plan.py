@@ -25,7 +25,8 @@ def attention_buffers(plan: RunPlan, documents: bool) -> tuple[bool, bool]:
     cuda_sdpa = backend == "sdpa" and cuda
     if plan.ring > 1:
         return backend == "flex", cuda_sdpa
-    native = backend in ("flash", "flex") or (cuda_sdpa and plan.dtype == "bfloat16" and not documents)
+    masked = documents or plan.attention_window > 0       # SDPA with a mask: no native grouped-query attention
+    native = backend in ("flash", "flex") or (cuda_sdpa and plan.dtype == "bfloat16" and not masked)
     return native, backend == "flash" or cuda_sdpa
 
 

@@ -9,11 +9,18 @@ from megalysses.memory.types import Layout, Options, Precision, Term
 
 def layer_params(m: ModelConfig, tp: int = 1) -> float:
     """Parameters of one block on one tp rank (biases included)."""
-    h, D = m.hidden_size, m.head_dim
+    h, D = m.hidden_size, m.head_size
     attn = h * D * (2 * m.num_heads + 2 * m.kv_heads) / tp
+    if m.qkv_bias:
+        attn += (m.num_heads + 2 * m.kv_heads) * D / tp
     if m.attention_bias:
-        attn += (m.num_heads + 2 * m.kv_heads) * D / tp + h
-    return attn + mlp_params(m, tp) + 2 * norm_params(m)
+        attn += h
+    return attn + head_norm_params(m) + mlp_params(m, tp) + 2 * norm_params(m)
+
+
+def head_norm_params(m: ModelConfig) -> float:
+    """Parameters of one block's q and k head norms (model.qk_layernorm; replicated over tp)."""
+    return 2 * m.head_size if m.qk_layernorm else 0
 
 
 def mlp_params(m: ModelConfig, tp: int = 1) -> float:

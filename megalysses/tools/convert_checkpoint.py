@@ -1,4 +1,4 @@
-"""Convert between Hugging Face Llama models and megalysses runs, in both directions.
+"""Convert between Hugging Face models (Llama, Qwen2/2.5, Qwen3, Mistral) and megalysses runs, in both directions.
 
     # Hugging Face -> a megalysses run directory (config.yaml + a weights-only checkpoint at step 0)
     python tools/convert_checkpoint.py --from-hf models/Llama-3.2-1B --to runs/llama1b [--config configs/X.yaml]
@@ -11,7 +11,9 @@
 layout (fused QKV and gate-up projections, the padded vocabulary) as a DCP checkpoint that loads at any
 (tp, sp, pp, dp) layout, with or without FSDP; training starts from it with a fresh optimizer at step 0.
 The run's config.yaml takes its model section from the Hugging Face config and everything else from
---config (default: the schema's defaults); set data.paths before training. (checkpoint.init_from
+--config (default: the schema's defaults); set data.paths before training. --set model.rope_theta,
+model.rope_scaling.* and model.sliding_window change the model section too (no tensor depends on them: a
+context extension's RoPE scaling, say). (checkpoint.init_from
 points a run at a Hugging Face directory directly, without converting.)
 When the Hugging Face directory has a tokenizer.json, the run keeps a copy of its tokenizer files (its chat
 template among them) in <run_dir>/tokenizer/ and its config.yaml points data.tokenizer at it (the model's ids are that
@@ -26,7 +28,9 @@ files with the mode the umask gives. config.json's max_position_embeddings is wh
 for the model's context: the longer of the longest sequence the checkpoint trained at (data.seq_len at
 its step, curriculum included) and the imported model's own (an import never trained keeps its own).
 eos_token_id and bos_token_id are data.eod / data.bos when set, else the imported model's, else the run's tokenizer's;
-the imported model's generation_config.json goes along (else one with those ids is written).
+the imported model's generation_config.json goes along (else one with those ids is written). The export is
+of the imported model's family (model_type) when it holds the run's architecture, else of the one its
+settings call for (megalysses/model/hf.py hf_model_type), with its RoPE scaling written back.
 """
 from __future__ import annotations
 
@@ -59,6 +63,8 @@ from megalysses.checkpoint.manifest import FORMAT, verify_checkpoint, write_mani
 
 
 HF_SOURCE = "hf_source"      # <run_dir>/hf_source/: the imported model's config.json (and generation_config.json)
+RUN_MODEL_KEYS = ("model.rope_theta", "model.rope_scaling", "model.sliding_window")
+"""Model keys --from-hf takes from --set rather than from the Hugging Face config: they change no tensor."""
 SOURCE_FILES = ("config.json", "generation_config.json")
 
 
@@ -111,6 +117,9 @@ def from_hf(hf_dir: str, run_dir: str, config: Optional[str] = None, overrides: 
     kept = ("kernels", "attention_backend", "vocab_pad_multiple", "init_std")
     keep = {k: base_model[k] for k in kept if k in base_model}
     data["model"] = {**config_to_dict(Config())["model"], **dataclasses.asdict(model), **keep}
+    for ov in overrides or []:       # what the weights do not fix, a context extension's RoPE scaling say, is --set's
+        if ov.startswith(RUN_MODEL_KEYS):
+            apply_override(data, ov)
     data.setdefault("logging", {})["run_dir"] = str(run_dir)
     cfg = config_from_dict(data)
     try:
@@ -226,14 +235,17 @@ def to_hf(source: str, hf_dir: str, dtype: str = "bfloat16", config: Optional[st
     else:
         gen_words = "no generation_config.json"
     try:
-        files = write_hf_dir(hf_dir, tensors, hf_config_dict(cfg.model, dtype, positions, **ids),
-                             int(max_shard_gib * 2**30), extra)
+        config_json = hf_config_dict(cfg.model, dtype, positions, **ids, model_type=src.get("model_type"))
+        files = write_hf_dir(hf_dir, tensors, config_json, int(max_shard_gib * 2**30), extra)
     except HFFormatError as e:
         raise ConvertError(f"--to-hf {e}") from None
+    except ValueError as e:
+        raise ConvertError(f"--to-hf: {e}") from None
     special = ", ".join(f"{k} {v}" for k, v in ids.items()) or (
         "no eos_token_id / bos_token_id: neither data.eod / data.bos, an imported model nor the run's tokenizer "
         "names them; add them to config.json")
-    return files, [f"max_position_embeddings {positions} ({context})", special, gen_words, tokenizer]
+    return files, [f"{config_json['architectures'][0]}", f"max_position_embeddings {positions} ({context})", special,
+                   gen_words, tokenizer]
 
 
 def _read_json(path: Path) -> dict:
@@ -333,7 +345,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     direction = p.add_mutually_exclusive_group(required=True)
     direction.add_argument("--from-hf", metavar="HF_DIR",
-                           help="a Hugging Face Llama directory (config.json + safetensors)")
+                           help="a Hugging Face Llama, Qwen2/2.5, Qwen3 or Mistral directory (config.json + "
+                                "safetensors)")
     direction.add_argument("--from", dest="source", metavar="RUN_DIR", help="a megalysses run, or one checkpoint")
     p.add_argument("--to", metavar="RUN_DIR", help="with --from-hf: the run directory to create")
     p.add_argument("--to-hf", metavar="HF_DIR", help="with --from: the Hugging Face directory to write")
@@ -343,7 +356,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="--from-hf: override a value of the written config; repeatable")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES),
                    help="--to-hf: the dtype of the tensors written. Default bfloat16, whatever the checkpoint holds "
-                        "(fp32 master weights when it trained): the dtype Llama models are published and served "
+                        "(fp32 master weights when it trained): the dtype these models are published and served "
                         "in, at half the size; float32 keeps the master weights exactly")
     p.add_argument("--max-shard-gib", type=float, default=5.0, help="--to-hf: largest safetensors file")
     args = p.parse_args(argv)

@@ -23,6 +23,12 @@ blocks with --keep-sequential-samples, then merged in partition order), --log-in
 cannot be honoured (--split-sentences, --find-optimal-num-workers, slow or remote-code Hugging Face
 tokenizers, ...) are refused with the reason.
 
+Special tokens spelled in a document's text (a source file that contains `<|endoftext|>`) are tokenized as
+text, for every tokenizer type, as Megatron-LM's tool does with GPT2BPETokenizer, GPTSentencePieceTokenizer
+and Llama2Tokenizer: the data never gains a document boundary or a control token that its text only spelled.
+--parse-special-tokens makes them the tokens instead, as Hugging Face tokenizers do (Megatron-LM's
+HuggingFaceTokenizer: with it, its bytes). The summary counts the documents whose text spells one.
+
 As in Megatron-LM, a document whose text is empty after tokenization is an empty document: a
 document boundary with no tokens and no EOD; a JSON list of strings is a pre-split document, one
 sequence per non-empty string. Lines that are not JSON, lack a key or hold a non-string are skipped,
@@ -91,7 +97,8 @@ def _init_worker(tok_args: dict[str, Any], keys: list[str], folder: bool, parall
     tok = _tokenizer(tok_args)
     _STATE.clear()                                        # an earlier run in this process leaves nothing behind
     _STATE.update(tok=tok, keys=keys, folder=folder, dtype=optimal_dtype(tok.vocab_size),
-                  eod=[tok.eod_id] if tok_args["append_eod"] else [], bos=[tok.bos_id] if tok_args["bos"] else [])
+                  eod=[tok.eod_id] if tok_args["append_eod"] else [], bos=[tok.bos_id] if tok_args["bos"] else [],
+                  parse_special=tok_args["parse_special"])
     if tok_args["chat"] is not None:
         _STATE["chat"] = preprocess_chat.encoder({**tok_args["chat"], "bos": tok_args["bos"]}, tok)
 
@@ -140,7 +147,17 @@ def _encode(texts: list[str]) -> list[np.ndarray]:
     tok = _STATE["tok"]
     if isinstance(tok, ByteTokenizer):
         return [np.frombuffer(tok.encode_bytes(t), np.uint8) for t in texts]
-    return [np.asarray(ids, dtype=np.int64) for ids in tok.encode_batch(texts)]
+    return [np.asarray(ids, dtype=np.int64) for ids in tok.encode_batch(texts, parse_special=_STATE["parse_special"])]
+
+
+def _spelling(parsed: list[list[list[str]]], ordinals: list[int]) -> tuple[int, Optional[str]]:
+    """(documents whose text, under any key, spells a special token of the tokenizer; the first as
+    'document N'), for the summary."""
+    tok = _STATE["tok"]
+    if not tok.special_tokens:
+        return 0, None
+    spelled = [d for d, doc in enumerate(parsed) if any(tok.spells_special(t) for texts in doc for t in texts)]
+    return len(spelled), f"document {ordinals[spelled[0]] + 1}" if spelled else None
 
 
 def encode_batch(batch: tuple[int, list[bytes | dict], int]) -> dict[str, Any]:
@@ -166,6 +183,7 @@ def encode_batch(batch: tuple[int, list[bytes | dict], int]) -> dict[str, Any]:
     out: dict[str, Any] = {"skipped": skipped, "examples": examples[:5], "bytes": sum(map(_size, items)),
                            "position": position, "ordinals": np.asarray(ordinals, dtype=np.int64),
                            "seen_keys": sorted(seen_keys), "empty": 0, "empty_example": None}
+    out["spelled"], out["spelled_example"] = _spelling(parsed, ordinals)
     for k, key in enumerate(keys):
         encoded = _encode([s for doc in parsed for s in doc[k]])
         bos_arr, eod_arr = np.asarray(bos, dtype=dtype), np.asarray(eod, dtype=dtype)
@@ -291,6 +309,10 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--vocab-extra-ids", type=int, default=0, help="Megatron-LM T5 sentinels: only 0 is supported")
     t.add_argument("--tokenizer-hf-no-include-special-tokens", action="store_true",
                    help="Hugging Face: do not add the post-processor's special tokens (e.g. BOS)")
+    t.add_argument("--parse-special-tokens", action="store_true",
+                   help="special tokens spelled in the text become the tokens, as Hugging Face tokenizers do "
+                        "(Megatron-LM's HuggingFaceTokenizer); default: tokenized as text, as Megatron-LM's "
+                        "GPT2BPETokenizer and sentencepiece tokenizers do")
     t.add_argument("--eod", default=None, help="the EOD token or id (default: the tokenizer's EOS)")
     t.add_argument("--bos", default=None, help="a BOS token or id to start every non-empty document with "
                                                "(default: only what the tokenizer adds)")
@@ -385,7 +407,8 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     tok_args = {"type": args.tokenizer_type, "model": args.tokenizer_model, "vocab_file": args.vocab_file,
                 "merge_file": args.merge_file, "vocab_size": args.vocab_size, "append_eod": args.append_eod,
                 "eod": args.eod if args.eod is not None else args.null_tokenizer_eod_id, "bos": args.bos,
-                "special": not args.tokenizer_hf_no_include_special_tokens, "chat": chat}
+                "special": not args.tokenizer_hf_no_include_special_tokens, "chat": chat,
+                "parse_special": args.parse_special_tokens}
     tokenizer = _tokenizer(tok_args)
     if chat is not None:      # a template that cannot be read or compiled fails here, before any work
         preprocess_chat.encoder({**chat, "bos": args.bos}, tokenizer)
@@ -403,11 +426,11 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     parts_of = {(k, q): f"{temp[k]}.part{q}" for k in finals for q in range(parts)}
     builders = {kq: IndexedDatasetBuilder(bin_path(prefix), np.uint8 if kq[0] == "loss_mask" else dtype)
                 for kq, prefix in parts_of.items()}
-    docs = nbytes = empty = loss_tokens = 0
+    docs = nbytes = empty = loss_tokens = spelled = 0
     tokens = dict.fromkeys(args.json_keys, 0)
     skipped: collections.Counter = collections.Counter()
     examples: list[str] = []
-    empty_example, seen_keys = None, set()
+    empty_example, spelled_example, seen_keys = None, None, set()
     progress = Progress(reader.total)
     next_log = args.log_interval
     init_args = (tok_args, args.json_keys, reader.folder, args.workers > 1)
@@ -430,6 +453,8 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             nbytes += result["bytes"]
             empty += result["empty"]
             empty_example = empty_example or result["empty_example"]
+            spelled += result.get("spelled", 0)
+            spelled_example = spelled_example or result.get("spelled_example")
             skipped.update(result["skipped"])
             loss_tokens += result.get("loss_tokens", 0)
             if args.chat:     # a bad record is named as it is met (the first SHOWN of them)
@@ -462,14 +487,14 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
                 os.remove(leftover)
     progress.report(docs, nbytes, reader.position.done, sum(tokens.values()), final=True)
     summary = {"documents": docs, "tokens": sum(tokens.values()), "bytes": nbytes, "skipped": dict(skipped),
-               "empty": empty, "loss_tokens": loss_tokens, "seconds": progress.elapsed,
+               "empty": empty, "loss_tokens": loss_tokens, "special_spelled": spelled, "seconds": progress.elapsed,
                "outputs": list(finals.values())}
-    _report(args, tokenizer, finals, summary, examples, empty_example)
+    _report(args, tokenizer, finals, summary, examples, empty_example, spelled_example)
     return summary
 
 
 def _report(args: argparse.Namespace, tokenizer: Any, finals: dict[str, str], summary: dict[str, Any],
-            examples: list[str], empty_example: Optional[str]) -> None:
+            examples: list[str], empty_example: Optional[str], spelled_example: Optional[str]) -> None:
     """What was skipped and written, and the settings of a run that trains on it (stderr)."""
     skipped, docs = summary["skipped"], summary["documents"]
     if skipped:
@@ -486,6 +511,8 @@ def _report(args: argparse.Namespace, tokenizer: Any, finals: dict[str, str], su
         print(f"warning: {summary['empty']} documents are empty after tokenization (first: document {empty_example}); "
               f"they are written as Megatron-LM writes them, a document boundary with no tokens and no EOD",
               file=sys.stderr)
+    if summary["special_spelled"]:
+        print(_spelled_message(summary["special_spelled"], spelled_example, args), file=sys.stderr)
     for final in finals.values():
         print(f"wrote {bin_path(final)} and {idx_path(final)}", file=sys.stderr)
     # the tokenizer is not recorded in the .bin/.idx (Megatron-LM's format): name the one a run must use
@@ -493,6 +520,16 @@ def _report(args: argparse.Namespace, tokenizer: Any, finals: dict[str, str], su
     print(f"tokenized with {args.tokenizer_type}{default}: {tokenizer.vocab_size} ids, EOD {tokenizer.eod_id}; "
           f"train with pretrain.py {' '.join(shlex.quote(a) for a in _training_settings(args, tokenizer, finals))} "
           f"(model.vocab_size may be larger)", file=sys.stderr)
+
+
+def _spelled_message(spelled: int, first: str, args: argparse.Namespace) -> str:
+    """The summary of the documents whose text spells a special token."""
+    what = f"{spelled} documents spell a special token of the tokenizer in their text (first: {first})"
+    if args.parse_special_tokens:
+        return f"{what}: written as the special tokens (--parse-special-tokens)"
+    return (f"{what}: tokenized as text, as Megatron-LM's GPT2BPETokenizer and sentencepiece tokenizers do; "
+            f"--parse-special-tokens writes them as the tokens, as Hugging Face tokenizers (and Megatron-LM's "
+            f"HuggingFaceTokenizer) do")
 
 
 def _training_settings(args: argparse.Namespace, tokenizer: Any, finals: dict[str, str]) -> list[str]:

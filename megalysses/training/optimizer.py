@@ -127,7 +127,7 @@ class ShardedAdamW:
     def _state_tensor(self, chunk: Tensor) -> Tensor:
         """An fp32 copy of a parameter chunk where the optimizer state lives: beside it, or (offload) in
         host memory, pinned when the parameter is on a GPU."""
-        if not self.offload:
+        if not self.offload or chunk.is_meta:       # (meta: a dry run's shapes, nothing to copy)
             return chunk.float().clone()
         host = torch.empty(chunk.shape, dtype=torch.float32, device="cpu", pin_memory=chunk.is_cuda)
         return host.copy_(chunk)
