@@ -22,15 +22,15 @@ any directory. The imported model's config.json and generation_config.json are k
 <run_dir>/hf_source/.
 --to-hf takes the fp32 master weights of a training checkpoint (or the weights of a weights-only one),
 converts them back, and writes sharded safetensors, the index and config.json in --dtype, with the run's
-tokenizer (a Hugging Face tokenizer's own files, its chat template included; a sentencepiece, byte or
-GPT-2 BPE one rebuilt as a tokenizer.json that gives the ids it trained on), into a new directory that is
-complete or absent, its files with the mode the umask gives. config.json's max_position_embeddings is
-what serving stacks take for the model's context: the longer of the longest sequence the checkpoint trained at (data.seq_len at
-its step, curriculum included) and the imported model's own (an import never trained keeps its own).
-eos_token_id and bos_token_id are data.eod / data.bos when set, else the imported model's, else the run's tokenizer's;
-the imported model's generation_config.json goes along (else one with those ids is written). The export is
-of the imported model's family (model_type) when it holds the run's architecture, else of the one its
-settings call for (megalysses/model/hf.py hf_model_type), with its RoPE scaling written back.
+tokenizer (a Hugging Face tokenizer's own files, its chat template included; a sentencepiece, byte or GPT-2
+BPE one rebuilt as a tokenizer.json that gives the ids it trained on), into a new directory that is complete
+or absent, its files with the mode the umask gives. config.json's max_position_embeddings is what serving
+stacks take for the model's context: the longer of the longest sequence the checkpoint trained at
+(data.seq_len at its step, curriculum included) and the imported model's own (an import never trained keeps
+its own). eos_token_id and bos_token_id are data.eod / data.bos when set, else the imported model's, else the
+run's tokenizer's; the imported model's generation_config.json goes along (else one with those ids is
+written). The export is of the imported model's family (model_type) when it holds the run's architecture, else
+of the one its settings call for (megalysses/model/hf.py hf_model_type), with its RoPE scaling written back.
 """
 from __future__ import annotations
 
