@@ -8,15 +8,19 @@ from typing import Optional
 from megalysses.config import ModelConfig
 from megalysses.memory.activations import (bytes_per_token, dims, head_weight_grad_bytes, kept_layers, layer_terms,
                                            norm_terms, stage_layers, stage_terms)
+from megalysses.memory.blocks import largest_block
 from megalysses.memory.states import in_flight, optimizer_terms, stage_params, state_terms, streams_gradients
 from megalysses.memory.transients import backward_terms, loss_terms, norm_backward_bytes, norm_tile_bytes
 from megalysses.memory.types import Estimate, Layout, Options, Precision, Term, Workload
 
 
 def estimate(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, work: Workload) -> Estimate:
-    """The peak over the pipeline stages (the first holds the most micro-batches, the last the loss)."""
-    return max((_stage_estimate(m, layout, opts, prec, work, s) for s in sorted({0, layout.pp - 1})),
-               key=lambda e: e.peak)
+    """The peak over the pipeline stages (the first holds the most micro-batches, the last the loss), with the
+    largest single block of any of them."""
+    stages = [_stage_estimate(m, layout, opts, prec, work, s) for s in sorted({0, layout.pp - 1})]
+    est = max(stages, key=lambda e: e.peak)
+    est.largest = max((e.largest for e in stages), key=lambda t: t.bytes)
+    return est
 
 
 def _stage_estimate(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, work: Workload,
@@ -129,7 +133,8 @@ def _stage_estimate(m: ModelConfig, layout: Layout, opts: Options, prec: Precisi
         host.insert(0, Term("offloaded block inputs", flight * tokens * off * layer_tok,
                             f"{flight:g} mb x {off} layers x {tokens:.4g} tok x {layer_tok:.4g} B", host=True))
     return Estimate(peak=_device(terms), stage=stage, phase=phase, terms=terms + host,
-                    host=sum(t.bytes for t in host), layer_bytes_per_token=layer_tok, layout=layout, options=opts)
+                    host=sum(t.bytes for t in host), layer_bytes_per_token=layer_tok, layout=layout, options=opts,
+                    largest=largest_block(m, layout, opts, prec, work, last))
 
 
 def _device(terms: list[Term]) -> float:

@@ -134,6 +134,7 @@ class Estimate:
     terms: list[Term]                  # the breakdown: device terms add up to `peak`; host terms follow
     host: float = 0.0                  # host bytes per rank (offloaded activations and optimizer state)
     layer_bytes_per_token: float = 0.0  # retained bytes per layer per token of S/sp
+    largest: Term = field(default_factory=lambda: Term("largest block", 0.0))   # the largest single allocation
     layout: Layout = field(default_factory=Layout)
     options: Options = field(default_factory=Options)
 

@@ -169,7 +169,7 @@ def _auto_tiles(cfg: Config, plan: RunPlan) -> RunPlan:
 
 def auto_head_chunks(cfg: Config, run: RunPlan) -> int:
     """training.attention_head_chunks=auto: the fewest chunks the layout allows with which the memory model's
-    peak fits the device (its memory less the planner's fragmentation and reserve), or when none fits the
+    peak fits the device (its memory less the planner's reserve and fragmentation allowance), or when none fits the
     fewest with the lowest peak. 1 where the device's memory is unknown (CPU), where attention outputs are
     kept (recompute_attention=false), or where the memory model does not cover the run."""
     if run.machine.memory_gib is None or run.activation.keep_attention:
@@ -177,15 +177,15 @@ def auto_head_chunks(cfg: Config, run: RunPlan) -> int:
     from megalysses.memory.from_plan import estimate_plan      # the memory model reads RunPlans: import late
     from megalysses.plan.step_time import Hardware
 
-    budget = Hardware().usable_bytes(run.machine.memory_gib)
-    m = cfg.model
+    m, hw = cfg.model, Hardware()
     peaks = []
     for n in head_chunk_counts(m.num_heads, m.kv_heads, run.tp, run.ulysses):
         try:
-            peak = estimate_plan(cfg, replace(run, activation=replace(run.activation, head_chunks=n))).peak
+            est = estimate_plan(cfg, replace(run, activation=replace(run.activation, head_chunks=n)))
         except ValueError:
             return 1
-        if peak <= budget:
+        peak = est.peak
+        if peak <= hw.usable_bytes(run.machine.memory_gib, est.largest.bytes):
             return n
         peaks.append((peak, n))
     return min(peaks)[1]
