@@ -8,6 +8,38 @@ from megalysses.memory.activations import dims, tiled
 from megalysses.memory.transients import loss_tile_tokens
 from megalysses.memory.types import Layout, Options, Precision, Term, Workload
 
+FLEX_INDEX_TENSORS = 4      # a BlockMask's kv_indices, full_kv_indices and their transposes q_indices, full_q_indices
+
+
+def flex_mask_bytes(batch: int, seq_q: float, seq_k: float, block: int) -> float:
+    """FlexAttention's BlockMask over seq_q x seq_k positions in `block`-token blocks: four int32 index tensors
+    of (seq_q / block) x (seq_k / block) entries per sample (no head dimension), and its block counts."""
+    rows, cols = -(-seq_q // block), -(-seq_k // block)
+    return batch * 4 * (FLEX_INDEX_TENSORS * rows * cols + 2 * (rows + cols))
+
+
+def flex_mask(m: ModelConfig, layout: Layout, opts: Options, work: Workload) -> Term | None:
+    """The block mask FlexAttention holds on a rank, or None where it builds none: with a ring, one ring step's
+    pair of blocks (built for the step and freed after it, kernels/block_attention.py); without, the step's
+    mask over the whole sequence that every Ulysses rank attends to (kernels/attention.py), with documents in
+    blocks of opts.mask_block tokens, plain causal in 128-token ones."""
+    if opts.attention != "flex":
+        return None
+    block = opts.mask_block if opts.documents else 128
+    if layout.ring > 1:
+        if not opts.documents:           # the cached causal mask of the diagonal block
+            side = work.seq_len / layout.ring
+            return Term("FlexAttention's causal block mask (the diagonal ring block)",
+                        flex_mask_bytes(1, side, side, 128), f"(S/r / 128)^2 x {4 * FLEX_INDEX_TENSORS} B")
+        side = work.seq_len / layout.ring
+        return Term(f"FlexAttention's block mask of one ring step ({block}-token blocks)",
+                    flex_mask_bytes(work.micro_batch_size, side, side, block),
+                    f"B x (S/r / {block})^2 x {4 * FLEX_INDEX_TENSORS} B")
+    batch = work.micro_batch_size if opts.documents else 1
+    return Term(f"FlexAttention's block mask ({block}-token blocks)",
+                flex_mask_bytes(batch, work.seq_len, work.seq_len, block),
+                f"B x (S / {block})^2 x {4 * FLEX_INDEX_TENSORS} B")
+
 
 def largest_block(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, work: Workload,
                   last: bool) -> Term:
@@ -34,5 +66,8 @@ def largest_block(m: ModelConfig, layout: Layout, opts: Options, prec: Precision
         blocks["a tile of fp32 logits"] = tile * vocab * 4
         if tile < tokens:
             blocks["the head weight's fp32 gradient sum"] = vocab * d["h"] * 4
+    mask = flex_mask(m, layout, opts, work)
+    if mask is not None:
+        blocks["one index tensor of FlexAttention's block mask"] = mask.bytes / FLEX_INDEX_TENSORS
     name = max(blocks, key=blocks.get)
     return Term(f"largest block: {name}", blocks[name])

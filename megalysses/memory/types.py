@@ -107,6 +107,9 @@ class Options:
     offload_prefetch: int = 1          # offloaded layers copied back ahead of the one in backward
     bucket_bytes: float = 32_000_000 * 4       # one gradient bucket (ZeRO-1: parallel.grad_bucket_elements fp32)
     overlap_grad_reduce: bool = True   # ZeRO-1 reduces buckets during the backward (parallel.overlap_grad_reduce)
+    mask_block: int = 128              # FlexAttention's block-mask block size (ActivationPolicy.mask_block)
+    pinned_rounding: bool = False      # torch rounds each pinned host request up to a power of two (a torch that
+                                       # cannot stop it: Machine.pinned_exact False)
 
 
 @dataclass(frozen=True)
@@ -148,3 +151,8 @@ def fmt_bytes(x: float) -> str:
         if abs(x) >= scale:
             return f"{x / scale:.2f} {unit}"
     return f"{x:.0f} B"
+
+
+def pinned(nbytes: float, rounding: bool) -> float:
+    """What a pinned host request of `nbytes` takes: as asked, or rounded up to a power of two."""
+    return float(1 << max(int(nbytes) - 1, 0).bit_length()) if rounding and nbytes > 0 else nbytes

@@ -13,6 +13,7 @@ layout's largest single block (Hardware.usable_bytes).
 from __future__ import annotations
 
 import itertools
+import os
 from dataclasses import dataclass, replace
 from typing import Iterator, Optional
 
@@ -252,3 +253,29 @@ def check_phase_time(cfg: Config, run: RunPlan, peak_tflops: Optional[float]) ->
                           f"for this layout on this GPU (~{seconds:.0f} s at {peak_tflops:g} TFLOP/s; tools/plan.py "
                           f"--explain shows the arithmetic): the watchdog would end it as stuck. Raise it, e.g. "
                           f"--set parallel.timeout_seconds={suggest:.0f}")
+
+
+def node_memory_bytes() -> Optional[float]:
+    """This node's physical memory (None where the system does not say)."""
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_host_memory(cfg: Config, run: RunPlan, node_bytes: Optional[float] = None) -> None:
+    """ConfigError when what the memory model allocates in host memory per node (offloaded block inputs,
+    optimizer or parameter state: memory.Estimate.host per rank, times the ranks of a node) exceeds the node's
+    physical memory (`node_bytes`, default this node's), pinned memory cannot be swapped out. A run the
+    memory model does not cover is not checked."""
+    node_bytes = node_memory_bytes() if node_bytes is None else node_bytes
+    try:
+        host = estimate_plan(cfg, run).host
+    except ValueError:
+        return
+    ranks = run.machine.ranks_per_node or 1
+    if node_bytes and host * ranks > node_bytes:
+        raise ConfigError(f"this run needs {host * ranks / GIB:.1f} GiB of host memory per node ({ranks} ranks x "
+                          f"{host / GIB:.1f} GiB: offloaded activations and optimizer state, tools/plan.py --explain "
+                          f"itemises them) but the node has {node_bytes / GIB:.1f} GiB: offload less "
+                          f"(training.checkpoint_stride, training.activation_offload=false), or use more nodes")

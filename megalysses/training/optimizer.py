@@ -40,7 +40,7 @@ from typing import Iterable, Iterator, Optional
 import torch
 from torch import Tensor, nn
 
-from megalysses import comm
+from megalysses import accelerator, comm
 from megalysses.comm import Group
 from megalysses.training.fsdp import FSDPAdamW, adam_state
 from megalysses.training.host_gradients import HostGradients
@@ -100,7 +100,8 @@ class ShardedAdamW:
             counts = not (replicated_over_tp and tp_rank != 0) and not (tied_head_copy and name == "embed.weight")
             self.slots.append(_Slot(name, p, (lo, hi), math.ceil(rows / self.G) * row_size, master, counts))
             if master is not None and offload:
-                self.slots[-1].host_grad = torch.empty_like(master, pin_memory=p.is_cuda)
+                self.slots[-1].host_grad = accelerator.current().pinned_empty(tuple(master.shape), master.dtype,
+                                                                              p.device)
             if master is not None:
                 (no_decay if p.dim() < 2 else decay).append(master)
         if offload and self.slots:
@@ -129,7 +130,7 @@ class ShardedAdamW:
         host memory, pinned when the parameter is on a GPU."""
         if not self.offload:
             return chunk.float().clone()
-        host = torch.empty(chunk.shape, dtype=torch.float32, device="cpu", pin_memory=chunk.is_cuda)
+        host = accelerator.current().pinned_empty(tuple(chunk.shape), torch.float32, chunk.device)
         return host.copy_(chunk)
 
     def _tied(self, s: _Slot) -> bool:
