@@ -6,7 +6,7 @@ import pytest
 from megalysses.config_checks import validate_config
 from megalysses.config_io import load_config
 from megalysses.memory import GIB, PRECISIONS, Layout, Options, Workload, longest_sequence
-from megalysses.plan.search import plan
+from megalysses.plan.search import evaluate, plan
 from megalysses.plan.step_time import Hardware, step_time
 from tests.planning import H100_GIB, LLAMA3_8B, h100s, load
 
@@ -102,3 +102,22 @@ def test_ring_steps_pay_their_fp32_merges():
                                                 "parallel.pp": 1, "parallel.virtual_stages": 1})
     fitting, _ = plan(cfg, 8, 6 << 20, host_memory_gib=1769)
     assert fitting[0].run.ring == 1 and any(p.run.ring == 8 for p in fitting)
+
+
+def test_no_quadratic_document_mask_at_millions_of_tokens():
+    """Llama-3.1-8B at 6M tokens on 8 H100s with documents: auto attention is torch's variable-length attention
+    (cumulative lengths), so no term of the prediction grows as S^2; forced to FlexAttention, its block mask is
+    counted, in blocks the plan coarsens until it is within 1% of the peak (at 128-token blocks it would be
+    16 x (6M / 128)^2 B = 36 GiB)."""
+    sets = {"training.global_batch_size": 1, "model.kernels": "triton", "parallel.pp": 1, "parallel.virtual_stages": 1,
+            "parallel.sp": 8, "parallel.sp_ring": 1, "data.seq_len": 6 << 20, "training.activation_checkpointing": True,
+            "training.activation_offload": True, "training.attention_head_chunks": 4}
+    auto = evaluate(load("configs/llama3_8b_1m.yaml", **sets), 8, None, 1769, Hardware())
+    assert auto.run.attention == "varlen"
+    assert not [t for t in auto.estimate.terms if "mask" in t.name], auto.estimate.terms
+    flex = evaluate(load("configs/llama3_8b_1m.yaml", **sets, **{"model.attention_backend": "flex"}), 8, None, 1769,
+                    Hardware())
+    mask = [t for t in flex.estimate.terms if t.name.startswith("FlexAttention's block mask")]
+    block = flex.run.activation.mask_block
+    assert len(mask) == 1 and mask[0].bytes <= 0.01 * flex.estimate.peak and block > 128
+    assert mask[0].bytes == pytest.approx(16 * ((6 << 20) / block) ** 2, rel=1e-3)

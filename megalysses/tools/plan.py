@@ -9,7 +9,7 @@ sequence length on N GPUs, ranked by predicted throughput.
 The model, batch (training.global_batch_size and micro_batch_size), dtype, kernels (model.kernels, or
 --kernels) and attention backend come from the config, resolved as a run on the described machine
 resolves them (megalysses.plan.resolve: H100 nodes of --gpus-per-node with the optional --packages, by
-default those of a plain CUDA torch install, so `auto` attention is SDPA or FlexAttention, not
+default those of a plain CUDA torch install, so `auto` attention is SDPA or varlen (documents), not
 flash-attn); the layout (sp split into ulysses x ring every way the heads allow: a row's `ring` is its
 parallel.sp_ring, to set as well, since sp_ring=0 takes the largest Ulysses degree) and memory options
 (checkpointing, the MLP untiled or in `auto` tiles, the LM head + loss in `auto` tiles
