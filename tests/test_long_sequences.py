@@ -78,7 +78,9 @@ def test_llama_8b_activation_bytes_per_token_and_1b_at_1m_within_60_gib():
     activations = [t for t in best.estimate.terms
                    if t.name.startswith(("the layer's recomputed activations", "backward of one layer"))]
     assert len(activations) == 2
-    assert sum(t.bytes for t in activations) / tokens <= 32 * 1024, [(t.name, t.bytes / tokens) for t in activations]
+    # 34 KB, not 32: documents now run on torch's varlen_attn (no (S/128)^2 block mask), whose flash backward
+    # keeps an fp32 dq accumulator and writes dk, dv at the query heads
+    assert sum(t.bytes for t in activations) / tokens <= 34 * 1024, [(t.name, t.bytes / tokens) for t in activations]
     cfg = load("configs/gpt_1b_1m_offload.yaml", **{"training.global_batch_size": 1, "model.kernels": "triton"})
     fitting, _ = plan(cfg, 1, 1 << 20, host_memory_gib=120)
     best = fitting[0]

@@ -57,7 +57,7 @@ class RingMask:
         self.rank, self.size, self.seq_len = ring_rank, ring_size, seq_len
         self.half = seq_len // (2 * ring_size)
         self.device = doc_ids.device if device is None and doc_ids is not None else device
-        self.doc_ids, self.block = doc_ids, block
+        self.doc_ids, self.mask_block = doc_ids, block
         self._layout = SequenceLayout(sp=ring_size, ring=ring_size)
         self._blocks: dict[int, AttentionBlock] = {}
 
@@ -81,7 +81,7 @@ class RingMask:
             mine, theirs = self.docs_of(self.rank), self.docs_of(j)
             q_docs = None if mine is None else mine[:, self.rows(j)]
             k_docs = None if theirs is None else theirs[:, self.cols(j)]
-            self._blocks[j] = AttentionBlock(causal=j == self.rank, q_docs=q_docs, k_docs=k_docs, block=self.block)
+            self._blocks[j] = AttentionBlock(causal=j == self.rank, q_docs=q_docs, k_docs=k_docs, block=self.mask_block)
         return self._blocks[j]
 
 
