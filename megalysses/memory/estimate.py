@@ -11,7 +11,8 @@ from megalysses.memory.activations import (bytes_per_token, dims, head_weight_gr
 from megalysses.memory.blocks import flex_mask, largest_block
 from megalysses.memory.states import in_flight, optimizer_terms, stage_params, state_terms, streams_gradients
 from megalysses.memory.transients import backward_terms, loss_terms, norm_backward_bytes, norm_tile_bytes
-from megalysses.memory.types import Estimate, Layout, Options, Precision, Term, Workload, pinned
+from megalysses.memory.host import pinned_requests, pinned_terms
+from megalysses.memory.types import Estimate, Layout, Options, Precision, Term, Workload
 
 
 def estimate(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, work: Workload) -> Estimate:
@@ -106,7 +107,7 @@ def _stage_estimate(m: ModelConfig, layout: Layout, opts: Options, prec: Precisi
                               fixed + late + activations(flight - 1, 1) + layer_bwd, key=_device),
               "optimizer": fixed + [t for t in grads if not t.name.startswith("gradient bucket")
                                     and not (opts.optimizer_offload and "reduced" in t.name) and not streamed]
-                           + optimizer_terms(m, layout, opts, prec, n, M, first, last)}
+                           + optimizer_terms(m, layout, opts, prec, n, M)}
     if last:
         head_tok = bytes_per_token(stage_terms(m, layout, opts, prec, False, True)) - \
             bytes_per_token(stage_terms(m, layout, opts, prec, False, False))
@@ -130,13 +131,8 @@ def _stage_estimate(m: ModelConfig, layout: Layout, opts: Options, prec: Precisi
                                         f"{tokens:.4g} tok x {temps:.4g} B")])
     phase = max(phases, key=lambda p: _device(phases[p]))
     terms = [t for t in phases[phase] if not t.host and t.bytes]
-    host = [t for t in fixed + optimizer_terms(m, layout, opts, prec, n, M, first, last) if t.host]
-    if offload:         # one pinned buffer per block input in flight (parallel/offload.py)
-        off = kept_layers(n_layers, opts) - (0 if first else 1)
-        buffer = pinned(tokens * layer_tok, opts.pinned_rounding)
-        host.insert(0, Term("offloaded block inputs", flight * off * buffer,
-                            f"{flight:g} mb x {off} layers x {tokens:.4g} tok x {layer_tok:.4g} B"
-                            + (" (each rounded up to a power of two)" if opts.pinned_rounding else ""), host=True))
+    host = [t for t in fixed + optimizer_terms(m, layout, opts, prec, n, M) if t.host]
+    host = pinned_terms(pinned_requests(m, layout, opts, prec, work, stage)) + host     # what the arena holds
     return Estimate(peak=_device(terms), stage=stage, phase=phase, terms=terms + host,
                     host=sum(t.bytes for t in host), layer_bytes_per_token=layer_tok, layout=layout, options=opts,
                     largest=largest_block(m, layout, opts, prec, work, last))

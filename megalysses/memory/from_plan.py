@@ -3,12 +3,14 @@ workload of a run as it was resolved, and its estimate.
 
     plan = resolve(cfg, machine, world_size)
     est = estimate_plan(cfg, plan)
+    reqs = pinned_requests_of(cfg, plan, stage)      # what pipeline rank `stage` pins: its arena's contents
 """
 from __future__ import annotations
 
 from megalysses.config import Config
 from megalysses.kernels.attention import varlen_native_gqa
 from megalysses.memory.estimate import estimate
+from megalysses.memory.host import PinnedRequest, pinned_requests
 from megalysses.memory.types import PRECISIONS, Estimate, Layout, Options, Precision, Workload
 from megalysses.plan.types import RunPlan
 
@@ -61,3 +63,9 @@ def workload_of(cfg: Config, plan: RunPlan) -> Workload:
 def estimate_plan(cfg: Config, plan: RunPlan) -> Estimate:
     """The predicted peak per rank of the run `plan` resolved `cfg` into."""
     return estimate(cfg.model, layout_of(plan), options_of(cfg, plan), precision_of(plan), workload_of(cfg, plan))
+
+
+def pinned_requests_of(cfg: Config, plan: RunPlan, stage: int) -> list[PinnedRequest]:
+    """The pinned host requests megalysses makes on pipeline rank `stage` of the run `plan` resolved `cfg` into."""
+    return pinned_requests(cfg.model, layout_of(plan), options_of(cfg, plan), precision_of(plan),
+                           workload_of(cfg, plan), stage)
