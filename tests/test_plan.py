@@ -206,6 +206,16 @@ def test_cli_json_best_and_null(capsys):
     own = out["config_layout"]                         # where the config's own layout ranks, and by what it trails
     assert own["rank"] > 1 and own["step_s"] > best["step_s"]
     assert sum(own["behind_best_s"].values()) == pytest.approx(own["step_s"] - best["step_s"], abs=1e-3)
+    # by default an H100 80GB as it is exposed (79.6 GiB): the budget takes off the reserve and a fragmentation
+    # allowance of at least the layout's largest block (here a block input: 256K / sp tokens x hidden x 2 B)
+    assert main(["--config", "configs/gpt_1b_8gpu.yaml", "--gpus", "8", "--seq-len", "262144", "--json",
+                 "--top", "1"]) == 0
+    out, hw = json.loads(capsys.readouterr().out), Hardware()
+    best, hidden = out["best"], load_config("configs/gpt_1b_8gpu.yaml").model.hidden_size
+    assert out["gpu_memory_gib"] == 79.6 and best["largest_block_gib"] >= 262144 / best["sp"] * hidden * 2 / GIB
+    allowance = max(hw.fragmentation * 79.6, best["largest_block_gib"])
+    assert best["usable_gib"] == pytest.approx(79.6 - hw.reserve_gib - allowance, abs=0.01)
+    assert best["peak_gib"] <= best["usable_gib"]
     # --set overrides the config as pretrain.py's does
     assert main(["--config", "configs/gpt_1b_8gpu.yaml", "--gpus", "8", "--gpu-memory-gib", "80", "--json",
                  "--seq-len", "65536", "--top", "1", "--set", "training.global_batch_size=16"]) == 0
@@ -391,7 +401,10 @@ def test_streamed_gradients_leave_no_main_grad_on_the_device():
                      "gradient bucket being reduced": bucket * 4 * (1 + 1 / G)}
     assert on_device.peak - streamed.peak > n * 4
     host = {t.name: t.bytes for t in streamed.terms if t.host}
-    assert host["reduced fp32 gradients"] == n * 4 / G and host["gradient staging buffers"] == 2 * bucket * 4 / G
+    # pinned, a request per parameter of the largest rank's chunk (ceil(rows / G) rows); two staging buffers of a
+    # bucket's share each, the sums of a later micro-batch waiting there to be added
+    assert host["reduced fp32 gradients"] == pytest.approx(n * 4 / G, rel=1e-4)
+    assert host["gradient staging buffers"] == 2 * bucket * 4 / G
     step = step_time(m, layout, replace(base, optimizer_offload=True), bf16, work, Hardware())
     assert step.bytes["host"] == pytest.approx(4 * n / G * 4 + n / G * 2)
 
@@ -422,7 +435,7 @@ def test_a_checkpoint_stride_is_planned_where_host_memory_binds():
     # on a 24 GiB GPU some fit only with the loss in one tile of the whole sequence (no fp32 head gradient sum)
     ("configs/llama3_8b_1m.yaml", {"training.global_batch_size": 1, "model.kernels": "triton"}, 1, 4096, 24, 1769),
     ("configs/quickstart.yaml", {"data.mock": "true", "data.document_mask": "false", "training.micro_batch_size": 1,
-                                 "training.global_batch_size": 4}, 8, 1 << 16, 2, None)])
+                                 "training.global_batch_size": 4}, 8, 1 << 16, 3, None)])
 def test_the_search_skips_only_what_cannot_fit(monkeypatch, path, sets, gpus, tokens, gpu_gib, host_gib):
     """plan() checks a layout's batch arithmetic once for all its memory options, and skips the tile search of a
     candidate that no tiles can fit: the layouts that fit, their order and how many were considered are those
