@@ -111,6 +111,11 @@ def check_columns(path: str, kind: str, keys: list[str], flag: str = "--json-key
         if not _is_text(table.pa, kind_of):
             raise InputError(f"{path}: column '{key}' holds {kind_of}, not text (its text columns: "
                              f"{', '.join(text) or 'none'}): pass a text column with {flag}")
+    _require_rows(table, path, kind)
+
+
+def _require_rows(table: "_Table", path: str, kind: str) -> None:
+    """InputError for a file without rows, or one whose rows cannot be read."""
     try:
         empty = not table.has_rows()
     except _errors(table.pa) as err:
@@ -131,12 +136,7 @@ def chat_columns(path: str, kind: str) -> list[str]:
     if shape is None:
         raise InputError(f"{path}: no 'messages' column, nor 'prompt' and 'completion' (its columns: "
                          f"{', '.join(names) or 'none'}): --chat reads conversations in one of these shapes")
-    try:
-        empty = not table.has_rows()
-    except _errors(table.pa) as err:
-        raise InputError(_corrupt(path, kind, err)) from None
-    if empty:
-        raise InputError(f"{path}: the {_NAMES[kind]} file holds no rows: nothing to read; remove it from --input")
+    _require_rows(table, path, kind)
     return shape + (["tools"] if "tools" in names else [])
 
 
