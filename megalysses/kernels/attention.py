@@ -31,6 +31,8 @@ i - j < W: each position attends to itself and the W - 1 before it, as Hugging F
 from __future__ import annotations
 
 import functools
+import importlib
+import importlib.util
 import inspect
 import math
 import warnings
@@ -45,10 +47,9 @@ try:
 except Exception:   # torch < 2.5
     flex_module = None
 
-try:
-    from torch.nn.attention import varlen as varlen_module
-except Exception:   # torch without variable-length attention
-    varlen_module = None
+# torch's variable-length attention, imported where it runs: its module imports torch's compiler stack
+# (seconds that every process would pay at start-up)
+_VARLEN = "torch.nn.attention.varlen"
 
 try:
     from flash_attn import flash_attn_func, flash_attn_varlen_func
@@ -67,8 +68,17 @@ def flex_available() -> bool:
 
 
 def varlen_available() -> bool:
-    """Whether this torch has variable-length attention (torch.nn.attention.varlen.varlen_attn)."""
-    return varlen_module is not None and hasattr(varlen_module, "varlen_attn")
+    """Whether this torch has variable-length attention (torch.nn.attention.varlen.varlen_attn), without
+    importing it."""
+    try:
+        return importlib.util.find_spec(_VARLEN) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+@functools.cache
+def _varlen() -> Any:
+    return importlib.import_module(_VARLEN)
 
 
 def _installed() -> frozenset:
@@ -424,7 +434,7 @@ def varlen_options() -> frozenset:
     causal "window_size" (later), "scale", "enable_gqa" (native grouped-query attention, torch >= 2.12)."""
     if not varlen_available():
         return frozenset()
-    return frozenset(inspect.signature(varlen_module.varlen_attn).parameters)
+    return frozenset(inspect.signature(_varlen().varlen_attn).parameters)
 
 
 def varlen_native_gqa() -> bool:
@@ -450,7 +460,7 @@ def _varlen(q: Tensor, k: Tensor, v: Tensor, mask: Optional[AttentionMask], scal
         kwargs["scale"] = scale
     elif scale != 1.0 / math.sqrt(D):          # the default scale is 1/sqrt(D): fold another into q
         q = q * (scale * math.sqrt(D))
-    out = varlen_module.varlen_attn(q.reshape(B * S, Hq, D), k.reshape(B * S, -1, D), v.reshape(B * S, -1, D),
+    out = _varlen().varlen_attn(q.reshape(B * S, Hq, D), k.reshape(B * S, -1, D), v.reshape(B * S, -1, D),
                                     cu_seqlens, cu_seqlens, max_len, max_len, **kwargs)
     return out.view(B, S, Hq, D)
 
