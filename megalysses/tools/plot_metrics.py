@@ -1,4 +1,5 @@
-"""Draw the loss (train and validation) and throughput curves of a run to a PNG.
+"""Draw the loss (train and validation) and throughput curves of a run to a PNG, and its long-context figures
+(long_eval: accuracy by task and length over the steps, the latest loss by position) when it logged any.
 
     python tools/plot_metrics.py runs/quickstart                 # -> runs/quickstart/metrics.png
     python tools/plot_metrics.py runs/quickstart/metrics.jsonl --output curves.png
@@ -76,7 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     import matplotlib.pyplot as plt
 
     val = [r for r in rows if _number(r.get("val_loss"))]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    accuracy = sorted({k for r in rows for k in r if k.startswith("long_eval/") and "position-loss" not in k})
+    position = [r for r in rows if any(k.startswith("long_eval/position-loss/") for k in r)]
+    panels = 2 + bool(accuracy) + bool(position)
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4))
+    ax1, ax2 = axes[0], axes[1]
     ax1.plot([r["step"] for r in train], [r["loss"] for r in train], label="train")
     if val:
         ax1.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation")
@@ -85,6 +90,10 @@ def main(argv: list[str] | None = None) -> int:
     ax2.plot([r["step"] for r in train], [r["tokens_per_s"] if _number(r.get("tokens_per_s")) else float("nan")
                                           for r in train])
     ax2.set(xlabel="step", ylabel="tokens/s (all devices)", title="throughput")
+    if accuracy:
+        _accuracy_panel(axes[2], rows, accuracy)
+    if position:
+        _position_panel(axes[-1], position[-1])
     fig.tight_layout()
     try:
         fig.savefig(out, dpi=100)
@@ -95,6 +104,30 @@ def main(argv: list[str] | None = None) -> int:
         plt.close(fig)
     print(f"wrote {out}")
     return 0
+
+
+def _accuracy_panel(ax, rows: list[dict], keys: list[str]) -> None:
+    """long_eval/<task>/<length> over the steps, one line each."""
+    for key in keys:
+        pts = [(r["step"], r[key]) for r in rows if _number(r.get(key))]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=key.removeprefix("long_eval/"))
+    ax.set(xlabel="step", ylabel="accuracy", title="long context", ylim=(-0.03, 1.03))
+    ax.legend(fontsize=7)
+
+
+def _position_panel(ax, row: dict) -> None:
+    """The latest loss by position: long_eval/position-loss/<length>/<lo>-<hi>, one line per length."""
+    curves: dict[int, list[tuple[float, float]]] = {}
+    for key, value in row.items():
+        if key.startswith("long_eval/position-loss/") and _number(value):
+            length, bucket = key.split("/")[2:4]
+            curves.setdefault(int(length), []).append((max(float(bucket.split("-")[0]), 0.5), value))
+    for length, pts in sorted(curves.items()):
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"{length} tokens")
+    ax.set_xscale("log", base=2)
+    ax.set(xlabel="position in the document", ylabel="loss", title=f"loss by position (step {row['step']})")
+    ax.legend(fontsize=7)
 
 
 def cli() -> int:

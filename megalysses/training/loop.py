@@ -34,6 +34,7 @@ from megalysses.plan.flops import peak_tflops
 from megalysses.plan.search import check_phase_time
 from megalysses.training.data import TrainingData
 from megalysses.training.fsdp import FSDPAdamW, shard_model
+from megalysses.training.long_eval import TrainingLongEval, scalars
 from megalysses.training.metrics import MetricsLogger
 from megalysses.training.optimizer import Optimizer, ShardedAdamW
 from megalysses.training.rundir import check_writable, mark_start
@@ -171,6 +172,7 @@ def train(cfg: Config, grid: ParallelGrid, device: torch.device, signals: Option
         return {"step": 0, "loss": float("nan"), "stopped_by": "dry_run"}
     doing("opening the datasets")
     data = TrainingData(cfg, grid, device)
+    long_eval = TrainingLongEval(cfg, grid, device, dtype) if cfg.long_eval.interval else None
     if path is not None:
         doing(f"loading the checkpoint {path}")
         meta = load_checkpoint(path, model, opt, grid, mesh, architecture(cfg.model, grid.tp_size))
@@ -237,6 +239,8 @@ def train(cfg: Config, grid: ParallelGrid, device: torch.device, signals: Option
             if cfg.training.eval_interval and step % cfg.training.eval_interval == 0:
                 doing(f"validating at step {step}")
                 logger.eval(step, evaluate(model, data.valid_batches(), grid, dtype))
+            if long_eval is not None and long_eval.due(step):
+                logger.long_eval(step, scalars(long_eval(model, step, doing)))
             if cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0:
                 save()
                 saved_at = step

@@ -1,0 +1,54 @@
+"""A synthetic retrieval corpus: passkey documents whose filler is real text, each exactly one training sample
+long for the byte tokenizer, so that packing never separates a key from its question.
+
+    docs = passkey_documents(texts, seq_len=512, count=20000, seed=0)    # strings of seq_len - 1 bytes
+
+Each document is the passkey prompt of tasks.py (intro, filler, the key sentence at a uniformly random depth,
+filler, the question and the key) with the filler cut from `texts` made plain: ASCII only, digits removed (the
+key is the only number before its question, as in the evaluation), whitespace runs as one space. With the
+EOD that tools/preprocess_data.py --append-eod adds, a document is seq_len tokens: with data.seq_len = seq_len
+the samples of a GPT dataset are exactly its documents (each sample's last label, the token after the EOD,
+is the next document's first).
+"""
+from __future__ import annotations
+
+import re
+from typing import Iterable, Iterator
+
+import numpy as np
+
+from megalysses.data.tokenizer import ByteTokenizer
+from megalysses.evaluation.tasks import Filler, Prompts, compose, passkey_prompt
+
+_NOT_PLAIN = re.compile(r"[^ -~]|[0-9]")
+
+
+def plain_text(text: str) -> str:
+    """ASCII text without digits, every whitespace run one space."""
+    return " ".join(_NOT_PLAIN.sub(" ", text).split())
+
+
+def text_filler(pool: np.ndarray, starts: np.ndarray) -> Filler:
+    """Filler cut from a pool of tokens: n tokens from a random one of `starts` on (the pool read round)."""
+    def filler(n: int, rng: np.random.Generator) -> np.ndarray:
+        start = int(starts[rng.integers(len(starts))])
+        return np.resize(np.concatenate([pool[start:start + n], pool[:max(0, n - (len(pool) - start))]]), n)
+    return filler
+
+
+def passkey_documents(texts: Iterable[str], seq_len: int, count: int, seed: int) -> Iterator[str]:
+    """`count` passkey documents of seq_len - 1 bytes each (filler from `texts`, keys at uniformly random depths);
+    ValueError when seq_len cannot hold the prompt or the texts hold no plain text."""
+    prompts = Prompts(ByteTokenizer())
+    pool = np.frombuffer((" " + " ".join(t for t in map(plain_text, texts) if t)).encode("ascii"), dtype=np.uint8)
+    if not len(pool):
+        raise ValueError("the texts hold no plain text for the filler")
+    filler = text_filler(pool.astype(np.int64), np.flatnonzero(pool == ord(" ")))     # from a word's start
+    rng = np.random.default_rng(seed)
+    for _ in range(count):
+        prompt = passkey_prompt(prompts, float(rng.random()), rng)
+        if prompt.tokens(prompts) > seq_len - 1:
+            raise ValueError(f"a document of {seq_len} tokens cannot hold the passkey prompt "
+                             f"({prompt.tokens(prompts)} bytes and the EOD): give a longer --seq-len")
+        sample = compose(prompts, prompt, seq_len - 2, filler, rng)
+        yield bytes(sample.tokens.astype(np.uint8)).decode("ascii")
