@@ -4,8 +4,10 @@ long for the byte tokenizer, so that packing never separates a key from its ques
     docs = passkey_documents(texts, seq_len=512, count=20000, seed=0)    # strings of seq_len - 1 bytes
 
 Each document is the passkey prompt of tasks.py (intro, filler, the key sentence at a uniformly random depth,
-filler, the question and the key) with the filler cut from `texts` made plain: ASCII only, digits removed (the
-key is the only number before its question, as in the evaluation), whitespace runs as one space. With the
+filler, the question and the key) with the filler a passage of `texts` repeated, as the passkey filler repeats
+its sentences (a different passage of 48 to 256 characters in each document), the text made plain: ASCII only,
+digits removed (the key is the only number before its question, as in the evaluation), whitespace runs as one
+space. With the
 EOD that tools/preprocess_data.py --append-eod adds, a document is seq_len tokens: with data.seq_len = seq_len
 the samples of a GPT dataset are exactly its documents (each sample's last label, the token after the EOD,
 is the next document's first).
@@ -28,11 +30,15 @@ def plain_text(text: str) -> str:
     return " ".join(_NOT_PLAIN.sub(" ", text).split())
 
 
-def text_filler(pool: np.ndarray, starts: np.ndarray) -> Filler:
-    """Filler cut from a pool of tokens: n tokens from a random one of `starts` on (the pool read round)."""
+def text_filler(pool: np.ndarray, starts: np.ndarray, passage: tuple[int, int] = (48, 256)) -> Filler:
+    """Filler cut from a pool of tokens: a passage of real text, from a random one of `starts` (word starts) to the
+    first of them at least `passage` (a random size in that range) tokens on, repeated as the passkey filler
+    repeats its sentences."""
     def filler(n: int, rng: np.random.Generator) -> np.ndarray:
-        start = int(starts[rng.integers(len(starts))])
-        return np.resize(np.concatenate([pool[start:start + n], pool[:max(0, n - (len(pool) - start))]]), n)
+        i = int(rng.integers(len(starts)))
+        size = int(rng.integers(*passage))
+        end = starts[np.searchsorted(starts, starts[i] + size)] if starts[-1] >= starts[i] + size else len(pool)
+        return np.resize(pool[starts[i]:end], n)
     return filler
 
 

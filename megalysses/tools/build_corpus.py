@@ -9,8 +9,8 @@ document {"text": ..., "path": ...} each. Each file is decoded with its declared
 (PEP 263, UTF-8 by default); the rare file that cannot be decoded is skipped and counted.
 
 --passkey writes a synthetic retrieval corpus (megalysses/evaluation/corpus.py): --documents passkey
-documents, each the passkey prompt of tools/eval_long.py with its filler cut from the standard library's
-docstrings (ASCII, digits removed) and the key at a random depth, exactly --seq-len - 1 bytes long. Tokenized
+documents, each the passkey prompt of tools/eval_long.py with its filler a passage of the standard library's
+docstrings repeated (ASCII, digits removed) and the key at a random depth, exactly --seq-len - 1 bytes long. Tokenized
 with the byte tokenizer and --append-eod, each document is one sample of data.seq_len = --seq-len, so no
 document is cut at a sample boundary (a key never loses its question):
 

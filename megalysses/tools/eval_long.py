@@ -42,6 +42,7 @@ import torch
 
 from megalysses.checkpoint.dcp_io import CheckpointError, read_meta
 from megalysses.checkpoint.initial import find_initial_checkpoint, load_initial_weights
+from megalysses.checkpoint.manifest import checkpoints_in, step_of
 from megalysses.config import Config, ConfigError
 from megalysses.config_checks import validate_config
 from megalysses.config_io import apply_override, config_from_dict, config_to_dict, load_config, read_yaml
@@ -52,12 +53,13 @@ from megalysses.evaluation.haystack import DocumentStream, HaystackError
 from megalysses.evaluation.report import MARKDOWN_NAME, draw, markdown, write_results
 from megalysses.evaluation.tasks import TASKS, PromptError, Prompts, minimum_length
 from megalysses.grid import LayoutError, ParallelGrid
+from megalysses.kernels.attention import reserve_compiles
 from megalysses.model.hf import model_config_from_hf
 from megalysses.model.hf_io import HFFormatError, open_hf_dir
 from megalysses.plan import Machine, resolve
-from megalysses.training.long_eval import LongEval, LongEvalError, LongEvalSettings
+from megalysses.training.long_eval import LongEval, LongEvalError, LongEvalSettings, check_settings, text_only
 from megalysses.training.loop import build_model
-from megalysses.training.runtime import startup_line
+from megalysses.training.runtime import flex_compile_budget, startup_line
 
 ERRORS = (ConfigError, LayoutError, CheckpointError, DatasetError, TokenizerError, PromptError, LongEvalError,
           HaystackError, HFFormatError, FileNotFoundError)
@@ -93,27 +95,42 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _run_source(args: argparse.Namespace) -> tuple[Config, Any, Path, int]:
-    """(config, tokenizer, checkpoint, trained length) of --run."""
+def _run_config(args: argparse.Namespace) -> tuple[Config, Any]:
+    """(config, tokenizer) of --run."""
     run = Path(args.run)
     if not (run / "config.yaml").is_file():
         raise ConfigError(f"{run} is not a run directory (no config.yaml): pass the logging.run_dir of a run")
     cfg = load_config(run / "config.yaml")
-    ckpt_dir = Path(cfg.checkpoint.dir or run / "checkpoints")
-    if args.step is not None:
-        path = ckpt_dir / f"step_{args.step}"
-        if not (path / "meta.json").is_file():
-            raise CheckpointError(f"{run} has no checkpoint of step {args.step} ({path}): pass a saved step, or "
-                                  f"leave --step out for the latest")
-    else:
-        path = find_initial_checkpoint(ckpt_dir if ckpt_dir.is_dir() else run)
-    step = read_meta(path)["step"]
     tok = tokenizer_from_config(cfg.data, cfg.model.vocab_size)
-    return cfg, tok, path, cfg.data.seq_len_at(max(step - 1, 0))
+    if tok.vocab_size > cfg.model.vocab_size:
+        raise TokenizerError(f"the run's tokenizer has {tok.vocab_size} ids but model.vocab_size="
+                             f"{cfg.model.vocab_size}: this is not the tokenizer the run trained with; fix "
+                             f"data.tokenizer in {run / 'config.yaml'}")
+    return cfg, tok
 
 
-def _hf_source(args: argparse.Namespace) -> tuple[Config, Any, Path, Optional[int]]:
-    """(config, tokenizer, folder, max_position_embeddings) of --from-hf."""
+def _run_checkpoint(args: argparse.Namespace, cfg: Config) -> tuple[Path, int]:
+    """(the checkpoint of --step, or the latest, verified; the longest length it trained at) of --run."""
+    ckpt_dir = Path(cfg.checkpoint.dir or Path(args.run) / "checkpoints")
+    saved = checkpoints_in(ckpt_dir)
+    if args.step is not None:
+        found = [c for c in saved if step_of(c) == args.step]
+        if not found:
+            steps = ", ".join(str(step_of(c)) for c in saved) or "none"
+            raise CheckpointError(f"{ckpt_dir} holds no checkpoint of step {args.step} (saved steps: {steps}): pass "
+                                  f"one of them, or leave --step out for the latest")
+        path = find_initial_checkpoint(found[0])
+    elif saved or (ckpt_dir / "latest").exists():
+        path = find_initial_checkpoint(ckpt_dir)
+    else:
+        raise CheckpointError(f"no checkpoint under {ckpt_dir}: train the run first (checkpoint.save_interval, or "
+                              f"the end of training, saves one)")
+    step = read_meta(path)["step"]
+    return path, cfg.data.seq_len_at(max(step - 1, 0))
+
+
+def _hf_config(args: argparse.Namespace) -> tuple[Config, Any]:
+    """(config, tokenizer) of --from-hf: the model section from its config.json."""
     folder = Path(args.from_hf)
     hf, _ = open_hf_dir(folder)
     try:
@@ -125,7 +142,7 @@ def _hf_source(args: argparse.Namespace) -> tuple[Config, Any, Path, Optional[in
     cfg = load_config(args.config, mock + ["data.tokenizer=huggingface", f"data.tokenizer_model={folder}"])
     cfg.model = dataclasses.replace(model, attention_backend=cfg.model.attention_backend, kernels=cfg.model.kernels)
     tok = build_tokenizer("huggingface", str(folder), eod=cfg.data.eod, bos=cfg.data.bos)
-    return cfg, tok, folder, hf.get("max_position_embeddings")
+    return cfg, tok
 
 
 def _fit_layout(cfg: Config, world: int, overrides: list[str]) -> Config:
@@ -159,6 +176,8 @@ def _settings(cfg: Config, args: argparse.Namespace, prompts: Any, trained: Opti
     if not lengths and trained:
         lengths = [n for n in (trained // 4, trained // 2, trained)
                    if all(n >= minimum_length(prompts, t) for t in tasks if t in TASKS)] or [trained]
+    elif not lengths and args.from_hf and trained is None:
+        raise LongEvalError(f"{args.from_hf}'s config.json gives no max_position_embeddings: give --lengths")
     return LongEvalSettings(tasks=tasks, lengths=tuple(lengths or ()),
                             depths=tuple(args.depths if args.depths is not None else e.depths),
                             samples=args.samples if args.samples is not None else e.samples,
@@ -177,24 +196,37 @@ def _haystack(cfg: Config, args: argparse.Namespace, settings: LongEvalSettings)
 
 
 def evaluate(args: argparse.Namespace) -> int:
-    """Load, lay out, evaluate and (rank 0) write the results."""
+    """Load, lay out, check, evaluate and (rank 0) write the results. What can be checked without the weights
+    is checked before they are read."""
     import torch.distributed as dist
 
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
-    cfg, tok, weights, trained = _run_source(args) if args.run else _hf_source(args)
+    cfg, tok = _run_config(args) if args.run else _hf_config(args)
     cfg = _fit_layout(cfg, world, args.overrides)
-    settings = _settings(cfg, args, Prompts(tok, cfg.data.bos), trained)
+    prompts = Prompts(tok, cfg.data.bos)
+    settings = _settings(cfg, args, prompts, None)
+    haystack = _haystack(cfg, args, settings)
+    check_settings(settings, prompts, haystack, text_only(tok))
+    if args.run:
+        weights, trained = _run_checkpoint(args, cfg)
+    else:
+        weights, trained = Path(args.from_hf), open_hf_dir(args.from_hf)[0].get("max_position_embeddings")
+    if not settings.lengths:
+        settings = _settings(cfg, args, prompts, trained)
+        check_settings(settings, prompts, haystack, text_only(tok))
+    cfg.long_eval.lengths = list(settings.lengths)          # phases of the plan (compiled attention's shapes)
     device = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_seconds)
     run = resolve(cfg, Machine.current(device), world)
+    if run.attention == "flex" and device.type == "cuda":
+        reserve_compiles(flex_compile_budget(run))
     grid = ParallelGrid.for_plan(run, cfg.parallel.timeout_seconds)
-    evaluator = LongEval(cfg, grid, device, run.torch_dtype, tok, _haystack(cfg, args, settings))
-    evaluator.check(settings)
     print0(startup_line(cfg, grid, run))
     mesh = grid.device_mesh(device)
     model = build_model(cfg, grid, device, mesh, run)
     print0(load_initial_weights(weights, model, cfg, grid, mesh))
     if not cfg.parallel.fsdp:
         model.to(run.torch_dtype)
+    evaluator = LongEval(cfg, grid, device, run.torch_dtype, tok, haystack)
     where: list[str] = ["starting"]
     try:
         report = evaluator.run(model, settings, trained, where.append)
@@ -240,6 +272,10 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"{flag} is empty: give comma-separated numbers")
     if args.samples is not None and args.samples < 1:
         p.error(f"--samples {args.samples}: give at least 1")
+    if args.out is not None:
+        blocker = next((q for q in (Path(args.out), *Path(args.out).parents) if q.exists()), Path("."))
+        if not blocker.is_dir():
+            p.error(f"--out {args.out}: {blocker} is a file: give a directory")
     rank0 = os.environ.get("RANK", "0") == "0"
     import torch.distributed as dist
 

@@ -38,6 +38,11 @@ from megalysses.training.fsdp import reshard
 HAYSTACK_TASKS = ("niah", "niah-multikey", "position-loss")
 
 
+def text_only(tokenizer: Any) -> set[int]:
+    """The tokens the needle tasks leave out of the haystack: document boundaries (EOD, BOS)."""
+    return {t for t in (tokenizer.eod_id, tokenizer.bos_id) if t is not None}
+
+
 class LongEvalError(ValueError):
     """Settings the evaluation cannot run with: the message names the setting and the fix."""
 
@@ -69,6 +74,41 @@ class LongEvalReport:
         return [n for n in lengths if self.trained_length is not None and n > self.trained_length]
 
 
+def check_settings(s: LongEvalSettings, prompts: Prompts, haystack: Optional[DocumentStream],
+                   drop: set[int]) -> None:
+    """LongEvalError (HaystackError) for settings that cannot run: an unknown task, a depth outside [0, 1], a
+    length shorter than a task's prompt, no haystack or too short a one for the tasks that read real text.
+    Without lengths, the rest alone."""
+    unknown = [t for t in s.tasks if t not in TASKS]
+    if unknown or not s.tasks:
+        what = f"unknown task {unknown[0]!r}" if unknown else "no task given"
+        raise LongEvalError(f"{what}: choose among {', '.join(TASKS)}")
+    bad = [d for d in s.depths if not 0.0 <= d <= 1.0] if s.depths else [None]
+    if bad:
+        raise LongEvalError(f"depth {bad[0]} is outside [0, 1]: give needle depths as fractions of the text, 0 "
+                            f"(its start) to 1 (right before the question)")
+    if s.samples < 1 or (s.lengths and min(s.lengths) < 1):
+        raise LongEvalError(f"lengths {list(s.lengths)} and samples {s.samples}: give lengths and samples >= 1")
+    needs_text = [t for t in s.tasks if t in HAYSTACK_TASKS]
+    if needs_text and haystack is None:
+        raise LongEvalError(f"the task {needs_text[0]} reads real text, and this run has no dataset to take it "
+                            f"from (data.mock): name one (--haystack, or long_eval.haystack)")
+    if not s.lengths:
+        return
+    for task in s.tasks:
+        need = minimum_length(prompts, task)
+        if min(s.lengths) < need:
+            raise LongEvalError(f"length {min(s.lengths)} cannot hold the {task} prompt, which needs at least "
+                                f"{need} tokens with this tokenizer: give longer lengths")
+    if needs_text:
+        want = max(s.lengths) + 1
+        have = haystack.text_tokens(want, drop)
+        if have < want:
+            raise HaystackError(f"{haystack.name} holds {have} tokens of text, fewer than the {want} a sample of "
+                                f"length {max(s.lengths)} needs: give a larger haystack (--haystack, or "
+                                f"long_eval.haystack) or shorter lengths")
+
+
 class LongEval:
     """The long-context evaluation of one run's model on its grid (see the module's docstring)."""
 
@@ -78,39 +118,12 @@ class LongEval:
         self.tok, self.haystack = tokenizer, haystack
         self.prompts = Prompts(tokenizer, cfg.data.bos)
         self.eod = tokenizer.eod_id              # data.eod where the run names one (tokenizer_from_config)
-        self.drop = {t for t in (tokenizer.eod_id, tokenizer.bos_id) if t is not None}
+        self.drop = text_only(tokenizer)
         self.separator = self.prompts.plain("\n\n")
 
     def check(self, s: LongEvalSettings) -> None:
-        """LongEvalError for settings that cannot run: an unknown task, a depth outside [0, 1], a length shorter
-        than a task's prompt, no haystack or too short a one for the tasks that read real text."""
-        unknown = [t for t in s.tasks if t not in TASKS]
-        if unknown or not s.tasks:
-            what = f"unknown task {unknown[0]!r}" if unknown else "no task given"
-            raise LongEvalError(f"{what}: choose among {', '.join(TASKS)}")
-        bad = [d for d in s.depths if not 0.0 <= d <= 1.0] if s.depths else [None]
-        if bad:
-            raise LongEvalError(f"depth {bad[0]} is outside [0, 1]: give needle depths as fractions of the text, 0 "
-                                f"(its start) to 1 (right before the question)")
-        if not s.lengths or min(s.lengths) < 1 or s.samples < 1:
-            raise LongEvalError(f"lengths {list(s.lengths)} and samples {s.samples}: give at least one length and "
-                                f"one sample, all >= 1")
-        for task in s.tasks:
-            need = minimum_length(self.prompts, task)
-            if min(s.lengths) < need:
-                raise LongEvalError(f"length {min(s.lengths)} cannot hold the {task} prompt, which needs at least "
-                                    f"{need} tokens with this tokenizer: give longer lengths")
-        needs_text = [t for t in s.tasks if t in HAYSTACK_TASKS]
-        if needs_text and self.haystack is None:
-            raise LongEvalError(f"the task {needs_text[0]} reads real text, and this run has no dataset to take it "
-                                f"from (data.mock): name one (--haystack, or long_eval.haystack)")
-        if needs_text:
-            want = max(s.lengths) + 1
-            have = self.haystack.text_tokens(want, self.drop)
-            if have < want:
-                raise HaystackError(f"{self.haystack.name} holds {have} tokens of text, fewer than the {want} a "
-                                    f"sample of length {max(s.lengths)} needs: give a larger haystack (--haystack, "
-                                    f"or long_eval.haystack) or shorter lengths")
+        """check_settings with this evaluation's prompts and haystack."""
+        check_settings(s, self.prompts, self.haystack, self.drop)
 
     def run(self, model: torch.nn.Module, s: LongEvalSettings, trained_length: Optional[int] = None,
             doing: Callable[[str], None] = lambda what: None) -> LongEvalReport:
