@@ -18,8 +18,10 @@ from typing import Optional, Sequence
 import numpy as np
 
 from megalysses.data.blend import parse_blend
+from megalysses.data.build import default_cache_dir
 from megalysses.data.gpt_dataset import split_ranges
 from megalysses.data.indexed import IndexedDataset
+from megalysses.data.validate import check_token_ids
 
 
 class HaystackError(ValueError):
@@ -59,6 +61,14 @@ class DocumentStream:
             raise HaystackError(f"{name} holds no documents: give data.split a valid share or data.valid_paths, or "
                                 f"name a haystack (--haystack, or long_eval.haystack)")
         return cls(parts, name)
+
+    def check_ids(self, vocab_size: int) -> None:
+        """DatasetError unless every token id of the datasets is below `vocab_size` (the tokenizer's): text made
+        with another tokenizer would read as nonsense, or past the model's vocabulary (cached as training's)."""
+        fix = ("it was tokenized with another tokenizer than the run's: give a haystack made with the run's "
+               "(tools/preprocess_data.py)")
+        for ds in {id(ds): ds for ds, _, _ in self.parts}.values():
+            check_token_ids(ds, vocab_size, default_cache_dir(ds.prefix), "the tokenizer's vocabulary", fix)
 
     @property
     def num_documents(self) -> int:

@@ -79,6 +79,7 @@ class Prompts:
     def __init__(self, tokenizer: Any, bos: Optional[str] = None) -> None:
         self.tok = tokenizer
         self.pieces: dict[str, list[int]] = {}
+        self.sentence_ends: dict[int, bool] = {}
         self._check(" ".join([PASSKEY_INTRO, PASSKEY_NEEDLE.format(key="12345"), PASSKEY_QUESTION,
                               NIAH_NEEDLE.format(key="quiet-lantern", value="1234567"),
                               NIAH_QUESTION.format(key="quiet-lantern")]))
@@ -121,9 +122,10 @@ class Prompts:
     def ends_sentence(self, ids: np.ndarray) -> np.ndarray:
         """Per token, whether its text ends a sentence or a line (a needle may follow it)."""
         unique, inverse = np.unique(ids, return_inverse=True)
-        ends = np.array([self.tok.decode([int(t)]).rstrip(" ").endswith((".", "!", "?", "\n")) for t in unique],
-                        dtype=bool)
-        return ends[inverse] if len(unique) else np.zeros(0, dtype=bool)
+        for t in unique.tolist():
+            if t not in self.sentence_ends:
+                self.sentence_ends[t] = self.tok.decode([t]).rstrip(" ").endswith((".", "!", "?", "\n"))
+        return np.array([self.sentence_ends[t] for t in unique.tolist()], dtype=bool)[inverse]
 
 
 Filler = Callable[[int, np.random.Generator], np.ndarray]

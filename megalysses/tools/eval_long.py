@@ -3,17 +3,17 @@ the training layout.
 
     python tools/eval_long.py --run runs/passkey                     # its latest checkpoint, one process
     python tools/eval_long.py --run runs/passkey --step 1000 --lengths 512,1024 --depths 0,0.5,1 --samples 20
-    torchrun --nproc-per-node 8 tools/eval_long.py --run runs/llama1m --lengths 1048576 --set parallel.sp=8
+    torchrun --nproc-per-node 8 tools/eval_long.py --run-dir runs/llama1m --lengths 1048576 --set parallel.sp=8
     python tools/eval_long.py --from-hf models/Llama-3.2-1B --haystack data/essays_text_document --out out/eval
 
---run reads <run>/config.yaml and a checkpoint (the latest, or --step N) and evaluates on the run's layout
-where the world size allows it (a multiple of tp x sp x pp ranks: the rest is data parallelism), else on all
-the ranks as one sequence-parallel group (Ulysses as far as the heads allow, ring attention for the rest);
---set section.key=value changes the layout (or any setting) as pretrain.py's --set does. --from-hf
-evaluates a Hugging Face Llama directory (its config.json, safetensors and tokenizer.json), the rest of the
-settings from --config (default: the schema's). The forward is the training one (tp, sp = ulysses x ring,
-pp and virtual stages, FSDP, head chunks, activation offload), so a length evaluates wherever a training step
-of that length runs.
+--run (--run-dir under torchrun, whose own --run-path takes --run) reads <run>/config.yaml and a checkpoint
+(the latest, or --step N) and evaluates on the run's layout where the world size allows it (a multiple of
+tp x sp x pp ranks: the rest is data parallelism), else on all the ranks as one sequence-parallel group
+(Ulysses as far as the heads allow, ring attention for the rest); --set section.key=value changes the layout
+(or any setting) as pretrain.py's --set does. --from-hf evaluates a Hugging Face Llama directory (its
+config.json, safetensors and tokenizer.json), the rest of the settings from --config (default: the schema's).
+The forward is the training one (tp, sp = ulysses x ring, pp and virtual stages, FSDP, head chunks, activation
+offload), so a length evaluates wherever a training step of that length runs.
 
 Tasks (--tasks, default all): passkey (a 5-digit key in repeated filler sentences, Mohtashami & Jaggi 2023),
 niah and niah-multikey (a 7-digit number for a key, alone or among three other keys' numbers, in real text:
@@ -75,7 +75,9 @@ def _numbers(text: str, kind: type, flag: str) -> list:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--run", help="a run directory (config.yaml and checkpoints/)")
+    source.add_argument("--run", "--run-dir", dest="run",
+                        help="a run directory (config.yaml and checkpoints/); under torchrun spell it --run-dir "
+                             "(torchrun reads --run as its own --run-path)")
     source.add_argument("--from-hf", metavar="HF_DIR", help="a Hugging Face Llama directory")
     p.add_argument("--step", type=int, help="--run: the checkpoint of this step (default: the latest)")
     p.add_argument("--config", help="--from-hf: a megalysses YAML for everything but the model (layout, data)")
@@ -176,8 +178,6 @@ def _settings(cfg: Config, args: argparse.Namespace, prompts: Any, trained: Opti
     if not lengths and trained:
         lengths = [n for n in (trained // 4, trained // 2, trained)
                    if all(n >= minimum_length(prompts, t) for t in tasks if t in TASKS)] or [trained]
-    elif not lengths and args.from_hf and trained is None:
-        raise LongEvalError(f"{args.from_hf}'s config.json gives no max_position_embeddings: give --lengths")
     return LongEvalSettings(tasks=tasks, lengths=tuple(lengths or ()),
                             depths=tuple(args.depths if args.depths is not None else e.depths),
                             samples=args.samples if args.samples is not None else e.samples,
@@ -213,6 +213,8 @@ def evaluate(args: argparse.Namespace) -> int:
         weights, trained = Path(args.from_hf), open_hf_dir(args.from_hf)[0].get("max_position_embeddings")
     if not settings.lengths:
         settings = _settings(cfg, args, prompts, trained)
+        if not settings.lengths:
+            raise LongEvalError(f"{args.from_hf}'s config.json gives no max_position_embeddings: give --lengths")
         check_settings(settings, prompts, haystack, text_only(tok))
     cfg.long_eval.lengths = list(settings.lengths)          # phases of the plan (compiled attention's shapes)
     device = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_seconds)

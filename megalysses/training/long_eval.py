@@ -62,23 +62,18 @@ class LongEvalSettings:
 @dataclass
 class LongEvalReport:
     """The figures (one entry per task, length and depth, or position bucket), and beside them the trained
-    length, the lengths past it and the seconds each length took."""
+    length and the seconds each length took."""
 
     results: list[dict]
     trained_length: Optional[int]
     seconds: dict[int, float] = field(default_factory=dict)
 
-    @property
-    def extrapolated(self) -> list[int]:
-        lengths = sorted({r["length"] for r in self.results})
-        return [n for n in lengths if self.trained_length is not None and n > self.trained_length]
-
 
 def check_settings(s: LongEvalSettings, prompts: Prompts, haystack: Optional[DocumentStream],
                    drop: set[int]) -> None:
     """LongEvalError (HaystackError) for settings that cannot run: an unknown task, a depth outside [0, 1], a
-    length shorter than a task's prompt, no haystack or too short a one for the tasks that read real text.
-    Without lengths, the rest alone."""
+    length shorter than a task's prompt, no haystack, too short a one or one of another tokenizer for the tasks
+    that read real text (DatasetError). Without lengths, the rest alone."""
     unknown = [t for t in s.tasks if t not in TASKS]
     if unknown or not s.tasks:
         what = f"unknown task {unknown[0]!r}" if unknown else "no task given"
@@ -93,6 +88,8 @@ def check_settings(s: LongEvalSettings, prompts: Prompts, haystack: Optional[Doc
     if needs_text and haystack is None:
         raise LongEvalError(f"the task {needs_text[0]} reads real text, and this run has no dataset to take it "
                             f"from (data.mock): name one (--haystack, or long_eval.haystack)")
+    if needs_text:
+        haystack.check_ids(prompts.tok.vocab_size)
     if not s.lengths:
         return
     for task in s.tasks:
@@ -115,7 +112,7 @@ class LongEval:
     def __init__(self, cfg: Config, grid: ParallelGrid, device: torch.device, dtype: torch.dtype, tokenizer: Any,
                  haystack: Optional[DocumentStream]) -> None:
         self.cfg, self.grid, self.device, self.dtype = cfg, grid, device, dtype
-        self.tok, self.haystack = tokenizer, haystack
+        self.haystack = haystack
         self.prompts = Prompts(tokenizer, cfg.data.bos)
         self.eod = tokenizer.eod_id              # data.eod where the run names one (tokenizer_from_config)
         self.drop = text_only(tokenizer)
@@ -170,7 +167,7 @@ class LongEval:
         stats = torch.zeros(len(items), buckets, 3, dtype=torch.float64, device=self.device)  # tokens, hits, loss
         for c in range(rounds):
             doing(f"evaluating long context at {length} tokens (micro-batch {c + 1} of {rounds})")
-            ids = [i for i in range(c * chunk + g.dp_rank * per_mb, c * chunk + (g.dp_rank + 1) * per_mb)]
+            ids = range(c * chunk + g.dp_rank * per_mb, c * chunk + (g.dp_rank + 1) * per_mb)   # this dp rank's
             samples = [self.sample(s, length, items[i]) if i < len(items) else None for i in ids]
             mb, local = self._micro_batch(samples, length)
             out = self._forward(model, mb)
