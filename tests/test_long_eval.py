@@ -100,7 +100,7 @@ def test_passkey_corpus_documents_are_one_sample_each():
         assert d.count(key) == 3 and sum(c.isdigit() for c in d) == 15
     assert plain_text("Tab\there: 3 ü!") == "Tab here: !"
     with pytest.raises(ValueError, match="cannot hold the passkey prompt"):
-        next(passkey_documents([textwrap.__doc__], seq_len=200, count=1, seed=1))
+        passkey_documents(iter(()), seq_len=200, count=1, seed=1)
 
 
 def _greedy_answers(cfg, samples: dict) -> dict:

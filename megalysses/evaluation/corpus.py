@@ -44,17 +44,21 @@ def text_filler(pool: np.ndarray, starts: np.ndarray, passage: tuple[int, int] =
 
 def passkey_documents(texts: Iterable[str], seq_len: int, count: int, seed: int) -> Iterator[str]:
     """`count` passkey documents of seq_len - 1 bytes each (filler from `texts`, keys at uniformly random depths);
-    ValueError when seq_len cannot hold the prompt or the texts hold no plain text."""
+    ValueError, before any text is read, when seq_len cannot hold the prompt."""
     prompts = Prompts(ByteTokenizer())
+    need = passkey_prompt(prompts, 0.5, np.random.default_rng(0)).tokens(prompts) + 1     # every key has 5 digits
+    if need > seq_len:
+        raise ValueError(f"a document of {seq_len} tokens cannot hold the passkey prompt ({need - 1} bytes and the "
+                         f"EOD): give a --seq-len of at least {need}")
+    return _documents(prompts, texts, seq_len, count, seed)
+
+
+def _documents(prompts: Prompts, texts: Iterable[str], seq_len: int, count: int, seed: int) -> Iterator[str]:
     pool = np.frombuffer((" " + " ".join(t for t in map(plain_text, texts) if t)).encode("ascii"), dtype=np.uint8)
-    if not len(pool):
+    if len(pool) < 2:
         raise ValueError("the texts hold no plain text for the filler")
     filler = text_filler(pool.astype(np.int64), np.flatnonzero(pool == ord(" ")))     # from a word's start
     rng = np.random.default_rng(seed)
     for _ in range(count):
-        prompt = passkey_prompt(prompts, float(rng.random()), rng)
-        if prompt.tokens(prompts) > seq_len - 1:
-            raise ValueError(f"a document of {seq_len} tokens cannot hold the passkey prompt "
-                             f"({prompt.tokens(prompts)} bytes and the EOD): give a longer --seq-len")
-        sample = compose(prompts, prompt, seq_len - 2, filler, rng)
+        sample = compose(prompts, passkey_prompt(prompts, float(rng.random()), rng), seq_len - 2, filler, rng)
         yield bytes(sample.tokens.astype(np.uint8)).decode("ascii")

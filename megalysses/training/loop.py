@@ -165,6 +165,8 @@ def train(cfg: Config, grid: ParallelGrid, device: torch.device, signals: Option
     if initial is not None:
         path = None
     initial = None if dry_run else initial
+    doing("checking the long-context evaluation")
+    long_eval = TrainingLongEval(cfg, grid, device, dtype) if cfg.long_eval.interval and not dry_run else None
     model, opt = build_model_and_optimizer(cfg, grid, device, run, mesh, initial, doing)
     check_built(model, grid, run)
     if dry_run:
@@ -172,7 +174,6 @@ def train(cfg: Config, grid: ParallelGrid, device: torch.device, signals: Option
         return {"step": 0, "loss": float("nan"), "stopped_by": "dry_run"}
     doing("opening the datasets")
     data = TrainingData(cfg, grid, device)
-    long_eval = TrainingLongEval(cfg, grid, device, dtype) if cfg.long_eval.interval else None
     if path is not None:
         doing(f"loading the checkpoint {path}")
         meta = load_checkpoint(path, model, opt, grid, mesh, architecture(cfg.model, grid.tp_size))
