@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from megalysses.config import ConfigError
 from megalysses.config_io import load_config
 from megalysses.data.tokenizer import ByteTokenizer
 from megalysses.evaluation.corpus import passkey_documents, plain_text
@@ -222,3 +223,24 @@ def test_every_layout_reports_the_figures_of_one_process(single):
                 assert a == b, f"{name}: {a} != one process's {b}"
             else:
                 assert a["tokens"] == b["tokens"] and abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), name
+
+
+def test_training_lengths_follow_the_curriculum(monkeypatch):
+    from megalysses.training.long_eval import LongEval, TrainingLongEval
+
+    cfg = load_config(None, ["data.mock=true", "model.vocab_size=259", "data.seq_len=640",
+                             "data.seq_len_schedule=[[0, 320], [3, 640]]", "long_eval.interval=2",
+                             "long_eval.tasks=[passkey]"])
+    seen = []
+    monkeypatch.setattr(LongEval, "run", lambda self, model, s, trained, doing: seen.append((s.lengths, trained)))
+    hook = TrainingLongEval(cfg, None, torch.device("cpu"), torch.float32)
+    for step in (2, 4):
+        hook(None, step, lambda what: None)
+    assert seen == [((320,), 320), ((640,), 640)] and hook.due(4) and not hook.due(3)
+    cfg.long_eval.lengths = [1280]
+    hook(None, 4, lambda what: None)
+    assert seen[-1] == ((1280,), 640)
+    with pytest.raises(ConfigError, match="long_eval: length 160 cannot hold the passkey prompt"):
+        TrainingLongEval(load_config(None, ["data.mock=true", "model.vocab_size=259", "data.seq_len=640",
+                                            "data.seq_len_schedule=[[0, 160], [3, 640]]", "long_eval.interval=2",
+                                            "long_eval.tasks=[passkey]"]), None, torch.device("cpu"), torch.float32)
