@@ -147,17 +147,17 @@ def _hf_config(args: argparse.Namespace) -> tuple[Config, Any]:
     return cfg, tok
 
 
-def _fit_layout(cfg: Config, world: int, overrides: list[str]) -> Config:
-    """The run's layout where `world` holds whole copies of it, else sp over every rank; then --set; the batch
-    settings made to fit the world (they do not apply to an evaluation)."""
+def _fit_layout(cfg: Config, world: int, overrides: list[str]) -> tuple[Config, Optional[str]]:
+    """The run's layout where `world` holds whole copies of it, else sp over every rank (and a line saying so);
+    then --set; the batch settings made to fit the world (they do not apply to an evaluation)."""
     data = config_to_dict(cfg)
     p = cfg.parallel
+    note = None
     if world % (p.tp * p.sp * p.pp):
         for o in ("parallel.tp=1", "parallel.pp=1", "parallel.virtual_stages=1", f"parallel.sp={world}",
                   "parallel.sp_ring=0", "parallel.tp_sequence_parallel=false"):
             apply_override(data, o)
-        print0(f"the run's layout (tp {p.tp} x sp {p.sp} x pp {p.pp}) does not divide {world} ranks: evaluating with "
-               f"sp={world}")
+        note = f"the run's layout (tp {p.tp} x sp {p.sp} x pp {p.pp}) does not divide {world} ranks: sp={world}"
     for o in overrides:
         apply_override(data, o)
     cfg = config_from_dict(data)
@@ -166,7 +166,7 @@ def _fit_layout(cfg: Config, world: int, overrides: list[str]) -> Config:
     t.rampup_batch_size, t.batch_size_schedule = [], []
     t.global_batch_size = t.micro_batch_size * dp * (par.pp if par.virtual_stages > 1 else 1)
     validate_config(cfg, world_size=world)
-    return cfg
+    return cfg, note
 
 
 def _settings(cfg: Config, args: argparse.Namespace, prompts: Any, trained: Optional[int]) -> LongEvalSettings:
@@ -202,7 +202,7 @@ def evaluate(args: argparse.Namespace) -> int:
 
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
     cfg, tok = _run_config(args) if args.run else _hf_config(args)
-    cfg = _fit_layout(cfg, world, args.overrides)
+    cfg, note = _fit_layout(cfg, world, args.overrides)
     prompts = Prompts(tok, cfg.data.bos)
     settings = _settings(cfg, args, prompts, None)
     haystack = _haystack(cfg, args, settings)
@@ -222,6 +222,8 @@ def evaluate(args: argparse.Namespace) -> int:
     if run.attention == "flex" and device.type == "cuda":
         reserve_compiles(flex_compile_budget(run))
     grid = ParallelGrid.for_plan(run, cfg.parallel.timeout_seconds)
+    if note:
+        print0(note)
     print0(startup_line(cfg, grid, run))
     mesh = grid.device_mesh(device)
     model = build_model(cfg, grid, device, mesh, run)
@@ -234,8 +236,8 @@ def evaluate(args: argparse.Namespace) -> int:
         report = evaluator.run(model, settings, trained, where.append)
     except (torch.OutOfMemoryError, MemoryError):
         raise LongEvalError(f"out of memory while {where[-1]}: this layout cannot hold that length; evaluate shorter "
-                            f"--lengths, or spread the sequence over more ranks (--set parallel.sp=N, "
-                            f"training.attention_head_chunks, training.activation_offload)") from None
+                            f"--lengths, or spread the sequence over more ranks (--set parallel.sp=N) or into "
+                            f"smaller pieces (training.attention_head_chunks, training.mlp_chunk_tokens)") from None
     if is_rank0():
         _write(Path(args.out or args.run), report, settings, weights, {
             "world": world, "tp": grid.tp_size, "sp": grid.sp_size, "ulysses": grid.ulysses_size,
