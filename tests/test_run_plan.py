@@ -19,7 +19,7 @@ from megalysses.tools import pretrain
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = [("configs/quickstart.yaml", 4), ("configs/gpt_1b_32k.yaml", 8), ("configs/gpt_1b_8gpu.yaml", 8),
            ("configs/gpt_1b_1m_offload.yaml", 1), ("configs/llama3_8b_128k.yaml", 32),
-           ("configs/llama3_8b_1m.yaml", 64), ("configs/passkey_cpu.yaml", 1)]
+           ("configs/llama3_8b_1m.yaml", 64), ("configs/llama3_8b_chat_128k.yaml", 8), ("configs/passkey_cpu.yaml", 1)]
 
 
 def test_every_shipped_config_is_covered():
@@ -35,7 +35,7 @@ def agree(planned: dict, runtime: dict) -> None:
 @pytest.mark.parametrize("path, gpus", SHIPPED)
 def test_the_planned_run_is_the_run_that_starts(path, gpus, tmp_path, capsys):
     config = str(ROOT / path)
-    assert plan_cli.main(["--config", config, "--gpus", str(gpus), "--gpu-memory-gib", "80", "--json",
+    assert plan_cli.main(["--config", config, "--gpus", str(gpus), "--json",
                           "--top", "1"]) == 0
     planned = json.loads(capsys.readouterr().out)["config_layout"]["plan"]
     run_dir = tmp_path / "run"

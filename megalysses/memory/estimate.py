@@ -8,15 +8,20 @@ from typing import Optional
 from megalysses.config import ModelConfig
 from megalysses.memory.activations import (bytes_per_token, dims, head_weight_grad_bytes, kept_layers, layer_terms,
                                            norm_terms, stage_layers, stage_terms)
+from megalysses.memory.blocks import flex_mask, largest_block
 from megalysses.memory.states import in_flight, optimizer_terms, stage_params, state_terms, streams_gradients
 from megalysses.memory.transients import backward_terms, loss_terms, norm_backward_bytes, norm_tile_bytes
+from megalysses.memory.host import pinned_requests, pinned_terms
 from megalysses.memory.types import Estimate, Layout, Options, Precision, Term, Workload
 
 
 def estimate(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, work: Workload) -> Estimate:
-    """The peak over the pipeline stages (the first holds the most micro-batches, the last the loss)."""
-    return max((_stage_estimate(m, layout, opts, prec, work, s) for s in sorted({0, layout.pp - 1})),
-               key=lambda e: e.peak)
+    """The peak over the pipeline stages (the first holds the most micro-batches, the last the loss), with the
+    largest single block of any of them."""
+    stages = [_stage_estimate(m, layout, opts, prec, work, s) for s in sorted({0, layout.pp - 1})]
+    est = max(stages, key=lambda e: e.peak)
+    est.largest = max((e.largest for e in stages), key=lambda t: t.bytes)
+    return est
 
 
 def _stage_estimate(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, work: Workload,
@@ -50,16 +55,20 @@ def _stage_estimate(m: ModelConfig, layout: Layout, opts: Options, prec: Precisi
         if stage_tok:
             terms.append(Term("stage activations (rotary cos/sin, tp-local ids)", mbs * tokens * stage_tok,
                               f"{mbs:g} mb x {tokens:.4g} tok x {stage_tok:.4g} B"))
-        if opts.documents and opts.attention == "sdpa" and layout.ring > 1:
+        masked = opts.documents or m.sliding_window > 0              # sdpa builds dense masks for either
+        if masked and opts.attention == "sdpa" and layout.ring > 1:
             # each block's allowed pairs (bool) and additive mask (compute dtype): the rank's own block
             # whole, the r-1 others half (kernels/block_attention.py AttentionBlock, on CPU)
             r, B = layout.ring, work.micro_batch_size
             masks = B * (S / r) ** 2 * (r + 1) / 2 * (1 + prec.act)
-            terms.append(Term("dense document masks of the ring's blocks (sdpa)", masks,
+            terms.append(Term("dense document (window) masks of the ring's blocks (sdpa)", masks,
                               f"B x (S/r)^2 x (r+1)/2 x (1 + {prec.act}) B, r = {r}"))
-        elif opts.documents and opts.attention == "sdpa":
-            terms.append(Term("dense document mask (sdpa)", work.micro_batch_size * S ** 2,
+        elif masked and opts.attention == "sdpa":
+            terms.append(Term("dense document (window) mask (sdpa)", work.micro_batch_size * S ** 2,
                               f"B x S^2 = {work.micro_batch_size} x {S}^2 B"))
+        mask = flex_mask(m, layout, opts, work)
+        if mask is not None:
+            terms.append(mask)
         return terms
 
     fixed, grads = state_terms(m, layout, opts, prec, first, last, M)
@@ -124,12 +133,10 @@ def _stage_estimate(m: ModelConfig, layout: Layout, opts: Options, prec: Precisi
     phase = max(phases, key=lambda p: _device(phases[p]))
     terms = [t for t in phases[phase] if not t.host and t.bytes]
     host = [t for t in fixed + optimizer_terms(m, layout, opts, prec, n, M) if t.host]
-    if offload:
-        off = kept_layers(n_layers, opts) - (0 if first else 1)
-        host.insert(0, Term("offloaded block inputs", flight * tokens * off * layer_tok,
-                            f"{flight:g} mb x {off} layers x {tokens:.4g} tok x {layer_tok:.4g} B", host=True))
+    host = pinned_terms(pinned_requests(m, layout, opts, prec, work, stage)) + host     # what the arena holds
     return Estimate(peak=_device(terms), stage=stage, phase=phase, terms=terms + host,
-                    host=sum(t.bytes for t in host), layer_bytes_per_token=layer_tok, layout=layout, options=opts)
+                    host=sum(t.bytes for t in host), layer_bytes_per_token=layer_tok, layout=layout, options=opts,
+                    largest=largest_block(m, layout, opts, prec, work, last))
 
 
 def _device(terms: list[Term]) -> float:

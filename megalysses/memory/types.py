@@ -107,6 +107,10 @@ class Options:
     offload_prefetch: int = 1          # offloaded layers copied back ahead of the one in backward
     bucket_bytes: float = 32_000_000 * 4       # one gradient bucket (ZeRO-1: parallel.grad_bucket_elements fp32)
     overlap_grad_reduce: bool = True   # ZeRO-1 reduces buckets during the backward (parallel.overlap_grad_reduce)
+    mask_block: int = 128              # FlexAttention's block-mask block size (ActivationPolicy.mask_block)
+    pinned_rounding: bool = False      # torch rounds each pinned request of its own (FSDP2's) up to a power of two
+                                       # (a torch that cannot stop it: Machine.pinned_exact False); megalysses'
+                                       # own are exact (memory/host.py)
 
 
 @dataclass(frozen=True)
@@ -134,6 +138,7 @@ class Estimate:
     terms: list[Term]                  # the breakdown: device terms add up to `peak`; host terms follow
     host: float = 0.0                  # host bytes per rank (offloaded activations and optimizer state)
     layer_bytes_per_token: float = 0.0  # retained bytes per layer per token of S/sp
+    largest: Term = field(default_factory=lambda: Term("largest block", 0.0))   # the largest single allocation
     layout: Layout = field(default_factory=Layout)
     options: Options = field(default_factory=Options)
 
@@ -147,3 +152,16 @@ def fmt_bytes(x: float) -> str:
         if abs(x) >= scale:
             return f"{x / scale:.2f} {unit}"
     return f"{x:.0f} B"
+
+
+TORCH_EXACT_ABOVE = 1 << 20
+"""torch's caching host allocator, told to stop rounding (accelerator.PINNED_EXACT_ABOVE_MB), still rounds a
+request of at most 1 MiB up to a power of two."""
+
+
+def torch_pinned(nbytes: float, exact: bool) -> float:
+    """What a pinned request through torch's caching host allocator (FSDP2's) takes: as asked above 1 MiB where
+    torch can be told so (`exact`), else rounded up to a power of two."""
+    if exact and nbytes > TORCH_EXACT_ABOVE:
+        return nbytes
+    return float(1 << max(int(nbytes) - 1, 0).bit_length()) if nbytes > 0 else 0.0

@@ -21,7 +21,10 @@ in any order (1F1B, interleaved), since each forward's blocks form their own cha
 
 A block input that is a leaf (a pipeline stage's received activations) stays on the device: the
 schedule holds it anyway for its gradient. On CPU the "host copy" is a separate CPU tensor and the
-copies are synchronous; everything else is the same code.
+copies are synchronous; everything else is the same code. The side streams and events come from
+megalysses.accelerator; the host buffers (pinned, exactly the block input's size, one per input in flight,
+reused) from `pinned`: the arena the run gives this offloader (megalysses/pinned_arena.py), sized by the
+memory model's count of them (memory/host.py offload_buffers), or without one, pinned requests of their own.
 """
 from __future__ import annotations
 
@@ -32,6 +35,9 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
+
+from megalysses import accelerator
+from megalysses.pinned_arena import PinnedMemory, PinnedRequests
 
 SLOT_ATTR = "_megalysses_offload_slot"
 
@@ -107,10 +113,11 @@ class ActivationOffload:
     """Checkpointed blocks whose inputs wait in host memory (see the module docstring). `prefetch`: how
     many blocks ahead of the one being recomputed their inputs are copied back."""
 
-    def __init__(self, prefetch: int = 1) -> None:
+    def __init__(self, prefetch: int = 1, pinned: Optional[PinnedMemory] = None) -> None:
         if prefetch < 0:
             raise ValueError(f"prefetch must be >= 0, got {prefetch}")
         self.prefetch = prefetch
+        self.pinned = pinned                                 # where the host buffers come from (None: their own)
         self.stats = OffloadStats()
         self._free: dict[tuple, list[_HostBuffer]] = {}      # (shape, dtype) -> reusable pinned buffers
         self._made: list[weakref.ref] = []                   # every host buffer made (weakly)
@@ -138,7 +145,8 @@ class ActivationOffload:
     # ------------------------------------------------------------------ copies
     def _side_streams(self, device: torch.device) -> tuple:
         if device not in self._streams:
-            self._streams[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+            host = accelerator.current()
+            self._streams[device] = (host.stream(device), host.stream(device))
         return self._streams[device]
 
     def _host_buffer(self, x: Tensor) -> _HostBuffer:
@@ -146,9 +154,15 @@ class ActivationOffload:
         free = self._free.get(key)
         if free:
             return free.pop()
+        if self.pinned is None:
+            self.pinned = PinnedRequests(x.device)
         # a new shape: a longer sequence (a curriculum's next stage), whose predecessors do not come back
+        for old in (buf for bufs in self._free.values() for buf in bufs):
+            if old.free_after is not None:
+                old.free_after.synchronize()         # its last copy back to the device has read it
+            self.pinned.release(old.tensor)
         self._free = {key: []}
-        buf = torch.empty(x.shape, dtype=x.dtype, device="cpu", pin_memory=x.is_cuda)
+        buf = self.pinned.empty(tuple(x.shape), x.dtype)
         self._made.append(weakref.ref(buf))
         return _HostBuffer(buf)
 
@@ -161,14 +175,14 @@ class ActivationOffload:
             return
         buf = self._host_buffer(x)
         if x.is_cuda:
+            host = accelerator.current()
             to_host, _ = self._side_streams(x.device)
-            to_host.wait_stream(torch.cuda.current_stream(x.device))     # x has been written
+            to_host.wait_stream(host.current_stream(x.device))          # x has been written
             if buf.free_after is not None:
                 to_host.wait_event(buf.free_after)                       # the buffer's last copy out is done
-            with torch.cuda.stream(to_host):
+            with host.on(to_host):
                 buf.tensor.copy_(x, non_blocking=True)
-                slot.offload_event = torch.cuda.Event()
-                slot.offload_event.record(to_host)
+                slot.offload_event = host.event(to_host)
             x.record_stream(to_host)            # its memory is not reused before the copy has read it
         else:
             buf.tensor.copy_(x)
@@ -180,15 +194,15 @@ class ActivationOffload:
         """Queue the copy of slot's input back to the device (the backward, ahead of its block)."""
         host, device = slot.host.tensor, slot.where
         if device.type == "cuda":
+            accel = accelerator.current()
             _, to_device = self._side_streams(device)
-            main = torch.cuda.current_stream(device)
+            main = accel.current_stream(device)
             slot.device = torch.empty(host.shape, dtype=host.dtype, device=device)   # allocated on the main stream
             to_device.wait_stream(main)         # ... so the copy waits for what the main stream queued before
             to_device.wait_event(slot.offload_event)      # and for the copy out to have filled the host buffer
-            with torch.cuda.stream(to_device):
+            with accel.on(to_device):
                 slot.device.copy_(host, non_blocking=True)
-                slot.fetch_event = torch.cuda.Event()
-                slot.fetch_event.record(to_device)
+                slot.fetch_event = accel.event(to_device)
             slot.host.free_after = slot.fetch_event
         else:
             slot.device = torch.empty(host.shape, dtype=host.dtype, device=device)
@@ -216,7 +230,7 @@ class ActivationOffload:
             raise RuntimeError(f"activation offload: a block input was fetched twice ({slot.state}); the "
                                f"backward of an offloaded block can run once")
         if slot.fetch_event is not None:
-            torch.cuda.current_stream(slot.device.device).wait_event(slot.fetch_event)
+            accelerator.current().current_stream(slot.device.device).wait_event(slot.fetch_event)
         x, slot.device, slot.state = slot.device, None, "done"
         ahead, n = slot.prev, self.prefetch
         while ahead is not None and n > 0:

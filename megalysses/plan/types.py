@@ -31,6 +31,7 @@ class ActivationPolicy:
     loss_chunk_tokens: int = 0
     tp_sequence_parallel: bool = False
     head_chunks: int = 1            # attention runs over this many groups of heads (model/layers.py Attention)
+    mask_block: int = 128           # FlexAttention's block-mask block size with documents (plan/run_plan.py)
 
     def __post_init__(self) -> None:
         if self.keep_attention and self.offload:
@@ -64,6 +65,7 @@ class RunPlan:
     activation: ActivationPolicy
     optimizer: str                  # where the state lives: "fsdp", "zero1", "zero1-host" (optimizer offload) or
                                     # "fsdp-host" (parameter offload)
+    attention_window: int = 0       # the sliding window every attention layer masks (model.sliding_window; 0: none)
     weights: str = "device"         # "host": pinned host memory, streamed in a block ahead (parameter offload)
     gradients: str = "device"       # "host": each bucket (block) leaves the device as its backward finishes
 

@@ -6,7 +6,8 @@
 --stdlib takes every .py file of the running interpreter's standard library (sysconfig's "stdlib"
 path; site-packages and dist-packages are always left out), sorted by relative path, one jsonl
 document {"text": ..., "path": ...} each. Each file is decoded with its declared source encoding
-(PEP 263, UTF-8 by default); the rare file that cannot be decoded is skipped and counted.
+(PEP 263, UTF-8 by default); the rare file that cannot be decoded is skipped and counted, and so are the
+files with no text but whitespace (empty `__init__.py` files: empty documents to preprocessing).
 
 --passkey writes a synthetic retrieval corpus (megalysses/evaluation/corpus.py): --documents passkey
 documents, each the passkey prompt of tools/eval_long.py with its filler a passage of the standard library's
@@ -108,23 +109,26 @@ def main(argv: Optional[list[str]] = None) -> dict[str, int]:
             tmp.unlink()
     what = (f"passkey documents of {args.seq_len - 1} bytes, filler from the docstrings under" if args.passkey else
             f"documents ({counts['characters'] / 1e6:.1f} MB of text) from")
-    print(f"wrote {counts['documents']} {what} {root} to {out}; skipped {counts['skipped']} files that cannot be "
-          f"decoded", file=sys.stderr)
+    print(f"wrote {counts['documents']} {what} {root} to {out}; skipped {counts['empty']} files with no text and "
+          f"{counts['skipped']} that cannot be decoded", file=sys.stderr)
     return counts
 
 
 def _write_stdlib(f, root: str, exclude_tests: bool) -> dict[str, int]:
-    written = skipped = nbytes = 0
+    written = skipped = empty = nbytes = 0
     for path in stdlib_files(root, exclude_tests):
         try:
             text = read_source(path)
         except (SyntaxError, UnicodeDecodeError, LookupError):
             skipped += 1
             continue
+        if not text.strip():
+            empty += 1
+            continue
         f.write(json.dumps({"text": text, "path": path.relative_to(root).as_posix()}) + "\n")
         written += 1
         nbytes += len(text)
-    return {"documents": written, "skipped": skipped, "characters": nbytes}
+    return {"documents": written, "skipped": skipped, "empty": empty, "characters": nbytes}
 
 
 def _write_passkey(f, root: str, args: argparse.Namespace) -> dict[str, int]:
@@ -133,7 +137,7 @@ def _write_passkey(f, root: str, args: argparse.Namespace) -> dict[str, int]:
         f.write(json.dumps({"text": text}) + "\n")
         written += 1
         nbytes += len(text)
-    return {"documents": written, "skipped": 0, "characters": nbytes}
+    return {"documents": written, "skipped": 0, "empty": 0, "characters": nbytes}
 
 
 def cli() -> int:
