@@ -40,6 +40,10 @@ LAYOUTS = {   # name: --set overrides of the run's single-process layout, on 4 r
     "tp2_pp2v2": ["parallel.tp=2", "parallel.pp=2", "parallel.virtual_stages=2"],
     "fsdp_sp2_chunks2": ["parallel.fsdp=true", "parallel.sp=2", "training.attention_head_chunks=2"],
 }
+GRIDS = {     # the layout each one reports: (tp, ulysses, ring, pp, dp)
+    "dp4_mbs2": (1, 1, 1, 1, 4), "tp2_seqpar": (2, 1, 1, 1, 2), "sp2": (1, 2, 1, 1, 2), "ring2_pp2": (1, 1, 2, 2, 1),
+    "u2ring2": (1, 2, 2, 1, 1), "tp2_pp2v2": (2, 1, 1, 2, 1), "fsdp_sp2_chunks2": (1, 2, 1, 1, 2),
+}
 
 
 def test_prompts_are_exactly_as_long_as_asked():
@@ -215,6 +219,7 @@ def test_every_layout_reports_the_figures_of_one_process(single):
     reference = out["results"]["results"]
     for name, got in per_rank[0].items():
         assert got["layout"]["world"] == 4, name
+        assert tuple(got["layout"][k] for k in ("tp", "ulysses", "ring", "pp", "dp")) == GRIDS[name], name
         results = got["results"]
         assert [(r["task"], r.get("depth"), r.get("positions")) for r in results] == \
             [(r["task"], r.get("depth"), r.get("positions")) for r in reference], name
