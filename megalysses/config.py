@@ -446,6 +446,36 @@ class LoggingConfig:
     runs; no MFU otherwise)."""
 
 
+LongEvalTask = Literal["passkey", "niah", "niah-multikey", "position-loss"]
+
+
+@dataclass
+class LongEvalConfig:
+    """Long-context evaluation while training, forward only on the training grid: passkey retrieval, needle in a
+    haystack (one needle, or several keys) and the loss by position within the document
+    (megalysses/training/long_eval.py); its figures go to metrics.jsonl, wandb and TensorBoard under long_eval/.
+    tools/eval_long.py takes the tasks, lengths, depths, samples, seed and haystack from here as defaults."""
+
+    interval: int = 0
+    """Evaluate every N steps (0 = never)."""
+    tasks: list[LongEvalTask] = field(default_factory=lambda: ["passkey", "niah", "niah-multikey", "position-loss"])
+    """The tasks: passkey (a key in repeated filler sentences), niah (a number for a key in real text), niah-multikey
+    (the same among three other keys' numbers), position-loss (the loss by position within the document); the
+    last three read real text (haystack)."""
+    lengths: list[int] = field(default_factory=list)
+    """Lengths in tokens to evaluate at; empty: the length the step trains at (data.seq_len, or the phase of a
+    data.seq_len_schedule). Lengths past the trained one measure extrapolation."""
+    depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
+    """Where the needle goes, as a fraction of the text: 0 right after the intro, 1 right before the question."""
+    samples: int = 4
+    """Samples per task, length and depth (loss by position: per length)."""
+    seed: int = 0
+    """Seed of the keys, needles and texts: the same prompts at every evaluation of a run."""
+    haystack: list[str] = field(default_factory=list)
+    """Dataset prefixes whose documents are the real text (empty: the run's validation data, data.valid_paths or
+    the valid split of data.paths)."""
+
+
 @dataclass
 class ProfileConfig:
     """The torch profiler over a window of training steps, as Megatron-LM's --profile --use-pytorch-profiler:
@@ -473,11 +503,12 @@ class Config:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    long_eval: LongEvalConfig = field(default_factory=LongEvalConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
 
 
 PATH_KEYS = (("data", "paths"), ("data", "valid_paths"), ("data", "tokenizer_model"), ("data", "vocab_file"),
              ("data", "merge_file"), ("data", "cache_dir"), ("checkpoint", "dir"), ("checkpoint", "load"),
-             ("checkpoint", "init_from"), ("logging", "run_dir"))
+             ("checkpoint", "init_from"), ("logging", "run_dir"), ("long_eval", "haystack"))
 """The keys whose values are files or folders (data.paths and valid_paths: a blend's weights are not).
 A config file names them relative to the working directory; a run's own config.yaml, absolute."""

@@ -82,6 +82,7 @@ def validate_config(cfg: Config, world_size: Optional[int] = None) -> None:
                           "state is already sharded with the weights; set one of them to false")
     _check_batch_sizes(t)
     _check_lr_schedule(cfg)
+    _check_long_eval(cfg)
     _check_profile(cfg, world_size)
     if world_size is not None:
         _check_world(cfg, world_size)
@@ -185,6 +186,7 @@ _RANGES = [
     ("parallel", "tp", 1, None), ("parallel", "sp", 1, None), ("parallel", "sp_ring", 0, None),
     ("parallel", "pp", 1, None),
     ("parallel", "virtual_stages", 1, None), ("parallel", "grad_bucket_elements", 1, None),
+    ("long_eval", "interval", 0, None), ("long_eval", "samples", 1, None), ("long_eval", "seed", 0, 2**63 - 1),
 ]
 
 
@@ -330,6 +332,31 @@ def _check_seq_len_schedule(d: DataConfig) -> None:
         raise ConfigError(f"data.seq_len_schedule ends at seq_len {prev_len} but data.seq_len={d.seq_len} is the "
                           f"final length: append [from_step, {d.seq_len}] to the schedule, or set "
                           f"data.seq_len={prev_len}")
+
+
+def _check_long_eval(cfg: Config) -> None:
+    """long_eval: tasks, lengths and depths that make sense, and real text for the tasks that read it."""
+    e = cfg.long_eval
+    if not e.tasks:
+        raise ConfigError("long_eval.tasks is empty: name at least one of passkey, niah, niah-multikey, position-loss")
+    bad = [n for n in e.lengths if not 1 <= n <= MAX_SEQ_LEN]
+    if bad:
+        raise ConfigError(f"long_eval.lengths holds {bad[0]}: lengths are token counts between 1 and {MAX_SEQ_LEN}")
+    bad_depths = [x for x in e.depths if not 0.0 <= x <= 1.0] if e.depths else [None]
+    if bad_depths:
+        raise ConfigError(f"long_eval.depths holds {bad_depths[0]}: give the needle depths as fractions in [0, 1] "
+                          f"(0: right after the intro, 1: right before the question)")
+    text = [t for t in e.tasks if t != "passkey"]
+    if e.interval and text and cfg.data.mock and not e.haystack:
+        raise ConfigError(f"long_eval.tasks holds {text[0]}, which reads real text, but the run trains on mock data: "
+                          f"name a dataset in long_eval.haystack, or keep only passkey in long_eval.tasks")
+    if e.haystack:
+        from megalysses.data.blend import parse_blend
+
+        try:
+            parse_blend(e.haystack)
+        except ValueError as err:
+            raise ConfigError(f"long_eval.haystack: {err}") from None
 
 
 def _check_data(d: DataConfig) -> None:

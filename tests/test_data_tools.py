@@ -1,5 +1,6 @@
 """The data side of generate and plot_metrics: the run's tokenizer (any kind) loaded before the model,
-prompts encoded as the training documents were, and metrics files with damaged lines still plotted."""
+prompts encoded as the training documents were, and metrics files with damaged lines still plotted (with the
+long-context panels when long_eval logged)."""
 import json
 
 from megalysses.config_io import load_config, save_config
@@ -24,13 +25,17 @@ def test_generate_loads_the_runs_tokenizer(tmp_path):
 
 def test_plot_skips_damaged_lines(tmp_path, capsys):
     rows = [{"step": s, "loss": 5.0 - s / 10, "tokens_per_s": 100.0} for s in range(1, 6)]
-    lines = [json.dumps(r) for r in rows] + ["\x00\x01 not json", '{"step": 3, "val_loss": 4.7}', '{"step": 6, "lo']
+    long_eval = {"step": 4, "long_eval/passkey/512": 0.5, "long_eval/niah/512": 0.25,
+                 "long_eval/position-loss/512/0-1": 3.0, "long_eval/position-loss/512/1-2": 2.5}
+    lines = [json.dumps(r) for r in rows] + ["\x00\x01 not json", '{"step": 3, "val_loss": 4.7}', '{"step": 6, "lo',
+                                             json.dumps(long_eval)]
     (tmp_path / "metrics.jsonl").write_text("\n".join(lines))
     assert plot_metrics.main([str(tmp_path), "--output", str(tmp_path / "curves.svg")]) == 0
-    assert (tmp_path / "curves.svg").stat().st_size > 1000
+    svg = (tmp_path / "curves.svg").read_text()
+    assert len(svg) > 1000 and svg.count('<g id="axes_') == 4        # loss, throughput, long context, by position
     assert "skipped 2 lines" in capsys.readouterr().err
     kept, skipped = plot_metrics.read_metrics(tmp_path / "metrics.jsonl")
-    assert [r["step"] for r in kept] == [1, 2, 3, 4, 5, 3] and skipped == 2
+    assert [r["step"] for r in kept] == [1, 2, 3, 4, 5, 3, 4] and skipped == 2
 
 
 def _start(run, step, layout):

@@ -10,7 +10,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ["megalysses-pretrain", "megalysses-preprocess", "megalysses-merge-datasets", "megalysses-train-tokenizer",
            "megalysses-generate", "megalysses-convert", "megalysses-plot", "megalysses-build-corpus", "megalysses-plan",
-           "megalysses-from-megatron"]
+           "megalysses-from-megatron", "megalysses-eval-long"]
 
 
 def installed() -> dict:

@@ -1,5 +1,6 @@
 """The packages only look down: no module below the tools imports them, the kernels never import the model,
-the plan imports neither model nor training, checkpoints do not import training; and no two modules import
+the plan imports neither model nor training, checkpoints do not import training, the evaluation's prompts and
+reports import no model or grid; and no two modules import
 each other, directly or round a longer circle (imports inside functions included)."""
 import ast
 from pathlib import Path
@@ -16,6 +17,7 @@ FORBIDDEN = {
     "model": {"training", "tools", "checkpoint"},
     "data": {"model", "training", "tools", "plan", "checkpoint"},
     "checkpoint": {"training", "tools"},
+    "evaluation": {"model", "training", "tools", "checkpoint", "grid", "parallel"},
     "training": {"tools"},
 }
 

@@ -32,9 +32,10 @@ def default_chunk_tokens(vocab_local: int, budget_bytes: int = 1 << 29) -> int:
 
 
 def _tile(x: Tensor, weight: Tensor, labels: Tensor, group: Group, vocab_start: int, vocab_size: int,
-          with_grad: bool, weights: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-    """Losses (n,) fp32 and, with_grad, d loss / d logits (n, V/tp) in x's dtype for one tile; each token's
-    loss (and its gradient) times its weight, when weights (n,) are given."""
+          with_grad: bool, weights: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Losses (n,) fp32, whether each label is the argmax of its row (n,) bool, and, with_grad, d loss / d logits
+    (n, V/tp) in x's dtype for one tile; each token's loss (and its gradient) times its weight, when weights (n,)
+    are given. The label's shifted logit is 0 exactly when it is the row's maximum."""
     logits = (x @ weight.t()).float()                                        # (n, V/tp)
     vlocal = logits.shape[-1]
     if vocab_start + vlocal > vocab_size:                                    # padded rows on this rank
@@ -54,15 +55,16 @@ def _tile(x: Tensor, weight: Tensor, labels: Tensor, group: Group, vocab_start: 
     comm.all_reduce_(both, group)
     sum_exp, target_logit = both[0], both[1]
     loss = (sum_exp.log() - target_logit).masked_fill(~valid, 0.0)           # -log softmax[target]
+    top = valid & (target_logit == 0)                                        # the label is the greedy choice
     scale = valid if weights is None else weights.float() * valid
     if weights is not None:
         loss = loss * scale
     if not with_grad:
-        return loss, None
+        return loss, top, None
     probs = logits.div_(sum_exp.unsqueeze(-1))                               # softmax, in place
     probs[rows, cols] -= 1.0
     probs.mul_(scale.unsqueeze(-1))
-    return loss, probs.to(x.dtype)
+    return loss, top, probs.to(x.dtype)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -79,8 +81,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_w = None
         for lo in range(0, n, chunk):
             xs = x[lo:lo + chunk]
-            loss, dlogits = _tile(xs, weight, labels[lo:lo + chunk], group, vocab_start, vocab_size, with_grad,
-                                  None if weights is None else weights[lo:lo + chunk])
+            loss, _, dlogits = _tile(xs, weight, labels[lo:lo + chunk], group, vocab_start, vocab_size, with_grad,
+                                     None if weights is None else weights[lo:lo + chunk])
             total += loss.sum()
             if with_grad:
                 torch.matmul(dlogits, weight, out=grad_x[lo:lo + chunk])            # (n, h)
@@ -116,3 +118,24 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, labels: Tensor, group: Group
     chunk = chunk_tokens or default_chunk_tokens(weight.shape[0])
     return _LinearCrossEntropy.apply(x.reshape(-1, h), weight, labels.reshape(-1), group, vocab_start, vocab_size,
                                      chunk, None if weights is None else weights.reshape(-1))
+
+
+@torch.no_grad()
+def token_scores(x: Tensor, weight: Tensor, labels: Tensor, group: Group = None, vocab_start: int = 0,
+                 vocab_size: int | None = None, chunk_tokens: int = 0) -> tuple[Tensor, Tensor]:
+    """Per token of `labels`' shape: the loss -log softmax(x @ W^T)[label] (fp32) and whether the label is the
+    argmax of its logits (the greedy choice; a tie counts), both 0 where the label is -100. Only the rows with a
+    label reach the head, in tiles as linear_cross_entropy: scoring a few answer positions of a long sequence
+    computes their logits alone. Arguments as linear_cross_entropy's; the same labels on every tp rank."""
+    h = x.shape[-1]
+    x2, labels1 = x.reshape(-1, h), labels.reshape(-1)
+    losses = torch.zeros(labels1.shape, dtype=torch.float32, device=x.device)
+    top = torch.zeros(labels1.shape, dtype=torch.bool, device=x.device)
+    rows = (labels1 != IGNORE_INDEX).nonzero().squeeze(-1)
+    vocab_size = weight.shape[0] * comm.group_size(group) if vocab_size is None else vocab_size
+    chunk = chunk_tokens or default_chunk_tokens(weight.shape[0])
+    for lo in range(0, len(rows), chunk):
+        sel = rows[lo:lo + chunk]
+        loss, hit, _ = _tile(x2[sel], weight, labels1[sel], group, vocab_start, vocab_size, False)
+        losses[sel], top[sel] = loss, hit
+    return losses.view(labels.shape), top.view(labels.shape)

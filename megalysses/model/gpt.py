@@ -26,7 +26,7 @@ from megalysses.kernels.rope import rope_cos_sin
 from megalysses.model.kv_cache import KVCache
 from megalysses.model.layers import Block, Norm, ParallelGroups
 from megalysses.model.recompute import KeptAttention, checkpoint_context
-from megalysses.kernels.linear_cross_entropy import linear_cross_entropy
+from megalysses.kernels.linear_cross_entropy import linear_cross_entropy, token_scores
 from megalysses.parallel.offload import ActivationOffload
 from megalysses.parallel.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding, column_parallel_linear
 from megalysses.parallel.ulysses import prepare_sequence_mask
@@ -91,15 +91,16 @@ class GPTStage(nn.Module):
 
     def forward(self, inputs: Tensor, position_ids: Tensor, doc_ids: Optional[Tensor] = None,
                 labels: Optional[Tensor] = None, cache: Optional[KVCache] = None,
-                loss_weights: Optional[Tensor] = None) -> Tensor:
+                loss_weights: Optional[Tensor] = None, scores: bool = False) -> Tensor | tuple[Tensor, Tensor]:
         """inputs: token ids (B, S/sp) on the first stage, else the hidden states from the previous stage.
         position_ids: (B, S/sp) global positions of this sp rank's tokens (SequenceLayout.positions);
         doc_ids: (B, S) full-sequence document index for packed-document masks (None = plain causal).
 
         Returns the hidden states (B, s, h) on a non-last stage; on the last, the local sum of token
-        losses (fp32 scalar) when labels are given (each times its loss_weights, when given), else this rank's
-        logits (B, S/sp, V/tp) over the padded vocabulary (padding columns -inf). With a KV cache (generation,
-        one process), inputs are the next tokens after those already cached."""
+        losses (fp32 scalar) when labels are given (each times its loss_weights, when given; with `scores`, per
+        token: each label's loss and whether it is the argmax, kernels/linear_cross_entropy.token_scores, (B, S/sp)
+        each), else this rank's logits (B, S/sp, V/tp) over the padded vocabulary (padding columns -inf). With a
+        KV cache (generation, one process), inputs are the next tokens after those already cached."""
         cos, sin = rope_cos_sin(position_ids, self.cfg.head_size, self.cfg.rope_theta,
                                 scaling=self.cfg.rope_scaling)                  # (B, S/sp, D), once
         mask = prepare_sequence_mask(doc_ids, self.cfg.attention_backend, self.groups.ulysses, self.groups.ring,
@@ -137,6 +138,9 @@ class GPTStage(nn.Module):
             x = comm.all_gather_from_tp(x, self.groups.tp, dim=1)                    # (B, S/sp, h)
         else:
             x = comm.copy_to_tp(x, self.groups.tp)
+        if scores:
+            return token_scores(x, head, labels, self.groups.tp, self.vocab_start, self.cfg.vocab_size,
+                                self.loss_chunk_tokens)
         return linear_cross_entropy(x, head, labels, self.groups.tp, self.vocab_start, self.cfg.vocab_size,
                                     self.loss_chunk_tokens, loss_weights)
 

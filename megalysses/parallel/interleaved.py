@@ -99,9 +99,10 @@ def slot_schedule(P: int, v: int, M: int, forward_only: bool = False) -> list[li
 
 def run_interleaved(model: VirtualStages, microbatches: list[Batch], scale: float, *, pp_rank: int, pp_size: int,
                     rank_of_stage: Callable[[int], int], hidden_shape: tuple[int, ...], device: torch.device,
-                    dtype: torch.dtype, forward_only: bool = False) -> Tensor:
+                    dtype: torch.dtype, forward_only: bool = False, scores: Optional[list] = None) -> Tensor:
     """One step (or, forward_only, one validation pass) on this rank. Returns the summed scaled loss
-    (non-zero only on the rank holding the last virtual stage)."""
+    (non-zero only on the rank holding the last virtual stage). With `scores` (a list; forward_only), that rank
+    appends each micro-batch's per-token (losses, greedy hits) to it instead, in micro-batch order."""
     P, v, M, r = pp_size, len(model.chunks), len(microbatches), pp_rank
     V = P * v
     total = torch.zeros((), dtype=torch.float32, device=device)
@@ -116,8 +117,10 @@ def run_interleaved(model: VirtualStages, microbatches: list[Batch], scale: floa
             vs, chunk = a.chunk * P + r, model.chunks[a.chunk]
             if a.kind == "F":
                 x = inputs.pop((a.mb, a.chunk)) if vs > 0 else None
-                out = stage_forward(chunk, microbatches[a.mb], x, scale)
-                if vs == V - 1:
+                out = stage_forward(chunk, microbatches[a.mb], x, scale, scores is not None)
+                if vs == V - 1 and scores is not None:
+                    scores.append(out)
+                elif vs == V - 1:
                     total += out.detach()
                 else:
                     sends.append((out, rank_of_stage((vs + 1) % P)))

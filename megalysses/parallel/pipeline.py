@@ -19,13 +19,14 @@ from megalysses.comm import send_recv
 Batch = dict[str, Tensor]
 
 
-def stage_forward(stage: torch.nn.Module, mb: Batch, x: Optional[Tensor], scale: float) -> Tensor:
-    """The scaled loss (fp32) on the last stage; elsewhere the hidden states, in the compute dtype (the
-    dtype of the pipeline buffers)."""
+def stage_forward(stage: torch.nn.Module, mb: Batch, x: Optional[Tensor], scale: float,
+                  scores: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """The scaled loss (fp32) on the last stage (with `scores`, each token's loss and greedy hit instead:
+    GPTStage.forward); elsewhere the hidden states, in the compute dtype (the dtype of the pipeline buffers)."""
     out = stage(mb["input_ids"] if stage.first else x, mb["position_ids"], doc_ids=mb.get("doc_ids"),
                 labels=mb["labels"] if stage.last else None,
-                loss_weights=mb.get("loss_weights") if stage.last else None)
-    return out * scale if stage.last else out
+                loss_weights=mb.get("loss_weights") if stage.last else None, scores=scores and stage.last)
+    return out * scale if stage.last and not scores else out
 
 
 def forward_backward_local(stage: torch.nn.Module, microbatches: list[Batch], scale: float) -> Tensor:
@@ -124,9 +125,10 @@ def forward_backward_1f1b(stage: torch.nn.Module, microbatches: list[Batch], sca
 
 def forward_only(stage: torch.nn.Module, microbatches: list[Batch], scale: float, *, pp_rank: int, pp_size: int,
                  rank_of_stage: Callable[[int], int], hidden_shape: tuple[int, ...], dtype: torch.dtype,
-                 device: torch.device) -> Tensor:
+                 device: torch.device, scores: Optional[list] = None) -> Tensor:
     """Forward only (validation), micro-batch by micro-batch through the pipeline; the summed scaled loss on
-    the last stage (zero elsewhere)."""
+    the last stage (zero elsewhere). With `scores` (a list), the last stage appends each micro-batch's per-token
+    (losses, greedy hits) to it instead."""
     total = torch.zeros((), dtype=torch.float32, device=device)
     prev = rank_of_stage(pp_rank - 1) if pp_rank > 0 else None
     nxt = rank_of_stage(pp_rank + 1) if pp_rank < pp_size - 1 else None
@@ -135,9 +137,11 @@ def forward_only(stage: torch.nn.Module, microbatches: list[Batch], scale: float
         if prev is not None:
             x = torch.empty(hidden_shape, dtype=dtype, device=device)
             send_recv(recvs=[(x, prev)])
-        out = stage_forward(stage, mb, x, scale)
+        out = stage_forward(stage, mb, x, scale, scores is not None)
         if nxt is not None:
             send_recv(sends=[(out, nxt)])
+        elif scores is not None:
+            scores.append(out)
         else:
             total += out.float()
     return total

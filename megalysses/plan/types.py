@@ -12,7 +12,8 @@ from megalysses.plan.machine import Machine
 class Phase:
     """One length the run trains (or validates) at, and the padded length the layout makes of it."""
 
-    name: str                   # "train" (from_step 0), "train from step N" (a curriculum stage), "eval"
+    name: str                   # "train" (from_step 0), "train from step N" (a curriculum stage), "eval", or
+                                # "long_eval" (a length of long_eval.lengths: forward only, not a step's shape)
     seq_len: int
     padded_len: int
 
@@ -70,8 +71,8 @@ class RunPlan:
 
     @property
     def padded_seq_len(self) -> int:
-        """data.seq_len padded to the layout's multiple (the longest phase)."""
-        return max(p.padded_len for p in self.phases)
+        """data.seq_len padded to the layout's multiple (the longest phase but the long-context evaluation's)."""
+        return max(p.padded_len for p in self.phases if p.name != "long_eval")
 
     @property
     def torch_dtype(self):

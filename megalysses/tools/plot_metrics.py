@@ -1,4 +1,6 @@
-"""Draw the loss (train and validation) and throughput curves of one run, or of several to compare, to an image.
+"""Draw the loss (train and validation) and throughput curves of one run, or of several to compare, to an image,
+and the runs' long-context figures (long_eval: accuracy by task and length over the steps, the latest loss by
+position) when they logged any.
 
     python tools/plot_metrics.py runs/quickstart                      # -> runs/quickstart/metrics.png
     python tools/plot_metrics.py runs/a runs/b --x tokens --output compare.png
@@ -52,6 +54,7 @@ class Run:
     train: list[dict] = field(default_factory=list)        # logged steps, each step once (the latest record)
     val: list[dict] = field(default_factory=list)
     events: list[dict] = field(default_factory=list)       # {"step", "tokens", "label", "layout_change"}
+    long_eval: list[dict] = field(default_factory=list)    # records with long_eval/... figures
 
 
 def layout_words(layout: Optional[dict]) -> str:
@@ -70,6 +73,7 @@ def timeline(name: str, records: list[dict]) -> Run:
             s = rec["step"]
             run.train = [r for r in run.train if r["step"] <= s]
             run.val = [r for r in run.val if r["step"] <= s]
+            run.long_eval = [r for r in run.long_eval if r["step"] <= s]
             new = rec.get("layout")
             if rec.get("run", 1) > 1 or layout is not None:
                 changed = layout is not None and new is not None and new != layout
@@ -80,6 +84,8 @@ def timeline(name: str, records: list[dict]) -> Run:
             run.train.append(rec)
         elif _number(rec.get("val_loss")):
             run.val.append(rec)
+        elif any(k.startswith("long_eval/") for k in rec):
+            run.long_eval.append(rec)
     return run
 
 
@@ -136,7 +142,12 @@ def draw(runs: list[Run], x: str, out: Path) -> None:
         value = rec["step"] if x == "step" else rec.get("tokens")
         return value if _number(value) else float("nan")
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    rows = [r for run in runs for r in run.long_eval]
+    accuracy = sorted({k for r in rows for k in r if k.startswith("long_eval/") and "position-loss" not in k})
+    position = any(k.startswith("long_eval/position-loss/") for r in rows for k in r)
+    panels = 2 + bool(accuracy) + position
+    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.5))
+    ax1, ax2 = axes[0], axes[1]
     for i, run in enumerate(runs):
         color = f"C{i}"
         ax1.plot([at(r) for r in run.train], [r["loss"] for r in run.train], color=color, label=f"{run.name} train")
@@ -160,11 +171,49 @@ def draw(runs: list[Run], x: str, out: Path) -> None:
     ax2.set(xlabel=label, ylabel="tokens/s (all devices)", title="throughput")
     if len(runs) > 1:
         ax2.legend(fontsize=8)
+    if accuracy:
+        _accuracy_panel(axes[2], runs, accuracy, at, label)
+    if position:
+        _position_panel(axes[-1], runs)
     fig.tight_layout()
     try:
         fig.savefig(out, dpi=100)
     finally:
         plt.close(fig)
+
+
+def _accuracy_panel(ax, runs: list[Run], keys: list[str], at, xlabel: str) -> None:
+    """long_eval/<task>/<length> over the steps (or tokens), one line per run and key."""
+    for i, run in enumerate(runs):
+        for j, key in enumerate(keys):
+            pts = [(at(r), r[key]) for r in run.long_eval if _number(r.get(key))]
+            name = key.removeprefix("long_eval/") if len(runs) == 1 else f"{run.name} {key.removeprefix('long_eval/')}"
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=f"C{j if len(runs) == 1 else i}",
+                    label=name)
+    ax.set(xlabel=xlabel, ylabel="accuracy", title="long context", ylim=(-0.03, 1.03))
+    ax.legend(fontsize=7)
+
+
+def _position_panel(ax, runs: list[Run]) -> None:
+    """Each run's latest loss by position: long_eval/position-loss/<length>/<lo>-<hi>, one line per length."""
+    for run in runs:
+        latest = [r for r in run.long_eval if any(k.startswith("long_eval/position-loss/") for k in r)]
+        if not latest:
+            continue
+        row = latest[-1]
+        curves: dict[int, list[tuple[float, float]]] = {}
+        for key, value in row.items():
+            if key.startswith("long_eval/position-loss/") and _number(value):
+                length, bucket = key.split("/")[2:4]
+                curves.setdefault(int(length), []).append((max(float(bucket.split("-")[0]), 0.5), value))
+        for length, pts in sorted(curves.items()):
+            pts.sort()
+            prefix = "" if len(runs) == 1 else f"{run.name} "
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-",
+                    label=f"{prefix}{length} tokens (step {row['step']})")
+    ax.set_xscale("log", base=2)
+    ax.set(xlabel="position in the document", ylabel="loss", title="loss by position")
+    ax.legend(fontsize=7)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,6 +36,7 @@ from megalysses.plan.flops import peak_tflops
 from megalysses.plan.search import check_host_memory, check_phase_time
 from megalysses.training.data import TrainingData
 from megalysses.training.fsdp import FSDPAdamW, shard_model
+from megalysses.training.long_eval import TrainingLongEval, scalars
 from megalysses.training.metrics import MetricsLogger
 from megalysses.training.optimizer import Optimizer, ShardedAdamW
 from megalysses.training.profiler import StepProfiler
@@ -187,6 +188,8 @@ def train(cfg: Config, grid: ParallelGrid, device: torch.device, signals: Option
     if initial is not None:
         path = None
     initial = None if dry_run else initial
+    doing("checking the long-context evaluation")
+    long_eval = TrainingLongEval(cfg, grid, device, dtype) if cfg.long_eval.interval and not dry_run else None
     model, opt = build_model_and_optimizer(cfg, grid, device, run, mesh, initial, doing)
     check_built(model, grid, run)
     if dry_run:
@@ -264,6 +267,8 @@ def train(cfg: Config, grid: ParallelGrid, device: torch.device, signals: Option
             if cfg.training.eval_interval and step % cfg.training.eval_interval == 0:
                 doing(f"validating at step {step}")
                 logger.eval(step, evaluate(model, data.valid_batches(), grid, dtype))
+            if long_eval is not None and long_eval.due(step):
+                logger.long_eval(step, scalars(long_eval(model, step, doing)))
             if cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0:
                 save()
                 saved_at = step

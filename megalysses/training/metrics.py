@@ -81,6 +81,16 @@ class MetricsLogger:
                     "val_loss": loss})
         print0(f"step {step:>6}/{self.total} | validation loss {loss:.4f}")
 
+    def long_eval(self, step: int, figures: dict[str, float]) -> None:
+        """The long-context figures (training/long_eval.scalars: long_eval/<task>/<length>, ...)."""
+        self._emit({"step": step, **figures})
+        acc = [f"{k.removeprefix('long_eval/')} {v:.0%}" for k, v in figures.items() if "position-loss" not in k]
+        pos = sorted({k.split("/")[2] for k in figures if "position-loss" in k}, key=int)
+        for n in pos:
+            losses = [v for k, v in figures.items() if k.startswith(f"long_eval/position-loss/{n}/")]
+            acc.append(f"position-loss/{n} {losses[0]:.3f} -> {losses[-1]:.3f}")
+        print0(f"step {step:>6}/{self.total} | long context: {', '.join(acc)}")
+
     def _emit(self, rec: dict) -> None:
         if not is_rank0():
             return

@@ -77,10 +77,10 @@ DYNAMO_DEFAULT_LIMIT = 8   # slack above the counted specialisations: dynamo's o
 
 def flex_compile_budget(run: RunPlan) -> int:
     """How many specialisations compiled FlexAttention may need in this run: one per shape and grad mode,
-    and the shapes change with the length (each curriculum stage, validation at data.seq_len). A length
-    without a ring has one attention shape, compiled with grad (training) and without (validation); with
-    a ring it has three block shapes (the diagonal block, the first half of the keys, the second half of
-    the queries), each compiled for the forward and for the backward's recomputation with grad."""
+    and the shapes change with the length (each curriculum stage, validation at data.seq_len, the lengths of
+    long_eval). A length without a ring has one attention shape, compiled with grad (training) and without
+    (validation); with a ring it has three block shapes (the diagonal block, the first half of the keys, the
+    second half of the queries), each compiled for the forward and for the backward's recomputation with grad."""
     lengths = {p.padded_len for p in run.phases}
     return DYNAMO_DEFAULT_LIMIT + (6 if run.ring > 1 else 2) * len(lengths)
 
@@ -116,7 +116,7 @@ def sequence_summary(cfg: Config, run: RunPlan) -> str:
     'seq_len 250 (padded to 252) -> 1000 at step 101'."""
     text = f"sp = ulysses {run.ulysses} x ring {run.ring}"
     schedule = cfg.data.seq_len_schedule
-    train = [p for p in run.phases if p.name != "eval"]
+    train = [p for p in run.phases if p.name not in ("eval", "long_eval")]
     if schedule:
         stages = [f"{p.seq_len}" + (f" (padded to {p.padded_len})" if p.padded_len != p.seq_len else "")
                   + (f" at step {step + 1}" if step else "") for (step, _), p in zip(schedule, train)]

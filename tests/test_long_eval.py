@@ -1,0 +1,251 @@
+"""Long-context evaluation: prompts of exact lengths, the scoring kernel against full logits, a synthetic passkey
+corpus through preprocessing, training with long_eval and tools/eval_long.py on one process, and the same figures
+from the layouts of the parity matrix (tp, Ulysses and ring sp, pp and virtual stages, FSDP, head chunks, dp).
+
+The answers of the needle tasks are made the model's own greedy choice (computed from full logits) in half of
+the samples and wrong in the last token in the other half, so every (task, depth) cell must read exactly 50%:
+a metric that can move, and one that a misplaced label, sample or rank would change."""
+import json
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from megalysses.config import ConfigError
+from megalysses.config_io import load_config
+from megalysses.data.tokenizer import ByteTokenizer
+from megalysses.evaluation.corpus import passkey_documents, plain_text
+from megalysses.evaluation.tasks import (NIAH_KEYS, PromptError, Prompts, bucket_bounds, bucket_of,
+                                         compose, document_positions, niah_prompt, passkey_prompt, repeated_filler)
+from megalysses.kernels.linear_cross_entropy import token_scores
+from megalysses.testing import run_distributed
+
+LENGTH = 448
+TASKS = ("passkey", "niah", "position-loss")
+RUN = ["data.tokenizer=byte", "model.vocab_size=259", "model.hidden_size=32", "model.num_layers=4",
+       "model.num_heads=4", "model.num_kv_heads=2", "model.attention_backend=sdpa", f"data.seq_len={LENGTH}",
+       "data.split=50,50,0", "training.micro_batch_size=1", "training.global_batch_size=1", "training.train_steps=2",
+       "optimizer.warmup_steps=1", "optimizer.lr=3e-3", "checkpoint.save_interval=0", "logging.log_interval=1",
+       "parallel.timeout_seconds=60", "long_eval.interval=2", f"long_eval.tasks=[{','.join(TASKS)}]",
+       "long_eval.depths=[0,1]", "long_eval.samples=1"]
+DEPTHS, SAMPLES = (0.0, 1.0), 2
+EVAL = ["--tasks", ",".join(TASKS), "--lengths", str(LENGTH), "--depths", "0,1", "--samples", str(SAMPLES)]
+LAYOUTS = {   # name: --set overrides of the run's single-process layout, on 4 ranks (the rest data parallelism)
+    "dp4_mbs2": ["training.micro_batch_size=2"],
+    "tp2_seqpar": ["parallel.tp=2", "parallel.tp_sequence_parallel=true"],
+    "sp2": ["parallel.sp=2"],
+    "ring2_pp2": ["parallel.sp=2", "parallel.sp_ring=2", "parallel.pp=2"],
+    "u2ring2": ["parallel.sp=4", "parallel.sp_ring=2"],
+    "tp2_pp2v2": ["parallel.tp=2", "parallel.pp=2", "parallel.virtual_stages=2"],
+    "fsdp_sp2_chunks2": ["parallel.fsdp=true", "parallel.sp=2", "training.attention_head_chunks=2"],
+}
+GRIDS = {     # the layout each one reports: (tp, ulysses, ring, pp, dp)
+    "dp4_mbs2": (1, 1, 1, 1, 4), "tp2_seqpar": (2, 1, 1, 1, 2), "sp2": (1, 2, 1, 1, 2), "ring2_pp2": (1, 1, 2, 2, 1),
+    "u2ring2": (1, 2, 2, 1, 1), "tp2_pp2v2": (2, 1, 1, 2, 1), "fsdp_sp2_chunks2": (1, 2, 1, 1, 2),
+}
+
+
+def test_prompts_are_exactly_as_long_as_asked():
+    prompts = Prompts(ByteTokenizer(), bos="256")
+    rng = np.random.default_rng(0)
+    for depth in (0.0, 0.4, 1.0):
+        prompt = passkey_prompt(prompts, depth, rng)
+        sample = compose(prompts, prompt, 400, repeated_filler(prompts), rng)
+        text = bytes(t for t in sample.tokens[1:] if t < 256).decode()
+        key = text.rsplit(" ", 1)[1]
+        assert sample.tokens[0] == 256 and len(sample.tokens) == 401 and len(key) == 5
+        assert (sample.buckets == 0).sum() == len(prompt.answer) == 6 and (sample.buckets[-6:] == 0).all()
+        needle = text.index(f"The pass key is {key}.")
+        filler = text.index("The grass")
+        assert (needle < filler) == (depth == 0.0) and (text.index("What is") - needle < 80) == (depth == 1.0)
+        assert sum(c.isdigit() for c in text) == 15                  # the key twice in the needle, once answered
+
+    def haystack(n, rng):
+        return np.frombuffer((b"Lorem ipsum dolor. " * n)[:n], dtype=np.uint8).astype(np.int64)
+
+    sample = compose(prompts, niah_prompt(prompts, 0.5, rng, NIAH_KEYS), 700, haystack, rng)
+    text = bytes(t for t in sample.tokens if t < 256).decode()
+    assert len(sample.tokens) == 701 and text.count("special magic numbers for") == NIAH_KEYS
+    asked = text.rsplit("magic number for ", 1)[1].split(" ")[0]
+    assert text.count(asked) == 3 and text.endswith(text.split(f"for {asked} is: ")[1].split(".")[0])
+    with pytest.raises(PromptError, match="length 100 cannot hold the passkey prompt"):
+        compose(prompts, passkey_prompt(prompts, 0.5, rng), 100, repeated_filler(prompts), rng)
+
+
+def test_positions_and_buckets():
+    inputs = np.array([5, 5, 257, 5, 5, 5, 5, 5, 257, 5])
+    assert document_positions(inputs, 257).tolist() == [0, 1, 2, 0, 1, 2, 3, 4, 5, 0]
+    assert bucket_of(np.arange(9)).tolist() == [0, 1, 2, 2, 3, 3, 3, 3, 4]
+    assert [bucket_bounds(b, 10) for b in range(5)] == [(0, 1), (1, 2), (2, 4), (4, 8), (8, 10)]
+
+
+def test_token_scores_equal_full_logits_and_read_only_labelled_rows():
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(2, 9, 16, generator=g), torch.randn(40, 16, generator=g)
+    labels = torch.randint(0, 37, (2, 9), generator=g)
+    logits = (x @ w.t())[..., :37]                                   # rows 37-39 are vocabulary padding
+    labels[0, :3] = logits[0, :3].argmax(-1)                        # some labels are the argmax
+    labels[1, 5:] = -100
+    losses, top = token_scores(x, w, labels, vocab_size=37, chunk_tokens=4)
+    valid = labels != -100
+    want = torch.nn.functional.cross_entropy(logits.reshape(-1, 37), labels.reshape(-1).clamp_min(0),
+                                             reduction="none").view(2, 9) * valid
+    assert torch.allclose(losses, want, atol=1e-5) and (losses[~valid] == 0).all()
+    assert torch.equal(top, valid & (logits.argmax(-1) == labels)) and top[0, :3].all()
+    x.requires_grad_()
+    token_scores(x, w, torch.full((2, 9), -100))                     # no labelled row: the head is not run
+
+
+def test_passkey_corpus_documents_are_one_sample_each():
+    docs = list(passkey_documents([textwrap.__doc__, json.__doc__], seq_len=400, count=5, seed=1))
+    assert all(len(d.encode()) == 399 and d.isascii() for d in docs)
+    for d in docs:
+        key = d.rsplit(" ", 1)[1]
+        assert d.count(key) == 3 and sum(c.isdigit() for c in d) == 15
+    assert plain_text("Tab\there: 3 ü!") == "Tab here: !"
+    with pytest.raises(ValueError, match="cannot hold the passkey prompt"):
+        passkey_documents(iter(()), seq_len=200, count=1, seed=1)
+
+
+def _greedy_answers(cfg, samples: dict) -> dict:
+    """The samples with their answers the model's greedy tokens (from full logits, one batched forward per answer
+    position, through micro-batches built as the evaluation builds them) where the sample index is even, and the
+    last one wrong where it is odd."""
+    from megalysses.checkpoint.initial import load_initial_weights
+    from megalysses.data.loader import build_micro_batch
+    from megalysses.grid import ParallelGrid
+    from megalysses.training.loop import build_model
+    from megalysses.training.runtime import resolve_run
+
+    grid = ParallelGrid.for_config(cfg)
+    device = torch.device("cpu")
+    model = build_model(cfg, grid, device, grid.device_mesh(device), resolve_run(cfg, device, grid))
+    load_initial_weights(cfg.logging.run_dir, model, cfg, grid, grid.device_mesh(device))
+    model.eval()
+    keys = list(samples)
+    tokens = [samples[k].tokens.copy() for k in keys]
+    first = [LENGTH - int((samples[k].buckets == 0).sum()) for k in keys]
+    for j in range(min(first), LENGTH):
+        mb = build_micro_batch(tokens, LENGTH, 0, 1, 257, True, True)
+        with torch.no_grad():
+            best = model(mb["input_ids"], mb["position_ids"], doc_ids=mb["doc_ids"])[:, j].argmax(-1).tolist()
+        for b, key in enumerate(keys):
+            if j >= first[b]:
+                tokens[b][j + 1] = best[b] if key[1][2] % 2 == 0 or j < LENGTH - 1 else (best[b] + 1) % 256
+    return {k: type(samples[k])(t, samples[k].buckets) for k, t in zip(keys, tokens)}
+
+
+def _pipeline(rank, world, tmp):
+    """One process: the passkey corpus through preprocessing, two training steps with long_eval, the answers
+    made greedy (or not), and tools/eval_long.py on the run."""
+    from megalysses.data.tokenizer import tokenizer_from_config
+    from megalysses.evaluation.haystack import DocumentStream
+    from megalysses.grid import ParallelGrid
+    from megalysses.tools import preprocess_data
+    from megalysses.training.long_eval import LongEval, LongEvalSettings
+    from megalysses.training.loop import train
+
+    with open(f"{tmp}/pk.jsonl", "w") as f:
+        for doc in passkey_documents([textwrap.__doc__, json.__doc__], LENGTH, 8, seed=0):
+            f.write(json.dumps({"text": doc}) + "\n")
+    preprocess_data.main(["--input", f"{tmp}/pk.jsonl", "--output-prefix", f"{tmp}/pk", "--json-keys", "text",
+                          "--append-eod", "--workers", "1", "--tokenizer-type", "byte", "--log-interval", "0"])
+    cfg = load_config(None, RUN + [f"data.paths=[{tmp}/pk_text_document]", f"logging.run_dir={tmp}/run"])
+    grid = ParallelGrid.for_config(cfg)
+    train(cfg, grid, torch.device("cpu"))
+    logged = [json.loads(line) for line in open(f"{tmp}/run/metrics.jsonl")]
+    evaluator = LongEval(cfg, grid, torch.device("cpu"), torch.float32, tokenizer_from_config(cfg.data),
+                         DocumentStream.validation(cfg.data))
+    s = LongEvalSettings(TASKS[:2], (LENGTH,), DEPTHS, SAMPLES)
+    forced = _greedy_answers(cfg, {(LENGTH, item): evaluator.sample(s, LENGTH, item) for item in evaluator._items(s)})
+    results = _evaluate_with(forced, ["--run", f"{tmp}/run", "--out", f"{tmp}/single"] + EVAL)
+    pictures = sorted(p.name for p in (tmp / "single").glob("*.png"))
+    return {"logged": logged, "forced": forced, "results": results, "pictures": pictures,
+            "table": (tmp / "single" / "long_eval.md").read_text()}
+
+
+def _evaluate_with(forced: dict, argv: list[str]) -> dict:
+    """tools/eval_long.py with the needle tasks' samples replaced by `forced`; its long_eval.json (every rank)."""
+    from megalysses.tools import eval_long
+    from megalysses.training import long_eval
+
+    original = long_eval.LongEval.sample
+
+    def sample(self, s, length, item):
+        return forced[(length, item)] if (length, item) in forced else original(self, s, length, item)
+
+    long_eval.LongEval.sample = sample
+    try:
+        assert eval_long.main(argv) == 0
+    finally:
+        long_eval.LongEval.sample = original
+    torch.distributed.barrier()
+    return json.loads(open(f"{argv[argv.index('--out') + 1]}/long_eval.json").read())
+
+
+def _layouts(rank, world, tmp, forced):
+    from megalysses.tools import eval_long
+
+    eval_long.draw = lambda *args: []                  # the pictures: drawn once, by the single process
+    return {name: _evaluate_with(forced, ["--run", f"{tmp}/run", "--out", f"{tmp}/{name}"] + EVAL +
+                                 [a for o in overrides for a in ("--set", o)])
+            for name, overrides in LAYOUTS.items()}
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("long_eval")
+    return tmp, run_distributed(_pipeline, 1, tmp, args=(tmp,), timeout=300)[0]
+
+
+def test_training_logs_long_eval_and_the_tool_writes_its_figures(single):
+    _, out = single
+    evals = [r for r in out["logged"] if any(k.startswith("long_eval/") for k in r)]
+    assert [r["step"] for r in evals] == [2]
+    assert {"long_eval/passkey/448", "long_eval/niah/448", "long_eval/position-loss/448/256-448"} <= set(evals[0])
+    assert out["pictures"] == ["long_eval_niah.png", "long_eval_passkey.png", "long_eval_position_loss.png"]
+    assert "| passkey: length | depth 0 | depth 1 | mean |" in out["table"]
+    accuracy = [r for r in out["results"]["results"] if "accuracy" in r]
+    assert len(accuracy) == 4 and {r["accuracy"] for r in accuracy} == {0.5}, accuracy   # the forced answers
+    assert all(set(r) == {"task", "length", "depth", "accuracy", "samples"} for r in accuracy)
+    position = [r for r in out["results"]["results"] if r["task"] == "position-loss"]
+    assert [r["positions"] for r in position][-1] == [256, 448] and all(r["tokens"] > 0 for r in position)
+
+
+def test_every_layout_reports_the_figures_of_one_process(single):
+    tmp, out = single
+    per_rank = run_distributed(_layouts, 4, tmp, args=(tmp, out["forced"]), timeout=300)
+    reference = out["results"]["results"]
+    for name, got in per_rank[0].items():
+        assert got["layout"]["world"] == 4, name
+        assert tuple(got["layout"][k] for k in ("tp", "ulysses", "ring", "pp", "dp")) == GRIDS[name], name
+        results = got["results"]
+        assert [(r["task"], r.get("depth"), r.get("positions")) for r in results] == \
+            [(r["task"], r.get("depth"), r.get("positions")) for r in reference], name
+        for a, b in zip(results, reference):
+            if "accuracy" in b:
+                assert a == b, f"{name}: {a} != one process's {b}"
+            else:
+                assert a["tokens"] == b["tokens"] and abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), name
+
+
+def test_training_lengths_follow_the_curriculum(monkeypatch):
+    from megalysses.training.long_eval import LongEval, TrainingLongEval
+
+    cfg = load_config(None, ["data.mock=true", "model.vocab_size=259", "data.seq_len=640",
+                             "data.seq_len_schedule=[[0, 320], [3, 640]]", "long_eval.interval=2",
+                             "long_eval.tasks=[passkey]"])
+    seen = []
+    monkeypatch.setattr(LongEval, "run", lambda self, model, s, trained, doing: seen.append((s.lengths, trained)))
+    hook = TrainingLongEval(cfg, None, torch.device("cpu"), torch.float32)
+    for step in (2, 4):
+        hook(None, step, lambda what: None)
+    assert seen == [((320,), 320), ((640,), 640)] and hook.due(4) and not hook.due(3)
+    cfg.long_eval.lengths = [1280]
+    hook(None, 4, lambda what: None)
+    assert seen[-1] == ((1280,), 640)
+    with pytest.raises(ConfigError, match="long_eval: length 160 cannot hold the passkey prompt"):
+        TrainingLongEval(load_config(None, ["data.mock=true", "model.vocab_size=259", "data.seq_len=640",
+                                            "data.seq_len_schedule=[[0, 160], [3, 640]]", "long_eval.interval=2",
+                                            "long_eval.tasks=[passkey]"]), None, torch.device("cpu"), torch.float32)
