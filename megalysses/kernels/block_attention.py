@@ -28,7 +28,9 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from megalysses.kernels.attention import causal_block_mask, compiled_flex, create_block_mask, flex_module
+from megalysses import accelerator
+from megalysses.kernels import attention
+from megalysses.kernels.attention import flex_module
 
 aten = torch.ops.aten
 
@@ -84,7 +86,7 @@ class AttentionBlock:
     def flex_mask(self, sq: int, sk: int, device: torch.device) -> Any:
         """FlexAttention BlockMask (None: no mask, every pair allowed)."""
         if not self.has_docs:
-            return causal_block_mask(sq, device) if self.causal else None
+            return attention.causal_block_mask(sq, device) if self.causal else None
 
         def build() -> Any:
             qd, kd, causal = self.q_docs, self.k_docs, self.causal
@@ -92,7 +94,7 @@ class AttentionBlock:
             def mask_mod(b, h, q_idx, kv_idx):
                 same = qd[b, q_idx] == kd[b, kv_idx]
                 return same & (kv_idx <= q_idx) if causal else same
-            return create_block_mask(mask_mod, qd.shape[0], sq, device, kv_len=sk)
+            return attention.create_block_mask(mask_mod, qd.shape[0], sq, device, kv_len=sk)
         return self._cached(("flex", sq, sk), build)
 
 
@@ -161,7 +163,7 @@ def _sdpa_cpu_args(q: Tensor, k: Tensor, block: AttentionBlock) -> tuple[bool, O
 def _sdpa_forward(q, k, v, block, scale):
     k, v, _ = _expand_kv(q, k, v)
     q_, k_, v_ = (_heads_first(t) for t in (q, k, v))
-    if q.is_cuda:
+    if accelerator.on_gpu(q):
         out, lse, _, _, _, _, seed, offset, _ = aten._scaled_dot_product_flash_attention(
             q_, k_, v_, 0.0, block.causal, False, scale=scale)
         return _heads_first(out), lse, (seed, offset)
@@ -178,7 +180,7 @@ def _sdpa_backward(dout, q, k, v, out, lse, block, scale, aux):
     k_, v_, rep = _expand_kv(q, k, v)
     dout, out = dout.to(q.dtype).contiguous(), out.to(q.dtype)          # the kernels want a unit last stride
     args = [_heads_first(t) for t in (dout, q, k_, v_, out)] + [lse.float().contiguous()]
-    if q.is_cuda:
+    if accelerator.on_gpu(q):
         seed, offset = aux
         dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
             *args, None, None, q.shape[1], k.shape[1], 0.0, block.causal, seed, offset, scale=scale)
@@ -200,8 +202,8 @@ def _lse_kwargs() -> dict:
 
 def _flex_call(q_: Tensor, k_: Tensor, v_: Tensor, block_mask: Any, scale: float) -> tuple[Tensor, Tensor]:
     kwargs = dict(block_mask=block_mask, scale=scale, enable_gqa=q_.shape[1] != k_.shape[1], **_lse_kwargs())
-    if q_.is_cuda:
-        out, extra = compiled_flex()(q_, k_, v_, **kwargs)
+    if accelerator.on_gpu(q_):
+        out, extra = attention.compiled_flex()(q_, k_, v_, **kwargs)
     else:
         with warnings.catch_warnings():   # eager on CPU (forward only) is for tests
             warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
@@ -210,7 +212,7 @@ def _flex_call(q_: Tensor, k_: Tensor, v_: Tensor, block_mask: Any, scale: float
 
 
 def _flex_forward(q, k, v, block, scale):
-    if not q.is_cuda:
+    if not accelerator.on_gpu(q):
         q, k, v = q.detach(), k.detach(), v.detach()
     mask = block.flex_mask(q.shape[1], k.shape[1], q.device)
     out, lse = _flex_call(*(_heads_first(t) for t in (q, k, v)), mask, scale)

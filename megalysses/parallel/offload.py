@@ -33,6 +33,8 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from megalysses import accelerator
+
 SLOT_ATTR = "_megalysses_offload_slot"
 
 
@@ -138,7 +140,7 @@ class ActivationOffload:
     # ------------------------------------------------------------------ copies
     def _side_streams(self, device: torch.device) -> tuple:
         if device not in self._streams:
-            self._streams[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+            self._streams[device] = (accelerator.new_stream(device), accelerator.new_stream(device))
         return self._streams[device]
 
     def _host_buffer(self, x: Tensor) -> _HostBuffer:
@@ -148,7 +150,7 @@ class ActivationOffload:
             return free.pop()
         # a new shape: a longer sequence (a curriculum's next stage), whose predecessors do not come back
         self._free = {key: []}
-        buf = torch.empty(x.shape, dtype=x.dtype, device="cpu", pin_memory=x.is_cuda)
+        buf = accelerator.host_empty(x.shape, x.dtype, x.device)
         self._made.append(weakref.ref(buf))
         return _HostBuffer(buf)
 
@@ -160,16 +162,16 @@ class ActivationOffload:
             self.stats.kept += 1
             return
         buf = self._host_buffer(x)
-        if x.is_cuda:
+        if accelerator.on_gpu(x):
             to_host, _ = self._side_streams(x.device)
-            to_host.wait_stream(torch.cuda.current_stream(x.device))     # x has been written
+            to_host.wait_stream(accelerator.current_stream(x.device))    # x has been written
             if buf.free_after is not None:
                 to_host.wait_event(buf.free_after)                       # the buffer's last copy out is done
-            with torch.cuda.stream(to_host):
+            with accelerator.use_stream(to_host):
                 buf.tensor.copy_(x, non_blocking=True)
-                slot.offload_event = torch.cuda.Event()
+                slot.offload_event = accelerator.new_event()
                 slot.offload_event.record(to_host)
-            x.record_stream(to_host)            # its memory is not reused before the copy has read it
+            accelerator.hold_for(x, to_host)    # its memory is not reused before the copy has read it
         else:
             buf.tensor.copy_(x)
         slot.host = buf
@@ -179,15 +181,15 @@ class ActivationOffload:
     def _start_fetch(self, slot: _Slot) -> None:
         """Queue the copy of slot's input back to the device (the backward, ahead of its block)."""
         host, device = slot.host.tensor, slot.where
-        if device.type == "cuda":
+        if accelerator.on_gpu(device):
             _, to_device = self._side_streams(device)
-            main = torch.cuda.current_stream(device)
+            main = accelerator.current_stream(device)
             slot.device = torch.empty(host.shape, dtype=host.dtype, device=device)   # allocated on the main stream
             to_device.wait_stream(main)         # ... so the copy waits for what the main stream queued before
             to_device.wait_event(slot.offload_event)      # and for the copy out to have filled the host buffer
-            with torch.cuda.stream(to_device):
+            with accelerator.use_stream(to_device):
                 slot.device.copy_(host, non_blocking=True)
-                slot.fetch_event = torch.cuda.Event()
+                slot.fetch_event = accelerator.new_event()
                 slot.fetch_event.record(to_device)
             slot.host.free_after = slot.fetch_event
         else:
@@ -216,7 +218,7 @@ class ActivationOffload:
             raise RuntimeError(f"activation offload: a block input was fetched twice ({slot.state}); the "
                                f"backward of an offloaded block can run once")
         if slot.fetch_event is not None:
-            torch.cuda.current_stream(slot.device.device).wait_event(slot.fetch_event)
+            accelerator.current_stream(slot.device.device).wait_event(slot.fetch_event)
         x, slot.device, slot.state = slot.device, None, "done"
         ahead, n = slot.prev, self.prefetch
         while ahead is not None and n > 0:

@@ -21,13 +21,15 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
+from megalysses import accelerator
+
 STAGES = 2
 
 
 class HostGradients:
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.stream = accelerator.new_stream(device) if accelerator.on_gpu(device) else None
         self._pending: list[tuple[Any, Tensor, list]] = []  # (copy finished event, stage, [(host, offset, n)])
 
     def put(self, pieces: list[tuple[Tensor, Tensor]], work: Optional[Any], accumulate: bool) -> None:
@@ -41,9 +43,9 @@ class HostGradients:
                 flat.add_(piece.reshape(-1)) if accumulate else flat.copy_(piece.reshape(-1))
             return
         self._poll()
-        main = torch.cuda.current_stream(self.device)
+        main = accelerator.current_stream(self.device)
         stage = self._stage(sum(p.numel() for _, p in pieces), pieces[0][1].dtype) if accumulate and pieces else None
-        with torch.cuda.stream(self.stream):
+        with accelerator.use_stream(self.stream):
             if work is not None:
                 work.wait()                     # this stream waits for the reduce-scatter
             else:
@@ -53,11 +55,11 @@ class HostGradients:
                 n = piece.numel()
                 out = stage[offset:offset + n] if accumulate else host.view(-1)
                 out.copy_(piece.reshape(-1), non_blocking=True)
-                piece.record_stream(self.stream)   # its memory is not reused before the copy has read it
+                accelerator.hold_for(piece, self.stream)   # its memory is not reused before the copy has read it
                 targets.append((host, offset, n))
                 offset += n
             if stage is not None:
-                done = torch.cuda.Event()
+                done = accelerator.new_event()
                 done.record(self.stream)
                 self._pending.append((done, stage, targets))
 
@@ -91,4 +93,4 @@ class HostGradients:
         """A pinned staging buffer (torch's caching host allocator reuses the blocks of earlier ones)."""
         while len(self._pending) >= STAGES:
             self._add(self._pending.pop(0))
-        return torch.empty(numel, dtype=dtype, pin_memory=True)
+        return accelerator.pinned_empty(numel, dtype)

@@ -40,7 +40,7 @@ from typing import Iterable, Iterator, Optional
 import torch
 from torch import Tensor, nn
 
-from megalysses import comm
+from megalysses import accelerator, comm
 from megalysses.comm import Group
 from megalysses.training.fsdp import FSDPAdamW, adam_state
 from megalysses.training.host_gradients import HostGradients
@@ -100,7 +100,7 @@ class ShardedAdamW:
             counts = not (replicated_over_tp and tp_rank != 0) and not (tied_head_copy and name == "embed.weight")
             self.slots.append(_Slot(name, p, (lo, hi), math.ceil(rows / self.G) * row_size, master, counts))
             if master is not None and offload:
-                self.slots[-1].host_grad = torch.empty_like(master, pin_memory=p.is_cuda)
+                self.slots[-1].host_grad = accelerator.host_empty(master.shape, master.dtype, p.device)
             if master is not None:
                 (no_decay if p.dim() < 2 else decay).append(master)
         if offload and self.slots:
@@ -129,7 +129,7 @@ class ShardedAdamW:
         host memory, pinned when the parameter is on a GPU."""
         if not self.offload:
             return chunk.float().clone()
-        host = torch.empty(chunk.shape, dtype=torch.float32, device="cpu", pin_memory=chunk.is_cuda)
+        host = accelerator.host_empty(chunk.shape, torch.float32, chunk.device)
         return host.copy_(chunk)
 
     def _tied(self, s: _Slot) -> bool:
@@ -334,8 +334,8 @@ class ShardedAdamW:
                 if s.master is not None:
                     self._take(s, mine[offset:offset + s.master.numel()])
                 offset += s.padded
-        if self.offload and self.slots and self.slots[0].param.is_cuda:
-            torch.cuda.current_stream(self.slots[0].param.device).synchronize()   # the host copies are done
+        if self.offload and self.slots and accelerator.on_gpu(self.slots[0].param):
+            accelerator.current_stream(self.slots[0].param.device).synchronize()   # the host copies are done
         self._launched, self._expected, self._next = [], 0, 0
 
     @torch.no_grad()

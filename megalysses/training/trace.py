@@ -1,0 +1,279 @@
+"""One training step of a run traced on fake tensors: its peak device memory, and the pinned host memory it
+allocates, at the real shape, on a machine without the GPUs (`pretrain.py --dry-run --gpus N --trace-memory`,
+`tools/plan.py ... --trace`).
+
+    traced = trace_step(cfg, Machine.described("H100"), world=8)         # rank 0 (the first stage)
+    traced.device.bytes, traced.device.moment, traced.device.largest    # the peak, where, what is alive
+    traced.pinned.bytes                                                  # pinned host memory, high-water mark
+
+Rank `rank` of a world of `world` ranks runs the run's own start-up path and one step of the run's own train
+step, in this one process: the config checked at that world size, the plan resolved on the machine, the
+process groups created on torch's fake backend (whose collectives move nothing), the model and optimizer
+built as a run builds them, the optimizer's state made as a resume makes it, then train_step on one global
+batch of this rank's micro-batches at the padded sequence length, every option of the plan in force. Every
+tensor is a fake tensor (torch's FakeTensorMode: shapes, dtypes and devices, no data): the meta device stands
+for the GPU, the CPU for host memory. megalysses.tracker.LiveBytes counts the live bytes of each after every
+op (the peak over the step, over the weights and state made before it).
+
+What a GPU has and a fake tensor has not, the trace gives a form of (`FakeGPU`): megalysses.accelerator's
+streams and events do nothing and its pinned buffers are host tensors counted as pinned; our Triton kernels'
+launches go nowhere (triton_support.launches_to), their outputs allocated as on a GPU; the attention kernels
+run as their GPU forms in kernels/gpu_forms.py (the kernel SDPA picks on CUDA, flash-attn, FlexAttention,
+with the workspaces they allocate inside).
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+import warnings
+from dataclasses import dataclass, replace
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from megalysses import accelerator
+from megalysses.config import Config, ConfigError
+from megalysses.config_checks import validate_config
+from megalysses.grid import ParallelGrid
+from megalysses.plan import Machine, RunPlan, resolve
+from megalysses.tracker import DEVICE, HOST, PINNED, LiveBytes, Peak
+
+GPU_SMS = {"H100": 132, "H200": 132, "A100": 108}
+
+
+@dataclass
+class StepTrace:
+    """What one traced step of one rank reached: the peak of each memory, with its moment and the largest
+    tensors alive then."""
+
+    run: RunPlan
+    rank: int
+    stage: int                    # the pipeline stage of `rank`
+    device: Peak
+    pinned: Peak                  # pinned host memory: its high-water mark
+    host: Peak                    # the rest of host memory (the CPU optimizer's temporaries, ...)
+    seconds: float
+
+    def summary(self) -> dict:
+        def peak(p: Peak) -> dict:
+            return {"gib": p.bytes / 2 ** 30, "moment": str(p.moment),
+                    "largest": [{"gib": a.bytes / 2 ** 30, "shape": list(a.shape), "dtype": a.dtype, "made": a.made}
+                                for a in p.largest]}
+        return {"rank": self.rank, "stage": self.stage, "seconds": round(self.seconds, 1),
+                "device": peak(self.device), "pinned": peak(self.pinned), "host": peak(self.host)}
+
+
+    def lines(self) -> list[str]:
+        """The peaks in words: each memory's peak and moment, and its largest tensors alive then."""
+        out = [f"rank {self.rank} (stage {self.stage}), traced in {self.seconds:.1f} s"]
+        for name, p in (("device", self.device), ("pinned host", self.pinned), ("other host", self.host)):
+            out.append(f"  {name}: peak {p.bytes / 2 ** 30:.3f} GiB at {p.moment}")
+            for a in p.largest:
+                out.append(f"    {a.bytes / 2 ** 30:9.4f} GiB  {a.dtype:<9} {str(list(a.shape)):<24} {a.made}")
+        return out
+
+
+class _Nothing:
+    """A stream or event of the trace: every call does nothing (the trace runs one op after another)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda *args, **kwargs: True
+
+
+class FakeGPU(accelerator.Accelerator):
+    """megalysses.accelerator in a trace: the GPU is the meta device, streams and events do nothing, pinned
+    buffers are host tensors the tracker counts as pinned."""
+
+    def __init__(self, live: LiveBytes) -> None:
+        self.live = live
+
+    def on_gpu(self, x: torch.Tensor | torch.device) -> bool:
+        return (x.type if isinstance(x, torch.device) else x.device.type) == "meta"
+
+    def new_stream(self, device: torch.device) -> Any:
+        return _Nothing()
+
+    def current_stream(self, device: torch.device) -> Any:
+        return _Nothing()
+
+    def use_stream(self, stream: Any) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def new_event(self) -> Any:
+        return _Nothing()
+
+    def hold_for(self, x: torch.Tensor, stream: Any) -> None:
+        pass
+
+    def pinned_empty(self, shape: Any, dtype: torch.dtype) -> torch.Tensor:
+        with self.live.pinned():
+            return torch.empty(shape, dtype=dtype, device="cpu")
+
+    def pins_memory(self) -> bool:
+        return False            # fake tensors cannot be pinned: the trace counts FSDP2's shards itself
+
+
+class _MetaDeviceHandle:
+    """torch.meta while a trace runs: the device module FSDP2 asks for its mesh's device type (torch.cuda on
+    a GPU), whose streams and events do nothing."""
+
+    def current_device(self) -> None:
+        return None                         # torch.device("meta", None): the meta device
+
+    def device_count(self) -> int:
+        return 1
+
+    def is_available(self) -> bool:
+        return True
+
+    def is_initialized(self) -> bool:
+        return True
+
+    def set_device(self, device: Any) -> None:
+        pass
+
+    def synchronize(self, device: Any = None) -> None:
+        pass
+
+    def Stream(self, *args: Any, **kwargs: Any) -> Any:      # noqa: N802 (torch.cuda's name)
+        return _Nothing()
+
+    def Event(self, *args: Any, **kwargs: Any) -> Any:       # noqa: N802
+        return _Nothing()
+
+    def current_stream(self, device: Any = None) -> Any:
+        return _Nothing()
+
+    def stream(self, stream: Any) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _fsdp_on_meta() -> Iterator[None]:
+    """FSDP2 on a mesh of the meta device, as on a GPU's: its device module (torch.meta), its parameters left
+    where the run builds them (on the meta device, or in host memory with parameter offload: FSDP2 moves a
+    host build to the GPU and its shards back to the host, which fake tensors cannot, and which the step
+    does not see), and no refusal of parameters on the meta device, which here stand for the GPU's."""
+    try:
+        from torch.distributed.fsdp._fully_shard import _fsdp_init
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+        refuse, move = FSDPParamGroup._validate_no_meta_params, _fsdp_init._move_states_to_device
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"a memory trace of parallel.fsdp runs FSDP2 on the meta device, through torch "
+                          f"internals that torch {torch.__version__} does not have ({e})") from None
+    torch.meta = _MetaDeviceHandle()
+    FSDPParamGroup._validate_no_meta_params = lambda self: None
+    _fsdp_init._move_states_to_device = lambda params, buffers, device: None
+    try:
+        yield
+    finally:
+        del torch.meta
+        FSDPParamGroup._validate_no_meta_params = refuse
+        _fsdp_init._move_states_to_device = move
+
+
+def stage_rank(run: RunPlan, stage: int) -> int:
+    """World rank of the first rank (dp, sp, tp all 0) of pipeline stage `stage`."""
+    return stage * run.dp * run.sp * run.tp
+
+
+def trace_step(cfg: Config, machine: Machine, world: int, stage: int = 0, keep: int = 12) -> StepTrace:
+    """One step of the first rank of pipeline stage `stage` of a run of `cfg` on `world` ranks of `machine`,
+    traced (see the module docstring); each peak lists the `keep` largest tensors alive then."""
+    try:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+    except ImportError:
+        raise ConfigError(f"a memory trace needs torch's fake tensors and fake process-group backend, which torch "
+                          f"{torch.__version__} lacks") from None
+    if dist.is_initialized():
+        raise RuntimeError("a memory trace creates its own process group: call it outside one")
+    cfg = replace(cfg, data=replace(cfg.data, mock=True))
+    validate_config(cfg, world_size=world)
+    run = resolve(cfg, machine, world)
+    if not 0 <= stage < run.pp:
+        raise ValueError(f"the run has {run.pp} pipeline stages: no stage {stage}")
+    rank = stage_rank(run, stage)
+    # the meta device stands for the GPU: give it a backend of its own on the fake process group
+    dist.init_process_group("cpu:fake,cuda:fake,meta:fake", store=FakeStore(), rank=rank, world_size=world)
+    start = time.perf_counter()
+    try:
+        with warnings.catch_warnings(), _fsdp_on_meta():    # the fake backend takes no group timeouts, and
+            warnings.filterwarnings("ignore", message="Set timeout is now only supported")      # says so per group
+            grid = ParallelGrid.for_plan(run, cfg.parallel.timeout_seconds)
+            mesh = grid.device_mesh(torch.device("meta"), kind="meta")     # made of real tensors, before the fakes
+            with FakeTensorMode(allow_non_fake_inputs=True), LiveBytes(keep) as live, _gpu_forms(live, machine):
+                _step(cfg, grid, run, mesh, live)
+    finally:
+        dist.destroy_process_group()
+    return StepTrace(run, rank, stage, live.peaks[DEVICE], live.peaks[PINNED], live.peaks[HOST],
+                     time.perf_counter() - start)
+
+
+@contextlib.contextmanager
+def _gpu_forms(live: LiveBytes, machine: Machine) -> Iterator[None]:
+    from megalysses.kernels.gpu_forms import gpu_kernels
+    from megalysses.kernels.triton_support import LaunchHook, launches_to
+
+    with accelerator.installed(FakeGPU(live)), gpu_kernels(live, machine.packages), \
+            launches_to(LaunchHook(GPU_SMS.get(machine.gpu or "", 132), lambda *launch: None)), \
+            warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor.*|.*all_gather_into_tensor.*")
+        yield
+
+
+def _step(cfg: Config, grid: ParallelGrid, run: RunPlan, mesh: Any, live: LiveBytes) -> None:
+    """Build the model and optimizer, make the optimizer's state, then one train_step, its peaks counted."""
+    from megalysses.training.loop import build_model_and_optimizer
+    from megalysses.training.step import train_step
+
+    device = torch.device("meta")
+    model, opt = build_model_and_optimizer(cfg, grid, device, run, mesh)
+    live.name_modules(model)
+    for _ in opt.checkpoint_slots():            # the AdamW state a resumed run has
+        pass
+    if run.weights == "host":                   # FSDP2 pins the host shards of parameter offload on a GPU
+        for p in model.parameters():
+            live.mark_pinned(p)
+    batch = fake_batch(cfg, grid, run, device)
+    step = opt.step
+
+    def optimizer_step(*args: Any, **kwargs: Any) -> Any:
+        with live.phase("optimizer"):
+            return step(*args, **kwargs)
+
+    opt.step = optimizer_step
+    live.reset_peaks()
+    train_step(model, opt, batch, grid, lr=cfg.optimizer.lr, grad_clip=cfg.optimizer.grad_clip,
+               dtype=run.torch_dtype, nan_policy=cfg.training.nan_policy)
+
+
+def fake_batch(cfg: Config, grid: ParallelGrid, run: RunPlan, device: torch.device) -> list[dict]:
+    """This rank's micro-batches of one global batch at the run's longest (padded) length, as the data loader
+    hands them over: token ids, labels and positions of its S/sp tokens, and the document ids of the whole
+    sequence with packed-document masks."""
+    t = cfg.training
+    micro = t.global_batch_size // (t.micro_batch_size * grid.dp_size)
+    S = run.padded_seq_len
+    local = S // grid.sp_size
+    out = []
+    for _ in range(micro):
+        mb = {k: torch.zeros(t.micro_batch_size, local, dtype=torch.long, device=device)
+              for k in ("input_ids", "labels", "position_ids")}
+        if cfg.data.document_mask:
+            mb["doc_ids"] = torch.zeros(t.micro_batch_size, S, dtype=torch.long, device=device)
+        out.append(mb)
+    return out
+
+
+def trace_run(cfg: Config, machine: Machine, world: int, keep: int = 12) -> list[StepTrace]:
+    """The traced step of the first stage and, with a pipeline, of the last (the run's peak is the larger)."""
+    run = resolve(replace(cfg, data=replace(cfg.data, mock=True)), machine, world)
+    return [trace_step(cfg, machine, world, s, keep) for s in sorted({0, run.pp - 1})]
+
+
+def traced_peak(traces: list[StepTrace]) -> StepTrace:
+    return max(traces, key=lambda t: t.device.bytes)
+
+
