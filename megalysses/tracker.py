@@ -1,19 +1,21 @@
-"""Live bytes over a run of fake tensors, per memory: the device (meta tensors standing for the GPU), pinned
-host memory and the rest of host memory (fake CPU tensors), with the moment and the largest tensors at each
-one's peak. It is what megalysses.training.trace measures a training step with.
+"""Live bytes over a run of fake tensors, per memory: the device (meta tensors standing for the GPU), host
+memory (fake CPU tensors) and the pinned part of it, with the moment and the largest tensors at each one's
+peak. It is what megalysses.training.trace measures a training step with.
 
     with FakeTensorMode(allow_non_fake_inputs=True), LiveBytes() as live:
         model, opt = build(...)                  # counted from here on: weights, optimizer state
         live.reset_peaks()
         with live.phase("optimizer"): ...       # a name for the moments inside (default: forward, backward)
         live.peaks["device"].bytes, live.peaks["device"].moment, live.peaks["device"].largest
+        live.peaks["host"], live.peaks["pinned"]             # all host memory, and its pinned part
 
 Every storage an op makes is counted once (views share it) from the op that makes it until it is freed
 (a weak reference's callback), and resized storages (FSDP2 frees and refills its gathered weights with
 `untyped_storage().resize_`) change size where they are resized. A tensor the code allocates is counted,
-whatever the code believes it keeps. `mark_pinned` moves a host tensor to pinned memory (what
-megalysses.accelerator's pinned buffers are on a GPU); `transient` counts bytes that an op allocates and
-frees inside its kernel (a fused attention backward's fp32 accumulator) at that op.
+whatever the code believes it keeps. Host tensors made inside `pinned()`, or marked with `mark_pinned`,
+are pinned memory (what megalysses.accelerator's pinned buffers are on a GPU); `transient` counts device
+bytes that an op allocates and frees inside its kernel (a fused attention backward's fp32 accumulator) at
+that op.
 
 Fake tensors hold no data, so an op whose output depends on the data cannot run: `nonzero` is given its
 largest output (every element selected: an upper bound of the bytes), and `.item()` a value that lets the
@@ -39,6 +41,10 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 DEVICE, PINNED, HOST = "device", "pinned", "host"
+_OTHER = "other"                        # host memory that is not pinned
+# the accounts a storage of each kind counts in: host memory is pinned memory and the rest
+_ACCOUNTS = {DEVICE: (DEVICE,), PINNED: (PINNED, HOST), _OTHER: (HOST,)}
+_MODULE = "megalysses_module"           # a module's name on the gradient nodes of its outputs
 MEMORIES = (DEVICE, PINNED, HOST)
 aten = torch.ops.aten
 
@@ -46,9 +52,9 @@ aten = torch.ops.aten
 @dataclass(frozen=True)
 class Moment:
     """Where a run was: `phase` (forward, backward, or a name given with LiveBytes.phase), the innermost
-    module running (its name in the model; in a backward, the module whose forward ran last, the block a
-    checkpointed backward recomputes), the op just run and the innermost megalysses function on the Python
-    stack (file:function)."""
+    module running (its name in the model; in a backward, the module whose forward runs again (checkpointing)
+    or whose output's gradient node ran last), the op just run and the innermost megalysses function on the
+    Python stack (file:function)."""
 
     phase: str = ""
     module: str = ""
@@ -100,7 +106,7 @@ class LiveBytes(TorchDispatchMode):
         self._phase: list[str] = []
         self._names: dict[int, str] = {}            # id(module) -> its name in the model (name_modules)
         self._running: list[str] = []               # the modules whose forward is running, innermost last
-        self._last = ""                             # the innermost module whose forward ran last
+        self._last = ""                             # in a backward: the module whose gradient node ran last
         self._hooks: list[Any] = []
         self._resize: Optional[Callable] = None
         self._false = WeakIdKeyDictionary()         # tensors whose .item() is False (see _plausible_scalar)
@@ -133,10 +139,9 @@ class LiveBytes(TorchDispatchMode):
         st = self._live.get(t.untyped_storage()._cdata)
         if st is None:
             st = self._add(t, "mark_pinned")
-        if st.memory != PINNED:
-            self._leave(st)
+        if st.memory == _OTHER:
+            self._arrive(PINNED, st.nbytes)
             st.memory = PINNED
-            self._arrive(st.memory, st.nbytes)
             self._note(PINNED, "mark_pinned")
 
     @contextlib.contextmanager
@@ -154,27 +159,34 @@ class LiveBytes(TorchDispatchMode):
             if t.untyped_storage()._cdata not in self._live:
                 self._add(t, "before")
 
-    def transient(self, memory: str, nbytes: int, what: str) -> None:
-        """`nbytes` allocated and freed again right here (a kernel's workspace): a peak if it makes one."""
-        self._arrive(memory, nbytes)
-        workspace = _Storage(nbytes, memory, Alive(nbytes, (), "workspace", str(self._moment(what))))
+    def transient(self, nbytes: int, what: str) -> None:
+        """`nbytes` of the device allocated and freed again right here (a kernel's workspace): a peak if it
+        makes one."""
+        workspace = _Storage(nbytes, DEVICE, Alive(nbytes, (), "workspace", str(self._moment(what))))
+        self._arrive(DEVICE, nbytes)
         self._live[id(workspace)] = workspace
-        self._note(memory, what)
+        self._note(DEVICE, what)
         del self._live[id(workspace)]
         self._leave(workspace)
 
     # ------------------------------------------------------------------ bookkeeping
     def _memory(self, t: torch.Tensor) -> Optional[str]:
         kind = t.device.type
-        return DEVICE if kind == "meta" else (PINNED if self._pinning else HOST) if kind == "cpu" else None
+        return DEVICE if kind == "meta" else (PINNED if self._pinning else _OTHER) if kind == "cpu" else None
 
     def _moment(self, op: str) -> Moment:
         if self._phase:
             phase = self._phase[-1]
         else:
             phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
-        # in a backward, the module whose forward ran last: the block being recomputed (checkpointing)
-        module = self._running[-1] if self._running else self._last if phase == "backward" else ""
+        if self._running:
+            module = self._running[-1]
+        elif phase == "backward":       # the module whose output's gradient node ran last
+            node = torch._C._current_autograd_node()
+            module = node.metadata.get(_MODULE, self._last) if node is not None else self._last
+            self._last = module
+        else:
+            module = ""
         frame, where = sys._getframe(2), ""
         while frame is not None:
             name = frame.f_code.co_filename
@@ -184,28 +196,29 @@ class LiveBytes(TorchDispatchMode):
             frame = frame.f_back
         return Moment(phase, module, op, where)
 
-    def _arrive(self, memory: str, nbytes: int) -> None:
-        """Bytes about to be added to `memory`: a peak not listed yet whose bytes have since dropped is listed
+    def _arrive(self, account: str, nbytes: int) -> None:
+        """Bytes about to be added to `account`: a peak not listed yet whose bytes have since dropped is listed
         first (the state at that peak is what is alive now and what was freed since)."""
-        freed = self._pending.get(memory)
-        if freed:
-            self._list(memory)
-        self.current[memory] += nbytes
+        if self._pending.get(account):
+            self._list(account)
+        self.current[account] += nbytes
 
     def _leave(self, st: _Storage) -> None:
-        self.current[st.memory] -= st.nbytes
-        if st.memory in self._pending:
-            self._pending[st.memory].append(st)
+        for account in _ACCOUNTS[st.memory]:
+            self.current[account] -= st.nbytes
+            if account in self._pending:
+                self._pending[account].append(st)
 
     def _add(self, t: torch.Tensor, op: str) -> _Storage:
         storage = t.untyped_storage()
         key = storage._cdata
-        memory = self._memory(t) or HOST
+        memory = self._memory(t) or _OTHER
         made = str(self._moment(op)) if op not in ("before", "mark_pinned") else op
         st = _Storage(storage.nbytes(), memory, Alive(storage.nbytes(), tuple(t.shape),
                                                       str(t.dtype).replace("torch.", ""), made))
         st.ref = weakref.ref(storage, lambda _, key=key, st=st: self._free(key, st))
-        self._arrive(memory, st.nbytes)
+        for account in _ACCOUNTS[memory]:
+            self._arrive(account, st.nbytes)
         self._live[key] = st
         return st
 
@@ -214,30 +227,33 @@ class LiveBytes(TorchDispatchMode):
             del self._live[key]
             self._leave(st)
 
-    def _note(self, memory: str, op: str) -> None:
-        """After bytes were added to `memory`: a new peak (its storages listed once the bytes stop rising)."""
-        if self.current[memory] > self.peaks[memory].bytes:
-            self.peaks[memory] = Peak(self.current[memory], self._moment(op))
-            self._pending[memory] = []
+    def _note(self, account: str, op: str) -> None:
+        """After bytes were added to `account`: a new peak (its storages listed once the bytes stop rising)."""
+        if self.current[account] > self.peaks[account].bytes:
+            self.peaks[account] = Peak(self.current[account], self._moment(op))
+            self._pending[account] = []
 
-    def _list(self, memory: str) -> None:
-        rows = [s for s in self._live.values() if s.memory == memory] + self._pending.pop(memory)
-        self.peaks[memory].largest = [s.alive for s in heapq.nlargest(self.keep, rows, key=lambda s: s.nbytes)]
+    def _list(self, account: str) -> None:
+        rows = [s for s in self._live.values() if account in _ACCOUNTS[s.memory]] + self._pending.pop(account)
+        self.peaks[account].largest = [s.alive for s in heapq.nlargest(self.keep, rows, key=lambda s: s.nbytes)]
 
     def _resized(self, storage: torch.UntypedStorage, size: int) -> None:
         st = self._live.get(storage._cdata)
         if st is None or size == st.nbytes:
             return
-        if size < st.nbytes:
-            if st.memory in self._pending:          # listed as it was at the peak
-                self._list(st.memory)
-            self.current[st.memory] -= st.nbytes - size
-        else:
-            self._arrive(st.memory, size - st.nbytes)
+        for account in _ACCOUNTS[st.memory]:
+            if size < st.nbytes:
+                if account in self._pending:        # listed as it was at the peak
+                    self._list(account)
+                self.current[account] -= st.nbytes - size
+            else:
+                self._arrive(account, size - st.nbytes)
+        grown = size > st.nbytes
         st.nbytes = size
         st.alive = Alive(size, st.alive.shape, st.alive.dtype, st.alive.made)
-        if size:
-            self._note(st.memory, "resize_")
+        if grown:
+            for account in _ACCOUNTS[st.memory]:
+                self._note(account, "resize_")
 
     # ------------------------------------------------------------------ the dispatch mode
     def _enter_module(self, module: torch.nn.Module, args: Any) -> None:
@@ -245,7 +261,10 @@ class LiveBytes(TorchDispatchMode):
 
     def _exit_module(self, module: torch.nn.Module, args: Any, out: Any) -> None:
         if self._running:
-            self._last = self._running.pop()
+            name = self._running.pop()
+            for t in tree_leaves(out):      # its backward starts at its outputs' gradient nodes
+                if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+                    t.grad_fn.metadata[_MODULE] = name
 
     def __enter__(self) -> "LiveBytes":
         self._fake_mode = active_fake_mode()
@@ -292,9 +311,9 @@ class LiveBytes(TorchDispatchMode):
             if self._memory(t) is not None:
                 key = t.untyped_storage()._cdata
                 if key not in self._live:
-                    touched.add(self._add(t, str(func)).memory)
-        for memory in touched:
-            self._note(memory, str(func))
+                    touched.update(_ACCOUNTS[self._add(t, str(func)).memory])
+        for account in touched:
+            self._note(account, str(func))
         if func in _FALSE_ON_GOOD_DATA:
             self._false[out] = True
         return out

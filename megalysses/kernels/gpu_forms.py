@@ -48,7 +48,7 @@ class _Workspaces:
     @classmethod
     def add(cls, nbytes: int, what: str) -> None:
         if cls.live is not None:
-            cls.live.transient("device", int(nbytes), what)
+            cls.live.transient(int(nbytes), what)
 
 
 def _flash_backward_workspace(q: Tensor, k: Tensor, heads_first: bool, what: str) -> None:

@@ -52,7 +52,7 @@ class StepTrace:
     stage: int                    # the pipeline stage of `rank`
     device: Peak
     pinned: Peak                  # pinned host memory: its high-water mark
-    host: Peak                    # the rest of host memory (the CPU optimizer's temporaries, ...)
+    host: Peak                    # all host memory, pinned or not (the CPU optimizer's state and temporaries)
     seconds: float
 
     def summary(self) -> dict:
@@ -67,7 +67,7 @@ class StepTrace:
     def lines(self) -> list[str]:
         """The peaks in words: each memory's peak and moment, and its largest tensors alive then."""
         out = [f"rank {self.rank} (stage {self.stage}), traced in {self.seconds:.1f} s"]
-        for name, p in (("device", self.device), ("pinned host", self.pinned), ("other host", self.host)):
+        for name, p in (("device", self.device), ("pinned host", self.pinned), ("host", self.host)):
             out.append(f"  {name}: peak {p.bytes / 2 ** 30:.3f} GiB at {p.moment}")
             for a in p.largest:
                 out.append(f"    {a.bytes / 2 ** 30:9.4f} GiB  {a.dtype:<9} {str(list(a.shape)):<24} {a.made}")
