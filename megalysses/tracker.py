@@ -15,7 +15,7 @@ Every storage an op makes is counted once (views share it) from the op that make
 whatever the code believes it keeps. Host tensors made inside `pinned()`, or marked with `mark_pinned`,
 are pinned memory (what megalysses.accelerator's pinned buffers are on a GPU); `transient` counts device
 bytes that an op allocates and frees inside its kernel (a fused attention backward's fp32 accumulator) at
-that op.
+that op, and `workspaces` says which ops' kernels do, and how much.
 
 Fake tensors hold no data, so an op whose output depends on the data cannot run: `nonzero` is given its
 largest output (every element selected: an upper bound of the bytes), and `.item()` a value that lets the
@@ -111,6 +111,9 @@ class LiveBytes(TorchDispatchMode):
         self._resize: Optional[Callable] = None
         self._false = WeakIdKeyDictionary()         # tensors whose .item() is False (see _plausible_scalar)
         self._pinning = False                       # host tensors made now are pinned (see `pinned`)
+        # op -> the device bytes its kernel allocates and frees inside, from its arguments (the workspaces of
+        # the GPU's attention kernels: megalysses.kernels.gpu_forms)
+        self.workspaces: dict[Any, Callable[..., int]] = {}
 
     # ------------------------------------------------------------------ what the caller says
     def reset_peaks(self) -> None:
@@ -314,6 +317,9 @@ class LiveBytes(TorchDispatchMode):
                     touched.update(_ACCOUNTS[self._add(t, str(func)).memory])
         for account in touched:
             self._note(account, str(func))
+        workspace = self.workspaces.get(func)
+        if workspace is not None:
+            self.transient(workspace(*args, **kwargs), f"{func}'s workspace")
         if func in _FALSE_ON_GOOD_DATA:
             self._false[out] = True
         return out

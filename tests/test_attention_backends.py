@@ -1,6 +1,7 @@
 """Every core-attention backend equals the fp32 reference (outputs and q/k/v gradients), causal and with
 packed-document masks, for GQA, MQA and MHA; the reference itself equals per-document attention."""
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -45,13 +46,13 @@ def require(backend, device, dtype=torch.float32):
     if backend not in available_backends(device):
         pytest.skip(f"attention backend {backend!r} unavailable on {device} "
                     f"(available: {', '.join(available_backends(device))})")
-    if backend == "flash" and dtype not in (torch.float16, torch.bfloat16):
-        pytest.skip("flash-attn takes float16/bfloat16 only")
+    if backend in ("flash", "varlen") and dtype not in (torch.float16, torch.bfloat16):
+        pytest.skip(f"{backend} takes float16/bfloat16 only")
 
 
 def backend_matrix(test):
     """Every backend x head layout x mask x device."""
-    for mark in (pytest.mark.parametrize("backend", ["sdpa", "flex", "flash"]),
+    for mark in (pytest.mark.parametrize("backend", ["sdpa", "flex", "flash", "varlen"]),
                  pytest.mark.parametrize("hq,hkv", HEADS),
                  pytest.mark.parametrize("docs", [False, True], ids=["causal", "documents"]),
                  pytest.mark.parametrize("device", DEVICES)):
@@ -61,7 +62,7 @@ def backend_matrix(test):
 
 def backend_case(backend, hq, hkv, docs, device):
     """(dtype, q, k, v, mask) for one case; skips when the backend cannot run here."""
-    dtype = torch.bfloat16 if backend == "flash" else torch.float32
+    dtype = torch.bfloat16 if backend in ("flash", "varlen") else torch.float32
     require(backend, device, dtype)
     # on CUDA a shape compiled FlexAttention's templates take (one 128-token block, head dim 64)
     S, D = (128, 64) if device == "cuda" else (64, 16)
@@ -190,10 +191,21 @@ def test_selection_follows_the_shape():
         select("flash", with_flash, head_dim=12)
     with pytest.raises(ConfigError, match="'flash' is unavailable on cuda: it needs CUDA and an importable flash_attn"):
         select("flash", plain, head_dim=64)
-    assert select("auto", plain, head_dim=64, has_docs=True) == "flex"
+    # documents on a plain torch: its variable-length attention (cumulative lengths), FlexAttention where it
+    # has none (torch < 2.9) or cannot run (fp32), else SDPA
+    assert select("auto", plain, head_dim=64, has_docs=True) == "varlen"
+    no_varlen = replace(plain, packages=plain.packages - {"varlen"})
+    assert select("auto", no_varlen, head_dim=64, has_docs=True) == "flex"
+    assert select("auto", plain, "float32", head_dim=64, has_docs=True) == "flex"
+    with pytest.raises(ConfigError, match="'varlen' needs float16 or bfloat16"):
+        select("varlen", plain, "float32", head_dim=64)
+    with pytest.raises(ConfigError, match="'varlen' is unavailable on cpu: it needs CUDA"):
+        select("varlen", cpu, "float32", head_dim=64)
+    with pytest.raises(ConfigError, match="'varlen' cannot run the blocks of ring attention"):
+        select("varlen", plain, head_dim=64, ring=True)
     assert select("auto", plain, head_dim=64) == "sdpa"
     for head_dim in (8, 48):                                             # Inductor's flex template refuses these
-        assert select("auto", plain, head_dim=head_dim, has_docs=True) == "sdpa"
+        assert select("auto", no_varlen, head_dim=head_dim, has_docs=True) == "sdpa"
         with pytest.raises(ConfigError, match="'flex' needs a head dim that is a power of two >= 16"):
             select("flex", plain, head_dim=head_dim)
     with pytest.raises(ConfigError, match="'flex' has no backward on CPU"):
@@ -235,3 +247,29 @@ def test_clear_errors():
         core_attention(q, k, v, doc_ids=make_doc_ids(), mask=prepare_attention_mask(make_doc_ids(), "sdpa"))
     with pytest.raises(ValueError, match="multiple of kv heads"):
         core_attention(q[:, :, :3], k, v)
+
+
+def test_flex_block_masks_at_a_coarse_block_equal_the_reference():
+    """FlexAttention with documents in blocks of 256 tokens (the plan coarsens them at long lengths to keep the
+    block mask within 1% of the peak) equals the reference, forward on CPU (torch has no CPU backward; the
+    GPU tier checks it), for core attention and for a ring step's pair of blocks (built for the step)."""
+    from megalysses.kernels.block_attention import AttentionBlock, block_attention
+
+    require("flex", "cpu")
+    S = 512
+    doc_ids = torch.tensor([[0] * 100 + [1] * 300 + [2] * 112, [3] * 200 + [4] * 312])
+    q, k, v = make_qkv(S=S, hq=4, hkv=2)
+    mask = prepare_attention_mask(doc_ids, "flex", block=256)
+    assert mask.block_mask().BLOCK_SIZE == (256, 256)
+    with torch.no_grad():
+        torch.testing.assert_close(core_attention(q, k, v, mask=mask, backend="flex"),
+                                   core_attention(q, k, v, mask=mask, backend="reference"), rtol=1e-5, atol=1e-5)
+        # a ring step: the second half of the sequence's queries against the first half's keys
+        half = S // 2
+        block = AttentionBlock(False, doc_ids[:, half:], doc_ids[:, :half], block=256)
+        args = (q[:, half:].detach(), k[:, :half].detach(), v[:, :half].detach(), block)
+        out, lse, _ = block_attention(*args, "flex", 0.25)
+        want, want_lse, _ = block_attention(*args, "reference", 0.25)
+    torch.testing.assert_close(out.float(), want.float(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+    assert not [key for key in block._forms if key[0] == "flex"]     # the flex mask was not kept past its step

@@ -6,9 +6,9 @@ import pytest
 from megalysses.config_checks import validate_config
 from megalysses.config_io import load_config
 from megalysses.memory import GIB, PRECISIONS, Layout, Options, Workload, longest_sequence
-from megalysses.plan.search import plan
+from megalysses.plan.search import evaluate, plan
 from megalysses.plan.step_time import Hardware, step_time
-from tests.planning import LLAMA3_8B, h100s, load
+from tests.planning import H100_GIB, LLAMA3_8B, h100s, load
 
 
 @pytest.mark.parametrize("gpus, published", [(1, 500_000), (8, 3_700_000), (32, 15_000_000)])
@@ -31,7 +31,7 @@ def test_alst_longest_sequences(gpus, published):
                    mlp_chunk_tokens=LLAMA3_8B.hidden_size, loss_chunk_tokens=16384, fsdp=True, optimizer_offload=True,
                    param_offload=gpus == 1, attention="flash", native_gqa=True, bucket_bytes=5e8 * 2,
                    kernels="liger")
-    layout, budget = Layout(sp=gpus), Hardware().usable_bytes(80)
+    layout, budget = Layout(sp=gpus), Hardware().usable_bytes(H100_GIB)
     memory_only = longest_sequence(LLAMA3_8B, layout, opts, PRECISIONS["bf16"], budget, multiple=gpus * 1024)
     longest = longest_sequence(LLAMA3_8B, layout, opts, PRECISIONS["bf16"], budget, multiple=gpus * 1024,
                                max_elements=2 ** 31)
@@ -42,8 +42,8 @@ def test_alst_longest_sequences(gpus, published):
 @pytest.mark.parametrize("gpus, tokens, alst", [(1, 1 << 20, 500_000), (8, 6 << 20, 3_700_000),
                                                 (32, 24 << 20, 15_000_000)])
 def test_longer_sequences_than_alst_with_megalysses_own_layouts(gpus, tokens, alst):
-    """Llama-3.1-8B, global batch 1 sequence, on 80 GB H100s with 1,769 GiB of host memory per node and the
-    Triton kernels: megalysses' own layouts (head chunks, tiles, offload of activations, gradients and
+    """Llama-3.1-8B, global batch 1 sequence, on 80 GB H100s (79.6 GiB exposed) with 1,769 GiB of host memory
+    per node and the Triton kernels: megalysses' own layouts (head chunks, tiles, offload of activations, gradients and
     weights, sp split into ulysses x ring every way the heads allow) fit 1M tokens on one GPU, 6M on eight
     and 24M on 32 (ALST, arXiv 2506.13996: 500K, 3.7M and 15M; UPipe 5M on eight). At 24M on 32 the largest
     Ulysses degree (8, one KV head per rank, so at most 8 head chunks of ring attention over 4) fits at no
@@ -51,10 +51,12 @@ def test_longer_sequences_than_alst_with_megalysses_own_layouts(gpus, tokens, al
     time and MFU are finite."""
     cfg = load("configs/llama3_8b_1m.yaml", **{"training.global_batch_size": 1, "model.kernels": "triton",
                                                 "parallel.pp": 1, "parallel.virtual_stages": 1})
-    fitting, _ = plan(cfg, gpus, tokens, 80, host_memory_gib=1769)
+    fitting, _ = plan(cfg, gpus, tokens, host_memory_gib=1769)
     assert fitting and tokens > alst
     best = fitting[0]
-    assert best.estimate.peak <= Hardware().usable_bytes(80) and best.host_per_node <= 1769 * GIB
+    # the budget of an H100 80GB as it is exposed, less the reserve and at least the largest block
+    assert best.usable == Hardware().usable_bytes(H100_GIB, best.estimate.largest.bytes)
+    assert best.estimate.peak <= best.usable and best.host_per_node <= 1769 * GIB
     row = best.row()
     assert 0 < row["mfu"] < 1 and row["step_s"] > 0
     assert (row["tp"], row["sp"] // row["ring"], row["ring"]) == (best.run.tp, best.run.ulysses, best.run.ring)
@@ -70,15 +72,17 @@ def test_llama_8b_activation_bytes_per_token_and_1b_at_1m_within_60_gib():
     top-ranked layout's peak is at most 60 GiB."""
     cfg = load("configs/llama3_8b_1m.yaml", **{"training.global_batch_size": 1, "model.kernels": "triton",
                                                 "parallel.pp": 1, "parallel.virtual_stages": 1})
-    fitting, _ = plan(cfg, 1, 1 << 20, 80, host_memory_gib=1769)
+    fitting, _ = plan(cfg, 1, 1 << 20, host_memory_gib=1769)
     best = fitting[0]
     tokens = (1 << 20) / best.estimate.layout.sp
     activations = [t for t in best.estimate.terms
                    if t.name.startswith(("the layer's recomputed activations", "backward of one layer"))]
     assert len(activations) == 2
-    assert sum(t.bytes for t in activations) / tokens <= 32 * 1024, [(t.name, t.bytes / tokens) for t in activations]
+    # 34 KB, not 32: documents now run on torch's varlen_attn (no (S/128)^2 block mask), whose flash backward
+    # keeps an fp32 dq accumulator and writes dk, dv at the query heads
+    assert sum(t.bytes for t in activations) / tokens <= 34 * 1024, [(t.name, t.bytes / tokens) for t in activations]
     cfg = load("configs/gpt_1b_1m_offload.yaml", **{"training.global_batch_size": 1, "model.kernels": "triton"})
-    fitting, _ = plan(cfg, 1, 1 << 20, 80, host_memory_gib=120)
+    fitting, _ = plan(cfg, 1, 1 << 20, host_memory_gib=120)
     best = fitting[0]
     assert best.estimate.peak <= 60 * GIB and best.host_per_node <= 120 * GIB
     row = best.row()
@@ -98,5 +102,24 @@ def test_ring_steps_pay_their_fp32_merges():
     assert "ring merges (fp32, device memory)" not in step_time(m, Layout(sp=8), opts, bf16, work, hw).exposed
     cfg = load("configs/llama3_8b_1m.yaml", **{"training.global_batch_size": 1, "model.kernels": "triton",
                                                 "parallel.pp": 1, "parallel.virtual_stages": 1})
-    fitting, _ = plan(cfg, 8, 6 << 20, 80, host_memory_gib=1769)
+    fitting, _ = plan(cfg, 8, 6 << 20, host_memory_gib=1769)
     assert fitting[0].run.ring == 1 and any(p.run.ring == 8 for p in fitting)
+
+
+def test_no_quadratic_document_mask_at_millions_of_tokens():
+    """Llama-3.1-8B at 6M tokens on 8 H100s with documents: auto attention is torch's variable-length attention
+    (cumulative lengths), so no term of the prediction grows as S^2; forced to FlexAttention, its block mask is
+    counted, in blocks the plan coarsens until it is within 1% of the peak (at 128-token blocks it would be
+    16 x (6M / 128)^2 B = 36 GiB)."""
+    sets = {"training.global_batch_size": 1, "model.kernels": "triton", "parallel.pp": 1, "parallel.virtual_stages": 1,
+            "parallel.sp": 8, "parallel.sp_ring": 1, "data.seq_len": 6 << 20, "training.activation_checkpointing": True,
+            "training.activation_offload": True, "training.attention_head_chunks": 4}
+    auto = evaluate(load("configs/llama3_8b_1m.yaml", **sets), 8, None, 1769, Hardware())
+    assert auto.run.attention == "varlen"
+    assert not [t for t in auto.estimate.terms if "mask" in t.name], auto.estimate.terms
+    flex = evaluate(load("configs/llama3_8b_1m.yaml", **sets, **{"model.attention_backend": "flex"}), 8, None, 1769,
+                    Hardware())
+    mask = [t for t in flex.estimate.terms if t.name.startswith("FlexAttention's block mask")]
+    block = flex.run.activation.mask_block
+    assert len(mask) == 1 and mask[0].bytes <= 0.01 * flex.estimate.peak and block > 128
+    assert mask[0].bytes == pytest.approx(16 * ((6 << 20) / block) ** 2, rel=1e-3)

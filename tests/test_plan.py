@@ -200,6 +200,16 @@ def test_cli_json_best_and_null(capsys):
     assert {"tp", "sp", "pp", "dp", "peak_gib"} <= set(best)
     assert best["tp"] * best["sp"] * best["pp"] * best["dp"] == 8 and best["peak_gib"] <= 80
     assert out["layouts"][0] == best and out["config_layout"]["fits"]
+    # by default an H100 80GB as it is exposed (79.6 GiB): the budget takes off the reserve and a fragmentation
+    # allowance of at least the layout's largest block (here a block input: 256K / sp tokens x hidden x 2 B)
+    assert main(["--config", "configs/gpt_1b_8gpu.yaml", "--gpus", "8", "--seq-len", "262144", "--json",
+                 "--top", "1"]) == 0
+    out, hw = json.loads(capsys.readouterr().out), Hardware()
+    best, hidden = out["best"], load_config("configs/gpt_1b_8gpu.yaml").model.hidden_size
+    assert out["gpu_memory_gib"] == 79.6 and best["largest_block_gib"] >= 262144 / best["sp"] * hidden * 2 / GIB
+    allowance = max(hw.fragmentation * 79.6, best["largest_block_gib"])
+    assert best["usable_gib"] == pytest.approx(79.6 - hw.reserve_gib - allowance, abs=0.01)
+    assert best["peak_gib"] <= best["usable_gib"]
     # --set overrides the config as pretrain.py's does
     assert main(["--config", "configs/gpt_1b_8gpu.yaml", "--gpus", "8", "--gpu-memory-gib", "80", "--json",
                  "--seq-len", "65536", "--top", "1", "--set", "training.global_batch_size=16"]) == 0
@@ -409,7 +419,7 @@ def test_a_checkpoint_stride_is_planned_where_host_memory_binds():
     # on a 24 GiB GPU some fit only with the loss in one tile of the whole sequence (no fp32 head gradient sum)
     ("configs/llama3_8b_1m.yaml", {"training.global_batch_size": 1, "model.kernels": "triton"}, 1, 4096, 24, 1769),
     ("configs/quickstart.yaml", {"data.mock": "true", "data.document_mask": "false", "training.micro_batch_size": 1,
-                                 "training.global_batch_size": 4}, 8, 1 << 16, 2, None)])
+                                 "training.global_batch_size": 4}, 8, 1 << 16, 3, None)])
 def test_the_search_skips_only_what_cannot_fit(monkeypatch, path, sets, gpus, tokens, gpu_gib, host_gib):
     """plan() checks a layout's batch arithmetic once for all its memory options, and skips the tile search of a
     candidate that no tiles can fit: the layouts that fit, their order and how many were considered are those

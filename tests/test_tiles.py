@@ -45,7 +45,7 @@ def test_auto_resolves_to_concrete_tiles_by_the_rule():
     on_h100 = resolve(cfg, described_machine(1, 80, Hardware()), 1)
     assert on_h100.activation.mlp_chunk_tokens == 0
     assert _peak(cfg, on_h100, mlp_chunk_tokens=0) <= Hardware().usable_bytes(80)
-    for machine in (described_machine(1, 40, Hardware()), Machine.described("H100", 1, memory_gib=None)):
+    for machine in (described_machine(1, 40, Hardware()), replace(Machine.described("H100", 1), memory_gib=None)):
         run = resolve(cfg, machine, 1)
         tile, loss = run.activation.mlp_chunk_tokens, run.activation.loss_chunk_tokens
         assert isinstance(tile, int) and isinstance(loss, int)

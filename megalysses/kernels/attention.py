@@ -14,6 +14,9 @@ Backends:
                torch has no FlexAttention backward on CPU).
     flash      flash-attn (CUDA, fp16/bf16): flash_attn_func, or flash_attn_varlen_func on the
                packed documents (cu_seqlens from doc_ids).
+    varlen     torch's variable-length attention (torch.nn.attention.varlen.varlen_attn, its flash kernel;
+               CUDA, fp16/bf16): the packed documents as cumulative lengths, O(S) memory for the mask where
+               FlexAttention's block mask is O((S/block)^2). torch raises on CPU.
 
 Which backends can run a shape where is `unsupported_reason`'s answer; which one a run uses ("auto") is
 decided once, by megalysses.plan.resolve, and every function here takes that concrete name.
@@ -44,11 +47,16 @@ except Exception:   # torch < 2.5
     flex_module = None
 
 try:
+    from torch.nn.attention import varlen as varlen_module
+except Exception:   # torch without variable-length attention
+    varlen_module = None
+
+try:
     from flash_attn import flash_attn_func, flash_attn_varlen_func
 except Exception:   # not installed, or built for another torch/CUDA
     flash_attn_func = flash_attn_varlen_func = None
 
-BACKENDS = ("reference", "sdpa", "flex", "flash")
+BACKENDS = ("reference", "sdpa", "flex", "flash", "varlen")
 _HALF = (torch.float16, torch.bfloat16)
 DeviceLike = Union[torch.device, str]
 
@@ -58,8 +66,14 @@ def flex_available() -> bool:
     return flex_module is not None
 
 
+def varlen_available() -> bool:
+    """Whether this torch has variable-length attention (torch.nn.attention.varlen.varlen_attn)."""
+    return varlen_module is not None and hasattr(varlen_module, "varlen_attn")
+
+
 def _installed() -> frozenset:
     return frozenset({"flex"} if flex_available() else set()) | \
+        frozenset({"varlen"} if varlen_available() else set()) | \
         frozenset({"flash_attn"} if flash_attn_func is not None else set())
 
 
@@ -74,6 +88,8 @@ def available_backends(device: DeviceLike = "cpu", packages: Optional[frozenset]
         names.append("flex")
     if "flash_attn" in packages and on_cuda:
         names.append("flash")
+    if "varlen" in packages and on_cuda:
+        names.append("varlen")
     return tuple(names)
 
 
@@ -95,7 +111,9 @@ def unsupported_reason(backend: str, device: DeviceLike, dtype: torch.dtype, hea
     here = available_backends(device, packages)
     if backend not in here:
         why = {"flex": "torch.nn.attention.flex_attention is missing (needs torch >= 2.5)",
-               "flash": "it needs CUDA and an importable flash_attn package"}[backend]
+               "flash": "it needs CUDA and an importable flash_attn package",
+               "varlen": "it needs CUDA (torch's varlen_attn raises on a CPU) and torch.nn.attention.varlen "
+                         "(torch >= 2.9)"}[backend]
         return f"is unavailable on {device.type}: {why}; available here: {', '.join(here)}"
     if backend == "flex":
         if not on_cuda and training:
@@ -111,6 +129,14 @@ def unsupported_reason(backend: str, device: DeviceLike, dtype: torch.dtype, hea
             return f"needs float16 or bfloat16 inputs, got {dtype}; use 'sdpa' or 'flex' for {dtype}"
         if head_dim is not None and (head_dim % 8 or head_dim > 256):
             return f"needs a head dim that is a multiple of 8 and at most 256, got {head_dim}"
+    if backend == "varlen":
+        if ring:
+            return ("cannot run the blocks of ring attention: varlen_attn gives no backward against the "
+                    "log-sum-exp merged over the blocks; use auto, sdpa, flex or reference")
+        if dtype not in _HALF:
+            return f"needs float16 or bfloat16 inputs (its flash kernel), got {dtype}; use 'sdpa' or 'flex'"
+        if head_dim is not None and (head_dim % 8 or head_dim > 256):
+            return f"needs a head dim that is a multiple of 8 and at most 256 (its flash kernel), got {head_dim}"
     if backend == "sdpa" and ring and on_cuda:
         kernel = ("runs ring-attention blocks on CUDA with torch's flash kernel (the SDPA kernel that returns "
                   "the log-sum-exp)")
@@ -140,10 +166,13 @@ class AttentionMask:
     """The packed-document causal mask of one step, in whichever form each backend wants.
 
     Built once per step by `prepare_attention_mask` and handed to every layer; each form (dense boolean
-    mask, FlexAttention BlockMask, flash-attn cu_seqlens) is computed on first use and then reused."""
+    mask, FlexAttention BlockMask of `block`-token blocks, cumulative lengths) is computed on first use and
+    then reused. The BlockMask holds four int32 (S/block)^2 index tensors: the run plan's block keeps them
+    small beside the peak (plan/run_plan.py mask_block)."""
 
-    def __init__(self, doc_ids: Tensor) -> None:
+    def __init__(self, doc_ids: Tensor, block: int = 128) -> None:
         self.doc_ids = doc_ids                                            # (B, S) int
+        self.block = block
         self._forms: dict[str, Any] = {}
 
     @property
@@ -173,7 +202,7 @@ class AttentionMask:
 
             def mask_mod(b, h, q_idx, kv_idx):
                 return (kv_idx <= q_idx) & (docs[b, q_idx] == docs[b, kv_idx])
-            return create_block_mask(mask_mod, B, S, docs.device)
+            return create_block_mask(mask_mod, B, S, docs.device, block=self.block)
         return self._cached("block_mask", build)
 
     def varlen(self) -> tuple[Tensor, int]:
@@ -185,19 +214,20 @@ class AttentionMask:
 
     def build_for(self, backend: str) -> "AttentionMask":
         """Compute now the form `backend` (a concrete name) uses; returns self."""
-        form = {"sdpa": self.dense, "flex": self.block_mask, "flash": self.varlen}.get(backend)
+        form = {"sdpa": self.dense, "flex": self.block_mask, "flash": self.varlen, "varlen": self.varlen}.get(backend)
         if form is not None:
             form()
         return self
 
 
 def prepare_attention_mask(doc_ids: Optional[Tensor], backend: str, seq_len: Optional[int] = None,
-                           device: Optional[DeviceLike] = None) -> Optional[AttentionMask]:
+                           device: Optional[DeviceLike] = None, block: int = 128) -> Optional[AttentionMask]:
     """The document mask for one step, to pass as `mask=` to every layer's `core_attention`.
 
     doc_ids: (B, S) ints, non-decreasing per row, or None (plain causal: returns None). seq_len, when
-    given, is checked against S; device, when given, is where the mask lives (default: doc_ids'). The
-    form that `backend` (the run's concrete backend) uses is built now; any other on first use."""
+    given, is checked against S; device, when given, is where the mask lives (default: doc_ids'); block:
+    FlexAttention's block-mask block size. The form that `backend` (the run's concrete backend) uses is
+    built now; any other on first use."""
     if doc_ids is None:
         return None
     if doc_ids.dim() != 2 or doc_ids.dtype.is_floating_point or doc_ids.dtype == torch.bool:
@@ -208,7 +238,7 @@ def prepare_attention_mask(doc_ids: Optional[Tensor], backend: str, seq_len: Opt
         doc_ids = doc_ids.to(device)
     if doc_ids.shape[1] > 1 and bool((doc_ids[:, 1:] < doc_ids[:, :-1]).any()):
         raise ValueError("doc_ids must be non-decreasing along each row (one id per packed document)")
-    return AttentionMask(doc_ids).build_for(backend)
+    return AttentionMask(doc_ids, block).build_for(backend)
 
 
 def core_attention(q: Tensor, k: Tensor, v: Tensor, doc_ids: Optional[Tensor] = None, backend: str = "sdpa",
@@ -292,9 +322,10 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Optional[AttentionMask], scale:
 
 
 def create_block_mask(mask_mod: Callable, B: Optional[int], S: int, device: torch.device,
-                      kv_len: Optional[int] = None) -> Any:
-    """A FlexAttention BlockMask for S queries and kv_len (default S) keys (fused on CUDA)."""
-    kwargs = {}
+                      kv_len: Optional[int] = None, block: int = 128) -> Any:
+    """A FlexAttention BlockMask for S queries and kv_len (default S) keys in blocks of `block` tokens (a
+    multiple of 128, the kernel's tile; fused on CUDA)."""
+    kwargs = {"BLOCK_SIZE": block}
     params = inspect.signature(flex_module.create_block_mask).parameters
     if torch.device(device).type == "cuda" and "_compile" in params:
         kwargs["_compile"] = True   # fused: never materialises the (B, S, S) mask
@@ -357,5 +388,41 @@ def _flash(q: Tensor, k: Tensor, v: Tensor, mask: Optional[AttentionMask], scale
     return out.view(B, S, Hq, D)
 
 
+@functools.lru_cache(maxsize=1)
+def varlen_options() -> frozenset:
+    """What this torch's varlen_attn takes beyond q, k, v and the lengths: "is_causal" (torch 2.9, 2.10) or a
+    causal "window_size" (later), "scale", "enable_gqa" (native grouped-query attention, torch >= 2.12)."""
+    if not varlen_available():
+        return frozenset()
+    return frozenset(inspect.signature(varlen_module.varlen_attn).parameters)
+
+
+def varlen_native_gqa() -> bool:
+    """Whether varlen_attn reads grouped KV heads as they are (else they are repeated to the query heads)."""
+    return "enable_gqa" in varlen_options()
+
+
+def _varlen(q: Tensor, k: Tensor, v: Tensor, mask: Optional[AttentionMask], scale: float) -> Tensor:
+    B, S, Hq, D = q.shape
+    if mask is not None:
+        cu_seqlens, max_len = mask.varlen()
+    else:          # plain causal: each row one sequence
+        cu_seqlens, max_len = torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device=q.device), S
+    options, kwargs = varlen_options(), {}
+    if q.shape[2] != k.shape[2]:
+        if "enable_gqa" in options:
+            kwargs["enable_gqa"] = True
+        else:
+            k, v = _repeat_kv(k, Hq // k.shape[2]), _repeat_kv(v, Hq // k.shape[2])
+    kwargs.update({"is_causal": True} if "is_causal" in options else {"window_size": (-1, 0)})
+    if "scale" in options:
+        kwargs["scale"] = scale
+    elif scale != 1.0 / math.sqrt(D):          # the default scale is 1/sqrt(D): fold another into q
+        q = q * (scale * math.sqrt(D))
+    out = varlen_module.varlen_attn(q.reshape(B * S, Hq, D), k.reshape(B * S, -1, D), v.reshape(B * S, -1, D),
+                                    cu_seqlens, cu_seqlens, max_len, max_len, **kwargs)
+    return out.view(B, S, Hq, D)
+
+
 _BACKEND_FNS: dict[str, Callable[..., Tensor]] = {"reference": _reference, "sdpa": _sdpa, "flex": _flex,
-                                                  "flash": _flash}
+                                                  "flash": _flash, "varlen": _varlen}

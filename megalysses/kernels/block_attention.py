@@ -40,12 +40,15 @@ class AttentionBlock:
     queries and keys are the same positions in the same order) and/or the same document.
 
     q_docs (B, Sq), k_docs (B, Sk): document ids of the block's queries and keys (None: no documents).
-    Each mask form a backend needs is built on first use and kept, so the layers of a step share it."""
+    Each mask form a backend needs is built on first use and kept, so the layers of a step share it, except
+    FlexAttention's block mask of documents: its int32 (Sq/block x Sk/block) index tensors are built for
+    each use (a ring step's pair of blocks) and freed after it, in blocks of `block` tokens."""
 
-    def __init__(self, causal: bool, q_docs: Optional[Tensor] = None, k_docs: Optional[Tensor] = None) -> None:
+    def __init__(self, causal: bool, q_docs: Optional[Tensor] = None, k_docs: Optional[Tensor] = None,
+                 block: int = 128) -> None:
         if (q_docs is None) != (k_docs is None):
             raise ValueError("give the document ids of both the queries and the keys, or of neither")
-        self.causal, self.q_docs, self.k_docs = causal, q_docs, k_docs
+        self.causal, self.q_docs, self.k_docs, self.block = causal, q_docs, k_docs, block
         self._forms: dict[Any, Any] = {}
 
     @property
@@ -84,18 +87,17 @@ class AttentionBlock:
         return self._cached(("empty", sq, sk), lambda: ~self.allowed(sq, sk, device).any(-1))
 
     def flex_mask(self, sq: int, sk: int, device: torch.device) -> Any:
-        """FlexAttention BlockMask (None: no mask, every pair allowed)."""
+        """FlexAttention BlockMask (None: no mask, every pair allowed); with documents a new one, which the
+        caller drops after its step."""
         if not self.has_docs:
             return attention.causal_block_mask(sq, device) if self.causal else None
+        qd, kd, causal = self.q_docs, self.k_docs, self.causal
 
-        def build() -> Any:
-            qd, kd, causal = self.q_docs, self.k_docs, self.causal
-
-            def mask_mod(b, h, q_idx, kv_idx):
-                same = qd[b, q_idx] == kd[b, kv_idx]
-                return same & (kv_idx <= q_idx) if causal else same
-            return attention.create_block_mask(mask_mod, qd.shape[0], sq, device, kv_len=sk)
-        return self._cached(("flex", sq, sk), build)
+        def mask_mod(b, h, q_idx, kv_idx):
+            same = qd[b, q_idx] == kd[b, kv_idx]
+            return same & (kv_idx <= q_idx) if causal else same
+        with torch.no_grad():
+            return attention.create_block_mask(mask_mod, qd.shape[0], sq, device, kv_len=sk, block=self.block)
 
 
 def _heads_first(x: Tensor) -> Tensor:

@@ -8,15 +8,19 @@ from typing import Optional
 from megalysses.config import ModelConfig
 from megalysses.memory.activations import (bytes_per_token, dims, head_weight_grad_bytes, kept_layers, layer_terms,
                                            norm_terms, stage_layers, stage_terms)
+from megalysses.memory.blocks import flex_mask, largest_block
 from megalysses.memory.states import in_flight, optimizer_terms, stage_params, state_terms, streams_gradients
 from megalysses.memory.transients import backward_terms, loss_terms, norm_backward_bytes, norm_tile_bytes
-from megalysses.memory.types import Estimate, Layout, Options, Precision, Term, Workload
+from megalysses.memory.types import Estimate, Layout, Options, Precision, Term, Workload, pinned
 
 
 def estimate(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, work: Workload) -> Estimate:
-    """The peak over the pipeline stages (the first holds the most micro-batches, the last the loss)."""
-    return max((_stage_estimate(m, layout, opts, prec, work, s) for s in sorted({0, layout.pp - 1})),
-               key=lambda e: e.peak)
+    """The peak over the pipeline stages (the first holds the most micro-batches, the last the loss), with the
+    largest single block of any of them."""
+    stages = [_stage_estimate(m, layout, opts, prec, work, s) for s in sorted({0, layout.pp - 1})]
+    est = max(stages, key=lambda e: e.peak)
+    est.largest = max((e.largest for e in stages), key=lambda t: t.bytes)
+    return est
 
 
 def _stage_estimate(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, work: Workload,
@@ -60,6 +64,9 @@ def _stage_estimate(m: ModelConfig, layout: Layout, opts: Options, prec: Precisi
         elif opts.documents and opts.attention == "sdpa":
             terms.append(Term("dense document mask (sdpa)", work.micro_batch_size * S ** 2,
                               f"B x S^2 = {work.micro_batch_size} x {S}^2 B"))
+        mask = flex_mask(m, layout, opts, work)
+        if mask is not None:
+            terms.append(mask)
         return terms
 
     fixed, grads = state_terms(m, layout, opts, prec, first, last, M)
@@ -99,7 +106,7 @@ def _stage_estimate(m: ModelConfig, layout: Layout, opts: Options, prec: Precisi
                               fixed + late + activations(flight - 1, 1) + layer_bwd, key=_device),
               "optimizer": fixed + [t for t in grads if not t.name.startswith("gradient bucket")
                                     and not (opts.optimizer_offload and "reduced" in t.name) and not streamed]
-                           + optimizer_terms(m, layout, opts, prec, n, M)}
+                           + optimizer_terms(m, layout, opts, prec, n, M, first, last)}
     if last:
         head_tok = bytes_per_token(stage_terms(m, layout, opts, prec, False, True)) - \
             bytes_per_token(stage_terms(m, layout, opts, prec, False, False))
@@ -123,13 +130,16 @@ def _stage_estimate(m: ModelConfig, layout: Layout, opts: Options, prec: Precisi
                                         f"{tokens:.4g} tok x {temps:.4g} B")])
     phase = max(phases, key=lambda p: _device(phases[p]))
     terms = [t for t in phases[phase] if not t.host and t.bytes]
-    host = [t for t in fixed + optimizer_terms(m, layout, opts, prec, n, M) if t.host]
-    if offload:
+    host = [t for t in fixed + optimizer_terms(m, layout, opts, prec, n, M, first, last) if t.host]
+    if offload:         # one pinned buffer per block input in flight (parallel/offload.py)
         off = kept_layers(n_layers, opts) - (0 if first else 1)
-        host.insert(0, Term("offloaded block inputs", flight * tokens * off * layer_tok,
-                            f"{flight:g} mb x {off} layers x {tokens:.4g} tok x {layer_tok:.4g} B", host=True))
+        buffer = pinned(tokens * layer_tok, opts.pinned_rounding)
+        host.insert(0, Term("offloaded block inputs", flight * off * buffer,
+                            f"{flight:g} mb x {off} layers x {tokens:.4g} tok x {layer_tok:.4g} B"
+                            + (" (each rounded up to a power of two)" if opts.pinned_rounding else ""), host=True))
     return Estimate(peak=_device(terms), stage=stage, phase=phase, terms=terms + host,
-                    host=sum(t.bytes for t in host), layer_bytes_per_token=layer_tok, layout=layout, options=opts)
+                    host=sum(t.bytes for t in host), layer_bytes_per_token=layer_tok, layout=layout, options=opts,
+                    largest=largest_block(m, layout, opts, prec, work, last))
 
 
 def _device(terms: list[Term]) -> float:

@@ -7,6 +7,7 @@ workload of a run as it was resolved, and its estimate.
 from __future__ import annotations
 
 from megalysses.config import Config
+from megalysses.kernels.attention import varlen_native_gqa
 from megalysses.memory.estimate import estimate
 from megalysses.memory.types import PRECISIONS, Estimate, Layout, Options, Precision, Workload
 from megalysses.plan.types import RunPlan
@@ -25,8 +26,9 @@ def attention_buffers(plan: RunPlan, documents: bool) -> tuple[bool, bool]:
     cuda_sdpa = backend == "sdpa" and cuda
     if plan.ring > 1:
         return backend == "flex", cuda_sdpa
-    native = backend in ("flash", "flex") or (cuda_sdpa and plan.dtype == "bfloat16" and not documents)
-    return native, backend == "flash" or cuda_sdpa
+    native = backend in ("flash", "flex") or (backend == "varlen" and varlen_native_gqa()) or \
+        (cuda_sdpa and plan.dtype == "bfloat16" and not documents)
+    return native, backend in ("flash", "varlen") or cuda_sdpa
 
 
 def layout_of(plan: RunPlan) -> Layout:
@@ -44,7 +46,8 @@ def options_of(cfg: Config, plan: RunPlan) -> Options:
                    param_offload=plan.weights == "host",
                    kernels=plan.kernels, attention=plan.attention, native_gqa=native, dq_accumulator=accumulator,
                    documents=cfg.data.document_mask, bucket_bytes=0 if p.fsdp else p.grad_bucket_elements * 4,
-                   overlap_grad_reduce=p.overlap_grad_reduce)
+                   overlap_grad_reduce=p.overlap_grad_reduce, pinned_rounding=not plan.machine.pinned_exact,
+                   mask_block=a.mask_block)
 
 
 def workload_of(cfg: Config, plan: RunPlan) -> Workload:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from megalysses.config import ModelConfig
 from megalysses.memory.activations import stage_layers
-from megalysses.memory.types import Layout, Options, Precision, Term
+from megalysses.memory.types import Layout, Options, Precision, Term, pinned
 
 
 def layer_params(m: ModelConfig, tp: int = 1) -> float:
@@ -25,6 +25,30 @@ def mlp_params(m: ModelConfig, tp: int = 1) -> float:
 def norm_params(m: ModelConfig) -> float:
     """Parameters of one norm (replicated over tp)."""
     return m.hidden_size * (2 if m.norm == "layernorm" else 1)
+
+
+def param_tensors(m: ModelConfig, layout: Layout, first: bool, last: bool) -> list[tuple[float, int]]:
+    """(elements on one tp rank, count on the stage) of each parameter tensor: what ZeRO-1 and FSDP shard one
+    by one, and what pinned requests are made of (model/layers.py: one QKV and one gate-up projection)."""
+    h, D, t, n = m.hidden_size, m.head_dim, layout.tp, stage_layers(m, layout)
+    gated = 2 if m.mlp == "swiglu" else 1
+    tensors = [(h * D * (m.num_heads + 2 * m.kv_heads) / t, n), (h * D * m.num_heads / t, n),
+               (gated * h * m.ffn_size / t, n), (h * m.ffn_size / t, n), (norm_params(m), 2 * n)]
+    if m.attention_bias:
+        tensors += [((m.num_heads + 2 * m.kv_heads) * D / t, n), (h, n)]
+    if m.mlp_bias:
+        tensors += [(gated * m.ffn_size / t, n), (h, n)]
+    emb = m.padded_vocab_size(t) * h / t
+    tensors += [(emb, int(first) + int(last) - int(first and last and m.tie_embeddings)), (norm_params(m), int(last))]
+    return [(numel, count) for numel, count in tensors if count]
+
+
+def pinned_state_bytes(m: ModelConfig, layout: Layout, opts: Options, first: bool, last: bool, G: int,
+                       nbytes: int) -> float:
+    """Pinned host bytes of `nbytes` per parameter element, sharded over G ranks: one request per parameter
+    shard, each rounded up to a power of two where torch rounds (opts.pinned_rounding)."""
+    return sum(count * pinned(numel * nbytes / G, opts.pinned_rounding)
+               for numel, count in param_tensors(m, layout, first, last))
 
 
 def stage_params(m: ModelConfig, layout: Layout, first: bool, last: bool) -> tuple[float, float]:
@@ -89,8 +113,10 @@ def state_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, 
     n, G = blocks + other, layout.dp * layout.sp
     if streams_gradients(opts):
         states = prec.master + prec.moments
+        masters = pinned_state_bytes(m, layout, opts, first, last, G, prec.master)
         fixed = [Term("weights", n * prec.weight, f"{n:.4g} params x {prec.weight} B"),
-                 Term("master + moments (ZeRO-1)", n * states / G, f"{n:.4g} params x {states} B / {G}", host=True)]
+                 Term("master + moments (ZeRO-1; the masters pinned)", masters + n * prec.moments / G,
+                      f"{n:.4g} params x ({prec.master} pinned + {prec.moments}) B / {G}", host=True)]
         return fixed, _streamed_terms(m, layout, opts, prec, n)
     if not opts.fsdp:
         g = prec.grad(M)
@@ -118,8 +144,10 @@ def state_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, 
                               f"{block:.4g} x 4 B / {G}"))
     if opts.param_offload or opts.optimizer_offload:
         shard = prec.master + prec.moments + 4
-        fixed = [Term("master, moments, gradients (FSDP shards)", n * shard / G, f"{n:.4g} x {shard} B / {G}",
-                      host=True)]
+        # parameter offload pins the fp32 shards and their gradients (FSDP2's CPUOffloadPolicy), not the moments
+        host = (2 * pinned_state_bytes(m, layout, opts, first, last, G, 4) + n * prec.moments / G
+                if opts.param_offload else n * shard / G)
+        fixed = [Term("master, moments, gradients (FSDP shards)", host, f"{n:.4g} x {shard} B / {G}", host=True)]
         if not opts.param_offload:
             fixed.append(Term("compute-dtype parameter + gradient shards", n * 2 * a / G, f"{n:.4g} x 2 x {a} B / {G}"))
         return fixed + gathered, unsharded
@@ -129,15 +157,17 @@ def state_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, 
     return fixed + gathered, grads + unsharded
 
 
-def optimizer_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, n: float, M: int) -> list[Term]:
+def optimizer_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, n: float, M: int,
+                    first: bool = True, last: bool = True) -> list[Term]:
     """The AdamW step's own bytes, on top of weights, gradients and state (host ones with offload)."""
     G = layout.dp * layout.sp
     terms = []
     if not opts.fsdp:
         if opts.optimizer_offload:
-            terms.append(Term("reduced fp32 gradients", n * 4 / G, f"{n:.4g} x 4 B / {G}", host=True))
+            grads = pinned_state_bytes(m, layout, opts, first, last, G, 4)
+            terms.append(Term("reduced fp32 gradients (pinned)", grads, f"{n:.4g} x 4 B / {G}", host=True))
             if M > 1:    # the later micro-batches' buckets wait in pinned buffers to be added (host_gradients.py)
-                staged = 2 * min(opts.bucket_bytes, n * 4) / G
+                staged = 2 * pinned(min(opts.bucket_bytes, n * 4) / G, opts.pinned_rounding)
                 terms.append(Term("gradient staging buffers", staged, f"2 buckets x 4 B / {G}", host=True))
         elif not opts.overlap_grad_reduce and _reduced_bytes(prec, opts, G, M):
             reduced = _reduced_bytes(prec, opts, G, M)

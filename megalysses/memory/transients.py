@@ -47,7 +47,7 @@ def backward_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precisio
         at_core = attn_half
     q, kv = d["q"], d["kv"]
     # flash-attn's backward writes dk, dv at the query-head count when a rank has fewer KV heads (GQA)
-    kv_grads = q if d["expand"] or (opts.attention == "flash" and q != kv) else kv
+    kv_grads = q if d["expand"] or (opts.attention in ("flash", "varlen") and q != kv) else kv
     accumulator = 4 * q if opts.dq_accumulator else 0
     mlp_tiled = tiled(opts.mlp_chunk_tokens, layout, opts, seq_len)
     if mlp_tiled:

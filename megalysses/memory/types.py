@@ -107,6 +107,9 @@ class Options:
     offload_prefetch: int = 1          # offloaded layers copied back ahead of the one in backward
     bucket_bytes: float = 32_000_000 * 4       # one gradient bucket (ZeRO-1: parallel.grad_bucket_elements fp32)
     overlap_grad_reduce: bool = True   # ZeRO-1 reduces buckets during the backward (parallel.overlap_grad_reduce)
+    mask_block: int = 128              # FlexAttention's block-mask block size (ActivationPolicy.mask_block)
+    pinned_rounding: bool = False      # torch rounds each pinned host request up to a power of two (a torch that
+                                       # cannot stop it: Machine.pinned_exact False)
 
 
 @dataclass(frozen=True)
@@ -134,6 +137,7 @@ class Estimate:
     terms: list[Term]                  # the breakdown: device terms add up to `peak`; host terms follow
     host: float = 0.0                  # host bytes per rank (offloaded activations and optimizer state)
     layer_bytes_per_token: float = 0.0  # retained bytes per layer per token of S/sp
+    largest: Term = field(default_factory=lambda: Term("largest block", 0.0))   # the largest single allocation
     layout: Layout = field(default_factory=Layout)
     options: Options = field(default_factory=Options)
 
@@ -147,3 +151,8 @@ def fmt_bytes(x: float) -> str:
         if abs(x) >= scale:
             return f"{x / scale:.2f} {unit}"
     return f"{x:.0f} B"
+
+
+def pinned(nbytes: float, rounding: bool) -> float:
+    """What a pinned host request of `nbytes` takes: as asked, or rounded up to a power of two."""
+    return float(1 << max(int(nbytes) - 1, 0).bit_length()) if rounding and nbytes > 0 else nbytes

@@ -67,6 +67,7 @@ class GPTStage(nn.Module):
         # checkpointed block inputs in host memory until the backward (parallel/offload.py)
         self.offload = ActivationOffload() if policy.offload else None
         self.loss_chunk_tokens = policy.loss_chunk_tokens
+        self.mask_block = policy.mask_block
         layers = range(cfg.num_layers) if layers is None else layers
         sp_ = groups.sequence_parallel
         self.vocab_padded = cfg.padded_vocab_size(groups.tp_size)
@@ -98,7 +99,7 @@ class GPTStage(nn.Module):
         cos, sin = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta,
                                 scaling=self.cfg.rope_scaling)                  # (B, S/sp, D), once
         mask = prepare_sequence_mask(doc_ids, self.cfg.attention_backend, self.groups.ulysses, self.groups.ring,
-                                     position_ids.shape[1])                           # once per step
+                                     position_ids.shape[1], self.mask_block)          # once per step
         x = self.embed(inputs) if self.first else inputs                               # (B, s, h)
         blocks = list(self.layers.items())
         stride = self.checkpoint_stride if self.activation_checkpointing and self.training else 1

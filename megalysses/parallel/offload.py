@@ -21,7 +21,8 @@ in any order (1F1B, interleaved), since each forward's blocks form their own cha
 
 A block input that is a leaf (a pipeline stage's received activations) stays on the device: the
 schedule holds it anyway for its gradient. On CPU the "host copy" is a separate CPU tensor and the
-copies are synchronous; everything else is the same code.
+copies are synchronous; everything else is the same code. The host buffers, side streams and events come
+from megalysses.accelerator (pinned buffers of exactly the block input's size, one per input in flight, reused).
 """
 from __future__ import annotations
 
@@ -140,7 +141,8 @@ class ActivationOffload:
     # ------------------------------------------------------------------ copies
     def _side_streams(self, device: torch.device) -> tuple:
         if device not in self._streams:
-            self._streams[device] = (accelerator.new_stream(device), accelerator.new_stream(device))
+            host = accelerator.current()
+            self._streams[device] = (host.stream(device), host.stream(device))
         return self._streams[device]
 
     def _host_buffer(self, x: Tensor) -> _HostBuffer:
@@ -150,7 +152,7 @@ class ActivationOffload:
             return free.pop()
         # a new shape: a longer sequence (a curriculum's next stage), whose predecessors do not come back
         self._free = {key: []}
-        buf = accelerator.host_empty(x.shape, x.dtype, x.device)
+        buf = accelerator.current().pinned_empty(tuple(x.shape), x.dtype, x.device)
         self._made.append(weakref.ref(buf))
         return _HostBuffer(buf)
 
@@ -163,15 +165,15 @@ class ActivationOffload:
             return
         buf = self._host_buffer(x)
         if accelerator.on_gpu(x):
+            host = accelerator.current()
             to_host, _ = self._side_streams(x.device)
-            to_host.wait_stream(accelerator.current_stream(x.device))    # x has been written
+            to_host.wait_stream(host.current_stream(x.device))          # x has been written
             if buf.free_after is not None:
                 to_host.wait_event(buf.free_after)                       # the buffer's last copy out is done
-            with accelerator.use_stream(to_host):
+            with host.on(to_host):
                 buf.tensor.copy_(x, non_blocking=True)
-                slot.offload_event = accelerator.new_event()
-                slot.offload_event.record(to_host)
-            accelerator.hold_for(x, to_host)    # its memory is not reused before the copy has read it
+                slot.offload_event = host.event(to_host)
+            host.record_stream(x, to_host)      # its memory is not reused before the copy has read it
         else:
             buf.tensor.copy_(x)
         slot.host = buf
@@ -182,15 +184,15 @@ class ActivationOffload:
         """Queue the copy of slot's input back to the device (the backward, ahead of its block)."""
         host, device = slot.host.tensor, slot.where
         if accelerator.on_gpu(device):
+            accel = accelerator.current()
             _, to_device = self._side_streams(device)
-            main = accelerator.current_stream(device)
+            main = accel.current_stream(device)
             slot.device = torch.empty(host.shape, dtype=host.dtype, device=device)   # allocated on the main stream
             to_device.wait_stream(main)         # ... so the copy waits for what the main stream queued before
             to_device.wait_event(slot.offload_event)      # and for the copy out to have filled the host buffer
-            with accelerator.use_stream(to_device):
+            with accel.on(to_device):
                 slot.device.copy_(host, non_blocking=True)
-                slot.fetch_event = accelerator.new_event()
-                slot.fetch_event.record(to_device)
+                slot.fetch_event = accel.event(to_device)
             slot.host.free_after = slot.fetch_event
         else:
             slot.device = torch.empty(host.shape, dtype=host.dtype, device=device)
@@ -218,7 +220,7 @@ class ActivationOffload:
             raise RuntimeError(f"activation offload: a block input was fetched twice ({slot.state}); the "
                                f"backward of an offloaded block can run once")
         if slot.fetch_event is not None:
-            accelerator.current_stream(slot.device.device).wait_event(slot.fetch_event)
+            accelerator.current().current_stream(slot.device.device).wait_event(slot.fetch_event)
         x, slot.device, slot.state = slot.device, None, "done"
         ahead, n = slot.prev, self.prefetch
         while ahead is not None and n > 0:

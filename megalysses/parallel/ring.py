@@ -44,10 +44,11 @@ class RingMask:
     """The blocks ring rank `ring_rank` attends to over a (padded) sequence of `seq_len` positions: which
     rows and columns of each block take part and which pairs may attend (causal, same document).
 
-    doc_ids: (B, seq_len) document id of every position of the full sequence, or None (plain causal)."""
+    doc_ids: (B, seq_len) document id of every position of the full sequence, or None (plain causal); block:
+    FlexAttention's block-mask block size (a flex block mask is built per ring step and freed after it)."""
 
     def __init__(self, doc_ids: Optional[Tensor], ring_rank: int, ring_size: int, seq_len: int,
-                 device: Optional[torch.device] = None) -> None:
+                 device: Optional[torch.device] = None, block: int = 128) -> None:
         if seq_len % (2 * ring_size):
             raise ValueError(f"ring attention: sequence length {seq_len} is not a multiple of 2 * ring = "
                              f"{2 * ring_size} (zigzag chunks); pad it (SequenceLayout.padded_len)")
@@ -56,7 +57,7 @@ class RingMask:
         self.rank, self.size, self.seq_len = ring_rank, ring_size, seq_len
         self.half = seq_len // (2 * ring_size)
         self.device = doc_ids.device if device is None and doc_ids is not None else device
-        self.doc_ids = doc_ids
+        self.doc_ids, self.mask_block = doc_ids, block
         self._layout = SequenceLayout(sp=ring_size, ring=ring_size)
         self._blocks: dict[int, AttentionBlock] = {}
 
@@ -80,7 +81,7 @@ class RingMask:
             mine, theirs = self.docs_of(self.rank), self.docs_of(j)
             q_docs = None if mine is None else mine[:, self.rows(j)]
             k_docs = None if theirs is None else theirs[:, self.cols(j)]
-            self._blocks[j] = AttentionBlock(causal=j == self.rank, q_docs=q_docs, k_docs=k_docs)
+            self._blocks[j] = AttentionBlock(causal=j == self.rank, q_docs=q_docs, k_docs=k_docs, block=self.mask_block)
         return self._blocks[j]
 
 

@@ -11,8 +11,9 @@ receive the concrete names; the start-up line, runtime.json, the memory model an
 same RunPlan.
 
 Attention `auto` picks the first backend that can run the shape (kernels/attention.unsupported_reason):
-flash-attn on CUDA in half precision; on CUDA with packed documents compiled FlexAttention (a
-block-sparse mask, where SDPA would need a dense (S, S) one); else SDPA. For the blocks of ring attention
+flash-attn on CUDA in half precision; on CUDA with packed documents torch's variable-length attention
+(cumulative lengths, O(S)), then compiled FlexAttention (a block-sparse mask, O((S/block)^2), where SDPA
+would need a dense (S, S) one); else SDPA. For the blocks of ring attention
 only backends that return the log-sum-exp qualify: torch's SDPA flash kernel (CPU; CUDA without
 documents, half precision), then FlexAttention, then the reference. The backend is resolved for
 training (a backward), which is what every phase of the run then uses: evaluation runs the same kernel
@@ -74,6 +75,8 @@ def choose_attention(requested: str, machine: Machine, dtype: str, head_dim: Opt
         return "reference", "ring blocks: no fused kernel returns the log-sum-exp for this shape here"
     if machine.cuda and why_not("flash") is None:
         return "flash", "flash-attn is installed and takes this shape and dtype"
+    if machine.cuda and has_docs and why_not("varlen") is None:
+        return "varlen", "packed documents as cumulative lengths (torch's varlen_attn): no (S, S) mask of any kind"
     if machine.cuda and has_docs and why_not("flex") is None:
         return "flex", "packed documents: a block-sparse mask instead of a dense (S, S) one"
     return "sdpa", "the portable default" if not machine.cuda else "flash-attn and FlexAttention do not apply here"
@@ -149,7 +152,32 @@ def resolve(cfg: Config, machine: Machine, world_size: int, tiles: bool = True) 
         run = _auto_tiles(cfg, run)
     if t.attention_head_chunks == "auto":
         run = replace(run, activation=replace(run.activation, head_chunks=auto_head_chunks(cfg, run)))
+    if attention == "flex" and has_docs:
+        run = replace(run, activation=replace(run.activation, mask_block=flex_mask_block(cfg, run)))
     return run
+
+
+MASK_SHARE = 0.01     # FlexAttention's block mask may take this share of the predicted peak
+
+
+def flex_mask_block(cfg: Config, run: RunPlan) -> int:
+    """FlexAttention's block-mask block size with documents: the smallest of 128 x 2^k tokens (the kernel's tile
+    divides it; finer blocks skip more masked work) whose block mask the memory model finds within MASK_SHARE
+    of the predicted peak (its four index tensors shrink as the square of the block), at most the sequence a
+    mask spans. 128 where the memory model does not cover the run."""
+    from megalysses.memory.from_plan import estimate_plan      # the memory model reads RunPlans: import late
+
+    span = run.padded_seq_len // run.ring
+    block = 128
+    while True:
+        try:
+            est = estimate_plan(cfg, replace(run, activation=replace(run.activation, mask_block=block)))
+        except ValueError:
+            return 128
+        mask = sum(t.bytes for t in est.terms if t.name.startswith("FlexAttention"))
+        if mask <= MASK_SHARE * est.peak or block >= span:
+            return block
+        block *= 2
 
 
 def _until_auto(tile: int | str) -> int:
@@ -169,7 +197,7 @@ def _auto_tiles(cfg: Config, plan: RunPlan) -> RunPlan:
 
 def auto_head_chunks(cfg: Config, run: RunPlan) -> int:
     """training.attention_head_chunks=auto: the fewest chunks the layout allows with which the memory model's
-    peak fits the device (its memory less the planner's fragmentation and reserve), or when none fits the
+    peak fits the device (its memory less the planner's reserve and fragmentation allowance), or when none fits the
     fewest with the lowest peak. 1 where the device's memory is unknown (CPU), where attention outputs are
     kept (recompute_attention=false), or where the memory model does not cover the run."""
     if run.machine.memory_gib is None or run.activation.keep_attention:
@@ -177,15 +205,15 @@ def auto_head_chunks(cfg: Config, run: RunPlan) -> int:
     from megalysses.memory.from_plan import estimate_plan      # the memory model reads RunPlans: import late
     from megalysses.plan.step_time import Hardware
 
-    budget = Hardware().usable_bytes(run.machine.memory_gib)
-    m = cfg.model
+    m, hw = cfg.model, Hardware()
     peaks = []
     for n in head_chunk_counts(m.num_heads, m.kv_heads, run.tp, run.ulysses):
         try:
-            peak = estimate_plan(cfg, replace(run, activation=replace(run.activation, head_chunks=n))).peak
+            est = estimate_plan(cfg, replace(run, activation=replace(run.activation, head_chunks=n)))
         except ValueError:
             return 1
-        if peak <= budget:
+        peak = est.peak
+        if peak <= hw.usable_bytes(run.machine.memory_gib, est.largest.bytes):
             return n
         peaks.append((peak, n))
     return min(peaks)[1]

@@ -1,15 +1,19 @@
 """A config's predicted memory and step time on a machine, the layouts that fit, and the check that a
 run's phases fit its watchdog: the cost models (megalysses.memory, plan.step_time) read off RunPlans.
 
-    prediction = evaluate(cfg, gpus=8, gpu_memory_gib=80, host_memory_gib=None, hw=Hardware())
-    fitting, considered = plan(cfg, gpus=64, seq_len=1 << 20, gpu_memory_gib=80)
+    prediction = evaluate(cfg, gpus=8, gpu_memory_gib=None, host_memory_gib=None, hw=Hardware())   # an H100's 79.6
+    fitting, considered = plan(cfg, gpus=64, seq_len=1 << 20, gpu_memory_gib=None)
 
 A config is planned on a described machine (Machine.described: `hw.gpus_per_node` ranks to a node, with
-the optional `packages` given, a plain CUDA torch install by default), resolved as the run resolves it.
+the optional `packages` given, a plain CUDA torch install by default, and the memory the GPU exposes unless
+`gpu_memory_gib` is given), resolved as the run resolves it. A layout fits where its predicted peak is at
+most the usable memory: the device's less Hardware's reserve and its fragmentation allowance, at least the
+layout's largest single block (Hardware.usable_bytes).
 """
 from __future__ import annotations
 
 import itertools
+import os
 from dataclasses import dataclass, replace
 from typing import Iterator, Optional
 
@@ -102,6 +106,7 @@ class Prediction:
     fits: bool
     host_per_node: float
     hw: Hardware
+    usable: float                   # the device budget of this layout (Hardware.usable_bytes with its largest block)
     why_not: str = ""
 
     def row(self) -> dict:
@@ -121,6 +126,8 @@ class Prediction:
                 "attention_head_chunks": self.run.activation.head_chunks,
                 "tp_sequence_parallel": c.parallel.tp_sequence_parallel, "fsdp": c.parallel.fsdp,
                 "peak_gib": round(self.estimate.peak / GIB, 2), "peak_phase": self.estimate.phase,
+                "usable_gib": round(self.usable / GIB, 2),
+                "largest_block_gib": round(self.estimate.largest.bytes / GIB, 2),
                 "host_gib_per_node": round(self.host_per_node / GIB, 1),
                 "all_to_all_gb": round(s.bytes["all_to_all"] / 1e9, 2),
                 "all_reduce_gb": round(s.bytes["all_reduce"] / 1e9, 2),
@@ -134,43 +141,48 @@ def estimate_config(cfg: Config, world_size: int, machine: Machine) -> Estimate:
     return estimate_plan(cfg, resolve(cfg, machine, world_size))
 
 
-def described_machine(gpus: int, gpu_memory_gib: float, hw: Hardware, packages: tuple[str, ...] = PLAIN_TORCH,
-                      gpu: str = "H100") -> Machine:
-    """The machine the planner plans for: nodes of hw.gpus_per_node `gpu`s (fewer when `gpus` is less)."""
+def described_machine(gpus: int, gpu_memory_gib: Optional[float], hw: Hardware,
+                      packages: tuple[str, ...] = PLAIN_TORCH, gpu: str = "H100") -> Machine:
+    """The machine the planner plans for: nodes of hw.gpus_per_node `gpu`s (fewer when `gpus` is less), of
+    `gpu_memory_gib` each (None: what the GPU exposes, plan/machine.py DEVICE_MEMORY_GIB)."""
     return Machine.described(gpu, ranks_per_node=min(gpus, hw.gpus_per_node), memory_gib=gpu_memory_gib,
                              packages=packages)
 
 
-def evaluate(cfg: Config, gpus: int, gpu_memory_gib: float, host_memory_gib: Optional[float], hw: Hardware,
-             packages: tuple[str, ...] = PLAIN_TORCH, machine: Optional[Machine] = None) -> Prediction:
+def evaluate(cfg: Config, gpus: int, gpu_memory_gib: Optional[float], host_memory_gib: Optional[float],
+             hw: Hardware, packages: tuple[str, ...] = PLAIN_TORCH, machine: Optional[Machine] = None) -> Prediction:
     """Memory, fit and step time of `cfg` at its own layout, options and kernels on `gpus` GPUs of `machine`
-    (default: described_machine with `packages`), resolved as the run resolves it. ConfigError for what the
-    run itself would refuse there (kept attention outputs without SDPA, say)."""
+    (default: described_machine with `packages`; `gpu_memory_gib` None: the machine's), resolved as the run
+    resolves it. ConfigError for what the run itself would refuse there (kept attention outputs without SDPA,
+    say)."""
     machine = machine or described_machine(gpus, gpu_memory_gib, hw, packages)
+    gpu_memory_gib = machine.memory_gib if gpu_memory_gib is None else gpu_memory_gib
     run = resolve(cfg, machine, gpus)
     est = estimate_plan(cfg, run)
     offloaded = sum(t.bytes for t in est.terms if t.host and t.name.startswith("offloaded"))
     step = step_time(cfg.model, layout_of(run), options_of(cfg, run), precision_of(run), workload_of(cfg, run), hw,
                      Overlap(grad_reduce=cfg.parallel.overlap_grad_reduce), retained=offloaded)
     per_node = est.host * min(gpus, hw.gpus_per_node)
-    why = []
-    if est.peak > hw.usable_bytes(gpu_memory_gib):
-        why.append(f"peak {est.peak / GIB:.1f} GiB > usable {hw.usable_bytes(gpu_memory_gib) / GIB:.1f} GiB")
+    why, usable = [], hw.usable_bytes(gpu_memory_gib, est.largest.bytes)
+    if est.peak > usable:
+        why.append(f"peak {est.peak / GIB:.1f} GiB > usable {usable / GIB:.1f} GiB")
     if per_node > 0 and (host_memory_gib is None or per_node > host_memory_gib * GIB):
         why.append(f"host {per_node / GIB:.0f} GiB per node > --host-memory-gib {host_memory_gib}")
-    return Prediction(cfg, run, est, step, not why, per_node, hw, "; ".join(why))
+    return Prediction(cfg, run, est, step, not why, per_node, hw, usable, "; ".join(why))
 
 
 def predicted_step_seconds(cfg: Config, gpus: int, hw: Hardware, machine: Optional[Machine] = None) -> Optional[float]:
     """The step time of `cfg` at its own layout and options on `gpus` GPUs (of `machine`, default the described
     H100s; at data.seq_len, the longest length of a curriculum), or None for a config the model does not cover."""
     try:
-        return evaluate(cfg, gpus, 80.0, None, hw, machine=machine).step.total
+        memory = 80.0 if machine is not None and machine.memory_gib is None else None   # no device: time only
+        return evaluate(cfg, gpus, memory, None, hw, machine=machine).step.total
     except (ConfigError, ValueError):
         return None
 
 
-def plan(cfg: Config, gpus: int, seq_len: int, gpu_memory_gib: float, host_memory_gib: Optional[float] = None,
+def plan(cfg: Config, gpus: int, seq_len: int, gpu_memory_gib: Optional[float] = None,
+         host_memory_gib: Optional[float] = None,
          hw: Optional[Hardware] = None, packages: tuple[str, ...] = PLAIN_TORCH) -> tuple[list[Prediction], int]:
     """(the layouts that fit, best first, each run once; how many candidates were considered: those that
     validate), on H100s (`hw`, default Hardware()). A layout's batch arithmetic (config_checks.check_world_size)
@@ -179,7 +191,7 @@ def plan(cfg: Config, gpus: int, seq_len: int, gpu_memory_gib: float, host_memor
     hw = hw or Hardware()
     cfg = replace(cfg, data=replace(cfg.data, seq_len=seq_len))
     machine = described_machine(gpus, gpu_memory_gib, hw, packages)
-    budget = hw.usable_bytes(gpu_memory_gib)
+    budget = hw.usable_bytes(machine.memory_gib)     # at least each layout's own (its largest block comes off)
     fitting, considered, runs, layouts = [], 0, set(), {}
     for cand in candidate_configs(cfg, gpus, host_memory_gib is not None, hw.gpus_per_node):
         par = cand.parallel
@@ -200,7 +212,7 @@ def plan(cfg: Config, gpus: int, seq_len: int, gpu_memory_gib: float, host_memor
         try:
             if not could_fit(cand, resolve(cand, machine, gpus, tiles=False), budget):
                 continue
-            p = evaluate(cand, gpus, gpu_memory_gib, host_memory_gib, hw, machine=machine)
+            p = evaluate(cand, gpus, machine.memory_gib, host_memory_gib, hw, machine=machine)
         except ValueError:        # one the memory model does not cover, or the run refuses (it says which): not planned
             continue
         if p.run in runs:         # tiles that resolve to another candidate's
@@ -241,3 +253,29 @@ def check_phase_time(cfg: Config, run: RunPlan, peak_tflops: Optional[float]) ->
                           f"for this layout on this GPU (~{seconds:.0f} s at {peak_tflops:g} TFLOP/s; tools/plan.py "
                           f"--explain shows the arithmetic): the watchdog would end it as stuck. Raise it, e.g. "
                           f"--set parallel.timeout_seconds={suggest:.0f}")
+
+
+def node_memory_bytes() -> Optional[float]:
+    """This node's physical memory (None where the system does not say)."""
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_host_memory(cfg: Config, run: RunPlan, node_bytes: Optional[float] = None) -> None:
+    """ConfigError when what the memory model allocates in host memory per node (offloaded block inputs,
+    optimizer or parameter state: memory.Estimate.host per rank, times the ranks of a node) exceeds the node's
+    physical memory (`node_bytes`, default this node's), pinned memory cannot be swapped out. A run the
+    memory model does not cover is not checked."""
+    node_bytes = node_memory_bytes() if node_bytes is None else node_bytes
+    try:
+        host = estimate_plan(cfg, run).host
+    except ValueError:
+        return
+    ranks = run.machine.ranks_per_node or 1
+    if node_bytes and host * ranks > node_bytes:
+        raise ConfigError(f"this run needs {host * ranks / GIB:.1f} GiB of host memory per node ({ranks} ranks x "
+                          f"{host / GIB:.1f} GiB: offloaded activations and optimizer state, tools/plan.py --explain "
+                          f"itemises them) but the node has {node_bytes / GIB:.1f} GiB: offload less "
+                          f"(training.checkpoint_stride, training.activation_offload=false), or use more nodes")

@@ -10,7 +10,7 @@ loss, add the fp32 head-weight gradient fewer times. So `auto` takes the largest
 the predicted peak above a reference tile's:
 
     MLP   no tiling (no recomputation of the MLP) when the untiled step's peak fits the device (the
-          machine's memory, less Hardware's default reserve and fragmentation, as the planner counts a
+          machine's memory, less Hardware's default reserve and fragmentation allowance, as the planner counts a
           fit) or is no higher than with tiles; else the reference is ALST's TiledMLP, tiles of `hidden`
           tokens, and the candidates hidden x 2^k up to the rank's local sequence. A sequence of no more
           than `hidden` local tokens is not tiled.
@@ -35,8 +35,12 @@ from megalysses.plan.step_time import Hardware
 AUTO = "auto"
 
 
+def _estimate(cfg: Config, plan: RunPlan, **tiles: int):
+    return estimate_plan(cfg, replace(plan, activation=replace(plan.activation, **tiles)))
+
+
 def _peak(cfg: Config, plan: RunPlan, **tiles: int) -> float:
-    return estimate_plan(cfg, replace(plan, activation=replace(plan.activation, **tiles))).peak
+    return _estimate(cfg, plan, **tiles).peak
 
 
 def _local_tokens(plan: RunPlan) -> int:
@@ -62,9 +66,9 @@ def mlp_tile(cfg: Config, plan: RunPlan) -> int:
     h, local = cfg.model.hidden_size, _local_tokens(plan)
     if local <= h:
         return 0
-    untiled = _peak(cfg, plan, mlp_chunk_tokens=0)
-    memory = plan.machine.memory_gib
-    if memory and untiled <= Hardware().usable_bytes(memory):
+    whole = _estimate(cfg, plan, mlp_chunk_tokens=0)
+    untiled, memory = whole.peak, plan.machine.memory_gib
+    if memory and untiled <= Hardware().usable_bytes(memory, whole.largest.bytes):
         return 0
     at_h = _peak(cfg, plan, mlp_chunk_tokens=h)
     if untiled <= at_h * (1 + 1e-12):

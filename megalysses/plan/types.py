@@ -30,6 +30,7 @@ class ActivationPolicy:
     loss_chunk_tokens: int = 0
     tp_sequence_parallel: bool = False
     head_chunks: int = 1            # attention runs over this many groups of heads (model/layers.py Attention)
+    mask_block: int = 128           # FlexAttention's block-mask block size with documents (plan/run_plan.py)
 
     def __post_init__(self) -> None:
         if self.keep_attention and self.offload:

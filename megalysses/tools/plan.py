@@ -1,15 +1,15 @@
 """Plan a layout: which (tp, sp = ulysses x ring, pp, dp, virtual stages) and memory options fit a model at a
 sequence length on N GPUs, ranked by predicted throughput.
 
-    python tools/plan.py --config configs/llama3_8b_1m.yaml --gpus 64 --gpu-memory-gib 80 --seq-len 1048576
-    python tools/plan.py --config configs/gpt_1b_1m_offload.yaml --gpus 1 --gpu-memory-gib 80 \\
-        --seq-len 1048576 --host-memory-gib 256 --explain
-    python tools/plan.py --config C --gpus 8 --gpu-memory-gib 80 --seq-len 131072 --json   # {"best": ... | null}
+    python tools/plan.py --config configs/llama3_8b_1m.yaml --gpus 64 --seq-len 1048576
+    python tools/plan.py --config configs/gpt_1b_1m_offload.yaml --gpus 1 --seq-len 1048576 \\
+        --host-memory-gib 256 --explain
+    python tools/plan.py --config C --gpus 8 --seq-len 131072 --json   # {"best": ... | null}
 
 The model, batch (training.global_batch_size and micro_batch_size), dtype, kernels (model.kernels, or
 --kernels) and attention backend come from the config, resolved as a run on the described machine
 resolves them (megalysses.plan.resolve: H100 nodes of --gpus-per-node with the optional --packages, by
-default those of a plain CUDA torch install, so `auto` attention is SDPA or FlexAttention, not
+default those of a plain CUDA torch install, so `auto` attention is SDPA or varlen (documents), not
 flash-attn); the layout (sp split into ulysses x ring every way the heads allow: a row's `ring` is its
 parallel.sp_ring, to set as well, since sp_ring=0 takes the largest Ulysses degree) and memory options
 (checkpointing, the MLP untiled or in `auto` tiles, the LM head + loss in `auto` tiles
@@ -18,8 +18,10 @@ optimizer and parameter offload when --host-memory-gib is given) are enumerated 
 layout rules (config_checks.validate_config). The config's own layout is evaluated too.
 
 Memory is megalysses.memory's prediction. A layout fits when its peak is at most the usable device
-memory (--gpu-memory-gib less --fragmentation of it and --reserve-gib for the CUDA context, NCCL and
-cuBLAS) and, with activation offload, the --host-memory-gib of a node holds what its ranks offload.
+memory (--gpu-memory-gib, by default what an H100 80GB exposes, 79.6 GiB; less --reserve-gib for the CUDA
+context, NCCL and cuBLAS, and a fragmentation allowance of --fragmentation of the device or the layout's
+largest single block, whichever is more: `usable_gib` in --json) and, with activation offload, the
+--host-memory-gib of a node holds what its ranks offload.
 Step time is megalysses.plan.step_time's model at the stated figures (defaults: H100 SXM nodes of 8;
 each is checked: efficiencies in (0, 1], the peak and bandwidths positive, at least one GPU per node), at
 the config's global batch.
@@ -38,7 +40,7 @@ from megalysses.config import ConfigError
 from megalysses.config_checks import validate_config
 from megalysses.config_io import load_config
 from megalysses.memory import GIB, KERNELS, fmt_bytes
-from megalysses.plan.machine import OPTIONAL_PACKAGES, PLAIN_TORCH
+from megalysses.plan.machine import OPTIONAL_PACKAGES, PLAIN_TORCH, device_memory_gib
 from megalysses.plan.search import Prediction, evaluate, plan
 from megalysses.plan.step_time import Hardware, hardware_problems
 
@@ -78,8 +80,10 @@ def explain(p: Prediction, hw: Hardware, gpu_memory_gib: float) -> str:
     for t in e.terms:
         where = "host" if t.host else "    "
         lines.append(f"  {where} {fmt_bytes(t.bytes):>12}  {t.name:<62} {t.formula}")
-    lines.append(f"  peak {fmt_bytes(e.peak)} <= usable {fmt_bytes(hw.usable_bytes(gpu_memory_gib))} "
-                 f"({gpu_memory_gib:g} GiB x {1 - hw.fragmentation:g} - {hw.reserve_gib:g} GiB reserve)")
+    allowance = hw.allowance_bytes(gpu_memory_gib, e.largest.bytes)
+    lines.append(f"  peak {fmt_bytes(e.peak)} <= usable {fmt_bytes(p.usable)} ({gpu_memory_gib:g} GiB - "
+                 f"{hw.reserve_gib:g} GiB reserve - {fmt_bytes(allowance)} fragmentation allowance: the larger of "
+                 f"{hw.fragmentation:g} of the device and the {e.largest.name}, {fmt_bytes(e.largest.bytes)})")
     mm, at = s.flops["matmul"], s.flops["attention"]
     lines.append("step time (one rank):")
     lines.append(f"  compute    {s.compute:10.4f} s = {mm:.4g} matmul FLOPs / ({hw.peak_tflops:g} TFLOP/s x "
@@ -103,7 +107,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one config value, as pretrain.py's --set; repeatable")
     p.add_argument("--gpus", type=int, required=True, help="GPUs in all")
-    p.add_argument("--gpu-memory-gib", type=float, required=True, help="memory of one GPU (80 for an H100 80GB)")
+    p.add_argument("--gpu-memory-gib", type=float, default=None,
+                   help=f"memory one GPU exposes (default: an H100 80GB's, {device_memory_gib('H100'):g})")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the config's data.seq_len)")
     p.add_argument("--host-memory-gib", type=float, default=None,
                    help="host memory per node; activation and optimizer offload are considered only when given")
@@ -134,6 +139,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     args.seq_len = args.seq_len or cfg.data.seq_len
+    args.gpu_memory_gib = args.gpu_memory_gib or device_memory_gib("H100")
     if args.kernels is not None:
         cfg = replace(cfg, model=replace(cfg.model, kernels=args.kernels))
     hw = Hardware(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Hardware)})
@@ -145,7 +151,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 1
     if hw.usable_bytes(args.gpu_memory_gib) <= 0:
         print(f"error: --gpu-memory-gib {args.gpu_memory_gib:g} leaves nothing usable after --reserve-gib "
-              f"{hw.reserve_gib:g} and --fragmentation {hw.fragmentation:g}: give the memory of one GPU (80 for an "
+              f"{hw.reserve_gib:g} and --fragmentation {hw.fragmentation:g}: give the memory of one GPU (79.6 for an "
               f"H100 80GB)", file=sys.stderr)
         return 1
     fitting, considered = plan(cfg, args.gpus, args.seq_len, args.gpu_memory_gib, args.host_memory_gib, hw, packages)
@@ -165,7 +171,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                           "best": rows[0] if rows else None, "layouts": rows, "config_layout": own_row}, indent=1))
         return 0
     print(f"{args.config}: {args.seq_len} tokens on {args.gpus} x {args.gpu_memory_gib:g} GiB; "
-          f"{len(fitting)} of {considered} layouts fit (usable {hw.usable_bytes(args.gpu_memory_gib) / GIB:.1f} GiB; "
+          f"{len(fitting)} of {considered} layouts fit "
+          f"(usable at most {hw.usable_bytes(args.gpu_memory_gib) / GIB:.1f} "
+          f"GiB, less each layout's largest block beyond {hw.fragmentation:g} of the device; "
           f"{hw.peak_tflops:g} TFLOP/s x {hw.matmul_efficiency:g} matmul, x {hw.attention_efficiency:g} attention; "
           f"{hw.intra_node_gbs:g} GB/s in a node of {hw.gpus_per_node}, {hw.inter_node_gbs:g} GB/s across)")
     if rows:

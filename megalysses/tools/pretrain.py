@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megalysses.accelerator import configure_allocator
 from megalysses.checkpoint.dcp_io import CheckpointError
 from megalysses.config import ConfigError
 from megalysses.config_checks import config_warnings, validate_config
@@ -54,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     dry.add_argument("--gpus", type=int, help="--dry-run for a described machine of this many GPUs in all")
     dry.add_argument("--gpu", default="H100", help="the described GPU (default H100)")
     dry.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
-    dry.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of one GPU (default 80)")
+    dry.add_argument("--gpu-memory-gib", type=float, default=None,
+                     help="memory one GPU exposes (default: the described GPU's, 79.6 for an H100 80GB)")
     dry.add_argument("--packages", default=",".join(PLAIN_TORCH),
                      help=f"the described machine's optional packages (default {','.join(PLAIN_TORCH)})")
     args = parser.parse_args(argv)
@@ -93,6 +95,7 @@ def _run(args: argparse.Namespace, signals: StopSignals) -> int:
     if args.gpus is not None:
         return _described_dry_run(cfg, args)
     die_with_launcher()
+    configure_allocator(cuda=torch.cuda.is_available())      # before CUDA allocates anything
     try:
         device = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_seconds)
     except (RuntimeError, ValueError) as e:

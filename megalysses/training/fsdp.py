@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from megalysses import accelerator, comm
+from megalysses import comm
 from megalysses.comm import Group
 from megalysses.config import ConfigError
 
@@ -63,8 +63,7 @@ def shard_model(model: nn.Module, grad_mesh: DeviceMesh, compute_dtype: torch.dt
     tp_dims = {name: getattr(p, "tp_dim", None) for name, p in model.named_parameters()}
     policy = MixedPrecisionPolicy(param_dtype=None if compute_dtype == torch.float32 else compute_dtype,
                                   reduce_dtype=torch.float32)
-    pin = grad_mesh.device_type == "cuda" and accelerator.pins_memory()
-    where = CPUOffloadPolicy(pin_memory=pin) if offload else OffloadPolicy()
+    where = CPUOffloadPolicy(pin_memory=grad_mesh.device_type == "cuda") if offload else OffloadPolicy()
     blocks = list(model.layers.values())
     for block in blocks:
         fully_shard(block, mesh=grad_mesh, mp_policy=policy, offload_policy=where)

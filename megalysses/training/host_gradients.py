@@ -29,8 +29,10 @@ STAGES = 2
 class HostGradients:
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.stream = accelerator.new_stream(device) if accelerator.on_gpu(device) else None
+        self.host = accelerator.current()
+        self.stream = self.host.stream(device)
         self._pending: list[tuple[Any, Tensor, list]] = []  # (copy finished event, stage, [(host, offset, n)])
+        self._stages: list[Tensor] = []                     # STAGES pinned staging buffers, made once, reused
 
     def put(self, pieces: list[tuple[Tensor, Tensor]], work: Optional[Any], accumulate: bool) -> None:
         """Copy (or, with `accumulate`, add) each device piece into its host buffer once `work` (the bucket's
@@ -43,9 +45,9 @@ class HostGradients:
                 flat.add_(piece.reshape(-1)) if accumulate else flat.copy_(piece.reshape(-1))
             return
         self._poll()
-        main = accelerator.current_stream(self.device)
+        main = self.host.current_stream(self.device)
         stage = self._stage(sum(p.numel() for _, p in pieces), pieces[0][1].dtype) if accumulate and pieces else None
-        with accelerator.use_stream(self.stream):
+        with self.host.on(self.stream):
             if work is not None:
                 work.wait()                     # this stream waits for the reduce-scatter
             else:
@@ -55,13 +57,11 @@ class HostGradients:
                 n = piece.numel()
                 out = stage[offset:offset + n] if accumulate else host.view(-1)
                 out.copy_(piece.reshape(-1), non_blocking=True)
-                accelerator.hold_for(piece, self.stream)   # its memory is not reused before the copy has read it
+                self.host.record_stream(piece, self.stream)   # its memory is not reused before the copy has read it
                 targets.append((host, offset, n))
                 offset += n
             if stage is not None:
-                done = accelerator.new_event()
-                done.record(self.stream)
-                self._pending.append((done, stage, targets))
+                self._pending.append((self.host.event(self.stream), stage, targets))
 
     def finish(self) -> None:
         """Wait for every copy and make every pending addition: the host buffers hold the step's sums."""
@@ -90,7 +90,20 @@ class HostGradients:
             self._add(self._pending.pop(0))
 
     def _stage(self, numel: int, dtype: torch.dtype) -> Tensor:
-        """A pinned staging buffer (torch's caching host allocator reuses the blocks of earlier ones)."""
+        """A pinned staging buffer of `numel` elements: a view of one of STAGES buffers that no pending addition
+        reads, made once at the largest bucket's size (a larger bucket replaces them), so no pinned memory is
+        allocated or freed per bucket."""
         while len(self._pending) >= STAGES:
             self._add(self._pending.pop(0))
-        return accelerator.pinned_empty(numel, dtype)
+        if not self._stages or self._stages[0].numel() < numel or self._stages[0].dtype != dtype:
+            self.drop_stages()
+            self._stages = [self.host.pinned_empty((numel,), dtype, self.device) for _ in range(STAGES)]
+        busy = {stage.untyped_storage().data_ptr() for _, stage, _ in self._pending}
+        free = next(s for s in self._stages if s.untyped_storage().data_ptr() not in busy)
+        return free[:numel]
+
+    def drop_stages(self) -> None:
+        """Wait for every pending addition and let go of the staging buffers."""
+        while self._pending:
+            self._add(self._pending.pop(0))
+        self._stages = []

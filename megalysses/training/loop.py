@@ -31,7 +31,7 @@ from megalysses.model.layers import ParallelGroups
 from megalysses.parallel.interleaved import VirtualStages
 from megalysses.plan import RunPlan
 from megalysses.plan.flops import peak_tflops
-from megalysses.plan.search import check_phase_time
+from megalysses.plan.search import check_host_memory, check_phase_time
 from megalysses.training.data import TrainingData
 from megalysses.training.fsdp import FSDPAdamW, shard_model
 from megalysses.training.metrics import MetricsLogger
@@ -147,6 +147,8 @@ def train(cfg: Config, grid: ParallelGrid, device: torch.device, signals: Option
     check_logging_backends(cfg)
     if watchdog is not None or dry_run:      # the machine's GPU's peak, or logging.peak_tflops
         check_phase_time(cfg, run, peak_tflops(cfg.logging.peak_tflops, run.machine.gpu, run.dtype))
+    if device.type != "meta":                # this node (not a described one) holds what the host terms need
+        check_host_memory(cfg, run)
     if run.attention == "flex" and device.type == "cuda":
         reserve_compiles(flex_compile_budget(run))
     print0(startup_line(cfg, grid, run))

@@ -100,7 +100,8 @@ class ShardedAdamW:
             counts = not (replicated_over_tp and tp_rank != 0) and not (tied_head_copy and name == "embed.weight")
             self.slots.append(_Slot(name, p, (lo, hi), math.ceil(rows / self.G) * row_size, master, counts))
             if master is not None and offload:
-                self.slots[-1].host_grad = accelerator.host_empty(master.shape, master.dtype, p.device)
+                self.slots[-1].host_grad = accelerator.current().pinned_empty(tuple(master.shape), master.dtype,
+                                                                              p.device)
             if master is not None:
                 (no_decay if p.dim() < 2 else decay).append(master)
         if offload and self.slots:
@@ -129,7 +130,7 @@ class ShardedAdamW:
         host memory, pinned when the parameter is on a GPU."""
         if not self.offload:
             return chunk.float().clone()
-        host = accelerator.host_empty(chunk.shape, torch.float32, chunk.device)
+        host = accelerator.current().pinned_empty(tuple(chunk.shape), torch.float32, chunk.device)
         return host.copy_(chunk)
 
     def _tied(self, s: _Slot) -> bool:
@@ -335,7 +336,7 @@ class ShardedAdamW:
                     self._take(s, mine[offset:offset + s.master.numel()])
                 offset += s.padded
         if self.offload and self.slots and accelerator.on_gpu(self.slots[0].param):
-            accelerator.current_stream(self.slots[0].param.device).synchronize()   # the host copies are done
+            accelerator.current().current_stream(self.slots[0].param.device).synchronize()   # host copies done
         self._launched, self._expected, self._next = [], 0, 0
 
     @torch.no_grad()

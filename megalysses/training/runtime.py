@@ -130,10 +130,11 @@ def startup_line(cfg: Config, grid: ParallelGrid, run: RunPlan) -> str:
     m = cfg.model
     padded = m.padded_vocab_size(grid.tp_size)
     vocab = f"vocab {m.vocab_size}" + (f" (padded to {padded})" if padded != m.vocab_size else "")
+    allocator = f" | allocator {run.machine.allocator}" if run.machine.allocator else ""
     return (f"megalysses: world={grid.world} tp={grid.tp_size} sp={grid.sp_size} pp={grid.pp_size} "
             f"dp={grid.dp_size} | {sequence_summary(cfg, run)} | {run.machine.device} {run.dtype} | attention "
             f"{run.attention} ({run.attention_reason}) | kernels {run.kernels} | {vocab} | "
-            f"{', '.join(memory_options(cfg, run))}")
+            f"{', '.join(memory_options(cfg, run))}{allocator}")
 
 
 def runtime_record(cfg: Config, run: RunPlan) -> dict:

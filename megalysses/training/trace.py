@@ -24,6 +24,7 @@ with the workspaces they allocate inside).
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 import warnings
 from dataclasses import dataclass, replace
@@ -81,37 +82,41 @@ class _Nothing:
         return lambda *args, **kwargs: True
 
 
-class FakeGPU(accelerator.Accelerator):
-    """megalysses.accelerator in a trace: the GPU is the meta device, streams and events do nothing, pinned
-    buffers are host tensors the tracker counts as pinned."""
+class FakeGPU(accelerator.Host):
+    """megalysses.accelerator's Host in a trace: the GPU is the meta device, its streams and events do nothing,
+    its pinned buffers are host tensors the tracker counts as pinned (rounded up to a power of two where the
+    machine's torch rounds pinned requests)."""
 
-    def __init__(self, live: LiveBytes) -> None:
-        self.live = live
+    def __init__(self, live: LiveBytes, pinned_exact: bool = True) -> None:
+        self.live, self.pinned_exact = live, pinned_exact
 
-    def on_gpu(self, x: torch.Tensor | torch.device) -> bool:
-        return (x.type if isinstance(x, torch.device) else x.device.type) == "meta"
+    def is_gpu(self, device: torch.device) -> bool:
+        return torch.device(device).type == "meta"
 
-    def new_stream(self, device: torch.device) -> Any:
-        return _Nothing()
+    def pinned_empty(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if not self.is_gpu(device):
+            return torch.empty(shape, dtype=dtype, device="cpu")
+        numel = math.prod(shape)
+        asked = numel * dtype.itemsize
+        rounded = asked if self.pinned_exact or asked <= 1 else 1 << (asked - 1).bit_length()
+        with self.live.pinned():
+            block = torch.empty(-(-rounded // dtype.itemsize), dtype=dtype, device="cpu")
+        return block[:numel].view(shape)
+
+    def stream(self, device: torch.device) -> Any:
+        return _Nothing() if self.is_gpu(device) else None
 
     def current_stream(self, device: torch.device) -> Any:
-        return _Nothing()
+        return _Nothing() if self.is_gpu(device) else None
 
-    def use_stream(self, stream: Any) -> contextlib.AbstractContextManager:
+    def on(self, stream: Any) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
-    def new_event(self) -> Any:
-        return _Nothing()
+    def event(self, stream: Any) -> Any:
+        return None if stream is None else _Nothing()
 
-    def hold_for(self, x: torch.Tensor, stream: Any) -> None:
+    def record_stream(self, x: torch.Tensor, stream: Any) -> None:
         pass
-
-    def pinned_empty(self, shape: Any, dtype: torch.dtype) -> torch.Tensor:
-        with self.live.pinned():
-            return torch.empty(shape, dtype=dtype, device="cpu")
-
-    def pins_memory(self) -> bool:
-        return False            # fake tensors cannot be pinned: the trace counts FSDP2's shards itself
 
 
 class _MetaDeviceHandle:
@@ -216,7 +221,7 @@ def _gpu_forms(live: LiveBytes, machine: Machine) -> Iterator[None]:
     from megalysses.kernels.gpu_forms import gpu_kernels
     from megalysses.kernels.triton_support import LaunchHook, launches_to
 
-    with accelerator.installed(FakeGPU(live)), gpu_kernels(live, machine.packages), \
+    with accelerator.use(FakeGPU(live, machine.pinned_exact)), gpu_kernels(live, machine.packages), \
             launches_to(LaunchHook(GPU_SMS.get(machine.gpu or "", 132), lambda *launch: None)), \
             warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor.*|.*all_gather_into_tensor.*")
