@@ -38,7 +38,8 @@ from megalysses.config import Config, ConfigError
 from megalysses.config_checks import validate_config
 from megalysses.grid import ParallelGrid
 from megalysses.plan import Machine, RunPlan, resolve
-from megalysses.tracker import DEVICE, HOST, PINNED, LiveBytes, Peak
+from megalysses.memory import GIB
+from megalysses.tracker import DEVICE, HOST, PINNED, LiveBytes, Moment, Peak
 
 GPU_SMS = {"H100": 132, "H200": 132, "A100": 108}
 
@@ -279,6 +280,31 @@ def trace_run(cfg: Config, machine: Machine, world: int, keep: int = 12) -> list
 
 
 def traced_peak(traces: list[StepTrace]) -> StepTrace:
+    """The stage whose device peak is the run's."""
     return max(traces, key=lambda t: t.device.bytes)
+
+
+def model_phase(moment: Moment) -> str:
+    """The memory model's name (megalysses.memory Estimate.phase) of the moment a trace peaked at: optimizer,
+    loss (the LM head + loss forward), final norm (its backward), backward, or forward (elsewhere in a
+    forward, which the model has no phase for)."""
+    if moment.phase == "optimizer":
+        return "optimizer"
+    if moment.phase == "forward":
+        return "loss" if "linear_cross_entropy" in moment.where else "forward"
+    return "final norm" if moment.module.endswith("final_norm") else "backward"
+
+
+def trace_fields(traces: list[StepTrace], ranks_per_node: int) -> dict:
+    """What tools/plan.py --trace adds to a layout: the traced device peak per GPU (the larger stage's), its
+    moment and the model's name for it, and host memory per node (all of it, and its pinned part) at their
+    high-water marks (each rank of a node as the traced one of its stage)."""
+    top = traced_peak(traces)
+    host = max(t.host.bytes for t in traces) * ranks_per_node
+    pinned = max(t.pinned.bytes for t in traces) * ranks_per_node
+    return {"traced_peak_gib": round(top.device.bytes / GIB, 3), "traced_moment": str(top.device.moment),
+            "traced_phase": model_phase(top.device.moment), "traced_stage": top.stage,
+            "traced_host_gib": round(host / GIB, 2), "traced_pinned_gib": round(pinned / GIB, 2),
+            "traced_seconds": round(sum(t.seconds for t in traces), 1)}
 
 
