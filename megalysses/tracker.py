@@ -94,9 +94,11 @@ class LiveBytes(TorchDispatchMode):
     """Counts the live bytes of every fake tensor made inside, per memory (see the module docstring).
     `keep`: how many of the largest storages a peak lists."""
 
-    def __init__(self, keep: int = 12) -> None:
+    def __init__(self, keep: int = 12, timeline: bool = False) -> None:
         super().__init__()
         self.keep = keep
+        # with `timeline`: (op, phase, module, device bytes) after every op that allocates on the device
+        self.timeline: Optional[list[tuple[str, str, str, int]]] = [] if timeline else None
         self.current = dict.fromkeys(MEMORIES, 0)
         self.peaks = {m: Peak() for m in MEMORIES}
         self._live: dict[int, _Storage] = {}
@@ -302,6 +304,8 @@ class LiveBytes(TorchDispatchMode):
         if func is aten.nonzero.default:        # every element selected: the most bytes it can take
             (x,) = args
             out = torch.empty((x.numel(), x.dim()), dtype=torch.long, device=x.device)
+        elif func is aten._pin_memory.default:  # a pinned copy (fake tensors have no pinning of their own)
+            out = torch.empty_like(args[0])
         else:
             try:
                 out = func(*args, **kwargs)
@@ -309,17 +313,25 @@ class LiveBytes(TorchDispatchMode):
                     torch._subclasses.fake_tensor.DynamicOutputShapeException) as e:
                 raise RuntimeError(f"a memory trace cannot run {func} on fake tensors: its output depends on the "
                                    f"data ({self._moment(str(func))}); give it a form that runs without data") from e
+        # pinned: a pinned copy, and a non-blocking copy from the GPU to the host (torch pins it on CUDA)
+        pinning = self._pinning
+        self._pinning = pinning or func is aten._pin_memory.default or (
+            func is aten._to_copy.default and bool(kwargs.get("non_blocking")) and args[0].device.type == "meta")
         touched = set()
-        for t in _plain_tensors(tree_leaves(out)):
-            if self._memory(t) is not None:
-                key = t.untyped_storage()._cdata
-                if key not in self._live:
+        try:
+            for t in _plain_tensors(tree_leaves(out)):
+                if self._memory(t) is not None and t.untyped_storage()._cdata not in self._live:
                     touched.update(_ACCOUNTS[self._add(t, str(func)).memory])
+        finally:
+            self._pinning = pinning
         for account in touched:
             self._note(account, str(func))
         workspace = self.workspaces.get(func)
         if workspace is not None:
             self.transient(workspace(*args, **kwargs), f"{func}'s workspace")
+        if self.timeline is not None and DEVICE in touched:
+            m = self._moment(str(func))
+            self.timeline.append((m.op, m.phase, m.module, self.current[DEVICE]))
         if func in _FALSE_ON_GOOD_DATA:
             self._false[out] = True
         return out

@@ -2,13 +2,13 @@
 that fits a budget."""
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Optional
 
 from megalysses.config import ModelConfig
 from megalysses.memory.activations import (bytes_per_token, dims, head_weight_grad_bytes, kept_layers, layer_terms,
                                            norm_terms, stage_layers, stage_terms)
 from megalysses.memory.blocks import flex_mask, largest_block
+from megalysses.memory.gradients import backward_gradients, fsdp_end_terms
 from megalysses.memory.states import in_flight, optimizer_terms, stage_params, state_terms, streams_gradients
 from megalysses.memory.transients import backward_terms, loss_terms, norm_backward_bytes, norm_tile_bytes
 from megalysses.memory.types import Estimate, Layout, Options, Precision, Term, Workload, pinned
@@ -75,31 +75,13 @@ def _stage_estimate(m: ModelConfig, layout: Layout, opts: Options, prec: Precisi
     fixed.append(Term("the step's batch (ids, labels, positions)", batch, f"{M} mb x {tokens:.4g} tok x 24 B"))
     blocks, other = stage_params(m, layout, first, last)
     n = blocks + other
-    layer_bwd = backward_terms(m, layout, opts, prec, tokens, S)
-    # the input embedding's gradient comes last (the LM head's, when tied, is the same tensor)
-    embedding = m.padded_vocab_size(layout.tp) * m.hidden_size / layout.tp if first and not (
-        last and m.tie_embeddings) else 0.0
+    layer_bwd = backward_terms(m, layout, opts, prec, tokens, S, M)
     streamed = streams_gradients(opts)
-    if streamed:                    # the same few gradients at every layer: the rest are on the host
-        early = late = head_grads = grads
-    elif M == 1 and not opts.fsdp:  # one micro-batch: the gradients appear layer by layer in the backward
-        def so_far(done: int, ready: Optional[float] = None) -> list[Term]:
-            ready = other + done * blocks / max(n_layers, 1) if ready is None else ready
-            # a bucket is reduced once all of its gradients are there (whole buckets only)
-            bucket = max(opts.bucket_bytes / 4, 1)
-            reduced = min(ready, ready // bucket * bucket)
-            out = []
-            for t in grads:
-                share = (reduced if "reduced" in t.name else ready) / n
-                if t.name.startswith("gradient bucket") and ready < bucket:
-                    continue
-                out.append(replace(t, name=f"{t.name} (the head's and {done} layers')", bytes=t.bytes * share,
-                                   formula=f"{share:.3g} x {t.formula}") if t.name.startswith("gradients") else t)
-            return out
-        early, late, head_grads = so_far(0), so_far(n_layers - 1), so_far(0, other - embedding)
-    else:                           # the reduced chunks appear during the last micro-batch's backward
-        early, late = [t for t in grads if "reduced" not in t.name], grads
-        head_grads = early
+
+    def grads_after(done: int) -> list[Term]:      # the gradients after `done` blocks of the backward
+        return backward_gradients(m, layout, opts, prec, first, last, M, grads, done, n_layers, streamed)
+
+    early, late, head_grads = grads_after(0), grads_after(n_layers - 1), grads_after(0)
     # a stage's backward peaks at its first layer (every activation, few gradients) or its last (one
     # layer's activations, every gradient): the bytes are linear in between
     phases = {"backward": max(fixed + early + activations(flight - 1, n_layers) + layer_bwd,
@@ -107,13 +89,16 @@ def _stage_estimate(m: ModelConfig, layout: Layout, opts: Options, prec: Precisi
               "optimizer": fixed + [t for t in grads if not t.name.startswith("gradient bucket")
                                     and not (opts.optimizer_offload and "reduced" in t.name) and not streamed]
                            + optimizer_terms(m, layout, opts, prec, n, M, first, last)}
+    end = fsdp_end_terms(m, layout, opts, prec, first, last, n_layers)
+    if end is not None:
+        phases["end of backward"] = fixed + end
     if last:
         head_tok = bytes_per_token(stage_terms(m, layout, opts, prec, False, True)) - \
             bytes_per_token(stage_terms(m, layout, opts, prec, False, False))
         head = [Term("final norm + head-input gradient", tokens * head_tok, f"{tokens:.4g} tok x {head_tok:.4g} B"),
                 Term("head weight gradient (computed in the forward)", head_weight_grad_bytes(m, layout, prec),
                      f"{m.padded_vocab_size(layout.tp) / layout.tp:.4g} x {m.hidden_size} x {prec.weight} B")]
-        before = [t for t in grads if "reduced" not in t.name] if (M > 1 or opts.fsdp) and not streamed else []
+        before = [t for t in grads if "reduced" not in t.name] if M > 1 and not streamed else []
         phases["loss"] = (fixed + before + activations(flight - 1, n_layers) + head
                           + loss_terms(m, layout, opts, prec, tokens))
         # the backward's first step, the final norm's, under every layer's activations: what the norm keeps,

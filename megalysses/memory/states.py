@@ -134,14 +134,9 @@ def state_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, 
             grads.append(Term("gradient bucket being reduced", bucket, f"{bucket / 4:.4g} x 4 B"))
         return fixed, grads
     block, a = layer_params(m, layout.tp), prec.act
-    gathered = [Term("gathered blocks (in flight + prefetched)", 2 * block * a, f"2 x {block:.4g} x {a} B")]
+    gathered = [Term("gathered block (the one running)", block * a, f"{block:.4g} x {a} B")]
     if other:
         gathered.append(Term("gathered embedding / head (kept through the step)", other * a, f"{other:.4g} x {a} B"))
-    unsharded = [Term("unsharded gradient of one block (and its fp32 copy)", block * (a + 4),
-                      f"{block:.4g} x ({a} + 4) B")]
-    if opts.param_offload:          # the reduce-scatter's output, on the device until its copy to the host
-        unsharded.append(Term("one block's fp32 gradient shard on its way to the host", block * 4 / G,
-                              f"{block:.4g} x 4 B / {G}"))
     if opts.param_offload or opts.optimizer_offload:
         shard = prec.master + prec.moments + 4
         # parameter offload pins the fp32 shards and their gradients (FSDP2's CPUOffloadPolicy), not the moments
@@ -150,11 +145,10 @@ def state_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, 
         fixed = [Term("master, moments, gradients (FSDP shards)", host, f"{n:.4g} x {shard} B / {G}", host=True)]
         if not opts.param_offload:
             fixed.append(Term("compute-dtype parameter + gradient shards", n * 2 * a / G, f"{n:.4g} x 2 x {a} B / {G}"))
-        return fixed + gathered, unsharded
+        return fixed + gathered, []
     fixed = [Term("sharded parameters (fp32 master)", n * prec.master / G, f"{n:.4g} x {prec.master} B / {G}"),
              Term("sharded moments", n * prec.moments / G, f"{n:.4g} x {prec.moments} B / {G}")]
-    grads = [Term("sharded gradients (fp32)", n * 4 / G, f"{n:.4g} x 4 B / {G}")]
-    return fixed + gathered, grads + unsharded
+    return fixed + gathered, [Term("sharded gradients (fp32)", n * 4 / G, f"{n:.4g} x 4 B / {G}")]
 
 
 def optimizer_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, n: float, M: int,

@@ -11,7 +11,7 @@ from megalysses.memory.types import GIB, KERNELS, Layout, Options, Precision, Te
 
 
 def backward_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, tokens: float,
-                   seq_len: int) -> list[Term]:
+                   seq_len: int, micro_batches: int = 1) -> list[Term]:
     """One layer's backward on one rank, on top of what the other layers keep: its own activations
     (retained or recomputed) and the gradients being computed, at the worst of its moments as the
     backward walks the layer from its end (each moment's activations are those not yet freed):
@@ -46,9 +46,14 @@ def backward_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precisio
                                        if t[0].startswith(("attention norm", "QKV input", "cos, sin"))])
         at_core = attn_half
     q, kv = d["q"], d["kv"]
-    # flash-attn's backward writes dk, dv at the query-head count when a rank has fewer KV heads (GQA)
-    kv_grads = q if d["expand"] or (opts.attention in ("flash", "varlen") and q != kv) else kv
+    # the kernel's dk, dv: at the query heads' width when K/V were repeated to them before it; a flash kernel
+    # (FlashAttention-2's backward, torch's flash kernels) reading fewer KV heads as they are writes them at
+    # that width inside too (dk_expanded, dv_expanded) before summing each group into dk, dv
+    kv_grads = q if d["expand"] else kv
     accumulator = 4 * q if opts.dq_accumulator else 0
+    inside = 2 * q * a if opts.dq_accumulator and not d["expand"] and q != kv else 0
+    # the fp32 rowsum(dO * O) per query head (a flash kernel's softmax_d, FlexAttention's delta)
+    rowsum = 4 * d["hq"] if opts.dq_accumulator or opts.attention == "flex" else 0
     mlp_tiled = tiled(opts.mlp_chunk_tokens, layout, opts, seq_len)
     if mlp_tiled:
         tile = opts.mlp_chunk_tokens * r / tokens      # a tile's share of the tokens
@@ -61,8 +66,9 @@ def backward_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precisio
         mlp_name = "MLP tile: its recomputation and gradients, the residual's gradient, the weights' fp32 sums"
     else:
         mlp, mlp_name = 2 * f * a, "MLP: the down input's gradient and its factors'"
-    core = (2 * q + 2 * kv_grads) * a + accumulator
-    core_name = "attention: dout, dq, dk, dv" + (", fp32 dq accumulator" if accumulator else "")
+    core = (2 * q + 2 * kv_grads) * a + inside + accumulator + rowsum
+    core_name = ("attention: dout, dq, dk, dv" + (", dk and dv at the query heads" if inside else "")
+                 + (", fp32 dq accumulator" if accumulator else "") + (", fp32 rowsum(dO O)" if rowsum else ""))
     if d["ring"] > 1:
         core, core_name = _ring_backward(q, kv, a, d["ring"], opts, accumulator,
                                          recomputed=opts.activation_checkpointing or N > 1)
@@ -87,6 +93,8 @@ def backward_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precisio
         bytes_per_token(norm_in), h * a + dx + norm_tile_bytes(m, opts, prec, tokens / r) / tokens)
     if N > 1:   # a chunk's forward (recomputed under checkpointing): its activations and the running output sum
         moments["head chunk forward: its activations, o_proj's running sum"] = (at_core - kept, h * a)
+    own = own_weight_grads(m, layout, opts, prec, mlp_tiled, micro_batches)
+    moments = {n: (al, g + own[n.split(":")[0].split(" ")[0]] / tokens) for n, (al, g) in moments.items()}
     name, (alive, grads) = max(moments.items(), key=lambda kv_: sum(kv_[1]))
     offloaded = opts.activation_offload and opts.activation_checkpointing
     if opts.activation_checkpointing and not offloaded:
@@ -106,6 +114,28 @@ def backward_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precisio
                           f"{k - 1} x {tokens:.4g} tok x {h / r:.4g} x {a} B"))
     terms.append(Term("residual-stream gradient", tokens * h / r * a, f"{tokens:.4g} tok x {h / r:.4g} x {a} B"))
     return terms
+
+
+def own_weight_grads(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, mlp_tiled: bool,
+                     micro_batches: int = 1) -> dict:
+    """The layer's own weight gradients that exist at each moment of its backward (keyed by the moment's first
+    word: MLP, MLP norm, attention, QKV, attention norm, head chunk forward), in the weights' dtype, where they
+    stay in .grad until the step's end (one micro-batch; FSDP's unsharded gradients): down_proj's with the
+    down input's gradient, the whole MLP's and its norm's from then on (MLP tiles return theirs at once, their
+    fp32 sums counted in the MLP tile's moment), o_proj's from attention on, the QKV weight's at the attention
+    norm; head chunks allocate the QKV and o_proj gradients whole when their backward starts."""
+    if micro_batches > 1 and not opts.fsdp and prec.weight != 4:   # ZeRO-1 adds each into fp32 main_grad at once
+        return dict.fromkeys(("MLP", "MLP norm", "attention", "QKV", "attention norm", "head"), 0.0)
+    h, D, t, w = m.hidden_size, m.head_dim, layout.tp, prec.weight
+    mlp = mlp_params(m, t) + norm_params(m)
+    down = h * m.ffn_size / t
+    o_proj = h * m.num_heads * D / t
+    qkv = h * D * (m.num_heads + 2 * m.kv_heads) / t
+    chunks = opts.head_chunks > 1
+    attention = mlp + o_proj + (qkv if chunks else 0)
+    return {"MLP": 0.0 if mlp_tiled else down * w, "MLP norm": (mlp - norm_params(m)) * w, "attention": attention * w,
+            "QKV": attention * w, "attention norm": (mlp + o_proj + qkv) * w,
+            "head": (mlp + o_proj + qkv) * w if chunks and not opts.activation_checkpointing else 0.0}
 
 
 def norm_backward_bytes(m: ModelConfig, opts: Options, prec: Precision) -> float:

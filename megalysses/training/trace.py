@@ -77,10 +77,11 @@ class StepTrace:
 
 
 class _Nothing:
-    """A stream or event of the trace: every call does nothing (the trace runs one op after another)."""
+    """A stream or event of the trace: every call does nothing (the trace runs one op after another) and
+    returns another such object (an event recorded, a query answered: true)."""
 
     def __getattr__(self, name: str) -> Any:
-        return lambda *args, **kwargs: True
+        return lambda *args, **kwargs: _Nothing()
 
 
 class FakeGPU(accelerator.Host):
@@ -163,20 +164,32 @@ def _fsdp_on_meta() -> Iterator[None]:
     does not see), and no refusal of parameters on the meta device, which here stand for the GPU's."""
     try:
         from torch.distributed.fsdp._fully_shard import _fsdp_init
+        from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
         from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
         refuse, move = FSDPParamGroup._validate_no_meta_params, _fsdp_init._move_states_to_device
+        shard = FSDPParam._init_sharded_param
     except (ImportError, AttributeError) as e:
         raise ConfigError(f"a memory trace of parallel.fsdp runs FSDP2 on the meta device, through torch "
                           f"internals that torch {torch.__version__} does not have ({e})") from None
+
+    def shard_where_built(self: Any, param: torch.Tensor, device: torch.device, *args: Any) -> None:
+        # a host build stays there: FSDP2 shards it where it is (the device is only checked there); its shards
+        # and their gradients are pinned on a GPU (the trace counts the shards pinned, and FSDP2 copies the
+        # gradients out with non-blocking copies, which land in pinned memory)
+        self.pin_memory = self.offload_to_cpu
+        shard(self, param, param.device if self.offload_to_cpu else device, *args)
+
     torch.meta = _MetaDeviceHandle()
     FSDPParamGroup._validate_no_meta_params = lambda self: None
     _fsdp_init._move_states_to_device = lambda params, buffers, device: None
+    FSDPParam._init_sharded_param = shard_where_built
     try:
         yield
     finally:
         del torch.meta
         FSDPParamGroup._validate_no_meta_params = refuse
         _fsdp_init._move_states_to_device = move
+        FSDPParam._init_sharded_param = shard
 
 
 def stage_rank(run: RunPlan, stage: int) -> int:
@@ -239,9 +252,6 @@ def _step(cfg: Config, grid: ParallelGrid, run: RunPlan, mesh: Any, live: LiveBy
     live.name_modules(model)
     for _ in opt.checkpoint_slots():            # the AdamW state a resumed run has
         pass
-    if run.weights == "host":                   # FSDP2 pins the host shards of parameter offload on a GPU
-        for p in model.parameters():
-            live.mark_pinned(p)
     batch = fake_batch(cfg, grid, run, device)
     step = opt.step
 
