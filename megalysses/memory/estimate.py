@@ -9,7 +9,8 @@ from megalysses.memory.activations import (bytes_per_token, dims, head_weight_gr
                                            norm_terms, stage_layers, stage_terms)
 from megalysses.memory.blocks import flex_mask, largest_block
 from megalysses.memory.gradients import backward_gradients, fsdp_end_terms
-from megalysses.memory.states import in_flight, optimizer_terms, stage_params, state_terms, streams_gradients
+from megalysses.memory.states import (earlier_backward, in_flight, optimizer_terms, stage_params, state_terms,
+                                      streams_gradients)
 from megalysses.memory.transients import backward_terms, loss_terms, norm_backward_bytes, norm_tile_bytes
 from megalysses.memory.types import Estimate, Layout, Options, Precision, Term, Workload, pinned
 
@@ -75,11 +76,16 @@ def _stage_estimate(m: ModelConfig, layout: Layout, opts: Options, prec: Precisi
     fixed.append(Term("the step's batch (ids, labels, positions)", batch, f"{M} mb x {tokens:.4g} tok x 24 B"))
     blocks, other = stage_params(m, layout, first, last)
     n = blocks + other
-    layer_bwd = backward_terms(m, layout, opts, prec, tokens, S, M)
     streamed = streams_gradients(opts)
+    accumulated = earlier_backward(layout, stage, M)
+    # a layer's own new weight gradients: in .grad (one micro-batch, FSDP's unsharded ones), in fp32 main_grad
+    # made by the step's first backward, or added into an earlier micro-batch's main_grad
+    own = prec.weight if M == 1 or opts.fsdp or streamed else 0.0 if accumulated else 4.0
+    layer_bwd = backward_terms(m, layout, opts, prec, tokens, S, own)
 
     def grads_after(done: int) -> list[Term]:      # the gradients after `done` blocks of the backward
-        return backward_gradients(m, layout, opts, prec, first, last, M, grads, done, n_layers, streamed)
+        return backward_gradients(m, layout, opts, prec, first, last, M, grads, done, n_layers, streamed,
+                                  accumulated)
 
     early, late, head_grads = grads_after(0), grads_after(n_layers - 1), grads_after(0)
     # a stage's backward peaks at its first layer (every activation, few gradients) or its last (one

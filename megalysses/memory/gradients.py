@@ -67,9 +67,11 @@ def waiting_for_bucket(m: ModelConfig, layout: Layout, opts: Options, last: bool
 
 
 def backward_gradients(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, first: bool, last: bool,
-                       M: int, grads: list[Term], done: int, n_layers: int, streamed: bool) -> list[Term]:
+                       M: int, grads: list[Term], done: int, n_layers: int, streamed: bool,
+                       accumulated: bool = True) -> list[Term]:
     """The gradient terms on the device after `done` blocks of the stage's backward (see the module
-    docstring); `grads` are the step's (state_terms)."""
+    docstring); `grads` are the step's (state_terms); `accumulated`: an earlier micro-batch's backward has
+    left its gradients (states.earlier_backward), else this is the step's first backward."""
     blocks, other = stage_params(m, layout, first, last)
     per_block = blocks / max(n_layers, 1)
     root = other - embedding_params(m, layout, first, last)        # the head and the final norm
@@ -79,9 +81,11 @@ def backward_gradients(m: ModelConfig, layout: Layout, opts: Options, prec: Prec
         return [Term(f"gradients waiting for their bucket (the head's and {done} layers')", waiting * prec.weight,
                      f"{waiting:.4g} x {prec.weight} B")]
     if opts.fsdp:
-        return _fsdp_gradients(m, layout, opts, prec, root, M, done, n_layers)
-    if M > 1:                   # the reduced chunks appear during the last micro-batch's backward
+        return _fsdp_gradients(m, layout, opts, prec, root, M > 1 and accumulated, done, n_layers)
+    if M > 1 and accumulated:   # the reduced chunks appear during the last micro-batch's backward
         return grads if done else [t for t in grads if "reduced" not in t.name]
+    if M > 1:                   # the step's first backward: fp32 main_grad layer by layer, nothing reduced yet
+        grads = [t for t in grads if "reduced" not in t.name and not t.name.startswith("gradient bucket")]
     n = blocks + other
     bucket = max(opts.bucket_bytes / 4, 1)
     reduced = min(ready, ready // bucket * bucket)        # a bucket is reduced once all of its gradients are in
@@ -95,15 +99,15 @@ def backward_gradients(m: ModelConfig, layout: Layout, opts: Options, prec: Prec
     return out
 
 
-def _fsdp_gradients(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, root: float, M: int,
-                    done: int, n_layers: int) -> list[Term]:
+def _fsdp_gradients(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, root: float,
+                    accumulated: bool, done: int, n_layers: int) -> list[Term]:
     block, G = layer_params(m, layout.tp), layout.dp * layout.sp
     offloaded = opts.param_offload or opts.optimizer_offload
     terms = []
     if root:
         terms.append(Term("the root unit's unsharded gradients (the head's, kept to the end of the backward)",
                           root * prec.weight, f"{root:.4g} x {prec.weight} B"))
-    sharded = n_layers if M > 1 else done
+    sharded = n_layers if accumulated else done
     if sharded and not offloaded:
         terms.append(Term(f"sharded fp32 gradients ({sharded} blocks')", sharded * block * 4 / G,
                           f"{sharded} x {block:.4g} x 4 B / {G}"))

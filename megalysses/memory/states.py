@@ -72,6 +72,18 @@ def in_flight(layout: Layout, stage: int, micro_batches: int) -> float:
     return min(warmup + 1, M * v) / v
 
 
+def earlier_backward(layout: Layout, stage: int, micro_batches: int) -> bool:
+    """Whether a backward of the step has finished when the stage last holds its most micro-batches (the
+    moment of its activation peak): its gradients are there then. One after another without a pipeline, from
+    the second micro-batch on; 1F1B and interleaved only when the steady state runs a backward before the
+    last one that starts with the schedule full (the warm-up's forwards of parallel/interleaved.py)."""
+    P, v, M = layout.pp, layout.virtual_stages, micro_batches
+    if P == 1:
+        return M > 1
+    warmup = min(P - stage - 1, M) if v == 1 else min((P - stage - 1) * 2 + (v - 1) * P, M * v)
+    return M * v - warmup >= 2
+
+
 # ----------------------------------------------------------------------------- fixed bytes
 
 def _reduced_bytes(prec: Precision, opts: Options, G: int, M: int) -> float:

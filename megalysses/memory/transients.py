@@ -2,6 +2,8 @@
 backward's temporaries and the LM head + loss forward."""
 from __future__ import annotations
 
+from typing import Optional
+
 from megalysses.config import ModelConfig
 from megalysses.kernels.norms import norm_tile_rows
 from megalysses.memory.activations import (attention_half_terms, attention_terms, bytes_per_token, dims,
@@ -11,7 +13,7 @@ from megalysses.memory.types import GIB, KERNELS, Layout, Options, Precision, Te
 
 
 def backward_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, tokens: float,
-                   seq_len: int, micro_batches: int = 1) -> list[Term]:
+                   seq_len: int, grad_bytes: Optional[float] = None) -> list[Term]:
     """One layer's backward on one rank, on top of what the other layers keep: its own activations
     (retained or recomputed) and the gradients being computed, at the worst of its moments as the
     backward walks the layer from its end (each moment's activations are those not yet freed):
@@ -93,8 +95,8 @@ def backward_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precisio
         bytes_per_token(norm_in), h * a + dx + norm_tile_bytes(m, opts, prec, tokens / r) / tokens)
     if N > 1:   # a chunk's forward (recomputed under checkpointing): its activations and the running output sum
         moments["head chunk forward: its activations, o_proj's running sum"] = (at_core - kept, h * a)
-    own = own_weight_grads(m, layout, opts, prec, mlp_tiled, micro_batches)
-    moments = {n: (al, g + own[n.split(":")[0].split(" ")[0]] / tokens) for n, (al, g) in moments.items()}
+    own = own_weight_grads(m, layout, opts, prec.weight if grad_bytes is None else grad_bytes, mlp_tiled)
+    moments = {n: (al, g + own[_kind(n)] / tokens) for n, (al, g) in moments.items()}
     name, (alive, grads) = max(moments.items(), key=lambda kv_: sum(kv_[1]))
     offloaded = opts.activation_offload and opts.activation_checkpointing
     if opts.activation_checkpointing and not offloaded:
@@ -116,17 +118,23 @@ def backward_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precisio
     return terms
 
 
-def own_weight_grads(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, mlp_tiled: bool,
-                     micro_batches: int = 1) -> dict:
-    """The layer's own weight gradients that exist at each moment of its backward (keyed by the moment's first
-    word: MLP, MLP norm, attention, QKV, attention norm, head chunk forward), in the weights' dtype, where they
-    stay in .grad until the step's end (one micro-batch; FSDP's unsharded gradients): down_proj's with the
-    down input's gradient, the whole MLP's and its norm's from then on (MLP tiles return theirs at once, their
-    fp32 sums counted in the MLP tile's moment), o_proj's from attention on, the QKV weight's at the attention
-    norm; head chunks allocate the QKV and o_proj gradients whole when their backward starts."""
-    if micro_batches > 1 and not opts.fsdp and prec.weight != 4:   # ZeRO-1 adds each into fp32 main_grad at once
-        return dict.fromkeys(("MLP", "MLP norm", "attention", "QKV", "attention norm", "head"), 0.0)
-    h, D, t, w = m.hidden_size, m.head_dim, layout.tp, prec.weight
+def _kind(moment: str) -> str:
+    """The part of a layer a backward moment is in (own_weight_grads' keys)."""
+    for kind in ("MLP norm", "MLP", "attention norm", "QKV", "head"):
+        if moment.startswith(kind):
+            return kind
+    return "attention"          # the attention kernel's, or ring attention's, backward
+
+
+def own_weight_grads(m: ModelConfig, layout: Layout, opts: Options, grad_bytes: float, mlp_tiled: bool) -> dict:
+    """The layer's own weight gradients that exist at each moment of its backward (keyed by _kind: MLP, MLP
+    norm, attention, QKV, attention norm, head), `grad_bytes` per element (the weights' dtype in .grad or FSDP's
+    unsharded gradients, fp32 in a main_grad made by the step's first backward, 0 where they add into buffers
+    an earlier micro-batch made): down_proj's with the down input's gradient, the whole MLP's and its norm's
+    from then on (MLP tiles return theirs at once, their fp32 sums counted in the MLP tile's moment), o_proj's
+    from attention on, the QKV weight's at the attention norm; head chunks allocate the QKV and o_proj
+    gradients whole when their backward starts."""
+    h, D, t, w = m.hidden_size, m.head_dim, layout.tp, grad_bytes
     mlp = mlp_params(m, t) + norm_params(m)
     down = h * m.ffn_size / t
     o_proj = h * m.num_heads * D / t

@@ -10,7 +10,8 @@ Rank `rank` of a world of `world` ranks runs the run's own start-up path and one
 step, in this one process: the config checked at that world size, the plan resolved on the machine, the
 process groups created on torch's fake backend (whose collectives move nothing), the model and optimizer
 built as a run builds them, the optimizer's state made as a resume makes it, then train_step on one global
-batch of this rank's micro-batches at the padded sequence length, every option of the plan in force. Every
+batch of this rank's micro-batches at the padded sequence length, every option of the plan in force (of many
+micro-batches, those that take the step's memory through every state it has: traced_micro_batches). Every
 tensor is a fake tensor (torch's FakeTensorMode: shapes, dtypes and devices, no data): the meta device stands
 for the GPU, the CPU for host memory. megalysses.tracker.LiveBytes counts the live bytes of each after every
 op (the peak over the step, over the weights and state made before it).
@@ -253,6 +254,7 @@ def _step(cfg: Config, grid: ParallelGrid, run: RunPlan, mesh: Any, live: LiveBy
     for _ in opt.checkpoint_slots():            # the AdamW state a resumed run has
         pass
     batch = fake_batch(cfg, grid, run, device)
+    traced = batch[:traced_micro_batches(len(batch), run)]       # the others stay allocated, as a loaded step's
     step = opt.step
 
     def optimizer_step(*args: Any, **kwargs: Any) -> Any:
@@ -261,8 +263,19 @@ def _step(cfg: Config, grid: ParallelGrid, run: RunPlan, mesh: Any, live: LiveBy
 
     opt.step = optimizer_step
     live.reset_peaks()
-    train_step(model, opt, batch, grid, lr=cfg.optimizer.lr, grad_clip=cfg.optimizer.grad_clip,
+    train_step(model, opt, traced, grid, lr=cfg.optimizer.lr, grad_clip=cfg.optimizer.grad_clip,
                dtype=run.torch_dtype, nan_policy=cfg.training.nan_policy)
+    del batch
+
+
+def traced_micro_batches(micro_batches: int, run: RunPlan) -> int:
+    """How many of a step's micro-batches the trace runs: enough for every state the step's memory goes
+    through, the rest repeating one of them. Without a pipeline, the first (no gradients yet), one in the middle
+    (the gradients of those before) and the last (the buckets reduced during its backward); with one, as many
+    as fill the schedule's warm-up and reach its steady state twice (1F1B: pp; interleaved: 2 pp per model
+    chunk), and the last."""
+    needed = 3 if run.pp == 1 else 2 * run.pp * run.virtual_stages + 2
+    return min(micro_batches, needed)
 
 
 def fake_batch(cfg: Config, grid: ParallelGrid, run: RunPlan, device: torch.device) -> list[dict]:
