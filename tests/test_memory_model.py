@@ -10,7 +10,7 @@ the sequence)."""
 import functools
 import importlib.util
 import json
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import pytest
@@ -335,8 +335,32 @@ LAYOUT_PEAKS = {   # name: overrides on 2 ranks
 }
 
 
-def measured_step_peak(overrides: list[str], world: int = 1, exclude_host: bool = False) -> tuple[int, float]:
-    """(the measured peak of live bytes over one training step, the model's prediction) on this rank;
+@dataclass
+class StepPeak:
+    """A training step's peak on this rank, measured and predicted, and of each the part the step adds to what
+    is there before it (weights, optimizer state, the step's batch): its activations, gradients and buffers."""
+
+    measured: int
+    predicted: float
+    measured_before: int
+    predicted_before: float
+
+    @property
+    def measured_step(self) -> int:
+        return self.measured - self.measured_before
+
+    @property
+    def predicted_step(self) -> float:
+        return self.predicted - self.predicted_before
+
+
+# the model's terms for what is there before a step: weights, optimizer state, the step's batch
+BEFORE = ("weights", "master + moments", "sharded parameters", "sharded moments", "the step's batch",
+          "compute-dtype parameter")
+
+
+def measured_step_peak(overrides: list[str], world: int = 1, exclude_host: bool = False) -> StepPeak:
+    """The measured peak of live bytes over one training step and the model's prediction, on this rank;
     `exclude_host`: leave out the activation offload's host copies (CPU tensors here). What an offloaded
     optimizer keeps in host memory is left out too (masters, moments, host gradients; with parameter offload
     FSDP's shards and their gradients), and so is its update, which runs on the host."""
@@ -388,8 +412,11 @@ def measured_step_peak(overrides: list[str], world: int = 1, exclude_host: bool 
 
     before = ([] if runtime.weights == "host" else [as_local(q) for q in shards]) + ([] if held else state + masters) \
         + [t for mb in mbs for t in mb.values()]
+    storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in before}
     _, peak = measure_peak(lambda: step(mbs), before, exclude=host, host=offloaded)
-    return peak.bytes, estimate_config(cfg, world, CPU).peak
+    est = estimate_config(cfg, world, CPU)
+    return StepPeak(peak.bytes, est.peak, sum(storages.values()),
+                    sum(t.bytes for t in est.terms if not t.host and t.name.startswith(BEFORE)))
 
 
 def _step_peaks(rank: int, world: int) -> dict:

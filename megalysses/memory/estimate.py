@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Optional
 
 from megalysses.config import ModelConfig
-from megalysses.memory.activations import (bytes_per_token, dims, head_weight_grad_bytes, kept_layers, layer_terms,
+from megalysses.memory.activations import (bytes_per_token, dims, kept_layers, layer_terms,
                                            norm_terms, stage_layers, stage_terms)
 from megalysses.memory.blocks import flex_mask, largest_block
 from megalysses.memory.gradients import backward_gradients, fsdp_end_terms
@@ -101,9 +101,8 @@ def _stage_estimate(m: ModelConfig, layout: Layout, opts: Options, prec: Precisi
     if last:
         head_tok = bytes_per_token(stage_terms(m, layout, opts, prec, False, True)) - \
             bytes_per_token(stage_terms(m, layout, opts, prec, False, False))
-        head = [Term("final norm + head-input gradient", tokens * head_tok, f"{tokens:.4g} tok x {head_tok:.4g} B"),
-                Term("head weight gradient (computed in the forward)", head_weight_grad_bytes(m, layout, prec),
-                     f"{m.padded_vocab_size(layout.tp) / layout.tp:.4g} x {m.hidden_size} x {prec.weight} B")]
+        # (the head weight's gradient is made at the end of the loss's forward, after its worst moment)
+        head = [Term("final norm + head-input gradient", tokens * head_tok, f"{tokens:.4g} tok x {head_tok:.4g} B")]
         before = [t for t in grads if "reduced" not in t.name] if M > 1 and not streamed else []
         phases["loss"] = (fixed + before + activations(flight - 1, n_layers) + head
                           + loss_terms(m, layout, opts, prec, tokens))

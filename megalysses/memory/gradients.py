@@ -76,14 +76,21 @@ def backward_gradients(m: ModelConfig, layout: Layout, opts: Options, prec: Prec
     per_block = blocks / max(n_layers, 1)
     root = other - embedding_params(m, layout, first, last)        # the head and the final norm
     ready = root + done * per_block
+    # a tied embedding is one parameter used twice: autograd holds the head's gradient until the embedding's
+    # arrives at the end of the backward, and only then accumulates (and, in fp32 or streamed, hands it on)
+    tied = []
+    if first and last and m.tie_embeddings:
+        head = m.padded_vocab_size(layout.tp) * m.hidden_size / layout.tp
+        tied = [Term("the tied LM head's gradient (held until the embedding's)", head * prec.weight,
+                     f"{head:.4g} x {prec.weight} B")]
     if streamed:
         waiting = waiting_for_bucket(m, layout, opts, last, ready)
-        return [Term(f"gradients waiting for their bucket (the head's and {done} layers')", waiting * prec.weight,
-                     f"{waiting:.4g} x {prec.weight} B")]
+        return tied + [Term(f"gradients waiting for their bucket (the head's and {done} layers')",
+                            waiting * prec.weight, f"{waiting:.4g} x {prec.weight} B")]
     if opts.fsdp:
         return _fsdp_gradients(m, layout, opts, prec, root, M > 1 and accumulated, done, n_layers)
     if M > 1 and accumulated:   # the reduced chunks appear during the last micro-batch's backward
-        return grads if done else [t for t in grads if "reduced" not in t.name]
+        return tied + (grads if done else [t for t in grads if "reduced" not in t.name])
     if M > 1:                   # the step's first backward: fp32 main_grad layer by layer, nothing reduced yet
         grads = [t for t in grads if "reduced" not in t.name and not t.name.startswith("gradient bucket")]
     n = blocks + other

@@ -201,17 +201,22 @@ def loss_tile_tokens(m: ModelConfig, layout: Layout, opts: Options, tokens: floa
 
 
 def loss_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, tokens: float) -> list[Term]:
-    """The LM head + loss forward, beyond what it keeps (stage_terms): its input, one tile's fp32 logits
-    (and their compute-dtype copy), and the head weight's gradient being accumulated."""
+    """The LM head + loss forward, beyond what it keeps (stage_terms): its input, and the worst of its moments
+    (kernels/linear_cross_entropy.py). One tile: the fp32 logits and the gradient's compute-dtype copy. More:
+    either a tile's logits made fp32 (beside the matmul's output in the compute dtype) while the previous tile's
+    logit gradient and weight gradient are still bound, over the fp32 sum of the head weight's gradient; or a
+    tile's weight gradient added into that sum (its fp32 copy beside it), the tile's logit gradient alive."""
     a, h = prec.act, m.hidden_size
     V = m.padded_vocab_size(layout.tp) / layout.tp
     tile = loss_tile_tokens(m, layout, opts, tokens)
-    per_logit = 4 + (a if a != 4 else 0)
-    terms = [Term("LM head input (final norm output)", tokens * h * a, f"{tokens:.4g} tok x {h} x {a} B"),
-             Term("one tile of logits (fp32 and the gradient's copy)", tile * V * per_logit,
-                  f"{tile:.4g} tok x {V:.4g} x {per_logit} B")]
-    if tile < tokens:
-        acc = 4 + a + (4 if a != 4 else 0)
-        terms.append(Term("head weight gradient: fp32 sum, a tile's and its fp32 copy", V * h * acc,
-                          f"{V:.4g} x {h} x {acc} B"))
-    return terms
+    low = a if a != 4 else 0                # a copy in the compute dtype (none in fp32: .float() is the tensor)
+    terms = [Term("LM head input (final norm output)", tokens * h * a, f"{tokens:.4g} tok x {h} x {a} B")]
+    if tile >= tokens:
+        return terms + [Term("one tile of logits (fp32 and the gradient's copy)", tile * V * (4 + low),
+                             f"{tile:.4g} tok x {V:.4g} x {4 + low} B")]
+    logits = {"a tile's logits made fp32, the previous tile's gradients still bound": (4 + low + a, 4 + a),
+              "a tile's weight gradient added into the fp32 sum": (a, 4 + a + (4 if low else 0))}
+    name, (per_logit, per_weight) = max(logits.items(), key=lambda kv: tile * V * kv[1][0] + V * h * kv[1][1])
+    return terms + [Term(f"loss tile: {name}", tile * V * per_logit, f"{tile:.4g} tok x {V:.4g} x {per_logit} B"),
+                    Term("head weight gradient: its fp32 sum and a tile's", V * h * per_weight,
+                         f"{V:.4g} x {h} x {per_weight} B")]
