@@ -21,6 +21,7 @@ def estimate(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, wor
     stages = [_stage_estimate(m, layout, opts, prec, work, s) for s in sorted({0, layout.pp - 1})]
     est = max(stages, key=lambda e: e.peak)
     est.largest = max((e.largest for e in stages), key=lambda t: t.bytes)
+    est.phases = {key: b for e in stages for key, b in e.phases.items()}
     return est
 
 
@@ -129,7 +130,8 @@ def _stage_estimate(m: ModelConfig, layout: Layout, opts: Options, prec: Precisi
                             + (" (each rounded up to a power of two)" if opts.pinned_rounding else ""), host=True))
     return Estimate(peak=_device(terms), stage=stage, phase=phase, terms=terms + host,
                     host=sum(t.bytes for t in host), layer_bytes_per_token=layer_tok, layout=layout, options=opts,
-                    largest=largest_block(m, layout, opts, prec, work, last))
+                    largest=largest_block(m, layout, opts, prec, work, last),
+                    phases={(stage, p): _device(ts) for p, ts in phases.items()})
 
 
 def _device(terms: list[Term]) -> float:

@@ -39,9 +39,13 @@ def backward_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precisio
     chunk_name, summed = "", 0.0
     if N > 1:           # the block input, the recomputed QKV input, one chunk's activations
         chunk = attention_terms(m, layout, opts, prec, seq_len, N)
-        before_core = attn_half + h * a + bytes_per_token([t for t in chunk if t[0].startswith("cos, sin")])
-        at_core = attn_half + h * a + bytes_per_token(chunk)
         d = dims(m, layout, opts, N)
+        # the chunk's QKV output stays bound through its backward (model/tiled.py chunks_backward), as a view
+        # of v keeps it anyway with some kernels
+        qkv_out = 0 if any(t[0].startswith("the QKV output") for t in chunk) else d["qkv"] * a
+        casts = bytes_per_token([t for t in chunk if t[0].startswith("cos, sin")])
+        before_core = attn_half + h * a + casts + qkv_out
+        at_core = attn_half + h * a + bytes_per_token(chunk) + qkv_out
         chunk_name, summed = f" (one of {N} head chunks, the QKV input's gradient summed)", h * a
     else:
         before_core = bytes_per_token([t for t in attn_terms
