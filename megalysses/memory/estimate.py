@@ -88,11 +88,13 @@ def _stage_estimate(m: ModelConfig, layout: Layout, opts: Options, prec: Precisi
         return backward_gradients(m, layout, opts, prec, first, last, M, grads, done, n_layers, streamed,
                                   accumulated)
 
-    early, late, head_grads = grads_after(0), grads_after(n_layers - 1), grads_after(0)
-    # a stage's backward peaks at its first layer (every activation, few gradients) or its last (one
-    # layer's activations, every gradient): the bytes are linear in between
-    phases = {"backward": max(fixed + early + activations(flight - 1, n_layers) + layer_bwd,
-                              fixed + late + activations(flight - 1, 1) + layer_bwd, key=_device),
+    head_grads = grads_after(0)
+    # a stage's backward peaks at its first layer (every activation, few gradients), its second (FSDP: the first
+    # block's reduce-scatter input and sharded gradient there by then) or its last (one layer's activations,
+    # every gradient): the bytes are linear in between
+    moments = [fixed + grads_after(done) + activations(flight - 1, n_layers - done) + layer_bwd
+               for done in sorted({0, min(1, n_layers - 1), n_layers - 1})]
+    phases = {"backward": max(moments, key=_device),
               "optimizer": fixed + [t for t in grads if not t.name.startswith("gradient bucket")
                                     and not (opts.optimizer_offload and "reduced" in t.name) and not streamed]
                            + optimizer_terms(m, layout, opts, prec, n, M, first, last)}

@@ -2,7 +2,7 @@
 backward's temporaries and the LM head + loss forward."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 from megalysses.config import ModelConfig
 from megalysses.kernels.norms import norm_tile_rows
@@ -99,6 +99,9 @@ def backward_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precisio
         bytes_per_token(norm_in), h * a + dx + norm_tile_bytes(m, opts, prec, tokens / r) / tokens)
     if N > 1:   # a chunk's forward (recomputed under checkpointing): its activations and the running output sum
         moments["head chunk forward: its activations, o_proj's running sum"] = (at_core - kept, h * a)
+    if d["P"] > 1 and (opts.activation_checkpointing or N > 1):
+        moments[f"all-to-all of the attention's recomputed forward{chunk_name}"] = (
+            before_core, ulysses_forward_bytes(d, k, a) + (h * a if N > 1 else 0))
     own = own_weight_grads(m, layout, opts, prec.weight if grad_bytes is None else grad_bytes, mlp_tiled)
     moments = {n: (al, g + own[_kind(n)] / tokens) for n, (al, g) in moments.items()}
     name, (alive, grads) = max(moments.items(), key=lambda kv_: sum(kv_[1]))
@@ -122,9 +125,21 @@ def backward_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precisio
     return terms
 
 
+def ulysses_forward_bytes(d: dict, k: Any, a: int) -> float:
+    """Bytes per token of the Ulysses all-to-all of q, k, v in a (recomputed) forward at its worst, the QKV
+    projection's output beside it (parallel/ulysses.py, comm._all_to_all): RoPE's q and k (and v, with kernels
+    that make a new one), k and v repeated to the Ulysses degree when there are fewer KV heads, the packed
+    q, k, v, and the all-to-all's stacked send buffer, its receive buffer and the concatenated result."""
+    kv_local = d["qkv"] - d["q"]                 # k and v of the rank's own KV heads
+    rotated = d["q"] + (kv_local if k.fresh_qkv else kv_local / 2)
+    repeated = 2 * d["kv"] if d["kv"] * 2 != kv_local else 0
+    packed = d["q"] + 2 * d["kv"]
+    return (d["qkv"] + rotated + repeated + 4 * packed) * a
+
+
 def _kind(moment: str) -> str:
     """The part of a layer a backward moment is in (own_weight_grads' keys)."""
-    for kind in ("MLP norm", "MLP", "attention norm", "QKV", "head"):
+    for kind in ("MLP norm", "MLP", "attention norm", "QKV", "head", "all-to-all"):
         if moment.startswith(kind):
             return kind
     return "attention"          # the attention kernel's, or ring attention's, backward
@@ -145,9 +160,10 @@ def own_weight_grads(m: ModelConfig, layout: Layout, opts: Options, grad_bytes: 
     qkv = h * D * (m.num_heads + 2 * m.kv_heads) / t
     chunks = opts.head_chunks > 1
     attention = mlp + o_proj + (qkv if chunks else 0)
+    recomputing = 0.0 if opts.activation_checkpointing else (mlp + o_proj + qkv) * w if chunks else 0.0
     return {"MLP": 0.0 if mlp_tiled else down * w, "MLP norm": (mlp - norm_params(m)) * w, "attention": attention * w,
-            "QKV": attention * w, "attention norm": (mlp + o_proj + qkv) * w,
-            "head": (mlp + o_proj + qkv) * w if chunks and not opts.activation_checkpointing else 0.0}
+            "QKV": attention * w, "attention norm": (mlp + o_proj + qkv) * w, "head": recomputing,
+            "all-to-all": recomputing}
 
 
 def norm_backward_bytes(m: ModelConfig, opts: Options, prec: Precision) -> float:
