@@ -172,9 +172,11 @@ def optimizer_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precisi
         if opts.optimizer_offload:
             grads = pinned_state_bytes(m, layout, opts, first, last, G, 4)
             terms.append(Term("reduced fp32 gradients (pinned)", grads, f"{n:.4g} x 4 B / {G}", host=True))
-            if M > 1:    # the later micro-batches' buckets wait in pinned buffers to be added (host_gradients.py)
-                staged = 2 * pinned(min(opts.bucket_bytes, n * 4) / G, opts.pinned_rounding)
-                terms.append(Term("gradient staging buffers", staged, f"2 buckets x 4 B / {G}", host=True))
+            if M > 1:    # the later micro-batches' buckets wait in pinned buffers to be added (host_gradients.py):
+                # a bucket's reduced fp32 chunks, or with a grad group of one its gradients as they are
+                per = 4 if G > 1 else prec.weight
+                staged = 2 * pinned(min(opts.bucket_bytes / 4, n) * per / G, opts.pinned_rounding)
+                terms.append(Term("gradient staging buffers", staged, f"2 buckets x {per} B / {G}", host=True))
         elif not opts.overlap_grad_reduce and _reduced_bytes(prec, opts, G, M):
             reduced = _reduced_bytes(prec, opts, G, M)
             terms.append(Term("gradients: reduced fp32 chunks", n * reduced, f"{n:.4g} params x {reduced:.3g} B"))

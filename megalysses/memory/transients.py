@@ -63,12 +63,15 @@ def backward_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precisio
     mlp_tiled = tiled(opts.mlp_chunk_tokens, layout, opts, seq_len)
     if mlp_tiled:
         tile = opts.mlp_chunk_tokens * r / tokens      # a tile's share of the tokens
-        # a tile: its norm output (gathered over tp) and gradient, the gate-up output, silu, the down input and
-        # their gradients, the norm's temporaries; the residual's gradient for every token
-        # and the MLP's weights' gradients: their fp32 sums over the tiles, one tile's in the weights' dtype
+        # a tile's backward (model/tiled.py MLPTiles) at the worst of its MLP's (the norm output, gathered over tp,
+        # the gate-up output, silu, the down input and their gradients, the tile's output) and its norm's (the
+        # norm output's gradient, the tile's input gradient and output beside the norm's temporaries); the
+        # residual's gradient for every token, and the MLP's weights' gradients: their fp32 sums over the tiles,
+        # one tile's in the weights' dtype
         weights = (mlp_params(m, layout.tp) + norm_params(m)) * (4 + prec.weight)
-        mlp = (tile * (((4 if k.swiglu_silu else 3) + 2) * f + 3 * h) + h / r) * a \
-            + (norm_tile_bytes(m, opts, prec, opts.mlp_chunk_tokens) + weights) / tokens
+        tile_mlp = tile * (((4 if k.swiglu_silu else 3) + 2) * f + 3 * h) * a
+        tile_norm = tile * 3 * h * a + norm_tile_bytes(m, opts, prec, opts.mlp_chunk_tokens) / tokens
+        mlp = max(tile_mlp, tile_norm) + h / r * a + weights / tokens
         mlp_name = "MLP tile: its recomputation and gradients, the residual's gradient, the weights' fp32 sums"
     else:
         mlp, mlp_name = 2 * f * a, "MLP: the down input's gradient and its factors'"

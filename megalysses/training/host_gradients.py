@@ -98,8 +98,8 @@ class HostGradients:
         if not self._stages or self._stages[0].numel() < numel or self._stages[0].dtype != dtype:
             self.drop_stages()
             self._stages = [self.host.pinned_empty((numel,), dtype, self.device) for _ in range(STAGES)]
-        busy = {stage.untyped_storage().data_ptr() for _, stage, _ in self._pending}
-        free = next(s for s in self._stages if s.untyped_storage().data_ptr() not in busy)
+        busy = {id(stage._base) for _, stage, _ in self._pending}          # each pending stage is a view of one
+        free = next(s for s in self._stages if id(s) not in busy)
         return free[:numel]
 
     def drop_stages(self) -> None:
