@@ -8,9 +8,9 @@ from megalysses.config import ModelConfig
 from megalysses.memory.activations import (bytes_per_token, dims, kept_layers, layer_terms,
                                            norm_terms, stage_layers, stage_terms)
 from megalysses.memory.blocks import flex_mask, largest_block
-from megalysses.memory.gradients import backward_gradients, fsdp_end_terms
-from megalysses.memory.states import (earlier_backward, in_flight, optimizer_terms, stage_params, state_terms,
-                                      streams_gradients)
+from megalysses.memory.gradients import backward_gradients, embedding_params, fsdp_end_terms, waiting_for_bucket
+from megalysses.memory.states import (earlier_backward, in_flight, optimizer_terms, reduced_bytes, stage_params,
+                                      state_terms, streams_gradients)
 from megalysses.memory.transients import backward_terms, loss_terms, norm_backward_bytes, norm_tile_bytes
 from megalysses.memory.types import Estimate, Layout, Options, Precision, Term, Workload, pinned
 
@@ -79,20 +79,34 @@ def _stage_estimate(m: ModelConfig, layout: Layout, opts: Options, prec: Precisi
     n = blocks + other
     streamed = streams_gradients(opts)
     accumulated = earlier_backward(layout, stage, M)
-    # a layer's own new weight gradients: in .grad (one micro-batch, FSDP's unsharded ones), in fp32 main_grad
-    # made by the step's first backward, or added into an earlier micro-batch's main_grad
-    own = prec.weight if M == 1 or opts.fsdp or streamed else 0.0 if accumulated else 4.0
-    layer_bwd = backward_terms(m, layout, opts, prec, tokens, S, own)
 
     def grads_after(done: int) -> list[Term]:      # the gradients after `done` blocks of the backward
         return backward_gradients(m, layout, opts, prec, first, last, M, grads, done, n_layers, streamed,
                                   accumulated)
 
+    def layer_backward(done: int) -> list[Term]:
+        """The layer's backward after `done` blocks, its own new weight gradients weighed: in .grad (one
+        micro-batch, FSDP's unsharded ones) and, as their buckets complete, their reduced fp32 chunks; in fp32
+        main_grad the step's first backward makes; nothing where they add into an earlier micro-batch's."""
+        ready = other - embedding_params(m, layout, first, last) + done * blocks / max(n_layers, 1)
+        reduced = reduced_bytes(prec, opts, layout.dp * layout.sp, M) if opts.overlap_grad_reduce else 0.0
+
+        def weigh(elements: float) -> float:
+            if opts.fsdp or streamed or M == 1:
+                own = elements * prec.weight
+            else:
+                return 0.0 if accumulated else elements * 4.0
+            if M == 1 and not (opts.fsdp or streamed) and reduced:
+                closed = [r - waiting_for_bucket(m, layout, opts, last, r) for r in (ready, ready + elements)]
+                own += (closed[1] - closed[0]) * reduced
+            return own
+        return backward_terms(m, layout, opts, prec, tokens, S, weigh)
+
     head_grads = grads_after(0)
     # a stage's backward peaks at its first layer (every activation, few gradients), its second (FSDP: the first
     # block's reduce-scatter input and sharded gradient there by then) or its last (one layer's activations,
     # every gradient): the bytes are linear in between
-    moments = [fixed + grads_after(done) + activations(flight - 1, n_layers - done) + layer_bwd
+    moments = [fixed + grads_after(done) + activations(flight - 1, n_layers - done) + layer_backward(done)
                for done in sorted({0, min(1, n_layers - 1), n_layers - 1})]
     phases = {"backward": max(moments, key=_device),
               "optimizer": fixed + [t for t in grads if not t.name.startswith("gradient bucket")

@@ -94,11 +94,11 @@ def backward_gradients(m: ModelConfig, layout: Layout, opts: Options, prec: Prec
     if M > 1:                   # the step's first backward: fp32 main_grad layer by layer, nothing reduced yet
         grads = [t for t in grads if "reduced" not in t.name and not t.name.startswith("gradient bucket")]
     n = blocks + other
-    bucket = max(opts.bucket_bytes / 4, 1)
-    reduced = min(ready, ready // bucket * bucket)        # a bucket is reduced once all of its gradients are in
+    # a bucket is reduced once all of its gradients are in
+    reduced = ready - waiting_for_bucket(m, layout, opts, last, ready)
     out = []
     for t in grads:
-        if t.name.startswith("gradient bucket") and ready < bucket:
+        if t.name.startswith("gradient bucket") and not reduced:
             continue
         share = (reduced if "reduced" in t.name else ready) / n
         out.append(replace(t, name=f"{t.name} (the head's and {done} layers')", bytes=t.bytes * share,

@@ -86,7 +86,7 @@ def earlier_backward(layout: Layout, stage: int, micro_batches: int) -> bool:
 
 # ----------------------------------------------------------------------------- fixed bytes
 
-def _reduced_bytes(prec: Precision, opts: Options, G: int, M: int) -> float:
+def reduced_bytes(prec: Precision, opts: Options, G: int, M: int) -> float:
     """Bytes per parameter of ZeRO-1's reduced fp32 gradient chunks on the device: the reduce-scatter's
     output (4/G), or with a group of one the fp32 copies of low-precision gradients the masters take
     (offload copies the gradients to host memory as they are)."""
@@ -138,7 +138,7 @@ def state_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, 
                       host=opts.optimizer_offload)]
         grads = [Term("gradients" + (" (fp32 main_grad)" if g == 4 and prec.weight != 4 else ""), n * g,
                       f"{n:.4g} params x {g} B")]
-        reduced = _reduced_bytes(prec, opts, G, M)
+        reduced = reduced_bytes(prec, opts, G, M)
         if reduced and opts.overlap_grad_reduce:
             grads.append(Term("gradients: reduced fp32 chunks", n * reduced, f"{n:.4g} params x {reduced:.3g} B"))
         if G > 1:   # the fp32 gradients of one bucket and the buffer its reduce-scatter sends
@@ -177,8 +177,8 @@ def optimizer_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precisi
                 per = 4 if G > 1 else prec.weight
                 staged = 2 * pinned(min(opts.bucket_bytes / 4, n) * per / G, opts.pinned_rounding)
                 terms.append(Term("gradient staging buffers", staged, f"2 buckets x {per} B / {G}", host=True))
-        elif not opts.overlap_grad_reduce and _reduced_bytes(prec, opts, G, M):
-            reduced = _reduced_bytes(prec, opts, G, M)
+        elif not opts.overlap_grad_reduce and reduced_bytes(prec, opts, G, M):
+            reduced = reduced_bytes(prec, opts, G, M)
             terms.append(Term("gradients: reduced fp32 chunks", n * reduced, f"{n:.4g} params x {reduced:.3g} B"))
     offloaded = opts.optimizer_offload or opts.param_offload
     terms.append(Term("AdamW sqrt(v)", n * 4 / G, f"{n:.4g} x 4 B / {G}", host=offloaded))

@@ -2,7 +2,7 @@
 backward's temporaries and the LM head + loss forward."""
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from megalysses.config import ModelConfig
 from megalysses.kernels.norms import norm_tile_rows
@@ -13,7 +13,7 @@ from megalysses.memory.types import GIB, KERNELS, Layout, Options, Precision, Te
 
 
 def backward_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, tokens: float,
-                   seq_len: int, grad_bytes: Optional[float] = None) -> list[Term]:
+                   seq_len: int, grad_bytes: Optional[Callable[[float], float]] = None) -> list[Term]:
     """One layer's backward on one rank, on top of what the other layers keep: its own activations
     (retained or recomputed) and the gradients being computed, at the worst of its moments as the
     backward walks the layer from its end (each moment's activations are those not yet freed):
@@ -105,8 +105,9 @@ def backward_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precisio
     if d["P"] > 1 and (opts.activation_checkpointing or N > 1):
         moments[f"all-to-all of the attention's recomputed forward{chunk_name}"] = (
             before_core, ulysses_forward_bytes(d, k, a) + (h * a if N > 1 else 0))
-    own = own_weight_grads(m, layout, opts, prec.weight if grad_bytes is None else grad_bytes, mlp_tiled)
-    moments = {n: (al, g + own[_kind(n)] / tokens) for n, (al, g) in moments.items()}
+    own = own_weight_grads(m, layout, opts, mlp_tiled)
+    weigh = grad_bytes or (lambda elements: elements * prec.weight)
+    moments = {n: (al, g + weigh(own[_kind(n)]) / tokens) for n, (al, g) in moments.items()}
     name, (alive, grads) = max(moments.items(), key=lambda kv_: sum(kv_[1]))
     offloaded = opts.activation_offload and opts.activation_checkpointing
     if opts.activation_checkpointing and not offloaded:
@@ -148,25 +149,23 @@ def _kind(moment: str) -> str:
     return "attention"          # the attention kernel's, or ring attention's, backward
 
 
-def own_weight_grads(m: ModelConfig, layout: Layout, opts: Options, grad_bytes: float, mlp_tiled: bool) -> dict:
-    """The layer's own weight gradients that exist at each moment of its backward (keyed by _kind: MLP, MLP
-    norm, attention, QKV, attention norm, head), `grad_bytes` per element (the weights' dtype in .grad or FSDP's
-    unsharded gradients, fp32 in a main_grad made by the step's first backward, 0 where they add into buffers
-    an earlier micro-batch made): down_proj's with the down input's gradient, the whole MLP's and its norm's
-    from then on (MLP tiles return theirs at once, their fp32 sums counted in the MLP tile's moment), o_proj's
-    from attention on, the QKV weight's at the attention norm; head chunks allocate the QKV and o_proj
-    gradients whole when their backward starts."""
-    h, D, t, w = m.hidden_size, m.head_dim, layout.tp, grad_bytes
+def own_weight_grads(m: ModelConfig, layout: Layout, opts: Options, mlp_tiled: bool) -> dict:
+    """How many of the layer's own weight-gradient elements exist at each moment of its backward (keyed by
+    _kind: MLP, MLP norm, attention, QKV, attention norm, head, all-to-all); the caller weighs them in bytes
+    (in .grad, fp32 main_grad, reduced chunks, ...): down_proj's with the down input's gradient, the whole
+    MLP's and its norm's from then on (MLP tiles return theirs at once, their fp32 sums counted in the MLP
+    tile's moment), o_proj's from attention on, the QKV weight's at the attention norm; head chunks allocate
+    the QKV and o_proj gradients whole when their backward starts."""
+    h, D, t = m.hidden_size, m.head_dim, layout.tp
     mlp = mlp_params(m, t) + norm_params(m)
     down = h * m.ffn_size / t
     o_proj = h * m.num_heads * D / t
     qkv = h * D * (m.num_heads + 2 * m.kv_heads) / t
     chunks = opts.head_chunks > 1
     attention = mlp + o_proj + (qkv if chunks else 0)
-    recomputing = 0.0 if opts.activation_checkpointing else (mlp + o_proj + qkv) * w if chunks else 0.0
-    return {"MLP": 0.0 if mlp_tiled else down * w, "MLP norm": (mlp - norm_params(m)) * w, "attention": attention * w,
-            "QKV": attention * w, "attention norm": (mlp + o_proj + qkv) * w, "head": recomputing,
-            "all-to-all": recomputing}
+    recomputing = 0.0 if opts.activation_checkpointing else (mlp + o_proj + qkv) if chunks else 0.0
+    return {"MLP": 0.0 if mlp_tiled else down, "MLP norm": mlp - norm_params(m), "attention": attention,
+            "QKV": attention, "attention norm": mlp + o_proj + qkv, "head": recomputing, "all-to-all": recomputing}
 
 
 def norm_backward_bytes(m: ModelConfig, opts: Options, prec: Precision) -> float:
@@ -200,7 +199,10 @@ def _ring_backward(q: float, kv: float, a: int, ring: int, opts: Options, accumu
         merge   the arrived D that this block's dK, dV (in the compute dtype) are added into, the one sent
                 before still held by its exchange
         end     the last D, the one before it still held by its exchange, the sum that came home, and the
-                gradients' copies in the compute dtype.
+                gradients' copies in the compute dtype
+        exchange a step's exchange posted (with r > 2): the K/V block and D sent the step before, still held
+                by that exchange until the new one replaces it, those sent now, and the receive buffers of
+                both (comm.ring_exchange).
     `recomputed`: the attention ran again for this backward (checkpointing, head chunks)."""
     base = 4 * q + q * a + (0 if recomputed else 2 * kv * a)
     if opts.attention == "flex":
@@ -212,6 +214,8 @@ def _ring_backward(q: float, kv: float, a: int, ring: int, opts: Options, accumu
     next_kv = 2 * kv * a if ring > 2 else 0
     moments = {"kernel": 2 * 8 * kv + next_kv + grads, "merge": next_kv + 2 * 8 * kv + 2 * kv * a,
                "end": 3 * 8 * kv + (q + 2 * kv) * a}
+    if ring > 2:
+        moments["exchange"] = 3 * 8 * kv + 2 * next_kv
     worst = max(moments, key=moments.get)
     return base + moments[worst], f"ring attention's backward ({worst}): fp32 dq and dK/dV, dout, K/V blocks"
 
