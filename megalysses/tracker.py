@@ -113,6 +113,8 @@ class LiveBytes(TorchDispatchMode):
         self._resize: Optional[Callable] = None
         self._false = WeakIdKeyDictionary()         # tensors whose .item() is False (see _plausible_scalar)
         self._pinning = False                       # host tensors made now are pinned (see `pinned`)
+        self.before = 0                             # device bytes alive at reset_peaks (what a step starts with)
+        self.largest_allocation = 0                 # the largest single device allocation since reset_peaks
         # op -> the device bytes its kernel allocates and frees inside, from its arguments (the workspaces of
         # the GPU's attention kernels: megalysses.kernels.gpu_forms)
         self.workspaces: dict[Any, Callable[..., int]] = {}
@@ -123,6 +125,7 @@ class LiveBytes(TorchDispatchMode):
         self._pending = {m: [] for m in MEMORIES}
         for m in MEMORIES:
             self.peaks[m] = Peak(self.current[m], self._moment("reset_peaks"))
+        self.before, self.largest_allocation = self.current[DEVICE], 0
 
     def name_modules(self, model: torch.nn.Module, prefix: str = "") -> None:
         """Name the moments inside `model`'s modules by their names in it."""
@@ -168,6 +171,7 @@ class LiveBytes(TorchDispatchMode):
         """`nbytes` of the device allocated and freed again right here (a kernel's workspace): a peak if it
         makes one."""
         workspace = _Storage(nbytes, DEVICE, Alive(nbytes, (), "workspace", str(self._moment(what))))
+        self.largest_allocation = max(self.largest_allocation, nbytes)
         self._arrive(DEVICE, nbytes)
         self._live[id(workspace)] = workspace
         self._note(DEVICE, what)
@@ -222,6 +226,8 @@ class LiveBytes(TorchDispatchMode):
         st = _Storage(storage.nbytes(), memory, Alive(storage.nbytes(), tuple(t.shape),
                                                       str(t.dtype).replace("torch.", ""), made))
         st.ref = weakref.ref(storage, lambda _, key=key, st=st: self._free(key, st))
+        if memory == DEVICE:
+            self.largest_allocation = max(self.largest_allocation, st.nbytes)
         for account in _ACCOUNTS[memory]:
             self._arrive(account, st.nbytes)
         self._live[key] = st

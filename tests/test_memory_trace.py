@@ -103,7 +103,7 @@ def test_plan_trace_and_dry_run_trace_memory(tmp_path, capsys):
                            "--trace"]) == 0
     best = json.loads(capsys.readouterr().out)["best"]
     assert best["traced_peak_gib"] > 0 and best["traced_phase"] in ("loss", "backward", "final norm", "optimizer")
-    assert abs(best["peak_gib"] / best["traced_peak_gib"] - 1) <= 0.05, best
+    assert abs(best["peak_gib"] - best["traced_peak_gib"]) <= 0.01, best      # peak_gib is rounded to 0.01
     assert best["traced_host_gib"] >= best["traced_pinned_gib"] >= 0
     run_dir = tmp_path / "run"
     assert pretrain.main(["--config", "configs/quickstart.yaml", "--set", "data.mock=true", "--set",

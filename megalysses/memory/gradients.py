@@ -89,18 +89,19 @@ def backward_gradients(m: ModelConfig, layout: Layout, opts: Options, prec: Prec
                             waiting * prec.weight, f"{waiting:.4g} x {prec.weight} B")]
     if opts.fsdp:
         return _fsdp_gradients(m, layout, opts, prec, root, M > 1 and accumulated, done, n_layers)
-    if M > 1 and accumulated:   # the reduced chunks appear during the last micro-batch's backward
-        return tied + (grads if done else [t for t in grads if "reduced" not in t.name])
+    n = blocks + other
+    closed = ready - waiting_for_bucket(m, layout, opts, last, ready)     # in buckets complete (and reduced)
+    if M > 1 and accumulated:   # the reduced chunks appear as the last micro-batch's backward completes buckets
+        return tied + [t for t in grads if "reduced" not in t.name and not t.name.startswith("gradient bucket")] \
+            + [replace(t, bytes=t.bytes * closed / n, formula=f"{closed / n:.3g} x {t.formula}")
+               for t in grads if "reduced" in t.name]
     if M > 1:                   # the step's first backward: fp32 main_grad layer by layer, nothing reduced yet
         grads = [t for t in grads if "reduced" not in t.name and not t.name.startswith("gradient bucket")]
-    n = blocks + other
-    # a bucket is reduced once all of its gradients are in
-    reduced = ready - waiting_for_bucket(m, layout, opts, last, ready)
     out = []
     for t in grads:
-        if t.name.startswith("gradient bucket") and not reduced:
+        if t.name.startswith("gradient bucket") and not closed:
             continue
-        share = (reduced if "reduced" in t.name else ready) / n
+        share = (closed if "reduced" in t.name else ready) / n
         out.append(replace(t, name=f"{t.name} (the head's and {done} layers')", bytes=t.bytes * share,
                            formula=f"{share:.3g} x {t.formula}") if t.name.startswith("gradients") else t)
     return out

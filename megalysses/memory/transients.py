@@ -91,8 +91,10 @@ def backward_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precisio
                    (before_core, assembly)}
     if not mlp_tiled:
         mlp_norm = bytes_per_token([t for t in full if t[0].startswith("MLP norm")])
-        # the norm's dx for every token, and one tile's temporaries (tokens / r rows of the residual stream)
-        norm_temps = norm_backward_bytes(m, opts, prec) * h / r + norm_tile_bytes(m, opts, prec, tokens / r) / tokens
+        # the gradient of its output coming in (gathered over tp), its dx for every token, and one tile's
+        # temporaries (tokens / r rows of the residual stream)
+        norm_temps = h * a + norm_backward_bytes(m, opts, prec) * h / r \
+            + norm_tile_bytes(m, opts, prec, tokens / r) / tokens
         moments["MLP norm: its backward's temporaries"] = (attn_half + mlp_norm - kept, norm_temps)
     # the attention norm's backward over row tiles: the QKV input's gradient coming in, and dx (head chunks write it
     # over that gradient, reduce-scattered over tp first)

@@ -57,6 +57,8 @@ class StepTrace:
     pinned: Peak                  # pinned host memory: its high-water mark
     host: Peak                    # all host memory, pinned or not (the CPU optimizer's state and temporaries)
     seconds: float
+    before: int = 0               # device bytes the step starts with: weights, optimizer state, its batch
+    largest_allocation: int = 0   # the largest single device allocation of the step
 
     def summary(self) -> dict:
         def peak(p: Peak) -> dict:
@@ -64,7 +66,8 @@ class StepTrace:
                     "largest": [{"gib": a.bytes / 2 ** 30, "shape": list(a.shape), "dtype": a.dtype, "made": a.made}
                                 for a in p.largest]}
         return {"rank": self.rank, "stage": self.stage, "seconds": round(self.seconds, 1),
-                "device": peak(self.device), "pinned": peak(self.pinned), "host": peak(self.host)}
+                "device": peak(self.device), "pinned": peak(self.pinned), "host": peak(self.host),
+                "before_step_gib": self.before / 2 ** 30, "largest_allocation_gib": self.largest_allocation / 2 ** 30}
 
 
     def lines(self) -> list[str]:
@@ -228,7 +231,7 @@ def trace_step(cfg: Config, machine: Machine, world: int, stage: int = 0, keep: 
     finally:
         dist.destroy_process_group()
     return StepTrace(run, rank, stage, live.peaks[DEVICE], live.peaks[PINNED], live.peaks[HOST],
-                     time.perf_counter() - start)
+                     time.perf_counter() - start, live.before, live.largest_allocation)
 
 
 @contextlib.contextmanager
