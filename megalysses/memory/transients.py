@@ -192,9 +192,8 @@ def norm_tile_bytes(m: ModelConfig, opts: Options, prec: Precision, rows: float)
 def _ring_backward(q: float, kv: float, a: int, ring: int, opts: Options, accumulator: float,
                    recomputed: bool) -> tuple[float, str]:
     """Bytes per S/sp token of ring attention's backward (parallel/ring.py) at its worst moment, beyond the
-    layer's activations: the fp32 dQ, dout, the K/V block in hand (under checkpointing it takes the place
-    of the saved one, which the recomputation hands over once) and D, this step's fp32 dK/dV (`kv`
-    elements per token each), then the largest of
+    layer's activations: the fp32 dQ, dout, the K/V block in hand (a received one from the second step on,
+    beside the saved one) and D, this step's fp32 dK/dV (`kv` elements per token each), then the largest of
         kernel  a block's backward: D of the step before on its way out, the next D (and, with r > 2, the
                 next K/V block) arriving, and dq, dk, dv (sdpa expands K/V to the query heads and writes
                 their gradients at that width; flex re-runs the block in fp32 around it)
@@ -204,9 +203,10 @@ def _ring_backward(q: float, kv: float, a: int, ring: int, opts: Options, accumu
                 gradients' copies in the compute dtype
         exchange a step's exchange posted (with r > 2): the K/V block and D sent the step before, still held
                 by that exchange until the new one replaces it, those sent now, and the receive buffers of
-                both (comm.ring_exchange).
+                both (comm.ring_exchange)
+        dq added the block's dq, dk, dv, dq made fp32 to be added into the running dQ (a low-precision run).
     `recomputed`: the attention ran again for this backward (checkpointing, head chunks)."""
-    base = 4 * q + q * a + (0 if recomputed else 2 * kv * a)
+    base = 4 * q + q * a + 2 * kv * a       # from the second step on the block in hand is a received one
     if opts.attention == "flex":
         grads = 8 * q + 2 * q * a + (q + 2 * kv) * a
     elif not opts.native_gqa and q != kv:
@@ -218,6 +218,8 @@ def _ring_backward(q: float, kv: float, a: int, ring: int, opts: Options, accumu
                "end": 3 * 8 * kv + (q + 2 * kv) * a}
     if ring > 2:
         moments["exchange"] = 3 * 8 * kv + 2 * next_kv
+    if a != 4:      # the block's dq, dk, dv returned, dq made fp32 to be added into the running dQ
+        moments["dq added"] = 2 * 8 * kv + next_kv + (q + 2 * kv) * a + 4 * q
     worst = max(moments, key=moments.get)
     return base + moments[worst], f"ring attention's backward ({worst}): fp32 dq and dK/dV, dout, K/V blocks"
 
