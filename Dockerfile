@@ -72,7 +72,7 @@ RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['p
 COPY . .
 # the package itself (console scripts, editable like `make venv`); the stamp tells make it is installed
 RUN pip install --no-deps -e . \
-    && touch "${VENV}/.installed"
+    && touch "${VENV}/.installed" "${VENV}/.test"
 
 # a numeric non-root user (uid 1000 may already exist in the base); mount data/ and runs/ as volumes
 RUN if ! getent group 1000 > /dev/null; then groupadd --gid 1000 trainer; fi \

@@ -1,31 +1,46 @@
-# make test        : create .venv if missing, install CPU torch + megalysses[test], run the suite
+# make quickstart  : stdlib corpus -> tokenizer -> dataset (cached), train a small GPT on 4 processes
+#                    with tp=2 x sp=2, then sample text from the checkpoint; installs what training and the
+#                    plots need (torch, megalysses[plot]) into .venv, with pip's progress shown
+# make test        : the suite; .venv gets the test extra too (pytest, transformers, triton, ...)
+# make venv        : .venv with everything the suite needs, as `make test` makes it
 # make test-gpu    : the GPU tier (pytest -m gpu) with the machine's own python and CUDA torch
 # make gpu-check   : a GPU window's one command (benchmarks/gpu_check.py, ~7 min): the GPU tier's fast subset,
 #                    the three-way benchmark, the memory probes, a profile; results in GPU_CHECK_OUT
 # make lint        : ruff (rules in pyproject.toml) on the Python code, hadolint on the Dockerfile,
 #                    kubernetes-validate on examples/kubernetes/*.yaml
 # make docs        : regenerate docs/CONFIG.md from the config schema (a test fails while it is out of date)
-# make quickstart  : stdlib corpus -> tokenizer -> dataset (cached), train a small GPT on 4 processes
-#                    with tp=2 x sp=2, then sample text from the checkpoint
+#
+# Which torch. Installed only where the environment has none: TORCH (the requirement) from the default index,
+# or from TORCH_INDEX. PyPI's Linux torch is the CUDA build (several GB); a CPU machine takes the CPU build with
+#     make quickstart TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# A GPU machine keeps its own CUDA torch with SYSTEM_SITE_PACKAGES=1 (.venv sees the system's packages, torch
+# among them) or VENV=/path/to/env (an existing environment, a conda one say, used as it is and added to).
 PYTHON    ?= python3
 VENV      ?= .venv
 PY        := $(VENV)/bin/python
-TORCH_CPU ?= torch==2.13.0
+TORCH     ?= torch==2.13.0
+TORCH_INDEX ?=
+SYSTEM_SITE_PACKAGES ?= 0
 NPROC     ?= 4
 DATA      ?= data
 
 .PHONY: venv test test-gpu gpu-check lint docs quickstart corpus clean
 
+# training and plotting only; pip shows what it fetches and installs
 $(VENV)/.installed: pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	test -x $(PY) || $(PYTHON) -m venv $(if $(filter 1,$(SYSTEM_SITE_PACKAGES)),--system-site-packages )$(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "$(TORCH_CPU)"
-	$(PY) -m pip install --quiet -e ".[test,plot]"
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX) )"$(TORCH)"
+	$(PY) -m pip install -e ".[plot]"
 	touch $@
 
-venv: $(VENV)/.installed
+$(VENV)/.test: pyproject.toml $(VENV)/.installed
+	$(PY) -m pip install -e ".[test]"
+	touch $@
 
-test: venv
+venv: $(VENV)/.test
+
+test: $(VENV)/.test
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=15 tests
 
 # the GPU tier alone, with the CUDA machine's own python and torch (which has `pip install -e ".[test]"`):
@@ -42,21 +57,23 @@ gpu-check:
 	$(GPU_PYTHON) benchmarks/gpu_check.py --budget $(GPU_CHECK_BUDGET) --out-dir $(GPU_CHECK_OUT)
 
 $(VENV)/.lint: pyproject.toml $(VENV)/.installed
-	$(PY) -m pip install --quiet -e ".[lint]"
+	$(PY) -m pip install -e ".[lint]"
 	touch $@
 
-docs: venv
+docs: $(VENV)/.installed
 	$(PY) tools/config_doc.py --output docs/CONFIG.md
 
 # the Kubernetes manifests against the bundled schemas (no network) of the oldest release they need and
-# of the newest kubernetes-validate knows; --strict refuses unknown fields
+# of the newest kubernetes-validate knows; --strict refuses unknown fields. kustomization.yaml is kustomize's
+# list of them, not a Kubernetes object (tests/faults/test_kubernetes.py checks what it renders)
+K8S_MANIFESTS := $(filter-out %/kustomization.yaml,$(wildcard examples/kubernetes/*.yaml))
 lint: $(VENV)/.lint
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/hadolint Dockerfile
-	$(VENV)/bin/kubernetes-validate --strict --quiet -k 1.31.0 examples/kubernetes/*.yaml
-	$(VENV)/bin/kubernetes-validate --strict --quiet examples/kubernetes/*.yaml
+	$(VENV)/bin/kubernetes-validate --strict --quiet -k 1.31.0 $(K8S_MANIFESTS)
+	$(VENV)/bin/kubernetes-validate --strict --quiet $(K8S_MANIFESTS)
 
-$(DATA)/stdlib.jsonl: | venv
+$(DATA)/stdlib.jsonl: | $(VENV)/.installed
 	$(PY) tools/build_corpus.py --stdlib --output $@
 
 $(DATA)/stdlib_tokenizer.model: $(DATA)/stdlib.jsonl
@@ -68,7 +85,7 @@ $(DATA)/stdlib_text_document.idx: $(DATA)/stdlib.jsonl $(DATA)/stdlib_tokenizer.
 
 corpus: $(DATA)/stdlib_text_document.idx
 
-quickstart: venv corpus
+quickstart: $(VENV)/.installed corpus
 	rm -rf runs/quickstart
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) pretrain.py --config configs/quickstart.yaml
 	$(PY) tools/plot_metrics.py runs/quickstart

@@ -107,7 +107,7 @@ def count_layer(rank: int, world: int, shape: dict, ring: int) -> dict:
     S = layout.padded_len(shape["seq_len"])
     pos = torch.from_numpy(layout.positions(S, grid.sp_rank)).expand(shape["batch"], -1)   # this rank's positions
     x = torch.randn(shape["batch"], pos.shape[1], cfg.hidden_size, requires_grad=True)     # (B, S/sp, h)
-    cos, sin = rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta)
+    cos, sin = rope_cos_sin(pos, cfg.head_size, cfg.rope_theta)
     mask = prepare_sequence_mask(None, "sdpa", grid.ulysses_group, grid.ring_group, pos.shape[1])
     with ByteCounter() as counter:
         start = time.perf_counter()

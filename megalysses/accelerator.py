@@ -10,9 +10,11 @@ compute. Everything else runs on plain tensors; a memory trace on a CPU swaps th
     with use(MyHost()): ...                            # another Host (a trace counting pinned bytes), then back
 
 The Host interface, what a replacement implements (class Host is the real one):
-    pinned_empty(shape, dtype, device) -> Tensor   a host tensor for copies to and from `device`: page-locked
-                                                   when `device` is CUDA, a plain CPU tensor otherwise; every
-                                                   pinned byte megalysses allocates itself comes from here
+    pinned_empty(shape, dtype, device) -> Tensor   a host tensor for copies to and from `device`, exactly as
+                                                   large as asked: page-locked when `device` is CUDA, a meta
+                                                   tensor when it is meta (a dry run), a plain CPU tensor
+                                                   otherwise; every pinned byte megalysses allocates itself
+                                                   comes from here (megalysses/pinned_arena.py slices it)
     stream(device) -> stream | None                a new side stream of `device`; None where there are none
     current_stream(device) -> stream | None        the stream work on `device` is queued on now
     on(stream) -> context manager                  queue the work inside on `stream` (no-op for None)
@@ -24,13 +26,23 @@ The Host interface, what a replacement implements (class Host is the real one):
 Callers keep CUDA's semantics: wait_stream, wait_event, query and synchronize on what these return, only where
 a device is the GPU (a CPU copy is synchronous and needs none of them).
 
-Pinned requests are not rounded up. torch's caching host allocator rounds every pinned request up to a power
-of two (a 6 GiB block input takes 8 GiB) unless its pinned_max_round_threshold_mb is set; the settings made at
-start-up set it, with pinned_max_cached_size_mb, to PINNED_EXACT_ABOVE_MB, so requests above 1 MiB are
-allocated as asked (and not cached: freeing one returns it to CUDA). That covers FSDP2's CPUOffloadPolicy,
-which pins its shards and gradients through torch. Where the torch in use has no such setting
-(pinned_rounding_settable), the requests stay rounded and the memory model counts them rounded
-(memory.Options.pinned_rounding, from Machine.pinned_exact).
+Pinned requests are not rounded up. torch's caching host allocator (pin_memory=True, Tensor.pin_memory, a
+non-blocking copy to the CPU) rounds every request up to a power of two unless pinned_max_round_threshold_mb
+says otherwise, a setting torch 2.11 does not have. So the real Host pins none of its memory through it: it
+allocates plain (pageable) host memory of exactly the size asked and registers that range with CUDA
+(cudaHostRegister, portable to every device; unregistered when the memory is freed), as torch's own
+distributed-checkpoint stager does. A registered range is pinned memory to torch as to CUDA: is_pinned()
+asks cudaPointerGetAttributes, which reports it as host memory, and a non_blocking copy is one
+cudaMemcpyAsync, asynchronous from page-locked memory, whatever allocated it (ATen's Copy.cu; the caching
+host allocator's record_event ignores an address it did not allocate).
+
+What torch pins for itself is still its allocator's: FSDP2's CPUOffloadPolicy pins each parameter's padded
+shard at fully_shard and the first micro-batch's gradient shard (a non-blocking copy to the CPU) of every
+step. Where the torch in use has pinned_max_round_threshold_mb (pinned_rounding_settable), the settings made
+at start-up set it, with pinned_max_cached_size_mb, to PINNED_EXACT_ABOVE_MB, so those requests above 1 MiB
+are allocated as asked; requests of 1 MiB or less, and all of them on a torch without the setting, are
+rounded up, and the memory model counts them rounded (memory.Options.pinned_rounding, from
+Machine.pinned_exact; memory.types.torch_pinned).
 
 The device allocator's setting: expandable_segments:True on CUDA unless the user set PYTORCH_ALLOC_CONF or
 PYTORCH_CUDA_ALLOC_CONF (then theirs are kept as they are): segments that grow in place instead of one
@@ -41,6 +53,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import weakref
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Optional
 
@@ -50,6 +63,7 @@ from torch import Tensor
 USER_SETTINGS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 PINNED_EXACT_ABOVE_MB = 1
 _PINNED_KEYS = ("pinned_max_round_threshold_mb", "pinned_max_cached_size_mb")
+_HOST_REGISTER_PORTABLE = 1            # cudaHostRegisterPortable: pinned for every CUDA context of the process
 
 
 @dataclass(frozen=True)
@@ -66,7 +80,7 @@ class AllocatorSettings:
         """For the start-up line and runtime.json: what is in force and whose it is."""
         parts = ([f"{self.user} (the user's)"] if self.user else []) + ([self.ours] if self.ours else [])
         text = ", ".join(parts) or "torch's defaults"
-        return text if self.pinned_exact else text + " (pinned requests rounded up: this torch cannot stop it)"
+        return text if self.pinned_exact else text + " (torch's own pinned requests rounded up: it cannot stop it)"
 
 
 @functools.lru_cache(maxsize=1)
@@ -110,11 +124,31 @@ def configure_allocator(cuda: bool) -> AllocatorSettings:
     return settings
 
 
+def register_pinned(t: Tensor) -> None:
+    """Page-lock the memory of the CPU tensor `t` (its whole storage, exactly) for CUDA's copies, until the
+    storage is freed."""
+    storage = t.untyped_storage()
+    ptr, nbytes = storage.data_ptr(), storage.nbytes()
+    torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _HOST_REGISTER_PORTABLE))
+    unregister = weakref.finalize(storage, _unregister_pinned, ptr)
+    unregister.atexit = False          # not after CUDA has gone at exit: the process's memory goes with it
+
+
+def _unregister_pinned(ptr: int) -> None:
+    torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(ptr))
+
+
 class Host:
     """The real pieces: torch's pinned memory, CUDA streams and events (see the module docstring)."""
 
     def pinned_empty(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
-        return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=torch.device(device).type == "cuda")
+        kind = torch.device(device).type
+        if kind == "meta":
+            return torch.empty(shape, dtype=dtype, device="meta")
+        t = torch.empty(shape, dtype=dtype, device="cpu")
+        if kind == "cuda" and t.numel():
+            register_pinned(t)
+        return t
 
     def stream(self, device: torch.device) -> Optional[Any]:
         return torch.cuda.Stream(device) if torch.device(device).type == "cuda" else None

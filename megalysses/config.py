@@ -21,17 +21,36 @@ class ConfigError(ValueError):
 class RopeScalingConfig:
     """Rotary frequency scaling for contexts longer than the model was trained at."""
 
-    type: Literal["none", "llama3"] = "none"
-    """Frequency scaling of RoPE: none, or Llama 3.1's (low frequencies divided by `factor`, high ones
-    kept, a smooth ramp between), as Hugging Face's rope_type "llama3"."""
+    type: Literal["none", "llama3", "linear", "yarn"] = "none"
+    """Frequency scaling of RoPE, each as Hugging Face's rope_type of that name computes it: none; llama3 (Llama
+    3.1: low frequencies divided by `factor`, high ones kept, a smooth ramp between); linear (every frequency
+    divided by `factor`: positions interpolated, Megatron-LM's --rotary-seq-len-interpolation-factor); yarn
+    (YaRN, as Qwen2.5 and Qwen3 extend 32K to 128K: frequencies below beta_slow rotations over the original
+    context interpolated, above beta_fast kept, a linear ramp between, and cos and sin scaled by an attention
+    factor)."""
     factor: float = 8.0
-    """llama3: the context extension factor."""
+    """llama3, linear, yarn: the context extension factor (the new context over the original)."""
     low_freq_factor: float = 1.0
     """llama3: wavelengths above original_max_position_embeddings / low_freq_factor are scaled fully."""
     high_freq_factor: float = 4.0
     """llama3: wavelengths below original_max_position_embeddings / high_freq_factor are kept."""
     original_max_position_embeddings: int = 8192
-    """llama3: the context length the frequencies were trained at."""
+    """llama3, yarn: the context length the frequencies were trained at."""
+    beta_fast: float = 32.0
+    """yarn: frequencies that turn more than this many times over the original context are kept."""
+    beta_slow: float = 1.0
+    """yarn: frequencies that turn fewer than this many times over the original context are interpolated."""
+    mscale: float = 0.0
+    """yarn: with mscale_all_dim (both non-zero), the attention factor is
+    (1 + 0.1 mscale ln factor) / (1 + 0.1 mscale_all_dim ln factor); 0 = unset (1 + 0.1 ln factor)."""
+    mscale_all_dim: float = 0.0
+    """yarn: see mscale; 0 = unset."""
+    attention_factor: Optional[float] = None
+    """yarn: the factor cos and sin are scaled by (the attention logits by its square); None = from factor,
+    mscale and mscale_all_dim as above."""
+    truncate: bool = True
+    """yarn: round the ends of the ramp between beta_fast and beta_slow to whole dimensions (Hugging Face's
+    truncate, Megatron-LM's yarn_correction_range_round_to_int); false keeps them fractional."""
 
 
 @dataclass
@@ -53,6 +72,10 @@ class ModelConfig:
     """Query heads."""
     num_kv_heads: Optional[int] = None
     """Key/value heads for grouped-query attention (None = num_heads, 1 = MQA)."""
+    head_dim: Optional[int] = None
+    """Width of each query, key and value head (Hugging Face's head_dim, Megatron-LM's --kv-channels). None =
+    hidden_size / num_heads; another width (Qwen3, Mistral) makes the attention width num_heads x head_dim,
+    which the QKV projection maps to and the output projection maps back from hidden_size."""
     ffn_hidden_size: Optional[int] = None
     """MLP inner width (None = 4h for GELU, round(8h/3) to a multiple of 64 for SwiGLU)."""
     rope_theta: float = 10000.0
@@ -73,6 +96,17 @@ class ModelConfig:
     """Share the input embedding with the LM head."""
     attention_bias: bool = False
     """Biases on the attention projections (QKV and output), as Hugging Face's attention_bias."""
+    add_qkv_bias: bool = False
+    """Biases on the query, key and value projections alone, not the output projection, as Qwen2 and Qwen2.5
+    (Megatron-LM's --add-qkv-bias). attention_bias puts them on the output projection too."""
+    qk_layernorm: bool = False
+    """RMSNorm over each query head and each key head before RoPE, one weight of head_dim for all query heads
+    and one for all key heads, as Qwen3 (Megatron-LM's --qk-layernorm)."""
+    sliding_window: int = 0
+    """Sliding-window attention in every layer: each token attends to itself and the sliding_window - 1 tokens
+    before it (inside its document), as Hugging Face's sliding_window (Mistral). 0 = full causal attention.
+    The reference, sdpa (a dense mask), flex and flash backends mask it, and ring attention's blocks with the
+    reference, flex and (on CPU) sdpa."""
     mlp_bias: bool = False
     """Biases on the MLP projections, as Hugging Face's mlp_bias."""
     init_std: float = 0.02
@@ -96,8 +130,14 @@ class ModelConfig:
         return -(-self.vocab_size // multiple) * multiple
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+    def head_size(self) -> int:
+        """Width of one attention head: head_dim, or hidden_size / num_heads."""
+        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
+
+    @property
+    def qkv_bias(self) -> bool:
+        """Whether the QKV projection has a bias (attention_bias or add_qkv_bias)."""
+        return self.attention_bias or self.add_qkv_bias
 
     @property
     def ffn_size(self) -> int:
@@ -201,6 +241,20 @@ class DataConfig:
     """Position ids restart at 0 after every EOD."""
     eod_mask_loss: bool = False
     """Mask the label predicted at each EOD (the first token of the next document)."""
+    pack: Literal["ffd", "none"] = "ffd"
+    """Conversations (a dataset with a loss mask beside it, tools/preprocess_data.py --chat) are packed whole into
+    the sequences of each curriculum length: ffd = first-fit decreasing (the longest first, each into the first
+    sequence with room, then the sequences shuffled), none = one conversation per sequence. Each conversation is a
+    document of its own (needs document_mask and reset_position_ids with ffd), the padding after them too, and
+    only the tokens the loss mask marks carry the loss. A dataset without a loss mask trains every token."""
+    too_long: Literal["drop", "truncate", "error"] = "drop"
+    """A conversation longer than the sequence it is packed into (data.seq_len, or the curriculum's length at its
+    phase): drop it, truncate it to its first tokens (dropped if none of them carries the loss), or stop with an
+    error; the start-up summary counts each."""
+    loss_average: Literal["token", "document"] = "token"
+    """token: the loss is the mean over every label that carries the loss in the global batch (a long answer
+    weighs more); document: the mean over the global batch's documents (conversations) of each one's mean
+    token loss, so every conversation weighs the same. The same at every layout either way."""
     cache_dir: Optional[str] = None
     """Where sample/shuffle indices are cached (default: beside the data)."""
     mock: bool = False
@@ -393,6 +447,24 @@ class LoggingConfig:
 
 
 @dataclass
+class ProfileConfig:
+    """The torch profiler over a window of training steps, as Megatron-LM's --profile --use-pytorch-profiler:
+    a Chrome trace per profiled rank under <run_dir>/profile/."""
+
+    start_step: Optional[int] = None
+    """The first training step profiled (1 = the run's first step; Megatron-LM's --profile-step-start).
+    Profiling is on when start_step and end_step are both set; the step before it runs under the profiler
+    unrecorded, so the recorded steps do not pay for the profiler's start."""
+    end_step: Optional[int] = None
+    """The last step profiled, inclusive (Megatron-LM's --profile-step-end). Each profiled rank then writes
+    <run_dir>/profile/rank<R>.steps<start>-<end>.pt.trace.json (CPU operators, and CUDA kernels on a GPU),
+    for Perfetto (ui.perfetto.dev), chrome://tracing or TensorBoard's profiler plugin. The watchdog allows
+    these steps, and the writing of the traces, which every rank waits for, 3 times parallel.timeout_seconds."""
+    ranks: list[int] = field(default_factory=lambda: [0])
+    """Global ranks to profile (Megatron-LM's --profile-ranks), each writing its own trace."""
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -401,6 +473,7 @@ class Config:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
 
 PATH_KEYS = (("data", "paths"), ("data", "valid_paths"), ("data", "tokenizer_model"), ("data", "vocab_file"),

@@ -12,24 +12,23 @@ import dataclasses
 import math
 from typing import Optional
 
-from megalysses.config import Config, ConfigError, DataConfig, TrainingConfig
+from megalysses.config import Config, ConfigError, DataConfig, RopeScalingConfig, TrainingConfig
 
 
 def validate_config(cfg: Config, world_size: Optional[int] = None) -> None:
     """Cross-field rules. With `world_size`, also the layout and batch arithmetic. Raises ConfigError."""
     m, p, d, t = cfg.model, cfg.parallel, cfg.data, cfg.training
     _check_ranges(cfg)
-    if m.hidden_size % m.num_heads:
-        raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}")
-    if m.head_dim % 2:
-        raise ConfigError(f"model head_dim={m.head_dim} (hidden_size/num_heads) must be even for rotary embeddings")
+    if m.head_dim is None and m.hidden_size % m.num_heads:
+        raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}: "
+                          f"the head width is hidden_size / num_heads unless model.head_dim gives it")
+    if m.head_size % 2:
+        where = "model.head_dim" if m.head_dim is not None else "model head_dim (hidden_size / num_heads)"
+        raise ConfigError(f"{where}: head_dim={m.head_size} must be even for rotary embeddings")
     if m.num_heads % m.kv_heads:
         raise ConfigError(f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads={m.kv_heads}")
     check_heads(m.num_heads, m.kv_heads, p.tp, p.sp, p.sp_ring)
-    rs = m.rope_scaling
-    if rs.type == "llama3" and rs.high_freq_factor <= rs.low_freq_factor:
-        raise ConfigError(f"model.rope_scaling: high_freq_factor={rs.high_freq_factor} must exceed "
-                          f"low_freq_factor={rs.low_freq_factor}")
+    _check_rope_scaling(m.rope_scaling)
     if m.ffn_size % p.tp:
         raise ConfigError(f"MLP width {m.ffn_size} (model.ffn_hidden_size) is not divisible by parallel.tp={p.tp}: "
                           f"each tp rank holds an equal slice; set model.ffn_hidden_size to a multiple of {p.tp}")
@@ -83,8 +82,22 @@ def validate_config(cfg: Config, world_size: Optional[int] = None) -> None:
                           "state is already sharded with the weights; set one of them to false")
     _check_batch_sizes(t)
     _check_lr_schedule(cfg)
+    _check_profile(cfg, world_size)
     if world_size is not None:
         _check_world(cfg, world_size)
+
+
+def _check_rope_scaling(rs: RopeScalingConfig) -> None:
+    if rs.type == "llama3" and rs.high_freq_factor <= rs.low_freq_factor:
+        raise ConfigError(f"model.rope_scaling: high_freq_factor={rs.high_freq_factor} must exceed "
+                          f"low_freq_factor={rs.low_freq_factor}")
+    if rs.type == "yarn" and rs.beta_fast <= rs.beta_slow:
+        raise ConfigError(f"model.rope_scaling: beta_fast={rs.beta_fast} must exceed beta_slow={rs.beta_slow} "
+                          f"(rotations over the original context: above beta_fast kept, below beta_slow "
+                          f"interpolated)")
+    if rs.type == "yarn" and rs.attention_factor is not None and rs.attention_factor <= 0:
+        raise ConfigError(f"model.rope_scaling.attention_factor={rs.attention_factor} must be positive (or null: "
+                          f"from factor and mscale)")
 
 
 def check_world_size(cfg: Config, world_size: int) -> None:
@@ -93,6 +106,24 @@ def check_world_size(cfg: Config, world_size: int) -> None:
     the planner checks a layout once for all its memory options."""
     _check_batch_sizes(cfg.training)
     _check_world(cfg, world_size)
+
+
+def _check_profile(cfg: Config, world_size: Optional[int]) -> None:
+    pr = cfg.profile
+    if (pr.start_step is None) != (pr.end_step is None):
+        given, missing = ("start_step", "end_step") if pr.end_step is None else ("end_step", "start_step")
+        raise ConfigError(f"profile.{given} is set but profile.{missing} is not: profiling is on when both are "
+                          f"(the first and the last step profiled); set profile.{missing} too, or neither")
+    if pr.start_step is None:
+        return
+    if pr.end_step < pr.start_step:
+        raise ConfigError(f"profile.end_step={pr.end_step} is before profile.start_step={pr.start_step}: the window "
+                          f"is start_step to end_step, both included")
+    if not pr.ranks or min(pr.ranks) < 0:
+        raise ConfigError(f"profile.ranks={pr.ranks}: give the global ranks to profile (0 or more each; default [0])")
+    if world_size is not None and max(pr.ranks) >= world_size:
+        raise ConfigError(f"profile.ranks={pr.ranks}: rank {max(pr.ranks)} is not in a world of {world_size} "
+                          f"(ranks 0 to {world_size - 1})")
 
 
 def _check_batch_sizes(t: TrainingConfig) -> None:
@@ -128,11 +159,13 @@ MAX_SEQ_LEN = 2**31 - 2
 _RANGES = [
     ("model", "vocab_size", 1, None), ("model", "vocab_pad_multiple", 1, None), ("model", "hidden_size", 1, None),
     ("model", "num_layers", 1, None), ("model", "num_heads", 1, None), ("model", "num_kv_heads", 1, None),
+    ("model", "head_dim", 2, None), ("model", "sliding_window", 0, None),
     ("model", "ffn_hidden_size", 1, None), ("model", "norm_eps", 0.0, None), ("model", "init_std", 0.0, None),
     ("model", "rope_theta", 1.0, None),
     ("model.rope_scaling", "factor", 1.0, None), ("model.rope_scaling", "low_freq_factor", 0.0, None),
     ("model.rope_scaling", "high_freq_factor", 0.0, None),
     ("model.rope_scaling", "original_max_position_embeddings", 1, None),
+    ("model.rope_scaling", "beta_fast", 0.0, None), ("model.rope_scaling", "beta_slow", 0.0, None),
     ("data", "seq_len", 1, MAX_SEQ_LEN),
     ("optimizer", "lr", 0.0, None), ("optimizer", "min_lr", 0.0, None), ("optimizer", "weight_decay", 0.0, None),
     ("optimizer", "beta1", 0.0, 1.0), ("optimizer", "beta2", 0.0, 1.0), ("optimizer", "eps", 0.0, None),
@@ -147,6 +180,7 @@ _RANGES = [
     ("training", "attention_head_chunks", 1, None),
     ("training", "checkpoint_stride", 1, None),
     ("logging", "log_interval", 1, None), ("logging", "peak_tflops", 0.0, None),
+    ("profile", "start_step", 1, None), ("profile", "end_step", 1, None),
     ("parallel", "timeout_seconds", 1.0, None),
     ("parallel", "tp", 1, None), ("parallel", "sp", 1, None), ("parallel", "sp_ring", 0, None),
     ("parallel", "pp", 1, None),
@@ -189,6 +223,9 @@ def config_warnings(cfg: Config) -> list[str]:
     if o.warmup_init is not None and o.warmup_init > o.lr:
         notes.append(f"optimizer.warmup_init={o.warmup_init:g} is above optimizer.lr={o.lr:g}: the learning rate "
                      f"will fall during warmup")
+    if cfg.profile.start_step is not None and cfg.profile.start_step > t.train_steps:
+        notes.append(f"profile.start_step={cfg.profile.start_step} is after training.train_steps={t.train_steps}: "
+                     f"nothing will be profiled")
     if o.warmup_steps > t.train_steps:
         notes.append(f"optimizer.warmup_steps={o.warmup_steps} is more than training.train_steps={t.train_steps}: "
                      f"the learning rate never reaches optimizer.lr")

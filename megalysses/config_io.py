@@ -182,15 +182,18 @@ def apply_override(data: dict, override: str) -> None:
                 node.setdefault(implied, implied_value)     # what Megatron-LM's spelling implies, unless given
 
 
-def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]] = None) -> Config:
-    """Read YAML (if given), apply `--set` overrides, build and validate the Config."""
+def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]] = None,
+                validate: bool = True) -> Config:
+    """Read YAML (if given), apply `--set` overrides, build the Config (keys and types checked) and, unless
+    `validate` is false, check its cross-field rules (config_checks.validate_config)."""
     data: dict = {}
     if path is not None:
         data = read_yaml(Path(path))
     for ov in overrides or []:
         apply_override(data, ov)
     cfg = config_from_dict(data)
-    validate_config(cfg)
+    if validate:
+        validate_config(cfg)
     return cfg
 
 

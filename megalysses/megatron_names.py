@@ -40,6 +40,10 @@ _PERF = "speed or memory only: what is trained does not change"
 _LOG = "logging or profiling only"
 _NO_DROPOUT = "0 maps (megalysses has no dropout); any other value cannot be honoured"
 _DTYPE_NOTE = "megalysses trains in bf16 (fp32 master weights) or fp32"
+SELECTIVE = ("recomputes core attention only and keeps every other activation, which megalysses does not do; "
+             "training.recompute_attention: false is the opposite (with activation_checkpointing it keeps "
+             "attention's output and recomputes the rest of each block); without checkpointing, the default, "
+             "nothing is recomputed")
 
 _TABLE = [
     # model
@@ -52,17 +56,22 @@ _TABLE = [
     _f("--group-query-attention", "flag", "model.num_kv_heads", note="with --num-query-groups"),
     _f("--num-query-groups", "int", "model.num_kv_heads", default=1,
        note="read with --group-query-attention; without it every head has its own keys and values"),
-    _f("--kv-channels", "int", status="partial",
-       note="the head width is hidden_size / num_heads here: that value maps, any other cannot be honoured"),
+    _f("--kv-channels", "int", "model.head_dim", note="the width of each head (hidden_size / num_heads when left "
+       "out, as in Megatron-LM): the converter writes it when it differs"),
     _f("--max-position-embeddings", "int", note="rotary positions need no table here; it must be at least "
        "--seq-length, as Megatron-LM requires"),
-    _f("--position-embedding-type", "str", status="partial", default="learned_absolute",
+    _f("--position-embedding-type", "str", "model.rope_scaling.type", status="partial", default="learned_absolute",
        choices=("learned_absolute", "rope", "yarn", "mrope", "relative", "none"),
-       note="rope maps (megalysses uses rotary embeddings only, model.rope_theta); learned_absolute, Megatron-LM's "
-            "default, and the others cannot be honoured",
+       note="rope and yarn map (megalysses uses rotary embeddings only, model.rope_theta; yarn is "
+            "model.rope_scaling.type yarn); learned_absolute, Megatron-LM's default, and the others cannot be "
+            "honoured",
        values=(("rope", ("is always so here (rotary embeddings only): drop the key; --rotary-base is "
                         "model.rope_theta")),
+               ("yarn", ("is model.rope_scaling.type: yarn (--rotary-scaling-factor is its factor, --yarn-* and "
+                         "--mscale its other settings)")),
                ("learned_absolute", "is not available: megalysses uses rotary embeddings only (model.rope_theta)"))),
+    _f("--no-position-embedding", "flag", note="no learned absolute positions: with rotary embeddings, as always "
+       "here (Megatron-LM refuses it with any other --position-embedding-type)"),
     _f("--use-rotary-position-embeddings", "flag", note="the older spelling of --position-embedding-type rope"),
     _f("--rotary-base", "int", "model.rope_theta", default=10000),
     _f("--rotary-percent", "float", status="partial", default=1.0,
@@ -71,6 +80,24 @@ _TABLE = [
        note="Llama 3.1's scaling (llama3) with Megatron-LM's constants: low_freq_factor 1, high_freq_factor 4, "
             "original_max_position_embeddings 8192"),
     _f("--rope-scaling-factor", "float", "model.rope_scaling.factor", default=8.0),
+    _f("--rotary-seq-len-interpolation-factor", "int", "model.rope_scaling.type model.rope_scaling.factor",
+       note="positions divided by it: model.rope_scaling.type linear with this factor"),
+    _f("--rotary-scaling-factor", "float", "model.rope_scaling.factor", default=1.0,
+       note="YaRN's factor (--position-embedding-type yarn)"),
+    _f("--yarn-original-max-position-embeddings", "int", "model.rope_scaling.original_max_position_embeddings",
+       default=4096, note="YaRN's original context (Megatron-LM's default 4096)"),
+    _f("--yarn-beta-fast", "float", "model.rope_scaling.beta_fast", default=32.0),
+    _f("--yarn-beta-slow", "float", "model.rope_scaling.beta_slow", default=1.0),
+    _f("--mscale", "float", "model.rope_scaling.mscale model.rope_scaling.attention_factor", default=1.0,
+       note="YaRN's attention factor is (1 + 0.1 mscale ln factor) / (1 + 0.1 mscale_all_dim ln factor) in "
+            "Megatron-LM: the converter writes the same factor"),
+    _f("--mscale-all-dim", "float", "model.rope_scaling.mscale_all_dim model.rope_scaling.attention_factor",
+       default=0.0, note="see --mscale"),
+    _f("--yarn-correction-range-round-to-int", "flag", "model.rope_scaling.truncate"),
+    _f("--no-yarn-correction-range-round-to-int", "noflag", "model.rope_scaling.truncate"),
+    _f("--rope-type", "str", status="partial", choices=("rope", "yarn"),
+       note="rope maps; Megatron-LM takes yarn only with multi-latent attention, which megalysses does not have "
+            "(--position-embedding-type yarn is YaRN for this attention)"),
     _f("--normalization", "str", "model.norm", default="LayerNorm", choices=("LayerNorm", "RMSNorm")),
     _f("--norm-epsilon", "float", "model.norm_eps", default=1e-5, names=("layernorm_epsilon",)),
     _f("--init-method-std", "float", "model.init_std", default=0.02,
@@ -78,12 +105,24 @@ _TABLE = [
             "(model.scaled_residual_init)"),
     _f("--apply-layernorm-1p", "flag", "model.layernorm_1p", names=("layernorm_zero_centered_gamma",)),
     _f("--swiglu", "flag", "model.mlp", note="without it Megatron-LM's MLP is GELU"),
+    _f("--openai-gelu", "flag", "model.mlp", note="GELU's tanh approximation, which model.mlp gelu computes"),
+    _f("--squared-relu", "flag", status="none", note="squared ReLU is not available: the MLP is SwiGLU or GELU here"),
+    _f("--quick-geglu", "flag", status="none", note="quick GeGLU is not available: the MLP is SwiGLU or GELU here"),
+    _f("--use-fused-weighted-squared-relu", "flag", status="none",
+       note="weighted squared ReLU is not available: the MLP is SwiGLU or GELU here"),
     _f("--untie-embeddings-and-output-weights", "flag", "model.tie_embeddings",
        note="without it Megatron-LM ties the embedding and the output layer"),
     _f("--disable-bias-linear", "noflag", "model.attention_bias model.mlp_bias", names=("add_bias_linear",),
        note="without it every linear layer of Megatron-LM has a bias"),
-    _f("--add-qkv-bias", "flag", status="none",
-       note="biases on QKV alone: model.attention_bias puts them on the output projection too"),
+    _f("--add-qkv-bias", "flag", "model.add_qkv_bias", note="biases on q, k and v alone (Qwen2's); without "
+       "--disable-bias-linear every projection has one anyway"),
+    _f("--qk-layernorm", "flag", "model.qk_layernorm", note="a norm over each query and key head before RoPE (Qwen3's; "
+       "RMSNorm with --normalization RMSNorm)"),
+    _f("--window-size", "str", "model.sliding_window", status="partial",
+       note="(W - 1, 0), a causal window of W positions with itself, is model.sliding_window W; a window that "
+            "looks ahead cannot be honoured"),
+    _f("--window-attn-skip-freq", "str", status="none", note="a window in some layers only: every layer attends "
+       "alike here (model.sliding_window in all of them)"),
     _f("--attention-dropout", "float", status="partial", default=0.1, note=_NO_DROPOUT + " (Megatron-LM's default "
        "is 0.1)"),
     _f("--hidden-dropout", "float", status="partial", default=0.1, note=_NO_DROPOUT + " (Megatron-LM's default is "
@@ -94,9 +133,11 @@ _TABLE = [
     _f("--vocab-size", "int", "model.vocab_size",
        note="read by Megatron-LM for NullTokenizer; otherwise the tokenizer's size, which the converter reads"),
     _f("--attention-backend", "str", "model.attention_backend", default="auto",
-       choices=("auto", "flash", "fused", "unfused", "local"), note="fused reads as sdpa, unfused and local as "
-       "reference: every backend computes exact attention"),
-    _f("--use-flash-attn", "flag", "model.attention_backend"),
+       choices=("auto", "flash", "fused", "unfused", "local"), note="flash reads as auto (flash-attn where it is "
+       "installed and the layout runs it), fused as sdpa, unfused and local as reference, each where the layout "
+       "runs it (else auto): every backend computes exact attention"),
+    _f("--use-flash-attn", "flag", "model.attention_backend", note="model.attention_backend auto, which runs "
+       "flash-attn where it is installed and the layout allows it"),
     # parallelism
     _f("--tensor-model-parallel-size", "int", "parallel.tp", default=1),
     _f("--pipeline-model-parallel-size", "int", "parallel.pp", default=1),
@@ -107,9 +148,9 @@ _TABLE = [
        note="context parallelism is sequence parallelism here: Ulysses all-to-all and ring attention, exact "
             "attention over the whole sequence either way"),
     _f("--cp-comm-type", "strs", "parallel.sp_ring", default=["p2p"],
-       note="p2p (Megatron-LM's default) is a ring over all of sp (sp_ring = sp); a2a is Ulysses alone "
-            "(sp_ring 1); a2a+p2p splits as --hierarchical-context-parallel-sizes says; allgather reads as "
-            "automatic (0)"),
+       note="a2a+p2p splits sp as --hierarchical-context-parallel-sizes says (sp_ring the p2p size); p2p "
+            "(Megatron-LM's default), a2a and allgather let megalysses split sp into Ulysses x ring as the heads "
+            "allow (sp_ring 0): every split computes the same attention"),
     _f("--hierarchical-context-parallel-sizes", "ints", "parallel.sp_ring",
        note="[a2a, p2p]: the p2p size is the ring degree"),
     _f("--sequence-parallel", "flag", "parallel.tp_sequence_parallel",
@@ -201,10 +242,9 @@ _TABLE = [
        note="its meaning depends on the value: full is activation_checkpointing: true; selective recomputes core "
             "attention only, which megalysses does not do",
        values=(("full", "is training.activation_checkpointing: true (each block recomputed in the backward)"),
-               ("selective", ("recomputes core attention only and keeps every other activation, which megalysses "
-                             "does not do; training.recompute_attention: false is the opposite (with "
-                             "activation_checkpointing it keeps attention's output and recomputes the rest of each "
-                             "block); without checkpointing, the default, nothing is recomputed")))),
+               ("selective", SELECTIVE))),
+    _f("--recompute-activations", "flag", status="none",
+       note="Megatron-LM's older spelling of --recompute-granularity selective, which " + SELECTIVE),
     _f("--recompute-method", "str", status="partial", choices=("uniform", "block"),
        note="uniform maps (every layer recomputed); block maps when --recompute-num-layers covers every layer of a "
             "pipeline stage; otherwise it cannot be honoured (checkpointing is all layers or none here)"),
@@ -244,22 +284,32 @@ _TABLE = [
     _f("--wandb-project", "str", "logging.wandb_project logging.wandb_mode", note="wandb_mode online"),
     _f("--wandb-exp-name", "str", status="ignored", note=_LOG),
     _f("--wandb-save-dir", "str", status="ignored", note=_LOG),
+    # profiling: the torch profiler over a window of steps
+    _f("--profile", "flag", "profile.start_step profile.end_step", status="partial",
+       note="with --use-pytorch-profiler, the torch profiler over --profile-step-start to --profile-step-end; "
+            "alone, Megatron-LM opens an nsys capture range (cudaProfilerStart/Stop) for a launch under `nsys "
+            "profile --capture-range=cudaProfilerApi`, which has no counterpart here"),
+    _f("--use-pytorch-profiler", "flag", "profile.start_step profile.end_step", note="with --profile"),
+    _f("--profile-step-start", "int", "profile.start_step", default=10,
+       note="Megatron-LM's torch profiler records steps start to end - 1, after a warm-up step: profile.start_step "
+            "= start (at least 1), profile.end_step = end - 1 (its nsys range is start + 1 to end)"),
+    _f("--profile-step-end", "int", "profile.end_step", default=12, note="profile.end_step = end - 1, inclusive"),
+    _f("--profile-ranks", "ints", "profile.ranks", default=[0],
+       note="Megatron-LM's default [0] (its newest releases profile every rank when the flag is left out)"),
 ]
 
 _IGNORED = {  # flags whose only effect is speed, memory layout, profiling or logging: accepted, named, harmless
-    "flag": ["--use-mcore-models", "--log-throughput", "--profile", "--manual-gc", "--cross-entropy-loss-fusion",
+    "flag": ["--use-mcore-models", "--log-throughput", "--manual-gc", "--cross-entropy-loss-fusion",
              "--no-create-attention-mask-in-dataloader", "--no-mmap-bin-files", "--no-masked-softmax-fusion",
              "--no-bias-gelu-fusion", "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion",
              "--no-gradient-accumulation-fusion", "--use-cpu-initialization", "--log-params-norm",
              "--log-num-zeros-in-grad", "--log-timers-to-tensorboard", "--log-validation-ppl-to-tensorboard",
-             "--log-memory-to-tensorboard", "--use-pytorch-profiler", "--tp-comm-overlap", "--ckpt-fully-parallel-load",
-             "--async-save"],
-    "int": ["--num-workers", "--profile-step-start", "--profile-step-end", "--empty-unused-memory-level",
+             "--log-memory-to-tensorboard", "--tp-comm-overlap", "--ckpt-fully-parallel-load", "--async-save"],
+    "int": ["--num-workers", "--empty-unused-memory-level",
             "--manual-gc-interval", "--tensorboard-log-interval", "--timing-log-level", "--tensorboard-queue-size",
             "--num-dataset-builder-threads"],
     "str": ["--transformer-impl", "--dataloader-type", "--cross-entropy-fusion-impl", "--tiktoken-pattern",
             "--timing-log-option", "--dist-ckpt-strictness"],
-    "ints": ["--profile-ranks"],
 }
 for _kind, _names in _IGNORED.items():
     _TABLE += [_f(n, _kind, status="ignored", note=_PERF) for n in _names]

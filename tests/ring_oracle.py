@@ -20,19 +20,19 @@ class _Blockwise(torch.autograd.Function):
     same blocks, kernels and merge as `_RingAttention`. Forward and backward as there."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, masks: list, backend: str, scale: float) -> Tensor:
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, masks: list, backend: str, scale: float, window: int) -> Tensor:
         r = len(masks)
         qs, kvs = q.chunk(r, dim=1), torch.stack([k, v]).chunk(r, dim=2)
         outs, lses, auxes = [], [], []
         for i, mask in enumerate(masks):
             schedule = ring_schedule(i, r)
-            out, lse, aux = forward_blocks(qs[i], ((j, kvs[j]) for j in schedule), mask, backend, scale)
+            out, lse, aux = forward_blocks(qs[i], ((j, kvs[j]) for j in schedule), mask, backend, scale, window)
             outs.append(out.to(q.dtype))
             lses.append(lse)
             auxes.append(aux)
         out = torch.cat(outs, dim=1)
         ctx.save_for_backward(q, k, v, out, *lses)
-        ctx.masks, ctx.backend, ctx.scale, ctx.auxes = masks, backend, scale, auxes
+        ctx.masks, ctx.backend, ctx.scale, ctx.auxes, ctx.window = masks, backend, scale, auxes, window
         return out
 
     @staticmethod
@@ -46,26 +46,27 @@ class _Blockwise(torch.autograd.Function):
         for i, mask in enumerate(ctx.masks):
             for j in ring_schedule(i, r):
                 cols, gk, gv = backward_block(dqs[i], douts[i], qs[i], kvs[j], outs[i], lses[i], mask, j,
-                                               ctx.backend, ctx.scale, ctx.auxes[i])
+                                               ctx.backend, ctx.scale, ctx.auxes[i], ctx.window)
                 dkvs[j][0][:, cols] += gk
                 dkvs[j][1][:, cols] += gv
         dkv = torch.cat(dkvs, dim=2)
-        return torch.cat(dqs, dim=1).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        return torch.cat(dqs, dim=1).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
 def blockwise_attention(q: Tensor, k: Tensor, v: Tensor, ring_size: int, doc_ids: Optional[Tensor] = None,
-                        backend: str = "sdpa", scale: Optional[float] = None) -> Tensor:
+                        backend: str = "sdpa", scale: Optional[float] = None, window: int = 0) -> Tensor:
     """Causal attention over a whole sequence computed as a ring of `ring_size` ranks would, on one device:
-    q (B, S, Hq, D), k, v (B, S, Hkv, D) in natural order -> (B, S, Hq, D). For tests and for timing the
-    block-wise kernels and merge against single-pass attention; S must be a multiple of 2 * ring_size."""
+    q (B, S, Hq, D), k, v (B, S, Hkv, D) in natural order -> (B, S, Hq, D), with a sliding window of `window`
+    positions (0: none). For tests and for timing the block-wise kernels and merge against single-pass
+    attention; S must be a multiple of 2 * ring_size."""
     S = q.shape[1]
     layout = SequenceLayout(sp=ring_size, ring=ring_size)
     masks = [RingMask(doc_ids, i, ring_size, S, q.device) for i in range(ring_size)]
     order = torch.from_numpy(_zigzag_order(layout, S)).to(q.device)   # ring rank 0's block, then 1's, ...
     zq, zk, zv = (t.index_select(1, order) for t in (q, k, v))
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    check_backend(backend, q, doc_ids is not None, ring=True)
-    out = _Blockwise.apply(zq, zk, zv, masks, backend, scale)
+    check_backend(backend, q, doc_ids is not None, ring=True, window=window > 0)
+    out = _Blockwise.apply(zq, zk, zv, masks, backend, scale, window)
     return torch.empty_like(out).index_copy(1, order, out)
 
 

@@ -51,13 +51,16 @@ def test_a_host_in_place_of_the_real_one():
 
 
 def test_the_model_counts_pinned_requests_as_allocated():
-    """Where torch rounds each pinned request up to a power of two, the memory model counts it rounded: at 6M
-    tokens on 8 ranks a block input is 6 GiB (768K tokens x 4096 x 2 B) and takes 8 GiB; where it does not,
-    6 GiB. A node whose memory cannot hold the host terms of its ranks is refused before step 1."""
+    """megalysses' own pinned memory is never rounded: at 6M tokens on 8 ranks a block input is 6 GiB (768K tokens
+    x 4096 x 2 B) and takes 6 GiB whatever the torch. What torch pins for FSDP2 (parameter offload) is counted
+    rounded up to a power of two where the torch in use cannot stop it, and 1 MiB requests even where it can. A
+    node whose memory cannot hold the host terms of its ranks is refused before step 1."""
     import pytest
 
     from megalysses.config import ConfigError
     from megalysses.memory import GIB, PRECISIONS, Layout, Options, Workload, estimate
+    from megalysses.memory.states import shard_elements
+    from megalysses.memory.types import torch_pinned
     from megalysses.plan.search import check_host_memory, described_machine
     from megalysses.plan import resolve
     from megalysses.plan.step_time import Hardware
@@ -72,33 +75,18 @@ def test_the_model_counts_pinned_requests_as_allocated():
         est = estimate(LLAMA3_8B, layout, replace(opts, pinned_rounding=rounding), bf16, work)
         terms[rounding] = {t.name: t.bytes for t in est.terms if t.host}
     layers = LLAMA3_8B.num_layers
-    assert block == 6 * GIB and terms[False]["offloaded block inputs"] == layers * block
-    assert terms[True]["offloaded block inputs"] == layers * 8 * GIB
-    assert terms[True]["master, moments, gradients (FSDP shards)"] > terms[False]["master, moments, gradients "
-                                                                                  "(FSDP shards)"]
+    assert block == 6 * GIB and terms[False]["offloaded block inputs"] == terms[True]["offloaded block inputs"] \
+        == layers * block
+    shards = shard_elements(LLAMA3_8B, layout, True, True)
+    fsdp = {rounding: terms[rounding]["master, moments, gradients (FSDP shards)"] for rounding in (False, True)}
+    assert fsdp[True] - fsdp[False] == 2 * sum(c * (torch_pinned(4 * n, False) - torch_pinned(4 * n, True))
+                                               for n, c in shards) > 0
+    assert torch_pinned(6 * GIB, True) == 6 * GIB and torch_pinned(6 * GIB, False) == 8 * GIB
+    # 1.5 MiB: as asked where torch can be told, else 2 MiB; 768 KiB: 1 MiB even then
+    assert torch_pinned(3 << 19, True) == 3 << 19 and torch_pinned(3 << 19, False) == 2 << 20
+    assert torch_pinned(3 << 18, True) == 1 << 20
     cfg = load("configs/gpt_1b_1m_offload.yaml", **{"training.global_batch_size": 1})
     run = resolve(cfg, described_machine(1, None, Hardware()), 1)
     check_host_memory(cfg, run, node_bytes=4096 * GIB)
     with pytest.raises(ConfigError, match="GiB of host memory per node"):
         check_host_memory(cfg, run, node_bytes=8 * GIB)
-
-
-def test_gradient_staging_buffers_are_made_once():
-    """Optimizer offload's staging buffers (a later micro-batch's bucket waits there to be added) are made
-    once at the largest bucket's size and reused, not allocated per bucket."""
-    from megalysses.training.host_gradients import STAGES, HostGradients
-
-    made = []
-
-    class Counting(accelerator.Host):
-        def pinned_empty(self, shape, dtype, device):
-            made.append(shape)
-            return super().pinned_empty(shape, dtype, device)
-
-    with accelerator.use(Counting()):
-        host = HostGradients(torch.device("cpu"))
-        first = host._stage(10, torch.float32)
-        again = host._stage(6, torch.float32)
-        assert again.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() and len(made) == STAGES
-        host._stage(20, torch.float32)                      # a larger bucket replaces them
-        assert len(made) == 2 * STAGES and made[-1] == (20,)

@@ -110,18 +110,39 @@ def test_document_mask_equals_attention_per_document(backend):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
 
 
-def test_reference_matches_naive_loop():
-    """The reference against a per-position loop over allowed keys (GQA head mapping h -> h // rep)."""
+@pytest.mark.parametrize("window", [0, 4])
+def test_reference_matches_naive_loop(window):
+    """The reference against a per-position loop over allowed keys (GQA head mapping h -> h // rep); with a
+    sliding window, the key itself and the window - 1 before it, as Hugging Face's sliding_window."""
     q, k, v = make_qkv(B=1, S=12, hq=4, hkv=2, D=8)
     doc_ids = torch.tensor([[0] * 5 + [1] * 7])
-    got = core_attention(q, k, v, doc_ids=doc_ids, backend="reference", scale=0.3)
+    got = core_attention(q, k, v, doc_ids=doc_ids, backend="reference", scale=0.3, window=window)
     want = torch.zeros_like(got)
     for h in range(4):
         for i in range(12):
-            js = [j for j in range(i + 1) if doc_ids[0, j] == doc_ids[0, i]]
+            js = [j for j in range(i - window + 1 if window else 0, i + 1) if doc_ids[0, j] == doc_ids[0, i]]
             w = torch.softmax(torch.stack([q[0, i, h] @ k[0, j, h // 2] * 0.3 for j in js]), 0)
             want[0, i, h] = sum(wj * v[0, j, h // 2] for wj, j in zip(w, js))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flex", "flash"])
+@pytest.mark.parametrize("docs", [False, True], ids=["causal", "documents"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_sliding_window_matches_reference(backend, docs, device):
+    """Each backend masks a sliding window as the reference does (outputs; gradients where it has a backward)."""
+    dtype, q, k, v, _ = backend_case(backend, 8, 2, False, device)
+    mask = prepare_attention_mask(make_doc_ids(S=q.shape[1], device=device), backend, window=9) if docs else None
+    forward_only = backend == "flex" and device == "cpu"     # torch implements its backward for CUDA only
+    with torch.set_grad_enabled(not forward_only):
+        want = core_attention(q, k, v, mask=mask, backend="reference", window=9)
+        got = core_attention(q, k, v, mask=mask, backend=backend, window=9)
+        assert not torch.allclose(want, core_attention(q, k, v, mask=mask, backend="reference"))   # it matters
+    torch.testing.assert_close(got, want, **tolerance(device, dtype))
+    if forward_only:
+        return
+    for g, w in zip(grads(got, q, k, v), grads(want, q, k, v)):
+        torch.testing.assert_close(g, w, **tolerance(device, dtype))
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "flex"])

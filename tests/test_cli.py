@@ -90,7 +90,21 @@ def test_ctrl_c_ends_with_one_line(tmp_path):
     status, out = signal_a_training_run(tmp_path / "run", signal.SIGINT)
     assert status == 130, out
     assert "interrupted (Ctrl-C) while " in out and "SIGTERM or SIGUSR1" in out, out
+    assert "no checkpoint was saved" in out and "resume" not in out, out      # none yet: nothing to resume from
     assert "Traceback" not in out, out
+
+
+def test_ctrl_c_says_what_a_restart_starts_from(tmp_path):
+    from megalysses.config_io import load_config
+    from megalysses.tools.pretrain import _kept
+
+    cfg = load_config(None, TINY + [f"logging.run_dir={tmp_path}"])
+    assert _kept(cfg).startswith("no checkpoint was saved") and "begins again from step 0" in _kept(cfg)
+    (tmp_path / "checkpoints" / "step_0000040").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "latest").write_text("step_0000040\n")
+    said = _kept(cfg)
+    assert "step_0000040 (step 40), the steps after it are lost; a restart resumes from it" in said, said
+    assert "starts afresh" in _kept(load_config(None, TINY + [f"logging.run_dir={tmp_path}", "checkpoint.load=null"]))
 
 
 def test_ctrl_c_in_a_terminal_ends_a_torchrun_launch_with_one_line(tmp_path):

@@ -54,3 +54,13 @@ def test_print_config_loads_back_with_every_meaning(tmp_path, capsys):
     assert load_config(tmp_path / "printed.yaml") == load_config(ROOT / "configs" / "quickstart.yaml", overrides)
     assert "  # Tensor-parallel degree (keep inside a node).\n  tp: 2\n" in out
     assert "wsd_decay_style: exponential" in out and "rampup_batch_size: [4, 4, 1000]" in out
+
+
+def test_print_config_alone_prints_the_defaults(tmp_path, capsys):
+    from megalysses.tools.pretrain import main
+
+    assert main(["--print-config"]) == 0
+    printed = capsys.readouterr()
+    (tmp_path / "defaults.yaml").write_text(printed.out)
+    assert load_config(tmp_path / "defaults.yaml", validate=False) == Config()
+    assert "would stop with: config error: data.paths is empty" in printed.err     # and what a run still needs

@@ -250,3 +250,46 @@ def test_bad_arguments_get_one_message(hf_dir, tmp_path, capsys, argv, message):
     assert convert_checkpoint.main(argv) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral"])
+def test_families_convert_in_and_out(family, tmp_path):
+    """A tiny Qwen2 (YaRN), Qwen3 (q/k norms, linear scaling) or Mistral (a sliding window) saved by transformers
+    converts in and back out; transformers loads the export with the family's own config class and the
+    model's generation config, and its logits are the original's."""
+    from test_hf import family_model
+
+    torch.manual_seed(0)
+    hf = family_model(family)
+    hf.save_pretrained(tmp_path / "hf")
+    assert convert_checkpoint.main(["--from-hf", str(tmp_path / "hf"), "--to", str(tmp_path / "run")]) == 0
+    assert convert_checkpoint.main(["--from", str(tmp_path / "run"), "--to-hf", str(tmp_path / "back"),
+                                    "--dtype", "float32"]) == 0
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back", dtype=torch.float32).eval()
+    assert type(back) is type(hf) and type(back.config) is type(hf.config)
+    assert {k: v for k, v in back.config.rope_parameters.items() if k != "rope_theta"} == \
+        {k: v for k, v in hf.config.rope_parameters.items() if k != "rope_theta"}
+    assert transformers.GenerationConfig.from_pretrained(tmp_path / "back").to_dict() == \
+        transformers.GenerationConfig.from_pretrained(tmp_path / "hf").to_dict()
+    ids = torch.randint(0, 96, (2, 24))
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, hf(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_a_context_extension_sets_its_rope_scaling_at_conversion(tmp_path):
+    """--from-hf takes the RoPE scaling (no tensor depends on it) from --set, and --to-hf writes it back: a Qwen2.5
+    extended from its 64 positions with YaRN x4 exports as that model."""
+    from test_hf import family_model
+
+    torch.manual_seed(0)
+    family_model("qwen2").save_pretrained(tmp_path / "hf")
+    yarn = ["model.rope_scaling.type=yarn", "model.rope_scaling.factor=4.0",
+            "model.rope_scaling.original_max_position_embeddings=64"]
+    assert convert_checkpoint.main(["--from-hf", str(tmp_path / "hf"), "--to", str(tmp_path / "run"),
+                                    *[a for s in yarn for a in ("--set", s)]]) == 0
+    scaling = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["model"]["rope_scaling"]
+    assert (scaling["type"], scaling["factor"], scaling["original_max_position_embeddings"]) == ("yarn", 4.0, 64)
+    assert convert_checkpoint.main(["--from", str(tmp_path / "run"), "--to-hf", str(tmp_path / "back")]) == 0
+    config = transformers.AutoConfig.from_pretrained(tmp_path / "back")
+    assert {k: config.rope_parameters[k] for k in ("rope_type", "factor", "original_max_position_embeddings")} == \
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}

@@ -2,6 +2,8 @@
 curriculum's length at its step) or the imported model's own, whichever is longer, and the EOS/BOS ids and
 generation_config.json that transformers and serving stacks read."""
 import json
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -37,7 +39,14 @@ def test_a_run_trained_past_8k_declares_its_trained_length(tmp_path, capsys):
     assert first["max_position_embeddings"] == 4096
     out = capsys.readouterr().out
     assert "max_position_embeddings 4096 (the length it trained at by step 1)" in out, out
-    assert export(run, tmp_path / "at_step_2")["max_position_embeddings"] == 12288
+    old = os.umask(0o027)
+    try:
+        assert export(run, tmp_path / "at_step_2")["max_position_embeddings"] == 12288
+    finally:
+        os.umask(old)
+    # every file with the mode the umask gives (safetensors alone would leave the weights at 0600)
+    assert {f.name: stat.S_IMODE(f.stat().st_mode) for f in (tmp_path / "at_step_2").iterdir()} == \
+        {name: 0o640 for name in ("config.json", "generation_config.json", "model.safetensors")}
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "at_step_2")
     assert model.config.max_position_embeddings == 12288
     assert model.generation_config.eos_token_id == model.config.eos_token_id == 127    # mock data's EOD

@@ -74,7 +74,10 @@ def test_true_vocab_size_counts_added_tokens(tmp_path):
     tok.tok.add_special_tokens([AddedToken("<|eot|>", special=True)])
     tok.tok.save(str(folder / "tokenizer.json"))
     tok = build_tokenizer("huggingface", str(folder), eod="<|eot|>")
-    assert tok.vocab_size == 4 and tok.eod_id == 3 and tok.decode(tok.encode("a <|eot|> b")) == "a b"
+    assert tok.vocab_size == 4 and tok.eod_id == 3 and tok.special_tokens == {"<|eot|>": 3}
+    assert tok.encode("a <|eot|> b", parse_special=True) == [1, 3, 2]
+    assert tok.encode("a <|eot|> b") == [1, 0, 0, 0, 2]          # text as text: its spelling, never the EOD id
+    assert tok.spells_special("a <|eot|> b") and not tok.spells_special("a <|eo b")
 
 
 def test_null_tokenizer():

@@ -195,3 +195,76 @@ def test_empty_documents_are_written_as_megatron_writes_them(corpus, tmp_path, c
     assert ds.num_documents == len(texts) and len(ds) == len(texts) - empty + 1  # + 1: the 2-sentence document
     assert np.all(ds.sequence_lengths > 0) and ds.num_tokens == sum(len(t.encode()) + 1 for t in texts if t)
     assert ds.document_indices[1] == ds.document_indices[0]          # document 0 is empty: no sequence
+
+
+def gpt2_bpe(vocab_file: str, merge_file: str):
+    """GPT-2's byte-level BPE as OpenAI's encoder computes it (Megatron-LM's GPT2BPETokenizer wraps that code), in
+    plain Python and independent of the tokenizers library: the text split by GPT-2's pattern, each piece's bytes
+    mapped to characters and merged by rank. It knows no special tokens: their spellings are text."""
+    import regex
+
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    byte_char = {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}
+    vocab = json.loads(Path(vocab_file).read_text(encoding="utf-8"))
+    merges = [tuple(line.split()) for line in Path(merge_file).read_text(encoding="utf-8").split("\n")[1:] if line]
+    ranks = {pair: r for r, pair in enumerate(merges)}
+    pattern = regex.compile(r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
+
+    def bpe(word: tuple) -> tuple:
+        while len(word) > 1:
+            pair = min(zip(word, word[1:]), key=lambda p: ranks.get(p, math.inf))
+            if pair not in ranks:
+                break
+            merged, i = [], 0
+            while i < len(word):
+                if word[i:i + 2] == pair:
+                    merged.append(word[i] + word[i + 1])
+                    i += 2
+                else:
+                    merged.append(word[i])
+                    i += 1
+            word = tuple(merged)
+        return word
+
+    def encode(text: str) -> list[int]:
+        return [vocab[t] for piece in pattern.findall(text)
+                for t in bpe(tuple(byte_char[b] for b in piece.encode("utf-8")))]
+    return encode
+
+
+def test_special_tokens_spelled_in_text(corpus, tokenizers_dir, tmp_path, capsys):
+    """Documents that spell special tokens (a source file holding '<|endoftext|>', a page quoting Llama-3's markup):
+    by default their text is text for every tokenizer, and GPT2BPETokenizer writes Megatron-LM's bytes; the summary
+    counts them; --parse-special-tokens makes them the tokens, Megatron-LM's HuggingFaceTokenizer's bytes."""
+    from transformers import AutoTokenizer
+
+    docs = ['print("<|endoftext|>")  # the end', "plain text", "<|end_of_text|> at the start",
+            "x<|endoftext|>y <|begin_of_text|>", "", "no special here: <|endoftext| >", "ends with <|endoftext|>"]
+    path = tmp_path / "specials.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
+    out = tmp_path / "gpt2"
+    run_cmd(f"python tools/preprocess_data.py --input {path} --output-prefix {out} --vocab-file "
+            f"{tokenizers_dir['vocab']} --merge-file {tokenizers_dir['merges']} --tokenizer-type GPT2BPETokenizer "
+            f"--append-eod --workers 2", tmp_path)
+    eod = json.loads(Path(tokenizers_dir["vocab"]).read_text())["<|endoftext|>"]
+    check(out, "text", megatron_bytes(docs, gpt2_bpe(tokenizers_dir["vocab"], tokenizers_dir["merges"]), eod, 300))
+    assert ("3 documents spell a special token of the tokenizer in their text (first: document 1): tokenized as "
+            "text") in capsys.readouterr().err
+    ref = AutoTokenizer.from_pretrained(tokenizers_dir["llama"])
+    for flag, encode in (("", lambda t: ref(t, split_special_tokens=True).input_ids),
+                         ("--parse-special-tokens", lambda t: ref(t).input_ids)):
+        out = tmp_path / f"hf{flag}"
+        result = preprocess_data.main(["--input", str(path), "--output-prefix", str(out), "--tokenizer-type",
+                                       "HuggingFaceTokenizer", "--tokenizer-model", tokenizers_dir["llama"],
+                                       "--append-eod", *([flag] if flag else [])])
+        check(out, "text", megatron_bytes(docs, encode, ref.eos_token_id, len(ref)))
+        assert result["special_spelled"] == 2                # the Llama-3 markup: documents 3 and 4
+    assert "written as the special tokens (--parse-special-tokens)" in capsys.readouterr().err
+    assert encode(docs[2]).count(ref.eos_token_id) == 1      # parsed: Megatron-LM's HuggingFaceTokenizer's EOS
+    # sentencepiece: its control pieces spelled in text are text (as sentencepiece encodes them), parsed on request
+    from megalysses.data.tokenizer import build_tokenizer
+    sp = build_tokenizer("sentencepiece", tokenizers_dir["sp"])
+    text = "alpha </s> beta"
+    assert sp.spells_special(text) and sp.eod_id not in sp.encode(text)
+    assert sp.encode(text, parse_special=True) == sp.encode("alpha ") + [sp.eod_id] + sp.encode(" beta")

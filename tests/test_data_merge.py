@@ -55,6 +55,9 @@ def test_merged_shards_equal_one_preprocessing_run(tmp_path, capsys):
         f"[{i}/3] shard_{i - 1:02d}_text_document" for i in (1, 2, 3)]
     for word in ("docs/s", "MB/s", "tokens/s", "ETA"):
         assert word in lines[1], lines[1]
+    # each line counts its own shard, then what is merged so far
+    shard_1 = IndexedDataset(tmp_path / "shards" / "shard_01_text_document")
+    assert f"shard_01_text_document: 32 docs, {shard_1.num_tokens:,} tokens; merged so far: 57 docs |" in err, err
     assert "done: " in err and "1 files of" in err and "README.md" in err
     assert sorted(p.name for p in out.parent.iterdir()) == ["corpus_text_document.bin", "corpus_text_document.idx"]
 

@@ -152,6 +152,7 @@ def test_build_corpus_stdlib(tmp_path):
     result = build_corpus.main(["--stdlib", "--exclude-tests", "--output", str(tmp_path / "c.jsonl")])
     rows = [json.loads(line) for line in open(tmp_path / "c.jsonl", encoding="utf-8")]
     assert len(rows) == result["documents"] > 500
+    assert result["empty"] > 0 and all(r["text"].strip() for r in rows)     # empty __init__.py files left out
     paths = [r["path"] for r in rows]
     assert paths == sorted(paths) and "json/decoder.py" in paths
     assert not any("site-packages" in p or p.startswith("test/") for p in paths)

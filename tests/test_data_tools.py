@@ -31,3 +31,35 @@ def test_plot_skips_damaged_lines(tmp_path, capsys):
     assert "skipped 2 lines" in capsys.readouterr().err
     kept, skipped = plot_metrics.read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in kept] == [1, 2, 3, 4, 5, 3] and skipped == 2
+
+
+def _start(run, step, layout):
+    return {"event": "start", "run": run, "step": step, "tokens": 64 * step, "layout": layout}
+
+
+def test_plot_compares_runs_and_marks_restarts_and_layout_changes(tmp_path, capsys):
+    """Two runs against tokens: run a restarted at step 4 with another layout, then again from its step-2
+    checkpoint (steps 3-4 trained again: the later records are drawn); run b, of another batch size, never
+    restarted. A run logged before tokens were counted can be drawn against steps only."""
+    tp2, dp2 = {"tp": 2, "sp": 1, "pp": 1, "dp": 1}, {"tp": 1, "sp": 1, "pp": 1, "dp": 2}
+    a = [_start(1, 0, tp2)] + [{"step": s, "tokens": 64 * s, "loss": 5.0 - s / 10} for s in (1, 2, 3, 4)]
+    a += [_start(2, 4, dp2), {"step": 5, "tokens": 320, "loss": 4.4}, {"step": 6, "tokens": 384, "loss": 4.3},
+          {"step": 6, "tokens": 384, "val_loss": 4.5}]
+    a += [_start(3, 2, dp2), {"step": 3, "tokens": 192, "loss": 4.0}, {"step": 4, "tokens": 256, "loss": 3.9}]
+    b = [_start(1, 0, tp2)] + [{"step": s, "tokens": 128 * s, "loss": 5.0 - s / 5} for s in (1, 2, 3)]
+    for name, rows in (("a", a), ("b", b)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = plot_metrics.timeline("a", plot_metrics.read_metrics(tmp_path / "a" / "metrics.jsonl")[0])
+    assert [(r["step"], r["loss"]) for r in run.train] == [(1, 4.9), (2, 4.8), (3, 4.0), (4, 3.9)]
+    assert run.val == []                               # step 6's validation was superseded with it
+    assert [(e["tokens"], e["label"], e["layout_change"]) for e in run.events] == [
+        (256, "tp2·sp1·pp1·dp1 -> tp1·sp1·pp1·dp2", True), (128, "resumed at step 2", False)]
+    out = tmp_path / "compare.png"
+    argv = [str(tmp_path / "a"), str(tmp_path / "b" / "metrics.jsonl"), "--x", "tokens", "--output", str(out)]
+    assert plot_metrics.main(argv) == 0 and out.stat().st_size > 10_000
+    assert "(2 restarts marked)" in capsys.readouterr().out
+    assert plot_metrics.main(argv[:2]) == 1 and "give the image's path with --output" in capsys.readouterr().err
+    (tmp_path / "b" / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 5.0}) + "\n")
+    assert plot_metrics.main(argv) == 1 and "plot it against --x step" in capsys.readouterr().err
+    assert plot_metrics.main(argv[:2] + ["--output", str(out)]) == 0

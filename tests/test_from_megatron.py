@@ -323,8 +323,12 @@ def test_llama3_style_script(files, tmp_path, capsys):
     assert (m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.ffn_hidden_size) == (32, 4096, 32, 8, 14336)
     assert (m.norm, m.mlp, m.layernorm_1p, m.tie_embeddings, m.attention_bias, m.mlp_bias) == (
         "rmsnorm", "swiglu", True, False, False, False)
-    assert (m.rope_theta, m.rope_scaling.type, m.rope_scaling.factor, m.attention_backend) == (
-        500000.0, "llama3", 8.0, "sdpa")
+    # --attention-backend fused is SDPA, whose ring blocks take no document mask on a GPU: auto (FlexAttention)
+    assert (m.rope_theta, m.rope_scaling.type, m.rope_scaling.factor, m.attention_backend, m.head_dim) == (
+        500000.0, "llama3", 8.0, "auto", None)
+    assert ("model.attention_backend=auto instead of sdpa: model.attention_backend=sdpa: attention backend 'sdpa' "
+            "runs ring-attention blocks on CUDA") in report
+    assert "on 32 GPUs (8 a node): attention flex" in report and "ulysses 1 x ring 2 (parallel.sp_ring" in report
     assert m.vocab_size == 40 and m.vocab_pad_multiple == 256            # the tokenizer's size; 128 x tp
     assert (p.tp, p.sp, p.sp_ring, p.tp_sequence_parallel, p.timeout_seconds) == (2, 2, 2, True, 3600.0)
     assert d.paths == [f"{files}/web_text_document", f"{files}/code_text_document"] and d.blend_by_size
@@ -341,6 +345,7 @@ def test_llama3_style_script(files, tmp_path, capsys):
     # the blend's shares by size: one epoch of each train split (99% of 50 x 300 and of 90 x 500 tokens)
     web, code = (round(0.99 * 50) * 300 - 1) // 8192, (round(0.99 * 90) * 500 - 1) // 8192
     assert f"web_text_document {100 * web / (web + code):.1f}%" in report
+    dry_run(out, 32, tmp_path)
 
 
 def test_gpt3_style_script(files, tmp_path, capsys):
@@ -357,7 +362,8 @@ def test_gpt3_style_script(files, tmp_path, capsys):
     m, p, o, t = cfg.model, cfg.parallel, cfg.optimizer, cfg.training
     assert (m.norm, m.mlp, m.tie_embeddings, m.attention_bias, m.mlp_bias, m.ffn_hidden_size) == (
         "layernorm", "gelu", True, True, True, 4 * 12288)                 # GPT-3: Megatron-LM's own defaults
-    assert (m.vocab_pad_multiple, m.attention_backend, m.init_std) == (1024, "flash", 0.006)
+    assert (m.vocab_pad_multiple, m.attention_backend, m.init_std) == (1024, "auto", 0.006)   # --use-flash-attn
+    assert "on 128 GPUs (8 a node): attention sdpa" in report           # a plain torch: no flash-attn
     assert (p.tp, p.pp, p.virtual_stages) == (8, 16, 2)                    # 96 layers / (16 stages x 3)
     assert t.batch_size_schedule == [[0, 16], [1171875, 320], [2343750, 624], [3515625, 928], [4687500, 1232],
                                      [5859375, 1536]] and t.global_batch_size == 1536
@@ -366,6 +372,7 @@ def test_gpt3_style_script(files, tmp_path, capsys):
         True, "bfloat16", 20000, 1000, 10)
     assert (cfg.data.tokenizer, cfg.data.blend_by_size, cfg.data.document_mask) == ("GPT2BPETokenizer", False, False)
     assert (cfg.logging.wandb_project, cfg.logging.wandb_mode, cfg.checkpoint.load) == ("gpt3", "online", "auto")
+    dry_run(out, 128, tmp_path)
 
 
 def test_variant_schedule_and_ramp(capsys, tmp_path):
@@ -377,13 +384,98 @@ def test_variant_schedule_and_ramp(capsys, tmp_path):
         "wsd", "minus_sqrt", 4000, 18000, 200, 1e-7)
     assert (t.rampup_batch_size, t.global_batch_size, t.train_steps, t.exit_interval, t.seed) == (
         [64, 64, 960000], 256, 20000, 1000, 7)
-    assert (p.sp, p.sp_ring, p.pp, p.virtual_stages, p.fsdp) == (4, 4, 2, 4, True)
+    assert (p.sp, p.sp_ring, p.pp, p.virtual_stages, p.fsdp) == (4, 0, 2, 4, True)     # --cp-comm-type p2p
     assert (cfg.checkpoint.init_from, cfg.checkpoint.dir, o.weight_decay) == ("checkpoints/base",
                                                                               "checkpoints/continued", 0.1)
     assert (t.activation_checkpointing, cfg.logging.wandb_mode) == (False, "online")
     report = capsys.readouterr().out
     assert "--recompute-granularity: selective: recomputes core attention only" in report
     assert "--cpu-offloading:" in report
+    # 32 heads, 8 KV heads: Ulysses takes all of cp 4, megalysses' choice (Megatron-LM's p2p is a ring)
+    assert "parallel.sp=4, split into Ulysses x ring by megalysses" in report
+    assert "parallel.sp=4 runs as ulysses 4 x ring 1 (megalysses' choice)" in report
+    dry_run(out, 8, tmp_path)
+
+
+def dry_run(config, gpus: int, tmp_path) -> None:
+    """`pretrain.py --dry-run --gpus N` starts the converted config (wandb, online in the scripts, need not be
+    installed here)."""
+    from megalysses.tools import pretrain
+
+    assert pretrain.main(["--config", str(config), "--dry-run", "--gpus", str(gpus), "--set",
+                          f"logging.run_dir={tmp_path / 'dry'}", "--set", "logging.wandb_mode=disabled"]) == 0
+
+
+# a Qwen3-style command line: q/k norms, q/k/v biases alone, heads of 128 at hidden 2048, a sliding window, linear
+# RoPE scaling; and flags megalysses has no entry for, of each group
+QWEN = ("--num-layers 4 --hidden-size 2048 --num-attention-heads 32 --group-query-attention --num-query-groups 4 "
+        "--kv-channels 128 --qk-layernorm --add-qkv-bias --disable-bias-linear --swiglu --normalization RMSNorm "
+        "--ffn-hidden-size 6144 --position-embedding-type rope --no-position-embedding --rotary-base 1000000 "
+        "--rotary-seq-len-interpolation-factor 4 --window-size 4095,0 --untie-embeddings-and-output-weights "
+        "--attention-dropout 0 --hidden-dropout 0 --seq-length 4096 --max-position-embeddings 32768 "
+        "--micro-batch-size 1 --global-batch-size 8 --train-iters 10 --lr 1e-4 --bf16 --mock-data "
+        "--tokenizer-type NullTokenizer --vocab-size 151936 --context-parallel-size 8 --attention-backend flash "
+        "--recompute-activations --squared-relu --wandb-entity me --non-persistent-save-interval 100 "
+        "--rotary-interleaved").split()
+
+
+def test_qwen_style_flags_and_flags_without_an_entry(tmp_path, capsys):
+    conv = convert(parse_arguments(QWEN))
+    v = conv.values
+    assert (v["model.qk_layernorm"], v["model.add_qkv_bias"], v["model.head_dim"], v["model.sliding_window"]) == (
+        True, True, 128, 4096)
+    assert (v["model.rope_scaling.type"], v["model.rope_scaling.factor"], v["parallel.sp_ring"]) == ("linear", 4.0, 0)
+    assert "--no-position-embedding" in conv.mapped and "--kv-channels" in conv.mapped
+    lossy, ignored = conv.lossy, conv.ignored
+    assert lossy["--recompute-activations"].startswith("Megatron-LM's older spelling of --recompute-granularity "
+                                                       "selective, which recomputes core attention only")
+    assert lossy["--squared-relu"] == "squared ReLU is not available: the MLP is SwiGLU or GELU here"
+    assert lossy["--non-persistent-save-interval"].startswith("checkpoint format and persistence")
+    assert lossy["--rotary-interleaved"] == "Megatron-LM flags megalysses has no equivalent for"
+    assert ignored["--wandb-entity"].startswith("logging destinations")
+    out = tmp_path / "qwen.yaml"
+    assert main(["--output", str(out), "--allow-lossy", "--gpus", "16", "--", *QWEN]) == 0
+    report = capsys.readouterr().out
+    # 32 heads at cp 8: Ulysses 8 inside a node; --attention-backend flash is auto, SDPA on a plain torch
+    assert "on 16 GPUs (8 a node): attention flex (a sliding window" in report
+    assert "parallel.sp=8 runs as ulysses 8 x ring 1 (megalysses' choice)" in report
+    assert load_config(out).model.attention_backend == "auto"
+    dry_run(out, 16, tmp_path)
+
+
+def test_yarn_flags_give_megatron_lms_frequencies_and_attention_factor():
+    """Megatron-LM's YaRN (--position-embedding-type yarn) with its defaults and with an mscale of its own: the
+    attention factor Megatron-LM computes, (1 + 0.1 mscale ln f) / (1 + 0.1 mscale_all_dim ln f), in the config."""
+    import math
+
+    from megalysses.config import RopeScalingConfig
+    from megalysses.kernels.rope import rope_attention_factor
+
+    base = "--position-embedding-type yarn --rotary-scaling-factor 4".split()
+    ln4 = math.log(4)
+    for extra, want in (([], 1 + 0.1 * ln4), (["--mscale", "0.5"], 1 + 0.05 * ln4),
+                        (["--mscale", "1", "--mscale-all-dim", "0.5"], (1 + 0.1 * ln4) / (1 + 0.05 * ln4))):
+        v = convert(parse_arguments(VARIANT + base + extra + ["--yarn-beta-fast", "16",
+                                                             "--no-yarn-correction-range-round-to-int"])).values
+        scaling = RopeScalingConfig(**{k.split(".")[-1]: x for k, x in v.items() if k.startswith("model.rope_scaling")})
+        assert (scaling.type, scaling.factor, scaling.original_max_position_embeddings, scaling.beta_fast,
+                scaling.beta_slow, scaling.truncate) == ("yarn", 4.0, 4096, 16.0, 1.0, False)
+        assert rope_attention_factor(scaling) == pytest.approx(want, rel=1e-12)
+
+
+def test_every_unknown_flag_is_named_at_once_and_experts_are_refused(capsys, tmp_path):
+    """A mixture-of-experts command line with flags Megatron-LM does not have: one line names the experts and every
+    such flag, with the real flag where one is close (a YaRN flag's Megatron-LM spelling), never a misleading one."""
+    argv = VARIANT + "--num-experts 8 --moe-router-topk 2 --hiden-size 64 --beta-fast 32 --foo".split()
+    assert main(["--output", str(tmp_path / "x.yaml"), "--", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [("error: this is a mixture-of-experts command line (--num-experts 8, --moe-router-topk): megalysses "
+                    "trains dense models, so it is not converted; 3 flags that Megatron-LM's pretrain_gpt.py does not "
+                    "have: --hiden-size (did you mean --hidden-size?), --beta-fast (did you mean --yarn-beta-fast?), "
+                    "--foo: remove them, or convert without them and set the config keys by hand")]
+    # a real Megatron-LM flag megalysses does not map is no 'unknown flag' with a guess: it is named for what it is
+    conv = convert(parse_arguments(VARIANT + ["--no-position-embedding", "--rotary-interleaved"]))
+    assert "--no-position-embedding" in conv.mapped and "--rotary-interleaved" in conv.lossy
 
 
 def test_at_least_90_percent_of_the_issue_flags_map(files, capsys):
@@ -407,7 +499,7 @@ def test_at_least_90_percent_of_the_issue_flags_map(files, capsys):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--num-layers", "2", "--hiden-size", "64"], "unknown flag --hiden-size"),
+    (["--num-layers", "2", "--hiden-size", "64"], "does not have: --hiden-size \\(did you mean --hidden-size\\?\\)"),
     (["--num-layers", "two"], "--num-layers: expected an integer, got 'two'"),
     (["--lr", "fast"], "--lr: expected a number, got 'fast'"),
     (["--normalization", "BatchNorm"], "--normalization: 'BatchNorm' is not one of LayerNorm, RMSNorm"),
@@ -434,7 +526,7 @@ def test_unreadable_scripts_name_the_line(script, message):
 
 def test_the_tool_answers_bad_input_in_one_line(tmp_path, capsys):
     base = ["--output", str(tmp_path / "x.yaml")]
-    cases = [(base + ["--", "--num-layers", "2", "--bogus"], "unknown flag --bogus"),
+    cases = [(base + ["--", "--num-layers", "2", "--bogus"], "does not have: --bogus"),
              (base, "give either --script FILE or the pretrain_gpt.py arguments after --"),
              (base + ["--script", str(tmp_path / "nope.sh")], "cannot read the script"),
              (base + ["--", *VARIANT[:8]], "--seq-length is missing")]
@@ -457,10 +549,34 @@ def test_a_converted_config_trains(tmp_path, capsys):
             "--attention-dropout 0 --hidden-dropout 0 --micro-batch-size 1 --global-batch-size 4 "
             "--rampup-batch-size 2 2 4 --train-iters 4 --lr 1e-3 --lr-decay-style WSD --lr-wsd-decay-iters 2 "
             "--lr-warmup-iters 1 --mock-data --tokenizer-type NullTokenizer --vocab-size 128 --eval-iters 0 "
-            "--log-interval 1 --attention-backend unfused").split()
+            "--log-interval 1 --attention-backend unfused --profile --use-pytorch-profiler --profile-step-start 2 "
+            "--profile-step-end 4").split()
     out, run = tmp_path / "tiny.yaml", tmp_path / "run"
     assert main(["--output", str(out), "--run-dir", str(run), "--", *argv]) == 0
     assert pretrain.main(["--config", str(out), "--set", "parallel.timeout_seconds=60"]) == 0
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[0]["lr"] == 0.0      # warmup from 0, as Megatron-LM
     assert "global batch 4 from step 3" in capsys.readouterr().out
+    # Megatron-LM's torch profiler records steps 2 and 3 of --profile-step-start 2 --profile-step-end 4, on rank 0
+    trace = json.loads((run / "profile" / "rank0.steps2-3.pt.trace.json").read_text())
+    ranges = {e["name"] for e in trace["traceEvents"] if e.get("name", "").startswith("step ")}
+    assert ranges == {"step 2", "step 3"} and any(e.get("name") == "aten::mm" for e in trace["traceEvents"])
+
+
+def test_profile_flags_map_with_the_torch_profiler_only():
+    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--max-position-embeddings", "32", "--micro-batch-size", "1", "--global-batch-size", "4",
+            "--train-iters", "4", "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", "128"]
+    window = ["--profile-step-start", "10", "--profile-step-end", "12", "--profile-ranks", "0", "3"]
+    conv = convert(parse_arguments(base + ["--profile", "--use-pytorch-profiler"] + window))
+    assert {k: v for k, v in conv.values.items() if k.startswith("profile.")} == {
+        "profile.start_step": 10, "profile.end_step": 11, "profile.ranks": [0, 3]}
+    assert {"--profile", "--use-pytorch-profiler", "--profile-step-start", "--profile-ranks"} <= set(conv.mapped)
+    nsys = convert(parse_arguments(base + ["--profile"] + window))       # an nsys capture range in Megatron-LM
+    assert not any(k.startswith("profile.") for k in nsys.values)
+    assert "nsys capture range" in nsys.ignored["--profile"] and "--profile-step-end" in nsys.ignored
+    assert "profiles nothing" in convert(parse_arguments(base + window)).ignored["--profile-ranks"]
+    with pytest.raises(MegatronArgsError, match="--profile-step-end 10 is not after --profile-step-start 10"):
+        convert(parse_arguments(base + ["--profile", "--use-pytorch-profiler", "--profile-step-start", "10",
+                                        "--profile-step-end", "10"]))

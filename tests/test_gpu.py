@@ -158,6 +158,38 @@ def test_attention_auto_on_this_gpu_can_run_every_head_dim():
         assert q.grad is not None and torch.isfinite(q.grad).all(), (D, backend)
 
 
+# ----------------------------------------------------------------------------- pinned host memory
+
+def test_pinned_memory_is_registered_exactly_and_copies_asynchronously():
+    """megalysses' pinned host memory (accelerator.Host.pinned_empty, and the arena a run slices from it) is
+    plain host memory of exactly the bytes asked, registered with CUDA: torch sees it pinned (every slice), a
+    non-blocking copy into it returns before the copy has run (from pageable memory it would wait), and torch's
+    caching host allocator, which would round 768 MiB up to 1 GiB, holds none of it."""
+    from megalysses.pinned_arena import PinnedArena
+
+    torch.cuda.init()
+    stats = getattr(torch.cuda, "host_memory_stats", dict)       # torch's allocator's figures, where it has them
+    before = stats().get("allocated_bytes.current", 0)
+    nbytes = 3 << 28                                             # 768 MiB
+    arena = PinnedArena(nbytes, torch.device("cuda"), "a test")
+    assert arena.buffer.untyped_storage().nbytes() == nbytes and arena.buffer.is_pinned()
+    n = 1 << 27                                                  # 256 MiB of bf16
+    x = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    ahead = arena.empty((1000,), torch.uint8)                    # a slice not at the arena's start
+    host = arena.empty((n,), torch.bfloat16)
+    assert host.is_pinned() and host.data_ptr() > ahead.data_ptr()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(2e8))                                  # the stream is busy for a while ...
+    host.copy_(x, non_blocking=True)                             # ... and the copy queued behind it
+    done = torch.cuda.Event()
+    done.record()
+    assert not done.query(), "a non-blocking copy to the arena waited for the copy: the memory is not pinned"
+    done.synchronize()
+    assert torch.equal(host.to("cuda"), x)
+    arena.release(host)
+    assert arena.in_use == 1024 and stats().get("allocated_bytes.current", 0) == before
+
+
 # ----------------------------------------------------------------------------- activation offload
 
 OFFLOAD_LAYERS, OFFLOAD_SEQ, OFFLOAD_HIDDEN = 8, 8192, 1024

@@ -85,7 +85,7 @@ def test_the_start_up_line_and_the_planner_show_chunks():
     cfg, run = _plan(1 << 20, "4")
     assert "attention in 4 head chunks" in memory_options(cfg, run)
     prediction = evaluate(cfg, 8, 80, 1769, Hardware(), ("triton",))
-    assert prediction.row()["attention_head_chunks"] == 4 and "head-chunks4" in _flags(prediction.row())
+    assert prediction.row()["attention_head_chunks"] == 4 and "head-chunks=4" in _flags(prediction.row())
     assert "head-chunks" not in _flags(evaluate(_plan(1 << 20, "1")[0], 8, 80, 1769, Hardware(), ("triton",)).row())
 
 

@@ -6,6 +6,7 @@ there is no GPU."""
 import pytest
 import torch
 
+from megalysses.config import RopeScalingConfig
 from megalysses.kernels.linear_cross_entropy import linear_cross_entropy
 from megalysses.kernels.norms import add_rms_norm, rms_norm, rms_norm_torch
 from megalysses.kernels.rope import apply_rope, apply_rope_torch, rope_cos_sin, rope_qkv
@@ -142,13 +143,17 @@ def test_rope_scores_depend_on_relative_position_only():
     torch.testing.assert_close(score(0, 0), (q * k).sum())
 
 
+YARN = RopeScalingConfig(type="yarn", factor=4.0, original_max_position_embeddings=512)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("B,S,H,D", [(2, 12, 4, 16), (1, 9, 3, 24)])
-def test_rope_triton_matches_torch(B, S, H, D, dtype):
+@pytest.mark.parametrize("B,S,H,D,scaling", [(2, 12, 4, 16, None), (1, 9, 3, 24, YARN)])
+def test_rope_triton_matches_torch(B, S, H, D, scaling, dtype):
+    """(YaRN's attention factor scales cos and sin, which the kernels read: with it they still agree.)"""
     require_triton()
     x = randn(B, S, H, D, dtype=dtype, grad=True)
     pos = torch.randint(0, 4000, (B, S), generator=torch.Generator().manual_seed(4)).to(DEVICE)   # a row its own
-    cos, sin = rope_cos_sin(pos, D, 10000.0)
+    cos, sin = rope_cos_sin(pos, D, 10000.0, scaling=scaling)
     got, want = apply_rope(x, cos, sin, impl="triton"), apply_rope_torch(x, cos, sin)
     assert got.dtype == dtype and got.shape == x.shape
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
@@ -164,16 +169,26 @@ def test_rope_backward_is_inverse_rotation():
     torch.testing.assert_close(dx, apply_rope_torch(dy, cos, -sin))
 
 
-def test_rope_matches_hugging_face_llama():
+@pytest.mark.parametrize("scaling", [
+    {}, {"rope_type": "linear", "factor": 4.0},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32, "beta_fast": 16.0, "beta_slow": 2.0,
+     "mscale": 1.0, "mscale_all_dim": 0.5, "truncate": False}], ids=["plain", "linear", "yarn", "yarn_mscale"])
+def test_rope_matches_hugging_face(scaling):
+    """cos and sin are transformers' bit for bit, with its frequencies and YaRN's attention factor."""
     transformers = pytest.importorskip("transformers")
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
-    B, S, H, D, theta = 2, 20, 4, 16, 5000.0
-    cfg = transformers.LlamaConfig(hidden_size=H * D, num_attention_heads=H, rope_theta=theta,
-                                   max_position_embeddings=64)
-    pos = torch.arange(S).expand(B, S) + torch.tensor([[0], [7]])
+    B, S, H, D, theta = 2, 40, 4, 16, 5000.0
+    cfg = transformers.LlamaConfig(hidden_size=H * D, num_attention_heads=H, max_position_embeddings=128,
+                                   rope_parameters={"rope_type": "default", **scaling, "rope_theta": theta})
+    ours = RopeScalingConfig(type=scaling.get("rope_type", "none"),
+                             **{k: v for k, v in scaling.items() if k != "rope_type"})
+    pos = torch.arange(S).expand(B, S) + torch.tensor([[0], [70]])
     q, k = randn(B, S, H, D).cpu(), randn(B, S, H, D, seed=2).cpu()
     hf_cos, hf_sin = LlamaRotaryEmbedding(cfg)(q, pos)
-    cos, sin = rope_cos_sin(pos, D, theta)
+    cos, sin = rope_cos_sin(pos, D, theta, scaling=ours)
+    if scaling:
+        assert not torch.equal(cos, rope_cos_sin(pos, D, theta)[0])      # the scaling changes them
     torch.testing.assert_close(cos, hf_cos, rtol=0, atol=0)
     torch.testing.assert_close(sin, hf_sin, rtol=0, atol=0)
     hf_q, hf_k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), hf_cos, hf_sin)   # HF: (B, H, S, D)
@@ -324,6 +339,14 @@ def test_linear_cross_entropy_matches_logits_then_loss(chunk, dtype):
     assert torch.equal(g_got[1][V:], torch.zeros_like(g_got[1][V:]))        # padding rows learn nothing
     with torch.no_grad():                                                    # evaluation: no gradients kept
         torch.testing.assert_close(linear_cross_entropy(x, w, labels, vocab_size=V, chunk_tokens=chunk), got)
+    # per-token weights (data.loss_average: document): the weighted sum, its gradients
+    weights = torch.rand(N, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    got = linear_cross_entropy(x, w, labels, vocab_size=V, chunk_tokens=chunk, weights=weights)
+    each = torch.nn.functional.cross_entropy((x @ w[:V].t()).float(), labels, reduction="none")
+    want = (weights * each).sum()
+    torch.testing.assert_close(got, want, **tol)
+    for a, b in zip(torch.autograd.grad(got, (x, w)), torch.autograd.grad(want, (x, w))):
+        torch.testing.assert_close(a, b, **tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,5 +1,8 @@
 """Generation with the KV cache computes what the full forward computes: prefill then token-by-token
-decode equal the logits of the whole sequence, and left-padded batched prompts equal each prompt alone."""
+decode equal the logits of the whole sequence, and left-padded batched prompts equal each prompt alone (with a
+sliding window and q/k head norms too)."""
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -9,20 +12,22 @@ from megalysses.model.kv_cache import KVCache
 
 CFG = ModelConfig(vocab_size=90, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, attention_backend="sdpa",
                   rope_scaling=RopeScalingConfig(type="llama3", factor=4.0, original_max_position_embeddings=8))
+CONFIGS = [CFG, replace(CFG, sliding_window=5, qk_layernorm=True, head_dim=12)]
 
 
-def model():
-    m = GPTStage(CFG).eval()
+def model(cfg=CFG):
+    m = GPTStage(cfg).eval()
     init_weights(m, seed=3)
     return m
 
 
 @torch.no_grad()
-def test_prefill_then_decode_equals_full_forward():
-    m = model()
+@pytest.mark.parametrize("cfg", CONFIGS, ids=["llama", "window"])
+def test_prefill_then_decode_equals_full_forward(cfg):
+    m = model(cfg)
     ids = torch.randint(0, 90, (2, 20), generator=torch.Generator().manual_seed(0))
     full = m(ids, torch.arange(20).expand(2, 20))
-    cache = KVCache(CFG, batch=2, max_len=20, device=torch.device("cpu"), dtype=torch.float32)
+    cache = KVCache(cfg, batch=2, max_len=20, device=torch.device("cpu"), dtype=torch.float32)
     got = [m(ids[:, :12], torch.arange(12).expand(2, 12), cache=cache)]
     for t in range(12, 20):
         got.append(m(ids[:, t:t + 1], torch.full((2, 1), t), cache=cache))
@@ -31,8 +36,9 @@ def test_prefill_then_decode_equals_full_forward():
 
 
 @torch.no_grad()
-def test_left_padded_batch_equals_each_prompt_alone():
-    m = model()
+@pytest.mark.parametrize("cfg", CONFIGS, ids=["llama", "window"])
+def test_left_padded_batch_equals_each_prompt_alone(cfg):
+    m = model(cfg)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 90, (n,), generator=g) for n in (7, 3)]
     P, new = 7, 4
@@ -41,7 +47,7 @@ def test_left_padded_batch_equals_each_prompt_alone():
     for b, p in enumerate(prompts):
         ids[b, P - len(p):], valid[b, P - len(p):] = p, True
     pos = (valid.long().cumsum(1) - 1).clamp_min(0)
-    cache = KVCache(CFG, batch=2, max_len=P + new, device=torch.device("cpu"), dtype=torch.float32, key_valid=valid)
+    cache = KVCache(cfg, batch=2, max_len=P + new, device=torch.device("cpu"), dtype=torch.float32, key_valid=valid)
     last = m(ids, pos, cache=cache)[:, -1]
     steps = [last]
     follow = torch.randint(0, 90, (2, new), generator=g)

@@ -96,7 +96,7 @@ def test_ring_steps_pay_their_fp32_merges():
     m = load_config("configs/llama3_8b_1m.yaml").model
     opts, bf16, work, hw = Options(activation_checkpointing=True), PRECISIONS["bf16"], Workload(1 << 20), Hardware()
     ring = step_time(m, Layout(sp=8, ring=8), opts, bf16, work, hw)
-    tokens, q, kv = (1 << 20) / 8, m.num_heads * m.head_dim, m.kv_heads * m.head_dim
+    tokens, q, kv = (1 << 20) / 8, m.num_heads * m.head_size, m.kv_heads * m.head_size
     merges = 8 * m.num_layers * tokens * (2 * q + q + 2 * kv) * (2 + 8) / (hw.hbm_gbs * 1e9)
     assert ring.exposed["ring merges (fp32, device memory)"] == pytest.approx(merges)
     assert "ring merges (fp32, device memory)" not in step_time(m, Layout(sp=8), opts, bf16, work, hw).exposed

@@ -16,7 +16,7 @@ def _saved_bytes_and_grads(mlp_chunk_tokens: int):
     for p in block.parameters():
         torch.nn.init.normal_(p, std=0.05)
     x = torch.randn(2, S, H, requires_grad=True)
-    cos, sin = rope_cos_sin(torch.arange(S).expand(2, S), cfg.head_dim, cfg.rope_theta)
+    cos, sin = rope_cos_sin(torch.arange(S).expand(2, S), cfg.head_size, cfg.rope_theta)
     saved = []
 
     def pack(t):

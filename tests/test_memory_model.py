@@ -139,7 +139,20 @@ def test_multi_head_attention_keeps_the_qkv_output_through_v(dtype):
         assert kept.bytes == _predicted(cfg, S, OPTIONS[name], dtype=dtype), (name, kept.storages)
 
 
-@pytest.mark.parametrize("extra", [{}, {"attention_bias": True, "mlp_bias": True},
+QWEN = {"add_qkv_bias": True, "qk_layernorm": True, "head_dim": 12}     # heads of 12 at hidden 64
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_qwen_settings_keep_what_the_model_says(dtype):
+    """q/k head norms (their input keeps the whole QKV output, a view of it), q/k/v-only biases and an attention
+    width other than hidden: exactly the model's bytes."""
+    cfg = replace(small_model(), **QWEN)
+    for name in ("none", "head chunks"):
+        kept = measure_forward(cfg, S, OPTIONS[name], dtype=DTYPES[dtype])
+        assert kept.bytes == _predicted(cfg, S, OPTIONS[name], dtype=dtype), (name, dtype, kept.storages)
+
+
+@pytest.mark.parametrize("extra", [{}, {"attention_bias": True, "mlp_bias": True}, QWEN,
                                    {"attention_bias": True, "mlp_bias": True, "norm": "layernorm", "mlp": "gelu"},
                                    {"tie_embeddings": True, "mlp_bias": True}])
 @pytest.mark.parametrize("tp", [1, 2])
@@ -180,6 +193,8 @@ def test_triton_kernels_keep_what_the_model_says(monkeypatch):
         kept = measure_forward(cfg, 32, OPTIONS[name])
         assert kept.bytes == _predicted(cfg, 32, OPTIONS[name]), (name, kept.storages)
     assert kept.bytes < measure_forward(replace(cfg, kernels="torch"), 32, {}).bytes
+    qwen = replace(cfg, **QWEN)                 # the fused head norms keep a copy of q and k, and their 1/rms
+    assert measure_forward(qwen, 32, {}).bytes == _predicted(qwen, 32, {})
 
 
 LAYOUTS = {   # name: (tp, sp, ring, TP sequence sharding, memory options), on 2 ranks
@@ -507,8 +522,16 @@ def test_estimate_breakdown_adds_up_and_offload_moves_activations_to_host():
     assert on_device.peak - offloaded.peak >= (m.num_layers - 2) * block_input - 2 * n
     assert {t.name: t.bytes for t in offloaded.terms if t.host}["offloaded block inputs"] == m.num_layers * block_input
     states = estimate(m, layout, replace(base, optimizer_offload=True), bf16, Workload(S_))
-    # host: masters, moments, reduced gradients, sqrt(v), all fp32 and sharded over the 32 grad ranks
-    assert states.peak < on_device.peak and states.host == n * (12 + 4 + 4) / 32
+    # host: masters, moments, reduced gradients, sqrt(v), all fp32 and sharded over the 32 grad ranks; the
+    # masters and reduced gradients pinned, a request per parameter of the largest rank's chunk (ceil(rows / 32))
+    from megalysses.memory.states import shard_elements
+    from megalysses.pinned_arena import aligned
+
+    chunks = sum(count * aligned(4 * e) for e, count in shard_elements(m, layout, True, True))
+    assert {t.name: t.bytes for t in states.terms if t.host} == {
+        "fp32 masters": chunks, "reduced fp32 gradients": chunks, "AdamW moments (ZeRO-1)": n * 8 / 32,
+        "AdamW sqrt(v)": n * 4 / 32}
+    assert states.peak < on_device.peak and states.host == pytest.approx(n * (12 + 4 + 4) / 32, rel=1e-4)
 
 
 def test_bench_memory_smoke(tmp_path):

@@ -73,7 +73,17 @@ def one_step(overrides: list[str], world: int) -> dict:
     result = train_step(model, opt, batches, grid, lr=1e-3, grad_clip=1.0, dtype=runtime.torch_dtype)
     chunks = model.chunks if hasattr(model, "chunks") else [model]
     got.update(loss=result.loss, norm=result.grad_norm, stats=[c.offload.stats for c in chunks if c.offload])
+    got["pinned"] = [(c.offload.pinned.capacity, c.offload.pinned.high_water) for c in chunks if c.offload]
     return got
+
+
+def _check_arena(name: str, offloaded: dict) -> None:
+    """Each chunk's pinned arena, sized from the memory model's count of its block inputs in flight over the
+    rank's schedule, is what the step took of it, to the byte (empty where a chunk offloads nothing)."""
+    moved = [s.offloaded_bytes for s in offloaded["stats"]]
+    arenas = offloaded["pinned"]
+    assert len(arenas) == len(moved) and all(cap == high for cap, high in arenas), (name, arenas, moved)
+    assert [cap > 0 for cap, _ in arenas] == [n > 0 for n in moved], (name, arenas, moved)
 
 
 def _parity_worker(rank: int, world: int) -> dict:
@@ -122,6 +132,7 @@ def test_offload_gives_the_same_losses_and_gradients_at_every_layout(tmp_path):
             moved = sum(s.offloaded_bytes for s in stats)
             assert moved == sum(s.fetched_bytes for s in stats), (name, rank, stats)
             assert moved > 0 or all(s.kept for s in stats), (name, rank, stats)
+            _check_arena(f"{name}, rank {rank}", offloaded)
             # every block input came back once, prefetched unless it was the first of its backward
             assert all(s.prefetched + s.on_demand == s.offloaded for s in stats), (name, rank, stats)
             if "pp" not in name:     # 4 blocks per forward, 1 of them copied back on demand
@@ -159,6 +170,7 @@ def one_process() -> dict:
 def test_offload_on_one_process_every_memory_option(one_process):
     for name, (plain, offloaded) in one_process["steps"].items():
         _check_same(f"one process, {name}", plain, offloaded)
+        _check_arena(f"one process, {name}", offloaded)
         (stats,) = offloaded["stats"]
         M = 2 if "2 micro-batches" in name else 1    # per backward of 4 blocks: 1 on demand, 3 prefetched
         assert (stats.prefetched, stats.on_demand) == (3 * M, M), (name, stats)
@@ -212,18 +224,24 @@ def test_offload_without_checkpointing_is_a_config_error():
 
 def test_a_longer_sequence_lets_the_shorter_ones_host_buffers_go():
     """A sequence-length curriculum's next stage: the host buffers of the previous length are not kept
-    (a curriculum never returns to a shorter length), and the gradients are those without offload."""
+    (a curriculum never returns to a shorter length), and the gradients are those without offload; from an
+    arena sized for the longest length, the shorter length's buffers go back to it and the longer ones fit."""
+    from megalysses.pinned_arena import PinnedArena, aligned
+
     grads = {}
-    for offload in (False, True):
+    for offload in (None, "own", "arena"):
         model = _model(layers=2)
-        model.offload = ActivationOffload() if offload else None
+        arena = PinnedArena(2 * aligned(64 * 64 * 4), torch.device("cpu")) if offload == "arena" else None
+        model.offload = ActivationOffload(pinned=arena) if offload else None
         for S in (32, 64):
             ids, pos = torch.randint(0, 256, (1, S), generator=torch.Generator().manual_seed(S)), torch.arange(S)[None]
             model(ids, pos, labels=ids).backward()
             if offload:
                 assert {tuple(t.shape) for t in model.offload.host_buffers()} == {(1, S, 64)}
+        if arena is not None:
+            assert arena.in_use == arena.capacity == arena.high_water
         grads[offload] = [p.grad for p in model.parameters()]
-    assert all(torch.equal(a, b) for a, b in zip(grads[True], grads[False]))
+    assert all(torch.equal(a, b) and torch.equal(c, b) for a, b, c in zip(grads["own"], grads[None], grads["arena"]))
 
 
 def test_a_checkpoint_stride_keeps_every_kth_block_input_for_the_same_gradients():

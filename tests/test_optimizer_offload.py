@@ -66,7 +66,22 @@ def train(overrides: list[str], world: int, steps: int = 3) -> dict:
     weights = {n: (q.to_local() if hasattr(q, "to_local") else q).detach().clone() for n, q in model.named_parameters()}
     return {"losses": losses, "norms": norms, "weights": weights, "state": state,
             "host_grads": sum(s.host_grad is not None for s in getattr(opt, "slots", [])),
-            "host_units": host_units(model)}
+            "host_units": host_units(model), "pinned": arena_use(cfg, runtime, grid, model, opt)}
+
+
+def arena_use(cfg, runtime, grid, model, opt) -> tuple[int, int] | None:
+    """(the bytes of the rank's pinned arenas, what the run took of them, staging buffers included: a CPU adds a
+    later micro-batch's gradients at once, without staging them), or None where the run pins nothing."""
+    from megalysses.memory import pinned_requests_of
+
+    chunks = model.chunks if hasattr(model, "chunks") else [model]
+    arenas = [a for a in [getattr(opt, "pinned", None)] + [c.offload.pinned for c in chunks if c.offload]
+              if hasattr(a, "capacity")]
+    if not arenas:
+        return None
+    reqs = pinned_requests_of(cfg, runtime, grid.pp_rank)
+    staging = sum(r.total for r in reqs if r.name == "gradient staging buffers")
+    return sum(a.capacity for a in arenas), sum(a.high_water for a in arenas) + staging
 
 
 def reduced_gradients(overrides: list[str], world: int) -> dict:
@@ -193,6 +208,12 @@ def test_optimizer_offload_steps_exactly_like_the_device_optimizer(ranks):
             plain, offloaded = results[name]
             _same_training(f"{name}, rank {rank}", plain, offloaded)
             assert offloaded["host_grads"] > 0 and plain["host_grads"] == 0, name
+            # the rank's pinned arena, sized from the plan, is what the run took of it, to the byte
+            capacity, used = offloaded["pinned"]
+            assert capacity == used > 0, (name, rank, capacity, used)
+            offloads_activations = "training.activation_offload=true" in RUNS[name]
+            assert (plain["pinned"] is not None) == offloads_activations, (name, plain["pinned"])
+            assert plain["pinned"] is None or plain["pinned"][0] == plain["pinned"][1], (name, plain["pinned"])
         for name, (plain, offloaded) in results["reassociated"].items():
             assert offloaded["loss"] == plain["loss"] and plain["grads"].keys() == offloaded["grads"].keys(), name
             for n, g in plain["grads"].items():     # fp32 sums of 4 terms in another order: a few ulps apart
@@ -203,6 +224,8 @@ def test_parameter_offload_trains_exactly_like_fsdp(ranks):
     for rank, results in enumerate(ranks):
         for name, (plain, offloaded) in results["param"].items():
             _same_training(f"parameter offload, {name}, rank {rank}", plain, offloaded)
+            for pinned in (plain["pinned"], offloaded["pinned"]):    # block inputs only: FSDP2 pins its own
+                assert pinned is None or pinned[0] == pinned[1] > 0, (name, rank, pinned)
             # every block (2, or 1 a stage) and the root unit: the shards are in host memory
             assert plain["host_units"] == 0 and offloaded["host_units"] == 3 - ("pp2" in name), name
 

@@ -25,7 +25,7 @@ from megalysses.testing import run_distributed
 from megalysses.training.runtime import resolve_run, startup_line, write_runtime
 from tests import ring_oracle
 from tests.ring_oracle import blockwise_attention
-from test_model_parity import GQA_2_PER_RANK, MQA, ONE_HEAD, THREE_HEADS, _parity_worker, case, check_parity
+from test_model_parity import GQA_2_PER_RANK, MQA, ONE_HEAD, QWEN, THREE_HEADS, _parity_worker, case, check_parity
 
 ROOT = Path(__file__).resolve().parent.parent
 spec = importlib.util.spec_from_file_location("bench_ulysses_comm", ROOT / "benchmarks" / "bench_ulysses_comm.py")
@@ -35,7 +35,7 @@ spec.loader.exec_module(bench)
 
 # the model matrix at sp up to 8 (see test_model_parity.py); cases on fewer ranks leave the rest idle
 PARITY_ON_8 = [
-    case(1, 8, True, model=MQA, seq_len=250),                         # ulysses 2 x ring 4
+    case(1, 8, True, model={**MQA, **QWEN, "sliding_window": 70}, seq_len=250),   # ulysses 2 x ring 4
     case(2, 4, True, True, tied=True, sp_ring=2, seq_len=61),         # tp 2 x ulysses 2 x ring 2
     case(1, 8, True, sp_ring=8, seq_len=47, tile=5),                  # ring 8, GQA
     case(1, 4, True, model=MQA, sp_ring=4, seq_len=37),               # ring 4 x dp 2, MQA
@@ -117,14 +117,15 @@ def test_shard_sample_pads_with_masked_labels_and_a_document_of_its_own():
 @pytest.mark.parametrize("hq,hkv", [(4, 2), (4, 1), (2, 2)])
 def test_blockwise_equals_single_pass(backend, ring, hq, hkv):
     """The ring's blocks, kernels, merge and backward, run for every ring rank on one device, equal plain
-    attention: outputs and q/k/v gradients, causal and with packed documents (empty rows included)."""
-    for docs in (None, doc_ids()):
+    attention: outputs and q/k/v gradients, causal and with packed documents (empty rows included), with and
+    without a sliding window (blocks wholly outside it are empty)."""
+    for docs, window in ((None, 0), (doc_ids(), 0), (None, 3), (doc_ids(), 5)):
         q, k, v = qkv(hq=hq, hkv=hkv)
-        want = core_attention(q, k, v, doc_ids=docs, backend="reference")
-        got = blockwise_attention(q, k, v, ring, doc_ids=docs, backend=backend)
-        assert close(got, want), (docs is not None, (got - want).abs().max())
+        want = core_attention(q, k, v, doc_ids=docs, backend="reference", window=window)
+        got = blockwise_attention(q, k, v, ring, doc_ids=docs, backend=backend, window=window)
+        assert close(got, want), (docs is not None, window, (got - want).abs().max())
         for g, w in zip(grads(got, (q, k, v)), grads(want, (q, k, v))):
-            assert close(g, w), (docs is not None, (g - w).abs().max())
+            assert close(g, w), (docs is not None, window, (g - w).abs().max())
 
 
 def test_flex_blocks_forward_and_their_backward_formula(monkeypatch):
@@ -137,6 +138,8 @@ def test_flex_blocks_forward_and_their_backward_formula(monkeypatch):
     with torch.no_grad():                     # documents: blocks of every shape, masked, with empty rows
         want = core_attention(q, k, v, doc_ids=doc_ids(), backend="reference")
         assert close(blockwise_attention(q, k, v, 2, doc_ids=doc_ids(), backend="flex"), want)
+        want = core_attention(q, k, v, doc_ids=doc_ids(), backend="reference", window=5)       # and a window
+        assert close(blockwise_attention(q, k, v, 2, doc_ids=doc_ids(), backend="flex", window=5), want)
 
     # the stand-in: reference math with out and LSE both differentiable, shaped as FlexAttention's
     def stand_in(q_, k_, v_, block, scale):

@@ -19,7 +19,7 @@ from megalysses.tools import pretrain
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = [("configs/quickstart.yaml", 4), ("configs/gpt_1b_32k.yaml", 8), ("configs/gpt_1b_8gpu.yaml", 8),
            ("configs/gpt_1b_1m_offload.yaml", 1), ("configs/llama3_8b_128k.yaml", 32),
-           ("configs/llama3_8b_1m.yaml", 64)]
+           ("configs/llama3_8b_1m.yaml", 64), ("configs/llama3_8b_chat_128k.yaml", 8)]
 
 
 def test_every_shipped_config_is_covered():

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from chat_data import write_conversations
 from megalysses.config_io import load_config
 from megalysses.testing import run_distributed
 
@@ -21,8 +22,22 @@ BASE = [
     "parallel.grad_bucket_elements=5000",   # several buckets, reduce-scatters overlapped with the backward
     "training.eval_interval=3", "training.eval_steps=1",   # validation (with the layout's sharding) at step 3
 ]
+# conversations packed whole with a loss mask, as NullTokenizer ids: step 1 packed into sequences of 16 tokens,
+# steps 2-3 into 32 (those longer truncated), each conversation a document of its own
+CHAT = ["data.mock=false", "data.paths=[{chat}]", "data.tokenizer=NullTokenizer", "data.split=3,1,0",
+        "data.seq_len_schedule=[[0, 16], [1, 32]]", "data.too_long=truncate", "optimizer.lr=1e-2"]
+# each conversation weighing the same in the loss (those that are too long dropped), at 32 tokens throughout
+CHAT_DOC = CHAT[:4] + ["data.loss_average=document", "optimizer.lr=1e-2"]
+QWEN = ["model.qk_layernorm=true", "model.add_qkv_bias=true", "model.head_dim=12", "model.sliding_window=7",
+        "model.rope_scaling.type=yarn", "model.rope_scaling.factor=4",
+        "model.rope_scaling.original_max_position_embeddings=16"]
 LAYOUTS = {  # name: (world, overrides)
     "single": (1, []),
+    "single_chat": (1, CHAT),
+    "single_chat_doc": (1, CHAT_DOC),
+    "chat_doc_dp2": (2, CHAT_DOC),
+    "chat_ring2pp2": (4, CHAT + ["parallel.sp=2", "parallel.sp_ring=2", "parallel.pp=2"]),
+    "chat_doc_tp2sp2": (4, CHAT_DOC + ["parallel.tp=2", "parallel.sp=2", "parallel.tp_sequence_parallel=true"]),
     "tp2": (2, ["parallel.tp=2"]),
     "sp2": (2, ["parallel.sp=2"]),
     "pp2": (2, ["parallel.pp=2", "training.activation_checkpointing=true"]),   # 4 micro-batches, 2 stages
@@ -68,6 +83,11 @@ LAYOUTS = {  # name: (world, overrides)
                              "training.attention_head_chunks=2"]),
     "tp2u2ring2": (8, ["parallel.tp=2", "parallel.sp=4", "parallel.sp_ring=2", "parallel.tp_sequence_parallel=true",
                        "model.tie_embeddings=true"]),
+    # the Qwen and Mistral settings together (q/k head norms, q/k/v-only biases, heads of 12, YaRN, a sliding
+    # window): one process, and tp (TP sequence sharding) x a ring under FSDP
+    "single_qwen": (1, QWEN),
+    "qwen_fsdp_tp2ring2": (4, QWEN + ["parallel.tp=2", "parallel.tp_sequence_parallel=true", "parallel.sp=2",
+                                      "parallel.sp_ring=2", "parallel.fsdp=true"]),
 }
 
 
@@ -142,18 +162,27 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
 
 
-def run_layouts(tmp_path: Path, world: int, names: list[str], layouts: dict = LAYOUTS) -> dict:
+def run_layouts(tmp_path: Path, world: int, names: list[str], layouts: dict = LAYOUTS, chat: str = "") -> dict:
+    """Train each named layout on `world` ranks (one spawned group); `chat` is the conversations' prefix."""
     tmp_path.mkdir(parents=True, exist_ok=True)
-    runs = [(str(tmp_path / n), layouts[n][1]) for n in names]
+    runs = [(str(tmp_path / n), [o.replace("{chat}", chat) for o in layouts[n][1]]) for n in names]
     per_rank = run_distributed(_train_worker, world, tmp_path, args=(runs,), timeout=400)
     return {n: (losses(tmp_path / n), full_weights([r[i] for r in per_rank]), grad_norms(tmp_path / n),
                 val_losses(tmp_path / n)) for i, n in enumerate(names)}
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory):
-    """Single-process runs, in one spawn: at seq_len 32 and at 31, and with tied embeddings (4 and 6 layers)."""
-    return run_layouts(tmp_path_factory.mktemp("ref"), 1, ["single", "single_31", "single_tied", "single_tied_6"])
+def chat(tmp_path_factory):
+    return write_conversations(tmp_path_factory.mktemp("chat") / "chat_text_document")
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory, chat):
+    """Single-process runs, in one spawn: at seq_len 32 and at 31, with tied embeddings (4 and 6 layers), on
+    packed conversations (the mean over tokens, and over conversations), and with the Qwen and Mistral settings."""
+    return run_layouts(tmp_path_factory.mktemp("ref"), 1, ["single", "single_31", "single_tied", "single_tied_6",
+                                                            "single_chat", "single_chat_doc", "single_qwen"],
+                       chat=chat)
 
 
 @pytest.fixture(scope="module")
@@ -179,22 +208,31 @@ def check_against(reference, got, name):
     assert ref_losses[2] < ref_losses[0]
 
 
-def test_layouts_on_2_ranks(tmp_path, reference):
+def test_layouts_on_2_ranks(tmp_path, references, chat):
     results = run_layouts(tmp_path, 2, ["tp2", "sp2", "pp2", "dp2", "dp2_no_overlap", "fsdp_dp2",
-                                             "fsdp_sp2", "pp2v2", "ring2", "chunks2_pp2", "chunks2_fsdp_sp2_offload"])
+                                        "fsdp_sp2", "pp2v2", "ring2", "chunks2_pp2", "chunks2_fsdp_sp2_offload",
+                                        "chat_doc_dp2"], chat=chat)
     for name, got in results.items():
-        check_against(reference, got, name)
+        check_against(references[reference_of(name)], got, name)
 
 
-def test_layouts_on_4_ranks(tmp_path, references):
+def reference_of(name: str) -> str:
+    """The single-process run a layout equals."""
+    return "single_chat_doc" if name.startswith("chat_doc") else "single_chat" if name.startswith("chat") else "single"
+
+
+def test_layouts_on_4_ranks(tmp_path, references, chat):
     # sp4: 2 KV heads over 4 sp ranks (KV replication); FSDP with tp + sp and with a pipeline
     results = run_layouts(tmp_path, 4, ["sp4", "fsdp_tp2sp2", "fsdp_pp2dp2", "fsdp_pp2v2dp2", "bf16_pp2dp2",
                                         "bf16_fsdp_pp2dp2", "ring2pp2", "fsdp_u2ring2", "ring2pp2_31", "pp4_tied",
-                                        "chunks2_ring2pp2"])
-    for name in ("sp4", "fsdp_tp2sp2", "fsdp_pp2dp2", "fsdp_pp2v2dp2", "ring2pp2", "fsdp_u2ring2", "chunks2_ring2pp2"):
-        check_against(references["single"], results[name], name)
+                                        "chunks2_ring2pp2", "chat_ring2pp2", "chat_doc_tp2sp2", "qwen_fsdp_tp2ring2"],
+                          chat=chat)
+    for name in ("sp4", "fsdp_tp2sp2", "fsdp_pp2dp2", "fsdp_pp2v2dp2", "ring2pp2", "fsdp_u2ring2", "chunks2_ring2pp2",
+                 "chat_ring2pp2", "chat_doc_tp2sp2"):
+        check_against(references[reference_of(name)], results[name], name)
     check_against(references["single_31"], results["ring2pp2_31"], "ring2pp2_31")
     check_against(references["single_tied"], results["pp4_tied"], "pp4_tied")
+    check_against(references["single_qwen"], results["qwen_fsdp_tp2ring2"], "qwen_fsdp_tp2ring2")
     # bf16: FSDP rounds the weights it gathers, so only closeness to the ZeRO-1 bf16 run is expected
     (z_loss, _, z_norm, _), (f_loss, _, f_norm, _) = results["bf16_pp2dp2"], results["bf16_fsdp_pp2dp2"]
     for a, b in zip(f_loss, z_loss):

@@ -61,10 +61,8 @@ def _from_hf(folder: Path, model: nn.Module, cfg: Config, grid: ParallelGrid) ->
     except (ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"checkpoint.init_from={folder}: {e}") from None
     ours_arch, their_arch = architecture(cfg.model), architecture(theirs)
-    diff = {k: (their_arch[k], v) for k, v in ours_arch.items() if their_arch[k] != v}
-    if theirs.rope_theta != cfg.model.rope_theta or theirs.rope_scaling != cfg.model.rope_scaling:
-        diff["rope"] = ((theirs.rope_theta, theirs.rope_scaling.type),
-                        (cfg.model.rope_theta, cfg.model.rope_scaling.type))
+    diff = {k: (their_arch.get(k), ours_arch.get(k)) for k in sorted({*ours_arch, *their_arch})
+            if their_arch.get(k) != ours_arch.get(k)}
     if diff:
         detail = ", ".join(f"{k}: model {a} vs config {b}" for k, (a, b) in diff.items())
         raise ConfigError(f"checkpoint.init_from={folder} holds another model ({detail}): set the model section "
@@ -75,7 +73,15 @@ def _from_hf(folder: Path, model: nn.Module, cfg: Config, grid: ParallelGrid) ->
         raise ConfigError(f"checkpoint.init_from={folder}: {e.args[0]}") from None
     for name, p in model.named_parameters():
         _copy_full(p, our_tensor(name, cfg.model, tensors.get).float(), grid)
-    return f"initial weights from the Hugging Face model {folder}"
+    # positions and the window are the run's to choose (a context extension changes the RoPE scaling): said, not refused
+    m, changed = cfg.model, []
+    if (theirs.rope_theta, theirs.rope_scaling) != (m.rope_theta, m.rope_scaling):
+        changed.append(f"RoPE theta {m.rope_theta:g}, scaling {m.rope_scaling.type} where the model has "
+                       f"{theirs.rope_theta:g}, {theirs.rope_scaling.type}")
+    if theirs.sliding_window != m.sliding_window:
+        changed.append(f"sliding window {m.sliding_window} where the model has {theirs.sliding_window}")
+    return f"initial weights from the Hugging Face model {folder}" + (f" (this run: {'; '.join(changed)})"
+                                                                      if changed else "")
 
 
 def _from_checkpoint(path: Path, model: nn.Module, cfg: Config, grid: ParallelGrid, mesh: DeviceMesh) -> str:

@@ -27,6 +27,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from megalysses.data.cache import cached_arrays
+from megalysses.data.packing import sample_rows
 
 BLEND_VERSION = "blend-edf-v1"
 _EPS = 1e-9
@@ -165,3 +166,11 @@ class BlendedDataset:
         if not 0 <= i < self.size:
             raise IndexError(f"sample {i} outside [0, {self.size})")
         return self.datasets[int(self.dataset_index[i])][int(self.dataset_sample_index[i])]
+
+    def rows(self, i: int, length: int) -> list:
+        """Sample i read at `length` (a divisor of seq_len), from whichever dataset it comes: packed
+        conversations or windows of documents cut into pieces (packing.sample_rows)."""
+        if not 0 <= i < self.size:
+            raise IndexError(f"sample {i} outside [0, {self.size})")
+        dataset = self.datasets[int(self.dataset_index[i])]
+        return sample_rows(dataset, int(self.dataset_sample_index[i]), self.seq_len, length)

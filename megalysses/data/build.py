@@ -5,11 +5,13 @@
                                             num_samples=(steps * gbs, evals * eval_steps * gbs, None))
 
 Each prefix is split over its documents by the ratio string; each split of each prefix is a
-GPTDataset; several prefixes are blended with BlendedDataset. Indices are cached in `cache_dir`,
-by default `index_cache/` beside each dataset.
+GPTDataset, or, for a dataset with a loss mask beside it (`{prefix}_loss_mask`, tools/preprocess_data.py
+--chat), PackedConversations (packing.py); several prefixes are blended with BlendedDataset. Indices are
+cached in `cache_dir`, by default `index_cache/` beside each dataset.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -17,7 +19,8 @@ from typing import Callable, Optional, Sequence
 
 from megalysses.data.blend import BlendedDataset, is_weighted, parse_blend, required_samples
 from megalysses.data.gpt_dataset import GPTDataset, split_ranges
-from megalysses.data.indexed import DatasetError, IndexedDataset
+from megalysses.data.indexed import DatasetError, IndexedDataset, bin_path, idx_path, loss_mask_prefix
+from megalysses.data.packing import Packing, PackedConversations, open_loss_mask
 
 log = logging.getLogger(__name__)
 SPLIT_NAMES = ("train", "valid", "test")
@@ -35,10 +38,19 @@ def epoch_samples(ds: IndexedDataset, documents: tuple[int, int], seq_len: int) 
     return max(0, (tokens - 1) // seq_len)
 
 
+def loss_mask_of(ds: IndexedDataset) -> Optional[IndexedDataset]:
+    """The loss mask beside a dataset, checked against it, or None when it has none (every token trains)."""
+    prefix = loss_mask_prefix(ds.prefix)
+    if not (os.path.exists(idx_path(prefix)) or os.path.exists(bin_path(prefix))):
+        return None
+    return open_loss_mask(ds, prefix)
+
+
 def build_gpt_datasets(paths: Sequence[str], split: str, seq_len: int, seed: int,
                        num_samples: Sequence[Optional[int]], cache_dir: Optional[str] = None,
                        validate: Optional[Callable[[IndexedDataset, str], None]] = None, need_train: bool = True,
-                       by_size: bool = False) -> list[GPTDataset | BlendedDataset | None]:
+                       by_size: bool = False, packing: Optional[Packing] = None,
+                       ) -> list[GPTDataset | PackedConversations | BlendedDataset | None]:
     """[train, valid, test]; num_samples[i] is the samples that split must provide (None = one epoch).
 
     An unweighted list of several prefixes is blended with equal weights, or with `by_size` as Megatron-LM blends
@@ -48,10 +60,13 @@ def build_gpt_datasets(paths: Sequence[str], split: str, seq_len: int, seed: int
     token ids against the vocabulary there). An empty dataset, or a split that gives the train set no
     documents, raises DatasetError. A valid/test split with no documents is None; one too small for one
     sample is None (logged); a train split too small raises ValueError. need_train=False: the datasets are
-    read for another split alone (a validation set of its own).
+    read for another split alone (a validation set of its own). `packing` packs the conversations of datasets
+    with a loss mask; its lengths (a curriculum's) apply to the train split, the others read at seq_len.
     """
+    packing = packing or Packing()
     prefixes, weights = parse_blend(paths)
     indexed = [IndexedDataset(p) for p in prefixes]
+    masks = [loss_mask_of(ds) for ds in indexed]
     for ds in indexed:
         if ds.num_tokens == 0:
             raise DatasetError(f"{ds.prefix}: the dataset is empty ({len(ds)} sequences, 0 tokens), nothing to "
@@ -67,18 +82,22 @@ def build_gpt_datasets(paths: Sequence[str], split: str, seq_len: int, seed: int
     sized = by_size and not is_weighted(paths) and len(indexed) > 1
     for s, name in enumerate(SPLIT_NAMES):
         split_weights = [epoch_samples(ds, rng[s], seq_len) for ds, rng in zip(indexed, ranges)] if sized else weights
-        members = [(ds, rng[s], w) for ds, rng, w in zip(indexed, ranges, split_weights)
+        members = [(ds, rng[s], w, mask) for ds, rng, w, mask in zip(indexed, ranges, split_weights, masks)
                    if w > 0 and rng[s][1] > rng[s][0]]
+        split_packing = packing if name == "train" else dataclasses.replace(packing, lengths=())
         n = num_samples[s]
-        total = sum(w for _, _, w in members)
+        total = sum(m[2] for m in members)
         need = [n] * len(members) if n is None or len(members) == 1 else required_samples(
-            [w for _, _, w in members], n)
+            [m[2] for m in members], n)
         datasets, member_weights = [], []
-        for (ds, docs, w), k in zip(members, need):
+        for (ds, docs, w, mask), k in zip(members, need):
+            cache = cache_dir or default_cache_dir(ds.prefix)
             try:
-                datasets.append(GPTDataset(ds, docs, seq_len, seed, k, cache_dir or default_cache_dir(ds.prefix),
-                                           name))
+                datasets.append(GPTDataset(ds, docs, seq_len, seed, k, cache, name) if mask is None else
+                                PackedConversations(ds, mask, docs, seq_len, seed, k, cache, name, split_packing))
                 member_weights.append(w / total)
+            except DatasetError:
+                raise
             except ValueError as err:
                 if name == "train":
                     raise

@@ -111,12 +111,33 @@ def check_columns(path: str, kind: str, keys: list[str], flag: str = "--json-key
         if not _is_text(table.pa, kind_of):
             raise InputError(f"{path}: column '{key}' holds {kind_of}, not text (its text columns: "
                              f"{', '.join(text) or 'none'}): pass a text column with {flag}")
+    _require_rows(table, path, kind)
+
+
+def _require_rows(table: "_Table", path: str, kind: str) -> None:
+    """InputError for a file without rows, or one whose rows cannot be read."""
     try:
         empty = not table.has_rows()
     except _errors(table.pa) as err:
         raise InputError(_corrupt(path, kind, err)) from None
     if empty:
         raise InputError(f"{path}: the {_NAMES[kind]} file holds no rows: nothing to read; remove it from --input")
+
+
+CHAT_SHAPES = (("messages",), ("prompt", "completion"))
+
+
+def chat_columns(path: str, kind: str) -> list[str]:
+    """The columns of a file of conversations: messages, or prompt and completion, and tools where it has them;
+    InputError for a file with neither shape, or without rows."""
+    table = _open(path, kind)
+    names = table.schema.names
+    shape = next((list(s) for s in CHAT_SHAPES if all(c in names for c in s)), None)
+    if shape is None:
+        raise InputError(f"{path}: no 'messages' column, nor 'prompt' and 'completion' (its columns: "
+                         f"{', '.join(names) or 'none'}): --chat reads conversations in one of these shapes")
+    _require_rows(table, path, kind)
+    return shape + (["tools"] if "tools" in names else [])
 
 
 def read_records(path: str, kind: str, keys: list[str], position: Optional[Position] = None) -> Iterator[dict]:

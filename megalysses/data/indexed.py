@@ -60,6 +60,11 @@ def idx_path(prefix: str | os.PathLike) -> str:
     return f"{os.fspath(prefix)}.idx"
 
 
+def loss_mask_prefix(prefix: str | os.PathLike) -> str:
+    """The dataset beside `prefix` that says which of its tokens carry the loss (docs/DATA_FORMAT.md)."""
+    return f"{os.fspath(prefix)}_loss_mask"
+
+
 def write_index(path: str | os.PathLike, dtype: type | np.dtype, sequence_lengths: np.ndarray,
                 document_indices: np.ndarray) -> None:
     """Write an `.idx` for sequences stored back to back (pointers are derived from the lengths)."""

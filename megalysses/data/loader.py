@@ -26,6 +26,12 @@ seq_len) at which the chunk starting at stream sample g trains; each sample of s
 cut into seq_len / L samples of L + 1 tokens (`cut_samples`), which become the micro-batch like any
 samples: mbs * seq_len / L rows of L tokens, the same tokens and labels, positions and documents
 restarting in each piece. The stream, and so a resume, does not depend on the schedule.
+
+Packed conversations (a dataset with a loss mask, packing.py). A sample is seq_len / L rows of whole
+documents (PackedRow): each document starts a document of its own (positions restart, the document mask
+separates it), padding too; a label carries the loss where the loss mask marks its token and -100
+elsewhere. With loss_average "document", `loss_weights` (B, S/sp) float32 gives each label 1 / (the labels
+of its document), and the loss divides by their global sum, the number of documents, instead of the labels.
 """
 from __future__ import annotations
 
@@ -35,20 +41,24 @@ import numpy as np
 import torch
 
 from megalysses.data.indexed import DatasetError
+from megalysses.data.packing import PackedRow, cut_window, sample_rows
 from megalysses.parallel.sequence_layout import SequenceLayout, shard_sample
 
 IGNORE_INDEX = -100
 
 
-def build_micro_batch(samples: Sequence[np.ndarray], seq_len: int, sp_rank: int, sp_size: int, eod_id: int,
-                      reset_position_ids: bool, document_mask: bool, eod_mask_loss: bool = False,
-                      pad_id: Optional[int] = None, layout: Optional[SequenceLayout] = None) -> dict[str, torch.Tensor]:
-    """Turn samples of (up to) seq_len + 1 tokens into this sp rank's tensors.
+def build_micro_batch(samples: Sequence[np.ndarray | PackedRow], seq_len: int, sp_rank: int, sp_size: int,
+                      eod_id: int, reset_position_ids: bool, document_mask: bool, eod_mask_loss: bool = False,
+                      pad_id: Optional[int] = None, layout: Optional[SequenceLayout] = None,
+                      loss_average: str = "token") -> dict[str, torch.Tensor]:
+    """Turn samples into this sp rank's tensors: windows of (up to) seq_len + 1 tokens, or PackedRows of up
+    to seq_len tokens (whole documents whose labels carry the loss where the row's loss mask says).
 
     Shorter samples are padded with pad_id (default eod_id) and their missing labels are -100;
-    eod_mask_loss also masks the label predicted from each EOD (the first token of the next document).
-    layout (default: Ulysses over sp_size ranks) says which positions this rank keeps and the multiple
-    the sequence is padded to.
+    eod_mask_loss also masks the label predicted from each EOD of a window (the first token of the next
+    document). layout (default: Ulysses over sp_size ranks) says which positions this rank keeps and the
+    multiple the sequence is padded to. loss_average "document" adds `loss_weights`: 1 / (the labels of its
+    document) on each label, so that each document weighs the same in the loss.
     """
     layout = SequenceLayout(sp=sp_size) if layout is None else layout
     if layout.sp != sp_size:
@@ -58,31 +68,63 @@ def build_micro_batch(samples: Sequence[np.ndarray], seq_len: int, sp_rank: int,
     batch = len(samples)
     pad = eod_id if pad_id is None else pad_id
     tokens = np.full((batch, seq_len + 1), pad, dtype=np.int64)
-    lengths = np.empty(batch, dtype=np.int64)
+    trained = np.zeros((batch, seq_len), dtype=bool)     # label t (token t + 1) carries the loss
+    starts = np.zeros((batch, seq_len), dtype=bool)      # a document starts at position t
     for b, sample in enumerate(samples):
-        n = min(len(sample), seq_len + 1)
-        tokens[b, :n] = sample[:n]
-        lengths[b] = n
+        fill = _fill_packed if isinstance(sample, PackedRow) else _fill_window
+        fill(sample, tokens[b], trained[b], starts[b], eod_id, eod_mask_loss)
     positions = np.arange(seq_len)
-    inputs, labels = tokens[:, :-1], tokens[:, 1:].copy()
-    real = positions[None, :] < lengths[:, None]
-    labels[positions[None, :] >= lengths[:, None] - 1] = IGNORE_INDEX
-    is_eod = (inputs == eod_id) & real
-    if eod_mask_loss:
-        labels[is_eod] = IGNORE_INDEX
-
-    starts = np.zeros((batch, seq_len), dtype=bool)
+    inputs, labels = tokens[:, :-1], np.where(trained, tokens[:, 1:], IGNORE_INDEX)
     starts[:, 0] = True
-    starts[:, 1:] = is_eod[:, :-1] | (positions[None, 1:] == lengths[:, None])  # after an EOD, or padding
     if reset_position_ids:
         doc_start = np.maximum.accumulate(np.where(starts, positions[None, :], 0), axis=1)
         pos = positions[None, :] - doc_start
     else:
         pos = np.broadcast_to(positions, (batch, seq_len))
-
-    doc_ids = np.cumsum(starts, axis=1, dtype=np.int32) - 1 if document_mask else None
-    shard = shard_sample(layout, sp_rank, inputs, labels, np.asarray(pos), doc_ids, pad)
+    doc_ids = np.cumsum(starts, axis=1, dtype=np.int32) - 1
+    weights = _document_weights(trained, doc_ids) if loss_average == "document" else None
+    shard = shard_sample(layout, sp_rank, inputs, labels, np.asarray(pos), doc_ids if document_mask else None, pad,
+                         weights)
     return {k: torch.from_numpy(v) for k, v in shard.items()}
+
+
+def _fill_window(sample: np.ndarray, tokens: np.ndarray, trained: np.ndarray, starts: np.ndarray, eod_id: int,
+                 eod_mask_loss: bool) -> None:
+    """A window of concatenated documents: every label trains; a document starts after each EOD, and padding
+    is a document of its own."""
+    n = min(len(sample), len(tokens))
+    m = min(n, len(starts))                 # real inputs
+    tokens[:n] = sample[:n]
+    trained[:max(n - 1, 0)] = True
+    is_eod = tokens[:m] == eod_id
+    if eod_mask_loss:
+        trained[:m] &= ~is_eod
+    starts[1:m] = is_eod[:m - 1]
+    if n < len(starts):
+        starts[n] = True
+
+
+def _fill_packed(row: PackedRow, tokens: np.ndarray, trained: np.ndarray, starts: np.ndarray, eod_id: int,
+                 eod_mask_loss: bool) -> None:
+    """Whole documents back to back: label t trains when token t + 1 carries the loss and is in t's document;
+    each document starts its own, and so does the padding after them."""
+    n = min(len(row.tokens), len(trained))
+    tokens[:n] = row.tokens[:n]
+    begin = np.cumsum(row.doc_lengths)[:-1]
+    starts[begin[begin < len(starts)]] = True
+    if n < len(starts):
+        starts[n] = True
+    if n > 1:
+        trained[:n - 1] = row.loss[1:n] & ~starts[1:n]
+
+
+def _document_weights(trained: np.ndarray, doc_ids: np.ndarray) -> np.ndarray:
+    """1 / (labels that carry the loss in the label's document), on each such label; 0 elsewhere."""
+    weights = np.zeros(trained.shape, dtype=np.float32)
+    for b in range(len(trained)):
+        counts = np.bincount(doc_ids[b][trained[b]], minlength=int(doc_ids[b][-1]) + 1)
+        weights[b][trained[b]] = 1.0 / counts[doc_ids[b][trained[b]]]
+    return weights
 
 
 def cut_samples(samples: Sequence[np.ndarray], seq_len: int, piece_len: int) -> list[np.ndarray]:
@@ -92,8 +134,7 @@ def cut_samples(samples: Sequence[np.ndarray], seq_len: int, piece_len: int) -> 
     short (or empty) pieces, padded as any short sample is."""
     if piece_len < 1 or seq_len % piece_len:
         raise ValueError(f"piece length {piece_len} does not divide seq_len={seq_len}")
-    return [sample[i * piece_len:(i + 1) * piece_len + 1] for sample in samples
-            for i in range(seq_len // piece_len)]
+    return [piece for sample in samples for piece in cut_window(sample, seq_len, piece_len)]
 
 
 def check_sample_ids(samples: Sequence[np.ndarray], ids: Sequence[int], vocab_size: int) -> None:
@@ -117,13 +158,15 @@ def iterate_micro_batches(dataset: Any, micro_batch_size: int, dp_rank: int, dp_
                           document_mask: bool, seq_len: Optional[int] = None, eod_mask_loss: bool = False,
                           pad_id: Optional[int] = None, vocab_size: Optional[int] = None,
                           layout: Optional[SequenceLayout] = None,
-                          length_at: Optional[Callable[[int], int]] = None) -> Iterator[dict[str, torch.Tensor]]:
+                          length_at: Optional[Callable[[int], int]] = None,
+                          loss_average: str = "token") -> Iterator[dict[str, torch.Tensor]]:
     """Yield this rank's micro-batches from `consumed_samples` on, until the dataset cannot fill a
     whole chunk of micro_batch_size * dp_size samples. `dataset[g]` is sample g of the stream (seq_len
     + 1 tokens); seq_len defaults to `dataset.seq_len`; layout as for build_micro_batch. With vocab_size,
     a sample holding a token id outside [0, vocab_size) raises DatasetError instead of reaching the model.
     With `length_at`, the chunk of samples from stream index g on trains at length length_at(g), a divisor
-    of seq_len: its samples are cut into pieces of that length (cut_samples)."""
+    of seq_len: its samples are cut into pieces of that length (cut_samples), or, from a dataset of packed
+    conversations, read at that length (packing.sample_rows)."""
     if micro_batch_size < 1 or not 0 <= dp_rank < dp_size:
         raise ValueError(f"bad data-parallel position: micro_batch_size={micro_batch_size}, "
                          f"dp_rank={dp_rank}, dp_size={dp_size}")
@@ -136,12 +179,13 @@ def iterate_micro_batches(dataset: Any, micro_batch_size: int, dp_rank: int, dp_
     c = consumed_samples // chunk
     while (c + 1) * chunk <= len(dataset):
         ids = rank_sample_ids(c, micro_batch_size, dp_rank, dp_size)
-        samples = [dataset[g] for g in ids]
-        if vocab_size is not None:
-            check_sample_ids(samples, ids, vocab_size)
         length = seq_len if length_at is None else length_at(c * chunk)
-        if length != seq_len:
-            samples = cut_samples(samples, seq_len, length)
-        yield build_micro_batch(samples, length, sp_rank, sp_size, eod_id, reset_position_ids,
-                                document_mask, eod_mask_loss, pad_id, layout)
+        if length != seq_len and seq_len % length:
+            raise ValueError(f"piece length {length} does not divide seq_len={seq_len}")
+        rows = [sample_rows(dataset, g, seq_len, length) for g in ids]
+        if vocab_size is not None:
+            check_sample_ids([np.concatenate([getattr(r, "tokens", r) for r in sample]) for sample in rows], ids,
+                             vocab_size)
+        yield build_micro_batch([r for sample in rows for r in sample], length, sp_rank, sp_size, eod_id,
+                                reset_position_ids, document_mask, eod_mask_loss, pad_id, layout, loss_average)
         c += 1

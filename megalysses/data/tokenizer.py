@@ -7,6 +7,9 @@
     tok = build_tokenizer("GPT2BPETokenizer", vocab_file="vocab.json", merge_file="merges.txt")
     tok = build_tokenizer("NullTokenizer", vocab_size=32000)        # text is space-separated token ids
     ids = tok.encode("hello"); tok.decode(ids) == "hello"
+    tok.encode("a <|endoftext|> b")                        # text as text: the special token's spelling is text
+    tok.encode("<|im_start|>user\n", parse_special=True)   # special tokens spelled in text become their ids
+    tok.special_tokens, tok.spells_special(text)            # {spelling: id}; whether text spells one
 
 Kinds: byte, sentencepiece, huggingface, gpt2bpe, null, and Megatron-LM's --tokenizer-type names for
 them (HuggingFaceTokenizer, SentencePieceTokenizer, GPTSentencePieceTokenizer, Llama2Tokenizer,
@@ -17,13 +20,25 @@ vocabulary), bos_id (None when it has none), eos_id, eod_id (the document separa
 pipeline appends; = EOS), pad_id, encode, encode_batch and decode. EOD and BOS come from the
 tokenizer's own files (a Hugging Face folder's tokenizer_config.json, special_tokens_map.json or
 config.json; the sentencepiece model) or from `eod=` / `bos=` (a token or an id).
+
+Special tokens spelled in text. `encode(text)` tokenizes text as text for every kind: a document that spells
+`<|endoftext|>` gets the ids of those characters, never the EOD id (Megatron-LM's tools/preprocess_data.py
+does so for GPT2BPETokenizer and sentencepiece), so data never gains a document boundary or a control token
+its text only spelled. `encode(text, parse_special=True)` turns every spelling of a special token into its id,
+as Hugging Face tokenizers do by default (and Megatron-LM's HuggingFaceTokenizer with them): for markup that
+is special by design, such as a chat template's, whose messages are then encoded as text. The special tokens
+are a Hugging Face tokenizer's added tokens marked special, GPT-2's <|endoftext|>, a sentencepiece model's
+control and unknown pieces (parsed by splitting the text around them, as Megatron-LM's SentencePieceTokenizer
+does); the byte and null tokenizers have none. `spells_special(text)` says whether text spells one.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
-from typing import Any, Optional, Protocol, Sequence, runtime_checkable
+from types import MappingProxyType
+from typing import Any, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
 KINDS = ("byte", "sentencepiece", "huggingface", "gpt2bpe", "null")
 _MEGATRON_KINDS = {
@@ -59,12 +74,41 @@ class Tokenizer(Protocol):
     eos_id: int
     eod_id: int
     pad_id: int
+    special_tokens: Mapping[str, int]
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, parse_special: bool = False) -> list[int]: ...
 
-    def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
+    def encode_batch(self, texts: list[str], parse_special: bool = False) -> list[list[int]]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
+
+    def spells_special(self, text: str) -> bool: ...
+
+
+class _Specials:
+    """The special tokens of a tokenizer, by their spelling, and the search for them in text."""
+
+    special_tokens: Mapping[str, int] = MappingProxyType({})
+    _spelled: Optional[re.Pattern] = None
+
+    def _set_specials(self, specials: dict[str, int]) -> None:
+        self.special_tokens = MappingProxyType(dict(specials))
+        names = sorted((s for s in specials if s), key=len, reverse=True)      # the longest spelling first
+        self._spelled = re.compile("|".join(map(re.escape, names))) if names else None
+
+    def spells_special(self, text: str) -> bool:
+        """Whether `text` spells one of the special tokens (which encode() then tokenizes as text)."""
+        return self._spelled is not None and self._spelled.search(text) is not None
+
+    def _split_specials(self, text: str) -> list[tuple[str, Optional[int]]]:
+        """text as (piece, None) for text and (spelling, id) for each special token it spells, in order."""
+        if self._spelled is None:
+            return [(text, None)]
+        out, start = [], 0
+        for m in self._spelled.finditer(text):
+            out += [(text[start:m.start()], None), (m.group(), self.special_tokens[m.group()])]
+            start = m.end()
+        return out + [(text[start:], None)]
 
 
 def canonical_kind(kind: str) -> str:
@@ -81,8 +125,9 @@ def canonical_kind(kind: str) -> str:
                          f"Llama2Tokenizer, GPT2BPETokenizer")
 
 
-class ByteTokenizer:
-    """UTF-8 bytes as ids 0..255, then BOS=256, EOS=EOD=257, PAD=258 (vocab_size 259)."""
+class ByteTokenizer(_Specials):
+    """UTF-8 bytes as ids 0..255, then BOS=256, EOS=EOD=257, PAD=258 (vocab_size 259). No text spells a special
+    token: its special ids are not characters."""
 
     vocab_size = 259
     bos_id: Optional[int] = 256
@@ -90,14 +135,14 @@ class ByteTokenizer:
     eod_id = 257
     pad_id = 258
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, parse_special: bool = False) -> list[int]:
         return list(text.encode("utf-8"))
 
     def encode_bytes(self, text: str) -> bytes:
         """The ids as a bytes object (each byte is its own id): the fast path for preprocessing."""
         return text.encode("utf-8")
 
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+    def encode_batch(self, texts: list[str], parse_special: bool = False) -> list[list[int]]:
         return [self.encode(t) for t in texts]
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -116,9 +161,10 @@ def _model_file(path: Optional[str], what: str, flag: str) -> str:
     return path
 
 
-class SentencePieceTokenizer:
+class SentencePieceTokenizer(_Specials):
     """A sentencepiece model (see tools/train_tokenizer.py). PAD falls back to EOS when the model has
-    no pad piece; EOD is the EOS piece."""
+    no pad piece; EOD is the EOS piece. Its special tokens are its control and unknown pieces (<s>, </s>,
+    <unk>, ...), which sentencepiece itself never matches in text."""
 
     def __init__(self, model_path: str | os.PathLike) -> None:
         import sentencepiece as spm
@@ -140,12 +186,19 @@ class SentencePieceTokenizer:
         self.eod_id = self.eos_id
         pad = int(self.sp.pad_id())
         self.pad_id = pad if pad >= 0 else self.eos_id
+        self._set_specials({self.sp.id_to_piece(i): i for i in range(self.vocab_size)
+                            if self.sp.is_control(i) or self.sp.is_unknown(i)})
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, parse_special: bool = False) -> list[int]:
+        if parse_special:       # the text between the special tokens encoded on its own, as Megatron-LM does
+            return [i for piece, special in self._split_specials(text)
+                    for i in ([special] if special is not None else self.sp.encode(piece, out_type=int))]
         return self.sp.encode(text, out_type=int)
 
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+    def encode_batch(self, texts: list[str], parse_special: bool = False) -> list[list[int]]:
         """Encode many texts in one call, on this thread only (parallelism is the caller's choice)."""
+        if parse_special:
+            return [self.encode(t, parse_special=True) for t in texts]
         return self.sp.encode(texts, out_type=int, num_threads=1)
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -171,11 +224,12 @@ def _token_name(value: Any) -> Optional[str]:
     return value if isinstance(value, str) else None
 
 
-class HFTokenizer:
+class HFTokenizer(_Specials):
     """A Hugging Face `tokenizers` tokenizer: tokenizer.json, or a folder holding it (special tokens are
     read from the folder's tokenizer_config.json / special_tokens_map.json / config.json). Encodes as
     Megatron-LM's HuggingFaceTokenizer (`AutoTokenizer(text).input_ids`): with the special tokens the
-    post-processor adds, unless add_special_tokens is False."""
+    post-processor adds, unless add_special_tokens is False; special tokens spelled in the text are text
+    (the library's encode_special_tokens) unless parse_special, which parses them as that tokenizer does."""
 
     def __init__(self, path: str | os.PathLike, add_special_tokens: bool = True) -> None:
         from tokenizers import Tokenizer as _HF
@@ -207,7 +261,9 @@ class HFTokenizer:
                                                                    file.name == "tokenizer.json" else None))
 
     def _setup(self, tok: Any, add_special_tokens: bool, special: dict[str, Any]) -> None:
-        self.tok, self.add_special_tokens = tok, add_special_tokens
+        self.tok, self.add_special_tokens, self._parsing = tok, add_special_tokens, None
+        self._set_specials({t.content: int(i) for i, t in tok.get_added_tokens_decoder().items() if t.special})
+        tok.encode_special_tokens = True              # text is text: a special token's spelling is its characters
         vocab = tok.get_vocab(with_added_tokens=True)
         if not vocab:
             raise TokenizerError(f"{self.path}: the tokenizer has an empty vocabulary")
@@ -255,11 +311,24 @@ class HFTokenizer:
                         found.setdefault(key, value)
         return found
 
-    def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=self.add_special_tokens).ids
+    def _encoder(self, parse_special: bool) -> Any:
+        """The tokenizer that encodes text as text, or (a copy made on first use) the one that parses the special
+        tokens spelled in it."""
+        if not parse_special:
+            return self.tok
+        if self._parsing is None:
+            from tokenizers import Tokenizer as _HF
 
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=self.add_special_tokens)]
+            self._parsing = _HF.from_str(self.tok.to_str())
+            self._parsing.encode_special_tokens = False
+        return self._parsing
+
+    def encode(self, text: str, parse_special: bool = False) -> list[int]:
+        return self._encoder(parse_special).encode(text, add_special_tokens=self.add_special_tokens).ids
+
+    def encode_batch(self, texts: list[str], parse_special: bool = False) -> list[list[int]]:
+        return [e.ids for e in self._encoder(parse_special).encode_batch(texts,
+                                                                         add_special_tokens=self.add_special_tokens)]
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
@@ -271,7 +340,8 @@ class HFTokenizer:
 
 class GPT2BPETokenizer(HFTokenizer):
     """GPT-2's byte-level BPE from vocab.json + merges.txt (Megatron-LM's GPT2BPETokenizer): EOD is
-    <|endoftext|>, no special tokens are added."""
+    <|endoftext|>, no special tokens are added; <|endoftext|> spelled in text is text, as Megatron-LM's
+    encodes it, unless parse_special."""
 
     def __init__(self, vocab_file: Optional[str], merge_file: Optional[str]) -> None:
         from tokenizers import Tokenizer as _HF
@@ -291,7 +361,7 @@ class GPT2BPETokenizer(HFTokenizer):
         self._setup(tok, False, {"eos": "<|endoftext|>"})
 
 
-class NullTokenizer:
+class NullTokenizer(_Specials):
     """Megatron-LM's NullTokenizer: the text is already token ids separated by spaces; EOD is
     vocab_size - 1 unless given."""
 
@@ -303,7 +373,7 @@ class NullTokenizer:
         self.vocab_size = int(vocab_size)
         self.eos_id = self.eod_id = self.pad_id = self.vocab_size - 1
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, parse_special: bool = False) -> list[int]:
         try:
             ids = [int(x) for x in text.split()]
         except ValueError:
@@ -315,7 +385,7 @@ class NullTokenizer:
                                  f"(--vocab-size {self.vocab_size})")
         return ids
 
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+    def encode_batch(self, texts: list[str], parse_special: bool = False) -> list[list[int]]:
         return [self.encode(t) for t in texts]
 
     def decode(self, ids: Sequence[int]) -> str:

@@ -25,7 +25,8 @@ Ring attention runs attention block by block and merges the blocks with their lo
 block kernels live in block_attention.py (unsupported_reason(..., ring=True) says which can run).
 
 Document masks: doc_ids (B, S) ints, non-decreasing along each row; position i attends j iff j <= i
-and doc_ids[b, i] == doc_ids[b, j].
+and doc_ids[b, i] == doc_ids[b, j]. A sliding window of W (window=W, model.sliding_window) also needs
+i - j < W: each position attends to itself and the W - 1 before it, as Hugging Face's sliding_window.
 """
 from __future__ import annotations
 
@@ -57,6 +58,7 @@ except Exception:   # not installed, or built for another torch/CUDA
     flash_attn_func = flash_attn_varlen_func = None
 
 BACKENDS = ("reference", "sdpa", "flex", "flash", "varlen")
+_FLASH_WINDOW = flash_attn_func is not None and "window_size" in inspect.signature(flash_attn_func).parameters
 _HALF = (torch.float16, torch.bfloat16)
 DeviceLike = Union[torch.device, str]
 
@@ -99,11 +101,12 @@ def _power_of_two(n: int) -> bool:
 
 def unsupported_reason(backend: str, device: DeviceLike, dtype: torch.dtype, head_dim: Optional[int] = None,
                        training: bool = True, has_docs: bool = False, ring: bool = False,
-                       packages: Optional[frozenset] = None) -> Optional[str]:
+                       packages: Optional[frozenset] = None, window: bool = False) -> Optional[str]:
     """Why `backend` (a concrete name) cannot run attention of this head dim and dtype on `device` with
     `packages` (see available_backends), with a backward when `training`; None when it can. head_dim None
     skips the shape rules. ring: the blocks of ring attention, which need each block's log-sum-exp and a
-    backward against the merged one (kernels/block_attention.py); has_docs: with packed-document masks."""
+    backward against the merged one (kernels/block_attention.py); has_docs: with packed-document masks;
+    window: with a sliding window (every backend masks it but SDPA's kernel for ring blocks on CUDA)."""
     if backend not in BACKENDS:
         return f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}"
     device = torch.device(device)
@@ -129,6 +132,8 @@ def unsupported_reason(backend: str, device: DeviceLike, dtype: torch.dtype, hea
             return f"needs float16 or bfloat16 inputs, got {dtype}; use 'sdpa' or 'flex' for {dtype}"
         if head_dim is not None and (head_dim % 8 or head_dim > 256):
             return f"needs a head dim that is a multiple of 8 and at most 256, got {head_dim}"
+        if window and flash_attn_func is not None and not _FLASH_WINDOW:      # (described machines: a recent one)
+            return "masks no sliding window in this flash-attn release (window_size came in 2.3); use auto or flex"
     if backend == "varlen":
         if ring:
             return ("cannot run the blocks of ring attention: varlen_attn gives no backward against the "
@@ -137,11 +142,14 @@ def unsupported_reason(backend: str, device: DeviceLike, dtype: torch.dtype, hea
             return f"needs float16 or bfloat16 inputs (its flash kernel), got {dtype}; use 'sdpa' or 'flex'"
         if head_dim is not None and (head_dim % 8 or head_dim > 256):
             return f"needs a head dim that is a multiple of 8 and at most 256 (its flash kernel), got {head_dim}"
+        if window and varlen_available() and "window_size" not in varlen_options():
+            return "masks no sliding window in this torch's varlen_attn (it takes no window_size); use auto or flex"
     if backend == "sdpa" and ring and on_cuda:
         kernel = ("runs ring-attention blocks on CUDA with torch's flash kernel (the SDPA kernel that returns "
                   "the log-sum-exp)")
-        if has_docs:
-            return f"{kernel}, which takes no packed-document mask; use flex (auto picks it) or reference"
+        if has_docs or window:
+            what = "packed-document mask" if has_docs else "sliding-window mask"
+            return f"{kernel}, which takes no {what}; use flex (auto picks it) or reference"
         if dtype not in _HALF:
             return f"{kernel}, which takes float16 or bfloat16 only, got {dtype}; use flex or reference"
         if head_dim is not None and (head_dim % 8 or head_dim > 256):
@@ -179,31 +187,30 @@ class AttentionMask:
     def shape(self) -> tuple[int, int]:
         return tuple(self.doc_ids.shape)
 
-    def _cached(self, name: str, build: Callable[[], Any]) -> Any:
+    def _cached(self, name: Any, build: Callable[[], Any]) -> Any:
         if name not in self._forms:
             with torch.no_grad():
                 self._forms[name] = build()
         return self._forms[name]
 
-    def dense(self) -> Tensor:
-        """(B, 1, S, S) bool, True where attention is allowed (causal and same document)."""
+    def dense(self, window: int = 0) -> Tensor:
+        """(B, 1, S, S) bool, True where attention is allowed (causal, same document, inside the window)."""
         def build() -> Tensor:
             S = self.doc_ids.shape[1]
-            causal = torch.ones(S, S, dtype=torch.bool, device=self.doc_ids.device).tril()
             same_doc = self.doc_ids[:, :, None] == self.doc_ids[:, None, :]     # (B, S, S)
-            return (same_doc & causal)[:, None]
-        return self._cached("dense", build)
+            return (same_doc & causal_dense(S, self.doc_ids.device, window))[:, None]
+        return self._cached(("dense", window) if window else "dense", build)
 
-    def block_mask(self) -> Any:
+    def block_mask(self, window: int = 0) -> Any:
         """FlexAttention BlockMask of shape (B, 1, S, S)."""
         def build() -> Any:
             docs = self.doc_ids
             B, S = docs.shape
 
             def mask_mod(b, h, q_idx, kv_idx):
-                return (kv_idx <= q_idx) & (docs[b, q_idx] == docs[b, kv_idx])
+                return _causal(q_idx, kv_idx, window) & (docs[b, q_idx] == docs[b, kv_idx])
             return create_block_mask(mask_mod, B, S, docs.device, block=self.block)
-        return self._cached("block_mask", build)
+        return self._cached(("block_mask", window) if window else "block_mask", build)
 
     def varlen(self) -> tuple[Tensor, int]:
         """(cu_seqlens int32 (num_docs + 1,), max document length) over the flattened batch."""
@@ -212,22 +219,24 @@ class AttentionMask:
             return cu, int((cu[1:] - cu[:-1]).max())
         return self._cached("varlen", build)
 
-    def build_for(self, backend: str) -> "AttentionMask":
+    def build_for(self, backend: str, window: int = 0) -> "AttentionMask":
         """Compute now the form `backend` (a concrete name) uses; returns self."""
-        form = {"sdpa": self.dense, "flex": self.block_mask, "flash": self.varlen, "varlen": self.varlen}.get(backend)
-        if form is not None:
-            form()
+        if backend in ("flash", "varlen"):
+            self.varlen()
+        elif backend in ("sdpa", "flex"):
+            (self.dense if backend == "sdpa" else self.block_mask)(window)
         return self
 
 
 def prepare_attention_mask(doc_ids: Optional[Tensor], backend: str, seq_len: Optional[int] = None,
-                           device: Optional[DeviceLike] = None, block: int = 128) -> Optional[AttentionMask]:
+                           device: Optional[DeviceLike] = None, window: int = 0,
+                           block: int = 128) -> Optional[AttentionMask]:
     """The document mask for one step, to pass as `mask=` to every layer's `core_attention`.
 
     doc_ids: (B, S) ints, non-decreasing per row, or None (plain causal: returns None). seq_len, when
     given, is checked against S; device, when given, is where the mask lives (default: doc_ids'); block:
-    FlexAttention's block-mask block size. The form that `backend` (the run's concrete backend) uses is
-    built now; any other on first use."""
+    FlexAttention's block-mask block size. The form that `backend` (the run's concrete backend) uses with
+    the layers' sliding `window` is built now; any other on first use."""
     if doc_ids is None:
         return None
     if doc_ids.dim() != 2 or doc_ids.dtype.is_floating_point or doc_ids.dtype == torch.bool:
@@ -238,16 +247,17 @@ def prepare_attention_mask(doc_ids: Optional[Tensor], backend: str, seq_len: Opt
         doc_ids = doc_ids.to(device)
     if doc_ids.shape[1] > 1 and bool((doc_ids[:, 1:] < doc_ids[:, :-1]).any()):
         raise ValueError("doc_ids must be non-decreasing along each row (one id per packed document)")
-    return AttentionMask(doc_ids, block).build_for(backend)
+    return AttentionMask(doc_ids, block).build_for(backend, window)
 
 
 def core_attention(q: Tensor, k: Tensor, v: Tensor, doc_ids: Optional[Tensor] = None, backend: str = "sdpa",
-                   scale: Optional[float] = None, *, mask: Optional[AttentionMask] = None) -> Tensor:
+                   scale: Optional[float] = None, *, mask: Optional[AttentionMask] = None, window: int = 0) -> Tensor:
     """Exact causal (optionally document-masked) attention; differentiable in q, k and v.
 
     q: (B, S, Hq, D); k, v: (B, S, Hkv, D), Hq % Hkv == 0 -> (B, S, Hq, D) in q's dtype.
     doc_ids: (B, S) document ids (builds a mask for this call only), or mask: a prepared AttentionMask
-    (build it once per step); at most one of them. scale defaults to 1/sqrt(D)."""
+    (build it once per step); at most one of them. scale defaults to 1/sqrt(D). window > 0: each
+    position attends to itself and the window - 1 positions before it only."""
     if q.dim() != 4 or k.shape != v.shape or k.dim() != 4 or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
         raise ValueError(f"expected q (B, S, Hq, D) and k, v (B, S, Hkv, D); got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
@@ -262,12 +272,14 @@ def core_attention(q: Tensor, k: Tensor, v: Tensor, doc_ids: Optional[Tensor] = 
     if mask is not None and mask.doc_ids.device != q.device:
         raise ValueError(f"mask is on {mask.doc_ids.device} but q is on {q.device}: "
                          f"prepare_attention_mask(..., device=q.device)")
-    check_backend(backend, q, mask is not None)
+    if window < 0:
+        raise ValueError(f"window={window}: give the sliding window's length, or 0 for none")
+    check_backend(backend, q, mask is not None, window=window > 0)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return _BACKEND_FNS[backend](q, k, v, mask, scale)
+    return _BACKEND_FNS[backend](q, k, v, mask, scale, window)
 
 
-def check_backend(backend: str, q: Tensor, has_docs: bool, ring: bool = False) -> None:
+def check_backend(backend: str, q: Tensor, has_docs: bool, ring: bool = False, window: bool = False) -> None:
     """Refuse a backend that cannot run this call (the plan chose it for the run; a direct call may not
     have): ValueError for a name that is not a concrete backend, RuntimeError saying why one cannot run."""
     if backend not in BACKENDS:
@@ -275,26 +287,44 @@ def check_backend(backend: str, q: Tensor, has_docs: bool, ring: bool = False) -
                          f"{', '.join(BACKENDS)} (megalysses.plan.resolve decides what auto is)")
     training = torch.is_grad_enabled() and q.requires_grad
     device = torch.device("cuda") if accelerator.on_gpu(q) else q.device
-    why = unsupported_reason(backend, device, q.dtype, q.shape[-1], training, has_docs, ring)
+    why = unsupported_reason(backend, device, q.dtype, q.shape[-1], training, has_docs, ring, window=window)
     if why is not None:
         raise RuntimeError(f"attention backend {backend!r} {why}")
 
 
 # ---------------------------------------------------------------------------------------------------
-# backends: (q (B,S,Hq,D), k, v (B,S,Hkv,D), mask or None, scale) -> (B,S,Hq,D)
+# backends: (q (B,S,Hq,D), k, v (B,S,Hkv,D), mask or None, scale, window) -> (B,S,Hq,D)
+
+def _causal(q_idx: Any, kv_idx: Any, window: int) -> Any:
+    """Whether query index q_idx may attend key index kv_idx: causal, and inside a window (0 = none)."""
+    allowed = kv_idx <= q_idx
+    return allowed & (q_idx - kv_idx < window) if window else allowed
+
+
+def causal_dense(S: int, device: torch.device, window: int = 0) -> Tensor:
+    """(S, S) bool: the causal (sliding-window) pairs of S positions."""
+    idx = torch.arange(S, device=device)
+    return _causal(idx[:, None], idx[None, :], window)
+
+
+@functools.lru_cache(maxsize=2)
+def window_dense(S: int, device: torch.device, window: int) -> Tensor:
+    """causal_dense with a window, cached: SDPA's mask without documents, shared by the layers of a step."""
+    return causal_dense(S, device, window)
+
 
 def _repeat_kv(x: Tensor, rep: int) -> Tensor:
     """(B, S, Hkv, D) -> (B, S, Hkv*rep, D), head h of the result = head h // rep of x."""
     return x if rep == 1 else x.repeat_interleave(rep, dim=2)
 
 
-def _reference(q: Tensor, k: Tensor, v: Tensor, mask: Optional[AttentionMask], scale: float) -> Tensor:
+def _reference(q: Tensor, k: Tensor, v: Tensor, mask: Optional[AttentionMask], scale: float, window: int) -> Tensor:
     rep = q.shape[2] // k.shape[2]
     qf = q.float().transpose(1, 2)                                        # (B, Hq, S, D)
     kf = _repeat_kv(k, rep).float().transpose(1, 2)
     vf = _repeat_kv(v, rep).float().transpose(1, 2)
     S = q.shape[1]
-    allowed = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()  # (S, S) causal
+    allowed = causal_dense(S, q.device, window)                           # (S, S) causal
     if mask is not None:
         docs = mask.doc_ids
         allowed = allowed & (docs[:, None, :, None] == docs[:, None, None, :])   # (B, 1, S, S)
@@ -306,10 +336,12 @@ def _reference(q: Tensor, k: Tensor, v: Tensor, mask: Optional[AttentionMask], s
 _SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
 
-def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Optional[AttentionMask], scale: float,
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Optional[AttentionMask], scale: float, window: int,
           sdpa: Callable[..., Tensor] = F.scaled_dot_product_attention) -> Tensor:
     rep = q.shape[2] // k.shape[2]
-    attn_mask = mask.dense() if mask is not None else None                # (B, 1, S, S) bool
+    attn_mask = mask.dense(window) if mask is not None else None          # (B, 1, S, S) bool
+    if attn_mask is None and window:
+        attn_mask = window_dense(q.shape[1], q.device, window)            # (S, S)
     # native GQA only where SDPA's flash kernel takes it (CUDA, half precision, no mask); elsewhere
     # enable_gqa would fall back to the O(S^2)-memory math kernel, so expand the kv heads instead
     native_gqa = rep > 1 and _SDPA_HAS_GQA and accelerator.on_gpu(q) and q.dtype in _HALF and attn_mask is None
@@ -334,10 +366,10 @@ def create_block_mask(mask_mod: Callable, B: Optional[int], S: int, device: torc
 
 
 @functools.lru_cache(maxsize=8)
-def causal_block_mask(S: int, device: torch.device) -> Any:
-    """The plain causal BlockMask of S positions (cached)."""
+def causal_block_mask(S: int, device: torch.device, window: int = 0) -> Any:
+    """The plain causal (sliding-window) BlockMask of S positions (cached)."""
     def causal(b, h, q_idx, kv_idx):
-        return kv_idx <= q_idx
+        return _causal(q_idx, kv_idx, window)
     return create_block_mask(causal, None, S, device)
 
 
@@ -362,11 +394,11 @@ def reserve_compiles(count: int) -> int:
     return getattr(dynamo, name)
 
 
-def _flex(q: Tensor, k: Tensor, v: Tensor, mask: Optional[AttentionMask], scale: float) -> Tensor:
+def _flex(q: Tensor, k: Tensor, v: Tensor, mask: Optional[AttentionMask], scale: float, window: int) -> Tensor:
     gpu = accelerator.on_gpu(q)
     if not gpu:         # forward only (the plan refuses training): torch refuses inputs requiring grad
         q, k, v = q.detach(), k.detach(), v.detach()
-    block_mask = mask.block_mask() if mask is not None else causal_block_mask(q.shape[1], q.device)
+    block_mask = mask.block_mask(window) if mask is not None else causal_block_mask(q.shape[1], q.device, window)
     q_, k_, v_ = (t.transpose(1, 2) for t in (q, k, v))                   # (B, H, S, D)
     gqa = q.shape[2] != k.shape[2]
     if gpu:
@@ -378,13 +410,15 @@ def _flex(q: Tensor, k: Tensor, v: Tensor, mask: Optional[AttentionMask], scale:
     return out.transpose(1, 2)                                            # (B, S, Hq, D)
 
 
-def _flash(q: Tensor, k: Tensor, v: Tensor, mask: Optional[AttentionMask], scale: float) -> Tensor:
+def _flash(q: Tensor, k: Tensor, v: Tensor, mask: Optional[AttentionMask], scale: float, window: int) -> Tensor:
+    sliding = {"window_size": (window - 1, 0)} if window else {}         # keys i - (window - 1) .. i
     if mask is None:
-        return flash_attn_func(q, k, v, softmax_scale=scale, causal=True)  # GQA native
+        return flash_attn_func(q, k, v, softmax_scale=scale, causal=True, **sliding)  # GQA native
     B, S, Hq, D = q.shape
     cu_seqlens, max_len = mask.varlen()
     out = flash_attn_varlen_func(q.reshape(B * S, Hq, D), k.reshape(B * S, -1, D), v.reshape(B * S, -1, D),
-                                 cu_seqlens, cu_seqlens, max_len, max_len, softmax_scale=scale, causal=True)
+                                 cu_seqlens, cu_seqlens, max_len, max_len, softmax_scale=scale, causal=True,
+                                 **sliding)
     return out.view(B, S, Hq, D)
 
 
@@ -402,7 +436,7 @@ def varlen_native_gqa() -> bool:
     return "enable_gqa" in varlen_options()
 
 
-def _varlen(q: Tensor, k: Tensor, v: Tensor, mask: Optional[AttentionMask], scale: float) -> Tensor:
+def _varlen(q: Tensor, k: Tensor, v: Tensor, mask: Optional[AttentionMask], scale: float, window: int) -> Tensor:
     B, S, Hq, D = q.shape
     if mask is not None:
         cu_seqlens, max_len = mask.varlen()
@@ -414,7 +448,8 @@ def _varlen(q: Tensor, k: Tensor, v: Tensor, mask: Optional[AttentionMask], scal
             kwargs["enable_gqa"] = True
         else:
             k, v = _repeat_kv(k, Hq // k.shape[2]), _repeat_kv(v, Hq // k.shape[2])
-    kwargs.update({"is_causal": True} if "is_causal" in options else {"window_size": (-1, 0)})
+    # causal: keys up to the query; a sliding window: keys i - (window - 1) .. i
+    kwargs.update({"is_causal": True} if "is_causal" in options else {"window_size": (window - 1 if window else -1, 0)})
     if "scale" in options:
         kwargs["scale"] = scale
     elif scale != 1.0 / math.sqrt(D):          # the default scale is 1/sqrt(D): fold another into q

@@ -37,23 +37,35 @@ aten = torch.ops.aten
 
 class AttentionBlock:
     """Which (query, key) pairs of one block may attend: causal in local index (a diagonal block, whose
-    queries and keys are the same positions in the same order) and/or the same document.
+    queries and keys are the same positions in the same order), the same document, and inside a sliding
+    window.
 
     q_docs (B, Sq), k_docs (B, Sk): document ids of the block's queries and keys (None: no documents).
+    window > 0: q_pos (Sq,), k_pos (Sk,), the queries' and keys' indices in the whole sequence, and a query
+    attends only keys less than `window` before it (kernels/attention.py's sliding window).
     Each mask form a backend needs is built on first use and kept, so the layers of a step share it, except
-    FlexAttention's block mask of documents: its int32 (Sq/block x Sk/block) index tensors are built for
-    each use (a ring step's pair of blocks) and freed after it, in blocks of `block` tokens."""
+    FlexAttention's block mask of documents or a window: its int32 (Sq/block x Sk/block) index tensors are
+    built for each use (a ring step's pair of blocks) and freed after it, in blocks of `block` tokens."""
 
     def __init__(self, causal: bool, q_docs: Optional[Tensor] = None, k_docs: Optional[Tensor] = None,
+                 window: int = 0, q_pos: Optional[Tensor] = None, k_pos: Optional[Tensor] = None,
                  block: int = 128) -> None:
         if (q_docs is None) != (k_docs is None):
             raise ValueError("give the document ids of both the queries and the keys, or of neither")
+        if window and (q_pos is None or k_pos is None):
+            raise ValueError("a sliding window needs the positions of the block's queries and keys")
         self.causal, self.q_docs, self.k_docs, self.block = causal, q_docs, k_docs, block
+        self.window, self.q_pos, self.k_pos = window, q_pos, k_pos
         self._forms: dict[Any, Any] = {}
 
     @property
     def has_docs(self) -> bool:
         return self.q_docs is not None
+
+    @property
+    def masked(self) -> bool:
+        """Whether pairs other than causality's are left out (documents or a window): the block needs a mask."""
+        return self.has_docs or bool(self.window)
 
     def _cached(self, key: Any, build: Any) -> Any:
         if key not in self._forms:
@@ -70,6 +82,10 @@ class AttentionBlock:
             if self.has_docs:
                 same = (self.q_docs[:, :, None] == self.k_docs[:, None, :])[:, None]      # (B, 1, Sq, Sk)
                 mask = same if mask is None else mask & same
+            if self.window:
+                qp, kp = self.q_pos.to(device), self.k_pos.to(device)
+                near = (qp[:, None] - kp[None, :] < self.window)[None, None]            # (1, 1, Sq, Sk)
+                mask = near if mask is None else mask & near
             return mask
         return self._cached(("allowed", sq, sk), build)
 
@@ -81,23 +97,29 @@ class AttentionBlock:
         return self._cached(("bias", sq, sk, dtype), build)
 
     def empty_rows(self, sq: int, sk: int, device: torch.device) -> Optional[Tensor]:
-        """(B, 1, Sq) bool: queries with no allowed key in this block (only documents make them)."""
-        if not self.has_docs:
+        """(B, 1, Sq) bool: queries with no allowed key in this block (only documents and windows make them)."""
+        if not self.masked:
             return None
         return self._cached(("empty", sq, sk), lambda: ~self.allowed(sq, sk, device).any(-1))
 
     def flex_mask(self, sq: int, sk: int, device: torch.device) -> Any:
-        """FlexAttention BlockMask (None: no mask, every pair allowed); with documents a new one, which the
-        caller drops after its step."""
-        if not self.has_docs:
+        """FlexAttention BlockMask (None: no mask, every pair allowed); with documents or a window a new one,
+        which the caller drops after its step."""
+        if not self.masked:
             return attention.causal_block_mask(sq, device) if self.causal else None
-        qd, kd, causal = self.q_docs, self.k_docs, self.causal
+        qd, kd, causal, window = self.q_docs, self.k_docs, self.causal, self.window
+        qp, kp = (None, None) if not window else (self.q_pos.to(device), self.k_pos.to(device))
 
         def mask_mod(b, h, q_idx, kv_idx):
-            same = qd[b, q_idx] == kd[b, kv_idx]
-            return same & (kv_idx <= q_idx) if causal else same
+            allowed = kv_idx <= q_idx if causal else q_idx >= 0
+            if qd is not None:
+                allowed = allowed & (qd[b, q_idx] == kd[b, kv_idx])
+            if window:
+                allowed = allowed & (qp[q_idx] - kp[kv_idx] < window)
+            return allowed
         with torch.no_grad():
-            return attention.create_block_mask(mask_mod, qd.shape[0], sq, device, kv_len=sk, block=self.block)
+            return attention.create_block_mask(mask_mod, None if qd is None else qd.shape[0], sq, device, kv_len=sk,
+                                               block=self.block)
 
 
 def _heads_first(x: Tensor) -> Tensor:
@@ -156,8 +178,9 @@ def _reference_backward(dout, q, k, v, out, lse, block, scale, aux):
 # ----------------------------------------------------------------------------- sdpa (torch's kernels)
 
 def _sdpa_cpu_args(q: Tensor, k: Tensor, block: AttentionBlock) -> tuple[bool, Optional[Tensor]]:
-    """(is_causal, attn_mask) for the CPU flash kernel: documents (with causality folded in) as a bias."""
-    if block.has_docs:
+    """(is_causal, attn_mask) for the CPU flash kernel: documents and windows (with causality folded in) as a
+    bias."""
+    if block.masked:
         return False, block.bias(q.shape[1], k.shape[1], q.dtype, q.device)
     return block.causal, None
 

@@ -177,8 +177,8 @@ def _create_block_mask(mask_mod: Any, B: Optional[int], S: int, device: Any, kv_
                                                                       block, block)
 
 
-def _causal_block_mask(S: int, device: Any) -> Any:
-    return _create_block_mask(lambda b, h, q, kv: kv <= q, None, S, device)
+def _causal_block_mask(S: int, device: Any, window: int = 0) -> Any:
+    return _create_block_mask(lambda b, h, q, kv: attention._causal(q, kv, window), None, S, device)
 
 
 # ----------------------------------------------------------------------------- installing them

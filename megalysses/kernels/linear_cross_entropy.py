@@ -1,6 +1,7 @@
 """The LM head and the cross-entropy in one step, vocab-parallel and tiled: full logits never exist.
 
     loss_sum = linear_cross_entropy(x, weight, labels, tp_group, vocab_start, vocab_size, chunk_tokens)
+    loss_sum = linear_cross_entropy(..., weights=w)     # sum over tokens of w * loss (w = 0 where ignored)
 
 x (N, h) are the final hidden states (this tp rank's copy, inside the tensor-parallel region), weight
 (V/tp, h) this rank's rows of the (padded) vocabulary, labels (N,) global token ids (-100 = ignored).
@@ -31,8 +32,9 @@ def default_chunk_tokens(vocab_local: int, budget_bytes: int = 1 << 29) -> int:
 
 
 def _tile(x: Tensor, weight: Tensor, labels: Tensor, group: Group, vocab_start: int, vocab_size: int,
-          with_grad: bool) -> tuple[Tensor, Tensor | None]:
-    """Losses (n,) fp32 and, with_grad, d loss / d logits (n, V/tp) in x's dtype for one tile."""
+          with_grad: bool, weights: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """Losses (n,) fp32 and, with_grad, d loss / d logits (n, V/tp) in x's dtype for one tile; each token's
+    loss (and its gradient) times its weight, when weights (n,) are given."""
     logits = (x @ weight.t()).float()                                        # (n, V/tp)
     vlocal = logits.shape[-1]
     if vocab_start + vlocal > vocab_size:                                    # padded rows on this rank
@@ -52,11 +54,14 @@ def _tile(x: Tensor, weight: Tensor, labels: Tensor, group: Group, vocab_start: 
     comm.all_reduce_(both, group)
     sum_exp, target_logit = both[0], both[1]
     loss = (sum_exp.log() - target_logit).masked_fill(~valid, 0.0)           # -log softmax[target]
+    scale = valid if weights is None else weights.float() * valid
+    if weights is not None:
+        loss = loss * scale
     if not with_grad:
         return loss, None
     probs = logits.div_(sum_exp.unsqueeze(-1))                               # softmax, in place
     probs[rows, cols] -= 1.0
-    probs.mul_(valid.unsqueeze(-1))
+    probs.mul_(scale.unsqueeze(-1))
     return loss, probs.to(x.dtype)
 
 
@@ -66,7 +71,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, labels: Tensor, group: Group, vocab_start: int, vocab_size: int,
-                chunk: int) -> Tensor:
+                chunk: int, weights: Tensor | None = None) -> Tensor:
         with_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         n = x.shape[0]
         total = torch.zeros((), dtype=torch.float32, device=x.device)
@@ -74,7 +79,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_w = None
         for lo in range(0, n, chunk):
             xs = x[lo:lo + chunk]
-            loss, dlogits = _tile(xs, weight, labels[lo:lo + chunk], group, vocab_start, vocab_size, with_grad)
+            loss, dlogits = _tile(xs, weight, labels[lo:lo + chunk], group, vocab_start, vocab_size, with_grad,
+                                  None if weights is None else weights[lo:lo + chunk])
             total += loss.sum()
             if with_grad:
                 torch.matmul(dlogits, weight, out=grad_x[lo:lo + chunk])            # (n, h)
@@ -90,12 +96,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g: Tensor):
         grad_x, grad_w = ctx.saved_tensors
-        return grad_x * g.to(grad_x.dtype), grad_w * g.to(grad_w.dtype), None, None, None, None, None
+        return grad_x * g.to(grad_x.dtype), grad_w * g.to(grad_w.dtype), None, None, None, None, None, None
 
 
 def linear_cross_entropy(x: Tensor, weight: Tensor, labels: Tensor, group: Group = None, vocab_start: int = 0,
-                         vocab_size: int | None = None, chunk_tokens: int = 0) -> Tensor:
-    """The sum over tokens of -log softmax(x @ W^T)[label] (fp32 scalar), labels == -100 excluded.
+                         vocab_size: int | None = None, chunk_tokens: int = 0, weights: Tensor | None = None) -> Tensor:
+    """The sum over tokens of -log softmax(x @ W^T)[label] (fp32 scalar), labels == -100 excluded; with
+    weights (shaped as labels), the sum of each token's loss times its weight.
 
     x (..., h) inside the tensor-parallel region, weight (V/tp, h), labels (...) global ids; vocab_size
     is the true vocabulary (rows from it on are padding; default: all of weight's rows, over tp);
@@ -103,7 +110,9 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, labels: Tensor, group: Group
     h = x.shape[-1]
     if labels.shape != x.shape[:-1]:
         raise ValueError(f"labels {tuple(labels.shape)} do not match the tokens of x {tuple(x.shape)}")
+    if weights is not None and weights.shape != labels.shape:
+        raise ValueError(f"loss weights {tuple(weights.shape)} do not match the labels {tuple(labels.shape)}")
     vocab_size = weight.shape[0] * comm.group_size(group) if vocab_size is None else vocab_size
     chunk = chunk_tokens or default_chunk_tokens(weight.shape[0])
     return _LinearCrossEntropy.apply(x.reshape(-1, h), weight, labels.reshape(-1), group, vocab_start, vocab_size,
-                                     chunk)
+                                     chunk, None if weights is None else weights.reshape(-1))

@@ -20,18 +20,24 @@ from megalysses.kernels.triton_support import choose_impl
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[Any] = None,
                   device: Optional[torch.device] = None) -> Tensor:
-    """The D/2 rotation frequencies theta^(-2i/D), in fp32 as Hugging Face computes them; with a
-    `scaling` of type llama3 (config.RopeScalingConfig), Llama 3.1's: wavelengths longer than
-    original_max_position_embeddings / low_freq_factor are divided by `factor`, shorter than
-    original / high_freq_factor kept, and those between interpolated smoothly."""
+    """The D/2 rotation frequencies theta^(-2i/D), in fp32 as Hugging Face computes them, with a `scaling`
+    (config.RopeScalingConfig) as Hugging Face's rope_type of that name: llama3 (Llama 3.1: wavelengths longer
+    than original_max_position_embeddings / low_freq_factor divided by `factor`, shorter than original /
+    high_freq_factor kept, those between interpolated smoothly), linear (all divided by `factor`) or yarn
+    (_yarn_inv_freq)."""
     if head_dim % 2:
         raise ValueError(f"RoPE needs an even head dim, got {head_dim}")
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
     inv_freq = 1.0 / (theta ** exponents)                                 # (D/2,)
-    if scaling is None or scaling.type == "none":
+    kind = "none" if scaling is None else scaling.type
+    if kind == "none":
         return inv_freq
-    if scaling.type != "llama3":
-        raise ValueError(f"unknown RoPE scaling {scaling.type!r}")
+    if kind == "linear":
+        return inv_freq / scaling.factor
+    if kind == "yarn":
+        return _yarn_inv_freq(head_dim, theta, scaling, device)
+    if kind != "llama3":
+        raise ValueError(f"unknown RoPE scaling {kind!r}")
     old = scaling.original_max_position_embeddings
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > old / scaling.low_freq_factor, inv_freq / scaling.factor, inv_freq)
@@ -41,15 +47,58 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[Any] = None,
     return torch.where(medium, smoothed, scaled)
 
 
+def _yarn_inv_freq(head_dim: int, theta: float, scaling: Any, device: Optional[torch.device]) -> Tensor:
+    """YaRN's frequencies (arXiv 2309.00071), as Hugging Face's rope_type "yarn": dimension pair i keeps its
+    frequency when it turns more than beta_fast times over the original context, is divided by `factor` when
+    it turns fewer than beta_slow times, and mixes the two along a linear ramp between (its ends rounded
+    out to whole dimensions with `truncate`)."""
+    def dim_of(rotations: float) -> float:      # the dimension whose wavelength fits `rotations` times
+        return head_dim * math.log(scaling.original_max_position_embeddings / (rotations * 2 * math.pi)) / \
+            (2 * math.log(theta))
+
+    low, high = dim_of(scaling.beta_fast), dim_of(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001                                                     # as Hugging Face: no zero-width ramp
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1).to(device)
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2).to(device=device, dtype=torch.float) / head_dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (scaling.factor * pos_freqs)
+    kept = 1 - ramp
+    return interpolation * (1 - kept) + extrapolation * kept
+
+
+def rope_attention_factor(scaling: Optional[Any]) -> float:
+    """The factor cos and sin are scaled by (1 but for yarn): YaRN's attention_factor, or from its factor as
+    Hugging Face derives it: 1 + 0.1 ln(factor), or with mscale and mscale_all_dim (both non-zero) the ratio
+    (1 + 0.1 mscale ln factor) / (1 + 0.1 mscale_all_dim ln factor)."""
+    if scaling is None or scaling.type != "yarn":
+        return 1.0
+    if scaling.attention_factor is not None:
+        return float(scaling.attention_factor)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if scaling.mscale and scaling.mscale_all_dim:
+        return float(mscale(scaling.factor, scaling.mscale) / mscale(scaling.factor, scaling.mscale_all_dim))
+    return mscale(scaling.factor)
+
+
 def rope_cos_sin(position_ids: Tensor, head_dim: int, theta: float, dtype: torch.dtype = torch.float32,
                  scaling: Optional[Any] = None) -> tuple[Tensor, Tensor]:
     """cos and sin (B, S, D) for integer positions (B, S): angle[..., i] = pos * inv_freq[i] for
     i < D/2 (rope_inv_freq, with optional scaling), repeated for the second half (HF's cat(freqs,
-    freqs)); computed in fp32, then cast."""
+    freqs)); computed in fp32 and multiplied by the scaling's attention factor (YaRN's; 1 otherwise), then
+    cast. Every RoPE kernel reads these, so each applies the factor."""
     inv_freq = rope_inv_freq(head_dim, theta, scaling, position_ids.device)
     freqs = position_ids.float()[..., None] * inv_freq                    # (B, S, D/2)
     angles = torch.cat([freqs, freqs], dim=-1)                            # (B, S, D)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    factor = rope_attention_factor(scaling)
+    if factor == 1.0:
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+    return (angles.cos() * factor).to(dtype), (angles.sin() * factor).to(dtype)
 
 
 def rotate_half(x: Tensor) -> Tensor:

@@ -19,6 +19,8 @@ What a layer keeps for the backward (megalysses/model/layers.py, no checkpointin
     each norm         its input (and 1/rms, with a fused RMSNorm); the torch norms run over row tiles
                       (kernels/norms.py) and their backward recomputes one tile at a time
     QKV, gate-up      the norm output (under TP sequence sharding the all-gathered copy)
+    q/k head norms    (model.qk_layernorm) their input: with the torch norms the whole QKV output it is a view
+                      of, with fused ones a copy of q and k and their 1/rms
     RoPE              the torch reference in bf16: cos and sin cast to bf16 for q and for k
     core attention    q, k, v (with Ulysses the all-to-all buffer they are views of; k and v repeated to
                       the query heads when the kernel has no native grouped-query attention; without either,
@@ -59,7 +61,11 @@ there; the gradients stream out during the backward, so the device holds those w
 CPUOffloadPolicy) keeps the shards, their gradients and the optimizer state in host memory: the device holds
 two gathered blocks, the embedding and head, and one block's gradient (bf16, its fp32 copy and its reduced
 shard on the way out). Both are megalysses' own (tests/test_optimizer_offload.py measures them) and model
-other systems' published points too (tests/test_plan.py).
+other systems' published points too (tests/test_plan.py). What megalysses pins in host memory (offloaded
+block inputs, optimizer offload's masters, reduced gradients and staging buffers) is counted request by
+request as the code makes it (host.py), and the run's pinned arenas are sized from that same count, so the
+host terms are what is allocated; FSDP2's own pinned shards and gradients are counted as torch's caching
+host allocator takes them (rounded up to a power of two where the torch in use cannot be told otherwise).
 
 Checked on CPU against the bytes a forward retains and the peak a training step reaches
 (tests/test_memory_model.py, within 10%); benchmarks/bench_memory.py compares the peak with
@@ -68,7 +74,8 @@ torch.cuda.max_memory_allocated on a GPU.
 The modules: types.py (the tables above, Layout, Options, Workload, Term, Estimate), activations.py (what
 a layer and a stage keep), states.py (parameters, micro-batches in flight, weights, gradients, optimizer
 state), transients.py (a layer's backward, the norm backward, the loss), estimate.py (the peak over stages
-and phases, the longest sequence that fits), from_plan.py (all of it read off a RunPlan).
+and phases, the longest sequence that fits), host.py (the pinned host requests of a rank), from_plan.py
+(all of it read off a RunPlan).
 """
 
 from megalysses.memory.types import (GIB, KERNELS, PRECISIONS, Estimate, Kernels, Layout, Options, Precision, Term,
@@ -77,15 +84,17 @@ from megalysses.memory.activations import (SP_BUFFERS, PerToken, bytes_per_token
                                            head_weight_grad_bytes, kept_layers, kv_replication, layer_terms,
                                            retained_activation_bytes,
                                            sp_buffer_bytes_per_token, stage_layers, stage_terms, tiled)
-from megalysses.memory.states import in_flight, layer_params, stage_params
+from megalysses.memory.states import head_norm_params, in_flight, layer_params, stage_params
 from megalysses.memory.transients import loss_tile_tokens, norm_backward_bytes, norm_tile_bytes
 from megalysses.memory.estimate import estimate, longest_sequence
+from megalysses.memory.host import PinnedRequest, arena_bytes, arenas, pinned_requests
 from megalysses.memory.from_plan import (attention_buffers, estimate_plan, layout_of, options_of,
-                                         precision_of, workload_of)
+                                         pinned_requests_of, precision_of, workload_of)
 
-__all__ = ["Estimate", "GIB", "KERNELS", "Kernels", "Layout", "Options", "PRECISIONS", "PerToken", "Precision",
+__all__ = ["Estimate", "GIB", "KERNELS", "Kernels", "Layout", "Options", "PRECISIONS", "PerToken", "PinnedRequest",
+           "Precision", "arena_bytes", "arenas", "pinned_requests", "pinned_requests_of",
            "SP_BUFFERS", "Term", "Workload", "attention_buffers", "bytes_per_token", "cos_sin_kept", "estimate",
-           "estimate_plan", "fmt_bytes", "head_weight_grad_bytes", "in_flight", "kept_layers", "kv_replication",
-           "layer_params", "layer_terms", "layout_of", "longest_sequence", "loss_tile_tokens", "norm_backward_bytes",
-           "norm_tile_bytes", "options_of", "precision_of", "retained_activation_bytes",
+           "estimate_plan", "fmt_bytes", "head_norm_params", "head_weight_grad_bytes", "in_flight", "kept_layers",
+           "kv_replication", "layer_params", "layer_terms", "layout_of", "longest_sequence", "loss_tile_tokens",
+           "norm_backward_bytes", "norm_tile_bytes", "options_of", "precision_of", "retained_activation_bytes",
            "sp_buffer_bytes_per_token", "stage_layers", "stage_params", "stage_terms", "tiled", "workload_of"]

@@ -27,10 +27,10 @@ def dims(m: ModelConfig, layout: Layout, opts: Options, chunks: int = 1) -> dict
                          f"the model does not count; plan with sdpa, flash or flex")
     hq, hk = m.num_heads // t // chunks, m.kv_heads // t // chunks
     rep = kv_replication(hk, P)
-    q, kv = hq * m.head_dim, hk * rep * m.head_dim           # per S/sp token on one tp rank
+    q, kv = hq * m.head_size, hk * rep * m.head_size           # per S/sp token on one tp rank
     expand = ring == 1 and (opts.attention == "reference" or not opts.native_gqa) and hq != hk * rep
-    return {"h": m.hidden_size, "r": t if opts.tp_sequence_parallel else 1, "q": q, "kv": kv, "hq": hq,
-            "qkv": q + 2 * hk * m.head_dim, "f": m.ffn_size / t, "expand": expand, "P": P, "ring": ring,
+    return {"h": m.hidden_size, "r": t if opts.tp_sequence_parallel else 1, "q": q, "kv": kv, "hq": hq, "hk": hk,
+            "qkv": q + 2 * hk * m.head_size, "f": m.ffn_size / t, "expand": expand, "P": P, "ring": ring,
             "k": KERNELS[opts.kernels]}
 
 
@@ -104,10 +104,21 @@ def attention_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precisi
     terms = []
     if opts.fsdp and a != 4:    # FSDP2 casts a block's floating inputs, cos and sin, to the compute dtype (RoPE's
         terms.append(("cos, sin cast to the compute dtype (FSDP2's cast of the block's inputs)",   # own casts of
-                      2 * m.head_dim, a))                                                           # them: none)
+                      2 * m.head_size, a))                                                          # them: none)
     elif k.rope_casts and a != 4:
-        terms.append((f"cos, sin cast to the compute dtype ({k.rope_casts} copies)", k.rope_casts * m.head_dim, a))
+        terms.append((f"cos, sin cast to the compute dtype ({k.rope_casts} copies)", k.rope_casts * m.head_size, a))
+    if m.qk_layernorm:
+        terms += head_norm_terms(d, k, a)
     return terms + _attention_terms(d, opts, a, seq_len)
+
+
+def head_norm_terms(d: dict, k: Kernels, a: int) -> PerToken:
+    """What the q and k head norms (model.qk_layernorm) keep: their input, which with the tiled torch norms is a
+    view of the QKV output (so all of it stays), with fused kernels a copy of q and k and their 1/rms."""
+    if k.norm_tiled:
+        return [("the QKV output before the q/k head norms (their input)", d["qkv"], a)]
+    k_width = (d["qkv"] - d["q"]) / 2
+    return [("q, k before their head norms", d["q"] + k_width, a), ("q, k head norms' 1/rms", d["hq"] + d["hk"], 4)]
 
 
 def kept_attention_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision) -> PerToken:
@@ -173,7 +184,7 @@ def stage_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, 
     """Per micro-batch terms of a pipeline stage outside its layers (per S/sp token)."""
     d = dims(m, layout, opts)
     h, r, a = d["h"], d["r"], prec.act
-    terms = [("rotary cos, sin (fp32)", 2 * m.head_dim, 4)] if cos_sin_kept(opts, prec) else []
+    terms = [("rotary cos, sin (fp32)", 2 * m.head_size, 4)] if cos_sin_kept(opts, prec) else []
     if first and layout.tp > 1:     # (with tp=1 the embedding keeps the batch's own token ids)
         terms += [("local token ids (embedding)", 1, 8), ("vocabulary mask", 1, 1)]
     if last:

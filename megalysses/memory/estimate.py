@@ -12,7 +12,8 @@ from megalysses.memory.gradients import backward_gradients, embedding_params, fs
 from megalysses.memory.states import (earlier_backward, in_flight, optimizer_terms, reduced_bytes, stage_params,
                                       state_terms, streams_gradients)
 from megalysses.memory.transients import backward_terms, loss_terms, norm_backward_bytes, norm_tile_bytes
-from megalysses.memory.types import Estimate, Layout, Options, Precision, Term, Workload, pinned
+from megalysses.memory.host import pinned_requests, pinned_terms
+from megalysses.memory.types import Estimate, Layout, Options, Precision, Term, Workload
 
 
 def estimate(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, work: Workload) -> Estimate:
@@ -56,15 +57,16 @@ def _stage_estimate(m: ModelConfig, layout: Layout, opts: Options, prec: Precisi
         if stage_tok:
             terms.append(Term("stage activations (rotary cos/sin, tp-local ids)", mbs * tokens * stage_tok,
                               f"{mbs:g} mb x {tokens:.4g} tok x {stage_tok:.4g} B"))
-        if opts.documents and opts.attention == "sdpa" and layout.ring > 1:
+        masked = opts.documents or m.sliding_window > 0              # sdpa builds dense masks for either
+        if masked and opts.attention == "sdpa" and layout.ring > 1:
             # each block's allowed pairs (bool) and additive mask (compute dtype): the rank's own block
             # whole, the r-1 others half (kernels/block_attention.py AttentionBlock, on CPU)
             r, B = layout.ring, work.micro_batch_size
             masks = B * (S / r) ** 2 * (r + 1) / 2 * (1 + prec.act)
-            terms.append(Term("dense document masks of the ring's blocks (sdpa)", masks,
+            terms.append(Term("dense document (window) masks of the ring's blocks (sdpa)", masks,
                               f"B x (S/r)^2 x (r+1)/2 x (1 + {prec.act}) B, r = {r}"))
-        elif opts.documents and opts.attention == "sdpa":
-            terms.append(Term("dense document mask (sdpa)", work.micro_batch_size * S ** 2,
+        elif masked and opts.attention == "sdpa":
+            terms.append(Term("dense document (window) mask (sdpa)", work.micro_batch_size * S ** 2,
                               f"B x S^2 = {work.micro_batch_size} x {S}^2 B"))
         mask = flex_mask(m, layout, opts, work)
         if mask is not None:
@@ -111,7 +113,7 @@ def _stage_estimate(m: ModelConfig, layout: Layout, opts: Options, prec: Precisi
     phases = {"backward": max(moments, key=_device),
               "optimizer": fixed + [t for t in grads if not t.name.startswith("gradient bucket")
                                     and not (opts.optimizer_offload and "reduced" in t.name) and not streamed]
-                           + optimizer_terms(m, layout, opts, prec, n, M, first, last)}
+                           + optimizer_terms(m, layout, opts, prec, n, M)}
     end = fsdp_end_terms(m, layout, opts, prec, first, last, n_layers)
     if end is not None:
         phases["end of backward"] = fixed + end
@@ -137,13 +139,8 @@ def _stage_estimate(m: ModelConfig, layout: Layout, opts: Options, prec: Precisi
                                         f"{tokens:.4g} tok x {temps:.4g} B")])
     phase = max(phases, key=lambda p: _device(phases[p]))
     terms = [t for t in phases[phase] if not t.host and t.bytes]
-    host = [t for t in fixed + optimizer_terms(m, layout, opts, prec, n, M, first, last) if t.host]
-    if offload:         # one pinned buffer per block input in flight (parallel/offload.py)
-        off = kept_layers(n_layers, opts) - (0 if first else 1)
-        buffer = pinned(tokens * layer_tok, opts.pinned_rounding)
-        host.insert(0, Term("offloaded block inputs", flight * off * buffer,
-                            f"{flight:g} mb x {off} layers x {tokens:.4g} tok x {layer_tok:.4g} B"
-                            + (" (each rounded up to a power of two)" if opts.pinned_rounding else ""), host=True))
+    host = [t for t in fixed + optimizer_terms(m, layout, opts, prec, n, M) if t.host]
+    host = pinned_terms(pinned_requests(m, layout, opts, prec, work, stage)) + host     # what the arena holds
     return Estimate(peak=_device(terms), stage=stage, phase=phase, terms=terms + host,
                     host=sum(t.bytes for t in host), layer_bytes_per_token=layer_tok, layout=layout, options=opts,
                     largest=largest_block(m, layout, opts, prec, work, last),

@@ -3,12 +3,14 @@ workload of a run as it was resolved, and its estimate.
 
     plan = resolve(cfg, machine, world_size)
     est = estimate_plan(cfg, plan)
+    reqs = pinned_requests_of(cfg, plan, stage)      # what pipeline rank `stage` pins: its arena's contents
 """
 from __future__ import annotations
 
 from megalysses.config import Config
 from megalysses.kernels.attention import varlen_native_gqa
 from megalysses.memory.estimate import estimate
+from megalysses.memory.host import PinnedRequest, pinned_requests
 from megalysses.memory.types import PRECISIONS, Estimate, Layout, Options, Precision, Workload
 from megalysses.plan.types import RunPlan
 
@@ -26,8 +28,9 @@ def attention_buffers(plan: RunPlan, documents: bool) -> tuple[bool, bool]:
     cuda_sdpa = backend == "sdpa" and cuda
     if plan.ring > 1:
         return backend == "flex", cuda_sdpa
+    masked = documents or plan.attention_window > 0       # SDPA with a mask: no native grouped-query attention
     native = backend in ("flash", "flex") or (backend == "varlen" and varlen_native_gqa()) or \
-        (cuda_sdpa and plan.dtype == "bfloat16" and not documents)
+        (cuda_sdpa and plan.dtype == "bfloat16" and not masked)
     return native, backend in ("flash", "varlen") or cuda_sdpa
 
 
@@ -61,3 +64,9 @@ def workload_of(cfg: Config, plan: RunPlan) -> Workload:
 def estimate_plan(cfg: Config, plan: RunPlan) -> Estimate:
     """The predicted peak per rank of the run `plan` resolved `cfg` into."""
     return estimate(cfg.model, layout_of(plan), options_of(cfg, plan), precision_of(plan), workload_of(cfg, plan))
+
+
+def pinned_requests_of(cfg: Config, plan: RunPlan, stage: int) -> list[PinnedRequest]:
+    """The pinned host requests megalysses makes on pipeline rank `stage` of the run `plan` resolved `cfg` into."""
+    return pinned_requests(cfg.model, layout_of(plan), options_of(cfg, plan), precision_of(plan),
+                           workload_of(cfg, plan), stage)

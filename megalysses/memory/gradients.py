@@ -21,7 +21,7 @@ from typing import Optional
 
 from megalysses.config import ModelConfig
 from megalysses.memory.activations import stage_layers
-from megalysses.memory.states import layer_params, stage_params
+from megalysses.memory.states import head_norm_params, layer_params, stage_params
 from megalysses.memory.types import Layout, Options, Precision, Term
 
 
@@ -36,14 +36,16 @@ def reverse_parameter_sizes(m: ModelConfig, layout: Layout, last: bool) -> list[
     """Element counts of a stage's parameters on one rank in reverse parameter order, the order the backward
     makes their gradients in: the head and the final norm (a last stage), then each block's from its end (the
     embedding, last of all, is left out)."""
-    h, D, t = m.hidden_size, m.head_dim, layout.tp
+    h, D, t = m.hidden_size, m.head_size, layout.tp
     gated = 2 if m.mlp == "swiglu" else 1
     norm = h * (2 if m.norm == "layernorm" else 1)
     block = [norm, h * D * (m.num_heads + 2 * m.kv_heads) / t, h * D * m.num_heads / t, norm,
              gated * h * m.ffn_size / t, h * m.ffn_size / t]
-    if m.attention_bias:
+    if m.qkv_bias:
         block[1] += (m.num_heads + 2 * m.kv_heads) * D / t
+    if m.attention_bias:
         block[2] += h
+    block[2] += head_norm_params(m)         # q_norm and k_norm, registered after o_proj
     if m.mlp_bias:
         block[4] += gated * m.ffn_size / t
         block[5] += h

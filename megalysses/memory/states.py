@@ -4,16 +4,23 @@ from __future__ import annotations
 
 from megalysses.config import ModelConfig
 from megalysses.memory.activations import stage_layers
-from megalysses.memory.types import Layout, Options, Precision, Term, pinned
+from megalysses.memory.types import Layout, Options, Precision, Term, torch_pinned
 
 
 def layer_params(m: ModelConfig, tp: int = 1) -> float:
     """Parameters of one block on one tp rank (biases included)."""
-    h, D = m.hidden_size, m.head_dim
+    h, D = m.hidden_size, m.head_size
     attn = h * D * (2 * m.num_heads + 2 * m.kv_heads) / tp
+    if m.qkv_bias:
+        attn += (m.num_heads + 2 * m.kv_heads) * D / tp
     if m.attention_bias:
-        attn += (m.num_heads + 2 * m.kv_heads) * D / tp + h
-    return attn + mlp_params(m, tp) + 2 * norm_params(m)
+        attn += h
+    return attn + head_norm_params(m) + mlp_params(m, tp) + 2 * norm_params(m)
+
+
+def head_norm_params(m: ModelConfig) -> float:
+    """Parameters of one block's q and k head norms (model.qk_layernorm; replicated over tp)."""
+    return 2 * m.head_size if m.qk_layernorm else 0
 
 
 def mlp_params(m: ModelConfig, tp: int = 1) -> float:
@@ -27,28 +34,34 @@ def norm_params(m: ModelConfig) -> float:
     return m.hidden_size * (2 if m.norm == "layernorm" else 1)
 
 
-def param_tensors(m: ModelConfig, layout: Layout, first: bool, last: bool) -> list[tuple[float, int]]:
-    """(elements on one tp rank, count on the stage) of each parameter tensor: what ZeRO-1 and FSDP shard one
-    by one, and what pinned requests are made of (model/layers.py: one QKV and one gate-up projection)."""
-    h, D, t, n = m.hidden_size, m.head_dim, layout.tp, stage_layers(m, layout)
+def param_shapes(m: ModelConfig, layout: Layout, first: bool, last: bool) -> list[tuple[int, int, int]]:
+    """(rows, elements per row, count on the stage) of each parameter tensor on one tp rank, as model/layers.py
+    and parallel/tensor_parallel.py make them (one QKV and one gate-up projection; column-parallel weights
+    (out/tp, in), row-parallel ones (out, in/tp)): what ZeRO-1 and FSDP split along dim 0, one by one."""
+    h, D, t, n = m.hidden_size, m.head_size, layout.tp, stage_layers(m, layout)
+    f, qkv = m.ffn_size, D * (m.num_heads + 2 * m.kv_heads)
     gated = 2 if m.mlp == "swiglu" else 1
-    tensors = [(h * D * (m.num_heads + 2 * m.kv_heads) / t, n), (h * D * m.num_heads / t, n),
-               (gated * h * m.ffn_size / t, n), (h * m.ffn_size / t, n), (norm_params(m), 2 * n)]
+    norms = 2 if m.norm == "layernorm" else 1                # weight (and bias) of each norm
+    shapes = [(qkv // t, h, n), (h, D * m.num_heads // t, n), (gated * f // t, h, n), (h, f // t, n),
+              (h, 1, 2 * n * norms)]
+    if m.qkv_bias:
+        shapes += [(qkv // t, 1, n)]
     if m.attention_bias:
-        tensors += [((m.num_heads + 2 * m.kv_heads) * D / t, n), (h, n)]
+        shapes += [(h, 1, n)]
+    if m.qk_layernorm:                                       # q_norm and k_norm: one weight of D each
+        shapes += [(D, 1, 2 * n)]
     if m.mlp_bias:
-        tensors += [(gated * m.ffn_size / t, n), (h, n)]
-    emb = m.padded_vocab_size(t) * h / t
-    tensors += [(emb, int(first) + int(last) - int(first and last and m.tie_embeddings)), (norm_params(m), int(last))]
-    return [(numel, count) for numel, count in tensors if count]
+        shapes += [(gated * f // t, 1, n), (h, 1, n)]
+    vocab = m.padded_vocab_size(t) // t
+    shapes += [(vocab, h, int(first) + int(last) - int(first and last and m.tie_embeddings)), (h, 1, norms * last)]
+    return [(rows, row, count) for rows, row, count in shapes if count]
 
 
-def pinned_state_bytes(m: ModelConfig, layout: Layout, opts: Options, first: bool, last: bool, G: int,
-                       nbytes: int) -> float:
-    """Pinned host bytes of `nbytes` per parameter element, sharded over G ranks: one request per parameter
-    shard, each rounded up to a power of two where torch rounds (opts.pinned_rounding)."""
-    return sum(count * pinned(numel * nbytes / G, opts.pinned_rounding)
-               for numel, count in param_tensors(m, layout, first, last))
+def shard_elements(m: ModelConfig, layout: Layout, first: bool, last: bool) -> list[tuple[int, int]]:
+    """(elements, count) of each parameter's largest dim-0 chunk over the grad group's G = dp x sp ranks (rank
+    0's: ceil(rows / G) rows, torch.chunk's split, which ZeRO-1 and FSDP2 both use)."""
+    G = layout.dp * layout.sp
+    return [(-(-rows // G) * row, count) for rows, row, count in param_shapes(m, layout, first, last)]
 
 
 def stage_params(m: ModelConfig, layout: Layout, first: bool, last: bool) -> tuple[float, float]:
@@ -124,11 +137,10 @@ def state_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, 
     blocks, other = stage_params(m, layout, first, last)
     n, G = blocks + other, layout.dp * layout.sp
     if streams_gradients(opts):
-        states = prec.master + prec.moments
-        masters = pinned_state_bytes(m, layout, opts, first, last, G, prec.master)
+        # the masters are pinned: memory/host.py counts them
         fixed = [Term("weights", n * prec.weight, f"{n:.4g} params x {prec.weight} B"),
-                 Term("master + moments (ZeRO-1; the masters pinned)", masters + n * prec.moments / G,
-                      f"{n:.4g} params x ({prec.master} pinned + {prec.moments}) B / {G}", host=True)]
+                 Term("AdamW moments (ZeRO-1)", n * prec.moments / G, f"{n:.4g} params x {prec.moments} B / {G}",
+                      host=True)]
         return fixed, _streamed_terms(m, layout, opts, prec, n)
     if not opts.fsdp:
         g = prec.grad(M)
@@ -151,9 +163,11 @@ def state_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, 
         gathered.append(Term("gathered embedding / head (kept through the step)", other * a, f"{other:.4g} x {a} B"))
     if opts.param_offload or opts.optimizer_offload:
         shard = prec.master + prec.moments + 4
-        # parameter offload pins the fp32 shards and their gradients (FSDP2's CPUOffloadPolicy), not the moments
-        host = (2 * pinned_state_bytes(m, layout, opts, first, last, G, 4) + n * prec.moments / G
-                if opts.param_offload else n * shard / G)
+        # parameter offload: torch pins the fp32 shards and their gradients (FSDP2's CPUOffloadPolicy) through its
+        # caching host allocator, a request per parameter (the largest rank's), not the moments
+        pinned = sum(count * torch_pinned(numel * 4, not opts.pinned_rounding)
+                     for numel, count in shard_elements(m, layout, first, last))
+        host = 2 * pinned + n * prec.moments / G if opts.param_offload else n * shard / G
         fixed = [Term("master, moments, gradients (FSDP shards)", host, f"{n:.4g} x {shard} B / {G}", host=True)]
         if not opts.param_offload:
             fixed.append(Term("compute-dtype parameter + gradient shards", n * 2 * a / G, f"{n:.4g} x 2 x {a} B / {G}"))
@@ -163,21 +177,13 @@ def state_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, 
     return fixed + gathered, [Term("sharded gradients (fp32)", n * 4 / G, f"{n:.4g} x 4 B / {G}")]
 
 
-def optimizer_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, n: float, M: int,
-                    first: bool = True, last: bool = True) -> list[Term]:
+def optimizer_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, n: float, M: int) -> list[Term]:
     """The AdamW step's own bytes, on top of weights, gradients and state (host ones with offload)."""
     G = layout.dp * layout.sp
     terms = []
-    if not opts.fsdp:
-        if opts.optimizer_offload:
-            grads = pinned_state_bytes(m, layout, opts, first, last, G, 4)
-            terms.append(Term("reduced fp32 gradients (pinned)", grads, f"{n:.4g} x 4 B / {G}", host=True))
-            if M > 1:    # the later micro-batches' buckets wait in pinned buffers to be added (host_gradients.py):
-                # a bucket's reduced fp32 chunks, or with a grad group of one its gradients as they are
-                per = 4 if G > 1 else prec.weight
-                staged = 2 * pinned(min(opts.bucket_bytes / 4, n) * per / G, opts.pinned_rounding)
-                terms.append(Term("gradient staging buffers", staged, f"2 buckets x {per} B / {G}", host=True))
-        elif not opts.overlap_grad_reduce and reduced_bytes(prec, opts, G, M):
+    # optimizer offload's reduced gradients and staging buffers are pinned: memory/host.py counts them
+    if not opts.fsdp and not opts.optimizer_offload:
+        if not opts.overlap_grad_reduce and reduced_bytes(prec, opts, G, M):
             reduced = reduced_bytes(prec, opts, G, M)
             terms.append(Term("gradients: reduced fp32 chunks", n * reduced, f"{n:.4g} params x {reduced:.3g} B"))
     offloaded = opts.optimizer_offload or opts.param_offload

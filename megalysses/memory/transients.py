@@ -8,7 +8,7 @@ from megalysses.config import ModelConfig
 from megalysses.kernels.norms import norm_tile_rows
 from megalysses.memory.activations import (attention_half_terms, attention_terms, bytes_per_token, dims,
                                            kept_attention_terms, mlp_half_terms, tiled)
-from megalysses.memory.states import mlp_params, norm_params
+from megalysses.memory.states import head_norm_params, mlp_params, norm_params
 from megalysses.memory.types import GIB, KERNELS, Layout, Options, Precision, Term
 
 
@@ -158,11 +158,11 @@ def own_weight_grads(m: ModelConfig, layout: Layout, opts: Options, mlp_tiled: b
     MLP's and its norm's from then on (MLP tiles return theirs at once, their fp32 sums counted in the MLP
     tile's moment), o_proj's from attention on, the QKV weight's at the attention norm; head chunks allocate
     the QKV and o_proj gradients whole when their backward starts."""
-    h, D, t = m.hidden_size, m.head_dim, layout.tp
+    h, D, t = m.hidden_size, m.head_size, layout.tp
     mlp = mlp_params(m, t) + norm_params(m)
     down = h * m.ffn_size / t
-    o_proj = h * m.num_heads * D / t
-    qkv = h * D * (m.num_heads + 2 * m.kv_heads) / t
+    o_proj = h * m.num_heads * D / t + (h if m.attention_bias else 0) + head_norm_params(m)
+    qkv = (h + m.qkv_bias) * D * (m.num_heads + 2 * m.kv_heads) / t
     chunks = opts.head_chunks > 1
     attention = mlp + o_proj + (qkv if chunks else 0)
     recomputing = 0.0 if opts.activation_checkpointing else (mlp + o_proj + qkv) if chunks else 0.0

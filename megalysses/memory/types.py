@@ -108,8 +108,9 @@ class Options:
     bucket_bytes: float = 32_000_000 * 4       # one gradient bucket (ZeRO-1: parallel.grad_bucket_elements fp32)
     overlap_grad_reduce: bool = True   # ZeRO-1 reduces buckets during the backward (parallel.overlap_grad_reduce)
     mask_block: int = 128              # FlexAttention's block-mask block size (ActivationPolicy.mask_block)
-    pinned_rounding: bool = False      # torch rounds each pinned host request up to a power of two (a torch that
-                                       # cannot stop it: Machine.pinned_exact False)
+    pinned_rounding: bool = False      # torch rounds each pinned request of its own (FSDP2's) up to a power of two
+                                       # (a torch that cannot stop it: Machine.pinned_exact False); megalysses'
+                                       # own are exact (memory/host.py)
 
 
 @dataclass(frozen=True)
@@ -155,6 +156,14 @@ def fmt_bytes(x: float) -> str:
     return f"{x:.0f} B"
 
 
-def pinned(nbytes: float, rounding: bool) -> float:
-    """What a pinned host request of `nbytes` takes: as asked, or rounded up to a power of two."""
-    return float(1 << max(int(nbytes) - 1, 0).bit_length()) if rounding and nbytes > 0 else nbytes
+TORCH_EXACT_ABOVE = 1 << 20
+"""torch's caching host allocator, told to stop rounding (accelerator.PINNED_EXACT_ABOVE_MB), still rounds a
+request of at most 1 MiB up to a power of two."""
+
+
+def torch_pinned(nbytes: float, exact: bool) -> float:
+    """What a pinned request through torch's caching host allocator (FSDP2's) takes: as asked above 1 MiB where
+    torch can be told so (`exact`), else rounded up to a power of two."""
+    if exact and nbytes > TORCH_EXACT_ABOVE:
+        return nbytes
+    return float(1 << max(int(nbytes) - 1, 0).bit_length()) if nbytes > 0 else 0.0

@@ -1,4 +1,4 @@
-"""The GPT model (Llama architecture) as pipeline stages.
+"""The GPT model (Llama architecture; Qwen2/2.5, Qwen3 and Mistral by their settings) as pipeline stages.
 
 A `GPTStage` holds a contiguous range of blocks under their GLOBAL layer index (`layers.7...`), plus
 the embedding on the first stage and the final norm + LM head (+ loss) on the last. With pp=1 one
@@ -39,7 +39,10 @@ def architecture(m: ModelConfig, tp: int = 1) -> dict:
     return {"vocab_size": m.vocab_size, "padded_vocab_size": m.padded_vocab_size(tp), "hidden_size": m.hidden_size,
             "num_layers": m.num_layers, "num_heads": m.num_heads, "num_kv_heads": m.kv_heads, "ffn_size": m.ffn_size,
             "mlp": m.mlp, "norm": m.norm, "tie_embeddings": m.tie_embeddings, "attention_bias": m.attention_bias,
-            "mlp_bias": m.mlp_bias, **({"layernorm_1p": True} if m.layernorm_1p else {})}
+            "mlp_bias": m.mlp_bias, **({"layernorm_1p": True} if m.layernorm_1p else {}),
+            **({"head_dim": m.head_size} if m.head_size * m.num_heads != m.hidden_size else {}),
+            **({"add_qkv_bias": True} if m.add_qkv_bias and not m.attention_bias else {}),
+            **({"qk_layernorm": True} if m.qk_layernorm else {})}
 
 
 def stage_layers(num_layers: int, pp: int, pp_rank: int) -> range:
@@ -87,19 +90,21 @@ class GPTStage(nn.Module):
         return comm.group_rank(self.groups.tp) * self.vocab_padded // self.groups.tp_size
 
     def forward(self, inputs: Tensor, position_ids: Tensor, doc_ids: Optional[Tensor] = None,
-                labels: Optional[Tensor] = None, cache: Optional[KVCache] = None) -> Tensor:
+                labels: Optional[Tensor] = None, cache: Optional[KVCache] = None,
+                loss_weights: Optional[Tensor] = None) -> Tensor:
         """inputs: token ids (B, S/sp) on the first stage, else the hidden states from the previous stage.
         position_ids: (B, S/sp) global positions of this sp rank's tokens (SequenceLayout.positions);
         doc_ids: (B, S) full-sequence document index for packed-document masks (None = plain causal).
 
         Returns the hidden states (B, s, h) on a non-last stage; on the last, the local sum of token
-        losses (fp32 scalar) when labels are given, else this rank's logits (B, S/sp, V/tp) over the padded
-        vocabulary (padding columns -inf). With a KV cache (generation, one process), inputs are the next
-        tokens after those already cached."""
-        cos, sin = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta,
+        losses (fp32 scalar) when labels are given (each times its loss_weights, when given), else this rank's
+        logits (B, S/sp, V/tp) over the padded vocabulary (padding columns -inf). With a KV cache (generation,
+        one process), inputs are the next tokens after those already cached."""
+        cos, sin = rope_cos_sin(position_ids, self.cfg.head_size, self.cfg.rope_theta,
                                 scaling=self.cfg.rope_scaling)                  # (B, S/sp, D), once
         mask = prepare_sequence_mask(doc_ids, self.cfg.attention_backend, self.groups.ulysses, self.groups.ring,
-                                     position_ids.shape[1], self.mask_block)          # once per step
+                                     position_ids.shape[1], self.cfg.sliding_window,
+                                     self.mask_block)                                 # once per step
         x = self.embed(inputs) if self.first else inputs                               # (B, s, h)
         blocks = list(self.layers.items())
         stride = self.checkpoint_stride if self.activation_checkpointing and self.training else 1
@@ -133,7 +138,7 @@ class GPTStage(nn.Module):
         else:
             x = comm.copy_to_tp(x, self.groups.tp)
         return linear_cross_entropy(x, head, labels, self.groups.tp, self.vocab_start, self.cfg.vocab_size,
-                                    self.loss_chunk_tokens)
+                                    self.loss_chunk_tokens, loss_weights)
 
 
 def _checkpointed(blocks: list[nn.Module], x: Tensor, cos: Tensor, sin: Tensor, mask) -> Tensor:

@@ -1,4 +1,4 @@
-"""Conversion between Hugging Face `LlamaForCausalLM` and megalysses, tensor by tensor.
+"""Conversion between Hugging Face Llama, Qwen2/2.5, Qwen3 and Mistral models and megalysses, tensor by tensor.
 
     cfg = model_config_from_hf(hf_model.config)             # or the dict of a config.json
     ours = GPTStage(cfg); ours.load_state_dict(from_hf_state_dict(hf_model.state_dict(), cfg))
@@ -10,13 +10,17 @@ vocabulary (model.vocab_pad_multiple) and lose them on the way back. Our fused p
 assembled from Hugging Face's separate ones without changing any value: `attn.qkv_proj` stacks, for
 each KV head g, the query heads that read it, then k_g, then v_g; `mlp.gate_up_proj` interleaves the
 rows of gate_proj and up_proj. Our rotary embedding uses the same rotate-half convention as
-transformers' Llama, so no head is permuted. Biases follow attention_bias and mlp_bias separately;
-RoPE scaling of type llama3 is read from `rope_scaling` or (transformers 5) `rope_parameters`.
+transformers' Llama, so no head is permuted. The families differ by settings, not tensors' layout: Qwen2's
+q, k and v biases (model.add_qkv_bias), Qwen3's q_norm and k_norm (model.qk_layernorm) and its head_dim,
+Mistral's head_dim and sliding window (model.sliding_window, read with Qwen's use_sliding_window and
+layer_types); Llama's attention_bias and mlp_bias map as they are. RoPE scaling (llama3, linear, yarn) is
+read from `rope_scaling` or (transformers 5) `rope_parameters`. Mixture-of-experts models, other
+model_types and other RoPE types are refused, naming what does not convert.
 `our_tensor` / `hf_tensors` convert one parameter at a time, so a loader never needs the whole model.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
@@ -25,6 +29,8 @@ from megalysses.config import ModelConfig, RopeScalingConfig
 
 _ONE_TO_ONE = {
     "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_norm.weight": "attn.q_norm.weight",
+    "self_attn.k_norm.weight": "attn.k_norm.weight",
     "post_attention_layernorm.weight": "mlp_norm.weight",
     "self_attn.o_proj.weight": "attn.o_proj.weight",
     "self_attn.o_proj.bias": "attn.o_proj.bias",
@@ -71,6 +77,15 @@ def _pad_rows(t: Tensor, rows: int) -> Tensor:
 
 # ----------------------------------------------------------------------------- configs
 
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+"""The Hugging Face model_types that convert, both ways."""
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                  "mistral": "MistralForCausalLM"}
+_MIXTURES = {"mixtral", "qwen2_moe", "qwen3_moe", "qwen3_next", "llama4", "deepseek_v2", "deepseek_v3", "dbrx",
+             "jamba", "olmoe", "granitemoe", "phimoe", "minimax", "gpt_oss", "qwen3_5_moe", "mistral4"}
+_ROPE_TYPES = ("default", "llama3", "linear", "yarn")
+
+
 def _field(hf_config: Any, key: str, default: Any = None) -> Any:
     if isinstance(hf_config, dict):
         return hf_config.get(key, default)
@@ -78,68 +93,178 @@ def _field(hf_config: Any, key: str, default: Any = None) -> Any:
 
 
 def _rope(hf_config: Any) -> tuple[float, RopeScalingConfig]:
-    """(rope_theta, scaling) from rope_theta + rope_scaling (transformers 4) or rope_parameters (5)."""
+    """(rope_theta, scaling) from rope_theta + rope_scaling (transformers 4) or rope_parameters (5), read as
+    transformers reads them (yarn's original_max_position_embeddings defaults to max_position_embeddings, its
+    factor to their ratio)."""
     params = _field(hf_config, "rope_parameters") or {}
     scaling = _field(hf_config, "rope_scaling") or {}
+    if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
+        raise ValueError("RoPE parameters per layer type are not supported (one RoPE for every layer is)")
     theta = _field(hf_config, "rope_theta") or params.get("rope_theta") or scaling.get("rope_theta") or 10000.0
     spec = scaling or params
     kind = spec.get("rope_type", spec.get("type", "default"))
     if kind in (None, "default"):
         return float(theta), RopeScalingConfig()
-    if kind != "llama3":
-        raise ValueError(f"RoPE scaling of type {kind!r} is not supported (plain RoPE and 'llama3' are)")
+    if kind not in _ROPE_TYPES:
+        raise ValueError(f"RoPE scaling of type {kind!r} is not supported (plain RoPE, llama3, linear and yarn are)")
+    if kind == "linear":
+        return float(theta), RopeScalingConfig(type="linear", factor=float(spec["factor"]))
+    positions = _field(hf_config, "max_position_embeddings")
+    original = int(_field(hf_config, "original_max_position_embeddings") or
+                   spec.get("original_max_position_embeddings") or positions)
+    if kind == "llama3":
+        return float(theta), RopeScalingConfig(
+            type="llama3", factor=float(spec["factor"]), low_freq_factor=float(spec["low_freq_factor"]),
+            high_freq_factor=float(spec["high_freq_factor"]), original_max_position_embeddings=original)
+    factor = spec.get("factor") or positions / original
+    attention = spec.get("attention_factor")
     return float(theta), RopeScalingConfig(
-        type="llama3", factor=float(spec["factor"]), low_freq_factor=float(spec["low_freq_factor"]),
-        high_freq_factor=float(spec["high_freq_factor"]),
-        original_max_position_embeddings=int(spec["original_max_position_embeddings"]))
+        type="yarn", factor=float(factor), original_max_position_embeddings=original,
+        beta_fast=float(spec.get("beta_fast") or 32.0), beta_slow=float(spec.get("beta_slow") or 1.0),
+        mscale=float(spec.get("mscale") or 0.0), mscale_all_dim=float(spec.get("mscale_all_dim") or 0.0),
+        attention_factor=None if attention is None else float(attention), truncate=bool(spec.get("truncate", True)))
+
+
+def _sliding_window(hf_config: Any, model_type: str, layers: int) -> int:
+    """The window every layer attends in (0: none), read as transformers reads it: Qwen's sliding_window only
+    with use_sliding_window (Qwen2.5 sets a window it does not use), in the layers that layer_types (or, without
+    it, max_window_layers) marks sliding; Mistral's in every layer. Different windows per layer are refused."""
+    if model_type == "llama":
+        return 0
+    window = _field(hf_config, "sliding_window")
+    if model_type in ("qwen2", "qwen3") and not _field(hf_config, "use_sliding_window", False):
+        window = None
+    if not window:
+        return 0
+    types = _field(hf_config, "layer_types")
+    if types is None and model_type in ("qwen2", "qwen3"):
+        first = _field(hf_config, "max_window_layers", 28)
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    sliding = [t == "sliding_attention" for t in types or ["sliding_attention"] * layers]
+    if all(sliding):
+        return int(window)
+    if not any(sliding):
+        return 0
+    raise ValueError(f"a sliding window in {sum(sliding)} of the {len(sliding)} layers (layer_types / "
+                     f"max_window_layers) is not supported: megalysses gives every layer the same attention")
+
+
+def model_type_of(hf_config: Any) -> str:
+    """The model_type of a Hugging Face config, refused unless it is one of FAMILIES."""
+    model_type = _field(hf_config, "model_type", "llama") or "llama"
+    if model_type in _MIXTURES or _field(hf_config, "num_experts") or _field(hf_config, "num_local_experts"):
+        raise ValueError(f"{model_type} is a mixture-of-experts model: megalysses trains dense models; the dense "
+                         f"families that convert are {', '.join(FAMILIES)}")
+    if model_type not in FAMILIES:
+        raise ValueError(f"model_type {model_type!r} does not convert: the families that do are "
+                         f"{', '.join(FAMILIES)}")
+    return model_type
 
 
 def model_config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
-    """A ModelConfig with the same architecture as a transformers LlamaConfig (object or config.json dict)."""
-    model_type = _field(hf_config, "model_type", "llama")
-    if model_type not in ("llama", None):
-        raise ValueError(f"only Llama models convert; this one is model_type={model_type!r}")
+    """A ModelConfig with the architecture of a transformers Llama, Qwen2/2.5, Qwen3 or Mistral config (object or
+    config.json dict). Raises ValueError naming what does not convert: another model_type, a mixture of
+    experts, an activation other than SiLU, a RoPE type other than llama3, linear and yarn, different windows
+    per layer."""
+    model_type = model_type_of(hf_config)
     act = _field(hf_config, "hidden_act", "silu")
     if act != "silu":
-        raise ValueError(f"only SiLU (SwiGLU) Llama models convert; this one uses {act}")
+        raise ValueError(f"only SiLU (SwiGLU) models convert; this {model_type} uses {act}")
     heads, hidden = _field(hf_config, "num_attention_heads"), _field(hf_config, "hidden_size")
     head_dim = _field(hf_config, "head_dim")
-    if head_dim is not None and head_dim != hidden // heads:
-        raise ValueError(f"head_dim={head_dim} differs from hidden_size/num_heads = {hidden // heads}: not supported")
     theta, scaling = _rope(hf_config)
+    layers = _field(hf_config, "num_hidden_layers")
+    qwen2 = model_type == "qwen2"                         # q, k and v biases, none on o_proj
+    biases = model_type in ("llama", "qwen3") and bool(_field(hf_config, "attention_bias", False))
     fields = dict(
-        vocab_size=_field(hf_config, "vocab_size"), hidden_size=hidden,
-        num_layers=_field(hf_config, "num_hidden_layers"),
+        vocab_size=_field(hf_config, "vocab_size"), hidden_size=hidden, num_layers=layers,
         num_heads=heads, num_kv_heads=_field(hf_config, "num_key_value_heads") or heads,
+        head_dim=None if head_dim is None or head_dim * heads == hidden else int(head_dim),
         ffn_hidden_size=_field(hf_config, "intermediate_size"), rope_theta=theta, rope_scaling=scaling,
         norm="rmsnorm", norm_eps=float(_field(hf_config, "rms_norm_eps", 1e-6)), mlp="swiglu",
         tie_embeddings=bool(_field(hf_config, "tie_word_embeddings", False)),
-        attention_bias=bool(_field(hf_config, "attention_bias", False)),
-        mlp_bias=bool(_field(hf_config, "mlp_bias", False)))
+        attention_bias=biases, add_qkv_bias=qwen2, qk_layernorm=model_type == "qwen3",
+        sliding_window=_sliding_window(hf_config, model_type, layers),
+        mlp_bias=model_type == "llama" and bool(_field(hf_config, "mlp_bias", False)))
     fields.update(overrides)
     return ModelConfig(**fields)
 
 
+def hf_model_type(cfg: ModelConfig, preferred: Optional[str] = None) -> str:
+    """The Hugging Face family that holds cfg's architecture: `preferred` (the family it was imported from) when
+    it does, else the first that does of qwen3 (q/k norms), qwen2 (q, k, v biases alone), llama and mistral (a
+    sliding window). ValueError names, for each family, what it cannot hold."""
+    if cfg.mlp != "swiglu" or cfg.norm != "rmsnorm":
+        raise ValueError(f"only SwiGLU + RMSNorm models export to Hugging Face; this one has mlp={cfg.mlp}, "
+                         f"norm={cfg.norm}")
+    has = {"qk": cfg.qk_layernorm, "no qk": not cfg.qk_layernorm, "qkv bias": cfg.add_qkv_bias and not
+           cfg.attention_bias, "no qkv bias": not cfg.add_qkv_bias, "o bias": cfg.attention_bias,
+           "bias": cfg.qkv_bias, "mlp bias": cfg.mlp_bias, "window": bool(cfg.sliding_window)}
+    words = {"qk": "q/k norms (model.qk_layernorm)", "no qk": "no q/k norms", "qkv bias": "biases on q, k and v alone "
+             "(model.add_qkv_bias)", "no qkv bias": "no q, k, v biases", "o bias": "an output-projection bias "
+             "(model.attention_bias)", "bias": "attention biases", "mlp bias": "MLP biases (model.mlp_bias)",
+             "window": "a sliding window (model.sliding_window)"}
+    refuses = {"qwen3": ("no qk", "qkv bias", "mlp bias"), "qwen2": ("qk", "no qkv bias", "o bias", "mlp bias"),
+               "llama": ("qk", "qkv bias", "window"), "mistral": ("qk", "bias", "mlp bias")}
+    order = ((preferred,) if preferred in FAMILIES else ()) + ("qwen3", "qwen2", "llama", "mistral")
+    fits = [f for f in order if not any(has[what] for what in refuses[f])]
+    if not fits:
+        raise ValueError("no Hugging Face family holds this model: " + "; ".join(
+            f"{f} holds none with {' or '.join(words[w] for w in refuses[f] if has[w])}" for f in FAMILIES))
+    return fits[0]
+
+
+def _rope_scaling_dict(rs: RopeScalingConfig) -> Optional[dict]:
+    if rs.type == "llama3":
+        return {"rope_type": "llama3", "factor": rs.factor, "low_freq_factor": rs.low_freq_factor,
+                "high_freq_factor": rs.high_freq_factor,
+                "original_max_position_embeddings": rs.original_max_position_embeddings}
+    if rs.type == "linear":
+        return {"rope_type": "linear", "factor": rs.factor}
+    if rs.type == "yarn":
+        out = {"rope_type": "yarn", "factor": rs.factor,
+               "original_max_position_embeddings": rs.original_max_position_embeddings}
+        # the rest only where it is not what transformers takes a missing key for
+        out.update({k: v for k, v, default in (("beta_fast", rs.beta_fast, 32.0), ("beta_slow", rs.beta_slow, 1.0),
+                                               ("mscale", rs.mscale, 0.0), ("mscale_all_dim", rs.mscale_all_dim, 0.0))
+                    if v != default})
+        if rs.attention_factor is not None:
+            out["attention_factor"] = rs.attention_factor
+        if not rs.truncate:
+            out["truncate"] = False
+        return out
+    return None
+
+
 def hf_config_dict(cfg: ModelConfig, dtype: str, max_positions: int, eos_token_id: Any = None,
-                   bos_token_id: Any = None) -> dict:
-    """The config.json of a LlamaForCausalLM with cfg's architecture (read by transformers 4 and 5).
+                   bos_token_id: Any = None, model_type: Optional[str] = None) -> dict:
+    """The config.json of a transformers model with cfg's architecture (read by transformers 4 and 5), of the
+    family `model_type` names when it holds the architecture, else the one hf_model_type picks.
     max_positions is the context it declares (what serving stacks limit prompts to); the special token
     ids are an int (a list for several EOS) or None, written as null: a missing key would read as
     transformers' defaults, BOS 1 and EOS 2."""
-    if cfg.mlp != "swiglu" or cfg.norm != "rmsnorm":
-        raise ValueError(f"only SwiGLU + RMSNorm models export to Llama; this one has mlp={cfg.mlp}, norm={cfg.norm}")
-    out = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
+    family = hf_model_type(cfg, model_type)
+    out = {"architectures": [_ARCHITECTURES[family]], "model_type": family, "vocab_size": cfg.vocab_size,
            "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_size, "num_hidden_layers": cfg.num_layers,
-           "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
+           "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_size,
            "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
-           "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": cfg.attention_bias, "mlp_bias": cfg.mlp_bias,
-           "max_position_embeddings": max_positions, "torch_dtype": dtype}
+           "tie_word_embeddings": cfg.tie_embeddings, "max_position_embeddings": max_positions, "torch_dtype": dtype}
+    if family in ("llama", "qwen3"):
+        out["attention_bias"] = cfg.attention_bias
+    if family == "llama":
+        out["mlp_bias"] = cfg.mlp_bias
+    window = cfg.sliding_window or None
+    if family in ("qwen2", "qwen3"):
+        # written both ways: layer_types (transformers >= 4.53) and use_sliding_window with max_window_layers
+        out.update(use_sliding_window=window is not None, sliding_window=window, max_window_layers=0 if window
+                   else cfg.num_layers, layer_types=["sliding_attention" if window else "full_attention"] *
+                   cfg.num_layers)
+    elif family == "mistral":
+        out["sliding_window"] = window
     out.update(bos_token_id=bos_token_id, eos_token_id=eos_token_id)     # null, not transformers' defaults 1 and 2
-    rs = cfg.rope_scaling
-    if rs.type == "llama3":
-        out["rope_scaling"] = {"rope_type": "llama3", "factor": rs.factor, "low_freq_factor": rs.low_freq_factor,
-                               "high_freq_factor": rs.high_freq_factor,
-                               "original_max_position_embeddings": rs.original_max_position_embeddings}
+    scaling = _rope_scaling_dict(cfg.rope_scaling)
+    if scaling is not None:
+        out["rope_scaling"] = scaling
     return out
 
 
@@ -148,13 +273,16 @@ def hf_config_dict(cfg: ModelConfig, dtype: str, max_positions: int, eos_token_i
 def our_names(cfg: ModelConfig) -> list[str]:
     """Every parameter name of the whole model (pp=1)."""
     names = ["embed.weight", "final_norm.weight"] + ([] if cfg.tie_embeddings else ["lm_head.weight"])
-    attn = ["weight", "bias"] if cfg.attention_bias else ["weight"]
-    mlp = ["weight", "bias"] if cfg.mlp_bias else ["weight"]
+    def kinds(bias: bool) -> list[str]:
+        return ["weight", "bias"] if bias else ["weight"]
+
     for i in range(cfg.num_layers):
         pre = f"layers.{i}."
         names += [pre + "attn_norm.weight", pre + "mlp_norm.weight"]
-        names += [f"{pre}attn.{p}.{k}" for p in ("qkv_proj", "o_proj") for k in attn]
-        names += [f"{pre}mlp.{p}.{k}" for p in ("gate_up_proj", "down_proj") for k in mlp]
+        names += [f"{pre}attn.qkv_proj.{k}" for k in kinds(cfg.qkv_bias)]
+        names += [f"{pre}attn.o_proj.{k}" for k in kinds(cfg.attention_bias)]
+        names += [f"{pre}attn.{p}.weight" for p in ("q_norm", "k_norm") if cfg.qk_layernorm]
+        names += [f"{pre}mlp.{p}.{k}" for p in ("gate_up_proj", "down_proj") for k in kinds(cfg.mlp_bias)]
     return names
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -125,9 +126,10 @@ def write_hf_dir(path: str | Path, tensors: Iterable[tuple[str, Tensor]], config
                  max_shard_bytes: int = 5 * 2**30, extra: Optional[dict[str, bytes]] = None) -> list[Path]:
     """Write config.json, the tensors as safetensors shards of at most max_shard_bytes (one file,
     model.safetensors, when they fit; else model-0000i-of-0000n.safetensors and the index) and the `extra`
-    files (name -> bytes: generation_config.json, tokenizer files). The folder is written under a
-    temporary name beside it and renamed when complete, so it is complete or absent; it must be new or
-    empty (check_new_dir). Returns the weight files. Raises HFFormatError when it cannot be written."""
+    files (name -> bytes: generation_config.json, tokenizer files), every file with the mode the umask gives.
+    The folder is written under a temporary name beside it and renamed when complete, so it is complete or
+    absent; it must be new or empty (check_new_dir). Returns the weight files. Raises HFFormatError when it
+    cannot be written."""
     _safetensors()
     from safetensors.torch import save_file
 
@@ -158,6 +160,11 @@ def write_hf_dir(path: str | Path, tensors: Iterable[tuple[str, Tensor]], config
         for name, data in (extra or {}).items():
             (tmp / name).write_bytes(data)
         (tmp / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+        # safetensors writes through a temporary file of mode 0600: give the weights the mode the umask gives,
+        # as config.json has it
+        mode = stat.S_IMODE((tmp / "config.json").stat().st_mode)
+        for name in names:
+            os.chmod(tmp / name, mode)
         os.replace(tmp, folder)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -26,16 +26,18 @@ class LayerKV:
     v: Tensor
     cache: "KVCache"
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, window: int = 0) -> Tensor:
         """Write k, v (B, t, Hkv, D) at the cache's current length, then exact attention of q (B, t, Hq, D)
-        over every valid cached key at or before each query's position -> (B, t, Hq, D)."""
+        over every valid cached key at or before each query's position (and, with a sliding `window`, less
+        than `window` slots before it: a row's real tokens are consecutive slots) -> (B, t, Hq, D)."""
         start, t = self.cache.length, q.shape[1]
         end = start + t
         self.k[:, start:end], self.v[:, start:end] = k, v
         keys, values = self.k[:, :end], self.v[:, :end]
         rep = q.shape[2] // keys.shape[2]
         keys, values = keys.repeat_interleave(rep, dim=2), values.repeat_interleave(rep, dim=2)
-        causal = torch.arange(end, device=q.device)[None, :] <= torch.arange(start, end, device=q.device)[:, None]
+        behind = torch.arange(start, end, device=q.device)[:, None] - torch.arange(end, device=q.device)[None, :]
+        causal = (behind >= 0) & (behind < window) if window else behind >= 0
         allowed = causal[None] & self.cache.key_valid[:, None, :end]                  # (B, t, end)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
                                              attn_mask=allowed[:, None])
@@ -45,7 +47,7 @@ class LayerKV:
 class KVCache:
     def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device: torch.device, dtype: torch.dtype,
                  key_valid: Optional[Tensor] = None) -> None:
-        shape = (batch, max_len, cfg.kv_heads, cfg.head_dim)
+        shape = (batch, max_len, cfg.kv_heads, cfg.head_size)
         self.layers = [LayerKV(torch.zeros(shape, device=device, dtype=dtype),
                                torch.zeros(shape, device=device, dtype=dtype), self) for _ in range(cfg.num_layers)]
         self.max_len, self.length = max_len, 0

@@ -81,9 +81,26 @@ class Norm(nn.Module):
         return add_rms_norm(x, delta, weight, self.eps, impl=self.impl)
 
 
+class HeadNorm(nn.Module):
+    """RMSNorm over each head (model.qk_layernorm, Qwen3's q_norm and k_norm): one weight of head_dim for all
+    the query (or key) heads. Each tp rank normalises its own heads, so the weight's gradient is summed over
+    tp (copy_to_tp on the weight); over sp and dp the gradient reduction sums it as any weight's. With
+    model.layernorm_1p the weight is the offset from 1, as Norm's."""
+
+    def __init__(self, cfg: ModelConfig, groups: ParallelGroups) -> None:
+        super().__init__()
+        self.eps, self.impl, self.tp, self.one_plus = cfg.norm_eps, cfg.kernels, groups.tp, cfg.layernorm_1p
+        self.weight = mark_tp(nn.Parameter(torch.full((cfg.head_size,), 0.0 if self.one_plus else 1.0)), None)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x (..., D) -> (..., D)."""
+        weight = self.weight + 1.0 if self.one_plus else self.weight
+        return rms_norm(x, comm.copy_to_tp(weight, self.tp), self.eps, impl=self.impl)
+
+
 class Attention(nn.Module):
-    """Grouped-query self-attention: one column-parallel QKV projection, RoPE, Ulysses around core
-    attention (or around ring attention, with a ring), row-parallel output.
+    """Grouped-query self-attention: one column-parallel QKV projection, (q/k head norms,) RoPE, Ulysses
+    around core attention (or around ring attention, with a ring), row-parallel output.
 
     The fused QKV weight ((Hq + 2 Hkv) * D, h) is grouped by KV head: for each KV head g, the rep = Hq/Hkv
     query heads that read it, then k_g, then v_g. Splitting its rows over tp therefore gives every rank
@@ -95,12 +112,18 @@ class Attention(nn.Module):
     the projection of all heads. The norm and the tp input (the all-gather under TP sequence sharding) are
     made once, and the tp reduction (reduce-scatter) and o_proj's bias come once, on the sum. Only the
     block input is kept: the backward recomputes the norm and each chunk (model/tiled.py HeadChunks), so
-    only one chunk's (B, S/sp, (hq + 2 hk) D / N) intermediates exist at a time."""
+    only one chunk's (B, S/sp, (hq + 2 hk) D / N) intermediates exist at a time.
+
+    The attention width num_heads x D need not be the hidden size (model.head_dim). With model.qk_layernorm each
+    query and key head is RMS-normalised over D before RoPE, on the rank's own heads before the all-to-all, so
+    the Ulysses ranks, the ring's blocks and the head chunks all receive normalised heads. With
+    model.sliding_window every attention kernel masks keys that many positions or more behind the query."""
 
     def __init__(self, cfg: ModelConfig, groups: ParallelGroups, head_chunks: int = 1) -> None:
         super().__init__()
-        h, D, tp = cfg.hidden_size, cfg.head_dim, groups.tp_size
+        h, D, tp = cfg.hidden_size, cfg.head_size, groups.tp_size
         self.groups, self.head_dim, self.backend, self.impl = groups, D, cfg.attention_backend, cfg.kernels
+        self.window = cfg.sliding_window
         self.hq, self.hk = cfg.num_heads // tp, cfg.kv_heads // tp
         self.rep = cfg.num_heads // cfg.kv_heads
         if head_chunks < 1 or self.hk % head_chunks:
@@ -108,9 +131,10 @@ class Attention(nn.Module):
                              f"into whole KV groups (config_checks.check_head_chunks names the valid counts)")
         self.head_chunks = head_chunks
         sp_ = groups.sequence_parallel
-        self.qkv_proj = ColumnParallelLinear(h, (cfg.num_heads + 2 * cfg.kv_heads) * D, groups.tp,
-                                             cfg.attention_bias, sp_)
+        self.qkv_proj = ColumnParallelLinear(h, (cfg.num_heads + 2 * cfg.kv_heads) * D, groups.tp, cfg.qkv_bias, sp_)
         self.o_proj = RowParallelLinear(cfg.num_heads * D, h, groups.tp, cfg.attention_bias, sp_)
+        self.q_norm = HeadNorm(cfg, groups) if cfg.qk_layernorm else None
+        self.k_norm = HeadNorm(cfg, groups) if cfg.qk_layernorm else None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Any, cache: Optional[LayerKV] = None) -> Tensor:
         qkv = self.qkv_proj(x)                                                   # (B, S/sp, hk*(rep+2)*D)
@@ -118,21 +142,25 @@ class Attention(nn.Module):
 
     def _attend(self, qkv: Tensor, cos: Tensor, sin: Tensor, mask: Any, cache: Optional[LayerKV] = None) -> Tensor:
         """The projection of some whole KV groups (B, S/sp, g*(rep+2)*D) -> their attention output
-        (B, S/sp, g*rep*D): RoPE, then Ulysses around core or ring attention (or the generation cache)."""
+        (B, S/sp, g*rep*D): the q/k head norms, RoPE, then Ulysses around core or ring attention (or the
+        generation cache)."""
         B, s = qkv.shape[:2]
         qkv = qkv.view(B, s, -1, self.rep + 2, self.head_dim)                   # (B, S/sp, g, rep+2, D)
+        if self.q_norm is not None:
+            q, k, v = qkv.split([self.rep, 1, 1], dim=3)
+            qkv = torch.cat([self.q_norm(q), self.k_norm(k), v], dim=3)
         q, k, v = rope_qkv(qkv, cos, sin, impl=self.impl)                        # global positions
         # q (B, S/sp, g*rep, D), k, v (B, S/sp, g, D)
-        ring = self.groups.ring
+        ring, window = self.groups.ring, self.window
         if cache is not None:                                                    # generation, one process
-            out = cache.attend(q, k, v)
+            out = cache.attend(q, k, v, window)
         else:
             if comm.group_size(ring) > 1:       # the Ulysses group's tokens are one block of the ring
                 def attn(q_: Tensor, k_: Tensor, v_: Tensor) -> Tensor:
-                    return ring_attention(q_, k_, v_, ring, mask, self.backend)
+                    return ring_attention(q_, k_, v_, ring, mask, self.backend, window=window)
             else:                               # the Ulysses group's tokens are the whole sequence
                 def attn(q_: Tensor, k_: Tensor, v_: Tensor) -> Tensor:
-                    return core_attention(q_, k_, v_, mask=mask, backend=self.backend)
+                    return core_attention(q_, k_, v_, mask=mask, backend=self.backend, window=window)
             out = ulysses_attention(q, k, v, self.groups.ulysses, attn)
         return out.reshape(B, s, -1)
 
@@ -141,6 +169,10 @@ class Attention(nn.Module):
         rows = self.qkv_proj.weight.shape[0] // self.head_chunks
         cols = self.o_proj.weight.shape[1] // self.head_chunks
         return slice(c * rows, (c + 1) * rows), slice(c * cols, (c + 1) * cols)
+
+    def head_norms(self) -> list[Tensor]:
+        """The q and k head norms' weights (none without model.qk_layernorm)."""
+        return [] if self.q_norm is None else [self.q_norm.weight, self.k_norm.weight]
 
     def chunk_weights(self, c: int) -> tuple[Tensor, Optional[Tensor], Tensor]:
         """Head chunk c's QKV weight (and bias) and o_proj weight (views)."""

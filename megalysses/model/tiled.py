@@ -53,9 +53,10 @@ class HeadChunks(torch.autograd.Function):
 
 
 def attention_params(attn: nn.Module, norm: nn.Module) -> list[Tensor]:
-    """HeadChunks' parameters: the QKV weight (and bias), o_proj's weight, the norm's."""
+    """HeadChunks' parameters: the QKV weight (and bias), o_proj's weight, the q and k head norms' (with
+    model.qk_layernorm), the norm's."""
     qkv = [p for p in (attn.qkv_proj.weight, attn.qkv_proj.bias) if p is not None]
-    return qkv + [attn.o_proj.weight] + list(norm.parameters())
+    return qkv + [attn.o_proj.weight] + attn.head_norms() + list(norm.parameters())
 
 
 def _tp_input(attn: nn.Module, norm: nn.Module, x: Tensor) -> Tensor:
@@ -81,7 +82,8 @@ def chunks_forward(attn: nn.Module, norm: nn.Module, x: Tensor, cos: Tensor, sin
 def chunks_backward(attn: nn.Module, norm: nn.Module, x: Tensor, cos: Tensor, sin: Tensor, mask: Any,
                     d_acc: Tensor) -> tuple[Tensor, list[Tensor]]:
     """(x's gradient, the gradients of attention_params). Each chunk's weights are leaves of their own, so
-    its gradients are the chunk's rows (columns) alone, written into one gradient per weight."""
+    its gradients are the chunk's rows (columns) alone, written into one gradient per weight; the head norms,
+    which every chunk uses whole, sum theirs over the chunks in fp32."""
     with torch.no_grad():
         y = _tp_input(attn, norm, x)
     dy = torch.zeros(y.shape, dtype=y.dtype, device=y.device)
@@ -90,6 +92,8 @@ def chunks_backward(attn: nn.Module, norm: nn.Module, x: Tensor, cos: Tensor, si
     d_qkv_w, d_o_w = torch.zeros_like(attn.qkv_proj.weight), torch.zeros_like(attn.o_proj.weight)
     d_qkv_b = torch.zeros_like(bias) if bias is not None else None
     d_acc2 = d_acc.reshape(-1, d_acc.shape[-1])
+    head_norms = attn.head_norms()
+    d_head_norms = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in head_norms]
     for c in range(attn.head_chunks):
         rows, cols = attn.chunk_slices(c)
         qkv_w, qkv_b, o_w = attn.chunk_weights(c)
@@ -106,15 +110,18 @@ def chunks_backward(attn: nn.Module, norm: nn.Module, x: Tensor, cos: Tensor, si
         o2 = o.detach().reshape(-1, o.shape[-1])
         d_o_w[:, cols] = d_acc2.t() @ o2
         d_o = (d_acc2 @ o_w).view(o.shape)
-        grads = torch.autograd.grad(o, [qkv_w] + ([qkv_b] if qkv_b is not None else []), d_o)
-        d_qkv_w[rows] = grads[0]
+        grads = list(torch.autograd.grad(o, [qkv_w] + ([qkv_b] if qkv_b is not None else []) + head_norms, d_o))
+        d_qkv_w[rows] = grads.pop(0)
         if qkv_b is not None:
-            d_qkv_b[rows] = grads[1]
+            d_qkv_b[rows] = grads.pop(0)
+        for total, g in zip(d_head_norms, grads):
+            total += g
         del qkv, o, o2, d_o, grads
     del y
     dy = column_parallel_input_grad(dy, attn.groups.tp, attn.groups.sequence_parallel)   # (B, s, h)
     dx, d_norm = norm_backward_into(norm, x, dy)
-    return dx, [g for g in (d_qkv_w, d_qkv_b) if g is not None] + [d_o_w] + d_norm
+    d_head_norms = [total.to(p.dtype) for total, p in zip(d_head_norms, head_norms)]
+    return dx, [g for g in (d_qkv_w, d_qkv_b) if g is not None] + [d_o_w] + d_head_norms + d_norm
 
 
 def norm_backward_into(norm: nn.Module, x: Tensor, dy: Tensor) -> tuple[Tensor, list[Tensor]]:

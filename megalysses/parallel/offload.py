@@ -21,8 +21,10 @@ in any order (1F1B, interleaved), since each forward's blocks form their own cha
 
 A block input that is a leaf (a pipeline stage's received activations) stays on the device: the
 schedule holds it anyway for its gradient. On CPU the "host copy" is a separate CPU tensor and the
-copies are synchronous; everything else is the same code. The host buffers, side streams and events come
-from megalysses.accelerator (pinned buffers of exactly the block input's size, one per input in flight, reused).
+copies are synchronous; everything else is the same code. The side streams and events come from
+megalysses.accelerator; the host buffers (pinned, exactly the block input's size, one per input in flight,
+reused) from `pinned`: the arena the run gives this offloader (megalysses/pinned_arena.py), sized by the
+memory model's count of them (memory/host.py offload_buffers), or without one, pinned requests of their own.
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from megalysses import accelerator
+from megalysses.pinned_arena import PinnedMemory, PinnedRequests
 
 SLOT_ATTR = "_megalysses_offload_slot"
 
@@ -110,10 +113,11 @@ class ActivationOffload:
     """Checkpointed blocks whose inputs wait in host memory (see the module docstring). `prefetch`: how
     many blocks ahead of the one being recomputed their inputs are copied back."""
 
-    def __init__(self, prefetch: int = 1) -> None:
+    def __init__(self, prefetch: int = 1, pinned: Optional[PinnedMemory] = None) -> None:
         if prefetch < 0:
             raise ValueError(f"prefetch must be >= 0, got {prefetch}")
         self.prefetch = prefetch
+        self.pinned = pinned                                 # where the host buffers come from (None: their own)
         self.stats = OffloadStats()
         self._free: dict[tuple, list[_HostBuffer]] = {}      # (shape, dtype) -> reusable pinned buffers
         self._made: list[weakref.ref] = []                   # every host buffer made (weakly)
@@ -150,9 +154,15 @@ class ActivationOffload:
         free = self._free.get(key)
         if free:
             return free.pop()
+        if self.pinned is None:
+            self.pinned = PinnedRequests(x.device)
         # a new shape: a longer sequence (a curriculum's next stage), whose predecessors do not come back
+        for old in (buf for bufs in self._free.values() for buf in bufs):
+            if old.free_after is not None:
+                old.free_after.synchronize()         # its last copy back to the device has read it
+            self.pinned.release(old.tensor)
         self._free = {key: []}
-        buf = accelerator.current().pinned_empty(tuple(x.shape), x.dtype, x.device)
+        buf = self.pinned.empty(tuple(x.shape), x.dtype)
         self._made.append(weakref.ref(buf))
         return _HostBuffer(buf)
 

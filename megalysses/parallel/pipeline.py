@@ -23,7 +23,8 @@ def stage_forward(stage: torch.nn.Module, mb: Batch, x: Optional[Tensor], scale:
     """The scaled loss (fp32) on the last stage; elsewhere the hidden states, in the compute dtype (the
     dtype of the pipeline buffers)."""
     out = stage(mb["input_ids"] if stage.first else x, mb["position_ids"], doc_ids=mb.get("doc_ids"),
-                labels=mb["labels"] if stage.last else None)
+                labels=mb["labels"] if stage.last else None,
+                loss_weights=mb.get("loss_weights") if stage.last else None)
     return out * scale if stage.last else out
 
 

@@ -14,7 +14,8 @@ so every step but the first costs half a block, on every rank: the causal work i
 
 Packed documents: the full-sequence doc_ids, which every rank already has, give the document of every
 position, so each rank knows the mask of every block it will receive (`RingMask`, built once per step
-and shared by every layer); nothing but K and V travels.
+and shared by every layer); nothing but K and V travels. A sliding window is masked the same way, from
+the blocks' positions in the whole sequence.
 
 Forward (r steps): post the exchange that brings the next K/V block (send to rank i+1, receive from
 i-1), attend to the current block, merge, wait. Backward: the K/V blocks travel the same way again;
@@ -59,7 +60,7 @@ class RingMask:
         self.device = doc_ids.device if device is None and doc_ids is not None else device
         self.doc_ids, self.mask_block = doc_ids, block
         self._layout = SequenceLayout(sp=ring_size, ring=ring_size)
-        self._blocks: dict[int, AttentionBlock] = {}
+        self._blocks: dict[tuple[int, int], AttentionBlock] = {}
 
     def docs_of(self, ring_rank: int) -> Optional[Tensor]:
         """(B, S/r) document ids of ring rank `ring_rank`'s block."""
@@ -76,13 +77,22 @@ class RingMask:
         """The key columns of block j that this rank's queries attend to."""
         return slice(None, self.half) if j < self.rank else slice(None)
 
-    def block(self, j: int) -> AttentionBlock:
-        if j not in self._blocks:
+    def positions_of(self, ring_rank: int) -> Tensor:
+        """(S/r,) indices in the whole sequence of ring rank `ring_rank`'s block."""
+        return torch.from_numpy(self._layout.ring_positions(self.seq_len, ring_rank)).to(self.device or "cpu")
+
+    def block(self, j: int, window: int = 0) -> AttentionBlock:
+        """This rank's queries against block j, with a sliding window of `window` positions (0: none)."""
+        if (j, window) not in self._blocks:
             mine, theirs = self.docs_of(self.rank), self.docs_of(j)
             q_docs = None if mine is None else mine[:, self.rows(j)]
             k_docs = None if theirs is None else theirs[:, self.cols(j)]
-            self._blocks[j] = AttentionBlock(causal=j == self.rank, q_docs=q_docs, k_docs=k_docs, block=self.mask_block)
-        return self._blocks[j]
+            q_pos = self.positions_of(self.rank)[self.rows(j)] if window else None
+            k_pos = self.positions_of(j)[self.cols(j)] if window else None
+            self._blocks[(j, window)] = AttentionBlock(causal=j == self.rank, q_docs=q_docs, k_docs=k_docs,
+                                                       window=window, q_pos=q_pos, k_pos=k_pos,
+                                                       block=self.mask_block)
+        return self._blocks[(j, window)]
 
 
 def ring_schedule(rank: int, size: int) -> list[int]:
@@ -102,7 +112,7 @@ def _rotate(kv: Tensor, group: Group) -> Iterator[Tensor]:
 
 
 def forward_blocks(q: Tensor, blocks: Iterable[tuple[int, Tensor]], mask: RingMask, backend: str,
-                    scale: float) -> tuple[Tensor, Tensor, object]:
+                    scale: float, window: int = 0) -> tuple[Tensor, Tensor, object]:
     """Attend q (B, S/r, Hq, D) to every (j, kv (2, B, S/r, Hkv, D)) in turn and merge: fp32 out and
     lse (B, Hq, S/r), plus the first block's aux (kernel state the backward hands back)."""
     B, s, H, D = q.shape
@@ -111,20 +121,20 @@ def forward_blocks(q: Tensor, blocks: Iterable[tuple[int, Tensor]], mask: RingMa
     aux = None
     for j, kv in blocks:
         rows, cols = mask.rows(j), mask.cols(j)
-        o, block_lse, block_aux = block_attention(q[:, rows], kv[0][:, cols], kv[1][:, cols], mask.block(j), backend,
-                                                  scale)
+        o, block_lse, block_aux = block_attention(q[:, rows], kv[0][:, cols], kv[1][:, cols], mask.block(j, window),
+                                                  backend, scale)
         merge_block(out[:, rows], lse[:, :, rows], o, block_lse)
         aux = block_aux if aux is None else aux
     return out, lse, aux
 
 
 def backward_block(dq: Tensor, dout: Tensor, q: Tensor, kv: Tensor, out: Tensor, lse: Tensor, mask: RingMask,
-                    j: int, backend: str, scale: float, aux: object) -> tuple[slice, Tensor, Tensor]:
+                    j: int, backend: str, scale: float, aux: object, window: int = 0) -> tuple[slice, Tensor, Tensor]:
     """Add this rank's dQ against block j into dq (fp32) and return its part of block j's dK and dV: the
     key columns it covers, and their gradients."""
     rows, cols = mask.rows(j), mask.cols(j)
     gq, gk, gv = block_attention_backward(dout[:, rows], q[:, rows], kv[0][:, cols], kv[1][:, cols], out[:, rows],
-                                          lse[:, :, rows], mask.block(j), backend, scale, aux)
+                                          lse[:, :, rows], mask.block(j, window), backend, scale, aux)
     dq[:, rows] += gq.float()
     return cols, gk, gv
 
@@ -136,13 +146,14 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, group: Group, mask: RingMask, backend: str,
-                scale: float) -> Tensor:
+                scale: float, window: int) -> Tensor:
         kv = torch.stack([k, v])                                          # (2, B, S/r, Hkv, D): one message
         schedule = ring_schedule(mask.rank, mask.size)
-        out, lse, aux = forward_blocks(q, zip(schedule, _rotate(kv, group)), mask, backend, scale)
+        out, lse, aux = forward_blocks(q, zip(schedule, _rotate(kv, group)), mask, backend, scale, window)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, kv, out, lse)
         ctx.group, ctx.mask, ctx.backend, ctx.scale, ctx.aux = group, mask, backend, scale, aux
+        ctx.window = window
         return out
 
     @staticmethod
@@ -155,7 +166,8 @@ class _RingAttention(torch.autograd.Function):
         for t, j in enumerate(schedule):
             sends = ([kv] if t + 1 < mask.size else []) + ([dkv] if dkv is not None else [])
             pending = comm.ring_exchange(sends, group) if sends else None
-            cols, gk, gv = backward_block(dq, dout, q, kv, out, lse, mask, j, ctx.backend, ctx.scale, ctx.aux)
+            cols, gk, gv = backward_block(dq, dout, q, kv, out, lse, mask, j, ctx.backend, ctx.scale, ctx.aux,
+                                          ctx.window)
             received = pending.wait() if pending is not None else []
             if t + 1 < mask.size:
                 kv = received.pop(0)
@@ -164,15 +176,17 @@ class _RingAttention(torch.autograd.Function):
             dkv[0][:, cols] += gk
             dkv[1][:, cols] += gv
         (home,) = comm.ring_exchange([dkv], group).wait()                 # this rank's block, complete
-        return dq.to(q.dtype), home[0].to(kv.dtype), home[1].to(kv.dtype), None, None, None, None
+        return dq.to(q.dtype), home[0].to(kv.dtype), home[1].to(kv.dtype), None, None, None, None, None
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: Group, mask: RingMask, backend: str,
-                   scale: Optional[float] = None) -> Tensor:
-    """Exact causal (document-masked) attention of this ring rank's block against the whole sequence.
+                   scale: Optional[float] = None, window: int = 0) -> Tensor:
+    """Exact causal (document-masked, sliding-window) attention of this ring rank's block against the whole
+    sequence.
 
     q: (B, S/r, Hq, D), k, v: (B, S/r, Hkv, D), the zigzag block of ring rank `mask.rank` (its chunks i
-    and 2r-1-i) -> (B, S/r, Hq, D); differentiable in q, k and v."""
+    and 2r-1-i) -> (B, S/r, Hq, D); differentiable in q, k and v. window > 0: each position attends to itself
+    and the window - 1 positions before it only."""
     if comm.group_size(group) != mask.size or comm.group_rank(group) != mask.rank:
         raise ValueError(f"the ring mask is for rank {mask.rank} of {mask.size}, the group has rank "
                          f"{comm.group_rank(group)} of {comm.group_size(group)}")
@@ -180,5 +194,5 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: Group, mask: RingMask
         raise ValueError(f"q holds {q.shape[1]} positions; ring rank blocks of a {mask.seq_len}-long sequence "
                          f"over {mask.size} ranks hold {mask.seq_len // mask.size}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    check_backend(backend, q, mask.doc_ids is not None, ring=True)
-    return _RingAttention.apply(q, k, v, group, mask, backend, scale)
+    check_backend(backend, q, mask.doc_ids is not None, ring=True, window=window > 0)
+    return _RingAttention.apply(q, k, v, group, mask, backend, scale, window)

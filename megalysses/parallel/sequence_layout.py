@@ -82,10 +82,12 @@ class SequenceLayout:
 
 
 def shard_sample(layout: SequenceLayout, sp_rank: int, inputs: np.ndarray, labels: np.ndarray,
-                 positions: np.ndarray, doc_ids: Optional[np.ndarray], pad_id: int) -> dict[str, np.ndarray]:
+                 positions: np.ndarray, doc_ids: Optional[np.ndarray], pad_id: int,
+                 loss_weights: Optional[np.ndarray] = None) -> dict[str, np.ndarray]:
     """This sp rank's tokens of full samples: pad (B, seq_len) arrays to the layout's multiple, then keep
     the rank's positions. doc_ids, when given, stay full-length (B, padded): every rank builds the
-    attention masks from them, nothing is gathered."""
+    attention masks from them, nothing is gathered. loss_weights, when given, go with the labels (0 on
+    padding)."""
     batch, seq_len = inputs.shape
     padded = layout.padded_len(seq_len)
     extra = padded - seq_len
@@ -97,10 +99,14 @@ def shard_sample(layout: SequenceLayout, sp_rank: int, inputs: np.ndarray, label
         if doc_ids is not None:
             pad_doc = np.repeat(doc_ids[:, -1:] + 1, extra, axis=1)
             doc_ids = np.concatenate([doc_ids, pad_doc.astype(doc_ids.dtype)], axis=1)
+        if loss_weights is not None:
+            loss_weights = np.concatenate([loss_weights, np.zeros((batch, extra), loss_weights.dtype)], axis=1)
     keep = layout.positions(padded, sp_rank)
     out = {"input_ids": np.ascontiguousarray(inputs[:, keep]),
            "labels": np.ascontiguousarray(labels[:, keep]),
            "position_ids": np.ascontiguousarray(positions[:, keep], dtype=np.int64)}
     if doc_ids is not None:
         out["doc_ids"] = np.ascontiguousarray(doc_ids)
+    if loss_weights is not None:
+        out["loss_weights"] = np.ascontiguousarray(loss_weights[:, keep])
     return out

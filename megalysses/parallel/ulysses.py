@@ -35,14 +35,15 @@ def kv_replication(kv_heads: int, sp: int) -> int:
 
 
 def prepare_sequence_mask(doc_ids: Optional[Tensor], backend: str, ulysses_group: Group, ring_group: Group,
-                          local_len: int, block: int = 128) -> Any:
+                          local_len: int, window: int = 0, block: int = 128) -> Any:
     """The attention mask of one step, shared by every layer: without a ring the full-sequence mask of
     core attention (None for plain causal attention); with one, the ring rank's RingMask.
-    doc_ids: (B, S) over the full (padded) sequence; local_len: the tokens of one sp rank, S/sp; block:
-    FlexAttention's block-mask block size (the run plan's ActivationPolicy.mask_block)."""
+    doc_ids: (B, S) over the full (padded) sequence; local_len: the tokens of one sp rank, S/sp; window:
+    the layers' sliding window (its form of the mask is built now); block: FlexAttention's block-mask
+    block size (the run plan's ActivationPolicy.mask_block)."""
     ring = comm.group_size(ring_group)
     if ring == 1:
-        return prepare_attention_mask(doc_ids, backend, block=block) if doc_ids is not None else None
+        return prepare_attention_mask(doc_ids, backend, window=window, block=block) if doc_ids is not None else None
     seq_len = local_len * comm.group_size(ulysses_group) * ring
     return RingMask(doc_ids, comm.group_rank(ring_group), ring, seq_len, block=block)
 

@@ -2,10 +2,12 @@
 
 FLOPs per trained token (forward + backward = 3x forward, matmuls at 2 FLOPs per multiply-add):
     6 * N_matmul                      every weight matmul: q, k, v, o, MLP, LM head (not the embedding lookup)
-  + 6 * L * Hq * D * S                attention scores and the weighted sum, causal over the full
-                                      sequence S (2 matmuls x 2 FLOPs x S/2 average context x 3);
+  + 12 * L * Hq * D * C               attention scores and the weighted sum (2 matmuls x 2 FLOPs x C x 3),
+                                      C the keys a query attends on average: S/2 causal over the full
+                                      sequence S, W - W^2/(2S) with a sliding window W < S (attended_keys);
                                       document masks do less work than this, so MFU is an upper bound there.
                                       S is the length each step trains at (data.seq_len_schedule).
+                                      The attention width Hq * D need not be the hidden size (model.head_dim).
 MFU = achieved FLOP/s per device / the device's peak dense FLOP/s (bf16 on GPU).
 """
 from __future__ import annotations
@@ -21,13 +23,22 @@ PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H200": 989.0, "H100": 989
 
 
 def matmul_params(m: ModelConfig) -> int:
-    attn = m.hidden_size * m.head_dim * (2 * m.num_heads + 2 * m.kv_heads)
+    attn = m.hidden_size * m.head_size * (2 * m.num_heads + 2 * m.kv_heads)
     mlp = (3 if m.mlp == "swiglu" else 2) * m.hidden_size * m.ffn_size
     return m.num_layers * (attn + mlp) + m.hidden_size * m.vocab_size
 
 
+def attended_keys(seq_len: int, window: int = 0) -> float:
+    """The keys a query attends on average over a causal sequence of seq_len (continuously: S/2), with a
+    sliding window of `window` positions (0: none): W - W^2 / (2S) when W < S."""
+    if not window or window >= seq_len:
+        return seq_len / 2
+    return window - window * window / (2 * seq_len)
+
+
 def flops_per_token(m: ModelConfig, seq_len: int) -> float:
-    return 6.0 * matmul_params(m) + 6.0 * m.num_layers * m.num_heads * m.head_dim * seq_len
+    context = attended_keys(seq_len, m.sliding_window)
+    return 6.0 * matmul_params(m) + 12.0 * m.num_layers * m.num_heads * m.head_size * context
 
 
 def peak_tflops(configured: float, gpu: Optional[str], dtype: str = "bfloat16") -> Optional[float]:

@@ -54,7 +54,8 @@ class Machine:
     packages: frozenset = field(default_factory=frozenset)   # OPTIONAL_PACKAGES that import, plus "flex", "varlen"
     triton_interpreter: bool = False    # Triton kernels run on CPU tensors (TRITON_INTERPRET=1)
     allocator: str = ""                 # the allocator settings in force on CUDA, and whose (accelerator.py)
-    pinned_exact: bool = True           # pinned host requests allocated as asked, not rounded up to a power of two
+    pinned_exact: bool = True           # torch's own pinned requests (FSDP2's) above 1 MiB allocated as asked, not
+                                        # rounded up to a power of two (megalysses' own are always exact)
 
     def has(self, package: str) -> bool:
         return package in self.packages

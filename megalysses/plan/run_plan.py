@@ -52,15 +52,18 @@ def collective_backend(requested: str, machine: Machine) -> str:
 
 
 def choose_attention(requested: str, machine: Machine, dtype: str, head_dim: Optional[int] = None,
-                     has_docs: bool = False, training: bool = True, ring: bool = False) -> tuple[str, str]:
-    """(concrete backend, why) for model.attention_backend `requested` ("auto" or a name) on `machine`.
-    An explicit backend that cannot run raises ConfigError saying why."""
+                     has_docs: bool = False, training: bool = True, ring: bool = False,
+                     window: bool = False) -> tuple[str, str]:
+    """(concrete backend, why) for model.attention_backend `requested` ("auto" or a name) on `machine`, with
+    packed documents and a sliding window when asked. An explicit backend that cannot run raises ConfigError
+    saying why."""
     import torch
 
     tdtype = getattr(torch, dtype)
 
     def why_not(name: str) -> Optional[str]:
-        return unsupported_reason(name, machine.device, tdtype, head_dim, training, has_docs, ring, machine.packages)
+        return unsupported_reason(name, machine.device, tdtype, head_dim, training, has_docs, ring, machine.packages,
+                                  window=window)
 
     if requested != "auto":
         why = why_not(requested)
@@ -75,10 +78,11 @@ def choose_attention(requested: str, machine: Machine, dtype: str, head_dim: Opt
         return "reference", "ring blocks: no fused kernel returns the log-sum-exp for this shape here"
     if machine.cuda and why_not("flash") is None:
         return "flash", "flash-attn is installed and takes this shape and dtype"
-    if machine.cuda and has_docs and why_not("varlen") is None:
-        return "varlen", "packed documents as cumulative lengths (torch's varlen_attn): no (S, S) mask of any kind"
-    if machine.cuda and has_docs and why_not("flex") is None:
-        return "flex", "packed documents: a block-sparse mask instead of a dense (S, S) one"
+    what = "packed documents" if has_docs else "a sliding window"
+    if machine.cuda and (has_docs or window) and why_not("varlen") is None:
+        return "varlen", f"{what} as cumulative lengths (torch's varlen_attn): no (S, S) mask of any kind"
+    if machine.cuda and (has_docs or window) and why_not("flex") is None:
+        return "flex", f"{what}: a block-sparse mask instead of a dense (S, S) one"
     return "sdpa", "the portable default" if not machine.cuda else "flash-attn and FlexAttention do not apply here"
 
 
@@ -119,8 +123,8 @@ def resolve(cfg: Config, machine: Machine, world_size: int, tiles: bool = True) 
     dtype = compute_dtype(t.dtype, machine)
     has_docs = cfg.data.document_mask
     try:
-        attention, reason = choose_attention(m.attention_backend, machine, dtype, m.head_dim, has_docs,
-                                             ring=ring > 1)
+        attention, reason = choose_attention(m.attention_backend, machine, dtype, m.head_size, has_docs,
+                                             ring=ring > 1, window=m.sliding_window > 0)
     except ConfigError as e:
         if ring > 1:
             raise ConfigError(f"{e} (this layout runs ring attention: parallel.sp={p.sp} = ulysses {ulysses} x "
@@ -141,7 +145,7 @@ def resolve(cfg: Config, machine: Machine, world_size: int, tiles: bool = True) 
     run = RunPlan(machine=machine, world=world_size, tp=p.tp, sp=p.sp, pp=p.pp,
               dp=max(world_size // (p.tp * p.sp * p.pp), 1), virtual_stages=p.virtual_stages,
               ulysses=ulysses, ring=ring, dtype=dtype, master_dtype="float32",
-              attention=attention, attention_reason=reason,
+              attention=attention, attention_reason=reason, attention_window=m.sliding_window,
               kernels=choose_kernels(m.kernels, machine), collective=collective_backend(p.backend, machine),
               phases=_phases(cfg, sequence), activation=activation,
               optimizer=("fsdp-host" if t.param_offload else "fsdp") if p.fsdp else

@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 import os
 from dataclasses import dataclass, replace
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 from megalysses.config import Config, ConfigError, ModelConfig
 from megalysses.config_checks import check_heads, check_world_size, head_chunk_counts, validate_config
@@ -182,18 +182,23 @@ def predicted_step_seconds(cfg: Config, gpus: int, hw: Hardware, machine: Option
 
 
 def plan(cfg: Config, gpus: int, seq_len: int, gpu_memory_gib: Optional[float] = None,
-         host_memory_gib: Optional[float] = None,
-         hw: Optional[Hardware] = None, packages: tuple[str, ...] = PLAIN_TORCH) -> tuple[list[Prediction], int]:
+         host_memory_gib: Optional[float] = None, hw: Optional[Hardware] = None,
+         packages: tuple[str, ...] = PLAIN_TORCH,
+         progress: Optional[Callable[[int, int, int], None]] = None) -> tuple[list[Prediction], int]:
     """(the layouts that fit, best first, each run once; how many candidates were considered: those that
     validate), on H100s (`hw`, default Hardware()). A layout's batch arithmetic (config_checks.check_world_size)
     is checked once for all its memory options, and a candidate whose peak no tiles can bring within the
-    device's usable memory (plan/tiles.py could_fit) is not searched further: it fits at none of them."""
+    device's usable memory (plan/tiles.py could_fit) is not searched further: it fits at none of them.
+    `progress(searched, candidates, fitting)` is told after every candidate."""
     hw = hw or Hardware()
     cfg = replace(cfg, data=replace(cfg.data, seq_len=seq_len))
     machine = described_machine(gpus, gpu_memory_gib, hw, packages)
     budget = hw.usable_bytes(machine.memory_gib)     # at least each layout's own (its largest block comes off)
     fitting, considered, runs, layouts = [], 0, set(), {}
-    for cand in candidate_configs(cfg, gpus, host_memory_gib is not None, hw.gpus_per_node):
+    candidates = list(candidate_configs(cfg, gpus, host_memory_gib is not None, hw.gpus_per_node))
+    for searched, cand in enumerate(candidates, 1):
+        if progress is not None:
+            progress(searched, len(candidates), len(fitting))
         par = cand.parallel
         layout = (par.tp, par.sp, par.pp, par.virtual_stages)
         if layout not in layouts:

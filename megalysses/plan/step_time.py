@@ -18,8 +18,9 @@ from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
 from megalysses.config import ModelConfig
-from megalysses.memory import GIB, Layout, Options, Precision, Workload, kv_replication, layer_params, stage_layers, \
-    stage_params, tiled
+from megalysses.memory import GIB, Layout, Options, Precision, Workload, head_norm_params, kv_replication, \
+    layer_params, stage_layers, stage_params, tiled
+from megalysses.plan.flops import attended_keys
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,11 @@ class StepTime:
     def total(self) -> float:
         return self.compute + sum(self.exposed.values()) + self.bubble + self.optimizer
 
+    def terms(self) -> dict[str, float]:
+        """The seconds that add up to `total`, by name."""
+        return {"compute": self.compute, **{f"exposed {k}": v for k, v in self.exposed.items()},
+                "pipeline bubble": self.bubble, "optimizer": self.optimizer}
+
 
 def step_time(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, work: Workload, hw: Hardware,
               overlap: Overlap = Overlap(), retained: float = 0.0) -> StepTime:
@@ -124,14 +130,17 @@ def step_time(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, wo
     u, ring = layout.ulysses, layout.ring
     tokens = work.micro_batch_size * work.seq_len / P                 # per micro-batch per rank
     L = stage_layers(m, layout)
-    dense = layer_params(m, t) - 2 * m.hidden_size
+    dense = layer_params(m, t) - 2 * m.hidden_size - head_norm_params(m)
     mlp = (3 if m.mlp == "swiglu" else 2) * m.hidden_size * m.ffn_size / t
     # with head chunks each chunk replicates its own KV heads to the Ulysses degree when it has fewer
     N = opts.head_chunks
     hk = m.kv_heads // t // N
-    q, kv = m.num_heads * m.head_dim / t, N * hk * kv_replication(hk, u) * m.head_dim
+    q, kv = m.num_heads * m.head_size / t, N * hk * kv_replication(hk, u) * m.head_size
     fwd_mm = L * 2 * dense * tokens
-    fwd_attn = L * 2 * work.micro_batch_size * work.seq_len ** 2 * q / P        # causal: half of 4 S^2 q
+    # causal: 4 S q FLOPs per key a query attends, S/2 of them on average (flops.attended_keys); a sliding window
+    # spares work where the kernel skips masked blocks (flash-attn, FlexAttention), not with dense masks
+    window = m.sliding_window if opts.attention in ("flash", "flex") else 0
+    fwd_attn = L * 4 * work.micro_batch_size * work.seq_len * attended_keys(work.seq_len, window) * q / P
     head = 2 * m.padded_vocab_size(t) / t * m.hidden_size * tokens
     # forwards recomputed in the backward: one under checkpointing, two with a stride (the group's, the block's)
     recomputes = (2 if opts.checkpoint_stride > 1 else 1) if opts.activation_checkpointing else 0
@@ -139,7 +148,7 @@ def step_time(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, wo
     if tiled(opts.mlp_chunk_tokens, layout, opts, work.seq_len):
         redo_mm += L * 2 * mlp * tokens * (1 + recomputes)
     if N > 1:       # each head chunk's forward runs again in its backward: QKV and output projections
-        redo_mm += L * 2 * (m.hidden_size * (q + 2 * m.kv_heads * m.head_dim / t) + q * m.hidden_size) * tokens
+        redo_mm += L * 2 * (m.hidden_size * (q + 2 * m.kv_heads * m.head_size / t) + q * m.hidden_size) * tokens
     mm = M * (3 * (fwd_mm + head) + redo_mm)
     # forward, backward (twice the forward), and under checkpointing the recomputations, unless their output is
     # kept; head chunks recompute attention once more (per chunk, in the backward)

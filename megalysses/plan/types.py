@@ -64,6 +64,7 @@ class RunPlan:
     activation: ActivationPolicy
     optimizer: str                  # where the state lives: "fsdp", "zero1", "zero1-host" (optimizer offload) or
                                     # "fsdp-host" (parameter offload)
+    attention_window: int = 0       # the sliding window every attention layer masks (model.sliding_window; 0: none)
     weights: str = "device"         # "host": pinned host memory, streamed in a block ahead (parameter offload)
     gradients: str = "device"       # "host": each bucket (block) leaves the device as its backward finishes
 

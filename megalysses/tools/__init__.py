@@ -2,7 +2,8 @@
 console scripts; tools/*.py and pretrain.py at the repository root run the same `cli()` functions.
 
     pretrain          megalysses-pretrain        torchrun ... pretrain.py --config C
-    preprocess_data   megalysses-preprocess      jsonl / Parquet / Arrow / text folder -> Megatron .bin/.idx
+    preprocess_data   megalysses-preprocess      jsonl / Parquet / Arrow / text folder -> Megatron .bin/.idx;
+                                                 --chat: conversations, and the loss mask of their answers
     merge_datasets    megalysses-merge-datasets  a folder of .bin/.idx shards -> one dataset
     train_tokenizer   megalysses-train-tokenizer sentencepiece BPE from jsonl / Parquet / Arrow / text
     generate          megalysses-generate        sample from a run's checkpoint

@@ -5,7 +5,8 @@
 --stdlib takes every .py file of the running interpreter's standard library (sysconfig's "stdlib"
 path; site-packages and dist-packages are always left out), sorted by relative path, one jsonl
 document {"text": ..., "path": ...} each. Each file is decoded with its declared source encoding
-(PEP 263, UTF-8 by default); the rare file that cannot be decoded is skipped and counted.
+(PEP 263, UTF-8 by default); the rare file that cannot be decoded is skipped and counted, and so are the
+files with no text but whitespace (empty `__init__.py` files: empty documents to preprocessing).
 The output is written to a temporary name and renamed when complete.
 """
 from __future__ import annotations
@@ -59,7 +60,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, int]:
         p.error(f"--output {args.output}: {parent} is a file, not a directory")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
-    written = skipped = nbytes = 0
+    written = skipped = empty = nbytes = 0
     try:
         with open(tmp, "w", encoding="utf-8") as f:
             for path in stdlib_files(root, args.exclude_tests):
@@ -67,6 +68,9 @@ def main(argv: Optional[list[str]] = None) -> dict[str, int]:
                     text = read_source(path)
                 except (SyntaxError, UnicodeDecodeError, LookupError):
                     skipped += 1
+                    continue
+                if not text.strip():
+                    empty += 1
                     continue
                 f.write(json.dumps({"text": text, "path": path.relative_to(root).as_posix()}) + "\n")
                 written += 1
@@ -76,8 +80,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, int]:
         if tmp.exists():
             tmp.unlink()
     print(f"wrote {written} documents ({nbytes / 1e6:.1f} MB of text) from {root} to {out}; "
-          f"skipped {skipped} files that cannot be decoded", file=sys.stderr)
-    return {"documents": written, "skipped": skipped, "characters": nbytes}
+          f"skipped {empty} files with no text and {skipped} that cannot be decoded", file=sys.stderr)
+    return {"documents": written, "skipped": skipped, "empty": empty, "characters": nbytes}
 
 
 def cli() -> int:

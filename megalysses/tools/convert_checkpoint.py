@@ -1,4 +1,4 @@
-"""Convert between Hugging Face Llama models and megalysses runs, in both directions.
+"""Convert between Hugging Face models (Llama, Qwen2/2.5, Qwen3, Mistral) and megalysses runs, in both directions.
 
     # Hugging Face -> a megalysses run directory (config.yaml + a weights-only checkpoint at step 0)
     python tools/convert_checkpoint.py --from-hf models/Llama-3.2-1B --to runs/llama1b [--config configs/X.yaml]
@@ -11,21 +11,26 @@
 layout (fused QKV and gate-up projections, the padded vocabulary) as a DCP checkpoint that loads at any
 (tp, sp, pp, dp) layout, with or without FSDP; training starts from it with a fresh optimizer at step 0.
 The run's config.yaml takes its model section from the Hugging Face config and everything else from
---config (default: the schema's defaults); set data.paths before training. (checkpoint.init_from
+--config (default: the schema's defaults); set data.paths before training. --set model.rope_theta,
+model.rope_scaling.* and model.sliding_window change the model section too (no tensor depends on them: a
+context extension's RoPE scaling, say). (checkpoint.init_from
 points a run at a Hugging Face directory directly, without converting.)
-When the Hugging Face directory has a tokenizer.json, the run keeps a copy of its tokenizer files in
-<run_dir>/tokenizer/ and its config.yaml points data.tokenizer at it (the model's ids are that
+When the Hugging Face directory has a tokenizer.json, the run keeps a copy of its tokenizer files (its chat
+template among them) in <run_dir>/tokenizer/ and its config.yaml points data.tokenizer at it (the model's ids are that
 tokenizer's), unless --set names another. The paths config.yaml names are absolute: the run works from
 any directory. The imported model's config.json and generation_config.json are kept in
 <run_dir>/hf_source/.
 --to-hf takes the fp32 master weights of a training checkpoint (or the weights of a weights-only one),
 converts them back, and writes sharded safetensors, the index and config.json in --dtype, with the run's
-tokenizer files when it trained with a Hugging Face tokenizer, into a new directory that is complete or
-absent. config.json's max_position_embeddings is what serving stacks take for the model's context: the
-longer of the longest sequence the checkpoint trained at (data.seq_len at its step, curriculum
-included) and the imported model's own (an import never trained keeps its own). eos_token_id and
-bos_token_id are data.eod / data.bos when set, else the imported model's, else the run's tokenizer's;
-the imported model's generation_config.json goes along (else one with those ids is written).
+tokenizer (a Hugging Face tokenizer's own files, its chat template included; a sentencepiece, byte or GPT-2
+BPE one rebuilt as a tokenizer.json that gives the ids it trained on), into a new directory that is complete
+or absent, its files with the mode the umask gives. config.json's max_position_embeddings is what serving
+stacks take for the model's context: the longer of the longest sequence the checkpoint trained at
+(data.seq_len at its step, curriculum included) and the imported model's own (an import never trained keeps
+its own). eos_token_id and bos_token_id are data.eod / data.bos when set, else the imported model's, else the
+run's tokenizer's; the imported model's generation_config.json goes along (else one with those ids is
+written). The export is of the imported model's family (model_type) when it holds the run's architecture, else
+of the one its settings call for (megalysses/model/hf.py hf_model_type), with its RoPE scaling written back.
 """
 from __future__ import annotations
 
@@ -46,7 +51,8 @@ import yaml
 
 from megalysses.config import Config, ConfigError
 from megalysses.config_io import apply_override, config_from_dict, config_to_dict, save_config
-from megalysses.data.tokenizer import TokenizerError, tokenizer_from_config
+from megalysses.data.hf_tokenizer import hf_tokenizer_files, source_name
+from megalysses.data.tokenizer import TokenizerError, canonical_kind, tokenizer_from_config
 from megalysses.model.gpt import GPTStage, architecture
 from megalysses.model.hf import hf_config_dict, hf_tensors, model_config_from_hf, our_names, our_tensor, check_hf_names
 from megalysses.model.hf_io import DTYPES, HFFormatError, check_new_dir, is_hf_dir, open_hf_dir, write_hf_dir
@@ -57,6 +63,8 @@ from megalysses.checkpoint.manifest import FORMAT, verify_checkpoint, write_mani
 
 
 HF_SOURCE = "hf_source"      # <run_dir>/hf_source/: the imported model's config.json (and generation_config.json)
+RUN_MODEL_KEYS = ("model.rope_theta", "model.rope_scaling", "model.sliding_window")
+"""Model keys --from-hf takes from --set rather than from the Hugging Face config: they change no tensor."""
 SOURCE_FILES = ("config.json", "generation_config.json")
 
 
@@ -109,6 +117,9 @@ def from_hf(hf_dir: str, run_dir: str, config: Optional[str] = None, overrides: 
     kept = ("kernels", "attention_backend", "vocab_pad_multiple", "init_std")
     keep = {k: base_model[k] for k in kept if k in base_model}
     data["model"] = {**config_to_dict(Config())["model"], **dataclasses.asdict(model), **keep}
+    for ov in overrides or []:       # what the weights do not fix, a context extension's RoPE scaling say, is --set's
+        if ov.startswith(RUN_MODEL_KEYS):
+            apply_override(data, ov)
     data.setdefault("logging", {})["run_dir"] = str(run_dir)
     cfg = config_from_dict(data)
     try:
@@ -213,7 +224,7 @@ def to_hf(source: str, hf_dir: str, dtype: str = "bfloat16", config: Optional[st
     src = _read_json(imported / "config.json") if imported else {}
     positions, context = _max_positions(cfg, int(meta.get("step", 0)), src)
     ids = _special_ids(cfg, src)
-    extra, tokenizer = _tokenizer_files(cfg)
+    extra, tokenizer = _tokenizer_files(cfg, positions)
     generation = imported / "generation_config.json" if imported else None
     if generation is not None and generation.is_file():
         extra["generation_config.json"] = generation.read_bytes()
@@ -224,14 +235,17 @@ def to_hf(source: str, hf_dir: str, dtype: str = "bfloat16", config: Optional[st
     else:
         gen_words = "no generation_config.json"
     try:
-        files = write_hf_dir(hf_dir, tensors, hf_config_dict(cfg.model, dtype, positions, **ids),
-                             int(max_shard_gib * 2**30), extra)
+        config_json = hf_config_dict(cfg.model, dtype, positions, **ids, model_type=src.get("model_type"))
+        files = write_hf_dir(hf_dir, tensors, config_json, int(max_shard_gib * 2**30), extra)
     except HFFormatError as e:
         raise ConvertError(f"--to-hf {e}") from None
+    except ValueError as e:
+        raise ConvertError(f"--to-hf: {e}") from None
     special = ", ".join(f"{k} {v}" for k, v in ids.items()) or (
         "no eos_token_id / bos_token_id: neither data.eod / data.bos, an imported model nor the run's tokenizer "
         "names them; add them to config.json")
-    return files, [f"max_position_embeddings {positions} ({context})", special, gen_words, tokenizer]
+    return files, [f"{config_json['architectures'][0]}", f"max_position_embeddings {positions} ({context})", special,
+                   gen_words, tokenizer]
 
 
 def _read_json(path: Path) -> dict:
@@ -290,18 +304,33 @@ def _special_ids(cfg: Config, source: dict) -> dict:
     return ids
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+# the chat template travels with the tokenizer: in tokenizer_config.json, or beside it (transformers >= 4.43)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "chat_template.json")
 
 
-def _tokenizer_files(cfg: Config) -> tuple[dict[str, bytes], str]:
-    """A run's Hugging Face tokenizer (a tokenizer.json, or its folder's tokenizer files), to go beside the
-    weights, so that transformers' AutoTokenizer and tools/generate.py --hf load the pair; another kind
-    is left to the user. Returns {name: bytes} and what was done, in words."""
+def _tokenizer_files(cfg: Config, model_max_length: int) -> tuple[dict[str, bytes], str]:
+    """The run's tokenizer as files to go beside the weights, so that transformers' AutoTokenizer and
+    tools/generate.py --hf load the pair and encode as the run did: a Hugging Face tokenizer's own files (its
+    tokenizer.json, or its folder's tokenizer files), or a sentencepiece, byte or GPT-2 BPE tokenizer rebuilt
+    as a tokenizer.json (megalysses/data/hf_tokenizer.py, checked to give the run's ids). Returns
+    {name: bytes} and what was done, in words."""
     d = cfg.data
-    if d.tokenizer != "huggingface" or not d.tokenizer_model:
-        return {}, (f"no tokenizer: the run's (data.tokenizer={d.tokenizer}) is not a Hugging Face one; put one "
-                    f"beside the weights to load them with AutoTokenizer")
-    source = Path(d.tokenizer_model)
+    kind = "mock data" if d.mock else f"data.tokenizer={d.tokenizer}"
+    if d.mock or canonical_kind(d.tokenizer) == "null":
+        return {}, (f"no tokenizer: the run has none ({kind}); put one beside the weights to load them with "
+                    f"AutoTokenizer")
+    if canonical_kind(d.tokenizer) != "huggingface":
+        try:
+            tok = tokenizer_from_config(d, cfg.model.vocab_size)
+            if tok.vocab_size > cfg.model.vocab_size:
+                return {}, (f"no tokenizer: the run's ({kind}) has {tok.vocab_size} ids, more than the model's "
+                            f"model.vocab_size={cfg.model.vocab_size}: it is not the tokenizer the model learned")
+            files = hf_tokenizer_files(tok, model_max_length)
+        except (TokenizerError, OSError) as e:
+            return {}, f"no tokenizer: the run's ({kind}) could not be converted: {e}"
+        return files, f"the run's tokenizer ({source_name(tok)}) as tokenizer.json, giving the ids it trained on"
+    source = Path(d.tokenizer_model or "")
     files = [f for f in ([source / n for n in TOKENIZER_FILES] if source.is_dir() else [source]) if f.is_file()]
     if not any(f.name == "tokenizer.json" or f == source for f in files):
         return {}, (f"no tokenizer: the run's, {source}, is not there any more; copy its tokenizer.json beside the "
@@ -316,7 +345,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     direction = p.add_mutually_exclusive_group(required=True)
     direction.add_argument("--from-hf", metavar="HF_DIR",
-                           help="a Hugging Face Llama directory (config.json + safetensors)")
+                           help="a Hugging Face Llama, Qwen2/2.5, Qwen3 or Mistral directory (config.json + "
+                                "safetensors)")
     direction.add_argument("--from", dest="source", metavar="RUN_DIR", help="a megalysses run, or one checkpoint")
     p.add_argument("--to", metavar="RUN_DIR", help="with --from-hf: the run directory to create")
     p.add_argument("--to-hf", metavar="HF_DIR", help="with --from: the Hugging Face directory to write")
@@ -326,7 +356,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="--from-hf: override a value of the written config; repeatable")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES),
                    help="--to-hf: the dtype of the tensors written. Default bfloat16, whatever the checkpoint holds "
-                        "(fp32 master weights when it trained): the dtype Llama models are published and served "
+                        "(fp32 master weights when it trained): the dtype these models are published and served "
                         "in, at half the size; float32 keeps the master weights exactly")
     p.add_argument("--max-shard-gib", type=float, default=5.0, help="--to-hf: largest safetensors file")
     args = p.parse_args(argv)

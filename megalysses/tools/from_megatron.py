@@ -14,13 +14,22 @@ differs from megalysses' default, and it loads (it is checked with the config lo
 
 Each flag that cannot be honoured (and each Megatron-LM default that cannot: learned absolute positions,
 dropout 0.1) is named; the config is then written only with --allow-lossy, and the exit status is 1 without
-it. Flags that change only speed, profiling or logging are named and left out. A command line that cannot be
-read (an unknown flag, a value of the wrong type, a script that never runs pretrain_gpt.py) is one error line
-and exit status 2. --verbose lists what every flag became.
+it. Flags that change only speed, profiling or logging are named and left out; a Megatron-LM flag the table has
+no entry for is named by its group (checkpoint format and persistence: not honoured; logging destinations:
+left out; others: not honoured). A command line that cannot be read (flags Megatron-LM does not have, all
+named at once, a mixture-of-experts model, a value of the wrong type, a script that never runs pretrain_gpt.py)
+is one error line and exit status 2. --verbose lists what every flag became.
+
+The config must start: it is checked at the launch's world size (--gpus, default the script's torchrun
+--nproc-per-node x --nnodes, else tp x cp x pp) on H100 nodes of --gpus-per-node with the rules
+`pretrain.py --dry-run --gpus N` applies (config_checks.validate_config, megalysses.plan.resolve). An attention
+backend the layout cannot run (SDPA's or the reference's blocks for a ring) becomes auto, and the converter
+says which backend and which Ulysses x ring split of parallel.sp the run takes there.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import textwrap
 from pathlib import Path
@@ -31,8 +40,9 @@ import yaml
 from megalysses.config import Config, ConfigError
 from megalysses.config_checks import validate_config
 from megalysses.config_io import config_from_dict, config_to_dict, read_yaml
+from megalysses.plan import Machine, RunPlan, resolve
 from megalysses.tools.megatron_convert import Conversion, convert
-from megalysses.tools.megatron_script import MegatronArgsError, parse_arguments, script_arguments
+from megalysses.tools.megatron_script import MegatronArgsError, launch_world, parse_arguments, script_launch
 
 
 class _Dumper(yaml.SafeDumper):
@@ -93,6 +103,28 @@ def report(conv: Conversion, verbose: bool) -> str:
     return "\n".join(lines)
 
 
+def check_start(cfg: Config, conv: Conversion, gpus: int, per_node: int) -> tuple[Config, RunPlan]:
+    """(cfg, its plan) on `gpus` H100s, `per_node` to a node, by the rules a run (and `pretrain.py --dry-run --gpus`)
+    applies; an attention backend the layout cannot run becomes auto. Notes what the run takes in `conv`; raises
+    ConfigError when the config cannot start there."""
+    machine = Machine.described("H100", ranks_per_node=min(gpus, per_node))
+    validate_config(cfg, world_size=gpus)
+    try:
+        run = resolve(cfg, machine, gpus)
+    except ConfigError as e:
+        if cfg.model.attention_backend == "auto" or "attention backend" not in str(e):
+            raise
+        conv.notes.append(f"model.attention_backend=auto instead of {cfg.model.attention_backend}: {e}")
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention_backend="auto"))
+        run = resolve(cfg, machine, gpus)
+    p = cfg.parallel
+    split = " (parallel.sp_ring, as the script fixes it)" if p.sp_ring else " (megalysses' choice)" if p.sp > 1 else ""
+    conv.notes.append(f"on {gpus} GPUs ({min(gpus, per_node)} a node): attention {run.attention} "
+                      f"({run.attention_reason}); parallel.sp={p.sp} runs as ulysses {run.ulysses} x ring {run.ring}"
+                      f"{split}")
+    return cfg, run
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ours, megatron = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, None)
@@ -105,11 +137,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab-size", type=int, help="the tokenizer's vocabulary size, when its files are not on this "
                    "machine (they are read otherwise)")
     p.add_argument("--verbose", action="store_true", help="also list what every flag became")
+    p.add_argument("--gpus", type=int, help="the world size the config is checked at (default: the script's torchrun "
+                   "--nproc-per-node x --nnodes, else tensor x context x pipeline parallel sizes)")
+    p.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: the script's --nproc-per-node, else 8)")
     args = p.parse_args(ours)
     try:
         if (args.script is None) == (megatron is None):
             raise MegatronArgsError("give either --script FILE or the pretrain_gpt.py arguments after --")
-        source = "the arguments after --"
+        source, launcher = "the arguments after --", []
         if args.script:
             path = Path(args.script[0])
             try:
@@ -118,8 +153,9 @@ def main(argv: list[str] | None = None) -> int:
                 raise MegatronArgsError(f"cannot read the script {path}: {e.strerror}") from None
             except UnicodeDecodeError:
                 raise MegatronArgsError(f"the script {path} is not UTF-8 text") from None
-            megatron, source = script_arguments(text, args.script[1:]), path.name
+            (launcher, megatron), source = script_launch(text, args.script[1:]), path.name
         conv = convert(parse_arguments(megatron), vocab_size=args.vocab_size)
+        gpus, per_node = _world(args, launcher, conv)
     except MegatronArgsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -130,6 +166,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(report(conv, args.verbose))
         print(f"error: the converted config does not load: {e}", file=sys.stderr)
+        return 1
+    try:
+        cfg, _ = check_start(cfg, conv, gpus, per_node)
+    except ConfigError as e:
+        print(report(conv, args.verbose))
+        print(f"error: the converted config cannot start on {gpus} GPUs: {e}", file=sys.stderr)
         return 1
     print(report(conv, args.verbose))
     if conv.lossy and not args.allow_lossy:
@@ -150,6 +192,18 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"wrote {args.output}; see it explained: python pretrain.py --config {args.output} --print-config")
     return 0
+
+
+def _world(args: argparse.Namespace, launcher: list[str], conv: Conversion) -> tuple[int, int]:
+    """(world size, GPUs per node) to check the config at: --gpus / --gpus-per-node, else the launch line's."""
+    nproc, nnodes = launch_world(launcher)
+    v = conv.values
+    gpus = args.gpus or (nproc * nnodes if nproc and nnodes else nproc) or \
+        v["parallel.tp"] * v["parallel.sp"] * v["parallel.pp"]
+    per_node = args.gpus_per_node or nproc or 8
+    if gpus < 1 or per_node < 1:
+        raise MegatronArgsError(f"--gpus {gpus} and --gpus-per-node {per_node} must be at least 1")
+    return gpus, per_node
 
 
 def cli() -> int:

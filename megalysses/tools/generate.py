@@ -1,4 +1,5 @@
-"""Sample text from a trained checkpoint (any layout it was saved at) or a Hugging Face Llama, in one process.
+"""Sample text from a trained checkpoint (any layout it was saved at) or a Hugging Face model (Llama, Qwen2/2.5,
+Qwen3, Mistral), in one process.
 
     python tools/generate.py --run runs/quickstart --prompt "def main(" --max-new-tokens 120
     python tools/generate.py --hf models/Llama-3.2-1B --prompt "Paris is" --prompt "Once upon" --top-p 0.9
@@ -6,10 +7,11 @@
 --run reads <run>/config.yaml and the newest checkpoint under <run>/checkpoints (or --checkpoint) and
 loads the model weights into a single process (DCP reshards them); the prompts are encoded with the
 run's tokenizer (data.tokenizer: byte, sentencepiece, a Hugging Face tokenizer.json, ...) as its
-training documents were. --hf reads config.json, the safetensors and tokenizer.json of a Hugging Face
-model directory. All prompts are sampled together, left-padded, with a KV cache (the prompt once, then
-one token per step); each stops at the end-of-document token or after --max-new-tokens. Sampling:
-temperature (0 = greedy), then top-k and top-p (nucleus) cuts.
+training documents were, except that a special token a prompt spells is that token (as transformers
+encodes prompts: chat markup typed into a prompt is the markup). --hf reads config.json, the safetensors
+and tokenizer.json of a Hugging Face model directory. All prompts are sampled together, left-padded, with
+a KV cache (the prompt once, then one token per step); each stops at the end-of-document token or after
+--max-new-tokens. Sampling: temperature (0 = greedy), then top-k and top-p (nucleus) cuts.
 """
 from __future__ import annotations
 
@@ -131,8 +133,9 @@ def load_run(run: Path) -> tuple[Config, Any]:
 
 
 def prompt_ids(tok: Any, prompt: str, bos: Optional[str]) -> list[int]:
-    """The prompt as the training documents began: with the run's data.bos in front when it has one."""
-    ids = tok.encode(prompt)
+    """The prompt as the training documents began (with the run's data.bos in front when it has one), the special
+    tokens it spells parsed."""
+    ids = tok.encode(prompt, parse_special=True)
     if bos is not None and tok.bos_id is not None and ids[:1] != [tok.bos_id]:
         ids = [tok.bos_id] + ids
     return ids

@@ -8,7 +8,9 @@ defaults for the flags left out, its arithmetic (samples to steps, warmup fracti
     conv.mapped     # {flag: what it set}; conv.lossy {flag: why it cannot be honoured}; conv.ignored; conv.notes
 
 Every flag given lands in exactly one of mapped, lossy and ignored; lossy also names the Megatron-LM defaults
-of flags left out that megalysses cannot honour (learned absolute positions, dropout 0.1).
+of flags left out that megalysses cannot honour (learned absolute positions, dropout 0.1). A Megatron-LM flag
+without an entry in the table (parse_arguments' `unmapped`) is named by its group (megatron_flags.GROUPS): a
+logging destination is left out, any other cannot be honoured.
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ from typing import Any, Optional
 
 from megalysses.data.blend import is_weighted
 from megalysses.megatron_names import FLAGS
+from megalysses.tools.megatron_flags import GROUPS, flag_group
+from megalysses.tools.megatron_positions import rope, window
 from megalysses.tools.megatron_script import MegatronArgsError
 
 
@@ -74,13 +78,24 @@ def convert(given: dict[str, Any], read_files: bool = True, vocab_size: Optional
     _batch_and_schedule(c)
     _precision_memory(c)
     _checkpoint_logging(c)
+    _profiling(c)
     for flag in given:
         f = FLAGS[flag]
         if flag not in c.out.mapped and flag not in c.out.lossy:
             if f.status == "ignored":
                 c.out.ignored[flag] = f.note
+            elif f.status == "none" and given[flag]:
+                c.lossy(flag, f.note)
             else:
                 c.out.mapped[flag] = f.note or "accepted"
+    for flag in getattr(given, "unmapped", {}):
+        group = flag_group(flag)
+        if group == "logging":
+            c.out.ignored[flag] = GROUPS[group]
+        elif group == "moe":        # parse_arguments refuses a command line with experts
+            c.out.ignored[flag] = "a mixture-of-experts setting without --num-experts: unused, as in Megatron-LM"
+        else:
+            c.out.lossy[flag] = GROUPS[group]
     return c.out
 
 
@@ -93,15 +108,14 @@ def _model(c: _Converter) -> None:
     c.set("--group-query-attention --num-query-groups", model__num_kv_heads=groups)
     if c.has("--num-query-groups") and not c.get("--group-query-attention"):
         c.out.mapped["--num-query-groups"] = "ignored without --group-query-attention, as in Megatron-LM"
-    if c.has("--kv-channels") and c.get("--kv-channels") != hidden // heads:
-        c.lossy("--kv-channels", f"heads of {c.get('--kv-channels')} channels: the head width is hidden_size / "
-                                 f"num_heads = {hidden // heads} here")
+    kv = c.get("--kv-channels")
+    c.set("--kv-channels", model__head_dim=kv if kv is not None and kv * heads != hidden else None)
     swiglu = c.get("--swiglu")
     ffn = c.get("--ffn-hidden-size") or (int((4 * hidden * 2 / 3) / 64) * 64 if swiglu else 4 * hidden)
     c.set("--ffn-hidden-size", model__ffn_hidden_size=ffn)
     if not c.has("--ffn-hidden-size"):
         c.note(f"model.ffn_hidden_size={ffn}: Megatron-LM's width when --ffn-hidden-size is left out")
-    c.set("--swiglu", model__mlp="swiglu" if swiglu else "gelu")
+    c.set("--swiglu --openai-gelu", model__mlp="swiglu" if swiglu else "gelu")
     c.set("--normalization", model__norm=c.get("--normalization").lower())
     c.set("--norm-epsilon", model__norm_eps=c.get("--norm-epsilon"))
     c.set("--init-method-std", model__init_std=c.get("--init-method-std"), model__scaled_residual_init=True)
@@ -110,22 +124,15 @@ def _model(c: _Converter) -> None:
     c.set("--untie-embeddings-and-output-weights", model__tie_embeddings=not untie)
     bias = c.get("--disable-bias-linear")
     c.set("--disable-bias-linear", model__attention_bias=bias, model__mlp_bias=bias)
-    if c.get("--add-qkv-bias") and not bias:
-        c.lossy("--add-qkv-bias", FLAGS["--add-qkv-bias"].note + "; the converted model has no biases")
-    rope = c.get("--position-embedding-type") == "rope" or c.get("--use-rotary-position-embeddings")
-    if not rope:
-        c.lossy("--position-embedding-type", f"{c.get('--position-embedding-type')} positions: megalysses uses "
-                                             f"rotary embeddings only; the converted model has RoPE")
-    c.set("--position-embedding-type --use-rotary-position-embeddings --rotary-base",
-          model__rope_theta=float(c.get("--rotary-base")))
-    if c.get("--rotary-percent") != 1.0:
-        c.lossy("--rotary-percent", f"{c.get('--rotary-percent')} of each head rotated: every dimension rotates "
-                                    f"here")
-    scaling = {"type": "llama3", "factor": c.get("--rope-scaling-factor")} if c.get("--use-rope-scaling") else {}
-    for k, v in scaling.items():
-        c.set("--use-rope-scaling --rope-scaling-factor", **{f"model__rope_scaling.{k}": v})
-    if c.has("--rope-scaling-factor") and not scaling:
-        c.out.mapped["--rope-scaling-factor"] = "ignored without --use-rope-scaling, as in Megatron-LM"
+    c.set("--add-qkv-bias", model__add_qkv_bias=bool(c.get("--add-qkv-bias")) and not bias)
+    if c.get("--add-qkv-bias") and bias:
+        c.out.mapped["--add-qkv-bias"] = "every projection has a bias already (no --disable-bias-linear)"
+    c.set("--qk-layernorm", model__qk_layernorm=bool(c.get("--qk-layernorm")))
+    if c.get("--qk-layernorm") and c.get("--normalization") != "RMSNorm":
+        c.lossy("--qk-layernorm", "LayerNorms over the q and k heads (--normalization LayerNorm): the head norms are "
+                                  "RMSNorm here")
+    window(c)
+    rope(c)
     seq = c.need("--seq-length")
     if c.has("--max-position-embeddings") and c.get("--max-position-embeddings") < seq:
         raise MegatronArgsError(f"--max-position-embeddings {c.get('--max-position-embeddings')} is below "
@@ -133,10 +140,15 @@ def _model(c: _Converter) -> None:
     for flag in ("--attention-dropout", "--hidden-dropout"):
         if c.get(flag) != 0:
             c.lossy(flag, f"dropout {c.get(flag)}: megalysses has no dropout (trains as with 0)")
-    backend = "flash" if c.get("--use-flash-attn") else {"auto": "auto", "flash": "flash", "fused": "sdpa",
-                                                          "unfused": "reference", "local": "reference"}[
+    # flash-attn where it is installed and the layout runs it (not ring blocks): auto; the converter then checks the
+    # layout runs the backend chosen (tools/from_megatron.py), else it falls back to auto
+    backend = "auto" if c.get("--use-flash-attn") else {"auto": "auto", "flash": "auto", "fused": "sdpa",
+                                                         "unfused": "reference", "local": "reference"}[
         c.get("--attention-backend")]
     c.set("--attention-backend --use-flash-attn", model__attention_backend=backend)
+    if c.has("--use-flash-attn") or c.get("--attention-backend") == "flash":
+        c.note("--attention-backend flash / --use-flash-attn: model.attention_backend=auto, flash-attn wherever it is "
+               "installed and the layout can run it (with a ring, blocks on FlexAttention or SDPA)")
 
 
 def _parallel(c: _Converter) -> None:
@@ -149,18 +161,15 @@ def _parallel(c: _Converter) -> None:
     if len(types) > 1:
         c.lossy("--cp-comm-type", f"a communication type per layer ({', '.join(types)}): one split of sp here")
     kind, ring = types[0], 0
-    if kind == "p2p":
-        ring = cp
-    elif kind == "a2a":
-        ring = 1
-    elif kind == "a2a+p2p":
+    if kind == "a2a+p2p":
         sizes = c.need("--hierarchical-context-parallel-sizes", "--cp-comm-type a2a+p2p takes its split from it")
         if math.prod(sizes) != cp or len(sizes) != 2:
             raise MegatronArgsError(f"--hierarchical-context-parallel-sizes {' '.join(map(str, sizes))}: expected "
                                     f"two sizes (a2a, p2p) whose product is --context-parallel-size {cp}")
         ring = sizes[1]
-    else:
-        c.note(f"--cp-comm-type {kind}: parallel.sp_ring=0, the split chosen from the heads")
+    elif cp > 1:       # every split of sp computes the same attention: megalysses chooses it (tools/from_megatron.py)
+        c.note(f"--context-parallel-size {cp} (--cp-comm-type {kind}): parallel.sp={cp}, split into Ulysses x ring by "
+               f"megalysses as the heads allow (parallel.sp_ring 0); Megatron-LM's {kind} computes the same attention")
     c.set("--cp-comm-type --hierarchical-context-parallel-sizes", parallel__sp_ring=ring if cp > 1 else 0)
     layers = c.get("--num-layers")
     if c.has("--num-layers-per-virtual-pipeline-stage"):
@@ -353,6 +362,8 @@ def _precision_memory(c: _Converter) -> None:
     full = granularity == "full"
     if granularity == "selective":
         c.lossy("--recompute-granularity", "selective: " + dict(FLAGS["--recompute-granularity"].values)["selective"])
+    if c.get("--recompute-activations"):
+        c.lossy("--recompute-activations", FLAGS["--recompute-activations"].note)
     if full and method == "block" and (n or 0) < per_stage:
         c.lossy("--recompute-method", f"block recomputation of {n} of the {per_stage} layers of a stage: every "
                                       f"layer is recomputed here")
@@ -371,6 +382,30 @@ def _precision_memory(c: _Converter) -> None:
         c.lossy("--calculate-per-token-loss", "without it Megatron-LM averages the loss per micro-batch, and with "
                                               "--eod-mask-loss micro-batches count different tokens; megalysses "
                                               "divides by the global token count")
+
+
+PROFILE_FLAGS = ("--use-pytorch-profiler", "--profile-step-start", "--profile-step-end", "--profile-ranks")
+
+
+def _profiling(c: _Converter) -> None:
+    """--profile --use-pytorch-profiler: Megatron-LM's torch profiler records steps start to end - 1 (as it logs
+    them, after a warm-up step) on --profile-ranks: the profile section, whose end_step is inclusive."""
+    if not c.get("--profile") or not c.get("--use-pytorch-profiler"):
+        why = ("without --profile Megatron-LM profiles nothing" if not c.get("--profile") else
+               "--profile without --use-pytorch-profiler: Megatron-LM opens an nsys capture range (cudaProfilerStart/"
+               "Stop over steps start + 1 to end) for `nsys profile --capture-range=cudaProfilerApi`, which has no "
+               "counterpart here; profile.start_step and profile.end_step record steps with the torch profiler")
+        for flag in ("--profile",) + PROFILE_FLAGS:
+            if c.has(flag):
+                c.out.ignored[flag] = why
+        return
+    start, end = c.get("--profile-step-start"), c.get("--profile-step-end")
+    if end <= max(start, 1):
+        raise MegatronArgsError(f"--profile-step-end {end} is not after --profile-step-start {start}: Megatron-LM's "
+                                f"torch profiler records steps start to end - 1")
+    c.set("--profile --use-pytorch-profiler --profile-step-start --profile-step-end", profile__start_step=max(start, 1),
+          profile__end_step=end - 1)
+    c.set("--profile-ranks", profile__ranks=list(c.get("--profile-ranks")))
 
 
 def _checkpoint_logging(c: _Converter) -> None:

@@ -2,7 +2,9 @@
 against the flag table of megalysses/megatron_names.py.
 
     argv = script_arguments(Path("train.sh").read_text(), ["ckpt/", "tb/"])   # the script's $1, $2, ...
+    launcher, argv = script_launch(Path("train.sh").read_text(), ["ckpt/", "tb/"])   # and torchrun's own words
     given = parse_arguments(argv)       # {"--num-layers": 32, "--swiglu": True, "--data-path": ["a"], ...}
+    given.unmapped                      # {"--wandb-entity": ["me"], ...}: Megatron-LM flags with no entry here
 
 The script is read, not run, in the environment the converter runs in. Assignments (X=1, A=(...), A+=(...),
 export), expansions ($X, ${X}, ${X:-default}, ${A[@]}, $1, "$@", $((arithmetic))), quotes, line continuations,
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from megalysses.megatron_names import FLAGS
+from megalysses.tools.megatron_flags import flag_group, megatron_flag_arity, megatron_flags
 
 UNKNOWN = "\x00"          # marks text that came from a command's output, which is not run here
 OTHER_WAY = "give the pretrain_gpt.py arguments after -- instead"
@@ -269,15 +272,37 @@ def _plain(tok: _Tok) -> str:
 
 def script_arguments(text: str, args: Optional[list[str]] = None) -> list[str]:
     """The arguments the script passes to pretrain_gpt.py (its $1, $2, ... are `args`)."""
+    return script_launch(text, args)[1]
+
+
+def script_launch(text: str, args: Optional[list[str]] = None) -> tuple[list[str], list[str]]:
+    """(the words before pretrain_gpt.py on the command that runs it: the launcher and its options; the
+    arguments the script passes to pretrain_gpt.py); its $1, $2, ... are `args`."""
     shell, cmds = _Shell(list(args or [])), _commands(_lex(text))
     found = _run(shell, cmds, 0, len(cmds))
     if found is None:
         raise MegatronArgsError("the script never runs pretrain_gpt.py: give a script that launches it (torchrun "
                                 "... pretrain_gpt.py ...), or the arguments after --")
-    return [a.strip("'\"") if len(a) > 1 and a[0] == a[-1] and a[0] in "'\"" else a for a in found]
+    launcher, found = found
+    return launcher, [a.strip("'\"") if len(a) > 1 and a[0] == a[-1] and a[0] in "'\"" else a for a in found]
 
 
-def _run(shell: _Shell, cmds: list, start: int, end: int) -> Optional[list[str]]:
+def launch_world(launcher: list[str]) -> tuple[Optional[int], Optional[int]]:
+    """(processes per node, nodes) that torchrun's options among `launcher` give (--nproc-per-node,
+    --nnodes, the elastic MIN:MAX taken at its MAX); None where they are not given as numbers."""
+    found: dict[str, Optional[int]] = {"nproc": None, "nnodes": None}
+    for i, word in enumerate(launcher):
+        name, _, value = word.partition("=")
+        key = {"--nproc_per_node": "nproc", "--nproc-per-node": "nproc", "--nnodes": "nnodes"}.get(name)
+        if key is None:
+            continue
+        value = value or (launcher[i + 1] if i + 1 < len(launcher) else "")
+        value = value.rsplit(":", 1)[-1]
+        found[key] = int(value) if value.isdigit() and int(value) > 0 else None
+    return found["nproc"], found["nnodes"]
+
+
+def _run(shell: _Shell, cmds: list, start: int, end: int) -> Optional[tuple[list[str], list[str]]]:
     i = start
     while i < end:
         cmd = cmds[i][1]
@@ -294,9 +319,9 @@ def _run(shell: _Shell, cmds: list, start: int, end: int) -> Optional[list[str]]
     return None
 
 
-def _simple(shell: _Shell, cmd: list[_Tok]) -> Optional[list[str]]:
-    """Follow an assignment (or export of one); for any other command, return its arguments after pretrain_gpt.py
-    when it runs it."""
+def _simple(shell: _Shell, cmd: list[_Tok]) -> Optional[tuple[list[str], list[str]]]:
+    """Follow an assignment (or export of one); for any other command, return its words before pretrain_gpt.py and
+    its arguments after it, when it runs it."""
     words = cmd[1:] if _plain(cmd[0]) in ("export", "declare", "local", "readonly", "typeset") else cmd
     words = [t for t in words if not (t.op is None and _plain(t).startswith("-") and words is not cmd)]
     assigned = False
@@ -328,7 +353,7 @@ def _simple(shell: _Shell, cmd: list[_Tok]) -> Optional[list[str]]:
             if unknown:
                 raise MegatronArgsError(f"line {cmd[0].line}: the argument {unknown[0].replace(UNKNOWN, '')} is a "
                                         f"command's output, which is not run here; {OTHER_WAY}")
-            return args
+            return argv[:n], args
     return None
 
 
@@ -353,7 +378,7 @@ def _skip_block(cmds: list, i: int, end: int) -> tuple[None, int]:
     return None, stop + 1
 
 
-def _run_if(shell: _Shell, cmds: list, i: int, end: int) -> tuple[Optional[list[str]], int]:
+def _run_if(shell: _Shell, cmds: list, i: int, end: int) -> tuple[Optional[tuple[list[str], list[str]]], int]:
     """if/elif/else/fi: the first branch whose test holds runs."""
     fi = _block_end(cmds, i, end, "if", "fi")
     branches: list[list] = []          # [test commands or None for else, body start, body end]
@@ -427,11 +452,22 @@ def _value(flag: str, kind: str, raw: str) -> Any:
         raise MegatronArgsError(f"{flag}: expected {what}, got {raw!r}") from None
 
 
-def parse_arguments(argv: list[str]) -> dict[str, Any]:
+class Given(dict):
+    """parse_arguments' result: {flag: value} for the flags megalysses' table maps (megatron_names.FLAGS), and in
+    `unmapped` {flag: its words} for the Megatron-LM flags it has no entry for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.unmapped: dict[str, list[str]] = {}
+
+
+def parse_arguments(argv: list[str]) -> Given:
     """pretrain_gpt.py's arguments as {flag: value} for the flags given, parsed as Megatron-LM's argparse parses
-    them (the last of a repeated flag wins); an unknown flag, a missing value, a value of the wrong type or one
-    outside the flag's choices is a MegatronArgsError naming the flag."""
-    given: dict[str, Any] = {}
+    them (the last of a repeated flag wins); a Megatron-LM flag without an entry in the table lands in
+    `.unmapped` with its words. One MegatronArgsError names every flag Megatron-LM does not have (with the
+    real flag it most resembles, where one does closely) and refuses a mixture-of-experts command line as such;
+    a missing value, a value of the wrong type or one outside the flag's choices is one naming the flag."""
+    given, not_megatron, experts = Given(), [], []
     i = 0
     while i < len(argv):
         word = argv[i]
@@ -441,10 +477,14 @@ def parse_arguments(argv: list[str]) -> dict[str, Any]:
             after = f" (after {argv[i - 1]})" if i else ""
             raise MegatronArgsError(f"unexpected argument {word!r}{after}: pretrain_gpt.py takes --flag value pairs")
         if flag is None:
-            close = difflib.get_close_matches(name, list(FLAGS), n=1, cutoff=0.75)
-            hint = f" (did you mean {close[0]}?)" if close else ""
-            raise MegatronArgsError(f"unknown flag {name}: not a Megatron-LM pretrain_gpt.py flag this converter "
-                                    f"knows{hint}; remove it, or convert without it and set its config key by hand")
+            i, values = _skip_values(argv, i, megatron_flag_arity(name), inline)
+            if megatron_flag_arity(name) is None:
+                not_megatron.append(name)
+            else:
+                given.unmapped[name] = values
+                if name == "--num-experts" and values and values[-1] not in ("0", "None"):
+                    experts.append(f"{name} {values[-1]}")
+            continue
         values = [inline] if inline else []
         j = i + 1
         if not inline and flag.kind not in ("flag", "noflag"):
@@ -474,4 +514,39 @@ def parse_arguments(argv: list[str]) -> dict[str, Any]:
             if flag.choices and isinstance(v, str) and v not in flag.choices:
                 raise MegatronArgsError(f"{name}: {v!r} is not one of {', '.join(flag.choices)}")
         i = j if not inline and flag.kind not in ("flag", "noflag") else i + 1
+    if experts or not_megatron:
+        raise MegatronArgsError(_refusal(experts, not_megatron, given))
     return given
+
+
+def _skip_values(argv: list[str], i: int, arity: Optional[str], inline: str) -> tuple[int, list[str]]:
+    """(the index after flag argv[i] and its values, the values) for a flag read by its Megatron-LM arity (None:
+    not a Megatron-LM flag, whose values are taken to be the words up to the next flag)."""
+    if inline or arity == "switch":
+        return i + 1, [inline] if inline else []
+    if arity == "value":
+        return min(i + 2, len(argv)), argv[i + 1:i + 2]
+    j = i + 1
+    while j < len(argv) and not (argv[j].startswith("--") and len(argv[j]) > 2):
+        j += 1
+    return j, argv[i + 1:j]
+
+
+def _refusal(experts: list[str], not_megatron: list[str], given: Given) -> str:
+    """One line: a mixture-of-experts command line refused as such, and every flag Megatron-LM does not have."""
+    parts = []
+    if experts:
+        moe = experts + [f for f in given.unmapped if flag_group(f) == "moe" and f != "--num-experts"]
+        parts.append(f"this is a mixture-of-experts command line ({', '.join(moe)}): megalysses trains dense models, "
+                     f"so it is not converted")
+    if not_megatron:
+        known = sorted(set(FLAGS) | set(megatron_flags()))
+        named = []
+        for flag in not_megatron:       # a close spelling, or the one real flag it is the end of (--yarn-beta-fast)
+            close = difflib.get_close_matches(flag, known, n=1, cutoff=0.85) or [
+                f for f in known if f.endswith("-" + flag[2:])]
+            named.append(flag + (f" (did you mean {close[0]}?)" if len(close) == 1 else ""))
+        parts.append(f"{len(named)} flag{'s' * (len(named) > 1)} that Megatron-LM's pretrain_gpt.py does not have: "
+                     f"{', '.join(named)}: remove {'them' if len(named) > 1 else 'it'}, or convert without "
+                     f"{'them' if len(named) > 1 else 'it'} and set the config keys by hand")
+    return "; ".join(parts)

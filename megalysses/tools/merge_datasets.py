@@ -8,9 +8,14 @@ its subfolders; other files are ignored) is appended in the sorted order of the 
 merges them, which is what preprocessing the shards' inputs one after another in one run writes, byte
 for byte: number shards with zero-padded numbers (shard_007) so that name order is number order.
 Before anything is written every pair is checked as training checks it when it opens it (structure and
-sizes), and all must hold one dtype. Progress is reported per dataset (documents/s, MB/s, ETA); the
-output is written under temporary names and renamed when complete, the .idx last, so an interrupted
-merge leaves nothing behind. --multimodal (indices with sequence modes) is refused.
+sizes), and all must hold one dtype. Progress is reported per dataset (its documents and tokens, then
+those merged so far, documents/s, MB/s, ETA); the output is written under temporary names and renamed
+when complete, the .idx last, so an interrupted merge leaves nothing behind. --multimodal (indices with
+sequence modes) is refused.
+
+Shards of conversations (tools/preprocess_data.py --chat) have their loss mask beside them
+(`{shard}_loss_mask`): the masks are merged alike into `{output_prefix}_loss_mask`, so the merged tokens and
+mask stay aligned; shards with a mask and shards without cannot be merged (blend them with data.paths).
 """
 from __future__ import annotations
 
@@ -25,7 +30,8 @@ import threading
 from pathlib import Path
 from typing import Any, Optional
 
-from megalysses.data.indexed import DatasetError, IndexedDataset, IndexedDatasetBuilder, bin_path, idx_path
+from megalysses.data.indexed import (DatasetError, IndexedDataset, IndexedDatasetBuilder, bin_path, idx_path,
+                                     loss_mask_prefix)
 from megalysses.data.progress import Progress
 from megalysses.tools.preprocess_data import Stopped, check_output_prefix, raise_stopped
 
@@ -67,8 +73,21 @@ def _check_inputs(prefixes: list[str]) -> tuple[list[dict], Any]:
     return found, first.dtype
 
 
+def split_masks(prefixes: list[str]) -> tuple[list[str], list[str]]:
+    """(the datasets, their loss masks in the same order, or none); DatasetError when only some have one."""
+    masks = {loss_mask_prefix(p) for p in prefixes} & set(prefixes)
+    datasets = [p for p in prefixes if p not in masks]
+    have = [p for p in datasets if loss_mask_prefix(p) in masks]
+    if have and len(have) != len(datasets):
+        lacks = next(p for p in datasets if loss_mask_prefix(p) not in masks)
+        raise DatasetError(f"{have[0]} has a loss mask beside it (conversations) but {lacks} has none: merge "
+                           f"conversations and plain documents separately and blend them with data.paths")
+    return datasets, [loss_mask_prefix(p) for p in have]
+
+
 def merge(folder: str, output_prefix: str) -> dict[str, Any]:
-    """Merge the .bin/.idx pairs of `folder` into `{output_prefix}.bin/.idx`; a summary of what was done."""
+    """Merge the .bin/.idx pairs of `folder` into `{output_prefix}.bin/.idx` (and their loss masks into
+    `{output_prefix}_loss_mask`); a summary of what was done."""
     root = Path(folder)
     if not root.is_dir():
         raise DatasetError(f"--input {folder}: {'not a directory' if root.exists() else 'no such directory'}: give "
@@ -80,7 +99,10 @@ def merge(folder: str, output_prefix: str) -> dict[str, Any]:
     prefixes, others = find_pairs(root)
     if not prefixes:
         raise DatasetError(f"--input {folder} holds no .bin/.idx pairs: give the folder of the datasets to merge")
+    prefixes, masks = split_masks(prefixes)
     datasets, dtype = _check_inputs(prefixes)
+    if masks:
+        _check_inputs(masks)
     names = [Path(p).name for p in prefixes]
     if sorted(names, key=_natural) != names:
         a, b = next((x, y) for x, y in zip(names, sorted(names, key=_natural)) if x != y)
@@ -89,7 +111,7 @@ def merge(folder: str, output_prefix: str) -> dict[str, Any]:
     if others:
         print(f"note: {len(others)} files of {folder} are not .bin/.idx and are not merged (e.g. {others[0]})",
               file=sys.stderr)
-    total = sum(ds["bytes"] for ds in datasets)
+    total = sum(ds["bytes"] for ds in datasets) * (2 if masks else 1)
     where = next(d for d in (out.parent, *out.parent.parents) if d.exists())
     free = shutil.disk_usage(where).free
     if free < total:
@@ -99,24 +121,34 @@ def merge(folder: str, output_prefix: str) -> dict[str, Any]:
     tmp = f"{output_prefix}.tmp-{os.getpid()}"
     progress = Progress(sum(ds["bin_bytes"] for ds in datasets))
     docs = tokens = copied = 0
-    builder = IndexedDatasetBuilder(bin_path(tmp), dtype)
+    outputs = [(prefixes, dtype, tmp, output_prefix)]
+    if masks:        # written first, renamed first: the tokens' .idx is the last file to appear
+        outputs.insert(0, (masks, "uint8", f"{tmp}_loss_mask", loss_mask_prefix(output_prefix)))
+    builders = [IndexedDatasetBuilder(bin_path(t), kind) for _, kind, t, _ in outputs]
     try:
-        for i, ds in enumerate(datasets):
-            builder.add_index(ds["prefix"])
-            docs, tokens, copied = docs + ds["documents"], tokens + ds["tokens"], copied + ds["bin_bytes"]
-            progress.report(docs, copied, copied, tokens, prefix=f"[{i + 1}/{len(datasets)}] {names[i]}: ")
-        builder.finalize(idx_path(tmp))
-        if os.path.exists(idx_path(output_prefix)):
-            os.remove(idx_path(output_prefix))
-        os.replace(bin_path(tmp), bin_path(output_prefix))
-        os.replace(idx_path(tmp), idx_path(output_prefix))
+        for (inputs, _, _, _), builder in zip(outputs, builders):
+            for i, prefix in enumerate(inputs):
+                builder.add_index(prefix)
+                if inputs is prefixes:
+                    ds = datasets[i]
+                    docs, tokens, copied = docs + ds["documents"], tokens + ds["tokens"], copied + ds["bin_bytes"]
+                    progress.report(docs, copied, copied, tokens, prefix=f"[{i + 1}/{len(datasets)}] {names[i]}: "
+                                    f"{ds['documents']:,} docs, {ds['tokens']:,} tokens; merged so far: ")
+        for (_, _, t, _), builder in zip(outputs, builders):
+            builder.finalize(idx_path(t))
+        for _, _, t, final in outputs:
+            if os.path.exists(idx_path(final)):
+                os.remove(idx_path(final))
+            os.replace(bin_path(t), bin_path(final))
+            os.replace(idx_path(t), idx_path(final))
     finally:
-        builder.close()
+        for builder in builders:
+            builder.close()
         for leftover in glob.glob(glob.escape(tmp) + "*"):
             os.remove(leftover)
     progress.report(docs, copied, copied, tokens, final=True)
     return {"datasets": len(datasets), "documents": docs, "tokens": tokens, "dtype": str(dtype),
-            "inputs": prefixes, "seconds": progress.elapsed}
+            "inputs": prefixes, "masks": masks, "seconds": progress.elapsed}
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -16,7 +16,11 @@ parallel.sp_ring, to set as well, since sp_ring=0 takes the largest Ulysses degr
 (checkpointing, the MLP untiled or in `auto` tiles, the LM head + loss in `auto` tiles
 (megalysses/plan/tiles.py), attention head chunks, TP sequence sharding, FSDP vs ZeRO-1, and activation,
 optimizer and parameter offload when --host-memory-gib is given) are enumerated under the config's own
-layout rules (config_checks.validate_config). The config's own layout is evaluated too.
+layout rules (config_checks.validate_config). The config's own layout is evaluated too: where it ranks
+among those that fit, and by which terms of the step time it trails the first.
+
+The table names each row's options (ckpt, act-offload, mlp-tile=16K, ...: the line under it gives the config
+key of each); the search's progress goes to stderr, so --json's stdout stays one JSON object.
 
 Memory is megalysses.memory's prediction. A layout fits when its peak is at most the usable device
 memory (--gpu-memory-gib, by default what an H100 80GB exposes, 79.6 GiB; less --reserve-gib for the CUDA
@@ -38,6 +42,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import time
 from dataclasses import replace
 from typing import Optional
 
@@ -52,31 +57,81 @@ from megalysses.plan.step_time import Hardware, hardware_problems
 
 # ----------------------------------------------------------------------------- output
 
+# the options column's names, in the order they are listed, and the config key each one stands for
+OPTION_NAMES = (("ckpt", "training.activation_checkpointing"), ("keep-attn", "training.recompute_attention=false"),
+                ("ckpt-stride", "training.checkpoint_stride"), ("act-offload", "training.activation_offload"),
+                ("opt-offload", "training.optimizer_offload"), ("param-offload", "training.param_offload"),
+                ("tp-seq", "parallel.tp_sequence_parallel"), ("fsdp", "parallel.fsdp"),
+                ("mlp-tile", "training.mlp_chunk_tokens"), ("loss-tile", "training.loss_chunk_tokens"),
+                ("head-chunks", "training.attention_head_chunks"))
+
+
+def _tokens(n: int) -> str:
+    return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
 def _flags(r: dict) -> str:
-    parts = [name for key, name in (("activation_checkpointing", "ckpt"), ("activation_offload", "act-offload"),
-                                    ("optimizer_offload", "opt-offload"), ("param_offload", "param-offload"),
-                                    ("tp_sequence_parallel", "tp-seq"), ("fsdp", "fsdp")) if r[key]]
-    if r["activation_checkpointing"] and not r["recompute_attention"]:
-        parts.insert(1, "keep-attn")
-    if r["checkpoint_stride"] > 1:
-        parts.insert(1, f"every-{r['checkpoint_stride']}")
-    parts += [f"{name}{r[key] // 1024}k" if r[key] >= 1024 else f"{name}{r[key]}"
-              for key, name in (("mlp_chunk_tokens", "mlp-tile"), ("loss_chunk_tokens", "loss-tile")) if r[key]]
-    if r["attention_head_chunks"] > 1:
-        parts.append(f"head-chunks{r['attention_head_chunks']}")
+    """A row's memory options, by the names of OPTION_NAMES (tiles in tokens)."""
+    on = {"ckpt": r["activation_checkpointing"],
+          "keep-attn": r["activation_checkpointing"] and not r["recompute_attention"],
+          "ckpt-stride": r["checkpoint_stride"] if r["checkpoint_stride"] > 1 else None,
+          "act-offload": r["activation_offload"], "opt-offload": r["optimizer_offload"],
+          "param-offload": r["param_offload"], "tp-seq": r["tp_sequence_parallel"], "fsdp": r["fsdp"],
+          "mlp-tile": _tokens(r["mlp_chunk_tokens"]) if r["mlp_chunk_tokens"] else None,
+          "loss-tile": _tokens(r["loss_chunk_tokens"]) if r["loss_chunk_tokens"] else None,
+          "head-chunks": r["attention_head_chunks"] if r["attention_head_chunks"] > 1 else None}
+    parts = [name if value is True else f"{name}={value}" for name, _ in OPTION_NAMES
+             for value in (on[name],) if value]
     return ",".join(parts) or "-"
 
 
+def legend(rows: list[dict]) -> str:
+    """What the option names of `rows` stand for."""
+    shown = {part.split("=")[0] for r in rows for part in _flags(r).split(",")}
+    return "options: " + ", ".join(f"{name} = {key}" for name, key in OPTION_NAMES if name in shown)
+
+
 def table(rows: list[dict]) -> str:
-    head = (f"{'#':>3} {'tp':>3} {'sp':>3} {'ring':>4} {'pp':>3} {'v':>2} {'dp':>4} {'options':<38} {'peak GiB':>8} "
-            f"{'host/node':>9} {'a2a GB':>8} {'ring GB':>8} {'allred GB':>9} {'step s':>8} {'tok/s':>10} {'MFU':>6}")
+    width = max([len("options")] + [len(_flags(r)) for r in rows])
+    head = (f"{'#':>3} {'tp':>3} {'sp':>3} {'ring':>4} {'pp':>3} {'v':>2} {'dp':>4} {'options':<{width}} "
+            f"{'peak GiB':>8} {'host/node':>9} {'a2a GB':>8} {'ring GB':>8} {'allred GB':>9} {'step s':>8} "
+            f"{'tok/s':>10} {'MFU':>6}")
     lines = [head]
     for i, r in enumerate(rows, 1):
         lines.append(f"{i:>3} {r['tp']:>3} {r['sp']:>3} {r['ring']:>4} {r['pp']:>3} {r['virtual_stages']:>2} "
-                     f"{r['dp']:>4} {_flags(r):<38} {r['peak_gib']:>8.1f} {r['host_gib_per_node']:>9.0f} "
+                     f"{r['dp']:>4} {_flags(r):<{width}} {r['peak_gib']:>8.1f} {r['host_gib_per_node']:>9.0f} "
                      f"{r['all_to_all_gb']:>8.1f} {r['ring_p2p_gb']:>8.1f} {r['all_reduce_gb']:>9.1f} "
                      f"{r['step_s']:>8.3f} {r['tokens_per_s']:>10.0f} {r['mfu']:>6.1%}")
     return "\n".join(lines)
+
+
+def behind(own: Prediction, best: Prediction) -> dict[str, float]:
+    """Seconds of step time by which `own` trails `best`, per term of the step-time model, largest first
+    (negative where it is quicker)."""
+    a, b = own.step.terms(), best.step.terms()
+    terms = {k: a.get(k, 0.0) - b.get(k, 0.0) for k in {**a, **b}}
+    return dict(sorted(((k, round(v, 6)) for k, v in terms.items() if abs(v) > 1e-9), key=lambda kv: -kv[1]))
+
+
+def ranking(own: Prediction, fitting: list[Prediction]) -> tuple[int, str]:
+    """Where the config's own layout ranks among the fitting ones (1 = fastest), and why, in words."""
+    rank = 1 + sum((p.step.total, p.estimate.peak) < (own.step.total, own.estimate.peak) for p in fitting)
+    if rank == 1 or not fitting:
+        return rank, "as fast as any layout that fits"
+    best, gap = fitting[0], own.step.total - fitting[0].step.total
+    if gap <= 1e-3 * own.step.total:
+        return rank, (f"it ranks #{rank} of {len(fitting)}: as fast as #1 ({layout_words(best.row())}), which peaks "
+                      f"lower ({best.row()['peak_gib']:.1f} GiB against {own.row()['peak_gib']:.1f})")
+    terms = [f"{'+' if v > 0 else ''}{v:.3g} s {k}" for k, v in behind(own, best).items()
+             if abs(v) >= 0.1 * abs(gap)][:3]
+    return rank, (f"it ranks #{rank} of {len(fitting)}: its step takes {own.step.total:.3g} s, {gap:.3g} s more than "
+                  f"#1's ({layout_words(best.row())}), by " + ", ".join(terms))
+
+
+def layout_words(r: dict) -> str:
+    """A row's layout and options in words."""
+    v = f" x {r['virtual_stages']} virtual" if r["virtual_stages"] > 1 else ""
+    return f"tp {r['tp']}, sp {r['sp']} (ring {r['ring']}), pp {r['pp']}{v}, dp {r['dp']}; {_flags(r)}"
 
 
 def explain(p: Prediction, hw: Hardware, gpu_memory_gib: float) -> str:
@@ -162,14 +217,12 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"{hw.reserve_gib:g} and --fragmentation {hw.fragmentation:g}: give the memory of one GPU (79.6 for an "
               f"H100 80GB)", file=sys.stderr)
         return 1
-    fitting, considered = plan(cfg, args.gpus, args.seq_len, args.gpu_memory_gib, args.host_memory_gib, hw, packages)
-    own = replace(cfg, data=replace(cfg.data, seq_len=args.seq_len))
-    try:
-        validate_config(own, world_size=args.gpus)
-        mine = evaluate(own, args.gpus, args.gpu_memory_gib, args.host_memory_gib, hw, packages)
-        own_row = {**mine.row(), "why_not": mine.why_not, "plan": mine.run.record()}
-    except (ConfigError, ValueError) as e:
-        own_row = {"fits": False, "why_not": str(e)}
+    fitting, considered = plan(cfg, args.gpus, args.seq_len, args.gpu_memory_gib, args.host_memory_gib, hw, packages,
+                               progress=Progress())
+    mine, own_row = _own_layout(replace(cfg, data=replace(cfg.data, seq_len=args.seq_len)), args, hw, packages)
+    if mine is not None and mine.fits:
+        own_row["rank"], why = ranking(mine, fitting)
+        own_row["behind_best_s"] = behind(mine, fitting[0]) if fitting else {}
     rows = [f.row() for f in fitting[:args.top]]
     if args.trace and fitting:
         from megalysses.training.trace import trace_fields, trace_run
@@ -196,6 +249,7 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"{hw.intra_node_gbs:g} GB/s in a node of {hw.gpus_per_node}, {hw.inter_node_gbs:g} GB/s across)")
     if rows:
         print(table(rows))
+        print(legend(rows))
     else:
         print("no layout fits: more GPUs, a shorter sequence, or --host-memory-gib for activation, optimizer and "
               "parameter offload")
@@ -206,13 +260,46 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"at {r['peak_phase']}); "
               f"host {r['traced_host_gib']:.0f} GiB per node, {r['traced_pinned_gib']:.0f} of them pinned (the "
               f"model: {r['host_gib_per_node']:.0f})")
-    verdict = "fits" if own_row["fits"] else f"does not fit ({own_row['why_not']})"
-    extra = (f", peak {own_row['peak_gib']:.1f} GiB, {own_row['tokens_per_s']:.0f} tok/s"
-             if "peak_gib" in own_row else "")
-    print(f"the config's own layout {verdict}{extra}")
+    if mine is not None and mine.fits:
+        print(f"the config's own layout ({layout_words(own_row)}) fits, peak {own_row['peak_gib']:.1f} GiB, "
+              f"{own_row['tokens_per_s']:.0f} tok/s: {why}")
+    else:
+        print(f"the config's own layout does not fit ({own_row['why_not']})")
     if args.explain and fitting:
         print(explain(fitting[0], hw, args.gpu_memory_gib))
     return 0
+
+
+def _own_layout(own, args: argparse.Namespace, hw: Hardware, packages: tuple[str, ...]
+                ) -> tuple[Optional[Prediction], dict]:
+    """The config's own layout and options on the described machine: its prediction (None where the run would
+    refuse it) and its row."""
+    try:
+        validate_config(own, world_size=args.gpus)
+        mine = evaluate(own, args.gpus, args.gpu_memory_gib, args.host_memory_gib, hw, packages)
+    except (ConfigError, ValueError) as e:
+        return None, {"fits": False, "why_not": str(e)}
+    return mine, {**mine.row(), "why_not": mine.why_not, "plan": mine.run.record()}
+
+
+class Progress:
+    """The search's progress on stderr (stdout stays the table, or --json's one object): a line rewritten in
+    place on a terminal, every 10 seconds otherwise, and the total at the end."""
+
+    def __init__(self) -> None:
+        self.start = self.last = time.monotonic()
+        self.tty = sys.stderr.isatty()
+
+    def __call__(self, searched: int, candidates: int, fitting: int) -> None:
+        now = time.monotonic()
+        done = searched == candidates
+        if not done and now - self.last < (0.5 if self.tty else 10.0):
+            return
+        self.last = now
+        line = (f"planning: {searched:,} of {candidates:,} candidate layouts and options searched, {fitting} fit "
+                f"so far, {now - self.start:.0f} s")
+        print(("\r" + line) if self.tty else line, end="\n" if done or not self.tty else "", file=sys.stderr,
+              flush=True)
 
 
 def cli() -> int:

@@ -5,6 +5,8 @@ folder of text files into Megatron-format .bin/.idx.
         --tokenizer-type byte --append-eod --workers 2
     # -> data/stdlib_text_document.bin / .idx (one pair per --json-keys entry)
     python tools/preprocess_data.py --input 'fineweb/data/**/*.parquet' --output-prefix data/fineweb ...
+    python tools/preprocess_data.py --chat --input chats.jsonl --output-prefix data/chats --tokenizer-type \
+        huggingface --tokenizer-model models/Qwen2.5-0.5B-Instruct     # conversations: preprocess_chat.py
 
 --input is a file, a glob or a folder. Files are JSON Lines unless their bytes say Parquet or Arrow
 (needs pyarrow; zstd needs zstandard); --json-keys names the keys or columns to tokenize, read in
@@ -20,6 +22,12 @@ blocks with --keep-sequential-samples, then merged in partition order), --log-in
 --keep-newlines and --lang (they only act with --split-sentences, as in Megatron-LM). Flags that
 cannot be honoured (--split-sentences, --find-optimal-num-workers, slow or remote-code Hugging Face
 tokenizers, ...) are refused with the reason.
+
+Special tokens spelled in a document's text (a source file that contains `<|endoftext|>`) are tokenized as
+text, for every tokenizer type, as Megatron-LM's tool does with GPT2BPETokenizer, GPTSentencePieceTokenizer
+and Llama2Tokenizer: the data never gains a document boundary or a control token that its text only spelled.
+--parse-special-tokens makes them the tokens instead, as Hugging Face tokenizers do (Megatron-LM's
+HuggingFaceTokenizer: with it, its bytes). The summary counts the documents whose text spells one.
 
 As in Megatron-LM, a document whose text is empty after tokenization is an empty document: a
 document boundary with no tokens and no EOD; a JSON list of strings is a pre-split document, one
@@ -48,15 +56,17 @@ import numpy as np
 
 from megalysses.data.indexed import (DatasetError, IndexedDatasetBuilder, bin_path, idx_path, merge_datasets,
                                      optimal_dtype)
-from megalysses.data.columnar import check_columns, read_records
+from megalysses.data.chat_template import TemplateError
+from megalysses.data.columnar import chat_columns, check_columns, read_records
 from megalysses.data.progress import Progress
 from megalysses.data.text_input import InputError, Position, check_jsonl, corpus_inputs, read_file, read_lines
 from megalysses.data.tokenizer import ByteTokenizer, TokenizerError, build_tokenizer
+from megalysses.tools import preprocess_chat
 
 BATCH_BYTES = 1 << 20
 BATCH_DOCS = 1024
 _STATE: dict[str, Any] = {}
-_USER_ERRORS = (InputError, TokenizerError, DatasetError, OSError)
+_USER_ERRORS = (InputError, TokenizerError, DatasetError, TemplateError, OSError)
 # Megatron-LM flags that cannot be honoured here, with the reason
 _REFUSED = {
     "--split-sentences": "NLTK sentence splitting (for BERT-style data) is not supported: GPT pretraining reads "
@@ -76,7 +86,7 @@ _REFUSED = {
 def _tokenizer(t: dict[str, Any]) -> Any:
     return build_tokenizer(t["type"], t["model"], vocab_file=t["vocab_file"], merge_file=t["merge_file"],
                            vocab_size=t["vocab_size"], eod=t["eod"], bos=t["bos"],
-                           add_special_tokens=t["special"], need_eod=t["append_eod"])
+                           add_special_tokens=t["special"], need_eod=t["append_eod"] or t["chat"] is not None)
 
 
 def _init_worker(tok_args: dict[str, Any], keys: list[str], folder: bool, parallel: bool) -> None:
@@ -85,8 +95,12 @@ def _init_worker(tok_args: dict[str, Any], keys: list[str], folder: bool, parall
         signal.signal(signal.SIGTERM, signal.SIG_DFL)     # a pool worker just ends; the main process reports
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     tok = _tokenizer(tok_args)
+    _STATE.clear()                                        # an earlier run in this process leaves nothing behind
     _STATE.update(tok=tok, keys=keys, folder=folder, dtype=optimal_dtype(tok.vocab_size),
-                  eod=[tok.eod_id] if tok_args["append_eod"] else [], bos=[tok.bos_id] if tok_args["bos"] else [])
+                  eod=[tok.eod_id] if tok_args["append_eod"] else [], bos=[tok.bos_id] if tok_args["bos"] else [],
+                  parse_special=tok_args["parse_special"])
+    if tok_args["chat"] is not None:
+        _STATE["chat"] = preprocess_chat.encoder({**tok_args["chat"], "bos": tok_args["bos"]}, tok)
 
 
 def _parse(raw: bytes | dict, keys: list[str], folder: bool) -> tuple[Optional[list[list[str]]], str]:
@@ -133,12 +147,24 @@ def _encode(texts: list[str]) -> list[np.ndarray]:
     tok = _STATE["tok"]
     if isinstance(tok, ByteTokenizer):
         return [np.frombuffer(tok.encode_bytes(t), np.uint8) for t in texts]
-    return [np.asarray(ids, dtype=np.int64) for ids in tok.encode_batch(texts)]
+    return [np.asarray(ids, dtype=np.int64) for ids in tok.encode_batch(texts, parse_special=_STATE["parse_special"])]
+
+
+def _spelling(parsed: list[list[list[str]]], ordinals: list[int]) -> tuple[int, Optional[str]]:
+    """(documents whose text, under any key, spells a special token of the tokenizer; the first as
+    'document N'), for the summary."""
+    tok = _STATE["tok"]
+    if not tok.special_tokens:
+        return 0, None
+    spelled = [d for d, doc in enumerate(parsed) if any(tok.spells_special(t) for texts in doc for t in texts)]
+    return len(spelled), f"document {ordinals[spelled[0]] + 1}" if spelled else None
 
 
 def encode_batch(batch: tuple[int, list[bytes | dict], int]) -> dict[str, Any]:
     """Tokenize one batch of raw documents. Per key: the concatenated tokens, the sequence lengths and
     the sequences of each document (0 for an empty one); plus the input ordinal of each kept document."""
+    if "chat" in _STATE:
+        return preprocess_chat.encode_chat_batch(_STATE, batch, _size)
     first, items, position = batch
     keys, dtype, eod, bos = _STATE["keys"], _STATE["dtype"], _STATE["eod"], _STATE["bos"]
     parsed, ordinals = [], []
@@ -157,6 +183,7 @@ def encode_batch(batch: tuple[int, list[bytes | dict], int]) -> dict[str, Any]:
     out: dict[str, Any] = {"skipped": skipped, "examples": examples[:5], "bytes": sum(map(_size, items)),
                            "position": position, "ordinals": np.asarray(ordinals, dtype=np.int64),
                            "seen_keys": sorted(seen_keys), "empty": 0, "empty_example": None}
+    out["spelled"], out["spelled_example"] = _spelling(parsed, ordinals)
     for k, key in enumerate(keys):
         encoded = _encode([s for doc in parsed for s in doc[k]])
         bos_arr, eod_arr = np.asarray(bos, dtype=dtype), np.asarray(eod, dtype=dtype)
@@ -192,14 +219,20 @@ class _Reader:
     """Batches of raw documents (jsonl lines, Parquet / Arrow records, or whole files of a text folder) with
     their input ordinals."""
 
-    def __init__(self, spec: str, keys: list[str]) -> None:
+    def __init__(self, spec: str, keys: list[str], chat: bool = False) -> None:
         self.inputs, self.folder = corpus_inputs(spec)
         self.keys = keys
+        self.columns: dict[str, list[str]] = {}
         for path, kind in self.inputs:
             if kind == "jsonl":
                 check_jsonl(path)
+            elif kind == "text" and chat:
+                raise InputError(f"{path}: --chat reads conversations from JSON Lines, Parquet or Arrow, not text "
+                                 f"files")
             elif kind != "text":
-                check_columns(path, kind, keys)
+                self.columns[path] = chat_columns(path, kind) if chat else keys
+                if not chat:
+                    check_columns(path, kind, keys)
         self.total = sum(os.path.getsize(f) for f, _ in self.inputs)
         self.position = Position()
 
@@ -210,7 +243,7 @@ class _Reader:
             elif kind == "jsonl":
                 yield from read_lines(path, self.position)
             else:
-                yield from read_records(path, kind, self.keys, self.position)
+                yield from read_records(path, kind, self.columns[path], self.position)
 
     def batches(self) -> Iterator[tuple[int, list[bytes | dict], int]]:
         """(ordinal of the first document, raw documents, input position after them)."""
@@ -276,9 +309,14 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--vocab-extra-ids", type=int, default=0, help="Megatron-LM T5 sentinels: only 0 is supported")
     t.add_argument("--tokenizer-hf-no-include-special-tokens", action="store_true",
                    help="Hugging Face: do not add the post-processor's special tokens (e.g. BOS)")
+    t.add_argument("--parse-special-tokens", action="store_true",
+                   help="special tokens spelled in the text become the tokens, as Hugging Face tokenizers do "
+                        "(Megatron-LM's HuggingFaceTokenizer); default: tokenized as text, as Megatron-LM's "
+                        "GPT2BPETokenizer and sentencepiece tokenizers do")
     t.add_argument("--eod", default=None, help="the EOD token or id (default: the tokenizer's EOS)")
     t.add_argument("--bos", default=None, help="a BOS token or id to start every non-empty document with "
                                                "(default: only what the tokenizer adds)")
+    preprocess_chat.add_arguments(p)
     for flag in _REFUSED:
         p.add_argument(flag, nargs="*", default=None, help=argparse.SUPPRESS)
     return p
@@ -296,6 +334,7 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--log-interval {args.log_interval}: give a number of documents >= 0")
     if args.vocab_extra_ids:
         p.error(f"--vocab-extra-ids {args.vocab_extra_ids}: T5 sentinel tokens are not supported; use 0")
+    preprocess_chat.check_arguments(p, args)
     check_output_prefix(p, args.output_prefix)
 
 
@@ -360,17 +399,23 @@ def raise_stopped(signum: int, frame: object) -> None:
 
 
 def _run(args: argparse.Namespace) -> dict[str, Any]:
-    reader = _Reader(args.input, args.json_keys)
+    reader = _Reader(args.input, args.json_keys, chat=args.chat)
     if reader.folder and len(args.json_keys) != 1:
         raise InputError("a folder input gives one text per file: pass a single --json-keys name")
+    chat = {"template": args.chat_template, "train_on": args.chat_train_on,
+            "end_of_turn": args.chat_end_of_turn} if args.chat else None
     tok_args = {"type": args.tokenizer_type, "model": args.tokenizer_model, "vocab_file": args.vocab_file,
                 "merge_file": args.merge_file, "vocab_size": args.vocab_size, "append_eod": args.append_eod,
                 "eod": args.eod if args.eod is not None else args.null_tokenizer_eod_id, "bos": args.bos,
-                "special": not args.tokenizer_hf_no_include_special_tokens}
+                "special": not args.tokenizer_hf_no_include_special_tokens, "chat": chat,
+                "parse_special": args.parse_special_tokens}
     tokenizer = _tokenizer(tok_args)
+    if chat is not None:      # a template that cannot be read or compiled fails here, before any work
+        preprocess_chat.encoder({**chat, "bos": args.bos}, tokenizer)
     dtype = optimal_dtype(tokenizer.vocab_size)
     Path(args.output_prefix).parent.mkdir(parents=True, exist_ok=True)
-    finals = {k: f"{args.output_prefix}_{k}_document" for k in args.json_keys}
+    finals = (preprocess_chat.outputs(args.output_prefix) if args.chat else
+              {k: f"{args.output_prefix}_{k}_document" for k in args.json_keys})
     tag = f".tmp-{os.getpid()}"
     parts = args.partitions
     block = None
@@ -379,21 +424,23 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         reader.position = Position()
     temp = {k: f"{f}{tag}" for k, f in finals.items()}      # every temporary file starts with this
     parts_of = {(k, q): f"{temp[k]}.part{q}" for k in finals for q in range(parts)}
-    builders = {kq: IndexedDatasetBuilder(bin_path(prefix), dtype) for kq, prefix in parts_of.items()}
-    docs = nbytes = empty = 0
+    builders = {kq: IndexedDatasetBuilder(bin_path(prefix), np.uint8 if kq[0] == "loss_mask" else dtype)
+                for kq, prefix in parts_of.items()}
+    docs = nbytes = empty = loss_tokens = spelled = 0
     tokens = dict.fromkeys(args.json_keys, 0)
     skipped: collections.Counter = collections.Counter()
     examples: list[str] = []
-    empty_example, seen_keys = None, set()
+    empty_example, spelled_example, seen_keys = None, None, set()
     progress = Progress(reader.total)
     next_log = args.log_interval
     init_args = (tok_args, args.json_keys, reader.folder, args.workers > 1)
     try:
         for result in _ordered_results(reader, args.workers, init_args):
             part = (result["ordinals"] // block if block else result["ordinals"] % parts) if parts > 1 else None
-            for key in args.json_keys:
+            for key in finals:
                 toks, lengths, per_doc = result[key]
-                tokens[key] += len(toks)
+                if key in tokens:
+                    tokens[key] += len(toks)
                 if part is None:
                     builders[key, 0].add_documents(toks, lengths, per_doc)
                     continue
@@ -406,9 +453,15 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             nbytes += result["bytes"]
             empty += result["empty"]
             empty_example = empty_example or result["empty_example"]
+            spelled += result.get("spelled", 0)
+            spelled_example = spelled_example or result.get("spelled_example")
             skipped.update(result["skipped"])
+            loss_tokens += result.get("loss_tokens", 0)
+            if args.chat:     # a bad record is named as it is met (the first SHOWN of them)
+                for line in result["examples"][:max(0, preprocess_chat.SHOWN - len(examples))]:
+                    print(f"skipped {line}", file=sys.stderr)
             seen_keys.update(result["seen_keys"])
-            examples += result["examples"][:5 - len(examples)]
+            examples += result["examples"][:(preprocess_chat.SHOWN if args.chat else 5) - len(examples)]
             if docs >= next_log:
                 progress.report(docs, nbytes, result["position"], sum(tokens.values()))
                 next_log = docs + args.log_interval
@@ -433,14 +486,33 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             for leftover in glob.glob(glob.escape(prefix) + "*"):
                 os.remove(leftover)
     progress.report(docs, nbytes, reader.position.done, sum(tokens.values()), final=True)
+    summary = {"documents": docs, "tokens": sum(tokens.values()), "bytes": nbytes, "skipped": dict(skipped),
+               "empty": empty, "loss_tokens": loss_tokens, "special_spelled": spelled, "seconds": progress.elapsed,
+               "outputs": list(finals.values())}
+    _report(args, tokenizer, finals, summary, examples, empty_example, spelled_example)
+    return summary
+
+
+def _report(args: argparse.Namespace, tokenizer: Any, finals: dict[str, str], summary: dict[str, Any],
+            examples: list[str], empty_example: Optional[str], spelled_example: Optional[str]) -> None:
+    """What was skipped and written, and the settings of a run that trains on it (stderr)."""
+    skipped, docs = summary["skipped"], summary["documents"]
     if skipped:
         reasons = ", ".join(f"{n} {reason}" for reason, n in sorted(skipped.items()))
-        print(f"skipped {sum(skipped.values())} malformed documents ({reasons}); first: {'; '.join(examples)}",
+        count = sum(skipped.values())
+        named = "each named above" if count <= len(examples) else f"the first {len(examples)} named above"
+        print(f"skipped {count} records ({reasons}; {named}), kept the other {docs}" if args.chat else
+              f"skipped {count} malformed documents ({reasons}); first: {'; '.join(examples)}", file=sys.stderr)
+    if args.chat:
+        total, loss = summary["tokens"], summary["loss_tokens"]
+        print(f"{docs} conversations, {total} tokens, {loss} of them ({100 * loss / max(total, 1):.1f}%) carry the "
+              f"loss", file=sys.stderr)
+    if summary["empty"]:
+        print(f"warning: {summary['empty']} documents are empty after tokenization (first: document {empty_example}); "
+              f"they are written as Megatron-LM writes them, a document boundary with no tokens and no EOD",
               file=sys.stderr)
-    if empty:
-        print(f"warning: {empty} documents are empty after tokenization (first: document {empty_example}); they "
-              f"are written as Megatron-LM writes them, a document boundary with no tokens and no EOD",
-              file=sys.stderr)
+    if summary["special_spelled"]:
+        print(_spelled_message(summary["special_spelled"], spelled_example, args), file=sys.stderr)
     for final in finals.values():
         print(f"wrote {bin_path(final)} and {idx_path(final)}", file=sys.stderr)
     # the tokenizer is not recorded in the .bin/.idx (Megatron-LM's format): name the one a run must use
@@ -448,14 +520,22 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     print(f"tokenized with {args.tokenizer_type}{default}: {tokenizer.vocab_size} ids, EOD {tokenizer.eod_id}; "
           f"train with pretrain.py {' '.join(shlex.quote(a) for a in _training_settings(args, tokenizer, finals))} "
           f"(model.vocab_size may be larger)", file=sys.stderr)
-    return {"documents": docs, "tokens": sum(tokens.values()), "bytes": nbytes, "skipped": dict(skipped),
-            "empty": empty,
-            "seconds": progress.elapsed, "outputs": list(finals.values())}
+
+
+def _spelled_message(spelled: int, first: str, args: argparse.Namespace) -> str:
+    """The summary of the documents whose text spells a special token."""
+    what = f"{spelled} documents spell a special token of the tokenizer in their text (first: {first})"
+    if args.parse_special_tokens:
+        return f"{what}: written as the special tokens (--parse-special-tokens)"
+    return (f"{what}: tokenized as text, as Megatron-LM's GPT2BPETokenizer and sentencepiece tokenizers do; "
+            f"--parse-special-tokens writes them as the tokens, as Hugging Face tokenizers (and Megatron-LM's "
+            f"HuggingFaceTokenizer) do")
 
 
 def _training_settings(args: argparse.Namespace, tokenizer: Any, finals: dict[str, str]) -> list[str]:
     """The --set arguments of a run that trains on what was written, with the tokenizer that wrote it."""
-    data = {"paths": f"[{','.join(finals.values())}]", "tokenizer": args.tokenizer_type,
+    paths = [prefix for key, prefix in finals.items() if key != "loss_mask"]     # the loss mask is found beside
+    data = {"paths": f"[{','.join(paths)}]", "tokenizer": args.tokenizer_type,
             "tokenizer_model": args.tokenizer_model, "vocab_file": args.vocab_file, "merge_file": args.merge_file,
             "eod": args.eod if args.eod is not None else args.null_tokenizer_eod_id, "bos": args.bos}
     sets = [f"data.{key}={value}" for key, value in data.items() if value is not None]

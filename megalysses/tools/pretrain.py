@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 4 pretrain.py --config configs/quickstart.yaml [--set section.key=value ...]
     python pretrain.py --config configs/quickstart.yaml --print-config    # the resolved config, explained
+    python pretrain.py --print-config                                     # every default, explained
 
 Every key is listed in docs/CONFIG.md; tools/from_megatron.py turns a Megatron-LM command line into a config.
 
@@ -16,13 +17,15 @@ import signal
 import sys
 import traceback
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from megalysses.accelerator import configure_allocator
 from megalysses.checkpoint.dcp_io import CheckpointError
-from megalysses.config import ConfigError
+from megalysses.checkpoint.manifest import read_latest, step_of
+from megalysses.config import Config, ConfigError
 from megalysses.config_checks import config_warnings, validate_config
 from megalysses.config_doc import annotated_yaml
 from megalysses.config_io import load_config
@@ -47,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override one config value; repeatable")
     parser.add_argument("--print-config", action="store_true",
-                        help="print the resolved config as YAML, each key's meaning as a comment, and exit")
+                        help="print the resolved config as YAML, each key's meaning as a comment, and exit (without "
+                             "--config: the defaults)")
     dry = parser.add_argument_group("dry run: the start-up path up to step 1, runtime.json written, nothing trained")
     dry.add_argument("--dry-run", action="store_true",
                      help="stop before step 1; under torchrun on this machine, or with --gpus in this one process "
@@ -74,20 +78,42 @@ def main(argv: list[str] | None = None) -> int:
         signals.restore()
 
 
-def _interrupted(doing: str) -> int:
-    """Ctrl-C: one line from the first rank, and later Ctrl-Cs (a launcher passes its own on) ignored."""
+def _interrupted(doing: str, cfg: Optional[Config] = None) -> int:
+    """Ctrl-C: one line from the first rank saying what is kept, and later Ctrl-Cs (a launcher passes its own
+    on) ignored."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if os.environ.get("RANK", "0") == "0":
-        print(f"interrupted (Ctrl-C) while {doing}: nothing saved since the last checkpoint, from which the run "
-              f"resumes; to stop after the current step with a checkpoint, send SIGTERM or SIGUSR1 instead",
-              flush=True)
+        print(f"interrupted (Ctrl-C) while {doing}: {_kept(cfg)}; to stop after the current step with a "
+              f"checkpoint, send SIGTERM or SIGUSR1 instead", flush=True)
     return 130
+
+
+def _kept(cfg: Optional[Config]) -> str:
+    """What a restart of the interrupted run starts from, in words."""
+    if cfg is None:
+        return "nothing was trained"
+    root = Path(cfg.checkpoint.dir or Path(cfg.logging.run_dir) / "checkpoints")
+    latest, _ = read_latest(root)
+    load = cfg.checkpoint.load
+    if load is None:
+        restart = "a restart starts afresh (checkpoint.load: null)"
+    elif load != "auto":
+        restart = f"a restart loads checkpoint.load={load}"
+    elif latest is None:
+        start = f"the weights of checkpoint.init_from={cfg.checkpoint.init_from}" if cfg.checkpoint.init_from else \
+            "step 0"
+        return f"no checkpoint was saved ({root} holds none), so a restart begins again from {start}"
+    else:
+        restart = "a restart resumes from it"
+    if latest is None:
+        return f"no checkpoint was saved in {root}; {restart}"
+    return f"the last checkpoint saved is {latest} (step {step_of(latest)}), the steps after it are lost; {restart}"
 
 
 def _run(args: argparse.Namespace, signals: StopSignals) -> int:
     rank0 = os.environ.get("RANK", "0") == "0"     # before the process group exists
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, args.overrides, validate=not args.print_config)
     except ConfigError as e:
         if rank0:
             print(f"config error: {e}", file=sys.stderr)
@@ -95,7 +121,7 @@ def _run(args: argparse.Namespace, signals: StopSignals) -> int:
         return 2
     if args.print_config:
         if rank0:
-            print(annotated_yaml(cfg), end="")
+            _print_config(cfg)
         return 0
     if args.gpus is not None:
         return _described_dry_run(cfg, args)
@@ -113,6 +139,8 @@ def _run(args: argparse.Namespace, signals: StopSignals) -> int:
             print(message, flush=True)
         write_error_file(message)
         return 1
+    except KeyboardInterrupt:
+        return _interrupted("starting up", cfg)
     watchdog = Watchdog.start(dist.get_rank(), dist.get_world_size(), cfg.parallel.timeout_seconds)
     try:
         for note in config_warnings(cfg):
@@ -130,10 +158,10 @@ def _run(args: argparse.Namespace, signals: StopSignals) -> int:
             print0(f"done: step {summary['step']}, loss {summary['loss']:.4f} ({summary['stopped_by']})")
         return 0
     except KeyboardInterrupt:
-        return _interrupted(watchdog.current)
+        return _interrupted(watchdog.current, cfg)
     except Exception as e:  # noqa: BLE001 - every error ends the job with one line, from the rank that has it
         if signals.interrupted:          # a peer interrupted first left this rank's collective
-            return _interrupted(watchdog.current)
+            return _interrupted(watchdog.current, cfg)
         if collective_failure(e) and not isinstance(e, torch.OutOfMemoryError):
             watchdog.fail(f"a collective failed on rank {dist.get_rank()} while {watchdog.current} "
                           f"({' '.join(str(e).split())[:200]})")
@@ -142,6 +170,16 @@ def _run(args: argparse.Namespace, signals: StopSignals) -> int:
     finally:
         watchdog.stop()
         destroy_distributed()
+
+
+def _print_config(cfg: Config) -> None:
+    """The config as YAML, each key's meaning as a comment (without --config: the defaults); what would stop a
+    run of it as it is (the defaults name no data), on stderr."""
+    print(annotated_yaml(cfg), end="")
+    try:
+        validate_config(cfg)
+    except ConfigError as e:
+        print(f"note: a run of this config as it is would stop with: config error: {e}", file=sys.stderr)
 
 
 def _described_dry_run(cfg, args: argparse.Namespace) -> int:

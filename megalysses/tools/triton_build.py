@@ -144,8 +144,8 @@ def record_step(model: ModelConfig, dtype: torch.dtype, tokens: int = 128, sms: 
         ids = torch.zeros(1, tokens, dtype=torch.long)
         positions = torch.arange(tokens)[None]
         stage(ids, positions).float().sum().backward()            # logits; the loss reaches no Triton kernel
-        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, scaling=cfg.rope_scaling)
-        q = torch.zeros(1, tokens, cfg.num_heads, cfg.head_dim, dtype=dtype, requires_grad=True)
+        cos, sin = rope_cos_sin(positions, cfg.head_size, cfg.rope_theta, scaling=cfg.rope_scaling)
+        q = torch.zeros(1, tokens, cfg.num_heads, cfg.head_size, dtype=dtype, requires_grad=True)
         apply_rope(q, cos, sin, impl="triton").sum().backward()
     return launches
 

@@ -3,7 +3,9 @@
 Every dataset is validated when it is opened, on every rank alike (so a bad dataset ends the run
 with the same message everywhere, before the first step): the index structure (indexed.py), the
 dtype and every token id against the tokenizer's and the model's vocabulary (validate.py, cached),
-and each micro-batch is checked against the model's vocabulary once more as it is built.
+and each micro-batch is checked against the model's vocabulary once more as it is built. Datasets of
+conversations (a loss mask beside them) are packed at every length of the curriculum (data/packing.py),
+and rank 0 prints what packing did.
 """
 from __future__ import annotations
 
@@ -14,8 +16,10 @@ import torch
 from megalysses.config import Config
 from megalysses.data import DatasetError, MockGPTDataset, build_gpt_datasets, iterate_micro_batches
 from megalysses.data.indexed import IndexedDataset
+from megalysses.data.packing import Packing, describe
 from megalysses.data.tokenizer import NullTokenizer, tokenizer_from_config
 from megalysses.data.validate import check_dtype_holds, check_token_ids
+from megalysses.distributed import print0
 from megalysses.grid import ParallelGrid
 from megalysses.data.batch_schedule import BatchSizes
 
@@ -28,6 +32,7 @@ class TrainingData:
         self.cfg, self.grid, self.device = cfg, grid, device
         self.num_micro = t.global_batch_size // (t.micro_batch_size * grid.dp_size)
         self.batch_sizes = BatchSizes.from_config(t)      # the batch of each step (a ramp, or constant)
+        self.packing_summary: list[str] = []              # what packing did to conversations, in words
         if d.mock:
             self.eod_id = cfg.model.vocab_size - 1
             n = t.train_steps * t.global_batch_size
@@ -41,6 +46,14 @@ class TrainingData:
             raise
         except ValueError as e:   # a bad split, blend list, tokenizer model: one message naming it
             raise DatasetError(f"data: {e}") from e
+        self.packing_summary = describe([self.train, self.valid])
+        if self.packing_summary and d.pack == "ffd" and not (d.document_mask and d.reset_position_ids):
+            off = " and ".join(f"data.{k}" for k in ("document_mask", "reset_position_ids") if not getattr(d, k))
+            raise DatasetError(f"conversations are packed several to a sequence (data.pack=ffd) but {off} is false: "
+                               f"they would attend to each other or continue each other's positions; set it to true "
+                               f"(or data.pack=none, one conversation per sequence)")
+        for line in self.packing_summary:
+            print0(line)
 
     def _build(self, cfg: Config) -> None:
         d, t, vocab = cfg.data, cfg.training, cfg.model.vocab_size
@@ -58,21 +71,24 @@ class TrainingData:
                             "the data was not made with this tokenizer: set data.tokenizer (and "
                             "data.tokenizer_model) to the one tools/preprocess_data.py used")
 
+        lengths = tuple(sorted({length for _, length in d.seq_len_schedule} | {d.seq_len}))
+        packing = Packing(d.pack, d.too_long, lengths)
         evals = t.train_steps // t.eval_interval + 1 if t.eval_interval else 0
         valid_samples = t.eval_steps * t.global_batch_size if evals else None
         train_samples = t.train_steps * t.global_batch_size
         if d.valid_paths:                # a validation set of its own: each set is read whole
             self.train = build_gpt_datasets(d.paths, "1,0,0", d.seq_len, t.seed, (train_samples, None, None),
-                                            d.cache_dir, validate, by_size=d.blend_by_size)[0]
+                                            d.cache_dir, validate, by_size=d.blend_by_size, packing=packing)[0]
             self.valid = build_gpt_datasets(d.valid_paths, "0,1,0", d.seq_len, t.seed, (None, valid_samples, None),
-                                            d.cache_dir, validate, need_train=False, by_size=d.blend_by_size)[1]
+                                            d.cache_dir, validate, need_train=False, by_size=d.blend_by_size,
+                                            packing=packing)[1]
             if t.eval_interval and self.valid is None:
                 raise DatasetError(f"data.valid_paths holds too few tokens for one sample of data.seq_len={d.seq_len}: "
                                    f"give it more data, or set training.eval_interval=0")
             return
         self.train, self.valid, _ = build_gpt_datasets(
             d.paths, d.split, d.seq_len, t.seed, (train_samples, valid_samples, None), d.cache_dir, validate,
-            by_size=d.blend_by_size)
+            by_size=d.blend_by_size, packing=packing)
         if t.eval_interval and self.valid is None:
             raise DatasetError(f"training.eval_interval={t.eval_interval} but the split '{d.split}' leaves no "
                                f"validation data: give the valid split a share, give data.valid_paths, or set "
@@ -85,7 +101,8 @@ class TrainingData:
                                         seq_len=d.seq_len, eod_mask_loss=d.eod_mask_loss,
                                         vocab_size=self.cfg.model.vocab_size,
                                         layout=g.sequence_layout(self.cfg.parallel.tp_sequence_parallel),
-                                        length_at=(lambda first: d.seq_len_at(step_of(first))) if curriculum else None):
+                                        length_at=(lambda first: d.seq_len_at(step_of(first))) if curriculum else None,
+                                        loss_average=d.loss_average):
             yield {k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
 
     def train_batches(self, consumed_samples: int) -> Iterator[list[Batch]]:

@@ -1,6 +1,6 @@
 """Gradients streamed to host memory while the backward runs (ZeRO-1 with training.optimizer_offload).
 
-    host = HostGradients(device)
+    host = HostGradients(device, pinned, stage_elements)
     host.put([(host_buffer, device_piece), ...], work, accumulate=micro_batch > 0)   # one bucket
     host.finish()            # before the optimizer reads the host buffers: every copy and sum is done
 
@@ -9,8 +9,11 @@ group is one rank and the pieces are the gradients themselves): the copy to host
 reduction on a side stream, so the backward goes on, and the device buffers can go as soon as the copy
 has read them. The first micro-batch of a step copies straight into the fp32 host buffers; a later one
 lands in a pinned staging buffer, and the CPU adds it to the host buffer once its copy has finished (the
-fp32 accumulation that `main_grad` does on the device without offload: host += float(piece)). At most
-`STAGES` staged buckets wait for their addition; beyond that the oldest is waited for.
+fp32 accumulation that `main_grad` does on the device without offload: host += float(piece)). There are
+`STAGES` staging buffers of `stage_elements` each (memory.host.staging_elements: a bucket's share of one rank,
+or all of the rank's gradients where that is less: the plan sizes them), made once from `pinned` (the run's
+arena) and used in turn: a bucket larger than one fills one after the other, and a buffer whose addition is
+still pending is waited for.
 
 On CPU the "host buffer" is a separate CPU tensor and every copy and sum happens at once.
 """
@@ -22,16 +25,20 @@ import torch
 from torch import Tensor
 
 from megalysses import accelerator
-
-STAGES = 2
+from megalysses.memory.host import STAGES
+from megalysses.pinned_arena import PinnedMemory, PinnedRequests
 
 
 class HostGradients:
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, pinned: Optional[PinnedMemory] = None, stage_elements: int = 0) -> None:
+        """`pinned`: where the staging buffers come from (default: their own pinned requests); `stage_elements`:
+        the size of each (staging_elements)."""
         self.device = device
         self.host = accelerator.current()
         self.stream = self.host.stream(device)
-        self._pending: list[tuple[Any, Tensor, list]] = []  # (copy finished event, stage, [(host, offset, n)])
+        self.pinned = pinned if pinned is not None else PinnedRequests(device)
+        self.stage_elements = stage_elements
+        self._pending: list[tuple[Any, Tensor, list]] = []  # (copy finished event, stage, [(host, at, stage at, n)])
         self._stages: list[Tensor] = []                     # STAGES pinned staging buffers, made once, reused
 
     def put(self, pieces: list[tuple[Tensor, Tensor]], work: Optional[Any], accumulate: bool) -> None:
@@ -46,22 +53,37 @@ class HostGradients:
             return
         self._poll()
         main = self.host.current_stream(self.device)
-        stage = self._stage(sum(p.numel() for _, p in pieces), pieces[0][1].dtype) if accumulate and pieces else None
         with self.host.on(self.stream):
             if work is not None:
                 work.wait()                     # this stream waits for the reduce-scatter
             else:
                 self.stream.wait_stream(main)   # ... or for the backward that wrote the gradients
-            targets, offset = [], 0
-            for host, piece in pieces:
-                n = piece.numel()
-                out = stage[offset:offset + n] if accumulate else host.view(-1)
-                out.copy_(piece.reshape(-1), non_blocking=True)
+            for _, piece in pieces:
                 self.host.record_stream(piece, self.stream)   # its memory is not reused before the copy has read it
-                targets.append((host, offset, n))
-                offset += n
-            if stage is not None:
-                self._pending.append((self.host.event(self.stream), stage, targets))
+            if accumulate:
+                self._stage_pieces([(host, piece.reshape(-1)) for host, piece in pieces])
+            else:
+                for host, piece in pieces:
+                    host.view(-1).copy_(piece.reshape(-1), non_blocking=True)
+
+    def _stage_pieces(self, pieces: list[tuple[Tensor, Tensor]]) -> None:
+        """On the side stream: copy the flat pieces into staging buffers, one buffer after the other (a piece
+        across two where it does not fit), each buffer's additions queued once its copies are."""
+        stage, used, targets = None, 0, []
+        for host, flat in pieces:
+            done = 0
+            while done < flat.numel():
+                if stage is None:
+                    stage, used, targets = self._free_stage(flat.dtype), 0, []
+                n = min(flat.numel() - done, stage.numel() - used)
+                stage[used:used + n].copy_(flat[done:done + n], non_blocking=True)
+                targets.append((host, done, used, n))
+                done, used = done + n, used + n
+                if used == stage.numel():
+                    self._pending.append((self.host.event(self.stream), stage, targets))
+                    stage = None
+        if stage is not None:
+            self._pending.append((self.host.event(self.stream), stage, targets))
 
     def finish(self) -> None:
         """Wait for every copy and make every pending addition: the host buffers hold the step's sums."""
@@ -82,28 +104,23 @@ class HostGradients:
     def _add(self, entry: tuple[Any, Tensor, list]) -> None:
         done, stage, targets = entry
         done.synchronize()
-        for host, offset, n in targets:
-            host.view(-1).add_(stage[offset:offset + n])    # fp32 += the piece, promoted exactly
+        for host, at, stage_at, n in targets:
+            host.view(-1)[at:at + n].add_(stage[stage_at:stage_at + n])    # fp32 += the piece, promoted exactly
 
     def _poll(self) -> None:
         while self._pending and self._pending[0][0].query():
             self._add(self._pending.pop(0))
 
-    def _stage(self, numel: int, dtype: torch.dtype) -> Tensor:
-        """A pinned staging buffer of `numel` elements: a view of one of STAGES buffers that no pending addition
-        reads, made once at the largest bucket's size (a larger bucket replaces them), so no pinned memory is
-        allocated or freed per bucket."""
+    def _free_stage(self, dtype: torch.dtype) -> Tensor:
+        """A staging buffer that no pending addition reads (the oldest addition made first if need be). The
+        STAGES buffers are made on first use, in the dtype of the gradients they stage."""
+        if not self._stages:
+            if self.stage_elements < 1:
+                raise ValueError("optimizer offload: staging a later micro-batch's gradients needs stage_elements")
+            self._stages = [self.pinned.empty((self.stage_elements,), dtype) for _ in range(STAGES)]
+        if self._stages[0].dtype != dtype:
+            raise TypeError(f"optimizer offload: gradients of {dtype} to stage in buffers of {self._stages[0].dtype}")
         while len(self._pending) >= STAGES:
             self._add(self._pending.pop(0))
-        if not self._stages or self._stages[0].numel() < numel or self._stages[0].dtype != dtype:
-            self.drop_stages()
-            self._stages = [self.host.pinned_empty((numel,), dtype, self.device) for _ in range(STAGES)]
-        busy = {id(stage._base) for _, stage, _ in self._pending}          # each pending stage is a view of one
-        free = next(s for s in self._stages if id(s) not in busy)
-        return free[:numel]
-
-    def drop_stages(self) -> None:
-        """Wait for every pending addition and let go of the staging buffers."""
-        while self._pending:
-            self._add(self._pending.pop(0))
-        self._stages = []
+        busy = {id(stage) for _, stage, _ in self._pending}
+        return next(s for s in self._stages if id(s) not in busy)

@@ -26,9 +26,11 @@ from megalysses.data.batch_schedule import batch_line
 from megalysses.distributed import on_rank0, print0
 from megalysses.grid import ParallelGrid
 from megalysses.kernels.attention import reserve_compiles
+from megalysses.memory import arenas, pinned_requests_of
 from megalysses.model.gpt import GPTStage, architecture, init_weights, stage_layers
 from megalysses.model.layers import ParallelGroups
 from megalysses.parallel.interleaved import VirtualStages
+from megalysses.pinned_arena import PinnedArena, PinnedMemory
 from megalysses.plan import RunPlan
 from megalysses.plan.flops import peak_tflops
 from megalysses.plan.search import check_host_memory, check_phase_time
@@ -36,6 +38,7 @@ from megalysses.training.data import TrainingData
 from megalysses.training.fsdp import FSDPAdamW, shard_model
 from megalysses.training.metrics import MetricsLogger
 from megalysses.training.optimizer import Optimizer, ShardedAdamW
+from megalysses.training.profiler import StepProfiler
 from megalysses.training.rundir import check_writable, mark_start
 from megalysses.training.runtime import (check_built, flex_compile_budget, model_config, resolve_run, startup_line,
                                          write_runtime)
@@ -44,11 +47,25 @@ from megalysses.training.signals import StopSignals
 from megalysses.training.step import NonFiniteLossError, evaluate, train_step
 from megalysses.training.watchdog import Watchdog
 
+def pinned_arenas(cfg: Config, run: RunPlan, grid: ParallelGrid, device: torch.device) -> dict[str, PinnedArena]:
+    """This rank's pinned host memory: what the memory model counts for its pipeline stage, an arena for each
+    owner (each model chunk's activation offloader, the optimizer; memory/host.py); empty where nothing is
+    pinned."""
+    reqs = pinned_requests_of(cfg, run, grid.pp_rank)
+
+    def what(owner: str) -> str:
+        mine = [r for r in reqs if r.owner == owner and r.count]
+        return "; ".join(f"{name}: {sum(r.count for r in mine if r.name == name)} requests"
+                         for name in dict.fromkeys(r.name for r in mine)) or f"nothing ({owner})"
+    return {owner: PinnedArena(nbytes, device, what(owner)) for owner, nbytes in arenas(reqs).items()}
+
+
 def build_model(cfg: Config, grid: ParallelGrid, device: torch.device, mesh: DeviceMesh,
-                run: RunPlan) -> GPTStage | VirtualStages:
+                run: RunPlan, pinned: Optional[dict[str, PinnedArena]] = None) -> GPTStage | VirtualStages:
     """This rank's pipeline stage (or its virtual stages) with its tp shards in fp32, initialised
     identically at every layout (then, with parallel.fsdp, sharded over the grad group to gather in the
-    compute dtype)."""
+    compute dtype); each chunk's activation offload takes its host buffers from its arena in `pinned`
+    (pinned_arenas), or without them from pinned requests of its own."""
     model_cfg = model_config(cfg, run)
     groups = ParallelGroups(tp=grid.tp_group, ulysses=grid.ulysses_group, ring=grid.ring_group,
                             sequence_parallel=cfg.parallel.tp_sequence_parallel)
@@ -63,6 +80,8 @@ def build_model(cfg: Config, grid: ParallelGrid, device: torch.device, mesh: Dev
         with torch.device(where):
             chunk = GPTStage(model_cfg, groups, stage_layers(cfg.model.num_layers, V, vs), first=vs == 0,
                              last=vs == V - 1, policy=run.activation)
+        if chunk.offload is not None and pinned is not None:
+            chunk.offload.pinned = pinned[f"model chunk {k}"]
         if device.type != "meta":      # a meta build (a dry run for a described machine) has shapes only
             init_weights(chunk, cfg.training.seed, grid.tp_rank, grid.tp_size)
         if cfg.parallel.fsdp:
@@ -71,8 +90,8 @@ def build_model(cfg: Config, grid: ParallelGrid, device: torch.device, mesh: Dev
     return chunks[0] if v == 1 else VirtualStages(chunks)
 
 
-def build_optimizer(cfg: Config, model: GPTStage, grid: ParallelGrid,
-                    device: Optional[torch.device] = None) -> Optimizer:
+def build_optimizer(cfg: Config, model: GPTStage, grid: ParallelGrid, device: Optional[torch.device] = None,
+                    pinned: Optional[PinnedMemory] = None) -> Optimizer:
     o = cfg.optimizer
     # the two copies of a tied embedding (first and last stage) sum their gradients; a middle stage has neither
     tied_across_stages = cfg.model.tie_embeddings and grid.pp_size > 1 and (grid.is_first_stage or grid.is_last_stage)
@@ -83,7 +102,7 @@ def build_optimizer(cfg: Config, model: GPTStage, grid: ParallelGrid,
         return FSDPAdamW(model, **common, device=device)
     return ShardedAdamW(model.named_parameters(), grid.grad_group, **common,
                         bucket_elements=cfg.parallel.grad_bucket_elements, overlap=cfg.parallel.overlap_grad_reduce,
-                        offload=cfg.training.optimizer_offload)
+                        offload=cfg.training.optimizer_offload, pinned=pinned)
 
 
 def build_model_and_optimizer(cfg: Config, grid: ParallelGrid, device: torch.device, run: RunPlan,
@@ -93,16 +112,18 @@ def build_model_and_optimizer(cfg: Config, grid: ParallelGrid, device: torch.dev
     """The model and optimizer of a run, built the one way every caller builds them: the fp32 model
     (with parallel.fsdp, sharded over `mesh`, the grid's device mesh), the `initial` weights loaded into it
     where there are any (a converted model, checkpoint.init_from), the optimizer's fp32 masters from it,
-    then the compute weights in the run's dtype (FSDP casts when it gathers). `doing` is told each phase."""
+    then the compute weights in the run's dtype (FSDP casts when it gathers); what both pin in host memory
+    from arenas the plan sizes (pinned_arenas). `doing` is told each phase."""
     if mesh is None and cfg.parallel.fsdp:
         mesh = grid.device_mesh(device)
+    pinned = pinned_arenas(cfg, run, grid, device)
     doing("building the model")
-    model = build_model(cfg, grid, device, mesh, run)
+    model = build_model(cfg, grid, device, mesh, run, pinned)
     if initial is not None:
         doing(f"loading the initial weights {initial}")
         print0(load_initial_weights(initial, model, cfg, grid, mesh))
     doing("building the optimizer")
-    opt = build_optimizer(cfg, model, grid, device)
+    opt = build_optimizer(cfg, model, grid, device, pinned.get("optimizer"))
     if not cfg.parallel.fsdp:
         with torch.no_grad():       # in place, as nn.Module.to does (which cannot swap a memory trace's fake
             for p in model.parameters():    # parameters)
@@ -194,10 +215,12 @@ def train(cfg: Config, grid: ParallelGrid, device: torch.device, signals: Option
     def start_run() -> None:
         save_config(cfg, run_dir / "config.yaml")
         write_runtime(run_dir, cfg, grid, run)
-        mark_start(run_dir, step, path)
+        mark_start(run_dir, step, path, consumed * cfg.data.seq_len,
+                   {"tp": grid.tp_size, "sp": grid.sp_size, "pp": grid.pp_size, "dp": grid.dp_size})
 
     on_rank0(start_run)
     logger = MetricsLogger(cfg, run_dir, grid.world, device, total, dtype)
+    profiler = StepProfiler(cfg.profile, grid.rank, run_dir, device, watchdog)
     flags = signals or StopSignals()
     start = time.monotonic()
     stopped_by, loss = "train_steps", float("nan")
@@ -229,14 +252,16 @@ def train(cfg: Config, grid: ParallelGrid, device: torch.device, signals: Option
                 if data.batch_sizes.ramped:
                     print0(batch_line(step, samples, data.batch_sizes, per_micro))
             doing(f"training step {step + 1}")
-            result = train_step(model, opt, batch, grid, lr=lr, grad_clip=cfg.optimizer.grad_clip,
-                                dtype=dtype, nan_policy=cfg.training.nan_policy)
+            with profiler.step(step + 1):
+                result = train_step(model, opt, batch, grid, lr=lr, grad_clip=cfg.optimizer.grad_clip,
+                                    dtype=dtype, nan_policy=cfg.training.nan_policy)
             step += 1
             updates += not result.skipped
             consumed += samples
             loss = result.loss if math.isfinite(result.loss) else loss   # the last finite loss
             # throughput counts every token processed (masked labels included), as the FLOPs do
-            logger.step(step, result.loss, lr, result.grad_norm, samples * cfg.data.seq_len, seq_len)
+            logger.step(step, result.loss, lr, result.grad_norm, samples * cfg.data.seq_len, seq_len,
+                        tokens_seen=consumed * cfg.data.seq_len)
             t0 = time.perf_counter()
             if cfg.training.eval_interval and step % cfg.training.eval_interval == 0:
                 doing(f"validating at step {step}")
@@ -264,6 +289,7 @@ def train(cfg: Config, grid: ParallelGrid, device: torch.device, signals: Option
         if stopped_by != "train_steps":
             print0(f"stopped at step {step} ({stopped_by}); checkpoint saved to {ckpt_dir}")
     finally:
+        profiler.close()
         if signals is None:
             flags.restore()
         logger.close()

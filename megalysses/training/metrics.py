@@ -30,6 +30,7 @@ class MetricsLogger:
         self.peak = peak_for(cfg.logging.peak_tflops, device, dtype)
         self.path = run_dir / "metrics.jsonl"
         self.wandb = self.tensorboard = None
+        self.tokens_seen: Optional[int] = None
         self.t_last, self.tokens_since, self.flops_since, self.steps_since = time.perf_counter(), 0, 0.0, 0
         if is_rank0():
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -44,9 +45,11 @@ class MetricsLogger:
                 self.tensorboard = SummaryWriter(log_dir=cfg.logging.tensorboard_dir or str(run_dir / "tensorboard"))
 
     def step(self, step: int, loss: float, lr: float, grad_norm: float, tokens: int, seq_len: int,
-             force: bool = False) -> None:
-        """Account one optimizer step of `tokens` tokens in sequences of `seq_len`; log every log_interval."""
+             force: bool = False, tokens_seen: Optional[int] = None) -> None:
+        """Account one optimizer step of `tokens` tokens in sequences of `seq_len`; log every log_interval.
+        `tokens_seen`: the tokens trained on by the end of this step, since step 1."""
         self.tokens_since += tokens
+        self.tokens_seen = tokens_seen
         self.flops_since += tokens * flops_per_token(self.cfg.model, seq_len)
         self.steps_since += 1
         if not (force or step % self.cfg.logging.log_interval == 0 or step == self.total):
@@ -55,7 +58,8 @@ class MetricsLogger:
         dt = max(now - self.t_last, 1e-9)
         tok_s = self.tokens_since / dt
         tflops = self.flops_since / dt / self.world / 1e12
-        rec = {"step": step, "seq_len": seq_len, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+        rec = {"step": step, **({"tokens": tokens_seen} if tokens_seen is not None else {}), "seq_len": seq_len,
+               "loss": loss, "lr": lr, "grad_norm": grad_norm,
                "tokens_per_s": tok_s, "tokens_per_s_per_device": tok_s / self.world, "tflops_per_device": tflops,
                "mfu": tflops / self.peak if self.peak else None, "step_time_s": dt / self.steps_since,
                "peak_mem_gib": _peak_mem(self.device)}
@@ -73,7 +77,8 @@ class MetricsLogger:
         self.t_last += seconds
 
     def eval(self, step: int, loss: float) -> None:
-        self._emit({"step": step, "val_loss": loss})
+        self._emit({"step": step, **({"tokens": self.tokens_seen} if self.tokens_seen is not None else {}),
+                    "val_loss": loss})
         print0(f"step {step:>6}/{self.total} | validation loss {loss:.4f}")
 
     def _emit(self, rec: dict) -> None:

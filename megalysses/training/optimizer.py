@@ -42,6 +42,8 @@ from torch import Tensor, nn
 
 from megalysses import accelerator, comm
 from megalysses.comm import Group
+from megalysses.memory.host import staging_elements
+from megalysses.pinned_arena import PinnedMemory, PinnedRequests
 from megalysses.training.fsdp import FSDPAdamW, adam_state
 from megalysses.training.host_gradients import HostGradients
 
@@ -79,15 +81,18 @@ class ShardedAdamW:
     def __init__(self, named_params: Iterable[tuple[str, nn.Parameter]], grad_group: Group, *, lr: float,
                  betas: tuple[float, float], eps: float, weight_decay: float, tp_rank: int = 0,
                  embed_group: Group = None, tied_head_copy: bool = False, bucket_elements: int = BUCKET_ELEMENTS,
-                 overlap: bool = False, offload: bool = False) -> None:
+                 overlap: bool = False, offload: bool = False, pinned: Optional[PinnedMemory] = None) -> None:
         """`tied_head_copy`: this stage holds the LM-head copy of a tied embedding (not the first stage).
         `overlap`: launch each bucket's reduce-scatter from the backward, as soon as the last micro-batch
         has produced all of its gradients (see begin_step); otherwise everything is reduced in step().
         `offload`: masters, moments and reduced gradients in host memory, the gradients streamed there during
-        the backward, the update on the CPU."""
+        the backward, the update on the CPU; the masters, the reduced gradients and the staging buffers pinned,
+        from `pinned` (the run's arena; by default requests of their own)."""
         self.grad_group, self.embed_group = grad_group, embed_group
         self.G, self.r = comm.group_size(grad_group), comm.group_rank(grad_group)
         self.offload = offload
+        named_params = list(named_params)
+        self.pinned = pinned if pinned is not None or not named_params else PinnedRequests(named_params[0][1].device)
         self.slots: list[_Slot] = []
         self.host: Optional[HostGradients] = None
         decay, no_decay = [], []
@@ -100,12 +105,13 @@ class ShardedAdamW:
             counts = not (replicated_over_tp and tp_rank != 0) and not (tied_head_copy and name == "embed.weight")
             self.slots.append(_Slot(name, p, (lo, hi), math.ceil(rows / self.G) * row_size, master, counts))
             if master is not None and offload:
-                self.slots[-1].host_grad = accelerator.current().pinned_empty(tuple(master.shape), master.dtype,
-                                                                              p.device)
+                self.slots[-1].host_grad = self.pinned.empty(tuple(master.shape), master.dtype)
             if master is not None:
                 (no_decay if p.dim() < 2 else decay).append(master)
         if offload and self.slots:
-            self.host = HostGradients(self.slots[0].param.device)
+            owned = sum(s.master.numel() for s in self.slots if s.master is not None)
+            self.host = HostGradients(self.slots[0].param.device, self.pinned,
+                                      staging_elements(bucket_elements, self.G, owned))
         groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=True)
         self.tied_embed = [s.param for s in self.slots if s.name == "embed.weight"] if embed_group is not None else []
@@ -128,10 +134,9 @@ class ShardedAdamW:
     def _state_tensor(self, chunk: Tensor) -> Tensor:
         """An fp32 copy of a parameter chunk where the optimizer state lives: beside it, or (offload) in
         host memory, pinned when the parameter is on a GPU."""
-        if not self.offload:
+        if not self.offload or chunk.is_meta:       # (meta: a dry run's shapes, nothing to copy)
             return chunk.float().clone()
-        host = accelerator.current().pinned_empty(tuple(chunk.shape), torch.float32, chunk.device)
-        return host.copy_(chunk)
+        return self.pinned.empty(tuple(chunk.shape), torch.float32).copy_(chunk)
 
     def _tied(self, s: _Slot) -> bool:
         return any(s.param is t for t in self.tied_embed)

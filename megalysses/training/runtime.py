@@ -36,20 +36,21 @@ def resolve_run(cfg: Config, device: torch.device, grid: Optional[ParallelGrid] 
 
 
 def check_built(model: torch.nn.Module, grid: ParallelGrid, run: RunPlan) -> None:
-    """The built model and grid do what the plan says: every attention layer runs the plan's backend, every
-    fused op its kernels, the stage its activation policy, the grid its ulysses x ring, the weights its
-    dtype (FSDP keeps fp32 shards and gathers in the plan's dtype). A difference is a bug: what the planner
-    predicted would not be what the run does."""
+    """The built model and grid do what the plan says: every attention layer runs the plan's backend and
+    sliding window, every fused op its kernels (the q/k head norms' too), the stage its activation policy, the
+    grid its ulysses x ring, the weights its dtype (FSDP keeps fp32 shards and gathers in the plan's dtype). A
+    difference is a bug: what the planner predicted would not be what the run does."""
     from megalysses.model.gpt import GPTStage
-    from megalysses.model.layers import MLP, Attention, Norm
+    from megalysses.model.layers import MLP, Attention, HeadNorm, Norm
 
     wrong = []
     if (grid.ulysses_size, grid.ring_size) != (run.ulysses, run.ring):
         wrong.append(f"grid ulysses x ring {grid.ulysses_size} x {grid.ring_size}")
     for name, m in model.named_modules():
-        if isinstance(m, Attention) and (m.backend, m.head_chunks) != (run.attention, run.activation.head_chunks):
-            wrong.append(f"{name} attention {m.backend} in {m.head_chunks} head chunks")
-        if isinstance(m, (Attention, MLP, Norm)) and m.impl != run.kernels:
+        if isinstance(m, Attention) and (m.backend, m.head_chunks, m.window) != (
+                run.attention, run.activation.head_chunks, run.attention_window):
+            wrong.append(f"{name} attention {m.backend} in {m.head_chunks} head chunks, window {m.window}")
+        if isinstance(m, (Attention, MLP, Norm, HeadNorm)) and m.impl != run.kernels:
             wrong.append(f"{name} kernels {m.impl}")
         if isinstance(m, GPTStage):
             a = run.activation

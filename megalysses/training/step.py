@@ -2,7 +2,8 @@
 
 The loss is the sum of token losses over the global batch divided by the GLOBAL number of valid
 tokens (labels != -100), counted over the grad (dp x sp) group before the forward; the number that
-is returned (and logged) is that same number.
+is returned (and logged) is that same number. With loss weights (data.loss_average: document) it is the
+weighted sum divided by the global sum of the weights: the mean over documents of their mean token loss.
 """
 from __future__ import annotations
 
@@ -32,9 +33,15 @@ class NonFiniteLossError(RuntimeError):
 
 
 def global_token_count(microbatches: list[Batch], grid: ParallelGrid) -> Tensor:
+    """What the loss divides by: the global count of valid labels, or, with loss weights (data.loss_average
+    document), their global sum (the number of documents)."""
     device = microbatches[0]["labels"].device
-    count = sum(((mb["labels"] != -100).sum() for mb in microbatches), torch.zeros((), dtype=torch.long, device=device))
-    count = count.to(torch.float64)
+    if "loss_weights" in microbatches[0]:
+        count = sum((mb["loss_weights"].sum(dtype=torch.float64) for mb in microbatches),
+                    torch.zeros((), dtype=torch.float64, device=device))
+    else:
+        count = sum(((mb["labels"] != -100).sum() for mb in microbatches),
+                    torch.zeros((), dtype=torch.long, device=device)).to(torch.float64)
     if grid.grad_group is not None:
         comm.all_reduce_(count, grid.grad_group)
     return count

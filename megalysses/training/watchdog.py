@@ -72,6 +72,7 @@ class Watchdog:
     def __init__(self, rank: int, world: int, timeout: float, store: Optional[dist.Store],
                  interval: Optional[float] = None, exit: Callable[[int], None] = os._exit) -> None:
         self.rank, self.world, self.timeout, self.store = rank, world, timeout, store
+        self.slack = 1.0           # phases may last slack x timeout (allow)
         self.interval = interval or min(5.0, max(0.5, timeout / 5))
         self._exit = exit
         self._phase: tuple[str, float, int] = ("starting up", time.monotonic(), 0)
@@ -98,6 +99,12 @@ class Watchdog:
     @property
     def current(self) -> str:
         return self._phase[0]
+
+    def allow(self, factor: float) -> None:
+        """From now on a phase may last `factor` times the timeout, and the next rank's heartbeat may pause as
+        long (the profiled steps, and the writing of their traces, which the other ranks wait for); 1 puts the
+        timeout back."""
+        self.slack = factor
 
     def stop(self) -> None:
         """The run is over on this rank: stop watching, and tell the others this rank leaves on purpose."""
@@ -174,9 +181,10 @@ class Watchdog:
                               f"the first node is gone", diagnose=False)
             if self._stopped.is_set():
                 return
-            if now - since > self.timeout:
+            limit = self.timeout * self.slack
+            if now - since > limit:
                 self.fail(f"rank {self.rank} has spent {now - since:.0f} s {what}")
-            if self.world > 1 and now - changed > self.timeout:
+            if self.world > 1 and now - changed > limit:
                 self.fail(f"rank {neighbour} stopped responding (no heartbeat for {now - changed:.0f} s)")
 
     def _publish(self) -> None:

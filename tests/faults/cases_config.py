@@ -225,6 +225,11 @@ RULES = [
     Case("config/param_offload_with_optimizer_offload", pretrain("training.param_offload=true", "parallel.fsdp=true",
                                                                  "training.optimizer_offload=true"),
          "drop training.optimizer_offload"),
+    Case("config/profile_start_without_end", pretrain("profile.start_step=3"), "set profile.end_step too"),
+    Case("config/profile_end_before_start", pretrain("profile.start_step=3", "profile.end_step=2"),
+         "profile.end_step=2 is before profile.start_step=3"),
+    Case("config/profile_rank_outside_the_world", pretrain("profile.start_step=1", "profile.end_step=1",
+                                                           "profile.ranks=[0, 2]"), "rank 2 is not in a world of 1"),
 ]
 
 MACHINE = [

@@ -247,3 +247,48 @@ CASES = [
     Case("data/eod_token_not_in_vocabulary", pretrain_on(good, "data.eod=<|nope|>"), "no such token"),
     Case("data/eod_id_outside_vocabulary", pretrain_on(good, "data.eod=100000"), "outside the tokenizer's"),
 ]
+
+
+# conversations: a dataset with a loss mask beside it
+def chats(tmp: Path, longest: int = 40, shortest: int = 3) -> str:
+    from tests.chat_data import write_conversations
+    return write_conversations(tmp / "chat_text_document", count=40, longest=longest, shortest=shortest)
+
+
+def chats_mask_replaced(build: Callable[[Path, str], None]) -> Callable[[Path], str]:
+    """Conversations whose loss mask `build(tmp, mask_prefix)` writes instead."""
+    def make(tmp: Path) -> str:
+        from megalysses.data.indexed import loss_mask_prefix
+        prefix = chats(tmp)
+        for ext in ("bin", "idx"):
+            os.remove(f"{loss_mask_prefix(prefix)}.{ext}")
+        build(tmp, loss_mask_prefix(prefix))
+        return prefix
+    return make
+
+
+def _other_lengths(tmp: Path, mask: str) -> None:
+    write(Path(mask), [[1] * 5 for _ in range(40)], np.uint8)
+
+
+def _not_uint8(tmp: Path, mask: str) -> None:
+    from megalysses.data.indexed import IndexedDataset
+    ds = IndexedDataset(str(tmp / "chat_text_document"))
+    write(Path(mask), [[1] * len(ds[i]) for i in range(len(ds))], np.uint16)
+
+
+def _index_alone(tmp: Path, mask: str) -> None:
+    _not_uint8(tmp, mask)
+    os.remove(f"{mask}.bin")
+
+
+CASES += [
+    Case("data/loss_mask_of_another_dataset", pretrain_on(chats_mask_replaced(_other_lengths)), "does not match"),
+    Case("data/loss_mask_not_bytes", pretrain_on(chats_mask_replaced(_not_uint8)), "holds uint8"),
+    Case("data/loss_mask_without_its_bin", pretrain_on(chats_mask_replaced(_index_alone)), "file not found"),
+    Case("data/conversations_too_long_refused", pretrain_on(chats, "data.too_long=error"), "longer than the sequences"),
+    Case("data/conversations_packed_without_document_mask", pretrain_on(chats, "data.document_mask=false"),
+         "data.document_mask"),
+    Case("data/conversations_all_longer_than_the_sequence", pretrain_on(lambda tmp: chats(tmp, 60, shortest=33)),
+         "fill no sample"),
+]

@@ -36,6 +36,14 @@ def script(text: str, *args: str) -> Callable[[Path], int]:
 CASES = [
     Case("megatron/unknown_flag", convert("--use-magic-attention"), "--use-magic-attention"),
     Case("megatron/misspelt_flag", convert("--hiden-dropout", "0"), "did you mean --hidden-dropout"),
+    Case("megatron/every_unknown_flag_at_once", convert("--hiden-dropout", "0", "--use-magic-attention"),
+         "2 flags that Megatron-LM's pretrain_gpt.py does not have: --hiden-dropout (did you mean --hidden-dropout?), "
+         "--use-magic-attention"),
+    Case("megatron/mixture_of_experts", convert("--num-experts", "8", "--moe-router-topk", "2"),
+         "a mixture-of-experts command line (--num-experts 8, --moe-router-topk)"),
+    Case("megatron/cannot_start", lambda tmp: __import__("megalysses.tools.from_megatron", fromlist=["m"]).main(
+        ["--output", str(tmp / "x.yaml"), "--gpus", "3", "--", *BASE]),
+         "cannot start on 3 GPUs: training.global_batch_size=4 is not divisible by micro_batch_size=1 * dp=3"),
     Case("megatron/int_word", convert("--num-layers", "four"), "--num-layers: expected an integer"),
     Case("megatron/float_word", convert("--clip-grad", "high"), "--clip-grad: expected a number"),
     Case("megatron/bad_choice", convert("--normalization", "BatchNorm"), "--normalization: 'BatchNorm'"),

@@ -209,3 +209,69 @@ CASES = [
     Case("preprocess/eod_id_past_vocab", preprocess(jsonl(GOOD), "--append-eod", "--eod", "4000"), "outside"),
     Case("preprocess/bos_not_a_token", preprocess(jsonl(GOOD), "--bos", "<s>"), "no such token"),
 ]
+
+
+# conversations (--chat)
+CHATS = "".join(json.dumps(c) + "\n" for c in ({"messages": [{"role": "user", "content": f"question {i}"},
+                                                            {"role": "assistant", "content": f"answer {i}"}]}
+                                               for i in range(4)))
+
+
+def chat(template: str | None = "chatml", *extra: str, source: Callable[[Path], str] = jsonl(CHATS)):
+    """preprocess --chat with the tests' ChatML tokenizer (its template replaced by `template`, or none)."""
+    def run(tmp: Path) -> int:
+        import re
+
+        from tests.chat_data import CHATML, make_tokenizer
+        plain = re.sub(r"\{%-? *(end)?generation *-?%\}", "", CHATML)
+        texts = {"chatml": CHATML, None: None,
+                 "rewrites": plain.replace("{%- if message.content %}", "{%- if message.content and loop.last %}"),
+                 "one_block": plain.replace("{%- for message in messages %}", "{% generation %}{%- for message in "
+                                            "messages %}").replace("{%- endfor %}\n{%- if add", "{%- endfor %}"
+                                                                   "{% endgeneration %}\n{%- if add")}
+        folder = make_tokenizer(tmp / "tok", texts.get(template, template) or "")
+        if template is None:
+            config = json.loads((folder / "tokenizer_config.json").read_text())
+            del config["chat_template"]
+            (folder / "tokenizer_config.json").write_text(json.dumps(config))
+        return preprocess(source, "--chat", "--tokenizer-type", "huggingface", "--tokenizer-model", str(folder),
+                          *extra)(tmp)
+    return run
+
+
+TWO_TURNS = json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                                     {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]}) + "\n"
+
+
+def parquet_of_text(tmp: Path) -> str:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.table({"text": ["a document"]}), tmp / "in.parquet")
+    return str(tmp / "in.parquet")
+
+
+CASES += [
+    Case("preprocess/chat_without_a_template", chat(None), "chat template"),
+    Case("preprocess/chat_template_that_does_not_compile", chat("chatml", "--chat-template", "{tmp}/bad.jinja",
+                                                                source=lambda tmp: (
+                                                                    made("bad.jinja", b"{% for %}")(tmp),
+                                                                    jsonl(CHATS)(tmp))[1]), "does not compile"),
+    Case("preprocess/chat_template_file_missing", chat("chatml", "--chat-template", "{tmp}/none.jinja"),
+         "cannot read the chat template"),
+    Case("preprocess/chat_template_rewrites_earlier_turns", chat("rewrites", source=jsonl(TWO_TURNS)),
+         "rewrites earlier turns"),
+    Case("preprocess/chat_generation_blocks_not_one_per_turn", chat("one_block", source=jsonl(TWO_TURNS)),
+         "not one per assistant turn"),
+    Case("preprocess/chat_every_record_bad", chat("chatml", source=jsonl('{"messages": []}\n{"text": "x"}\n')),
+         "skipped"),
+    Case("preprocess/chat_with_append_eod", chat("chatml", "--append-eod"), "--append-eod does not apply"),
+    Case("preprocess/chat_with_json_keys", chat("chatml", "--json-keys", "messages"), "--json-keys does not apply"),
+    Case("preprocess/chat_option_without_chat", preprocess(jsonl(GOOD), "--chat-train-on", "last"),
+         "only applies with --chat"),
+    Case("preprocess/chat_messages_with_byte_tokenizer", preprocess(jsonl(CHATS), "--chat"),
+         "need a hugging face tokenizer"),
+    Case("preprocess/chat_folder_of_text_files", preprocess(folder({"a.txt": b"x"}), "--chat"),
+         "--chat reads conversations"),
+    Case("preprocess/chat_parquet_without_conversations", preprocess(parquet_of_text, "--chat"),
+         "no 'messages' column"),
+]

@@ -1,8 +1,10 @@
-"""examples/kubernetes/: the manifest validates against Kubernetes' schemas and agrees with the pod script and
-the image; the pod script, signalled as the kubelet signals a container, checkpoints and exits with the
-code the Job's podFailurePolicy retries, and exits 0 only once the run is finished."""
+"""examples/kubernetes/: the manifests validate against Kubernetes' schemas and agree with the pod script, the
+image, each other and the kustomization that names their image once; the pod script, signalled as the kubelet
+signals a container, checkpoints and exits with the code the Job's podFailurePolicy retries, and exits 0 only
+once the run is finished."""
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,9 +19,13 @@ from tests.faults.launch import ROOT, TINY, env, free_port, gone, kill_all, sets
 EXAMPLE = ROOT / "examples" / "kubernetes"
 
 
-def manifest() -> dict:
-    """{kind: resource} of pretrain.yaml."""
-    return {doc["kind"]: doc for doc in yaml.safe_load_all((EXAMPLE / "pretrain.yaml").read_text())}
+def manifest(name: str = "pretrain.yaml") -> dict:
+    """{kind: resource} of a manifest of examples/kubernetes/."""
+    return {doc["kind"]: doc for doc in yaml.safe_load_all((EXAMPLE / name).read_text())}
+
+
+def _containers(doc: dict) -> list[dict]:
+    return doc["spec"]["template"]["spec"]["containers"] if doc["kind"] == "Job" else []
 
 
 def retry_code() -> int:
@@ -57,6 +63,52 @@ def test_manifest_validates_and_agrees_with_the_script_and_the_image():
     mounts = {m["mountPath"] for m in trainer["volumeMounts"]}
     assert {f"{workdir}/data", f"{workdir}/runs"} <= mounts
     assert pod["terminationGracePeriodSeconds"] > 30                       # more than the default, for the save
+    # NCCL's interface and logging, and the capability RDMA's pinned memory needs
+    assert {"NCCL_SOCKET_IFNAME", "NCCL_DEBUG", "TORCH_NCCL_ASYNC_ERROR_HANDLING"} <= set(envs)
+    assert trainer["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+
+
+def test_the_volumes_outlive_the_jobs_and_the_image_is_named_once():
+    """The claims are a manifest of their own (storage), ReadWriteMany, and are what both Jobs mount; the data
+    Job builds a dataset on the data volume; kustomization.yaml lists every manifest and sets the image of every
+    container; applied by component, storage, then data, then training. Rendered by kubectl where it is
+    installed, the whole validates."""
+    docs = {name.name: list(yaml.safe_load_all(name.read_text())) for name in sorted(EXAMPLE.glob("*.yaml"))
+            if name.name != "kustomization.yaml"}
+    claims = {d["metadata"]["name"]: d for d in docs["volumes.yaml"]}
+    assert set(claims) == {"megalysses-data", "megalysses-runs"}
+    assert all(c["kind"] == "PersistentVolumeClaim" and c["spec"]["accessModes"] == ["ReadWriteMany"]
+               for c in claims.values())
+    components = {name: {d["metadata"]["labels"]["app.kubernetes.io/component"] for d in ds}
+                  for name, ds in docs.items()}
+    assert components == {"volumes.yaml": {"storage"}, "load-data.yaml": {"data"}, "pretrain.yaml": {"training"}}
+    workdir = re.findall(r"^WORKDIR (\S+)", (ROOT / "Dockerfile").read_text(), re.M)[-1]
+    (loader,) = docs["load-data.yaml"]
+    (load,) = _containers(loader)
+    mounted = {v["name"]: v["persistentVolumeClaim"]["claimName"]
+               for v in loader["spec"]["template"]["spec"]["volumes"]}
+    assert [(m["mountPath"], mounted[m["name"]]) for m in load["volumeMounts"]] == [(f"{workdir}/data",
+                                                                                      "megalysses-data")]
+    assert load["command"] == ["make", "corpus"] and "\ncorpus:" in (ROOT / "Makefile").read_text()
+    job = manifest()["Job"]
+    used = {v["persistentVolumeClaim"]["claimName"] for v in job["spec"]["template"]["spec"]["volumes"]
+            if "persistentVolumeClaim" in v}
+    assert used == set(claims)
+    kustomization = yaml.safe_load((EXAMPLE / "kustomization.yaml").read_text())
+    assert kustomization["resources"] == ["volumes.yaml", "load-data.yaml", "pretrain.yaml"] and \
+        set(kustomization["resources"]) == set(docs)
+    (image,) = kustomization["images"]
+    assert {c["image"] for ds in docs.values() for d in ds for c in _containers(d)} == {image["name"]}
+    if shutil.which("kubectl") is None:
+        return
+    rendered = subprocess.run(["kubectl", "kustomize", str(EXAMPLE)], capture_output=True, text=True, timeout=60)
+    assert rendered.returncode == 0, rendered.stderr
+    objects = list(yaml.safe_load_all(rendered.stdout))
+    assert len(objects) == sum(len(ds) for ds in docs.values())
+    for resource in objects:
+        kubernetes_validate.validate(resource, "1.31.0", strict=True)
+        for c in _containers(resource):
+            assert c["image"] == f"{image['newName']}:{image['newTag']}"
 
 
 def _pod(run: Path, nproc: int, overrides: list[str], config: Path) -> subprocess.Popen:

@@ -84,6 +84,26 @@ def test_single_process_stuck_in_one_phase():
     assert "rank 0 has spent" in out and "opening the datasets" in out
 
 
+def test_an_allowance_stretches_the_timeout_until_it_is_put_back():
+    """A profiled step may take PROFILE_ALLOWANCE times the timeout; once the allowance is put back, the same
+    phase ends the job."""
+    exits = []
+    dog = Watchdog(0, 1, 0.5, None, interval=0.1, exit=lambda code: exits.append(code))
+    dog.allow(4.0)
+    dog.doing("training step 3")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        dog._thread.start()
+        time.sleep(1.2)                     # over twice the timeout, within the allowance
+        assert exits == []
+        dog.allow(1.0)
+        deadline = time.monotonic() + 5
+        while not exits and time.monotonic() < deadline:
+            time.sleep(0.05)
+        dog.stop()
+    assert exits == [1] and "rank 0 has spent" in out.getvalue() and "training step 3" in out.getvalue()
+
+
 def _groups_time_out(rank, world, flag):
     """Rank 1 never joins; rank 0's collectives on a grid group and on a mesh group end in ~2 s. What they
     raise counts as a collective failure (so pretrain hands it to the watchdog), also when it comes from

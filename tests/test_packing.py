@@ -1,0 +1,152 @@
+"""Conversations packed whole (data/packing.py) and their micro-batches (data/loader.py): first fit equals the
+plain algorithm, every conversation lands once per epoch in one sequence, too-long conversations are dropped,
+truncated or refused and counted, the index is cached and deterministic, blends mix packed and plain samples,
+and a micro-batch keeps conversations apart (labels, documents, positions, weights) whatever the sp layout."""
+import numpy as np
+import pytest
+
+from chat_data import write_conversations
+from megalysses.data.blend import BlendedDataset
+from megalysses.data.build import build_gpt_datasets
+from megalysses.data.gpt_dataset import GPTDataset
+from megalysses.data.indexed import DatasetError, IndexedDataset, loss_mask_prefix
+from megalysses.data.loader import IGNORE_INDEX, build_micro_batch, iterate_micro_batches
+from megalysses.data.packing import Packing, PackedConversations, PackedRow, first_fit, open_loss_mask
+from megalysses.parallel.sequence_layout import SequenceLayout
+
+
+def plain_first_fit(sizes, capacity):
+    room, out = [], []
+    for s in sizes:
+        k = next((i for i, r in enumerate(room) if r >= s), len(room))
+        if k == len(room):
+            room.append(capacity)
+        room[k] -= s
+        out.append(k)
+    return out
+
+
+def test_first_fit_is_the_plain_algorithm():
+    rng = np.random.default_rng(0)
+    for n, cap in ((1, 5), (7, 10), (200, 64), (513, 1000)):
+        sizes = rng.integers(1, cap + 1, n)
+        assert first_fit(sizes, cap).tolist() == plain_first_fit(sizes.tolist(), cap)
+
+
+@pytest.fixture(scope="module")
+def chats(tmp_path_factory):
+    prefix = write_conversations(tmp_path_factory.mktemp("chats") / "c_text_document", count=60, longest=40)
+    ds = IndexedDataset(prefix)
+    return ds, open_loss_mask(ds, loss_mask_prefix(prefix))
+
+
+def packed(chats, tmp_path=None, **kw):
+    ds, mask = chats
+    args = dict(seq_len=32, seed=3, num_samples=None, cache_dir=str(tmp_path) if tmp_path else None)
+    args.update({k: kw.pop(k) for k in list(kw) if k in args})
+    return PackedConversations(ds, mask, (0, len(ds)), packing=Packing(**kw), **args)
+
+
+@pytest.mark.parametrize("mode", ["ffd", "none"])
+@pytest.mark.parametrize("too_long", ["drop", "truncate"])
+def test_each_conversation_once_per_epoch_whole_or_as_told(chats, tmp_path, mode, too_long):
+    ds, mask = chats
+    p = packed(chats, tmp_path, mode=mode, too_long=too_long, lengths=(16, 32))
+    lengths = np.asarray(ds.sequence_lengths)
+    for length in (16, 32):
+        rows = p.sequences(length)
+        k = 32 // length
+        assert [r.tokens.tolist() for i in range(len(p)) for r in p.rows(i, length)] == \
+            [r.tokens.tolist() for r in rows[:len(p) * k]]
+        assert all(len(r.tokens) <= length and r.doc_lengths.sum() == len(r.tokens) for r in rows)
+        if mode == "none":
+            assert all(len(r.doc_lengths) == 1 for r in rows)
+        # every conversation that fits appears once, whole, its loss mask beside it
+        seen = sorted(tuple(r.tokens[a:a + n]) for r in rows
+                      for a, n in zip(np.cumsum(r.doc_lengths) - r.doc_lengths, r.doc_lengths))
+        fits = [i for i in range(len(ds)) if lengths[i] <= length]
+        cut = [i for i in range(len(ds)) if lengths[i] > length and mask[i][1:length].any()]
+        want = [tuple(ds[i]) for i in fits] + ([tuple(ds[i][:length]) for i in cut] if too_long == "truncate" else [])
+        assert seen == sorted(want)
+        losses = {tuple(r.tokens[a:a + n]): tuple(r.loss[a:a + n]) for r in rows
+                  for a, n in zip(np.cumsum(r.doc_lengths) - r.doc_lengths, r.doc_lengths)}
+        assert all(losses[tuple(ds[i])] == tuple(mask[i].astype(bool)) for i in fits)
+        line = next(x for x in p.summary() if f" at {length} tokens" in x)
+        words = f"{len(cut)} truncated" if too_long == "truncate" else f"{len(ds) - len(fits)} longer dropped"
+        assert words in line and f"packed {mode}" in line
+    # first fit decreasing fills more of each sequence than one conversation each
+    if mode == "ffd":
+        assert len(p.rows(0, 16)) == 2 and sum(len(r.tokens) for r in p.rows(0, 32)) > 24
+
+
+def test_the_index_is_cached_and_deterministic_and_epochs_repeat(chats, tmp_path):
+    a = packed(chats, tmp_path, num_samples=40, lengths=(16,))
+    files = sorted(f.name for f in tmp_path.iterdir())
+    b = packed(chats, tmp_path, num_samples=40, lengths=(16,))
+    assert sorted(f.name for f in tmp_path.iterdir()) == files and any("packed16" in f for f in files)
+    assert len(a) >= 40
+    for i in (0, 17, 39):
+        for x, y in zip(a.rows(i, 16), b.rows(i, 16)):
+            assert np.array_equal(x.tokens, y.tokens) and np.array_equal(x.loss, y.loss)
+    other = packed(chats, None, num_samples=40, lengths=(16,), seed=4)
+    assert not np.array_equal(a.rows(0, 32)[0].tokens, other.rows(0, 32)[0].tokens)
+
+
+def test_too_long_error_and_a_mask_that_does_not_match(chats, tmp_path):
+    with pytest.raises(DatasetError, match="longer than the sequences of 16 tokens.*data.too_long"):
+        packed(chats, too_long="error", lengths=(16,))
+    ds, _ = chats
+    other = IndexedDataset(write_conversations(tmp_path / "other_text_document", count=5))
+    with pytest.raises(DatasetError, match="does not match"):
+        open_loss_mask(ds, loss_mask_prefix(other.prefix))
+    with pytest.raises(DatasetError, match="holds uint8"):
+        open_loss_mask(ds, ds.prefix)
+
+
+def test_blend_of_conversations_and_plain_documents(chats, tmp_path):
+    ds, _ = chats
+    rng = np.random.default_rng(1)
+    from megalysses.data.indexed import IndexedDatasetBuilder
+    builder = IndexedDatasetBuilder(tmp_path / "plain_text_document.bin", np.uint16)
+    for _ in range(30):
+        builder.add_document(np.append(rng.integers(0, 100, 20), 127))
+    builder.finalize(tmp_path / "plain_text_document.idx")
+    train, _, _ = build_gpt_datasets(["0.5", ds.prefix, "0.5", str(tmp_path / "plain_text_document")], "1,0,0", 32,
+                                     seed=1, num_samples=(20, None, None), cache_dir=str(tmp_path / "cache"),
+                                     packing=Packing(lengths=(16, 32)))
+    assert isinstance(train, BlendedDataset)
+    kinds = {type(d) for d in train.datasets}
+    assert kinds == {PackedConversations, GPTDataset}
+    for i in range(20):
+        rows = train.rows(i, 16)
+        assert len(rows) == 2
+        assert all(isinstance(r, PackedRow) for r in rows) or all(len(r) == 17 for r in rows)
+    batches = list(iterate_micro_batches(train, 2, 0, 1, 0, 1, 0, eod_id=127, reset_position_ids=True,
+                                         document_mask=True, length_at=lambda g: 16 if g < 10 else 32))
+    assert [tuple(b["input_ids"].shape) for b in batches] == [(4, 16)] * 5 + [(2, 32)] * 5
+
+
+def test_a_micro_batch_keeps_conversations_apart():
+    row = PackedRow(np.array([5, 6, 7, 8, 9, 10, 11]), np.array([0, 0, 1, 1, 0, 1, 1], bool), np.array([4, 3]))
+    window = np.array([1, 2, 99, 3, 4, 5, 6, 7, 8])          # a window of plain documents, 99 = EOD
+    full = build_micro_batch([row, window], 8, 0, 1, eod_id=99, reset_position_ids=True, document_mask=True,
+                             pad_id=0)
+    m = IGNORE_INDEX
+    assert full["input_ids"].tolist() == [[5, 6, 7, 8, 9, 10, 11, 0], [1, 2, 99, 3, 4, 5, 6, 7]]
+    # a label trains where its token carries the loss, inside its conversation; never across one, nor padding
+    assert full["labels"].tolist() == [[m, 7, 8, m, 10, 11, m, m], [2, 99, 3, 4, 5, 6, 7, 8]]
+    assert full["doc_ids"].tolist() == [[0, 0, 0, 0, 1, 1, 1, 2], [0, 0, 0, 1, 1, 1, 1, 1]]
+    assert full["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2, 0], [0, 1, 2, 0, 1, 2, 3, 4]]
+    weighted = build_micro_batch([row, window], 8, 0, 1, 99, True, True, pad_id=0, loss_average="document")
+    w = weighted["loss_weights"]
+    assert w[0].tolist() == [0, 0.5, 0.5, 0, 0.5, 0.5, 0, 0]
+    assert w[1].tolist() == pytest.approx([1 / 3] * 3 + [0.2] * 5)
+    # sharded over a ring of 2 (zigzag) and Ulysses: each rank's positions of the same arrays
+    layout = SequenceLayout(sp=4, ring=2)
+    for r in range(4):
+        part = build_micro_batch([row, window], 8, r, 4, 99, True, True, pad_id=0, layout=layout,
+                                 loss_average="document")
+        keep = layout.positions(8, r)
+        for key in ("input_ids", "labels", "position_ids", "loss_weights"):
+            assert part[key].tolist() == weighted[key][:, keep].tolist(), key
+        assert part["doc_ids"].tolist() == weighted["doc_ids"].tolist()
