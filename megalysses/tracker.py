@@ -46,6 +46,7 @@ _OTHER = "other"                        # host memory that is not pinned
 _ACCOUNTS = {DEVICE: (DEVICE,), PINNED: (PINNED, HOST), _OTHER: (HOST,)}
 _MODULE = "megalysses_module"           # a module's name on the gradient nodes of its outputs
 MEMORIES = (DEVICE, PINNED, HOST)
+_EXACT, _TORCH = "exact", "torch"       # how pinned host memory is being allocated (LiveBytes._pinning)
 aten = torch.ops.aten
 
 
@@ -92,9 +93,12 @@ class _Storage:
 
 class LiveBytes(TorchDispatchMode):
     """Counts the live bytes of every fake tensor made inside, per memory (see the module docstring).
-    `keep`: how many of the largest storages a peak lists."""
+    `keep`: how many of the largest storages a peak lists; `torch_pinned`: the bytes a pinned request of torch's
+    own (a pinned copy, a non-blocking copy from the device) takes in torch's caching host allocator (default:
+    as asked)."""
 
-    def __init__(self, keep: int = 12, timeline: bool = False) -> None:
+    def __init__(self, keep: int = 12, timeline: bool = False,
+                 torch_pinned: Optional[Callable[[int], int]] = None) -> None:
         super().__init__()
         self.keep = keep
         # with `timeline`: (op, phase, module, device bytes) after every op that allocates on the device
@@ -112,7 +116,10 @@ class LiveBytes(TorchDispatchMode):
         self._hooks: list[Any] = []
         self._resize: Optional[Callable] = None
         self._false = WeakIdKeyDictionary()         # tensors whose .item() is False (see _plausible_scalar)
-        self._pinning = False                       # host tensors made now are pinned (see `pinned`)
+        # host tensors made now are pinned: False, EXACT (`pinned`: the bytes asked) or TORCH (by torch's caching
+        # host allocator: `torch_pinned` of the bytes asked, which rounds them as the machine's torch does)
+        self._pinning: Any = False
+        self.torch_pinned = torch_pinned or (lambda nbytes: nbytes)
         self.before = 0                             # device bytes alive at reset_peaks (what a step starts with)
         self.largest_allocation = 0                 # the largest single device allocation since reset_peaks
         # op -> the device bytes its kernel allocates and frees inside, from its arguments (the workspaces of
@@ -155,7 +162,7 @@ class LiveBytes(TorchDispatchMode):
     @contextlib.contextmanager
     def pinned(self) -> Iterator[None]:
         """Host tensors made inside are pinned memory."""
-        self._pinning = True
+        self._pinning = _EXACT
         try:
             yield
         finally:
@@ -223,8 +230,8 @@ class LiveBytes(TorchDispatchMode):
         key = storage._cdata
         memory = self._memory(t) or _OTHER
         made = str(self._moment(op)) if op not in ("before", "mark_pinned") else op
-        st = _Storage(storage.nbytes(), memory, Alive(storage.nbytes(), tuple(t.shape),
-                                                      str(t.dtype).replace("torch.", ""), made))
+        nbytes = int(self.torch_pinned(storage.nbytes())) if self._pinning is _TORCH else storage.nbytes()
+        st = _Storage(nbytes, memory, Alive(nbytes, tuple(t.shape), str(t.dtype).replace("torch.", ""), made))
         st.ref = weakref.ref(storage, lambda _, key=key, st=st: self._free(key, st))
         if memory == DEVICE:
             self.largest_allocation = max(self.largest_allocation, st.nbytes)
@@ -321,8 +328,9 @@ class LiveBytes(TorchDispatchMode):
                                    f"data ({self._moment(str(func))}); give it a form that runs without data") from e
         # pinned: a pinned copy, and a non-blocking copy from the GPU to the host (torch pins it on CUDA)
         pinning = self._pinning
-        self._pinning = pinning or func is aten._pin_memory.default or (
+        by_torch = func is aten._pin_memory.default or (
             func is aten._to_copy.default and bool(kwargs.get("non_blocking")) and args[0].device.type == "meta")
+        self._pinning = pinning or (_TORCH if by_torch else False)
         touched = set()
         try:
             for t in _plain_tensors(tree_leaves(out)):

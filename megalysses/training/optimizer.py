@@ -134,7 +134,8 @@ class ShardedAdamW:
     def _state_tensor(self, chunk: Tensor) -> Tensor:
         """An fp32 copy of a parameter chunk where the optimizer state lives: beside it, or (offload) in
         host memory, pinned when the parameter is on a GPU."""
-        if not self.offload or chunk.is_meta:       # (meta: a dry run's shapes, nothing to copy)
+        # (meta: a dry run's shapes, nothing to copy; in a memory trace the meta device is the GPU)
+        if not self.offload or (chunk.is_meta and not accelerator.on_gpu(chunk)):
             return chunk.float().clone()
         return self.pinned.empty(tuple(chunk.shape), torch.float32).copy_(chunk)
 

@@ -25,7 +25,7 @@ with the workspaces they allocate inside).
 from __future__ import annotations
 
 import contextlib
-import math
+import functools
 import time
 import warnings
 from dataclasses import dataclass, replace
@@ -40,6 +40,7 @@ from megalysses.config_checks import validate_config
 from megalysses.grid import ParallelGrid
 from megalysses.plan import Machine, RunPlan, resolve
 from megalysses.memory import GIB
+from megalysses.memory.types import torch_pinned
 from megalysses.tracker import DEVICE, HOST, PINNED, LiveBytes, Moment, Peak
 
 GPU_SMS = {"H100": 132, "H200": 132, "A100": 108}
@@ -90,11 +91,11 @@ class _Nothing:
 
 class FakeGPU(accelerator.Host):
     """megalysses.accelerator's Host in a trace: the GPU is the meta device, its streams and events do nothing,
-    its pinned buffers are host tensors the tracker counts as pinned (rounded up to a power of two where the
-    machine's torch rounds pinned requests)."""
+    its pinned buffers (megalysses' arenas and requests: registered host memory, exactly the bytes asked) are
+    host tensors the tracker counts as pinned."""
 
-    def __init__(self, live: LiveBytes, pinned_exact: bool = True) -> None:
-        self.live, self.pinned_exact = live, pinned_exact
+    def __init__(self, live: LiveBytes) -> None:
+        self.live = live
 
     def is_gpu(self, device: torch.device) -> bool:
         return torch.device(device).type == "meta"
@@ -102,12 +103,8 @@ class FakeGPU(accelerator.Host):
     def pinned_empty(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         if not self.is_gpu(device):
             return torch.empty(shape, dtype=dtype, device="cpu")
-        numel = math.prod(shape)
-        asked = numel * dtype.itemsize
-        rounded = asked if self.pinned_exact or asked <= 1 else 1 << (asked - 1).bit_length()
         with self.live.pinned():
-            block = torch.empty(-(-rounded // dtype.itemsize), dtype=dtype, device="cpu")
-        return block[:numel].view(shape)
+            return torch.empty(shape, dtype=dtype, device="cpu")
 
     def stream(self, device: torch.device) -> Any:
         return _Nothing() if self.is_gpu(device) else None
@@ -226,7 +223,9 @@ def trace_step(cfg: Config, machine: Machine, world: int, stage: int = 0, keep: 
             warnings.filterwarnings("ignore", message="Set timeout is now only supported")      # says so per group
             grid = ParallelGrid.for_plan(run, cfg.parallel.timeout_seconds)
             mesh = grid.device_mesh(torch.device("meta"), kind="meta")     # made of real tensors, before the fakes
-            with FakeTensorMode(allow_non_fake_inputs=True), LiveBytes(keep) as live, _gpu_forms(live, machine):
+            pinned = functools.partial(torch_pinned, exact=machine.pinned_exact)    # FSDP2's, rounded as torch does
+            with FakeTensorMode(allow_non_fake_inputs=True), LiveBytes(keep, torch_pinned=pinned) as live, \
+                    _gpu_forms(live, machine):
                 _step(cfg, grid, run, mesh, live)
     finally:
         dist.destroy_process_group()
@@ -239,7 +238,7 @@ def _gpu_forms(live: LiveBytes, machine: Machine) -> Iterator[None]:
     from megalysses.kernels.gpu_forms import gpu_kernels
     from megalysses.kernels.triton_support import LaunchHook, launches_to
 
-    with accelerator.use(FakeGPU(live, machine.pinned_exact)), gpu_kernels(live, machine.packages), \
+    with accelerator.use(FakeGPU(live)), gpu_kernels(live, machine.packages), \
             launches_to(LaunchHook(GPU_SMS.get(machine.gpu or "", 132), lambda *launch: None)), \
             warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor.*|.*all_gather_into_tensor.*")
