@@ -39,7 +39,7 @@ from megalysses.plan.step_time import Hardware  # noqa: E402
 from megalysses.training.trace import model_phase, trace_run, traced_peak  # noqa: E402
 
 SHIPPED = {"quickstart": 4, "gpt_1b_32k": 8, "gpt_1b_8gpu": 8, "gpt_1b_1m_offload": 1, "llama3_8b_128k": 32,
-           "llama3_8b_1m": 64}
+           "llama3_8b_1m": 64, "llama3_8b_chat_128k": 8}
 LONG = {   # name: (config, GPUs, tokens, host GiB per node)
     "8b-1m-1": ("llama3_8b_1m", 1, 1 << 20, 1769), "8b-6m-8": ("llama3_8b_1m", 8, 6 << 20, 1769),
     "8b-24m-32": ("llama3_8b_1m", 32, 24 << 20, 1769), "1b-1m-1": ("gpt_1b_1m_offload", 1, 1 << 20, 120)}

@@ -341,9 +341,9 @@ LAYOUT_PEAKS = {   # name: overrides on 2 ranks
         "parallel.sp=2", "parallel.sp_ring=2", "training.dtype=bfloat16", "training.global_batch_size=1",
         "training.activation_checkpointing=true", "model.num_kv_heads=4", "model.ffn_hidden_size=32",
         "training.loss_chunk_tokens=64"],
-    "sp2 as a ring of 2, 8 query heads on 2 KV heads, fp32, checkpointing": [
+    "sp2 as a ring of 2, 8 query heads of 16 on 2 KV heads, fp32, checkpointing": [
         "parallel.sp=2", "parallel.sp_ring=2", "training.dtype=float32", "training.global_batch_size=1",
-        "training.activation_checkpointing=true", "model.num_heads=8", "model.num_kv_heads=2",
+        "training.activation_checkpointing=true", "model.num_heads=8", "model.num_kv_heads=2", "model.head_dim=16",
         "model.ffn_hidden_size=32", "training.loss_chunk_tokens=64"],
     "tp2 sequence-parallel, fp32": ["parallel.tp=2", "parallel.tp_sequence_parallel=true",
                                     "training.dtype=float32", "training.global_batch_size=1"],
@@ -406,7 +406,8 @@ def measured_step_peak(overrides: list[str], world: int = 1, exclude_host: bool 
         for _ in range(cfg.training.global_batch_size // grid.dp_size):
             tokens = torch.randint(0, cfg.model.vocab_size, (1, S_ + 1), generator=g)
             out.append({"input_ids": tokens[:, :-1][:, local].contiguous(),
-                        "labels": tokens[:, 1:][:, local].contiguous(), "position_ids": local[None]})
+                        "labels": tokens[:, 1:][:, local].contiguous(),
+                        "position_ids": local[None].clone()})      # each micro-batch's own, as the loader's
         return out
 
     def step(mbs):
