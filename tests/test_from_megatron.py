@@ -436,8 +436,9 @@ def test_qwen_style_flags_and_flags_without_an_entry(tmp_path, capsys):
     out = tmp_path / "qwen.yaml"
     assert main(["--output", str(out), "--allow-lossy", "--gpus", "16", "--", *QWEN]) == 0
     report = capsys.readouterr().out
-    # 32 heads at cp 8: Ulysses 8 inside a node; --attention-backend flash is auto, SDPA on a plain torch
-    assert "on 16 GPUs (8 a node): attention flex (a sliding window" in report
+    # 32 heads at cp 8: Ulysses 8 inside a node; --attention-backend flash is auto: without flash-attn, torch's
+    # varlen attention takes the window
+    assert "on 16 GPUs (8 a node): attention varlen (a sliding window in torch's varlen_attn" in report
     assert "parallel.sp=8 runs as ulysses 8 x ring 1 (megalysses' choice)" in report
     assert load_config(out).model.attention_backend == "auto"
     dry_run(out, 16, tmp_path)

@@ -78,9 +78,11 @@ def choose_attention(requested: str, machine: Machine, dtype: str, head_dim: Opt
         return "reference", "ring blocks: no fused kernel returns the log-sum-exp for this shape here"
     if machine.cuda and why_not("flash") is None:
         return "flash", "flash-attn is installed and takes this shape and dtype"
-    what = "packed documents" if has_docs else "a sliding window"
+    what = " and ".join(n for n, on in (("packed documents", has_docs), ("a sliding window", window)) if on)
     if machine.cuda and (has_docs or window) and why_not("varlen") is None:
-        return "varlen", f"{what} as cumulative lengths (torch's varlen_attn): no (S, S) mask of any kind"
+        how = " and ".join(n for n, on in (("documents as cumulative lengths", has_docs),
+                                           ("the window as its window_size", window)) if on)
+        return "varlen", f"{what} in torch's varlen_attn ({how}): no (S, S) mask of any kind"
     if machine.cuda and (has_docs or window) and why_not("flex") is None:
         return "flex", f"{what}: a block-sparse mask instead of a dense (S, S) one"
     return "sdpa", "the portable default" if not machine.cuda else "flash-attn and FlexAttention do not apply here"
