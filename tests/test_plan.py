@@ -353,8 +353,8 @@ def test_parameter_offload_is_planned_where_the_weights_bind():
     """Llama-3-8B on one 80 GB GPU at 512K tokens with Triton kernels: nothing fits without host memory; with
     it the planner offers parameter offload (FSDP2's CPUOffloadPolicy: the running block's weights and one
     block's fp32 gradient on the device) and ranks it first; ZeRO-1 with optimizer offload (gradients streamed,
-    the weights on the device) at the same activation options does not fit. The run it plans resolves to weights, gradients
-    and optimizer on the host, and its step counts the host copies: every block's fp32 shard in twice and its
+    the weights on the device) at the same activation options does not fit. The run it plans resolves to weights,
+    gradients and optimizer on the host, and its step counts the host copies: every block's fp32 shard in twice and its
     gradient out once."""
     cfg = load("configs/llama3_8b_1m.yaml", **{"training.global_batch_size": 1, "model.kernels": "triton"})
     S = 1 << 19
