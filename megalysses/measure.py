@@ -158,3 +158,32 @@ def unmeasured(fn: Callable[..., Any]) -> Callable[..., Any]:
         with _disable_current_modes():
             return fn(*args, **kwargs)
     return call
+
+
+def host_resident(model: Any, opt: Any, runtime: Any,
+                  activations: bool = True) -> Callable[[], list[torch.Tensor]]:
+    """On CPU, what lists the tensors of a built run that live in host memory on a GPU, to pass to
+    measure_peak's `host`: the activation offload's host copies (`activations`; its arena is made at the
+    first step) and, where the plan puts the optimizer in host memory, its state, fp32 masters and reduced
+    gradients (their arenas, by storage). Such an optimizer's update runs on the host: it is made
+    `unmeasured` here."""
+    chunks = model.chunks if hasattr(model, "chunks") else [model]
+    held = runtime.optimizer in ("zero1-host", "fsdp-host")
+    if held:
+        opt.optimizer.step = unmeasured(opt.optimizer.step)
+
+    def tensors() -> list[torch.Tensor]:
+        out = [t for c in chunks if c.offload is not None for t in c.offload.host_buffers()] if activations else []
+        if held:
+            slots = getattr(opt, "slots", [])
+            out += [_local(t) for st in opt.optimizer.state.values() for t in st.values()
+                    if isinstance(t, torch.Tensor)]
+            out += [s.master for s in slots if s.master is not None]
+            out += [s.host_grad for s in slots if s.host_grad is not None]
+        return out
+    return tensors
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+

@@ -23,7 +23,7 @@ from megalysses.config import ModelConfig
 from megalysses.config_io import load_config
 from megalysses.grid import ParallelGrid
 from megalysses.kernels.triton_support import triton_importable
-from megalysses.measure import Retained, measure_peak, measure_retained, unmeasured
+from megalysses.measure import Retained, host_resident, measure_peak, measure_retained
 from megalysses.memory import (PRECISIONS, Layout, Options, Workload, bytes_per_token, estimate,
                                head_weight_grad_bytes, in_flight, layer_terms, retained_activation_bytes,
                                sp_buffer_bytes_per_token, stage_params)
@@ -422,22 +422,18 @@ def measured_step_peak(overrides: list[str], world: int = 1, exclude_host: bool 
     shards = list(model.parameters())      # FSDP: the sharded parameters (a forward swaps in gathered ones)
     state = [as_local(t) for st in opt.optimizer.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
     masters = [s_.master for s_ in opt.slots if s_.master is not None] if hasattr(opt, "slots") else []
-    chunks = model.chunks if hasattr(model, "chunks") else [model]
-    host = [t for c in chunks if c.offload is not None for t in c.offload.host_buffers()] if exclude_host else []
     held = runtime.optimizer in ("zero1-host", "fsdp-host")       # the optimizer in host memory
-    if held:
-        host += state + masters + [s_.host_grad for s_ in getattr(opt, "slots", []) if s_.host_grad is not None]
-        opt.optimizer.step = unmeasured(opt.optimizer.step)
+    resident = host_resident(model, opt, runtime, activations=exclude_host)
 
     def offloaded() -> list[torch.Tensor]:   # parameter offload: FSDP's shards and their gradients
         if runtime.weights != "host":
-            return []
-        return [as_local(q) for q in shards] + [as_local(q.grad) for q in shards if q.grad is not None]
+            return resident()
+        return resident() + [as_local(q) for q in shards] + [as_local(q.grad) for q in shards if q.grad is not None]
 
     before = ([] if runtime.weights == "host" else [as_local(q) for q in shards]) + ([] if held else state + masters) \
         + [t for mb in mbs for t in mb.values()]
     storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in before}
-    _, peak = measure_peak(lambda: step(mbs), before, exclude=host, host=offloaded)
+    _, peak = measure_peak(lambda: step(mbs), before, host=offloaded)
     est = estimate_config(cfg, world, CPU)
     return StepPeak(peak.bytes, est.peak, sum(storages.values()),
                     sum(t.bytes for t in est.terms if not t.host and t.name.startswith(BEFORE)))

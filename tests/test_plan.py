@@ -247,6 +247,23 @@ def test_cli_explain_shows_the_arithmetic(capsys):
     assert "TFLOP/s" in out and "tokens/s" in out and "peak" in out
 
 
+def test_cli_no_search_checks_the_configs_own_layout_alone(capsys):
+    """--no-search: the config's own layout, as the search would report it, and no other."""
+    argv = ["--config", "configs/gpt_1b_1m_offload.yaml", "--gpus", "1", "--host-memory-gib", "120"]
+    assert main(argv + ["--json", "--top", "1"]) == 0
+    searched = json.loads(capsys.readouterr().out)
+    assert main(argv + ["--json", "--no-search"]) == 0
+    alone = json.loads(capsys.readouterr().out)
+    assert (alone["considered"], alone["layouts"], alone["best"]) == (0, [], None) and searched["considered"] > 0
+    mine = {k: v for k, v in searched["config_layout"].items() if k not in ("rank", "behind_best_s")}
+    assert alone["config_layout"] == mine and mine["fits"]
+    assert main(argv + ["--no-search"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and "the config's own layout (tp 1, sp 1 (ring 1), pp 1, dp 1;" in out[0], out
+    assert main(argv[:-2] + ["--host-memory-gib", "40", "--no-search"]) == 0
+    assert "the config's own layout does not fit (host" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--config", "missing.yaml", "--gpus", "8", "--gpu-memory-gib", "80", "--seq-len", "1024"], "does not exist"),
     (["--config", "configs/gpt_1b_8gpu.yaml", "--gpus", "0", "--gpu-memory-gib", "80", "--seq-len", "1024"], "--gpus"),

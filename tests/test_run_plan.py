@@ -35,8 +35,7 @@ def agree(planned: dict, runtime: dict) -> None:
 @pytest.mark.parametrize("path, gpus", SHIPPED)
 def test_the_planned_run_is_the_run_that_starts(path, gpus, tmp_path, capsys):
     config = str(ROOT / path)
-    assert plan_cli.main(["--config", config, "--gpus", str(gpus), "--json",
-                          "--top", "1"]) == 0
+    assert plan_cli.main(["--config", config, "--gpus", str(gpus), "--json", "--no-search"]) == 0
     planned = json.loads(capsys.readouterr().out)["config_layout"]["plan"]
     run_dir = tmp_path / "run"
     assert pretrain.main(["--config", config, "--dry-run", "--gpus", str(gpus),

@@ -178,6 +178,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--trace", action="store_true",
                    help="also trace one step of the top layout at the real shape on fake tensors (its first and last "
                         "stage: the traced peak per GPU and host memory per node; minutes at million-token lengths)")
+    p.add_argument("--no-search", action="store_true",
+                   help="the config's own layout alone, no other layout searched (its fit, peak and plan in seconds)")
     p.add_argument("--kernels", choices=sorted(KERNELS), default=None,
                    help="model.kernels to plan for (what the norms, RoPE and SwiGLU keep); default: the config's")
     p.add_argument("--packages", default=",".join(PLAIN_TORCH),
@@ -188,6 +190,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         p.add_argument("--" + f.name.replace("_", "-"), type=type(getattr(d, f.name)), default=getattr(d, f.name),
                        help=f"default {getattr(d, f.name)}")
     args = p.parse_args(argv)
+    if args.trace and args.no_search:
+        p.error("--trace traces the top layout of the search: leave out --no-search")
     bad = {name: f"must be positive, got {getattr(args, name)}"
            for name in ("gpus", "seq_len", "gpu_memory_gib", "top", "host_memory_gib")
            if getattr(args, name) is not None and not getattr(args, name) > 0}
@@ -217,10 +221,10 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"{hw.reserve_gib:g} and --fragmentation {hw.fragmentation:g}: give the memory of one GPU (79.6 for an "
               f"H100 80GB)", file=sys.stderr)
         return 1
-    fitting, considered = plan(cfg, args.gpus, args.seq_len, args.gpu_memory_gib, args.host_memory_gib, hw, packages,
-                               progress=Progress())
+    fitting, considered = ([], 0) if args.no_search else plan(
+        cfg, args.gpus, args.seq_len, args.gpu_memory_gib, args.host_memory_gib, hw, packages, progress=Progress())
     mine, own_row = _own_layout(replace(cfg, data=replace(cfg.data, seq_len=args.seq_len)), args, hw, packages)
-    if mine is not None and mine.fits:
+    if mine is not None and mine.fits and not args.no_search:
         own_row["rank"], why = ranking(mine, fitting)
         own_row["behind_best_s"] = behind(mine, fitting[0]) if fitting else {}
     rows = [f.row() for f in fitting[:args.top]]
@@ -240,6 +244,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                           "gpu_memory_gib": args.gpu_memory_gib, "host_memory_gib": args.host_memory_gib,
                           "hardware": dataclasses.asdict(hw), "considered": considered, "fitting": len(fitting),
                           "best": rows[0] if rows else None, "layouts": rows, "config_layout": own_row}, indent=1))
+        return 0
+    if args.no_search:
+        print(f"{args.config}: {args.seq_len} tokens on {args.gpus} x {args.gpu_memory_gib:g} GiB: the config's own "
+              f"layout " + (f"({layout_words(own_row)}) fits, peak {own_row['peak_gib']:.1f} GiB, "
+                            f"{own_row['tokens_per_s']:.0f} tok/s" if mine is not None and mine.fits
+                            else f"does not fit ({own_row['why_not']})"))
         return 0
     print(f"{args.config}: {args.seq_len} tokens on {args.gpus} x {args.gpu_memory_gib:g} GiB; "
           f"{len(fitting)} of {considered} layouts fit "
