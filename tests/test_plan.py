@@ -209,16 +209,16 @@ def test_cli_json_best_and_null(capsys):
     # by default an H100 80GB as it is exposed (79.6 GiB): the budget takes off the reserve and a fragmentation
     # allowance of at least the layout's largest block (here a block input: 256K / sp tokens x hidden x 2 B)
     assert main(["--config", "configs/gpt_1b_8gpu.yaml", "--gpus", "8", "--seq-len", "262144", "--json",
-                 "--top", "1"]) == 0
+                 "--no-search"]) == 0
     out, hw = json.loads(capsys.readouterr().out), Hardware()
-    best, hidden = out["best"], load_config("configs/gpt_1b_8gpu.yaml").model.hidden_size
+    best, hidden = out["config_layout"], load_config("configs/gpt_1b_8gpu.yaml").model.hidden_size
     assert out["gpu_memory_gib"] == 79.6 and best["largest_block_gib"] >= 262144 / best["sp"] * hidden * 2 / GIB
     allowance = max(hw.fragmentation * 79.6, best["largest_block_gib"])
     assert best["usable_gib"] == pytest.approx(79.6 - hw.reserve_gib - allowance, abs=0.01)
     assert best["peak_gib"] <= best["usable_gib"]
     # --set overrides the config as pretrain.py's does
     assert main(["--config", "configs/gpt_1b_8gpu.yaml", "--gpus", "8", "--gpu-memory-gib", "80", "--json",
-                 "--seq-len", "65536", "--top", "1", "--set", "training.global_batch_size=16"]) == 0
+                 "--seq-len", "65536", "--no-search", "--set", "training.global_batch_size=16"]) == 0
     assert json.loads(capsys.readouterr().out)["config_layout"]["micro_batches"] == 16
     # nothing fits: the 8B model's states alone on one small GPU
     assert main(["--config", "configs/llama3_8b_1m.yaml", "--gpus", "1", "--gpu-memory-gib", "16",
@@ -228,7 +228,8 @@ def test_cli_json_best_and_null(capsys):
 
 
 def test_cli_seq_len_defaults_to_the_configs(capsys):
-    assert main(["--config", "configs/gpt_1b_8gpu.yaml", "--gpus", "8", "--gpu-memory-gib", "80", "--json"]) == 0
+    assert main(["--config", "configs/gpt_1b_8gpu.yaml", "--gpus", "8", "--gpu-memory-gib", "80", "--json",
+                 "--no-search"]) == 0
     assert json.loads(capsys.readouterr().out)["seq_len"] == load_config("configs/gpt_1b_8gpu.yaml").data.seq_len
 
 
@@ -304,8 +305,8 @@ def test_cli_every_bad_flag_is_a_line(capsys):
     assert [line.split()[1] for line in err] == ["--gpus", "--peak-tflops", "--matmul-efficiency", "--gpus-per-node"]
     # the edges that are allowed: an efficiency of 1, no reserve, no fragmentation
     assert main(argv[:3] + ["8", "--gpu-memory-gib", "80", "--seq-len", "8192", "--matmul-efficiency", "1",
-                            "--reserve-gib", "0", "--fragmentation", "0", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["best"]["mfu"] <= 1
+                            "--reserve-gib", "0", "--fragmentation", "0", "--json", "--no-search"]) == 0
+    assert 0 < json.loads(capsys.readouterr().out)["config_layout"]["mfu"] <= 1
 
 
 def test_offload_needs_host_memory():
