@@ -19,8 +19,12 @@ The Host interface, what a replacement implements (class Host is the real one):
     current_stream(device) -> stream | None        the stream work on `device` is queued on now
     on(stream) -> context manager                  queue the work inside on `stream` (no-op for None)
     event(stream) -> event | None                  an event recorded on `stream` now (None for None)
-Callers keep CUDA's semantics: wait_stream, wait_event, record_stream, query and synchronize on what these
-return, only where a device is CUDA (a CPU copy is synchronous and needs none of them).
+    is_gpu(device) -> bool                         whether `device` is the GPU: CUDA (a trace: the device that
+                                                   stands for it); `on_gpu(x)` asks the Host in use
+    record_stream(x, stream)                       x's memory is not reused before the work queued on `stream`
+                                                   so far has run (x.record_stream)
+Callers keep CUDA's semantics: wait_stream, wait_event, query and synchronize on what these return, only where
+a device is the GPU (a CPU copy is synchronous and needs none of them).
 
 Pinned requests are not rounded up. torch's caching host allocator (pin_memory=True, Tensor.pin_memory, a
 non-blocking copy to the CPU) rounds every request up to a power of two unless pinned_max_round_threshold_mb
@@ -162,6 +166,12 @@ class Host:
         done.record(stream)
         return done
 
+    def is_gpu(self, device: torch.device) -> bool:
+        return torch.device(device).type == "cuda"
+
+    def record_stream(self, x: Tensor, stream: Any) -> None:
+        x.record_stream(stream)
+
 
 _active: list[Host] = [Host()]
 
@@ -169,6 +179,11 @@ _active: list[Host] = [Host()]
 def current() -> Host:
     """The Host in use: the real one unless `use` put another in its place."""
     return _active[-1]
+
+
+def on_gpu(x: Tensor | torch.device) -> bool:
+    """Whether x (a tensor or a device) is on the GPU, as the Host in use sees it."""
+    return current().is_gpu(x if isinstance(x, torch.device) else x.device)
 
 
 @contextlib.contextmanager

@@ -20,7 +20,8 @@ Plain collectives for the trainer (no autograd): all_reduce_, reduce_scatter_int
 A group of None stands for a group of one (never the default world group; `world()` names that one).
 Every tensor handed to a collective here is checked first: one on the meta device, or one that is not
 on CUDA for an NCCL group, raises at once with a message naming the collective, instead of NCCL's
-"No backend type associated with device type cpu" (or, for meta tensors on gloo, silently nothing).
+"No backend type associated with device type cpu" (or, for meta tensors on gloo, silently nothing). A
+memory trace's fake backend (megalysses/training/trace.py), which has one for the meta device, takes them.
 """
 from __future__ import annotations
 
@@ -55,8 +56,9 @@ def check_device(op: str, group: Group, *tensors: Tensor) -> None:
     """Raise if a tensor cannot take part in a collective of `group`: on the meta device, or not on
     CUDA for an NCCL group."""
     backend = dist.get_backend(group)
+    meta_ok = "meta:" in backend            # a memory trace's fake backend, on which meta tensors stand for the GPU
     for t in tensors:
-        if t.device.type == "meta" or (backend == "nccl" and t.device.type != "cuda"):
+        if (t.device.type == "meta" and not meta_ok) or (backend == "nccl" and t.device.type != "cuda"):
             raise RuntimeError(f"{op}: a tensor on {t.device} was handed to a {backend} collective; every "
                                f"tensor that reaches a collective must be on the run's device (create it with "
                                f"device=...)")

@@ -252,14 +252,16 @@ class ParallelGrid:
         """The first and last stage's group (tied embeddings); None on a middle stage, which holds neither."""
         return self._groups.get("embed")
 
-    def device_mesh(self, device: torch.device) -> DeviceMesh:
+    def device_mesh(self, device: torch.device, kind: Optional[str] = None) -> DeviceMesh:
         """The (pp, tp, grad) device mesh of the grid (grad = dp x sp in grid order): checkpoints place every
-        tensor on its stage's (tp, grad) sub-mesh, FSDP shards over grad."""
+        tensor on its stage's (tp, grad) sub-mesh, FSDP shards over grad. `kind`: the mesh's device type
+        (default: the device's; host ranks for a meta build, a dry run, except a memory trace's, whose meta
+        device stands for the GPU)."""
         L = self.layout
         ranks = L.ranks.permute(0, 3, 1, 2).reshape(L.pp, L.tp, L.dp * L.sp)
         # fresh row-major strides: torch 2.11 takes the mesh layout from them, and a size-1 dim of the
         # permuted view keeps a stride that makes mesh["tp", "grad"] fail as out of order
-        kind = "cpu" if device.type == "meta" else device.type      # a meta build (a dry run) meshes host ranks
+        kind = kind or ("cpu" if device.type == "meta" else device.type)
         mesh = DeviceMesh(kind, ranks.flatten().view(ranks.shape), mesh_dim_names=("pp", "tp", "grad"))
         if self.timeout is not None:    # DeviceMesh creates its groups with torch's default timeout
             for name in ("pp", "tp", "grad"):

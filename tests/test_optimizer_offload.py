@@ -252,9 +252,10 @@ def test_offload_lowers_the_measured_peak_by_what_the_model_predicts(ranks):
     model: each within 10%, and the drop that each offload makes within 10% of the predicted drop (ZeRO-1's
     fp32 main_grad and optimizer state; FSDP's shards, their gradients and the optimizer state)."""
     for rank, results in enumerate(ranks):
-        for name, ((without, predicted_without), (with_, predicted_with)) in results["peaks"].items():
-            for measured, predicted in ((without, predicted_without), (with_, predicted_with)):
-                assert abs(predicted - measured) <= 0.10 * measured, (name, rank, measured, predicted)
-            drop, predicted_drop = without - with_, predicted_without - predicted_with
+        for name, (off, on) in results["peaks"].items():
+            for peak in (off, on):
+                assert abs(peak.predicted - peak.measured) <= 0.10 * peak.measured, (name, rank, peak)
+            without, with_ = off.measured, on.measured
+            drop, predicted_drop = without - with_, off.predicted - on.predicted
             assert drop > 0.4 * without, (name, rank, without, with_)
             assert abs(predicted_drop - drop) <= 0.10 * drop, (name, rank, drop, predicted_drop)

@@ -42,6 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from megalysses import accelerator
+
 try:
     from torch.nn.attention import flex_attention as flex_module
 except Exception:   # torch < 2.5
@@ -294,7 +296,8 @@ def check_backend(backend: str, q: Tensor, has_docs: bool, ring: bool = False, w
         raise ValueError(f"unknown attention backend {backend!r}: give a concrete backend, one of "
                          f"{', '.join(BACKENDS)} (megalysses.plan.resolve decides what auto is)")
     training = torch.is_grad_enabled() and q.requires_grad
-    why = unsupported_reason(backend, q.device, q.dtype, q.shape[-1], training, has_docs, ring, window=window)
+    device = torch.device("cuda") if accelerator.on_gpu(q) else q.device
+    why = unsupported_reason(backend, device, q.dtype, q.shape[-1], training, has_docs, ring, window=window)
     if why is not None:
         raise RuntimeError(f"attention backend {backend!r} {why}")
 
@@ -343,20 +346,20 @@ def _reference(q: Tensor, k: Tensor, v: Tensor, mask: Optional[AttentionMask], s
 _SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
 
-def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Optional[AttentionMask], scale: float, window: int) -> Tensor:
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Optional[AttentionMask], scale: float, window: int,
+          sdpa: Callable[..., Tensor] = F.scaled_dot_product_attention) -> Tensor:
     rep = q.shape[2] // k.shape[2]
     attn_mask = mask.dense(window) if mask is not None else None          # (B, 1, S, S) bool
     if attn_mask is None and window:
         attn_mask = window_dense(q.shape[1], q.device, window)            # (S, S)
     # native GQA only where SDPA's flash kernel takes it (CUDA, half precision, no mask); elsewhere
     # enable_gqa would fall back to the O(S^2)-memory math kernel, so expand the kv heads instead
-    native_gqa = rep > 1 and _SDPA_HAS_GQA and q.is_cuda and q.dtype in _HALF and attn_mask is None
+    native_gqa = rep > 1 and _SDPA_HAS_GQA and accelerator.on_gpu(q) and q.dtype in _HALF and attn_mask is None
     if not native_gqa:
         k, v = _repeat_kv(k, rep), _repeat_kv(v, rep)
     q_, k_, v_ = (t.transpose(1, 2) for t in (q, k, v))                   # (B, H, S, D)
     kwargs = {"enable_gqa": True} if native_gqa else {}
-    out = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=attn_mask, is_causal=attn_mask is None,
-                                         scale=scale, **kwargs)
+    out = sdpa(q_, k_, v_, attn_mask=attn_mask, is_causal=attn_mask is None, scale=scale, **kwargs)
     return out.transpose(1, 2)                                            # (B, S, Hq, D)
 
 
@@ -402,12 +405,13 @@ def reserve_compiles(count: int) -> int:
 
 
 def _flex(q: Tensor, k: Tensor, v: Tensor, mask: Optional[AttentionMask], scale: float, window: int) -> Tensor:
-    if not q.is_cuda:   # forward only (the plan refuses training): torch refuses inputs requiring grad
+    gpu = accelerator.on_gpu(q)
+    if not gpu:         # forward only (the plan refuses training): torch refuses inputs requiring grad
         q, k, v = q.detach(), k.detach(), v.detach()
     block_mask = mask.block_mask(window) if mask is not None else causal_block_mask(q.shape[1], q.device, window)
     q_, k_, v_ = (t.transpose(1, 2) for t in (q, k, v))                   # (B, H, S, D)
     gqa = q.shape[2] != k.shape[2]
-    if q.is_cuda:
+    if gpu:
         out = compiled_flex()(q_, k_, v_, block_mask=block_mask, scale=scale, enable_gqa=gqa)
     else:
         with warnings.catch_warnings():   # eager on CPU is for tests; torch warns that it is unfused

@@ -28,7 +28,9 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from megalysses.kernels.attention import causal_block_mask, compiled_flex, create_block_mask, flex_module
+from megalysses import accelerator
+from megalysses.kernels import attention
+from megalysses.kernels.attention import flex_module
 
 aten = torch.ops.aten
 
@@ -104,7 +106,7 @@ class AttentionBlock:
         """FlexAttention BlockMask (None: no mask, every pair allowed); with documents or a window a new one,
         which the caller drops after its step."""
         if not self.masked:
-            return causal_block_mask(sq, device) if self.causal else None
+            return attention.causal_block_mask(sq, device) if self.causal else None
         qd, kd, causal, window = self.q_docs, self.k_docs, self.causal, self.window
         qp, kp = (None, None) if not window else (self.q_pos.to(device), self.k_pos.to(device))
 
@@ -116,8 +118,8 @@ class AttentionBlock:
                 allowed = allowed & (qp[q_idx] - kp[kv_idx] < window)
             return allowed
         with torch.no_grad():
-            return create_block_mask(mask_mod, None if qd is None else qd.shape[0], sq, device, kv_len=sk,
-                                     block=self.block)
+            return attention.create_block_mask(mask_mod, None if qd is None else qd.shape[0], sq, device, kv_len=sk,
+                                               block=self.block)
 
 
 def _heads_first(x: Tensor) -> Tensor:
@@ -186,7 +188,7 @@ def _sdpa_cpu_args(q: Tensor, k: Tensor, block: AttentionBlock) -> tuple[bool, O
 def _sdpa_forward(q, k, v, block, scale):
     k, v, _ = _expand_kv(q, k, v)
     q_, k_, v_ = (_heads_first(t) for t in (q, k, v))
-    if q.is_cuda:
+    if accelerator.on_gpu(q):
         out, lse, _, _, _, _, seed, offset, _ = aten._scaled_dot_product_flash_attention(
             q_, k_, v_, 0.0, block.causal, False, scale=scale)
         return _heads_first(out), lse, (seed, offset)
@@ -203,7 +205,7 @@ def _sdpa_backward(dout, q, k, v, out, lse, block, scale, aux):
     k_, v_, rep = _expand_kv(q, k, v)
     dout, out = dout.to(q.dtype).contiguous(), out.to(q.dtype)          # the kernels want a unit last stride
     args = [_heads_first(t) for t in (dout, q, k_, v_, out)] + [lse.float().contiguous()]
-    if q.is_cuda:
+    if accelerator.on_gpu(q):
         seed, offset = aux
         dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
             *args, None, None, q.shape[1], k.shape[1], 0.0, block.causal, seed, offset, scale=scale)
@@ -225,8 +227,8 @@ def _lse_kwargs() -> dict:
 
 def _flex_call(q_: Tensor, k_: Tensor, v_: Tensor, block_mask: Any, scale: float) -> tuple[Tensor, Tensor]:
     kwargs = dict(block_mask=block_mask, scale=scale, enable_gqa=q_.shape[1] != k_.shape[1], **_lse_kwargs())
-    if q_.is_cuda:
-        out, extra = compiled_flex()(q_, k_, v_, **kwargs)
+    if accelerator.on_gpu(q_):
+        out, extra = attention.compiled_flex()(q_, k_, v_, **kwargs)
     else:
         with warnings.catch_warnings():   # eager on CPU (forward only) is for tests
             warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
@@ -235,7 +237,7 @@ def _flex_call(q_: Tensor, k_: Tensor, v_: Tensor, block_mask: Any, scale: float
 
 
 def _flex_forward(q, k, v, block, scale):
-    if not q.is_cuda:
+    if not accelerator.on_gpu(q):
         q, k, v = q.detach(), k.detach(), v.detach()
     mask = block.flex_mask(q.shape[1], k.shape[1], q.device)
     out, lse = _flex_call(*(_heads_first(t) for t in (q, k, v)), mask, scale)

@@ -102,7 +102,10 @@ def attention_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precisi
     log-sum-exp, o_proj's input), for all heads or for one of `chunks` head chunks."""
     d, k, a = dims(m, layout, opts, chunks), KERNELS[opts.kernels], prec.act
     terms = []
-    if k.rope_casts and a != 4:
+    if opts.fsdp and a != 4:    # FSDP2 casts a block's floating inputs, cos and sin, to the compute dtype (RoPE's
+        terms.append(("cos, sin cast to the compute dtype (FSDP2's cast of the block's inputs)",   # own casts of
+                      2 * m.head_size, a))                                                          # them: none)
+    elif k.rope_casts and a != 4:
         terms.append((f"cos, sin cast to the compute dtype ({k.rope_casts} copies)", k.rope_casts * m.head_size, a))
     if m.qk_layernorm:
         terms += head_norm_terms(d, k, a)

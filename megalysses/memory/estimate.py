@@ -2,14 +2,15 @@
 that fits a budget."""
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Optional
 
 from megalysses.config import ModelConfig
-from megalysses.memory.activations import (bytes_per_token, dims, head_weight_grad_bytes, kept_layers, layer_terms,
+from megalysses.memory.activations import (bytes_per_token, dims, kept_layers, layer_terms,
                                            norm_terms, stage_layers, stage_terms)
 from megalysses.memory.blocks import flex_mask, largest_block
-from megalysses.memory.states import in_flight, optimizer_terms, stage_params, state_terms, streams_gradients
+from megalysses.memory.gradients import backward_gradients, embedding_params, fsdp_end_terms, waiting_for_bucket
+from megalysses.memory.states import (earlier_backward, in_flight, optimizer_terms, reduced_bytes, stage_params,
+                                      state_terms, streams_gradients)
 from megalysses.memory.transients import backward_terms, loss_terms, norm_backward_bytes, norm_tile_bytes
 from megalysses.memory.host import pinned_requests, pinned_terms
 from megalysses.memory.types import Estimate, Layout, Options, Precision, Term, Workload
@@ -21,6 +22,7 @@ def estimate(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, wor
     stages = [_stage_estimate(m, layout, opts, prec, work, s) for s in sorted({0, layout.pp - 1})]
     est = max(stages, key=lambda e: e.peak)
     est.largest = max((e.largest for e in stages), key=lambda t: t.bytes)
+    est.phases = {key: b for e in stages for key, b in e.phases.items()}
     return est
 
 
@@ -77,45 +79,50 @@ def _stage_estimate(m: ModelConfig, layout: Layout, opts: Options, prec: Precisi
     fixed.append(Term("the step's batch (ids, labels, positions)", batch, f"{M} mb x {tokens:.4g} tok x 24 B"))
     blocks, other = stage_params(m, layout, first, last)
     n = blocks + other
-    layer_bwd = backward_terms(m, layout, opts, prec, tokens, S)
-    # the input embedding's gradient comes last (the LM head's, when tied, is the same tensor)
-    embedding = m.padded_vocab_size(layout.tp) * m.hidden_size / layout.tp if first and not (
-        last and m.tie_embeddings) else 0.0
     streamed = streams_gradients(opts)
-    if streamed:                    # the same few gradients at every layer: the rest are on the host
-        early = late = head_grads = grads
-    elif M == 1 and not opts.fsdp:  # one micro-batch: the gradients appear layer by layer in the backward
-        def so_far(done: int, ready: Optional[float] = None) -> list[Term]:
-            ready = other + done * blocks / max(n_layers, 1) if ready is None else ready
-            # a bucket is reduced once all of its gradients are there (whole buckets only)
-            bucket = max(opts.bucket_bytes / 4, 1)
-            reduced = min(ready, ready // bucket * bucket)
-            out = []
-            for t in grads:
-                share = (reduced if "reduced" in t.name else ready) / n
-                if t.name.startswith("gradient bucket") and ready < bucket:
-                    continue
-                out.append(replace(t, name=f"{t.name} (the head's and {done} layers')", bytes=t.bytes * share,
-                                   formula=f"{share:.3g} x {t.formula}") if t.name.startswith("gradients") else t)
-            return out
-        early, late, head_grads = so_far(0), so_far(n_layers - 1), so_far(0, other - embedding)
-    else:                           # the reduced chunks appear during the last micro-batch's backward
-        early, late = [t for t in grads if "reduced" not in t.name], grads
-        head_grads = early
-    # a stage's backward peaks at its first layer (every activation, few gradients) or its last (one
-    # layer's activations, every gradient): the bytes are linear in between
-    phases = {"backward": max(fixed + early + activations(flight - 1, n_layers) + layer_bwd,
-                              fixed + late + activations(flight - 1, 1) + layer_bwd, key=_device),
+    accumulated = earlier_backward(layout, stage, M)
+
+    def grads_after(done: int) -> list[Term]:      # the gradients after `done` blocks of the backward
+        return backward_gradients(m, layout, opts, prec, first, last, M, grads, done, n_layers, streamed,
+                                  accumulated)
+
+    def layer_backward(done: int) -> list[Term]:
+        """The layer's backward after `done` blocks, its own new weight gradients weighed: in .grad (one
+        micro-batch, FSDP's unsharded ones) and, as their buckets complete, their reduced fp32 chunks; in fp32
+        main_grad the step's first backward makes; nothing where they add into an earlier micro-batch's."""
+        ready = other - embedding_params(m, layout, first, last) + done * blocks / max(n_layers, 1)
+        reduced = reduced_bytes(prec, opts, layout.dp * layout.sp, M) if opts.overlap_grad_reduce else 0.0
+
+        def weigh(elements: float) -> float:
+            if opts.fsdp or streamed or M == 1:
+                own = elements * prec.weight
+            else:
+                return 0.0 if accumulated else elements * 4.0
+            if M == 1 and not (opts.fsdp or streamed) and reduced:
+                closed = [r - waiting_for_bucket(m, layout, opts, last, r) for r in (ready, ready + elements)]
+                own += (closed[1] - closed[0]) * reduced
+            return own
+        return backward_terms(m, layout, opts, prec, tokens, S, weigh)
+
+    head_grads = grads_after(0)
+    # a stage's backward peaks at its first layer (every activation, few gradients), its second (FSDP: the first
+    # block's reduce-scatter input and sharded gradient there by then) or its last (one layer's activations,
+    # every gradient): the bytes are linear in between
+    moments = [fixed + grads_after(done) + activations(flight - 1, n_layers - done) + layer_backward(done)
+               for done in sorted({0, min(1, n_layers - 1), n_layers - 1})]
+    phases = {"backward": max(moments, key=_device),
               "optimizer": fixed + [t for t in grads if not t.name.startswith("gradient bucket")
                                     and not (opts.optimizer_offload and "reduced" in t.name) and not streamed]
                            + optimizer_terms(m, layout, opts, prec, n, M)}
+    end = fsdp_end_terms(m, layout, opts, prec, first, last, n_layers)
+    if end is not None:
+        phases["end of backward"] = fixed + end
     if last:
         head_tok = bytes_per_token(stage_terms(m, layout, opts, prec, False, True)) - \
             bytes_per_token(stage_terms(m, layout, opts, prec, False, False))
-        head = [Term("final norm + head-input gradient", tokens * head_tok, f"{tokens:.4g} tok x {head_tok:.4g} B"),
-                Term("head weight gradient (computed in the forward)", head_weight_grad_bytes(m, layout, prec),
-                     f"{m.padded_vocab_size(layout.tp) / layout.tp:.4g} x {m.hidden_size} x {prec.weight} B")]
-        before = [t for t in grads if "reduced" not in t.name] if (M > 1 or opts.fsdp) and not streamed else []
+        # (the head weight's gradient is made at the end of the loss's forward, after its worst moment)
+        head = [Term("final norm + head-input gradient", tokens * head_tok, f"{tokens:.4g} tok x {head_tok:.4g} B")]
+        before = [t for t in grads if "reduced" not in t.name] if M > 1 and not streamed else []
         phases["loss"] = (fixed + before + activations(flight - 1, n_layers) + head
                           + loss_terms(m, layout, opts, prec, tokens))
         # the backward's first step, the final norm's, under every layer's activations: what the norm keeps,
@@ -136,7 +143,8 @@ def _stage_estimate(m: ModelConfig, layout: Layout, opts: Options, prec: Precisi
     host = pinned_terms(pinned_requests(m, layout, opts, prec, work, stage)) + host     # what the arena holds
     return Estimate(peak=_device(terms), stage=stage, phase=phase, terms=terms + host,
                     host=sum(t.bytes for t in host), layer_bytes_per_token=layer_tok, layout=layout, options=opts,
-                    largest=largest_block(m, layout, opts, prec, work, last))
+                    largest=largest_block(m, layout, opts, prec, work, last),
+                    phases={(stage, p): _device(ts) for p, ts in phases.items()})
 
 
 def _device(terms: list[Term]) -> float:

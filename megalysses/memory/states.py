@@ -85,9 +85,21 @@ def in_flight(layout: Layout, stage: int, micro_batches: int) -> float:
     return min(warmup + 1, M * v) / v
 
 
+def earlier_backward(layout: Layout, stage: int, micro_batches: int) -> bool:
+    """Whether a backward of the step has finished when the stage last holds its most micro-batches (the
+    moment of its activation peak): its gradients are there then. One after another without a pipeline, from
+    the second micro-batch on; 1F1B and interleaved only when the steady state runs a backward before the
+    last one that starts with the schedule full (the warm-up's forwards of parallel/interleaved.py)."""
+    P, v, M = layout.pp, layout.virtual_stages, micro_batches
+    if P == 1:
+        return M > 1
+    warmup = min(P - stage - 1, M) if v == 1 else min((P - stage - 1) * 2 + (v - 1) * P, M * v)
+    return M * v - warmup >= 2
+
+
 # ----------------------------------------------------------------------------- fixed bytes
 
-def _reduced_bytes(prec: Precision, opts: Options, G: int, M: int) -> float:
+def reduced_bytes(prec: Precision, opts: Options, G: int, M: int) -> float:
     """Bytes per parameter of ZeRO-1's reduced fp32 gradient chunks on the device: the reduce-scatter's
     output (4/G), or with a group of one the fp32 copies of low-precision gradients the masters take
     (offload copies the gradients to host memory as they are)."""
@@ -138,7 +150,7 @@ def state_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, 
                       host=opts.optimizer_offload)]
         grads = [Term("gradients" + (" (fp32 main_grad)" if g == 4 and prec.weight != 4 else ""), n * g,
                       f"{n:.4g} params x {g} B")]
-        reduced = _reduced_bytes(prec, opts, G, M)
+        reduced = reduced_bytes(prec, opts, G, M)
         if reduced and opts.overlap_grad_reduce:
             grads.append(Term("gradients: reduced fp32 chunks", n * reduced, f"{n:.4g} params x {reduced:.3g} B"))
         if G > 1:   # the fp32 gradients of one bucket and the buffer its reduce-scatter sends
@@ -146,14 +158,9 @@ def state_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, 
             grads.append(Term("gradient bucket being reduced", bucket, f"{bucket / 4:.4g} x 4 B"))
         return fixed, grads
     block, a = layer_params(m, layout.tp), prec.act
-    gathered = [Term("gathered blocks (in flight + prefetched)", 2 * block * a, f"2 x {block:.4g} x {a} B")]
+    gathered = [Term("gathered block (the one running)", block * a, f"{block:.4g} x {a} B")]
     if other:
         gathered.append(Term("gathered embedding / head (kept through the step)", other * a, f"{other:.4g} x {a} B"))
-    unsharded = [Term("unsharded gradient of one block (and its fp32 copy)", block * (a + 4),
-                      f"{block:.4g} x ({a} + 4) B")]
-    if opts.param_offload:          # the reduce-scatter's output, on the device until its copy to the host
-        unsharded.append(Term("one block's fp32 gradient shard on its way to the host", block * 4 / G,
-                              f"{block:.4g} x 4 B / {G}"))
     if opts.param_offload or opts.optimizer_offload:
         shard = prec.master + prec.moments + 4
         # parameter offload: torch pins the fp32 shards and their gradients (FSDP2's CPUOffloadPolicy) through its
@@ -164,11 +171,10 @@ def state_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, 
         fixed = [Term("master, moments, gradients (FSDP shards)", host, f"{n:.4g} x {shard} B / {G}", host=True)]
         if not opts.param_offload:
             fixed.append(Term("compute-dtype parameter + gradient shards", n * 2 * a / G, f"{n:.4g} x 2 x {a} B / {G}"))
-        return fixed + gathered, unsharded
+        return fixed + gathered, []
     fixed = [Term("sharded parameters (fp32 master)", n * prec.master / G, f"{n:.4g} x {prec.master} B / {G}"),
              Term("sharded moments", n * prec.moments / G, f"{n:.4g} x {prec.moments} B / {G}")]
-    grads = [Term("sharded gradients (fp32)", n * 4 / G, f"{n:.4g} x 4 B / {G}")]
-    return fixed + gathered, grads + unsharded
+    return fixed + gathered, [Term("sharded gradients (fp32)", n * 4 / G, f"{n:.4g} x 4 B / {G}")]
 
 
 def optimizer_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, n: float, M: int) -> list[Term]:
@@ -177,8 +183,8 @@ def optimizer_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precisi
     terms = []
     # optimizer offload's reduced gradients and staging buffers are pinned: memory/host.py counts them
     if not opts.fsdp and not opts.optimizer_offload:
-        if not opts.overlap_grad_reduce and _reduced_bytes(prec, opts, G, M):
-            reduced = _reduced_bytes(prec, opts, G, M)
+        if not opts.overlap_grad_reduce and reduced_bytes(prec, opts, G, M):
+            reduced = reduced_bytes(prec, opts, G, M)
             terms.append(Term("gradients: reduced fp32 chunks", n * reduced, f"{n:.4g} params x {reduced:.3g} B"))
     offloaded = opts.optimizer_offload or opts.param_offload
     terms.append(Term("AdamW sqrt(v)", n * 4 / G, f"{n:.4g} x 4 B / {G}", host=offloaded))

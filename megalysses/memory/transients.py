@@ -2,16 +2,18 @@
 backward's temporaries and the LM head + loss forward."""
 from __future__ import annotations
 
+from typing import Any, Callable, Optional
+
 from megalysses.config import ModelConfig
 from megalysses.kernels.norms import norm_tile_rows
 from megalysses.memory.activations import (attention_half_terms, attention_terms, bytes_per_token, dims,
                                            kept_attention_terms, mlp_half_terms, tiled)
-from megalysses.memory.states import mlp_params, norm_params
+from megalysses.memory.states import head_norm_params, mlp_params, norm_params
 from megalysses.memory.types import GIB, KERNELS, Layout, Options, Precision, Term
 
 
 def backward_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, tokens: float,
-                   seq_len: int) -> list[Term]:
+                   seq_len: int, grad_bytes: Optional[Callable[[float], float]] = None) -> list[Term]:
     """One layer's backward on one rank, on top of what the other layers keep: its own activations
     (retained or recomputed) and the gradients being computed, at the worst of its moments as the
     backward walks the layer from its end (each moment's activations are those not yet freed):
@@ -37,32 +39,45 @@ def backward_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precisio
     chunk_name, summed = "", 0.0
     if N > 1:           # the block input, the recomputed QKV input, one chunk's activations
         chunk = attention_terms(m, layout, opts, prec, seq_len, N)
-        before_core = attn_half + h * a + bytes_per_token([t for t in chunk if t[0].startswith("cos, sin")])
-        at_core = attn_half + h * a + bytes_per_token(chunk)
         d = dims(m, layout, opts, N)
+        # the chunk's QKV output stays bound through its backward (model/tiled.py chunks_backward), as a view
+        # of v keeps it anyway with some kernels
+        qkv_out = 0 if any(t[0].startswith("the QKV output") for t in chunk) else d["qkv"] * a
+        casts = bytes_per_token([t for t in chunk if t[0].startswith("cos, sin")])
+        before_core = attn_half + h * a + casts + qkv_out
+        at_core = attn_half + h * a + bytes_per_token(chunk) + qkv_out
         chunk_name, summed = f" (one of {N} head chunks, the QKV input's gradient summed)", h * a
     else:
         before_core = bytes_per_token([t for t in attn_terms
                                        if t[0].startswith(("attention norm", "QKV input", "cos, sin"))])
         at_core = attn_half
     q, kv = d["q"], d["kv"]
-    # flash-attn's backward writes dk, dv at the query-head count when a rank has fewer KV heads (GQA)
-    kv_grads = q if d["expand"] or (opts.attention in ("flash", "varlen") and q != kv) else kv
+    # the kernel's dk, dv: at the query heads' width when K/V were repeated to them before it; a flash kernel
+    # (FlashAttention-2's backward, torch's flash kernels) reading fewer KV heads as they are writes them at
+    # that width inside too (dk_expanded, dv_expanded) before summing each group into dk, dv
+    kv_grads = q if d["expand"] else kv
     accumulator = 4 * q if opts.dq_accumulator else 0
+    inside = 2 * q * a if opts.dq_accumulator and not d["expand"] and q != kv else 0
+    # the fp32 rowsum(dO * O) per query head (a flash kernel's softmax_d, FlexAttention's delta)
+    rowsum = 4 * d["hq"] if opts.dq_accumulator or opts.attention == "flex" else 0
     mlp_tiled = tiled(opts.mlp_chunk_tokens, layout, opts, seq_len)
     if mlp_tiled:
         tile = opts.mlp_chunk_tokens * r / tokens      # a tile's share of the tokens
-        # a tile: its norm output (gathered over tp) and gradient, the gate-up output, silu, the down input and
-        # their gradients, the norm's temporaries; the residual's gradient for every token
-        # and the MLP's weights' gradients: their fp32 sums over the tiles, one tile's in the weights' dtype
+        # a tile's backward (model/tiled.py MLPTiles) at the worst of its MLP's (the norm output, gathered over tp,
+        # the gate-up output, silu, the down input and their gradients, the tile's output) and its norm's (the
+        # norm output's gradient, the tile's input gradient and output beside the norm's temporaries); the
+        # residual's gradient for every token, and the MLP's weights' gradients: their fp32 sums over the tiles,
+        # one tile's in the weights' dtype
         weights = (mlp_params(m, layout.tp) + norm_params(m)) * (4 + prec.weight)
-        mlp = (tile * (((4 if k.swiglu_silu else 3) + 2) * f + 3 * h) + h / r) * a \
-            + (norm_tile_bytes(m, opts, prec, opts.mlp_chunk_tokens) + weights) / tokens
+        tile_mlp = tile * (((4 if k.swiglu_silu else 3) + 2) * f + 3 * h) * a
+        tile_norm = tile * 3 * h * a + norm_tile_bytes(m, opts, prec, opts.mlp_chunk_tokens) / tokens
+        mlp = max(tile_mlp, tile_norm) + h / r * a + weights / tokens
         mlp_name = "MLP tile: its recomputation and gradients, the residual's gradient, the weights' fp32 sums"
     else:
         mlp, mlp_name = 2 * f * a, "MLP: the down input's gradient and its factors'"
-    core = (2 * q + 2 * kv_grads) * a + accumulator
-    core_name = "attention: dout, dq, dk, dv" + (", fp32 dq accumulator" if accumulator else "")
+    core = (2 * q + 2 * kv_grads) * a + inside + accumulator + rowsum
+    core_name = ("attention: dout, dq, dk, dv" + (", dk and dv at the query heads" if inside else "")
+                 + (", fp32 dq accumulator" if accumulator else "") + (", fp32 rowsum(dO O)" if rowsum else ""))
     if d["ring"] > 1:
         core, core_name = _ring_backward(q, kv, a, d["ring"], opts, accumulator,
                                          recomputed=opts.activation_checkpointing or N > 1)
@@ -76,8 +91,10 @@ def backward_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precisio
                    (before_core, assembly)}
     if not mlp_tiled:
         mlp_norm = bytes_per_token([t for t in full if t[0].startswith("MLP norm")])
-        # the norm's dx for every token, and one tile's temporaries (tokens / r rows of the residual stream)
-        norm_temps = norm_backward_bytes(m, opts, prec) * h / r + norm_tile_bytes(m, opts, prec, tokens / r) / tokens
+        # the gradient of its output coming in (gathered over tp), its dx for every token, and one tile's
+        # temporaries (tokens / r rows of the residual stream)
+        norm_temps = h * a + norm_backward_bytes(m, opts, prec) * h / r \
+            + norm_tile_bytes(m, opts, prec, tokens / r) / tokens
         moments["MLP norm: its backward's temporaries"] = (attn_half + mlp_norm - kept, norm_temps)
     # the attention norm's backward over row tiles: the QKV input's gradient coming in, and dx (head chunks write it
     # over that gradient, reduce-scattered over tp first)
@@ -87,6 +104,12 @@ def backward_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precisio
         bytes_per_token(norm_in), h * a + dx + norm_tile_bytes(m, opts, prec, tokens / r) / tokens)
     if N > 1:   # a chunk's forward (recomputed under checkpointing): its activations and the running output sum
         moments["head chunk forward: its activations, o_proj's running sum"] = (at_core - kept, h * a)
+    if d["P"] > 1 and (opts.activation_checkpointing or N > 1):
+        moments[f"all-to-all of the attention's recomputed forward{chunk_name}"] = (
+            before_core, ulysses_forward_bytes(d, k, a) + (h * a if N > 1 else 0))
+    own = own_weight_grads(m, layout, opts, mlp_tiled)
+    weigh = grad_bytes or (lambda elements: elements * prec.weight)
+    moments = {n: (al, g + weigh(own[_kind(n)]) / tokens) for n, (al, g) in moments.items()}
     name, (alive, grads) = max(moments.items(), key=lambda kv_: sum(kv_[1]))
     offloaded = opts.activation_offload and opts.activation_checkpointing
     if opts.activation_checkpointing and not offloaded:
@@ -106,6 +129,45 @@ def backward_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precisio
                           f"{k - 1} x {tokens:.4g} tok x {h / r:.4g} x {a} B"))
     terms.append(Term("residual-stream gradient", tokens * h / r * a, f"{tokens:.4g} tok x {h / r:.4g} x {a} B"))
     return terms
+
+
+def ulysses_forward_bytes(d: dict, k: Any, a: int) -> float:
+    """Bytes per token of the Ulysses all-to-all of q, k, v in a (recomputed) forward at its worst, the QKV
+    projection's output beside it (parallel/ulysses.py, comm._all_to_all): RoPE's q and k (and v, with kernels
+    that make a new one), k and v repeated to the Ulysses degree when there are fewer KV heads, the packed
+    q, k, v, and the all-to-all's stacked send buffer, its receive buffer and the concatenated result."""
+    kv_local = d["qkv"] - d["q"]                 # k and v of the rank's own KV heads
+    rotated = d["q"] + (kv_local if k.fresh_qkv else kv_local / 2)
+    repeated = 2 * d["kv"] if d["kv"] * 2 != kv_local else 0
+    packed = d["q"] + 2 * d["kv"]
+    return (d["qkv"] + rotated + repeated + 4 * packed) * a
+
+
+def _kind(moment: str) -> str:
+    """The part of a layer a backward moment is in (own_weight_grads' keys)."""
+    for kind in ("MLP norm", "MLP", "attention norm", "QKV", "head", "all-to-all"):
+        if moment.startswith(kind):
+            return kind
+    return "attention"          # the attention kernel's, or ring attention's, backward
+
+
+def own_weight_grads(m: ModelConfig, layout: Layout, opts: Options, mlp_tiled: bool) -> dict:
+    """How many of the layer's own weight-gradient elements exist at each moment of its backward (keyed by
+    _kind: MLP, MLP norm, attention, QKV, attention norm, head, all-to-all); the caller weighs them in bytes
+    (in .grad, fp32 main_grad, reduced chunks, ...): down_proj's with the down input's gradient, the whole
+    MLP's and its norm's from then on (MLP tiles return theirs at once, their fp32 sums counted in the MLP
+    tile's moment), o_proj's from attention on, the QKV weight's at the attention norm; head chunks allocate
+    the QKV and o_proj gradients whole when their backward starts."""
+    h, D, t = m.hidden_size, m.head_size, layout.tp
+    mlp = mlp_params(m, t) + norm_params(m)
+    down = h * m.ffn_size / t
+    o_proj = h * m.num_heads * D / t + (h if m.attention_bias else 0) + head_norm_params(m)
+    qkv = (h + m.qkv_bias) * D * (m.num_heads + 2 * m.kv_heads) / t
+    chunks = opts.head_chunks > 1
+    attention = mlp + o_proj + (qkv if chunks else 0)
+    recomputing = 0.0 if opts.activation_checkpointing else (mlp + o_proj + qkv) if chunks else 0.0
+    return {"MLP": 0.0 if mlp_tiled else down, "MLP norm": mlp - norm_params(m), "attention": attention,
+            "QKV": attention, "attention norm": mlp + o_proj + qkv, "head": recomputing, "all-to-all": recomputing}
 
 
 def norm_backward_bytes(m: ModelConfig, opts: Options, prec: Precision) -> float:
@@ -130,18 +192,21 @@ def norm_tile_bytes(m: ModelConfig, opts: Options, prec: Precision, rows: float)
 def _ring_backward(q: float, kv: float, a: int, ring: int, opts: Options, accumulator: float,
                    recomputed: bool) -> tuple[float, str]:
     """Bytes per S/sp token of ring attention's backward (parallel/ring.py) at its worst moment, beyond the
-    layer's activations: the fp32 dQ, dout, the K/V block in hand (under checkpointing it takes the place
-    of the saved one, which the recomputation hands over once) and D, this step's fp32 dK/dV (`kv`
-    elements per token each), then the largest of
+    layer's activations: the fp32 dQ, dout, the K/V block in hand (a received one from the second step on,
+    beside the saved one) and D, this step's fp32 dK/dV (`kv` elements per token each), then the largest of
         kernel  a block's backward: D of the step before on its way out, the next D (and, with r > 2, the
                 next K/V block) arriving, and dq, dk, dv (sdpa expands K/V to the query heads and writes
                 their gradients at that width; flex re-runs the block in fp32 around it)
         merge   the arrived D that this block's dK, dV (in the compute dtype) are added into, the one sent
                 before still held by its exchange
         end     the last D, the one before it still held by its exchange, the sum that came home, and the
-                gradients' copies in the compute dtype.
+                gradients' copies in the compute dtype
+        exchange a step's exchange posted (with r > 2): the K/V block and D sent the step before, still held
+                by that exchange until the new one replaces it, those sent now, and the receive buffers of
+                both (comm.ring_exchange)
+        dq added the block's dq, dk, dv, dq made fp32 to be added into the running dQ (a low-precision run).
     `recomputed`: the attention ran again for this backward (checkpointing, head chunks)."""
-    base = 4 * q + q * a + (0 if recomputed else 2 * kv * a)
+    base = 4 * q + q * a + 2 * kv * a       # from the second step on the block in hand is a received one
     if opts.attention == "flex":
         grads = 8 * q + 2 * q * a + (q + 2 * kv) * a
     elif not opts.native_gqa and q != kv:
@@ -151,6 +216,10 @@ def _ring_backward(q: float, kv: float, a: int, ring: int, opts: Options, accumu
     next_kv = 2 * kv * a if ring > 2 else 0
     moments = {"kernel": 2 * 8 * kv + next_kv + grads, "merge": next_kv + 2 * 8 * kv + 2 * kv * a,
                "end": 3 * 8 * kv + (q + 2 * kv) * a}
+    if ring > 2:
+        moments["exchange"] = 3 * 8 * kv + 2 * next_kv
+    if a != 4:      # the block's dq, dk, dv returned, dq made fp32 to be added into the running dQ
+        moments["dq added"] = 2 * 8 * kv + next_kv + (q + 2 * kv) * a + 4 * q
     worst = max(moments, key=moments.get)
     return base + moments[worst], f"ring attention's backward ({worst}): fp32 dq and dK/dV, dout, K/V blocks"
 
@@ -163,17 +232,22 @@ def loss_tile_tokens(m: ModelConfig, layout: Layout, opts: Options, tokens: floa
 
 
 def loss_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, tokens: float) -> list[Term]:
-    """The LM head + loss forward, beyond what it keeps (stage_terms): its input, one tile's fp32 logits
-    (and their compute-dtype copy), and the head weight's gradient being accumulated."""
+    """The LM head + loss forward, beyond what it keeps (stage_terms): its input, and the worst of its moments
+    (kernels/linear_cross_entropy.py). One tile: the fp32 logits and the gradient's compute-dtype copy. More:
+    either a tile's logits made fp32 (beside the matmul's output in the compute dtype) while the previous tile's
+    logit gradient and weight gradient are still bound, over the fp32 sum of the head weight's gradient; or a
+    tile's weight gradient added into that sum (its fp32 copy beside it), the tile's logit gradient alive."""
     a, h = prec.act, m.hidden_size
     V = m.padded_vocab_size(layout.tp) / layout.tp
     tile = loss_tile_tokens(m, layout, opts, tokens)
-    per_logit = 4 + (a if a != 4 else 0)
-    terms = [Term("LM head input (final norm output)", tokens * h * a, f"{tokens:.4g} tok x {h} x {a} B"),
-             Term("one tile of logits (fp32 and the gradient's copy)", tile * V * per_logit,
-                  f"{tile:.4g} tok x {V:.4g} x {per_logit} B")]
-    if tile < tokens:
-        acc = 4 + a + (4 if a != 4 else 0)
-        terms.append(Term("head weight gradient: fp32 sum, a tile's and its fp32 copy", V * h * acc,
-                          f"{V:.4g} x {h} x {acc} B"))
-    return terms
+    low = a if a != 4 else 0                # a copy in the compute dtype (none in fp32: .float() is the tensor)
+    terms = [Term("LM head input (final norm output)", tokens * h * a, f"{tokens:.4g} tok x {h} x {a} B")]
+    if tile >= tokens:
+        return terms + [Term("one tile of logits (fp32 and the gradient's copy)", tile * V * (4 + low),
+                             f"{tile:.4g} tok x {V:.4g} x {4 + low} B")]
+    logits = {"a tile's logits made fp32, the previous tile's gradients still bound": (4 + low + a, 4 + a),
+              "a tile's weight gradient added into the fp32 sum": (a, 4 + a + (4 if low else 0))}
+    name, (per_logit, per_weight) = max(logits.items(), key=lambda kv: tile * V * kv[1][0] + V * h * kv[1][1])
+    return terms + [Term(f"loss tile: {name}", tile * V * per_logit, f"{tile:.4g} tok x {V:.4g} x {per_logit} B"),
+                    Term("head weight gradient: its fp32 sum and a tile's", V * h * per_weight,
+                         f"{V:.4g} x {h} x {per_weight} B")]

@@ -139,6 +139,8 @@ class Estimate:
     host: float = 0.0                  # host bytes per rank (offloaded activations and optimizer state)
     layer_bytes_per_token: float = 0.0  # retained bytes per layer per token of S/sp
     largest: Term = field(default_factory=lambda: Term("largest block", 0.0))   # the largest single allocation
+    # the device bytes at each phase of each stage considered, {(stage, phase): bytes}: the peak is their largest
+    phases: dict = field(default_factory=dict)
     layout: Layout = field(default_factory=Layout)
     options: Options = field(default_factory=Options)
 

@@ -174,7 +174,7 @@ class ActivationOffload:
             self.stats.kept += 1
             return
         buf = self._host_buffer(x)
-        if x.is_cuda:
+        if accelerator.on_gpu(x):
             host = accelerator.current()
             to_host, _ = self._side_streams(x.device)
             to_host.wait_stream(host.current_stream(x.device))          # x has been written
@@ -183,7 +183,7 @@ class ActivationOffload:
             with host.on(to_host):
                 buf.tensor.copy_(x, non_blocking=True)
                 slot.offload_event = host.event(to_host)
-            x.record_stream(to_host)            # its memory is not reused before the copy has read it
+            host.record_stream(x, to_host)      # its memory is not reused before the copy has read it
         else:
             buf.tensor.copy_(x)
         slot.host = buf
@@ -193,7 +193,7 @@ class ActivationOffload:
     def _start_fetch(self, slot: _Slot) -> None:
         """Queue the copy of slot's input back to the device (the backward, ahead of its block)."""
         host, device = slot.host.tensor, slot.where
-        if device.type == "cuda":
+        if accelerator.on_gpu(device):
             accel = accelerator.current()
             _, to_device = self._side_streams(device)
             main = accel.current_stream(device)

@@ -5,6 +5,7 @@ sequence length on N GPUs, ranked by predicted throughput.
     python tools/plan.py --config configs/gpt_1b_1m_offload.yaml --gpus 1 --seq-len 1048576 \\
         --host-memory-gib 256 --explain
     python tools/plan.py --config C --gpus 8 --seq-len 131072 --json   # {"best": ... | null}
+    python tools/plan.py --config C --gpus 8 --seq-len 131072 --json --trace    # best gains traced_peak_gib, ...
 
 The model, batch (training.global_batch_size and micro_batch_size), dtype, kernels (model.kernels, or
 --kernels) and attention backend come from the config, resolved as a run on the described machine
@@ -25,7 +26,11 @@ Memory is megalysses.memory's prediction. A layout fits when its peak is at most
 memory (--gpu-memory-gib, by default what an H100 80GB exposes, 79.6 GiB; less --reserve-gib for the CUDA
 context, NCCL and cuBLAS, and a fragmentation allowance of --fragmentation of the device or the layout's
 largest single block, whichever is more: `usable_gib` in --json) and, with activation offload, the
---host-memory-gib of a node holds what its ranks offload.
+--host-memory-gib of a node holds what its ranks offload. With --trace, one step of the top layout runs at
+the real shape on fake tensors (megalysses/training/trace.py: rank 0 of its first and last pipeline stage,
+the run's own code, every tensor it allocates counted): the layout gains traced_peak_gib (per GPU),
+traced_moment and traced_phase (where it peaked, and the memory model's name for that moment),
+traced_host_gib (host memory per node at its high-water mark) and traced_pinned_gib (its pinned part).
 Step time is megalysses.plan.step_time's model at the stated figures (defaults: H100 SXM nodes of 8;
 each is checked: efficiencies in (0, 1], the peak and bandwidths positive, at least one GPU per node), at
 the config's global batch.
@@ -170,6 +175,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--json", action="store_true", help="print one JSON object: best (or null), layouts, config_layout")
     p.add_argument("--explain", action="store_true", help="show the arithmetic of the top layout")
     p.add_argument("--top", type=int, default=10, help="layouts to list")
+    p.add_argument("--trace", action="store_true",
+                   help="also trace one step of the top layout at the real shape on fake tensors (its first and last "
+                        "stage: the traced peak per GPU and host memory per node; minutes at million-token lengths)")
     p.add_argument("--no-search", action="store_true",
                    help="the config's own layout alone, no other layout searched (its fit, peak and plan in seconds)")
     p.add_argument("--kernels", choices=sorted(KERNELS), default=None,
@@ -182,6 +190,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         p.add_argument("--" + f.name.replace("_", "-"), type=type(getattr(d, f.name)), default=getattr(d, f.name),
                        help=f"default {getattr(d, f.name)}")
     args = p.parse_args(argv)
+    if args.trace and args.no_search:
+        p.error("--trace traces the top layout of the search: leave out --no-search")
     bad = {name: f"must be positive, got {getattr(args, name)}"
            for name in ("gpus", "seq_len", "gpu_memory_gib", "top", "host_memory_gib")
            if getattr(args, name) is not None and not getattr(args, name) > 0}
@@ -218,6 +228,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         own_row["rank"], why = ranking(mine, fitting)
         own_row["behind_best_s"] = behind(mine, fitting[0]) if fitting else {}
     rows = [f.row() for f in fitting[:args.top]]
+    if args.trace and fitting:
+        from megalysses.training.trace import trace_fields, trace_run
+
+        best = fitting[0]
+        try:
+            rows[0].update(trace_fields(trace_run(best.cfg, best.run.machine, args.gpus),
+                                        min(args.gpus, hw.gpus_per_node)))
+        except (ConfigError, ValueError) as e:
+            print(f"error: the trace of the top layout: {e}", file=sys.stderr)
+            return 1
     if args.json:
         print(json.dumps({"config": args.config, "gpus": args.gpus, "seq_len": args.seq_len,
                           "kernels": cfg.model.kernels, "packages": list(packages),
@@ -243,6 +263,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     else:
         print("no layout fits: more GPUs, a shorter sequence, or --host-memory-gib for activation, optimizer and "
               "parameter offload")
+    if rows and "traced_peak_gib" in rows[0]:
+        r = rows[0]
+        print(f"traced (layout 1, one step on fake tensors, {r['traced_seconds']:.0f} s): peak "
+              f"{r['traced_peak_gib']:.2f} GiB per GPU at {r['traced_moment']} (the model: {r['peak_gib']:.2f} GiB "
+              f"at {r['peak_phase']}); "
+              f"host {r['traced_host_gib']:.0f} GiB per node, {r['traced_pinned_gib']:.0f} of them pinned (the "
+              f"model: {r['host_gib_per_node']:.0f})")
     if mine is not None and mine.fits:
         print(f"the config's own layout ({layout_words(own_row)}) fits, peak {own_row['peak_gib']:.1f} GiB, "
               f"{own_row['tokens_per_s']:.0f} tok/s: {why}")

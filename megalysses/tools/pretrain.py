@@ -63,6 +63,11 @@ def main(argv: list[str] | None = None) -> int:
                      help="memory one GPU exposes (default: the described GPU's, 79.6 for an H100 80GB)")
     dry.add_argument("--packages", default=",".join(PLAIN_TORCH),
                      help=f"the described machine's optional packages (default {','.join(PLAIN_TORCH)})")
+    dry.add_argument("--trace-memory", action="store_true",
+                     help="with --gpus: then trace one training step at the real shape on fake tensors (rank 0 of "
+                          "the first and the last pipeline stage): the peak per GPU, its moment and the largest "
+                          "tensors then, pinned and all host memory, beside the memory model's prediction; written "
+                          "to <run_dir>/memory_trace.json")
     args = parser.parse_args(argv)
     signals = StopSignals()        # first: a preemption signal during start-up is kept, not fatal
     try:
@@ -120,6 +125,10 @@ def _run(args: argparse.Namespace, signals: StopSignals) -> int:
         return 0
     if args.gpus is not None:
         return _described_dry_run(cfg, args)
+    if args.trace_memory:
+        print("error: --trace-memory traces a run on a described machine in this process: add --dry-run --gpus N",
+              file=sys.stderr)
+        return 2
     die_with_launcher()
     configure_allocator(cuda=torch.cuda.is_available())      # before CUDA allocates anything
     try:
@@ -189,6 +198,36 @@ def _described_dry_run(cfg, args: argparse.Namespace) -> int:
         return 1
     print(f"dry run: {args.gpus} x {args.gpu}: attention {record['attention']}, kernels {record['kernels']}, "
           f"{record['dtype']}; {Path(cfg.logging.run_dir) / 'runtime.json'} written")
+    return _trace_memory(cfg, machine, args.gpus) if args.trace_memory else 0
+
+
+def _trace_memory(cfg, machine: Machine, gpus: int) -> int:
+    """--trace-memory: one step traced on fake tensors (training/trace.py), printed beside the memory model's
+    prediction and written to <run_dir>/memory_trace.json."""
+    import json
+
+    from megalysses.memory import GIB
+    from megalysses.plan.search import estimate_config
+    from megalysses.training.trace import model_phase, trace_run
+
+    try:
+        traces = trace_run(cfg, machine, gpus)
+        est = estimate_config(cfg, gpus, machine)
+    except (ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    for t in traces:
+        print("\n".join(t.lines()))
+    top = max(traces, key=lambda t: t.device.bytes)
+    print(f"memory trace: peak {top.device.bytes / GIB:.2f} GiB per GPU on stage {top.stage} at "
+          f"{model_phase(top.device.moment)}; the memory model: {est.peak_gib:.2f} GiB on stage {est.stage} at "
+          f"{est.phase} ({est.peak / max(top.device.bytes, 1) - 1:+.1%}); host {top.host.bytes / GIB:.2f} GiB per "
+          f"rank traced, {est.host / GIB:.2f} modelled")
+    out = Path(cfg.logging.run_dir) / "memory_trace.json"
+    out.write_text(json.dumps({"gpus": gpus, "machine": machine.summary(), "stages": [t.summary() for t in traces],
+                               "model": {"peak_gib": est.peak_gib, "stage": est.stage, "phase": est.phase,
+                                         "host_gib": est.host / GIB}}, indent=1))
+    print(f"{out} written")
     return 0
 
 

@@ -59,7 +59,7 @@ class HostGradients:
             else:
                 self.stream.wait_stream(main)   # ... or for the backward that wrote the gradients
             for _, piece in pieces:
-                piece.record_stream(self.stream)   # its memory is not reused before the copy has read it
+                self.host.record_stream(piece, self.stream)   # its memory is not reused before the copy has read it
             if accumulate:
                 self._stage_pieces([(host, piece.reshape(-1)) for host, piece in pieces])
             else:
@@ -122,5 +122,5 @@ class HostGradients:
             raise TypeError(f"optimizer offload: gradients of {dtype} to stage in buffers of {self._stages[0].dtype}")
         while len(self._pending) >= STAGES:
             self._add(self._pending.pop(0))
-        busy = {stage.data_ptr() for _, stage, _ in self._pending}
-        return next(s for s in self._stages if s.data_ptr() not in busy)
+        busy = {id(stage) for _, stage, _ in self._pending}
+        return next(s for s in self._stages if id(s) not in busy)

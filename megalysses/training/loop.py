@@ -126,7 +126,9 @@ def build_model_and_optimizer(cfg: Config, grid: ParallelGrid, device: torch.dev
     doing("building the optimizer")
     opt = build_optimizer(cfg, model, grid, device, pinned.get("optimizer"))
     if not cfg.parallel.fsdp:
-        model.to(run.torch_dtype)
+        with torch.no_grad():       # in place, as nn.Module.to does (which cannot swap a memory trace's fake
+            for p in model.parameters():    # parameters)
+                p.data = p.data.to(run.torch_dtype)
     return model, opt
 
 

@@ -40,7 +40,7 @@ from typing import Iterable, Iterator, Optional
 import torch
 from torch import Tensor, nn
 
-from megalysses import comm
+from megalysses import accelerator, comm
 from megalysses.comm import Group
 from megalysses.memory.host import staging_elements
 from megalysses.pinned_arena import PinnedMemory, PinnedRequests
@@ -134,7 +134,8 @@ class ShardedAdamW:
     def _state_tensor(self, chunk: Tensor) -> Tensor:
         """An fp32 copy of a parameter chunk where the optimizer state lives: beside it, or (offload) in
         host memory, pinned when the parameter is on a GPU."""
-        if not self.offload or chunk.is_meta:       # (meta: a dry run's shapes, nothing to copy)
+        # (meta: a dry run's shapes, nothing to copy; in a memory trace the meta device is the GPU)
+        if not self.offload or (chunk.is_meta and not accelerator.on_gpu(chunk)):
             return chunk.float().clone()
         return self.pinned.empty(tuple(chunk.shape), torch.float32).copy_(chunk)
 
@@ -340,8 +341,8 @@ class ShardedAdamW:
                 if s.master is not None:
                     self._take(s, mine[offset:offset + s.master.numel()])
                 offset += s.padded
-        if self.offload and self.slots and self.slots[0].param.is_cuda:
-            torch.cuda.current_stream(self.slots[0].param.device).synchronize()   # the host copies are done
+        if self.offload and self.slots and accelerator.on_gpu(self.slots[0].param):
+            accelerator.current().current_stream(self.slots[0].param.device).synchronize()   # host copies done
         self._launched, self._expected, self._next = [], 0, 0
 
     @torch.no_grad()

@@ -1,0 +1,164 @@
+"""The memory model against the memory trace at the real shapes: every shipped config at its GPU count, and the
+long-sequence cases at the layout the planner ranks first (Llama-3.1-8B at 1M tokens on one H100, 6M on eight
+and 24M on 32, with 1,769 GiB of host memory per node; Llama-3.2-1B at 1M on one H100 with 120 GiB; Triton
+kernels, global batch 1), each one training step traced on fake tensors (megalysses/training/trace.py: rank 0
+of its first and last pipeline stage, the run's own code at the real shape, no GPU needed).
+
+    python benchmarks/bench_trace.py                         # every case (the 24M one takes longest)
+    python benchmarks/bench_trace.py --cases gpt_1b_32k 8b-1m-1 [--out-dir DIR | --record] [--name memory_trace]
+
+A row: the traced peak per GPU, its moment and the memory model's name for it; the model's peak and phase,
+and its bytes at the traced moment; host memory per node traced (all of it, and the pinned part) and modelled;
+the usable budget of the layout (an H100 80GB as exposed, less the reserve and the fragmentation allowance of
+at least the traced largest allocation) and whether the traced peak fits it; the activation bytes per token
+(what the step adds to the weights and optimizer state at its peak, per token of the rank); the trace's time.
+A long case whose length no layout fits is a row saying so. Prints a markdown table; with --out-dir (or
+--record: benchmarks/results/) writes <name>.json and <name>.md. Exits non-zero when the model is more than 3%
+from a trace, or at another moment.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.harness import add_output_args, output_dir, write_text  # noqa: E402
+from megalysses.config_io import load_config  # noqa: E402
+from megalysses.memory import GIB  # noqa: E402
+from megalysses.plan.machine import device_memory_gib  # noqa: E402
+from megalysses.plan.search import evaluate, plan  # noqa: E402
+from megalysses.plan.step_time import Hardware  # noqa: E402
+from megalysses.training.trace import model_phase, trace_run, traced_peak  # noqa: E402
+
+SHIPPED = {"quickstart": 4, "gpt_1b_32k": 8, "gpt_1b_8gpu": 8, "gpt_1b_1m_offload": 1, "llama3_8b_128k": 32,
+           "llama3_8b_1m": 64, "llama3_8b_chat_128k": 8}
+LONG = {   # name: (config, GPUs, tokens, host GiB per node)
+    "8b-1m-1": ("llama3_8b_1m", 1, 1 << 20, 1769), "8b-6m-8": ("llama3_8b_1m", 8, 6 << 20, 1769),
+    "8b-24m-32": ("llama3_8b_1m", 32, 24 << 20, 1769), "1b-1m-1": ("gpt_1b_1m_offload", 1, 1 << 20, 120)}
+TOLERANCE = 0.03
+
+
+def long_config(name: str):
+    config, _, _, _ = LONG[name]
+    over = ["data.mock=true", "data.paths=[]", "training.global_batch_size=1", "model.kernels=triton"]
+    if config.startswith("llama3_8b"):
+        over += ["parallel.pp=1", "parallel.virtual_stages=1"]
+    return load_config(ROOT / "configs" / f"{config}.yaml", over)
+
+
+def prediction(name: str, hw: Hardware, memory: float):
+    """(the config, GPUs, host GiB per node, the planner's Prediction: the shipped config's own, or the long
+    case's top-ranked layout; None when no layout fits)."""
+    if name in SHIPPED:
+        cfg = load_config(ROOT / "configs" / f"{name}.yaml", ["data.mock=true", "data.paths=[]"])
+        return cfg, SHIPPED[name], None, evaluate(cfg, SHIPPED[name], memory, None, hw)
+    _, gpus, tokens, host = LONG[name]
+    fitting, _ = plan(long_config(name), gpus, tokens, memory, host_memory_gib=host, hw=hw)
+    return None, gpus, host, (fitting[0] if fitting else None)
+
+
+def measure(name: str, hw: Hardware, memory: float) -> dict:
+    start = time.perf_counter()
+    cfg, gpus, host_budget, p = prediction(name, hw, memory)
+    row = {"case": name, "gpus": gpus}
+    if p is None:
+        _, _, tokens, _ = LONG[name]
+        return {**row, "seq_len": tokens, "fits": False, "why": "no layout fits (the memory model's planner)"}
+    cfg, est = p.cfg, p.estimate
+    traces = trace_run(cfg, p.run.machine, gpus)
+    top = traced_peak(traces)
+    phase = model_phase(top.device.moment)
+    at_moment = est.phases.get((top.stage, phase))
+    per_node = min(gpus, hw.gpus_per_node)
+    tokens = cfg.training.micro_batch_size * p.run.padded_seq_len / p.run.sp
+    usable = hw.usable_bytes(memory, max(t.largest_allocation for t in traces))
+    r = p.row()
+    layout = (f"tp{r['tp']} sp{r['sp']} ring{r['ring']} pp{r['pp']} dp{r['dp']}"
+              + "".join(f" {k}" for k, v in (("fsdp", r["fsdp"]), ("ckpt", r["activation_checkpointing"]),
+                                             ("act-offload", r["activation_offload"]),
+                                             ("opt-offload", r["optimizer_offload"]),
+                                             ("param-offload", r["param_offload"])) if v)
+              + (f" chunks{r['attention_head_chunks']}" if r["attention_head_chunks"] > 1 else "")
+              + (f" mlp-tile{r['mlp_chunk_tokens']}" if r["mlp_chunk_tokens"] else ""))
+    return {**row, "seq_len": p.run.padded_seq_len, "layout": layout, "attention": p.run.attention,
+            "kernels": p.run.kernels, "traced_gib": top.device.bytes / GIB, "traced_stage": top.stage,
+            "traced_phase": phase, "traced_moment": str(top.device.moment),
+            "model_gib": est.peak / GIB, "model_stage": est.stage, "model_phase": est.phase,
+            "model_at_traced_moment_gib": (at_moment or 0.0) / GIB, "error": est.peak / top.device.bytes - 1,
+            "host_traced_gib_per_node": max(t.host.bytes for t in traces) * per_node / GIB,
+            "pinned_traced_gib_per_node": max(t.pinned.bytes for t in traces) * per_node / GIB,
+            "host_model_gib_per_node": p.host_per_node / GIB, "host_budget_gib_per_node": host_budget,
+            "largest_allocation_gib": max(t.largest_allocation for t in traces) / GIB,
+            "usable_gib": usable / GIB, "fits": top.device.bytes <= usable,
+            "activation_bytes_per_token": (top.device.bytes - top.before) / tokens,
+            "trace_seconds": sum(t.seconds for t in traces), "seconds": time.perf_counter() - start,
+            "largest_tensors": [{"gib": a.bytes / GIB, "shape": list(a.shape), "dtype": a.dtype, "made": a.made}
+                                for a in top.device.largest[:8]]}
+
+
+def same_moment(row: dict) -> bool:
+    """The model's phase is the traced one, or its bytes at the traced moment are the traced peak's (ties)."""
+    return row["model_phase"] == row["traced_phase"] or \
+        abs(row["model_at_traced_moment_gib"] / row["traced_gib"] - 1) <= TOLERANCE
+
+
+def table(rows: list[dict]) -> str:
+    lines = [("| case | GPUs | tokens | layout | traced GiB | at | model GiB | at | diff | host GiB/node traced "
+              "(pinned) / model | usable GiB | fits | act. KB/token | trace s |"),
+             "|---|---:|---:|---|---:|---|---:|---|---:|---|---:|---|---:|---:|"]
+    for r in rows:
+        if "traced_gib" not in r:
+            lines.append(f"| {r['case']} | {r['gpus']} | {r['seq_len']} | {r['why']} | | | | | | | | no | | |")
+            continue
+        lines.append(f"| {r['case']} | {r['gpus']} | {r['seq_len']} | {r['layout']}, {r['attention']} | "
+                     f"{r['traced_gib']:.2f} | {r['traced_phase']} | {r['model_gib']:.2f} | {r['model_phase']} | "
+                     f"{r['error']:+.1%} | {r['host_traced_gib_per_node']:.0f} "
+                     f"({r['pinned_traced_gib_per_node']:.0f}) / "
+                     f"{r['host_model_gib_per_node']:.0f} | {r['usable_gib']:.1f} | {'yes' if r['fits'] else 'no'} | "
+                     f"{r['activation_bytes_per_token'] / 1024:.1f} | {r['trace_seconds']:.0f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cases", nargs="+", default=list(SHIPPED) + list(LONG), choices=list(SHIPPED) + list(LONG),
+                   metavar="CASE", help=f"shipped configs ({', '.join(SHIPPED)}) and long cases ({', '.join(LONG)})")
+    add_output_args(p, "memory_trace")
+    args = p.parse_args(argv)
+    folder = output_dir(p, args)
+    hw, memory = Hardware(), device_memory_gib("H100")
+    rows = []
+    for name in args.cases:
+        rows.append(measure(name, hw, memory))
+        print(f"{name}: done in {rows[-1].get('seconds', 0):.0f} s", flush=True)
+    text = table(rows)
+    print("\n" + text)
+    bad = [r["case"] for r in rows if "traced_gib" in r and (abs(r["error"]) > TOLERANCE or not same_moment(r))]
+    if folder is not None:
+        name = args.name or "memory_trace"
+        record = {"rows": rows, "machine": platform.platform(), "torch": torch.__version__,
+                  "tolerance": TOLERANCE, "outside_tolerance": bad}
+        write_text(folder, f"{name}.json", json.dumps(record, indent=1) + "\n")
+        out = write_text(folder, f"{name}.md", f"# The memory model against the memory trace\n\nProduced by "
+                         f"`python benchmarks/bench_trace.py{' --record' if args.record else ''}` on "
+                         f"{platform.platform()} (torch {torch.__version__}); H100 80GB as exposed "
+                         f"({memory:g} GiB). JSON beside this file.\n\n{text}\n")
+        print(f"\nwrote {out}")
+    if bad:
+        print(f"error: the memory model is more than {TOLERANCE:.0%} from the trace, or at another moment: "
+              f"{', '.join(bad)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

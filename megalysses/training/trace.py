@@ -1,0 +1,335 @@
+"""One training step of a run traced on fake tensors: its peak device memory, and the pinned host memory it
+allocates, at the real shape, on a machine without the GPUs (`pretrain.py --dry-run --gpus N --trace-memory`,
+`tools/plan.py ... --trace`).
+
+    traced = trace_step(cfg, Machine.described("H100"), world=8)         # rank 0 (the first stage)
+    traced.device.bytes, traced.device.moment, traced.device.largest    # the peak, where, what is alive
+    traced.pinned.bytes                                                  # pinned host memory, high-water mark
+
+Rank `rank` of a world of `world` ranks runs the run's own start-up path and one step of the run's own train
+step, in this one process: the config checked at that world size, the plan resolved on the machine, the
+process groups created on torch's fake backend (whose collectives move nothing), the model and optimizer
+built as a run builds them, the optimizer's state made as a resume makes it, then train_step on one global
+batch of this rank's micro-batches at the padded sequence length, every option of the plan in force (of many
+micro-batches, those that take the step's memory through every state it has: traced_micro_batches). Every
+tensor is a fake tensor (torch's FakeTensorMode: shapes, dtypes and devices, no data): the meta device stands
+for the GPU, the CPU for host memory. megalysses.tracker.LiveBytes counts the live bytes of each after every
+op (the peak over the step, over the weights and state made before it).
+
+What a GPU has and a fake tensor has not, the trace gives a form of (`FakeGPU`): megalysses.accelerator's
+streams and events do nothing and its pinned buffers are host tensors counted as pinned; our Triton kernels'
+launches go nowhere (triton_support.launches_to), their outputs allocated as on a GPU; the attention kernels
+run as their GPU forms in kernels/gpu_forms.py (the kernel SDPA picks on CUDA, flash-attn, FlexAttention,
+with the workspaces they allocate inside).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+import warnings
+from dataclasses import dataclass, replace
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from megalysses import accelerator
+from megalysses.config import Config, ConfigError
+from megalysses.config_checks import validate_config
+from megalysses.grid import ParallelGrid
+from megalysses.plan import Machine, RunPlan, resolve
+from megalysses.memory import GIB
+from megalysses.memory.types import torch_pinned
+from megalysses.tracker import DEVICE, HOST, PINNED, LiveBytes, Moment, Peak
+
+GPU_SMS = {"H100": 132, "H200": 132, "A100": 108}
+
+
+@dataclass
+class StepTrace:
+    """What one traced step of one rank reached: the peak of each memory, with its moment and the largest
+    tensors alive then."""
+
+    run: RunPlan
+    rank: int
+    stage: int                    # the pipeline stage of `rank`
+    device: Peak
+    pinned: Peak                  # pinned host memory: its high-water mark
+    host: Peak                    # all host memory, pinned or not (the CPU optimizer's state and temporaries)
+    seconds: float
+    before: int = 0               # device bytes the step starts with: weights, optimizer state, its batch
+    largest_allocation: int = 0   # the largest single device allocation of the step
+
+    def summary(self) -> dict:
+        def peak(p: Peak) -> dict:
+            return {"gib": p.bytes / 2 ** 30, "moment": str(p.moment),
+                    "largest": [{"gib": a.bytes / 2 ** 30, "shape": list(a.shape), "dtype": a.dtype, "made": a.made}
+                                for a in p.largest]}
+        return {"rank": self.rank, "stage": self.stage, "seconds": round(self.seconds, 1),
+                "device": peak(self.device), "pinned": peak(self.pinned), "host": peak(self.host),
+                "before_step_gib": self.before / 2 ** 30, "largest_allocation_gib": self.largest_allocation / 2 ** 30}
+
+
+    def lines(self) -> list[str]:
+        """The peaks in words: each memory's peak and moment, and its largest tensors alive then."""
+        out = [f"rank {self.rank} (stage {self.stage}), traced in {self.seconds:.1f} s"]
+        for name, p in (("device", self.device), ("pinned host", self.pinned), ("host", self.host)):
+            out.append(f"  {name}: peak {p.bytes / 2 ** 30:.3f} GiB at {p.moment}")
+            for a in p.largest:
+                out.append(f"    {a.bytes / 2 ** 30:9.4f} GiB  {a.dtype:<9} {str(list(a.shape)):<24} {a.made}")
+        return out
+
+
+class _Nothing:
+    """A stream or event of the trace: every call does nothing (the trace runs one op after another) and
+    returns another such object (an event recorded, a query answered: true)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda *args, **kwargs: _Nothing()
+
+
+class FakeGPU(accelerator.Host):
+    """megalysses.accelerator's Host in a trace: the GPU is the meta device, its streams and events do nothing,
+    its pinned buffers (megalysses' arenas and requests: registered host memory, exactly the bytes asked) are
+    host tensors the tracker counts as pinned."""
+
+    def __init__(self, live: LiveBytes) -> None:
+        self.live = live
+
+    def is_gpu(self, device: torch.device) -> bool:
+        return torch.device(device).type == "meta"
+
+    def pinned_empty(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if not self.is_gpu(device):
+            return torch.empty(shape, dtype=dtype, device="cpu")
+        with self.live.pinned():
+            return torch.empty(shape, dtype=dtype, device="cpu")
+
+    def stream(self, device: torch.device) -> Any:
+        return _Nothing() if self.is_gpu(device) else None
+
+    def current_stream(self, device: torch.device) -> Any:
+        return _Nothing() if self.is_gpu(device) else None
+
+    def on(self, stream: Any) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def event(self, stream: Any) -> Any:
+        return None if stream is None else _Nothing()
+
+    def record_stream(self, x: torch.Tensor, stream: Any) -> None:
+        pass
+
+
+class _MetaDeviceHandle:
+    """torch.meta while a trace runs: the device module FSDP2 asks for its mesh's device type (torch.cuda on
+    a GPU), whose streams and events do nothing."""
+
+    def current_device(self) -> None:
+        return None                         # torch.device("meta", None): the meta device
+
+    def device_count(self) -> int:
+        return 1
+
+    def is_available(self) -> bool:
+        return True
+
+    def is_initialized(self) -> bool:
+        return True
+
+    def set_device(self, device: Any) -> None:
+        pass
+
+    def synchronize(self, device: Any = None) -> None:
+        pass
+
+    def Stream(self, *args: Any, **kwargs: Any) -> Any:      # noqa: N802 (torch.cuda's name)
+        return _Nothing()
+
+    def Event(self, *args: Any, **kwargs: Any) -> Any:       # noqa: N802
+        return _Nothing()
+
+    def current_stream(self, device: Any = None) -> Any:
+        return _Nothing()
+
+    def stream(self, stream: Any) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _fsdp_on_meta() -> Iterator[None]:
+    """FSDP2 on a mesh of the meta device, as on a GPU's: its device module (torch.meta), its parameters left
+    where the run builds them (on the meta device, or in host memory with parameter offload: FSDP2 moves a
+    host build to the GPU and its shards back to the host, which fake tensors cannot, and which the step
+    does not see), and no refusal of parameters on the meta device, which here stand for the GPU's."""
+    try:
+        from torch.distributed.fsdp._fully_shard import _fsdp_init
+        from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+        refuse, move = FSDPParamGroup._validate_no_meta_params, _fsdp_init._move_states_to_device
+        shard = FSDPParam._init_sharded_param
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"a memory trace of parallel.fsdp runs FSDP2 on the meta device, through torch "
+                          f"internals that torch {torch.__version__} does not have ({e})") from None
+
+    def shard_where_built(self: Any, param: torch.Tensor, device: torch.device, *args: Any) -> None:
+        # a host build stays there: FSDP2 shards it where it is (the device is only checked there); its shards
+        # and their gradients are pinned on a GPU (the trace counts the shards pinned, and FSDP2 copies the
+        # gradients out with non-blocking copies, which land in pinned memory)
+        self.pin_memory = self.offload_to_cpu
+        shard(self, param, param.device if self.offload_to_cpu else device, *args)
+
+    torch.meta = _MetaDeviceHandle()
+    FSDPParamGroup._validate_no_meta_params = lambda self: None
+    _fsdp_init._move_states_to_device = lambda params, buffers, device: None
+    FSDPParam._init_sharded_param = shard_where_built
+    try:
+        yield
+    finally:
+        del torch.meta
+        FSDPParamGroup._validate_no_meta_params = refuse
+        _fsdp_init._move_states_to_device = move
+        FSDPParam._init_sharded_param = shard
+
+
+def stage_rank(run: RunPlan, stage: int) -> int:
+    """World rank of the first rank (dp, sp, tp all 0) of pipeline stage `stage`."""
+    return stage * run.dp * run.sp * run.tp
+
+
+def trace_step(cfg: Config, machine: Machine, world: int, stage: int = 0, keep: int = 12) -> StepTrace:
+    """One step of the first rank of pipeline stage `stage` of a run of `cfg` on `world` ranks of `machine`,
+    traced (see the module docstring); each peak lists the `keep` largest tensors alive then."""
+    try:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+    except ImportError:
+        raise ConfigError(f"a memory trace needs torch's fake tensors and fake process-group backend, which torch "
+                          f"{torch.__version__} lacks") from None
+    if dist.is_initialized():
+        raise RuntimeError("a memory trace creates its own process group: call it outside one")
+    cfg = replace(cfg, data=replace(cfg.data, mock=True))
+    validate_config(cfg, world_size=world)
+    run = resolve(cfg, machine, world)
+    if not 0 <= stage < run.pp:
+        raise ValueError(f"the run has {run.pp} pipeline stages: no stage {stage}")
+    rank = stage_rank(run, stage)
+    # the meta device stands for the GPU: give it a backend of its own on the fake process group
+    dist.init_process_group("cpu:fake,cuda:fake,meta:fake", store=FakeStore(), rank=rank, world_size=world)
+    start = time.perf_counter()
+    try:
+        with warnings.catch_warnings(), _fsdp_on_meta():    # the fake backend takes no group timeouts, and
+            warnings.filterwarnings("ignore", message="Set timeout is now only supported")      # says so per group
+            grid = ParallelGrid.for_plan(run, cfg.parallel.timeout_seconds)
+            mesh = grid.device_mesh(torch.device("meta"), kind="meta")     # made of real tensors, before the fakes
+            pinned = functools.partial(torch_pinned, exact=machine.pinned_exact)    # FSDP2's, rounded as torch does
+            with FakeTensorMode(allow_non_fake_inputs=True), LiveBytes(keep, torch_pinned=pinned) as live, \
+                    _gpu_forms(live, machine):
+                _step(cfg, grid, run, mesh, live)
+    finally:
+        dist.destroy_process_group()
+    return StepTrace(run, rank, stage, live.peaks[DEVICE], live.peaks[PINNED], live.peaks[HOST],
+                     time.perf_counter() - start, live.before, live.largest_allocation)
+
+
+@contextlib.contextmanager
+def _gpu_forms(live: LiveBytes, machine: Machine) -> Iterator[None]:
+    from megalysses.kernels.gpu_forms import gpu_kernels
+    from megalysses.kernels.triton_support import LaunchHook, launches_to
+
+    with accelerator.use(FakeGPU(live)), gpu_kernels(live, machine.packages), \
+            launches_to(LaunchHook(GPU_SMS.get(machine.gpu or "", 132), lambda *launch: None)), \
+            warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor.*|.*all_gather_into_tensor.*")
+        yield
+
+
+def _step(cfg: Config, grid: ParallelGrid, run: RunPlan, mesh: Any, live: LiveBytes) -> None:
+    """Build the model and optimizer, make the optimizer's state, then one train_step, its peaks counted."""
+    from megalysses.training.loop import build_model_and_optimizer
+    from megalysses.training.step import train_step
+
+    device = torch.device("meta")
+    model, opt = build_model_and_optimizer(cfg, grid, device, run, mesh)
+    live.name_modules(model)
+    for _ in opt.checkpoint_slots():            # the AdamW state a resumed run has
+        pass
+    batch = fake_batch(cfg, grid, run, device)
+    traced = batch[:traced_micro_batches(len(batch), run)]       # the others stay allocated, as a loaded step's
+    step = opt.step
+
+    def optimizer_step(*args: Any, **kwargs: Any) -> Any:
+        with live.phase("optimizer"):
+            return step(*args, **kwargs)
+
+    opt.step = optimizer_step
+    live.reset_peaks()
+    train_step(model, opt, traced, grid, lr=cfg.optimizer.lr, grad_clip=cfg.optimizer.grad_clip,
+               dtype=run.torch_dtype, nan_policy=cfg.training.nan_policy)
+    del batch
+
+
+def traced_micro_batches(micro_batches: int, run: RunPlan) -> int:
+    """How many of a step's micro-batches the trace runs: enough for every state the step's memory goes
+    through, the rest repeating one of them. Without a pipeline, the first (no gradients yet), one in the middle
+    (the gradients of those before) and the last (the buckets reduced during its backward); with one, as many
+    as fill the schedule's warm-up and reach its steady state twice (1F1B: pp; interleaved: 2 pp per model
+    chunk), and the last."""
+    needed = 3 if run.pp == 1 else 2 * run.pp * run.virtual_stages + 2
+    return min(micro_batches, needed)
+
+
+def fake_batch(cfg: Config, grid: ParallelGrid, run: RunPlan, device: torch.device) -> list[dict]:
+    """This rank's micro-batches of one global batch at the run's longest (padded) length, as the data loader
+    hands them over: token ids, labels and positions of its S/sp tokens, and the document ids of the whole
+    sequence with packed-document masks."""
+    t = cfg.training
+    micro = t.global_batch_size // (t.micro_batch_size * grid.dp_size)
+    S = run.padded_seq_len
+    local = S // grid.sp_size
+    out = []
+    for _ in range(micro):
+        mb = {k: torch.zeros(t.micro_batch_size, local, dtype=torch.long, device=device)
+              for k in ("input_ids", "labels", "position_ids")}
+        if cfg.data.document_mask:
+            mb["doc_ids"] = torch.zeros(t.micro_batch_size, S, dtype=torch.long, device=device)
+        out.append(mb)
+    return out
+
+
+def trace_run(cfg: Config, machine: Machine, world: int, keep: int = 12) -> list[StepTrace]:
+    """The traced step of the first stage and, with a pipeline, of the last (the run's peak is the larger)."""
+    run = resolve(replace(cfg, data=replace(cfg.data, mock=True)), machine, world)
+    return [trace_step(cfg, machine, world, s, keep) for s in sorted({0, run.pp - 1})]
+
+
+def traced_peak(traces: list[StepTrace]) -> StepTrace:
+    """The stage whose device peak is the run's."""
+    return max(traces, key=lambda t: t.device.bytes)
+
+
+def model_phase(moment: Moment) -> str:
+    """The memory model's name (megalysses.memory Estimate.phase) of the moment a trace peaked at: optimizer,
+    loss (the LM head + loss forward), final norm (its backward), backward, or forward (elsewhere in a
+    forward, which the model has no phase for)."""
+    if moment.phase == "optimizer":
+        return "optimizer"
+    if moment.phase == "forward":
+        return "loss" if "linear_cross_entropy" in moment.where else "forward"
+    return "final norm" if moment.module.endswith("final_norm") else "backward"
+
+
+def trace_fields(traces: list[StepTrace], ranks_per_node: int) -> dict:
+    """What tools/plan.py --trace adds to a layout: the traced device peak per GPU (the larger stage's), its
+    moment and the model's name for it, and host memory per node (all of it, and its pinned part) at their
+    high-water marks (each rank of a node as the traced one of its stage)."""
+    top = traced_peak(traces)
+    host = max(t.host.bytes for t in traces) * ranks_per_node
+    pinned = max(t.pinned.bytes for t in traces) * ranks_per_node
+    return {"traced_peak_gib": round(top.device.bytes / GIB, 3), "traced_moment": str(top.device.moment),
+            "traced_phase": model_phase(top.device.moment), "traced_stage": top.stage,
+            "traced_host_gib": round(host / GIB, 2), "traced_pinned_gib": round(pinned / GIB, 2),
+            "traced_seconds": round(sum(t.seconds for t in traces), 1)}
+
+

@@ -1,0 +1,115 @@
+"""The memory trace (megalysses/training/trace.py: one training step on fake tensors, the meta device standing for
+a GPU) and the memory model against it at small real shapes: the model's peak within 3% of the traced one, at
+the same moment, and the host memory within 3%, for each kind of run (ZeRO-1 and FSDP, activation, optimizer
+and parameter offload, tiles, head chunks, Ulysses and ring, a pipeline's first and last stage, tensor
+parallelism, the Triton kernels). The live-bytes tracker itself is checked on tensors whose bytes are known."""
+import json
+
+import pytest
+import torch
+
+from megalysses.config_io import load_config
+from megalysses.kernels.triton_support import triton_importable
+from megalysses.plan import Machine
+from megalysses.plan.search import estimate_config
+from megalysses.tracker import DEVICE, HOST, PINNED, LiveBytes
+from megalysses.training.trace import model_phase, trace_run, traced_peak
+
+MiB = 2 ** 20
+SMALL = ["data.mock=true", "model.vocab_size=512", "model.hidden_size=128", "model.num_layers=2", "model.num_heads=4",
+         "model.num_kv_heads=2", "model.ffn_hidden_size=320", "training.micro_batch_size=1", "data.seq_len=4096",
+         "training.global_batch_size=1", "training.dtype=bfloat16", "training.activation_checkpointing=true"]
+CASES = {   # name: (world, overrides on SMALL)
+    "ZeRO-1, activation offload, MLP and loss tiles": (1, ["training.activation_offload=true",
+                                                          "training.mlp_chunk_tokens=1024",
+                                                          "training.loss_chunk_tokens=1024"]),
+    "FSDP, parameter and activation offload": (1, ["parallel.fsdp=true", "training.param_offload=true",
+                                                   "training.activation_offload=true"]),
+    "optimizer offload (streamed gradients), 2 micro-batches": (1, ["training.optimizer_offload=true",
+                                                                    "training.global_batch_size=2"]),
+    "Ulysses 2, 2 head chunks": (2, ["parallel.sp=2", "training.attention_head_chunks=2"]),
+    "ring 2 (FlexAttention), FSDP over dp 2": (4, ["parallel.sp=2", "parallel.sp_ring=2", "parallel.fsdp=true",
+                                                   "training.global_batch_size=2"]),
+    "1F1B over 2 stages, 4 micro-batches": (2, ["parallel.pp=2", "training.global_batch_size=4"]),
+    "tp 2 with sequence sharding, fp32, no checkpointing": (2, ["parallel.tp=2", "parallel.tp_sequence_parallel=true",
+                                                                "training.dtype=float32",
+                                                                "training.activation_checkpointing=false"]),
+    "Triton kernels, MLP tiles": (1, ["model.kernels=triton", "training.mlp_chunk_tokens=1024"]),
+}
+H100 = Machine.described("H100", packages=("triton",))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_model_equals_the_trace(name):
+    world, overrides = CASES[name]
+    if "triton" in name.lower() and not triton_importable():
+        pytest.skip("triton is not installed")
+    cfg = load_config(overrides=SMALL + overrides)
+    traces = trace_run(cfg, H100, world)
+    top = traced_peak(traces)
+    est = estimate_config(cfg, world, H100)
+    where = f"{name}: traced {top.device.bytes / MiB:.2f} MiB at {top.device.moment}, modelled {est.peak / MiB:.2f}"
+    assert abs(est.peak / top.device.bytes - 1) <= 0.03, where
+    # the same moment: the model's bytes at the traced moment's phase (of the traced stage) are the traced peak's
+    at_moment = est.phases.get((top.stage, model_phase(top.device.moment)))
+    assert at_moment is not None and abs(at_moment / top.device.bytes - 1) <= 0.03, (where, est.phases)
+    host = max(t.host.bytes for t in traces)
+    assert abs(est.host - host) <= 0.03 * max(host, MiB), \
+        f"{name}: host {host / MiB:.2f} MiB traced, {est.host / MiB:.2f} modelled"
+
+
+def test_tracker_counts_what_is_alive():
+    """Views count once; a storage counts from the op that makes it until it is freed; resized storages change
+    size; pinned host memory counts in host memory too; a peak lists what was alive then (also what was freed
+    after it); an op's workspace is a transient at that op; data-dependent ops get what good data gives."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(), LiveBytes() as live:
+        a = torch.empty(1024, device="meta")                        # 4 KiB
+        view = a[:512]
+        live.reset_peaks()
+        b = torch.empty(2048, device="meta")                        # 8 KiB: the peak, 12 KiB
+        del b
+        c = torch.empty(256, device="meta")                         # 1 KiB
+        assert live.current[DEVICE] == 5 * 1024
+        c.untyped_storage().resize_(4 * 1024)
+        assert live.current[DEVICE] == 8 * 1024
+        with live.pinned():
+            p = torch.empty(256, device="cpu")
+        q = torch.empty(512, device="meta").to("cpu", non_blocking=True)     # a copy to pinned host memory
+        r = torch.empty(128, device="cpu")
+        assert (live.current[PINNED], live.current[HOST]) == (3 * 1024, 3 * 1024 + 512)
+        live.transient(16 * 1024, "a kernel's workspace")
+        rows = torch.empty(3, 4, device="meta").nonzero()
+        assert tuple(rows.shape) == (12, 2)                         # every element selected: the most bytes
+        assert bool(torch.isfinite(torch.empty((), device="meta")))
+        assert torch.empty(3, device="meta").sum().item() == 1.0
+        assert not bool((torch.empty(4, device="meta") < 0).any())
+        del view, p, q, r
+    device = live.peaks[DEVICE]                     # a and the resized c beside the workspace
+    assert device.bytes == 24 * 1024 and "a kernel's workspace" in str(device.moment)
+    assert [x.bytes for x in device.largest[:3]] == [16 * 1024, 4 * 1024, 4 * 1024]
+    assert live.peaks[PINNED].bytes == 3 * 1024 and live.peaks[HOST].bytes == 3 * 1024 + 512
+
+
+def test_plan_trace_and_dry_run_trace_memory(tmp_path, capsys):
+    """tools/plan.py --trace adds the traced peak, moment and host memory to the top layout of --json;
+    pretrain.py --dry-run --gpus N --trace-memory prints the traced peak beside the model's and writes
+    memory_trace.json."""
+    from megalysses.tools import plan as plan_tool
+    from megalysses.tools import pretrain
+
+    assert plan_tool.main(["--config", "configs/quickstart.yaml", "--gpus", "4", "--top", "1", "--json",
+                           "--trace"]) == 0
+    best = json.loads(capsys.readouterr().out)["best"]
+    assert best["traced_peak_gib"] > 0 and best["traced_phase"] in ("loss", "backward", "final norm", "optimizer")
+    assert abs(best["peak_gib"] - best["traced_peak_gib"]) <= 0.01, best      # peak_gib is rounded to 0.01
+    assert best["traced_host_gib"] >= best["traced_pinned_gib"] >= 0
+    run_dir = tmp_path / "run"
+    assert pretrain.main(["--config", "configs/quickstart.yaml", "--set", "data.mock=true", "--set",
+                          f"logging.run_dir={run_dir}", "--dry-run", "--gpus", "4", "--trace-memory"]) == 0
+    out = capsys.readouterr().out
+    assert "memory trace: peak" in out and "the memory model:" in out
+    record = json.loads((run_dir / "memory_trace.json").read_text())
+    assert record["stages"][0]["device"]["gib"] > 0 and record["model"]["peak_gib"] > 0
+    assert pretrain.main(["--config", "configs/quickstart.yaml", "--trace-memory"]) == 2
