@@ -113,14 +113,20 @@ def measure_peak(run: Callable[[], Any], baseline: Iterable[torch.Tensor] = (), 
             st = t.untyped_storage()
             live[st._cdata] = (StorageWeakRef(st), st.nbytes(), tuple(t.shape), "before")
     peak = Peak(storages=[], timeline=[] if timeline else None)
-    # `total` counts every storage in `live`, freed or not: an upper bound of the live bytes. The frees are
-    # looked for only when that bound passes the peak so far (or for the timeline), which finds the same
-    # peak as looking after every op: the bound is never below the live bytes.
+    # `total` counts every storage in `live` at the size it was last seen, freed or not: an upper bound of the
+    # live bytes. The frees (and storages resized to nothing in place, as FSDP2 frees a gathered parameter's)
+    # are looked for only when that bound passes the peak so far (or for the timeline), which finds the same
+    # peak as looking after every op: the bound is never below the live bytes (a storage resized back up is
+    # seen again in the outputs of the op that fills it).
     total = sum(v[1] for v in live.values())
 
     def purge() -> int:
         for key in [k for k, v in live.items() if v[0].expired()]:
             del live[key]
+        for key, (ref, nbytes, shape, op) in live.items():
+            now = torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
+            if now != nbytes:
+                live[key] = (ref, now, shape, op)
         away = {t.untyped_storage()._cdata for t in host()} if host is not None else set()
         return sum(v[1] for k, v in live.items() if k not in away)
 
@@ -137,6 +143,9 @@ def measure_peak(run: Callable[[], Any], baseline: Iterable[torch.Tensor] = (), 
                     if seen is None or seen[0].expired():
                         live[st._cdata] = (StorageWeakRef(st), st.nbytes(), tuple(t.shape), str(func))
                         total += st.nbytes() - (seen[1] if seen is not None else 0)
+                    elif st.nbytes() != seen[1]:        # resized in place since it was seen
+                        live[st._cdata] = (seen[0], st.nbytes(), seen[2], seen[3])
+                        total += st.nbytes() - seen[1]
             if timeline or total > peak.bytes:
                 total = purge()
             if timeline:

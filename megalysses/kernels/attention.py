@@ -79,7 +79,7 @@ def varlen_available() -> bool:
 
 
 @functools.cache
-def _varlen() -> Any:
+def _varlen_module() -> Any:
     return importlib.import_module(_VARLEN)
 
 
@@ -438,7 +438,7 @@ def varlen_options() -> frozenset:
     causal "window_size" (later), "scale", "enable_gqa" (native grouped-query attention, torch >= 2.12)."""
     if not varlen_available():
         return frozenset()
-    return frozenset(inspect.signature(_varlen().varlen_attn).parameters)
+    return frozenset(inspect.signature(_varlen_module().varlen_attn).parameters)
 
 
 def varlen_native_gqa() -> bool:
@@ -464,7 +464,7 @@ def _varlen(q: Tensor, k: Tensor, v: Tensor, mask: Optional[AttentionMask], scal
         kwargs["scale"] = scale
     elif scale != 1.0 / math.sqrt(D):          # the default scale is 1/sqrt(D): fold another into q
         q = q * (scale * math.sqrt(D))
-    out = _varlen().varlen_attn(q.reshape(B * S, Hq, D), k.reshape(B * S, -1, D), v.reshape(B * S, -1, D),
+    out = _varlen_module().varlen_attn(q.reshape(B * S, Hq, D), k.reshape(B * S, -1, D), v.reshape(B * S, -1, D),
                                     cu_seqlens, cu_seqlens, max_len, max_len, **kwargs)
     return out.view(B, S, Hq, D)
 
