@@ -40,8 +40,11 @@ $(VENV)/.test: pyproject.toml $(VENV)/.installed
 
 venv: $(VENV)/.test
 
+# TEST_WORKERS pytest processes share the tests out (pytest-xdist); each multi-process test starts its own ranks
+# beside them, so more workers than cores only makes those wait: 2 suits a 2-core runner
+TEST_WORKERS ?= 2
 test: $(VENV)/.test
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=15 tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=15 tests
 
 # the GPU tier alone, with the CUDA machine's own python and torch (which has `pip install -e ".[test]"`):
 # `make venv` would install the CPU torch
