@@ -246,10 +246,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                           "best": rows[0] if rows else None, "layouts": rows, "config_layout": own_row}, indent=1))
         return 0
     if args.no_search:
-        print(f"{args.config}: {args.seq_len} tokens on {args.gpus} x {args.gpu_memory_gib:g} GiB: the config's own "
-              f"layout " + (f"({layout_words(own_row)}) fits, peak {own_row['peak_gib']:.1f} GiB, "
-                            f"{own_row['tokens_per_s']:.0f} tok/s" if mine is not None and mine.fits
-                            else f"does not fit ({own_row['why_not']})"))
+        print(f"{args.config}: {args.seq_len} tokens on {args.gpus} x {args.gpu_memory_gib:g} GiB: "
+              f"{_own_verdict(mine, own_row)}")
         return 0
     print(f"{args.config}: {args.seq_len} tokens on {args.gpus} x {args.gpu_memory_gib:g} GiB; "
           f"{len(fitting)} of {considered} layouts fit "
@@ -270,14 +268,18 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"at {r['peak_phase']}); "
               f"host {r['traced_host_gib']:.0f} GiB per node, {r['traced_pinned_gib']:.0f} of them pinned (the "
               f"model: {r['host_gib_per_node']:.0f})")
-    if mine is not None and mine.fits:
-        print(f"the config's own layout ({layout_words(own_row)}) fits, peak {own_row['peak_gib']:.1f} GiB, "
-              f"{own_row['tokens_per_s']:.0f} tok/s: {why}")
-    else:
-        print(f"the config's own layout does not fit ({own_row['why_not']})")
+    print(_own_verdict(mine, own_row) + (f": {why}" if mine is not None and mine.fits else ""))
     if args.explain and fitting:
         print(explain(fitting[0], hw, args.gpu_memory_gib))
     return 0
+
+
+def _own_verdict(mine: Optional[Prediction], own_row: dict) -> str:
+    """Whether the config's own layout fits, with its peak and speed where it does."""
+    if mine is not None and mine.fits:
+        return (f"the config's own layout ({layout_words(own_row)}) fits, peak {own_row['peak_gib']:.1f} GiB, "
+                f"{own_row['tokens_per_s']:.0f} tok/s")
+    return f"the config's own layout does not fit ({own_row['why_not']})"
 
 
 def _own_layout(own, args: argparse.Namespace, hw: Hardware, packages: tuple[str, ...]
