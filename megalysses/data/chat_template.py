@@ -21,6 +21,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Optional
 
+from megalysses.data.tokenizer import read_json, special_token_strings
+
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")   # the first is the one templates read
 # the (start, end) spans of the generation blocks of the render in progress
@@ -157,7 +159,7 @@ class ChatTemplate:
         if jinja.is_file():
             return cls(jinja.read_text(encoding="utf-8"), special, str(jinja))
         config = folder / "tokenizer_config.json"
-        value = _read_json(config).get("chat_template") if config.is_file() else None
+        value = read_json(config, TemplateError).get("chat_template") if config.is_file() else None
         if isinstance(value, list):   # named templates: the default, and the one for tools if there is one
             named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
             if "default" not in named:
@@ -206,23 +208,6 @@ def _tag_names(env: Any, source: str) -> set[str]:
     return names
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise TemplateError(f"{path}: unreadable ({err}): fix or remove the file") from None
-    return data if isinstance(data, dict) else {}
-
-
 def _special_tokens(folder: Path) -> dict[str, str]:
     """bos_token, eos_token, ... as strings, from tokenizer_config.json, then special_tokens_map.json."""
-    found: dict[str, str] = {}
-    for name in ("tokenizer_config.json", "special_tokens_map.json"):
-        if (folder / name).is_file():
-            data = _read_json(folder / name)
-            for key in SPECIAL_TOKEN_NAMES:
-                value = data.get(key)
-                value = value.get("content") if isinstance(value, dict) else value
-                if isinstance(value, str):
-                    found.setdefault(key, value)
-    return found
+    return special_token_strings(folder, SPECIAL_TOKEN_NAMES, TemplateError)

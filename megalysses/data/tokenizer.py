@@ -209,12 +209,29 @@ class SentencePieceTokenizer(_Specials):
         return i if self.sp.id_to_piece(i) == token else None
 
 
-def _read_json(path: Path) -> dict:
+def read_json(path: Path, error: type[Exception] = TokenizerError) -> dict:
+    """A JSON file of a tokenizer folder as a dict ({} where it holds no object); `error`, naming the file and
+    the fix, where it cannot be read."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise TokenizerError(f"{path}: unreadable ({err}): fix or remove the file") from None
+        raise error(f"{path}: unreadable ({err}): fix or remove the file") from None
     return data if isinstance(data, dict) else {}
+
+
+def special_token_strings(folder: Path, keys: Sequence[str], error: type[Exception] = TokenizerError
+                          ) -> dict[str, str]:
+    """The special tokens named by `keys` ("bos_token", ...) as strings, from the folder's tokenizer_config.json,
+    then its special_tokens_map.json."""
+    found: dict[str, str] = {}
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        if (folder / name).is_file():
+            data = read_json(folder / name, error)
+            for key in keys:
+                token = _token_name(data.get(key))
+                if token is not None:
+                    found.setdefault(key, token)
+    return found
 
 
 def _token_name(value: Any) -> Optional[str]:
@@ -292,19 +309,13 @@ class HFTokenizer(_Specials):
     @staticmethod
     def _special_tokens(folder: Optional[Path]) -> dict[str, Any]:
         """bos/eos/sep/pad as token strings or ids, from the files a Hugging Face folder keeps them in."""
-        found: dict[str, Any] = {}
         if folder is None:
-            return found
-        for name in ("tokenizer_config.json", "special_tokens_map.json"):
-            if (folder / name).is_file():
-                data = _read_json(folder / name)
-                for key in ("bos", "eos", "sep", "pad"):
-                    token = _token_name(data.get(f"{key}_token"))
-                    if token is not None:
-                        found.setdefault(key, token)
+            return {}
+        strings = special_token_strings(folder, ("bos_token", "eos_token", "sep_token", "pad_token"))
+        found: dict[str, Any] = {key.removesuffix("_token"): token for key, token in strings.items()}
         for name in ("generation_config.json", "config.json"):
             if (folder / name).is_file():
-                data = _read_json(folder / name)
+                data = read_json(folder / name)
                 for key in ("bos", "eos", "pad"):
                     value = data.get(f"{key}_token_id")
                     if isinstance(value, (int, list)) and not isinstance(value, bool):
