@@ -237,7 +237,10 @@ class Block(nn.Module):
             a = self.attn(self.attn_norm(x), cos, sin, mask, cache)
         tile = self.mlp_chunk_tokens
         if tile and tile < x.shape[1]:
-            return MLPTiles.apply(self, x + a, tile, *mlp_params(self))          # keeps x + a alone
+            x = x + a
+            del a                                      # the attention output is not held while the MLP runs
+            return MLPTiles.apply(self, x, tile, *mlp_params(self))               # keeps x + a alone
         # x + attention, then its norm (the attention output is not held while the MLP runs)
         x, normed = self.mlp_norm.add_forward(x, a)
+        del a
         return x + self.mlp(normed)
