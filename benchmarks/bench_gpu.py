@@ -79,7 +79,7 @@ def megalysses_step(shape: dict, seq: int, opts: dict, device, dtype) -> Callabl
     import torch
 
     from megalysses.config import ConfigError
-    from megalysses.config_io import load_config
+    from megalysses.config.io import load_config
     from megalysses.grid import ParallelGrid
     from megalysses.training.loop import build_model_and_optimizer
     from megalysses.training.runtime import resolve_run

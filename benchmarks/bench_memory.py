@@ -45,9 +45,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from megalysses.config import Config, ConfigError  # noqa: E402
-from megalysses.config_checks import validate_config  # noqa: E402
-from megalysses.config_io import load_config  # noqa: E402
-from megalysses.memory import GIB, estimate_plan, fmt_bytes  # noqa: E402
+from megalysses.config.checks import validate_config  # noqa: E402
+from megalysses.config.io import load_config  # noqa: E402
+from megalysses.memory import GIB, fmt_bytes  # noqa: E402
+from megalysses.plan.memory import estimate_plan  # noqa: E402
 from benchmarks.harness import source_commit  # noqa: E402
 
 from benchmarks.harness import add_output_args, output_dir, run_bounded, write_text  # noqa: E402

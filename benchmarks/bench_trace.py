@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.harness import add_output_args, output_dir, write_text  # noqa: E402
-from megalysses.config_io import load_config  # noqa: E402
+from megalysses.config.io import load_config  # noqa: E402
 from megalysses.memory import GIB  # noqa: E402
 from megalysses.plan.machine import device_memory_gib  # noqa: E402
 from megalysses.plan.search import evaluate, plan  # noqa: E402

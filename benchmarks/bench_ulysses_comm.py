@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.harness import add_output_args, output_dir, write_text  # noqa: E402
 from megalysses.config import ConfigError, ModelConfig  # noqa: E402
-from megalysses.config_checks import check_heads  # noqa: E402
+from megalysses.config.checks import check_heads  # noqa: E402
 from megalysses.grid import ParallelGrid  # noqa: E402
 from megalysses.kernels.rope import rope_cos_sin  # noqa: E402
 from megalysses.model.layers import Attention, ParallelGroups  # noqa: E402

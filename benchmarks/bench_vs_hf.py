@@ -38,7 +38,7 @@ from megalysses.config import ModelConfig  # noqa: E402
 from megalysses.grid import ParallelGrid  # noqa: E402
 from megalysses.model.gpt import GPTStage  # noqa: E402
 from megalysses.model.hf import from_hf_state_dict, model_config_from_hf  # noqa: E402
-from megalysses.training.optimizer import ShardedAdamW  # noqa: E402
+from megalysses.parallel.zero import ShardedAdamW  # noqa: E402
 from megalysses.training.step import train_step  # noqa: E402
 
 LR, WD, BETAS, EPS, CLIP = 3e-4, 0.1, (0.9, 0.95), 1e-8, 1.0

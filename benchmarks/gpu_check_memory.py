@@ -27,7 +27,7 @@ TARGET_ERROR = 0.10                         # the memory model within 10% of max
 def base_config(check):
     """The 1B config (gpt_1b_1m_offload.yaml; a tiny shape with --smoke) with what stage 1 saw auto resolve to
     (attention backend, dtype, kernels), so the planner and the memory model are asked about what runs."""
-    from megalysses.config_io import load_config
+    from megalysses.config.io import load_config
 
     overrides = base_overrides(check.smoke)
     resolved = check.resolved()
@@ -69,7 +69,7 @@ def _options(prediction) -> str:
 
 
 def _run(check, cfg, seq_len: int, steps: int, until: float, name: str) -> dict:
-    from megalysses.config_io import save_config
+    from megalysses.config.io import save_config
 
     path = check.work / f"{name}.yaml"
     save_config(cfg, path)

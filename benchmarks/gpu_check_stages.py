@@ -89,7 +89,7 @@ def environment_worker(smoke: bool) -> dict:
 
     import torch
 
-    from megalysses.config_io import load_config
+    from megalysses.config.io import load_config
 
     def ver(name: str) -> Optional[str]:
         try:

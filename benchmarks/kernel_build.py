@@ -36,7 +36,7 @@ DEFAULT_CONFIGS = ("configs/gpt_1b_1m_offload.yaml", "configs/llama3_8b_128k.yam
 def build_rows(config: str, dtype: str, archs: list[int]) -> list[dict]:
     import torch
 
-    from megalysses.config_io import load_config
+    from megalysses.config.io import load_config
     from megalysses.tools.triton_build import build, record_step, unique
 
     model = load_config(ROOT / config if not Path(config).exists() else config).model

@@ -34,7 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from megalysses.config import Config
 from megalysses.parallel.sequence_layout import SequenceLayout
-from megalysses.config_checks import check_heads
+from megalysses.config.checks import check_heads
 from megalysses.plan import Machine, RunPlan
 
 AXES = ("pp", "dp", "sp", "tp")
@@ -173,7 +173,7 @@ class ParallelGrid:
     @classmethod
     def for_config(cls, cfg: Config) -> "ParallelGrid":
         """The grid of cfg.parallel, sp split as a run on this machine splits it (the head rule of
-        config_checks.check_heads on the launcher's ranks per node, as megalysses.plan.resolve applies it)."""
+        config.checks.check_heads on the launcher's ranks per node, as megalysses.plan.resolve applies it)."""
         m, p = cfg.model, cfg.parallel
         _, ring = check_heads(m.num_heads, m.kv_heads, p.tp, p.sp, p.sp_ring, Machine.current().ranks_per_node)
         return cls(tp=p.tp, sp=p.sp, pp=p.pp, ring=ring, timeout_seconds=p.timeout_seconds)

@@ -1,6 +1,6 @@
 """What the planner tests share: Llama-3.1-8B's shape, a config with overrides, its run on described H100s."""
 from megalysses.config import ModelConfig
-from megalysses.config_io import load_config
+from megalysses.config.io import load_config
 from megalysses.plan import resolve
 from megalysses.plan.search import described_machine
 from megalysses.plan.machine import device_memory_gib

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from megalysses.config import ConfigError, TrainingConfig
-from megalysses.config_io import load_config
+from megalysses.config.io import load_config
 from megalysses.testing import run_distributed
-from megalysses.data.batch_schedule import BatchSizes, rampup_stages
+from megalysses.config.batch_schedule import BatchSizes, rampup_stages
 from megalysses.training.schedule import lr_at, lr_progress
 from test_curriculum import _recording_worker
 from test_training_parity import BASE, full_weights, losses, rel
@@ -75,7 +75,7 @@ def test_bad_ramps_are_one_config_error(overrides, message):
 
 
 def test_every_ramped_batch_fits_the_layout():
-    from megalysses.config_checks import validate_config
+    from megalysses.config.checks import validate_config
 
     cfg = load_config(overrides=["data.mock=true", "training.global_batch_size=8",
                                  "training.rampup_batch_size=[2, 2, 12]"])

@@ -7,7 +7,7 @@ import torch
 from megalysses.config import ModelConfig
 from megalysses.grid import ParallelGrid
 from megalysses.model.gpt import GPTStage, init_weights
-from megalysses.training.optimizer import ShardedAdamW
+from megalysses.parallel.zero import ShardedAdamW
 from megalysses.training.step import train_step
 
 CFG = ModelConfig(vocab_size=200, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, attention_backend="sdpa")

@@ -95,7 +95,7 @@ def test_ctrl_c_ends_with_one_line(tmp_path):
 
 
 def test_ctrl_c_says_what_a_restart_starts_from(tmp_path):
-    from megalysses.config_io import load_config
+    from megalysses.config.io import load_config
     from megalysses.tools.pretrain import _kept
 
     cfg = load_config(None, TINY + [f"logging.run_dir={tmp_path}"])

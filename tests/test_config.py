@@ -2,8 +2,8 @@
 import pytest
 
 from megalysses.config import Config, ConfigError
-from megalysses.config_checks import config_warnings, validate_config
-from megalysses.config_io import absolute_paths, config_from_dict, dump_config, load_config, read_yaml, save_config
+from megalysses.config.checks import config_warnings, validate_config
+from megalysses.config.io import absolute_paths, config_from_dict, dump_config, load_config, read_yaml, save_config
 
 
 def _write(tmp_path, text):
@@ -108,7 +108,7 @@ def test_cross_field_rules(overrides, needle):
 
 def test_sp_is_ulysses_times_ring_and_any_length_is_valid():
     """Layouts Ulysses alone cannot run get a ring; an explicit ring is honoured when the heads allow it."""
-    from megalysses.config_checks import check_heads
+    from megalysses.config.checks import check_heads
     from megalysses.plan import Machine, resolve
 
     assert check_heads(8, 8, 1, 3) == (1, 3)                 # 8 heads over 3 ranks: ring only

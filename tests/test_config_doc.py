@@ -4,8 +4,8 @@ import dataclasses
 from pathlib import Path
 
 from megalysses.config import Config
-from megalysses.config_doc import REGENERATE, key_docs, reference_markdown, sections
-from megalysses.config_io import load_config
+from megalysses.config.doc import REGENERATE, key_docs, reference_markdown, sections
+from megalysses.config.io import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -18,15 +18,16 @@ def _keys(node, prefix=""):
 def test_config_md_is_current():
     current = (ROOT / "docs" / "CONFIG.md").read_text()
     assert current == reference_markdown(), (
-        f"docs/CONFIG.md is out of date with megalysses/config.py (or megalysses/megatron_names.py): regenerate "
-        f"it with {REGENERATE} and commit it")
+        f"docs/CONFIG.md is out of date with megalysses/config/__init__.py (or megalysses/config/megatron_names.py): "
+        f"regenerate it with {REGENERATE} and commit it")
 
 
 def test_every_key_is_documented():
     documented = {k.key: k for section, cls in sections() for k in key_docs(cls, section)}
     assert set(documented) == set(_keys(dataclasses.asdict(Config())))
     undocumented = [k for k, d in documented.items() if not d.doc]
-    assert not undocumented, f"give these keys a docstring under the field in megalysses/config.py: {undocumented}"
+    assert not undocumented, \
+        f"give these keys a docstring under the field in megalysses/config/__init__.py: {undocumented}"
     text = reference_markdown()
     assert all(f"| `{k}` |" in text for k in documented)
     assert "| `parallel.sp` | int | `1` |" in text and "`--context-parallel-size`" in text

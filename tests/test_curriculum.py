@@ -9,7 +9,7 @@ import json
 import torch
 import torch.distributed as dist
 
-from megalysses.config_io import load_config
+from megalysses.config.io import load_config
 from megalysses.testing import run_distributed
 from megalysses.training import loop
 from test_training_parity import _train_worker, full_weights, losses

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from megalysses.config import ConfigError
-from megalysses.config_io import load_config
+from megalysses.config.io import load_config
 from megalysses.data.tokenizer import (HFTokenizer, NullTokenizer, TokenizerError, build_tokenizer, canonical_kind,
                                        tokenizer_from_config)
 

@@ -128,7 +128,7 @@ def test_padding_and_eod_mask_loss():
 
 @pytest.mark.parametrize("flag", [True, False])
 def test_eod_mask_loss_reaches_training_and_validation_batches(flag):
-    from megalysses.config_io import load_config
+    from megalysses.config.io import load_config
     from megalysses.grid import ParallelGrid
     from megalysses.training.data import TrainingData
 
@@ -251,7 +251,7 @@ def test_a_validation_set_of_its_own(tmp_path):
     """data.valid_paths (Megatron-LM's --valid-data-path): validation reads it whole, training the whole of
     data.paths, its last documents too (the default split would leave them to valid and test)."""
     from megalysses.config import ConfigError
-    from megalysses.config_io import load_config
+    from megalysses.config.io import load_config
     from megalysses.data.indexed import DatasetError
     from megalysses.grid import ParallelGrid
     from megalysses.training.data import TrainingData

@@ -3,7 +3,7 @@ prompts encoded as the training documents were, and metrics files with damaged l
 long-context panels when long_eval logged)."""
 import json
 
-from megalysses.config_io import load_config, save_config
+from megalysses.config.io import load_config, save_config
 from megalysses.tools import generate, plot_metrics
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megalysses import comm
-from megalysses.config_io import load_config
+from megalysses.config.io import load_config
 from megalysses.testing import run_distributed
 
 BASE = ["data.mock=true", "data.seq_len=32", "model.vocab_size=128", "model.hidden_size=64", "model.num_layers=4",

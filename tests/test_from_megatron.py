@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from megalysses.config_io import load_config
+from megalysses.config.io import load_config
 from megalysses.tools.from_megatron import main
 from megalysses.tools.megatron_convert import convert
 from megalysses.tools.megatron_script import MegatronArgsError, parse_arguments, script_arguments

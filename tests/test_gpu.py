@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megalysses.config_io import load_config
+from megalysses.config.io import load_config
 from megalysses.testing import run_distributed
 from megalysses.plan import ActivationPolicy
 
@@ -337,7 +337,7 @@ OFF_GPU_RUNS = {   # name: (overrides, its plain counterpart)
 @pytest.mark.timeout(900)   # four runs
 def test_gradients_and_weights_off_the_gpu(tmp_path):
     """torchrun on one GPU (NCCL), 2 micro-batches a step, ~116M parameters: with ZeRO-1's optimizer offload
-    the gradients stream to pinned host memory (training/host_gradients.py: the side stream, the staged sums of
+    the gradients stream to pinned host memory (parallel/host_gradients.py: the side stream, the staged sums of
     the second micro-batch), with FSDP's parameter offload the weights live there; both train the losses of
     the runs without them (the update runs on the CPU: its rounding may differ in the last bits) at a much
     lower peak (fp32 masters, moments and gradients of the whole model are gone from the GPU)."""

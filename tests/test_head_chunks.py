@@ -10,9 +10,10 @@ import pytest
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megalysses.config import ConfigError
-from megalysses.config_checks import head_chunk_counts
-from megalysses.config_io import load_config
-from megalysses.memory import PRECISIONS, Layout, Options, Workload, estimate_plan
+from megalysses.config.checks import head_chunk_counts
+from megalysses.config.io import load_config
+from megalysses.memory import PRECISIONS, Layout, Options, Workload
+from megalysses.plan.memory import estimate_plan
 from megalysses.model.recompute import attention_kernels
 from megalysses.plan import Machine, resolve
 from megalysses.plan.search import described_machine, evaluate

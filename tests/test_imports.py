@@ -1,25 +1,13 @@
-"""The packages only look down: no module below the tools imports them, the kernels never import the model,
-the plan imports neither model nor training, checkpoints do not import training, the evaluation's prompts and
-reports import no model or grid; and no two modules import
-each other, directly or round a longer circle (imports inside functions included)."""
+"""The packages only look up the README's map: the "Layout of the code" list is read here, and every import of
+every module under megalysses/ (imports inside functions included) points at its own line or a line above it;
+every module is on the map, a line names one package or at most three modules, and no two modules import each
+other, directly or round a longer circle."""
 import ast
+import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent / "megalysses"
-
-# package -> packages (first component after megalysses.) it must never import
-FORBIDDEN = {
-    "kernels": {"model", "training", "tools", "plan", "memory", "checkpoint", "grid", "parallel"},
-    "plan": {"model", "training", "tools", "checkpoint", "grid"},
-    "memory": {"model", "training", "tools", "checkpoint", "grid"},
-    "config": {"model", "training", "tools", "plan", "memory", "checkpoint", "parallel", "kernels", "grid"},
-    "parallel": {"model", "training", "tools", "checkpoint"},
-    "model": {"training", "tools", "checkpoint"},
-    "data": {"model", "training", "tools", "plan", "checkpoint"},
-    "checkpoint": {"training", "tools"},
-    "evaluation": {"model", "training", "tools", "checkpoint", "grid", "parallel"},
-    "training": {"tools"},
-}
+REPO = Path(__file__).resolve().parent.parent
+ROOT = REPO / "megalysses"
 
 
 def modules() -> dict[str, set[str]]:
@@ -38,15 +26,64 @@ def modules() -> dict[str, set[str]]:
     return {m: {t for t in targets if t in graph and t != m} for m, targets in graph.items()}
 
 
-def package(module: str) -> str:
-    part = module.split(".")[1] if module.count(".") else ""
-    return "config" if part.startswith("config") else part
+def code_map() -> list[list[str]]:
+    """The README's list, line by line: the packages (`kernels`) or modules (`comm`) each line names."""
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("## Layout of the code", 1)[1].split("\n## ", 1)[0]
+    lines = []
+    for line in section.splitlines():
+        m = re.match(r" {4}megalysses/((?:[\w/.]+, )*[\w/.]+)(?:\s|$)", line)
+        if m:
+            lines.append([name.removesuffix("/").removesuffix(".py") for name in m.group(1).split(", ")])
+    return lines
 
 
-def test_packages_only_look_down():
-    bad = [f"{m} imports {t}" for m, targets in modules().items() for t in targets
-           if package(t) in FORBIDDEN.get(package(m), set())]
+def line_of(module: str, lines: list[list[str]]) -> int | None:
+    """The index of the map's line that holds `module` (its package, or itself at the top level)."""
+    top = module.split(".")[1]
+    return next((i for i, names in enumerate(lines) if top in names), None)
+
+
+def test_the_map_names_every_module_once():
+    lines = code_map()
+    names = [n for line in lines for n in line]
+    assert len(names) == len(set(names)), names
+    for line in lines:       # one package, or at most three top-level modules
+        packages = [n for n in line if (ROOT / n).is_dir()]
+        assert (len(line) == 1 and packages) or (not packages and len(line) <= 3), line
+        assert all((ROOT / n).is_dir() or (ROOT / f"{n}.py").is_file() for n in line), line
+    unmapped = sorted(m for m in modules() if m != "megalysses" and line_of(m, lines) is None)
+    assert not unmapped, f"modules the README's code map does not name: {unmapped}"
+
+
+def violations(graph: dict[str, set[str]], lines: list[list[str]]) -> list[str]:
+    """Every import that points below its own line of the map."""
+    return [f"{m} (line {line_of(m, lines)}) imports {t} (line {line_of(t, lines)})"
+            for m, targets in sorted(graph.items()) if m != "megalysses"
+            for t in sorted(targets) if t != "megalysses" and line_of(t, lines) > line_of(m, lines)]
+
+
+def test_imports_follow_the_map():
+    graph = modules()
+    assert not graph["megalysses"], "the package root imports nothing of its own"
+    bad = violations(graph, code_map())
     assert not bad, bad
+
+
+def test_the_check_sees_a_wrong_import():
+    """A module reaching down the map is caught: the model importing the training loop, the config the data."""
+    graph, lines = modules(), code_map()
+    graph["megalysses.model.gpt"].add("megalysses.training.loop")
+    graph["megalysses.config.checks"].add("megalysses.data.blend")
+    assert violations(graph, lines) == ["megalysses.config.checks (line 0) imports megalysses.data.blend (line "
+                                        f"{line_of('megalysses.data.blend', lines)})",
+                                        f"megalysses.model.gpt (line {line_of('megalysses.model.gpt', lines)}) "
+                                        f"imports megalysses.training.loop (line "
+                                        f"{line_of('megalysses.training.loop', lines)})"]
+
+
+def package(module: str) -> str:
+    return module.split(".")[1] if module.count(".") else ""
 
 
 def test_no_import_circles():

@@ -3,8 +3,8 @@ shrinks with the number of virtual stages. (Numerical parity is in test_training
 import pytest
 
 from megalysses.config import ConfigError
-from megalysses.config_checks import validate_config
-from megalysses.config_io import load_config
+from megalysses.config.checks import validate_config
+from megalysses.config.io import load_config
 from megalysses.parallel.interleaved import rank_order, slot_schedule
 
 

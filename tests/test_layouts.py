@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from megalysses.config_io import load_config
+from megalysses.config.io import load_config
 from megalysses.testing import run_distributed
 
 BASE = ["data.mock=true", "data.seq_len=16", "model.vocab_size=64", "model.hidden_size=16", "model.num_heads=4",
@@ -42,7 +42,7 @@ LAYOUTS = layouts()
 
 def _one_step(rank, world, runs):
     """Build each layout's model and optimizer (as a run does) and take one training step on its grid."""
-    from megalysses.config_checks import validate_config
+    from megalysses.config.checks import validate_config
     from megalysses.grid import ParallelGrid
     from megalysses.training.data import TrainingData
     from megalysses.training.loop import build_model_and_optimizer

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megalysses.config import ConfigError
-from megalysses.config_io import load_config
+from megalysses.config.io import load_config
 from megalysses.data.tokenizer import ByteTokenizer
 from megalysses.evaluation.corpus import passkey_documents, plain_text
 from megalysses.evaluation.tasks import (NIAH_KEYS, PromptError, Prompts, bucket_bounds, bucket_of,

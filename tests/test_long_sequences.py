@@ -3,8 +3,8 @@ lengths modelled with ALST's own settings, then megalysses' own layouts on the s
 step-time models of megalysses.plan; H100 SXM figures)."""
 import pytest
 
-from megalysses.config_checks import validate_config
-from megalysses.config_io import load_config
+from megalysses.config.checks import validate_config
+from megalysses.config.io import load_config
 from megalysses.memory import GIB, PRECISIONS, Layout, Options, Workload, longest_sequence
 from megalysses.plan.search import evaluate, plan
 from megalysses.plan.step_time import Hardware, step_time

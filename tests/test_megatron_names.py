@@ -3,8 +3,8 @@ Megatron-LM's spellings of choice values read as ours, and a name whose meaning 
 import pytest
 
 from megalysses.config import ConfigError
-from megalysses.config_io import load_config
-from megalysses.megatron_names import FLAGS, answer_for, flags_for_key
+from megalysses.config.io import load_config
+from megalysses.config.megatron_names import FLAGS, answer_for, flags_for_key
 
 # the names that once got a suggestion of an unrelated key, each with the key it is
 EIGHT = [("parallel.cp", "parallel.sp"), ("context_parallel_size", "parallel.sp"),

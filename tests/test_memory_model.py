@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from megalysses import comm
 from megalysses.config import ModelConfig
-from megalysses.config_io import load_config
+from megalysses.config.io import load_config
 from megalysses.grid import ParallelGrid
 from megalysses.kernels.triton_support import triton_importable
 from megalysses.measure import Retained, host_resident, measure_peak, measure_retained

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from megalysses.config_io import load_config
+from megalysses.config.io import load_config
 from megalysses.kernels.triton_support import triton_importable
 from megalysses.plan import Machine
 from megalysses.plan.search import estimate_config

@@ -9,12 +9,12 @@ import torch.distributed as dist
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from megalysses.config import ConfigError
-from megalysses.config_io import load_config
+from megalysses.config.io import load_config
 from megalysses.grid import ParallelGrid
 from megalysses.plan.flops import flops_per_token, peak_tflops
 from megalysses.training import metrics
 from megalysses.training.loop import train
-from megalysses.config_checks import check_logging_backends
+from megalysses.config.checks import check_logging_backends
 
 TINY = ["data.mock=true", "data.seq_len=32", "model.vocab_size=128", "model.hidden_size=32", "model.num_layers=2",
         "model.num_heads=4", "model.attention_backend=sdpa", "training.global_batch_size=4",

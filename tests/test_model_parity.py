@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megalysses.config import ModelConfig, RopeScalingConfig
-from megalysses.config_checks import check_heads
+from megalysses.config.checks import check_heads
 from megalysses.grid import ParallelGrid
 from megalysses.model.gpt import GPTStage, init_weights
 from megalysses.model.layers import ParallelGroups

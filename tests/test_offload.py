@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megalysses.config import ConfigError
-from megalysses.config_io import load_config
+from megalysses.config.io import load_config
 from megalysses.grid import ParallelGrid
 from megalysses.measure import measure_retained
 from megalysses.memory import PRECISIONS, Layout, Options, retained_activation_bytes

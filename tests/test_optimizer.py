@@ -7,7 +7,7 @@ from torch import nn
 
 from megalysses.config import OptimizerConfig
 from megalysses.testing import run_distributed
-from megalysses.training.optimizer import ShardedAdamW, chunk_rows
+from megalysses.parallel.zero import ShardedAdamW, chunk_rows
 from megalysses.training.schedule import lr_at
 
 SHAPES = {"a.weight": (7, 5), "b.weight": (3, 4), "norm.weight": (6,), "c.bias": (1,)}

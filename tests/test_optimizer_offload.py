@@ -7,7 +7,7 @@ step drops by what the memory model predicts."""
 import pytest
 import torch
 
-from megalysses.config_io import load_config
+from megalysses.config.io import load_config
 from megalysses.grid import ParallelGrid
 from megalysses.testing import run_distributed
 
@@ -72,7 +72,7 @@ def train(overrides: list[str], world: int, steps: int = 3) -> dict:
 def arena_use(cfg, runtime, grid, model, opt) -> tuple[int, int] | None:
     """(the bytes of the rank's pinned arenas, what the run took of them, staging buffers included: a CPU adds a
     later micro-batch's gradients at once, without staging them), or None where the run pins nothing."""
-    from megalysses.memory import pinned_requests_of
+    from megalysses.plan.memory import pinned_requests_of
 
     chunks = model.chunks if hasattr(model, "chunks") else [model]
     arenas = [a for a in [getattr(opt, "pinned", None)] + [c.offload.pinned for c in chunks if c.offload]

@@ -55,9 +55,10 @@ def test_an_arena_is_one_request_to_the_host_and_works_on_meta_tensors():
 def test_a_run_sizes_its_arena_from_the_plan():
     """What build_model_and_optimizer pins is one arena of the memory model's pinned requests for the rank's
     stage, and those are the estimate's pinned host terms."""
-    from megalysses.config_io import load_config
+    from megalysses.config.io import load_config
     from megalysses.grid import ParallelGrid
-    from megalysses.memory import arena_bytes, estimate_plan, pinned_requests_of
+    from megalysses.memory import arena_bytes
+    from megalysses.plan.memory import estimate_plan, pinned_requests_of
     from megalysses.training import loop
     from megalysses.training.runtime import resolve_run
 
@@ -90,7 +91,7 @@ def test_a_bucket_larger_than_a_staging_buffer_fills_them_in_turn():
     through them in turn: every host gradient gets its sum."""
     from megalysses.memory.host import STAGES, staging_elements
     from megalysses.pinned_arena import PinnedRequests
-    from megalysses.training.host_gradients import HostGradients
+    from megalysses.parallel.host_gradients import HostGradients
 
     class Done:                                  # an event whose work has finished (a copy on a CPU)
         def synchronize(self):
@@ -127,7 +128,7 @@ def test_the_plan_counts_the_block_inputs_each_schedule_keeps_in_flight():
     """Activation offload's buffers on each pipeline rank: per model chunk, the block inputs a forward offloads
     (each checkpointed group's, but a received pipeline input) times the most forwards of that chunk whose
     backward has not started, over the schedule the run executes (parallel/pipeline.py, interleaved.py)."""
-    from megalysses.config_io import load_config
+    from megalysses.config.io import load_config
     from megalysses.memory import Layout, Options, Workload
     from megalysses.memory.host import offload_buffers
     from megalysses.parallel.interleaved import rank_order

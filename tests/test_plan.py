@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from megalysses.config import ConfigError, ModelConfig
-from megalysses.config_checks import check_heads, check_world_size, validate_config
-from megalysses.config_io import load_config
+from megalysses.config.checks import check_heads, check_world_size, validate_config
+from megalysses.config.io import load_config
 from megalysses.memory import (GIB, PRECISIONS, Layout, Options, Workload, estimate, layer_params,
                                stage_params)
 from megalysses.plan.search import (candidate_configs, check_phase_time, evaluate, plan,

@@ -13,7 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megalysses.config import ConfigError
-from megalysses.config_io import load_config
+from megalysses.config.io import load_config
 from megalysses.model.recompute import attention_kernels
 from megalysses.testing import run_distributed
 from megalysses.training.runtime import memory_options, resolve_run

@@ -3,7 +3,7 @@ torch: the layouts' parity shares our loop, optimizer and schedule with that run
 (a step's learning rate, the betas, the clip) would pass parity; here it cannot."""
 import torch
 
-from megalysses.config_io import load_config
+from megalysses.config.io import load_config
 from test_training_parity import BASE, rel, run_layouts
 
 # Adam moves an element by ~lr * g / (|g| + eps): with eps near |g| it sees the gradients' scale, so a

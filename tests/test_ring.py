@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megalysses.config import ConfigError
-from megalysses.config_io import load_config
+from megalysses.config.io import load_config
 from megalysses.grid import ParallelGrid
 from megalysses.kernels import attention, block_attention as blocks
 from megalysses.kernels.attention import core_attention

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from megalysses.config_io import load_config
+from megalysses.config.io import load_config
 from megalysses.plan import Machine
 from megalysses.plan.search import evaluate
 from megalysses.plan.step_time import Hardware

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megalysses.config import ConfigError
-from megalysses.config_io import load_config
+from megalysses.config.io import load_config
 from megalysses.grid import ParallelGrid
 from megalysses.training.runtime import model_config, resolve_run, startup_line, write_runtime
 

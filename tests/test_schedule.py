@@ -6,7 +6,7 @@ import math
 import pytest
 
 from megalysses.config import ConfigError, OptimizerConfig
-from megalysses.config_io import load_config
+from megalysses.config.io import load_config
 from megalysses.training.schedule import lr_at
 
 LR, MIN = 1.0, 0.1

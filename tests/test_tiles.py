@@ -6,8 +6,8 @@ from dataclasses import replace
 import pytest
 
 from megalysses.config import ConfigError
-from megalysses.config_io import load_config, save_config
-from megalysses.memory import estimate_plan
+from megalysses.config.io import load_config, save_config
+from megalysses.plan.memory import estimate_plan
 from megalysses.plan import resolve
 from megalysses.plan.machine import Machine
 from megalysses.plan.search import described_machine, plan

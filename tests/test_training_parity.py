@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from chat_data import write_conversations
-from megalysses.config_io import load_config
+from megalysses.config.io import load_config
 from megalysses.testing import run_distributed
 
 BASE = [

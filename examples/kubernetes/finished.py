@@ -11,7 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from megalysses.config import ConfigError  # noqa: E402
-from megalysses.config_io import load_config  # noqa: E402
+from megalysses.config.io import load_config  # noqa: E402
 from megalysses.checkpoint.manifest import read_latest, step_of  # noqa: E402
 
 

@@ -6,5 +6,5 @@
                  from (and what to fall back to)
     initial.py   starting weights from a Hugging Face model directory or another run, at any layout
 
-It may import config, grid, model and the data-free parts below them; nothing in training or tools.
+It sits below the model in the README's code map and imports nothing of training or the tools.
 """

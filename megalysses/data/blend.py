@@ -26,46 +26,12 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from megalysses.config.values import is_weighted, parse_blend  # noqa: F401  (read by the data pipeline from here too)
 from megalysses.data.cache import cached_arrays
 from megalysses.data.packing import sample_rows
 
 BLEND_VERSION = "blend-edf-v1"
 _EPS = 1e-9
-
-
-def _is_number(s: str) -> bool:
-    try:
-        float(s)
-        return True
-    except ValueError:
-        return False
-
-
-def is_weighted(spec: Sequence[str]) -> bool:
-    """Whether a dataset list gives weights (["0.7", "a", "0.3", "b"]) rather than bare prefixes."""
-    return bool(spec) and _is_number(str(spec[0]))
-
-
-def parse_blend(spec: Sequence[str]) -> tuple[list[str], list[float]]:
-    """["0.7", "pathA", "0.3", "pathB"] or ["pathA", "pathB"] (equal weights) -> (paths, normalised weights)."""
-    items = [str(s) for s in spec]
-    if not items:
-        raise ValueError("empty dataset list: give dataset prefixes, optionally weighted ['0.7', 'a', '0.3', 'b']")
-    is_number = _is_number
-    if not is_number(items[0]):
-        if any(is_number(s) for s in items):
-            raise ValueError(f"dataset list {items}: mixes weights and unweighted paths")
-        return items, [1.0 / len(items)] * len(items)
-    if len(items) % 2 or not all(is_number(w) and not is_number(p) for w, p in zip(items[::2], items[1::2])):
-        raise ValueError(f"dataset list {items}: expected weight, path pairs like ['0.7', 'a', '0.3', 'b']")
-    weights = [float(w) for w in items[::2]]
-    for w, path in zip(items[::2], items[1::2]):
-        if not math.isfinite(float(w)) or float(w) < 0:
-            raise ValueError(f"dataset list {items}: the weight {w} of {path} is not a finite non-negative number")
-    if sum(weights) <= 0:
-        raise ValueError(f"dataset list {items}: the weights sum to 0; give at least one dataset a positive weight")
-    total = sum(weights)
-    return items[1::2], [w / total for w in weights]
 
 
 def _release_step(k: Any, weight: Any, delta: float) -> Any:

@@ -16,40 +16,16 @@ Three indices, built with vectorised numpy and cached (see cache.py):
 """
 from __future__ import annotations
 
-import math
 import os
-import re
 from typing import Optional
 
 import numpy as np
 
+from megalysses.config.values import parse_split
 from megalysses.data.cache import cached_arrays
 from megalysses.data.indexed import IndexedDataset
 
 INDEX_VERSION = "gpt-indices-v1"
-
-
-def parse_split(split: str) -> list[float]:
-    """"969,30,1" (or "969/30/1") -> normalised [train, valid, test] weights (missing entries are 0)."""
-    text = str(split).strip()
-    usage = "give up to three non-negative ratios for train,valid,test like '969,30,1'"
-    items = [x.strip() for x in re.split(r"[,/]", text)] if text else []
-    if not 1 <= len(items) <= 3:
-        raise ValueError(f"split {split!r}: {len(items)} ratios; {usage}")
-    parts = []
-    for item in items:
-        try:
-            value = float(item)
-        except ValueError:
-            raise ValueError(f"split {split!r}: {item!r} is not a number; {usage}") from None
-        if not math.isfinite(value) or value < 0:
-            raise ValueError(f"split {split!r}: ratio {item} is {'negative' if value < 0 else 'not finite'}; {usage}")
-        parts.append(value)
-    if sum(parts) <= 0:
-        raise ValueError(f"split {split!r}: the ratios sum to 0; {usage}")
-    parts += [0.0] * (3 - len(parts))
-    total = sum(parts)
-    return [p / total for p in parts]
 
 
 def split_ranges(split: str, num_documents: int) -> list[tuple[int, int]]:

@@ -40,27 +40,11 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
-KINDS = ("byte", "sentencepiece", "huggingface", "gpt2bpe", "null")
-_MEGATRON_KINDS = {
-    "huggingfacetokenizer": "huggingface", "sentencepiecetokenizer": "sentencepiece",
-    "gptsentencepiecetokenizer": "sentencepiece", "llama2tokenizer": "sentencepiece",
-    "gpt2bpetokenizer": "gpt2bpe", "nulltokenizer": "null", "hf": "huggingface", "tokenizers": "huggingface",
-}
-_UNSUPPORTED_KINDS = {
-    "tiktokenizer": "tiktoken vocabularies are not supported: use the model's tokenizer.json with HuggingFaceTokenizer",
-    "bertwordpiecelowercase": "BERT word-piece tokenizers are for BERT data, not GPT pretraining",
-    "bertwordpiececase": "BERT word-piece tokenizers are for BERT data, not GPT pretraining",
-    "multimodaltokenizer": "multimodal tokenizers are not supported (text GPT pretraining only)",
-    "nullmultimodaltokenizer": "multimodal tokenizers are not supported (text GPT pretraining only)",
-    "sfttokenizer": "the SFT tokenizer is for fine-tuning conversations, not pretraining",
-}
+from megalysses.config.values import KINDS, TokenizerError, canonical_kind  # noqa: F401
+
 # well-known special tokens, tried when a tokenizer.json comes without the files that name them
 _EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|end▁of▁sentence|>")
 _BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>", "<|begin▁of▁sentence|>")
-
-
-class TokenizerError(ValueError):
-    """A missing, unreadable or unsuitable tokenizer; the message names the file and the fix."""
 
 
 class TokenizerFileNotFound(TokenizerError, FileNotFoundError):
@@ -109,20 +93,6 @@ class _Specials:
             out += [(text[start:m.start()], None), (m.group(), self.special_tokens[m.group()])]
             start = m.end()
         return out + [(text[start:], None)]
-
-
-def canonical_kind(kind: str) -> str:
-    """One of KINDS for our names and Megatron-LM's --tokenizer-type names (case-insensitive)."""
-    key = str(kind).strip().lower()
-    if key in KINDS:
-        return key
-    if key in _MEGATRON_KINDS:
-        return _MEGATRON_KINDS[key]
-    if key in _UNSUPPORTED_KINDS:
-        raise TokenizerError(f"tokenizer type {kind!r}: {_UNSUPPORTED_KINDS[key]}")
-    raise TokenizerError(f"unknown tokenizer kind {kind!r}: expected one of {', '.join(KINDS[:-1])} or Megatron-LM's "
-                         f"NullTokenizer, HuggingFaceTokenizer, SentencePieceTokenizer, GPTSentencePieceTokenizer, "
-                         f"Llama2Tokenizer, GPT2BPETokenizer")
 
 
 class ByteTokenizer(_Specials):

@@ -74,8 +74,8 @@ torch.cuda.max_memory_allocated on a GPU.
 The modules: types.py (the tables above, Layout, Options, Workload, Term, Estimate), activations.py (what
 a layer and a stage keep), states.py (parameters, micro-batches in flight, weights, gradients, optimizer
 state), transients.py (a layer's backward, the norm backward, the loss), estimate.py (the peak over stages
-and phases, the longest sequence that fits), host.py (the pinned host requests of a rank), from_plan.py
-(all of it read off a RunPlan).
+and phases, the longest sequence that fits), host.py (the pinned host requests of a rank).
+megalysses/plan/memory.py reads all of it off a RunPlan.
 """
 
 from megalysses.memory.types import (GIB, KERNELS, PRECISIONS, Estimate, Kernels, Layout, Options, Precision, Term,
@@ -88,13 +88,11 @@ from megalysses.memory.states import head_norm_params, in_flight, layer_params, 
 from megalysses.memory.transients import loss_tile_tokens, norm_backward_bytes, norm_tile_bytes
 from megalysses.memory.estimate import estimate, longest_sequence
 from megalysses.memory.host import PinnedRequest, arena_bytes, arenas, pinned_requests
-from megalysses.memory.from_plan import (attention_buffers, estimate_plan, layout_of, options_of,
-                                         pinned_requests_of, precision_of, workload_of)
 
 __all__ = ["Estimate", "GIB", "KERNELS", "Kernels", "Layout", "Options", "PRECISIONS", "PerToken", "PinnedRequest",
-           "Precision", "arena_bytes", "arenas", "pinned_requests", "pinned_requests_of",
-           "SP_BUFFERS", "Term", "Workload", "attention_buffers", "bytes_per_token", "cos_sin_kept", "estimate",
-           "estimate_plan", "fmt_bytes", "head_norm_params", "head_weight_grad_bytes", "in_flight", "kept_layers",
-           "kv_replication", "layer_params", "layer_terms", "layout_of", "longest_sequence", "loss_tile_tokens",
-           "norm_backward_bytes", "norm_tile_bytes", "options_of", "precision_of", "retained_activation_bytes",
-           "sp_buffer_bytes_per_token", "stage_layers", "stage_params", "stage_terms", "tiled", "workload_of"]
+           "Precision", "arena_bytes", "arenas", "pinned_requests",
+           "SP_BUFFERS", "Term", "Workload", "bytes_per_token", "cos_sin_kept", "estimate",
+           "fmt_bytes", "head_norm_params", "head_weight_grad_bytes", "in_flight", "kept_layers",
+           "kv_replication", "layer_params", "layer_terms", "longest_sequence", "loss_tile_tokens",
+           "norm_backward_bytes", "norm_tile_bytes", "retained_activation_bytes",
+           "sp_buffer_bytes_per_token", "stage_layers", "stage_params", "stage_terms", "tiled"]

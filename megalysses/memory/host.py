@@ -13,7 +13,7 @@ megalysses' own pinned tensors, each requested at its exact size:
                          stage); per chunk, the most forwards in flight over the rank's pipeline schedule
     optimizer offload    (ZeRO-1) each parameter's fp32 master chunk and reduced-gradient chunk (the largest
                          rank's, ceil(rows / G) rows), and with more than one micro-batch per step the
-                         staging buffers a later micro-batch's bucket waits in (training/host_gradients.py)
+                         staging buffers a later micro-batch's bucket waits in (parallel/host_gradients.py)
 Each request names its owner (the optimizer, or the offloader of one model chunk), and each owner takes an
 arena of its own: an offloader lets all its buffers go when the sequence grows (a curriculum's next length)
 and takes them again at the new size, which its own arena always holds (shared with longer-lived slices,
@@ -31,7 +31,7 @@ from megalysses.memory.types import Layout, Options, Precision, Term, Workload, 
 from megalysses.pinned_arena import ALIGN, aligned
 
 STAGES = 2
-"""Optimizer offload's staging buffers (training/host_gradients.py): a later micro-batch's reduced gradients
+"""Optimizer offload's staging buffers (parallel/host_gradients.py): a later micro-batch's reduced gradients
 wait in one of them for their addition on the host while the next bucket fills another."""
 
 

@@ -110,7 +110,7 @@ def reduced_bytes(prec: Precision, opts: Options, G: int, M: int) -> float:
 
 def streams_gradients(opts: Options) -> bool:
     """ZeRO-1 with optimizer offload: each bucket leaves the device as soon as its gradients are in, in every
-    micro-batch (training/optimizer.py), so a step's gradients never accumulate there."""
+    micro-batch (parallel/zero.py), so a step's gradients never accumulate there."""
     return opts.optimizer_offload and not opts.fsdp
 
 

@@ -59,7 +59,7 @@ KERNELS: dict[str, Kernels] = {
 
 @dataclass(frozen=True)
 class Layout:
-    """The process grid: sp = ulysses x ring (parallel.sp, parallel.sp_ring as config_checks.check_heads resolves
+    """The process grid: sp = ulysses x ring (parallel.sp, parallel.sp_ring as config.checks.check_heads resolves
     them)."""
 
     tp: int = 1

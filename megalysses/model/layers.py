@@ -128,7 +128,7 @@ class Attention(nn.Module):
         self.rep = cfg.num_heads // cfg.kv_heads
         if head_chunks < 1 or self.hk % head_chunks:
             raise ValueError(f"Attention: {head_chunks} head chunks do not split the {self.hk} KV heads of a tp rank "
-                             f"into whole KV groups (config_checks.check_head_chunks names the valid counts)")
+                             f"into whole KV groups (config.checks.check_head_chunks names the valid counts)")
         self.head_chunks = head_chunks
         sp_ = groups.sequence_parallel
         self.qkv_proj = ColumnParallelLinear(h, (cfg.num_heads + 2 * cfg.kv_heads) * D, groups.tp, cfg.qkv_bias, sp_)

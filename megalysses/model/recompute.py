@@ -7,7 +7,7 @@ backward recomputes the norms, projections, RoPE and all-to-alls, and reuses the
 running attention, the part of the forward that grows as S^2, a second time. It costs the attention
 output and log-sum-exp per layer, about one more block input per layer (tables in the memory model).
 
-Only SDPA's fused kernels are matched (config_checks.check_kept_attention refuses the option with other
+Only SDPA's fused kernels are matched (config.checks.check_kept_attention refuses the option with other
 backends, and with ring attention, whose blocks are not one kernel call), so nothing else changes: the
 kept outputs are the ones the recomputation would have produced, and the gradients are those of full
 recomputation (bit for bit where the backward kernels are deterministic, as on CPU). Where SDPA runs its

@@ -9,9 +9,10 @@ memory model (megalysses.memory) and the cost models here read.
     step_time.py  Hardware and the step-time model
     search.py     a config's predicted memory and step time on a machine, the layouts that fit, and the
                   phase-time check of a run (tools/plan.py is the command line over it)
+    memory.py     the memory model (megalysses.memory) read off a RunPlan: its estimate and pinned requests
 
-It may import config, config_checks, kernels (what each kernel can run), parallel.sequence_layout and
-memory; nothing in model, training or tools.
+It sits below config, kernels (what each kernel can run), memory and parallel (the sequence layout) in the
+README's code map, and imports nothing further down.
 """
 from megalysses.plan.machine import Machine
 from megalysses.plan.run_plan import resolve

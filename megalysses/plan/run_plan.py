@@ -19,7 +19,7 @@ documents, half precision), then FlexAttention, then the reference. The backend 
 training (a backward), which is what every phase of the run then uses: evaluation runs the same kernel
 forward only. The kernels are model.kernels' (the torch references by default: the Triton kernels are
 opt-in until measured on a GPU), refused where they cannot run. Attention head chunks are checked against
-the layout's heads (config_checks.head_chunk_counts); `auto` asks the memory model for the fewest that fit
+the layout's heads (config.checks.head_chunk_counts); `auto` asks the memory model for the fewest that fit
 the device (auto_head_chunks).
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ from dataclasses import replace
 from typing import Optional
 
 from megalysses.config import Config, ConfigError
-from megalysses.config_checks import check_head_chunks, check_heads, check_kept_attention, head_chunk_counts
+from megalysses.config.checks import check_head_chunks, check_heads, check_kept_attention, head_chunk_counts
 from megalysses.kernels.attention import unsupported_reason
 from megalysses.parallel.sequence_layout import SequenceLayout
 from megalysses.plan.machine import Machine
@@ -118,7 +118,7 @@ def _phases(cfg: Config, sequence: SequenceLayout) -> tuple[Phase, ...]:
 
 def resolve(cfg: Config, machine: Machine, world_size: int, tiles: bool = True) -> RunPlan:
     """Every decision of a run of `cfg` on `world_size` ranks of `machine`; ConfigError names what cannot run
-    there. `cfg` is assumed to have passed config_checks.validate_config at this world size. With
+    there. `cfg` is assumed to have passed config.checks.validate_config at this world size. With
     tiles=False the `auto` MLP and loss tiles are left undecided, 0 in the plan's activation policy (the
     planner bounds what they can resolve to: plan/tiles.py could_fit)."""
     m, p, t = cfg.model, cfg.parallel, cfg.training
@@ -172,7 +172,7 @@ def flex_mask_block(cfg: Config, run: RunPlan) -> int:
     divides it; finer blocks skip more masked work) whose block mask the memory model finds within MASK_SHARE
     of the predicted peak (its four index tensors shrink as the square of the block), at most the sequence a
     mask spans. 128 where the memory model does not cover the run."""
-    from megalysses.memory.from_plan import estimate_plan      # the memory model reads RunPlans: import late
+    from megalysses.plan.memory import estimate_plan      # the memory model reads RunPlans: import late
 
     span = run.padded_seq_len // run.ring
     block = 128
@@ -209,7 +209,7 @@ def auto_head_chunks(cfg: Config, run: RunPlan) -> int:
     kept (recompute_attention=false), or where the memory model does not cover the run."""
     if run.machine.memory_gib is None or run.activation.keep_attention:
         return 1
-    from megalysses.memory.from_plan import estimate_plan      # the memory model reads RunPlans: import late
+    from megalysses.plan.memory import estimate_plan      # the memory model reads RunPlans: import late
     from megalysses.plan.step_time import Hardware
 
     m, hw = cfg.model, Hardware()

@@ -18,8 +18,9 @@ from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Optional
 
 from megalysses.config import Config, ConfigError, ModelConfig
-from megalysses.config_checks import check_heads, check_world_size, head_chunk_counts, validate_config
-from megalysses.memory import GIB, Estimate, estimate_plan, options_of, precision_of, workload_of, layout_of
+from megalysses.config.checks import check_heads, check_world_size, head_chunk_counts, validate_config
+from megalysses.memory import GIB, Estimate
+from megalysses.plan.memory import estimate_plan, options_of, precision_of, workload_of, layout_of
 from megalysses.plan.flops import flops_per_token
 from megalysses.plan.machine import PLAIN_TORCH, Machine
 from megalysses.plan.run_plan import resolve
@@ -186,7 +187,7 @@ def plan(cfg: Config, gpus: int, seq_len: int, gpu_memory_gib: Optional[float] =
          packages: tuple[str, ...] = PLAIN_TORCH,
          progress: Optional[Callable[[int, int, int], None]] = None) -> tuple[list[Prediction], int]:
     """(the layouts that fit, best first, each run once; how many candidates were considered: those that
-    validate), on H100s (`hw`, default Hardware()). A layout's batch arithmetic (config_checks.check_world_size)
+    validate), on H100s (`hw`, default Hardware()). A layout's batch arithmetic (config.checks.check_world_size)
     is checked once for all its memory options, and a candidate whose peak no tiles can bring within the
     device's usable memory (plan/tiles.py could_fit) is not searched further: it fits at none of them.
     `progress(searched, candidates, fitting)` is told after every candidate."""

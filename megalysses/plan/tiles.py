@@ -28,7 +28,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from megalysses.config import Config
-from megalysses.memory import estimate_plan, layout_of, loss_tile_tokens, options_of
+from megalysses.memory import loss_tile_tokens
+from megalysses.plan.memory import estimate_plan, layout_of, options_of
 from megalysses.plan.types import ActivationPolicy, RunPlan
 from megalysses.plan.step_time import Hardware
 

@@ -36,7 +36,7 @@ class ActivationPolicy:
     def __post_init__(self) -> None:
         if self.keep_attention and self.offload:
             raise ValueError("keeping attention outputs with activation offload is not supported: they would stay "
-                             "on the device (config_checks.check_kept_attention refuses the config)")
+                             "on the device (config.checks.check_kept_attention refuses the config)")
         if self.keep_attention and self.head_chunks > 1:
             raise ValueError("keeping attention outputs with head chunks is not supported (validate_config refuses "
                              "the config)")

@@ -1,5 +1,5 @@
-"""Write the config reference, docs/CONFIG.md, from the schema (megalysses/config.py) and Megatron-LM's names
-(megalysses/megatron_names.py).
+"""Write the config reference, docs/CONFIG.md, from the schema (megalysses/config/__init__.py) and Megatron-LM's names
+(megalysses/config/megatron_names.py).
 
     python tools/config_doc.py --output docs/CONFIG.md      # or: make docs
     python tools/config_doc.py --check                      # exit 1 when docs/CONFIG.md is out of date
@@ -12,7 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from megalysses.config_doc import REGENERATE, reference_markdown
+from megalysses.config.doc import REGENERATE, reference_markdown
 
 DEFAULT = Path(__file__).resolve().parents[2] / "docs" / "CONFIG.md"
 
@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         current = args.output.read_text() if args.output.is_file() else None
         if current != text:
-            print(f"{args.output} is out of date with megalysses/config.py: regenerate it with {REGENERATE}",
+            print(f"{args.output} is out of date with megalysses/config/__init__.py: regenerate it with {REGENERATE}",
                   file=sys.stderr)
             return 1
         print(f"{args.output} is current")

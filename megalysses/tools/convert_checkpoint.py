@@ -50,7 +50,7 @@ import torch.distributed.checkpoint as dcp
 import yaml
 
 from megalysses.config import Config, ConfigError
-from megalysses.config_io import apply_override, config_from_dict, config_to_dict, save_config
+from megalysses.config.io import apply_override, config_from_dict, config_to_dict, save_config
 from megalysses.data.hf_tokenizer import hf_tokenizer_files, source_name
 from megalysses.data.tokenizer import TokenizerError, canonical_kind, tokenizer_from_config
 from megalysses.model.gpt import GPTStage, architecture

@@ -44,8 +44,8 @@ from megalysses.checkpoint.dcp_io import CheckpointError, read_meta
 from megalysses.checkpoint.initial import find_initial_checkpoint, load_initial_weights
 from megalysses.checkpoint.manifest import checkpoints_in, step_of
 from megalysses.config import Config, ConfigError
-from megalysses.config_checks import validate_config
-from megalysses.config_io import apply_override, config_from_dict, config_to_dict, load_config, read_yaml
+from megalysses.config.checks import validate_config
+from megalysses.config.io import apply_override, config_from_dict, config_to_dict, load_config, read_yaml
 from megalysses.data import DatasetError
 from megalysses.data.tokenizer import TokenizerError, build_tokenizer, tokenizer_from_config
 from megalysses.distributed import destroy_distributed, init_distributed, is_rank0, print0

@@ -22,7 +22,7 @@ is one error line and exit status 2. --verbose lists what every flag became.
 
 The config must start: it is checked at the launch's world size (--gpus, default the script's torchrun
 --nproc-per-node x --nnodes, else tp x cp x pp) on H100 nodes of --gpus-per-node with the rules
-`pretrain.py --dry-run --gpus N` applies (config_checks.validate_config, megalysses.plan.resolve). An attention
+`pretrain.py --dry-run --gpus N` applies (config.checks.validate_config, megalysses.plan.resolve). An attention
 backend the layout cannot run (SDPA's or the reference's blocks for a ring) becomes auto, and the converter
 says which backend and which Ulysses x ring split of parallel.sp the run takes there.
 """
@@ -38,8 +38,8 @@ from typing import Any
 import yaml
 
 from megalysses.config import Config, ConfigError
-from megalysses.config_checks import validate_config
-from megalysses.config_io import config_from_dict, config_to_dict, read_yaml
+from megalysses.config.checks import validate_config
+from megalysses.config.io import config_from_dict, config_to_dict, read_yaml
 from megalysses.plan import Machine, RunPlan, resolve
 from megalysses.tools.megatron_convert import Conversion, convert
 from megalysses.tools.megatron_script import MegatronArgsError, launch_world, parse_arguments, script_launch

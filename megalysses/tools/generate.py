@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from megalysses.config import Config, ConfigError
-from megalysses.config_io import load_config
+from megalysses.config.io import load_config
 from megalysses.data.tokenizer import TokenizerError, build_tokenizer, tokenizer_from_config
 from megalysses.distributed import destroy_distributed, init_distributed
 from megalysses.grid import ParallelGrid

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from megalysses.data.blend import is_weighted
-from megalysses.megatron_names import FLAGS
+from megalysses.config.megatron_names import FLAGS
 from megalysses.tools.megatron_flags import GROUPS, flag_group
 from megalysses.tools.megatron_positions import rope, window
 from megalysses.tools.megatron_script import MegatronArgsError

@@ -111,7 +111,7 @@ def rampup_train_iters(train_samples: int, gbs: int, ramp: Optional[list[int]],
         return steps
     if not ramp:
         return train_samples // gbs
-    from megalysses.data.batch_schedule import BatchSizes, rampup_stages
+    from megalysses.config.batch_schedule import BatchSizes, rampup_stages
 
     sizes = BatchSizes(rampup_stages(ramp[0], ramp[1], ramp[2], gbs))
     steps, consumed = 0, 0

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from megalysses.megatron_names import FLAGS
+from megalysses.config.megatron_names import FLAGS
 from megalysses.tools.megatron_script import MegatronArgsError
 
 

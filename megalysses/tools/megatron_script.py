@@ -1,5 +1,5 @@
 """Reading a Megatron-LM command line: the pretrain_gpt.py arguments a shell script passes, and arguments parsed
-against the flag table of megalysses/megatron_names.py.
+against the flag table of megalysses/config/megatron_names.py.
 
     argv = script_arguments(Path("train.sh").read_text(), ["ckpt/", "tb/"])   # the script's $1, $2, ...
     launcher, argv = script_launch(Path("train.sh").read_text(), ["ckpt/", "tb/"])   # and torchrun's own words
@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from megalysses.megatron_names import FLAGS
+from megalysses.config.megatron_names import FLAGS
 from megalysses.tools.megatron_flags import flag_group, megatron_flag_arity, megatron_flags
 
 UNKNOWN = "\x00"          # marks text that came from a command's output, which is not run here

@@ -16,7 +16,7 @@ parallel.sp_ring, to set as well, since sp_ring=0 takes the largest Ulysses degr
 (checkpointing, the MLP untiled or in `auto` tiles, the LM head + loss in `auto` tiles
 (megalysses/plan/tiles.py), attention head chunks, TP sequence sharding, FSDP vs ZeRO-1, and activation,
 optimizer and parameter offload when --host-memory-gib is given) are enumerated under the config's own
-layout rules (config_checks.validate_config). The config's own layout is evaluated too: where it ranks
+layout rules (config.checks.validate_config). The config's own layout is evaluated too: where it ranks
 among those that fit, and by which terms of the step time it trails the first.
 
 The table names each row's options (ckpt, act-offload, mlp-tile=16K, ...: the line under it gives the config
@@ -47,8 +47,8 @@ from dataclasses import replace
 from typing import Optional
 
 from megalysses.config import ConfigError
-from megalysses.config_checks import validate_config
-from megalysses.config_io import load_config
+from megalysses.config.checks import validate_config
+from megalysses.config.io import load_config
 from megalysses.memory import GIB, KERNELS, fmt_bytes
 from megalysses.plan.machine import OPTIONAL_PACKAGES, PLAIN_TORCH, device_memory_gib
 from megalysses.plan.search import Prediction, evaluate, plan

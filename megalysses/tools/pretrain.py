@@ -26,9 +26,9 @@ from megalysses.accelerator import configure_allocator
 from megalysses.checkpoint.dcp_io import CheckpointError
 from megalysses.checkpoint.manifest import read_latest, step_of
 from megalysses.config import Config, ConfigError
-from megalysses.config_checks import config_warnings, validate_config
-from megalysses.config_doc import annotated_yaml
-from megalysses.config_io import load_config
+from megalysses.config.checks import config_warnings, validate_config
+from megalysses.config.doc import annotated_yaml
+from megalysses.config.io import load_config
 from megalysses.data import DatasetError
 from megalysses.distributed import (collective_failure, destroy_distributed, die_with_launcher, init_distributed,
                                     print0, write_error_file)

@@ -21,7 +21,7 @@ from megalysses.data.tokenizer import NullTokenizer, tokenizer_from_config
 from megalysses.data.validate import check_dtype_holds, check_token_ids
 from megalysses.distributed import print0
 from megalysses.grid import ParallelGrid
-from megalysses.data.batch_schedule import BatchSizes
+from megalysses.config.batch_schedule import BatchSizes
 
 Batch = dict[str, torch.Tensor]
 

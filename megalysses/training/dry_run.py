@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megalysses.config import Config, ConfigError
-from megalysses.config_checks import validate_config
+from megalysses.config.checks import validate_config
 from megalysses.grid import ParallelGrid
 from megalysses.plan import Machine, resolve
 

@@ -33,7 +33,7 @@ from megalysses.evaluation.tasks import (ACCURACY_TASKS, TASKS, Prompts, Sample,
 from megalysses.grid import ParallelGrid
 from megalysses.parallel.interleaved import VirtualStages, run_interleaved
 from megalysses.parallel.pipeline import Batch, forward_only
-from megalysses.training.fsdp import reshard
+from megalysses.parallel.fsdp import reshard
 
 HAYSTACK_TASKS = ("niah", "niah-multikey", "position-loss")
 

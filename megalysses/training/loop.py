@@ -20,13 +20,14 @@ from megalysses.checkpoint.dcp_io import load_checkpoint, save_checkpoint
 from megalysses.checkpoint.initial import is_weights_only, load_initial_weights
 from megalysses.checkpoint.manifest import choose_checkpoint
 from megalysses.config import Config, ConfigError
-from megalysses.config_checks import check_logging_backends
-from megalysses.config_io import save_config
-from megalysses.data.batch_schedule import batch_line
+from megalysses.config.checks import check_logging_backends
+from megalysses.config.io import save_config
+from megalysses.config.batch_schedule import batch_line
 from megalysses.distributed import on_rank0, print0
 from megalysses.grid import ParallelGrid
 from megalysses.kernels.attention import reserve_compiles
-from megalysses.memory import arenas, pinned_requests_of
+from megalysses.memory import arenas
+from megalysses.plan.memory import pinned_requests_of
 from megalysses.model.gpt import GPTStage, architecture, init_weights, stage_layers
 from megalysses.model.layers import ParallelGroups
 from megalysses.parallel.interleaved import VirtualStages
@@ -35,10 +36,10 @@ from megalysses.plan import RunPlan
 from megalysses.plan.flops import peak_tflops
 from megalysses.plan.search import check_host_memory, check_phase_time
 from megalysses.training.data import TrainingData
-from megalysses.training.fsdp import FSDPAdamW, shard_model
+from megalysses.parallel.fsdp import FSDPAdamW, shard_model
 from megalysses.training.long_eval import TrainingLongEval, scalars
 from megalysses.training.metrics import MetricsLogger
-from megalysses.training.optimizer import Optimizer, ShardedAdamW
+from megalysses.parallel.zero import Optimizer, ShardedAdamW
 from megalysses.training.profiler import StepProfiler
 from megalysses.training.rundir import check_writable, mark_start
 from megalysses.training.runtime import (check_built, flex_compile_budget, model_config, resolve_run, startup_line,

@@ -17,8 +17,8 @@ from megalysses import comm
 from megalysses.grid import ParallelGrid
 from megalysses.parallel.interleaved import VirtualStages, run_interleaved
 from megalysses.parallel.pipeline import Batch, forward_backward_1f1b, forward_backward_local, forward_only
-from megalysses.training.fsdp import reshard
-from megalysses.training.optimizer import Optimizer
+from megalysses.parallel.fsdp import reshard
+from megalysses.parallel.zero import Optimizer
 
 
 @dataclass

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from megalysses import accelerator
 from megalysses.config import Config, ConfigError
-from megalysses.config_checks import validate_config
+from megalysses.config.checks import validate_config
 from megalysses.grid import ParallelGrid
 from megalysses.plan import Machine, RunPlan, resolve
 from megalysses.memory import GIB

@@ -15,7 +15,7 @@ RUN = ["data.mock=true", "data.seq_len=32", "model.vocab_size=512", "model.hidde
 def run_dir(*overrides: str, config: bytes | None = None) -> Callable[[Path], str]:
     """A run directory with a config.yaml (the given bytes, or a valid config with `overrides`), no checkpoint."""
     def build(tmp: Path) -> str:
-        from megalysses.config_io import load_config, save_config
+        from megalysses.config.io import load_config, save_config
         run = tmp / "run"
         run.mkdir()
         if config is not None:

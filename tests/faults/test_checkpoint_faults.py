@@ -120,7 +120,7 @@ def _runs(run: Path) -> list[dict]:
 
 def _lifecycle(rank, world, root):
     """Several runs in one directory at tp=2; returns what each phase saw (rank 0's output included)."""
-    from megalysses.config_io import load_config
+    from megalysses.config.io import load_config
     from megalysses.grid import ParallelGrid
     from megalysses.checkpoint.dcp_io import CheckpointError
     from megalysses.training.loop import train

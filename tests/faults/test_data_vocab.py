@@ -33,7 +33,7 @@ def dataset(prefix: Path, ids: list[int], dtype: type) -> str:
 
 
 def train_on(rank: int, world: int, tmp: str) -> dict:
-    from megalysses.config_io import load_config
+    from megalysses.config.io import load_config
     from megalysses.data import DatasetError
     from megalysses.grid import ParallelGrid
     from megalysses.training.loop import train

@@ -1,5 +1,5 @@
-"""The config reference, read from the schema: every key of megalysses/config.py with its type and choices,
-default, meaning (the docstring under the field) and the Megatron-LM flags that set it (megatron_names.py).
+"""The config reference, read from the schema: every key of megalysses/config/__init__.py with its type and choices,
+default, meaning (the docstring under the field) and the Megatron-LM flags that set it (config/megatron_names.py).
 
     print(reference_markdown())      # docs/CONFIG.md, which tools/config_doc.py (`make docs`) writes
     print(annotated_yaml(cfg))       # a resolved config as YAML, each key's meaning as a comment above it
@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import yaml
 
-from megalysses import megatron_names
+from megalysses.config import megatron_names
 from megalysses.config import Config
 
 REGENERATE = "`make docs` (python tools/config_doc.py --output docs/CONFIG.md)"
@@ -102,8 +102,8 @@ def _cell(text: str) -> str:
 
 def reference_markdown() -> str:
     """docs/CONFIG.md."""
-    lines = [("<!-- Generated from megalysses/config.py and megalysses/megatron_names.py by tools/config_doc.py: "
-             f"do not edit; regenerate with {REGENERATE}. -->"), "",
+    lines = [("<!-- Generated from megalysses/config/__init__.py and megalysses/config/megatron_names.py by "
+             f"tools/config_doc.py: do not edit; regenerate with {REGENERATE}. -->"), "",
              "# Configuration reference", "",
              ("Every key of the config (`pretrain.py --config X.yaml --set section.key=value`), with its type, default "
              "and meaning, and the Megatron-LM `pretrain_gpt.py` flags that set it (`tools/from_megatron.py` converts "

@@ -3,8 +3,8 @@
     cfg = load_config("configs/quickstart.yaml", overrides=["optimizer.lr=3e-4", "parallel.tp=2"])
     save_config(cfg, "runs/x/config.yaml")   # loads back to an equal object
 
-This module is the schema; reading, overrides and writing are in megalysses/config_io.py, the
-cross-field rules (`validate_config`, which says every number involved) in megalysses/config_checks.py.
+This module is the schema; reading, overrides and writing are in megalysses/config/io.py, the
+cross-field rules (`validate_config`, which says every number involved) in megalysses/config/checks.py.
 """
 from __future__ import annotations
 

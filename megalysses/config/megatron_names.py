@@ -1,5 +1,5 @@
 """Megatron-LM's names for megalysses' settings: the pretrain_gpt.py flags, the config keys they set here, how
-each one maps, and Megatron-LM's spellings of choice values. This module is data; it is read by config_io
+each one maps, and Megatron-LM's spellings of choice values. This module is data; it is read by config.io
 (a Megatron-LM name written as a config key gets a written answer), by the config reference (docs/CONFIG.md)
 and by tools/from_megatron.py (which parses a Megatron-LM command line with it).
 

@@ -21,7 +21,7 @@ With `offload` (training.optimizer_offload) the masters, moments and reduced gra
 memory (pinned on CUDA), and the gradients stream there during the backward: in every micro-batch, each
 bucket is reduce-scattered from the gradient hooks as soon as its gradients are in (whatever
 `overlap` says), its reduced chunk is copied to host memory on a side stream and the device gradients are
-dropped (training/host_gradients.py). The micro-batches' chunks are summed in fp32 on the host, so no
+dropped (parallel/host_gradients.py). The micro-batches' chunks are summed in fp32 on the host, so no
 `main_grad` of the whole model ever exists on the device: at any moment it holds the gradients of the
 layers whose bucket is not complete yet and one bucket in flight. The norm, the clipping and the AdamW
 update run on the CPU, and the updated chunks are copied back for the all-gather. The arithmetic is the
@@ -44,8 +44,8 @@ from megalysses import accelerator, comm
 from megalysses.comm import Group
 from megalysses.memory.host import staging_elements
 from megalysses.pinned_arena import PinnedMemory, PinnedRequests
-from megalysses.training.fsdp import FSDPAdamW, adam_state
-from megalysses.training.host_gradients import HostGradients
+from megalysses.parallel.fsdp import FSDPAdamW, adam_state
+from megalysses.parallel.host_gradients import HostGradients
 
 BUCKET_ELEMENTS = 32 * 1024 * 1024
 

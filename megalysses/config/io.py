@@ -1,13 +1,13 @@
 """Reading and writing configs: YAML files, `--set section.key=value` overrides and nested dicts,
-parsed strictly against the schema of megalysses/config.py.
+parsed strictly against the schema of megalysses/config/__init__.py.
 
     cfg = load_config("configs/quickstart.yaml", overrides=["optimizer.lr=3e-4", "parallel.tp=2"])
     save_config(cfg, "runs/x/config.yaml")   # loads back to an equal object, with its paths absolute
 
 Unknown keys fail with the key, its path and the nearest valid name, or, for a Megatron-LM name (its flags with
-underscores, e.g. context_parallel_size, or parallel.cp), the key it is here (megalysses/megatron_names.py);
+underscores, e.g. context_parallel_size, or parallel.cp), the key it is here (megalysses/config/megatron_names.py);
 Megatron-LM's spellings of choice values (RMSNorm, WSD) read as megalysses' own. Values are parsed by the
-field's type; load_config then checks the cross-field rules (megalysses/config_checks.py).
+field's type; load_config then checks the cross-field rules (megalysses/config/checks.py).
 """
 from __future__ import annotations
 
@@ -24,9 +24,9 @@ from typing import Any, Literal, Optional
 
 import yaml
 
-from megalysses import megatron_names
+from megalysses.config import megatron_names
 from megalysses.config import PATH_KEYS, Config, ConfigError
-from megalysses.config_checks import validate_config
+from megalysses.config.checks import validate_config
 
 
 # keys users bring from other frameworks that are derived here, not set
@@ -185,7 +185,7 @@ def apply_override(data: dict, override: str) -> None:
 def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]] = None,
                 validate: bool = True) -> Config:
     """Read YAML (if given), apply `--set` overrides, build the Config (keys and types checked) and, unless
-    `validate` is false, check its cross-field rules (config_checks.validate_config)."""
+    `validate` is false, check its cross-field rules (config.checks.validate_config)."""
     data: dict = {}
     if path is not None:
         data = read_yaml(Path(path))
@@ -272,7 +272,7 @@ def absolute_paths(cfg: Config) -> Config:
         return value if value is None else os.path.abspath(value)
 
     def blend(values: list[str]) -> list[str]:      # a weighted blend: [w, path, w, path]
-        from megalysses.data.blend import is_weighted
+        from megalysses.config.values import is_weighted
 
         weighted = is_weighted(values)
         return [v if weighted and i % 2 == 0 else absolute(v) for i, v in enumerate(values)]

@@ -274,7 +274,7 @@ def _check_batch_ramp(t: TrainingConfig) -> None:
 
 def _check_ramp_layout(cfg: Config, per_step: int, dp: int) -> None:
     """Every batch of a ramp is whole micro-batches on every dp rank (and whole pipeline rounds, interleaved)."""
-    from megalysses.data.batch_schedule import BatchSizes
+    from megalysses.config.batch_schedule import BatchSizes
 
     t, p = cfg.training, cfg.parallel
     what = "rampup_batch_size" if t.rampup_batch_size else "batch_size_schedule"
@@ -351,7 +351,7 @@ def _check_long_eval(cfg: Config) -> None:
         raise ConfigError(f"long_eval.tasks holds {text[0]}, which reads real text, but the run trains on mock data: "
                           f"name a dataset in long_eval.haystack, or keep only passkey in long_eval.tasks")
     if e.haystack:
-        from megalysses.data.blend import parse_blend
+        from megalysses.config.values import parse_blend
 
         try:
             parse_blend(e.haystack)
@@ -360,8 +360,8 @@ def _check_long_eval(cfg: Config) -> None:
 
 
 def _check_data(d: DataConfig) -> None:
-    from megalysses.data.blend import parse_blend
-    from megalysses.data.gpt_dataset import parse_split
+    from megalysses.config.values import parse_blend
+    from megalysses.config.values import parse_split
 
     try:
         parse_split(d.split)
@@ -377,7 +377,7 @@ def _check_data(d: DataConfig) -> None:
 
 
 def _check_tokenizer(d: DataConfig) -> None:
-    from megalysses.data.tokenizer import TokenizerError, canonical_kind
+    from megalysses.config.values import TokenizerError, canonical_kind
 
     try:
         kind = canonical_kind(d.tokenizer)
