@@ -75,11 +75,10 @@ def test_the_check_sees_a_wrong_import():
     graph, lines = modules(), code_map()
     graph["megalysses.model.gpt"].add("megalysses.training.loop")
     graph["megalysses.config.checks"].add("megalysses.data.blend")
-    assert violations(graph, lines) == ["megalysses.config.checks (line 0) imports megalysses.data.blend (line "
-                                        f"{line_of('megalysses.data.blend', lines)})",
-                                        f"megalysses.model.gpt (line {line_of('megalysses.model.gpt', lines)}) "
-                                        f"imports megalysses.training.loop (line "
-                                        f"{line_of('megalysses.training.loop', lines)})"]
+    data, model, loop = (line_of(f"megalysses.{m}", lines) for m in ("data.blend", "model.gpt", "training.loop"))
+    assert violations(graph, lines) == [
+        f"megalysses.config.checks (line 0) imports megalysses.data.blend (line {data})",
+        f"megalysses.model.gpt (line {model}) imports megalysses.training.loop (line {loop})"]
 
 
 def package(module: str) -> str:
