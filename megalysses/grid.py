@@ -32,10 +32,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from megalysses.config import Config
 from megalysses.parallel.sequence_layout import SequenceLayout
-from megalysses.config.checks import check_heads
-from megalysses.plan import Machine, RunPlan
+from megalysses.plan import RunPlan
 
 AXES = ("pp", "dp", "sp", "tp")
 # the grid with sp split into its ring and Ulysses parts (Ulysses fastest)
@@ -169,14 +167,6 @@ class ParallelGrid:
     def for_plan(cls, run: RunPlan, timeout_seconds: Optional[float] = None) -> "ParallelGrid":
         """The grid of a resolved run: its tp, sp (split into ulysses x ring as the plan splits it) and pp."""
         return cls(tp=run.tp, sp=run.sp, pp=run.pp, ring=run.ring, timeout_seconds=timeout_seconds)
-
-    @classmethod
-    def for_config(cls, cfg: Config) -> "ParallelGrid":
-        """The grid of cfg.parallel, sp split as a run on this machine splits it (the head rule of
-        config.checks.check_heads on the launcher's ranks per node, as megalysses.plan.resolve applies it)."""
-        m, p = cfg.model, cfg.parallel
-        _, ring = check_heads(m.num_heads, m.kv_heads, p.tp, p.sp, p.sp_ring, Machine.current().ranks_per_node)
-        return cls(tp=p.tp, sp=p.sp, pp=p.pp, ring=ring, timeout_seconds=p.timeout_seconds)
 
     @classmethod
     def single(cls) -> "ParallelGrid":

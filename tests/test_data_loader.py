@@ -129,13 +129,14 @@ def test_padding_and_eod_mask_loss():
 @pytest.mark.parametrize("flag", [True, False])
 def test_eod_mask_loss_reaches_training_and_validation_batches(flag):
     from megalysses.config.io import load_config
-    from megalysses.grid import ParallelGrid
     from megalysses.training.data import TrainingData
+    from megalysses.training.runtime import plan_and_grid
 
     cfg = load_config(overrides=["data.mock=true", "data.seq_len=32", "model.vocab_size=128",
                                  "training.global_batch_size=2", "training.eval_interval=1",
                                  f"data.eod_mask_loss={str(flag).lower()}"])
-    data = TrainingData(cfg, ParallelGrid(world=1, rank=0), torch.device("cpu"))
+    run, grid = plan_and_grid(cfg, torch.device("cpu"))
+    data = TrainingData(cfg, grid, run, torch.device("cpu"))
     for batches in (next(data.train_batches(0)), data.valid_batches()):
         at_eod = torch.cat([mb["input_ids"] == data.eod_id for mb in batches])
         labels = torch.cat([mb["labels"] for mb in batches])
@@ -253,8 +254,8 @@ def test_a_validation_set_of_its_own(tmp_path):
     from megalysses.config import ConfigError
     from megalysses.config.io import load_config
     from megalysses.data.indexed import DatasetError
-    from megalysses.grid import ParallelGrid
     from megalysses.training.data import TrainingData
+    from megalysses.training.runtime import plan_and_grid
 
     rng = np.random.default_rng(0)
     _dataset(tmp_path / "train", [rng.integers(0, 100, 20) for _ in range(40)] + [np.arange(120, 130)])
@@ -264,14 +265,15 @@ def test_a_validation_set_of_its_own(tmp_path):
             "training.global_batch_size=2", "training.micro_batch_size=1", "training.train_steps=4",
             "training.eval_interval=2", "training.eval_steps=2", f"data.cache_dir={tmp_path / 'cache'}"]
     cfg = load_config(overrides=base + [f"data.valid_paths=[{tmp_path / 'valid'}]"])
-    data = TrainingData(cfg, ParallelGrid(world=1, rank=0), torch.device("cpu"))
+    run, grid = plan_and_grid(cfg, torch.device("cpu"))
+    data = TrainingData(cfg, grid, run, torch.device("cpu"))
     valid = torch.cat([mb["input_ids"] for mb in data.valid_batches()])
     assert len(valid) == 4 and ((valid >= 150) & (valid < 250) | (valid == 257)).all()
     train = np.concatenate([data.train[i] for i in range(len(data.train))])
     assert (train < 130).all() or set(train[train >= 130].tolist()) == {257}
     assert 125 in train                                    # the last document trains
     with pytest.raises(DatasetError, match="data.valid_paths holds too few tokens"):
-        TrainingData(load_config(overrides=base + [f"data.valid_paths=[{tmp_path / 'tiny'}]"]),
-                     ParallelGrid(world=1, rank=0), torch.device("cpu"))
+        tiny = load_config(overrides=base + [f"data.valid_paths=[{tmp_path / 'tiny'}]"])
+        TrainingData(tiny, grid, plan_and_grid(tiny, torch.device("cpu"))[0], torch.device("cpu"))
     with pytest.raises(ConfigError, match="data.valid_paths"):
         load_config(overrides=base + ["data.valid_paths=[0.5]"])

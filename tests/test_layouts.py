@@ -43,10 +43,9 @@ LAYOUTS = layouts()
 def _one_step(rank, world, runs):
     """Build each layout's model and optimizer (as a run does) and take one training step on its grid."""
     from megalysses.config.checks import validate_config
-    from megalysses.grid import ParallelGrid
     from megalysses.training.data import TrainingData
     from megalysses.training.loop import build_model_and_optimizer
-    from megalysses.training.runtime import resolve_run
+    from megalysses.training.runtime import plan_and_grid, resolve_run
     from megalysses.training.step import train_step
 
     device, out, grids = torch.device("cpu"), {}, {}
@@ -55,10 +54,12 @@ def _one_step(rank, world, runs):
         validate_config(cfg, world_size=world)
         p = cfg.parallel
         key = (p.tp, p.sp, p.pp, p.sp_ring)
-        grid = grids.get(key) or grids.setdefault(key, ParallelGrid.for_config(cfg))
+        if key not in grids:
+            grids[key] = plan_and_grid(cfg, device)[1]
+        grid = grids[key]
         runtime = resolve_run(cfg, device, grid)
         model, opt = build_model_and_optimizer(cfg, grid, device, runtime)
-        batch = next(TrainingData(cfg, grid, device).train_batches(0))
+        batch = next(TrainingData(cfg, grid, runtime, device).train_batches(0))
         result = train_step(model, opt, batch, grid, lr=cfg.optimizer.lr, grad_clip=cfg.optimizer.grad_clip,
                             dtype=runtime.torch_dtype, nan_policy="error")
         out[name] = (result.loss, result.grad_norm)

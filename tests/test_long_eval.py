@@ -114,13 +114,12 @@ def _greedy_answers(cfg, samples: dict) -> dict:
     last one wrong where it is odd."""
     from megalysses.checkpoint.initial import load_initial_weights
     from megalysses.data.loader import build_micro_batch
-    from megalysses.grid import ParallelGrid
     from megalysses.training.loop import build_model
-    from megalysses.training.runtime import resolve_run
+    from megalysses.training.runtime import plan_and_grid
 
-    grid = ParallelGrid.for_config(cfg)
     device = torch.device("cpu")
-    model = build_model(cfg, grid, device, grid.device_mesh(device), resolve_run(cfg, device, grid))
+    run, grid = plan_and_grid(cfg, device)
+    model = build_model(cfg, grid, device, grid.device_mesh(device), run)
     load_initial_weights(cfg.logging.run_dir, model, cfg, grid, grid.device_mesh(device))
     model.eval()
     keys = list(samples)
@@ -141,10 +140,10 @@ def _pipeline(rank, world, tmp):
     made greedy (or not), and tools/eval_long.py on the run."""
     from megalysses.data.tokenizer import tokenizer_from_config
     from megalysses.evaluation.haystack import DocumentStream
-    from megalysses.grid import ParallelGrid
     from megalysses.tools import preprocess_data
     from megalysses.training.long_eval import LongEval, LongEvalSettings
     from megalysses.training.loop import train
+    from megalysses.training.runtime import plan_and_grid
 
     with open(f"{tmp}/pk.jsonl", "w") as f:
         for doc in passkey_documents([textwrap.__doc__, json.__doc__], LENGTH, 8, seed=0):
@@ -152,10 +151,10 @@ def _pipeline(rank, world, tmp):
     preprocess_data.main(["--input", f"{tmp}/pk.jsonl", "--output-prefix", f"{tmp}/pk", "--json-keys", "text",
                           "--append-eod", "--workers", "1", "--tokenizer-type", "byte", "--log-interval", "0"])
     cfg = load_config(None, RUN + [f"data.paths=[{tmp}/pk_text_document]", f"logging.run_dir={tmp}/run"])
-    grid = ParallelGrid.for_config(cfg)
-    train(cfg, grid, torch.device("cpu"))
+    run, grid = plan_and_grid(cfg, torch.device("cpu"))
+    train(cfg, grid, torch.device("cpu"), run=run)
     logged = [json.loads(line) for line in open(f"{tmp}/run/metrics.jsonl")]
-    evaluator = LongEval(cfg, grid, torch.device("cpu"), torch.float32, tokenizer_from_config(cfg.data),
+    evaluator = LongEval(cfg, grid, torch.device("cpu"), run, tokenizer_from_config(cfg.data),
                          DocumentStream.validation(cfg.data))
     s = LongEvalSettings(TASKS[:2], (LENGTH,), DEPTHS, SAMPLES)
     forced = _greedy_answers(cfg, {(LENGTH, item): evaluator.sample(s, LENGTH, item) for item in evaluator._items(s)})
@@ -232,13 +231,14 @@ def test_every_layout_reports_the_figures_of_one_process(single):
 
 def test_training_lengths_follow_the_curriculum(monkeypatch):
     from megalysses.training.long_eval import LongEval, TrainingLongEval
+    from megalysses.training.runtime import resolve_run
 
     cfg = load_config(None, ["data.mock=true", "model.vocab_size=259", "data.seq_len=640",
                              "data.seq_len_schedule=[[0, 320], [3, 640]]", "long_eval.interval=2",
                              "long_eval.tasks=[passkey]"])
     seen = []
     monkeypatch.setattr(LongEval, "run", lambda self, model, s, trained, doing: seen.append((s.lengths, trained)))
-    hook = TrainingLongEval(cfg, None, torch.device("cpu"), torch.float32)
+    hook = TrainingLongEval(cfg, None, torch.device("cpu"), resolve_run(cfg, torch.device("cpu")))
     for step in (2, 4):
         hook(None, step, lambda what: None)
     assert seen == [((320,), 320), ((640,), 640)] and hook.due(4) and not hook.due(3)
@@ -246,6 +246,7 @@ def test_training_lengths_follow_the_curriculum(monkeypatch):
     hook(None, 4, lambda what: None)
     assert seen[-1] == ((1280,), 640)
     with pytest.raises(ConfigError, match="long_eval: length 160 cannot hold the passkey prompt"):
-        TrainingLongEval(load_config(None, ["data.mock=true", "model.vocab_size=259", "data.seq_len=640",
-                                            "data.seq_len_schedule=[[0, 160], [3, 640]]", "long_eval.interval=2",
-                                            "long_eval.tasks=[passkey]"]), None, torch.device("cpu"), torch.float32)
+        short = load_config(None, ["data.mock=true", "model.vocab_size=259", "data.seq_len=640",
+                                   "data.seq_len_schedule=[[0, 160], [3, 640]]", "long_eval.interval=2",
+                                   "long_eval.tasks=[passkey]"])
+        TrainingLongEval(short, None, torch.device("cpu"), resolve_run(short, torch.device("cpu")))

@@ -21,7 +21,6 @@ import torch.distributed as dist
 from megalysses import comm
 from megalysses.config import ModelConfig
 from megalysses.config.io import load_config
-from megalysses.grid import ParallelGrid
 from megalysses.kernels.triton_support import triton_importable
 from megalysses.measure import Retained, host_resident, measure_peak, measure_retained
 from megalysses.memory import (PRECISIONS, Layout, Options, Workload, bytes_per_token, estimate,
@@ -388,14 +387,13 @@ def measured_step_peak(overrides: list[str], world: int = 1, exclude_host: bool 
     optimizer keeps in host memory is left out too (masters, moments, host gradients; with parameter offload
     FSDP's shards and their gradients), and so is its update, which runs on the host."""
     from megalysses.training.loop import build_model_and_optimizer
-    from megalysses.training.runtime import resolve_run
+    from megalysses.training.runtime import plan_and_grid
     from megalysses.training.step import train_step
 
     cfg = load_config(overrides=STEP + overrides)
     device = torch.device("cpu")
     p = cfg.parallel
-    grid = ParallelGrid.for_config(cfg) if world > 1 else ParallelGrid.single()
-    runtime = resolve_run(cfg, device, grid)
+    runtime, grid = plan_and_grid(cfg, device)
     model, opt = build_model_and_optimizer(cfg, grid, device, runtime)
     g = torch.Generator().manual_seed(0)
     S_ = cfg.data.seq_len

@@ -20,7 +20,7 @@ from megalysses.model.gpt import GPTStage, init_weights
 from megalysses.model.layers import ParallelGroups
 from megalysses.parallel.offload import ActivationOffload
 from megalysses.testing import run_distributed
-from megalysses.training.runtime import resolve_run
+from megalysses.training.runtime import plan_and_grid
 from megalysses.plan import ActivationPolicy
 from tests.test_memory_model import measure_forward, measured_step_peak, small_model
 
@@ -53,8 +53,7 @@ def one_step(overrides: list[str], world: int) -> dict:
     cfg = load_config(overrides=BASE + overrides)
     device = torch.device("cpu")
     p = cfg.parallel
-    grid = ParallelGrid.for_config(cfg) if world > 1 else ParallelGrid.single()
-    runtime = resolve_run(cfg, device, grid)
+    runtime, grid = plan_and_grid(cfg, device)
     model, opt = loop.build_model_and_optimizer(cfg, grid, device, runtime)
     got = {}
 
@@ -69,7 +68,7 @@ def one_step(overrides: list[str], world: int) -> dict:
         return norm
 
     opt.step = capture
-    batches = next(TrainingData(cfg, grid, device).train_batches(0))
+    batches = next(TrainingData(cfg, grid, runtime, device).train_batches(0))
     result = train_step(model, opt, batches, grid, lr=1e-3, grad_clip=1.0, dtype=runtime.torch_dtype)
     chunks = model.chunks if hasattr(model, "chunks") else [model]
     got.update(loss=result.loss, norm=result.grad_norm, stats=[c.offload.stats for c in chunks if c.offload])

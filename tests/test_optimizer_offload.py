@@ -47,15 +47,14 @@ def train(overrides: list[str], world: int, steps: int = 3) -> dict:
     """`steps` optimizer steps; returns losses, norms, this rank's weights and optimizer state."""
     from megalysses.training import loop
     from megalysses.training.data import TrainingData
-    from megalysses.training.runtime import resolve_run
+    from megalysses.training.runtime import plan_and_grid
     from megalysses.training.step import train_step
 
     cfg = load_config(overrides=BASE + overrides)
     device = torch.device("cpu")
-    grid = ParallelGrid.for_config(cfg) if world > 1 else ParallelGrid.single()
-    runtime = resolve_run(cfg, device, grid)
+    runtime, grid = plan_and_grid(cfg, device)
     model, opt = loop.build_model_and_optimizer(cfg, grid, device, runtime)
-    batches = TrainingData(cfg, grid, device).train_batches(0)
+    batches = TrainingData(cfg, grid, runtime, device).train_batches(0)
     losses, norms = [], []
     for _ in range(steps):
         r = train_step(model, opt, next(batches), grid, lr=cfg.optimizer.lr, grad_clip=cfg.optimizer.grad_clip,
@@ -88,12 +87,12 @@ def reduced_gradients(overrides: list[str], world: int) -> dict:
     """The first step's loss and reduced fp32 gradients (this rank's chunks, before clipping)."""
     from megalysses.training import loop
     from megalysses.training.data import TrainingData
-    from megalysses.training.runtime import resolve_run
+    from megalysses.training.runtime import plan_and_grid
     from megalysses.training.step import train_step
 
     cfg = load_config(overrides=BASE + overrides)
-    grid, device = ParallelGrid.for_config(cfg), torch.device("cpu")
-    runtime = resolve_run(cfg, device, grid)
+    device = torch.device("cpu")
+    runtime, grid = plan_and_grid(cfg, device)
     model, opt = loop.build_model_and_optimizer(cfg, grid, device, runtime)
     got = {}
 
@@ -104,7 +103,7 @@ def reduced_gradients(overrides: list[str], world: int) -> dict:
         return 1.0
 
     opt.step = capture
-    loss = train_step(model, opt, next(TrainingData(cfg, grid, device).train_batches(0)), grid, lr=1e-3,
+    loss = train_step(model, opt, next(TrainingData(cfg, grid, runtime, device).train_batches(0)), grid, lr=1e-3,
                       grad_clip=1.0, dtype=runtime.torch_dtype).loss
     return {"loss": loss, "grads": got}
 

@@ -19,9 +19,9 @@ def plain_torch(overrides: list[str], steps: int = 3) -> tuple[dict, list[float]
     """The run `overrides` describe, by hand: the model and the batches of that run; torch's AdamW with
     decay on matrices only, clip_grad_norm_, the schedule's learning rate of each step, and the loss
     summed over the step's micro-batches and divided by its count of labelled tokens."""
-    from megalysses.grid import ParallelGrid
     from megalysses.model.gpt import GPTStage, init_weights
     from megalysses.training.data import TrainingData
+    from megalysses.training.runtime import plan_and_grid
     from megalysses.training.schedule import lr_at
 
     cfg = load_config(overrides=BASE + overrides)
@@ -32,7 +32,8 @@ def plain_torch(overrides: list[str], steps: int = 3) -> tuple[dict, list[float]
     opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
                             lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
-    batches = TrainingData(cfg, ParallelGrid(world=1, rank=0), torch.device("cpu")).train_batches(0)
+    run, grid = plan_and_grid(cfg, torch.device("cpu"))
+    batches = TrainingData(cfg, grid, run, torch.device("cpu")).train_batches(0)
     norms = []
     for step in range(steps):
         micro_batches = next(batches)

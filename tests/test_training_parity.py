@@ -93,13 +93,13 @@ LAYOUTS = {  # name: (world, overrides)
 
 def _train_worker(rank, world, runs):
     """Train each (run_dir, overrides) in turn on this world; return this rank's parameter shards."""
-    from megalysses.grid import ParallelGrid
     from megalysses.training import loop
+    from megalysses.training.runtime import plan_and_grid
 
     out = []
     for run_dir, overrides in runs:
         cfg = load_config(overrides=BASE + overrides + [f"logging.run_dir={run_dir}"])
-        grid = ParallelGrid.for_config(cfg)
+        run, grid = plan_and_grid(cfg, torch.device("cpu"))
         shards = {}
         original = loop.build_model
 
@@ -110,7 +110,7 @@ def _train_worker(rank, world, runs):
 
         loop.build_model = keep
         try:
-            loop.train(cfg, grid, torch.device("cpu"))
+            loop.train(cfg, grid, torch.device("cpu"), run=run)
         finally:
             loop.build_model = original
         params = {n: (full_over_grad(p), getattr(p, "tp_dim", None)) for n, p in shards["model"].named_parameters()}

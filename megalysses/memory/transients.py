@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from megalysses.config import ModelConfig
+from megalysses.kernels.linear_cross_entropy import default_chunk_tokens
 from megalysses.kernels.norms import norm_tile_rows
 from megalysses.memory.activations import (attention_half_terms, attention_terms, bytes_per_token, dims,
                                            kept_attention_terms, mlp_half_terms, tiled)
@@ -226,8 +227,7 @@ def _ring_backward(q: float, kv: float, a: int, ring: int, opts: Options, accumu
 
 def loss_tile_tokens(m: ModelConfig, layout: Layout, opts: Options, tokens: float) -> float:
     """Tokens per LM head + loss tile (kernels/linear_cross_entropy.py default_chunk_tokens)."""
-    vocab = m.padded_vocab_size(layout.tp) / layout.tp
-    chunk = opts.loss_chunk_tokens or max(128, (1 << 29) // (8 * vocab))
+    chunk = opts.loss_chunk_tokens or default_chunk_tokens(m.padded_vocab_size(layout.tp) // layout.tp)
     return min(chunk, tokens)
 
 

@@ -69,7 +69,7 @@ class GPTStage(nn.Module):
         self.checkpoint_context = checkpoint_context(policy.checkpointing and policy.keep_attention)
         # checkpointed block inputs in host memory until the backward (parallel/offload.py)
         self.offload = ActivationOffload() if policy.offload else None
-        self.loss_chunk_tokens = policy.loss_chunk_tokens
+        self.loss_chunk_tokens = policy.loss_tile
         self.mask_block = policy.mask_block
         layers = range(cfg.num_layers) if layers is None else layers
         sp_ = groups.sequence_parallel

@@ -45,10 +45,10 @@ def options_of(cfg: Config, plan: RunPlan) -> Options:
                    checkpoint_stride=a.checkpoint_stride, head_chunks=a.head_chunks,
                    keep_attention=a.keep_attention, mlp_chunk_tokens=a.mlp_chunk_tokens,
                    loss_chunk_tokens=a.loss_chunk_tokens, tp_sequence_parallel=a.tp_sequence_parallel,
-                   fsdp=plan.optimizer in ("fsdp", "fsdp-host"), optimizer_offload=plan.optimizer == "zero1-host",
+                   fsdp=plan.fsdp, optimizer_offload=plan.optimizer == "zero1-host",
                    param_offload=plan.weights == "host",
                    kernels=plan.kernels, attention=plan.attention, native_gqa=native, dq_accumulator=accumulator,
-                   documents=cfg.data.document_mask, bucket_bytes=0 if p.fsdp else p.grad_bucket_elements * 4,
+                   documents=cfg.data.document_mask, bucket_bytes=0 if plan.fsdp else p.grad_bucket_elements * 4,
                    overlap_grad_reduce=p.overlap_grad_reduce, pinned_rounding=not plan.machine.pinned_exact,
                    mask_block=a.mask_block)
 
@@ -56,9 +56,8 @@ def options_of(cfg: Config, plan: RunPlan) -> Options:
 def workload_of(cfg: Config, plan: RunPlan) -> Workload:
     """The longest micro-batch of the run (data.seq_len, the last length of a curriculum), padded to the
     layout's multiple as the data loader pads it."""
-    t = cfg.training
-    return Workload(seq_len=plan.padded_seq_len, micro_batch_size=t.micro_batch_size,
-                    micro_batches=max(t.global_batch_size // (t.micro_batch_size * plan.dp), 1))
+    return Workload(seq_len=plan.padded_seq_len, micro_batch_size=plan.micro_batch_size,
+                    micro_batches=plan.micro_batches)
 
 
 def estimate_plan(cfg: Config, plan: RunPlan) -> Estimate:

@@ -30,6 +30,7 @@ from typing import Optional
 from megalysses.config import Config, ConfigError
 from megalysses.config.checks import check_head_chunks, check_heads, check_kept_attention, head_chunk_counts
 from megalysses.kernels.attention import unsupported_reason
+from megalysses.kernels.linear_cross_entropy import default_chunk_tokens
 from megalysses.parallel.sequence_layout import SequenceLayout
 from megalysses.plan.machine import Machine
 from megalysses.plan.types import ActivationPolicy, Phase, RunPlan
@@ -145,23 +146,32 @@ def resolve(cfg: Config, machine: Machine, world_size: int, tiles: bool = True) 
     if t.attention_head_chunks != "auto":
         check_head_chunks(m.num_heads, m.kv_heads, p.tp, ulysses, ring, t.attention_head_chunks)
         activation = replace(activation, head_chunks=t.attention_head_chunks)
-    run = RunPlan(machine=machine, world=world_size, tp=p.tp, sp=p.sp, pp=p.pp,
-              dp=max(world_size // (p.tp * p.sp * p.pp), 1), virtual_stages=p.virtual_stages,
-              ulysses=ulysses, ring=ring, dtype=dtype, master_dtype="float32",
-              attention=attention, attention_reason=reason, attention_window=m.sliding_window,
-              kernels=choose_kernels(m.kernels, machine), collective=collective_backend(p.backend, machine),
-              phases=_phases(cfg, sequence), activation=activation,
-              optimizer=("fsdp-host" if t.param_offload else "fsdp") if p.fsdp else
-              "zero1-host" if t.optimizer_offload else "zero1",
-              weights="host" if t.param_offload else "device",
-              gradients="host" if t.param_offload or t.optimizer_offload else "device")
+    dp = max(world_size // (p.tp * p.sp * p.pp), 1)
+    run = RunPlan(machine=machine, world=world_size, tp=p.tp, sp=p.sp, pp=p.pp, dp=dp,
+                  virtual_stages=p.virtual_stages, ulysses=ulysses, ring=ring, dtype=dtype, master_dtype="float32",
+                  attention=attention, attention_reason=reason, attention_window=m.sliding_window,
+                  kernels=choose_kernels(m.kernels, machine), collective=collective_backend(p.backend, machine),
+                  phases=_phases(cfg, sequence), sequence=sequence, activation=activation,
+                  micro_batch_size=t.micro_batch_size,
+                  micro_batches=max(t.global_batch_size // (t.micro_batch_size * dp), 1), grad_dtype="float32",
+                  optimizer=("fsdp-host" if t.param_offload else "fsdp") if p.fsdp else
+                  "zero1-host" if t.optimizer_offload else "zero1",
+                  weights="host" if t.param_offload else "device",
+                  gradients="host" if t.param_offload or t.optimizer_offload else "device")
     if tiles:
         run = _auto_tiles(cfg, run)
     if t.attention_head_chunks == "auto":
         run = replace(run, activation=replace(run.activation, head_chunks=auto_head_chunks(cfg, run)))
     if attention == "flex" and has_docs:
         run = replace(run, activation=replace(run.activation, mask_block=flex_mask_block(cfg, run)))
-    return run
+    return replace(run, activation=replace(run.activation, loss_tile=concrete_loss_tile(cfg, run)))
+
+
+def concrete_loss_tile(cfg: Config, run: RunPlan) -> int:
+    """The LM head + loss tile the model runs: the one asked for (or `auto`'s), else the kernel's default for a
+    rank's rows of the padded vocabulary."""
+    vocab_local = cfg.model.padded_vocab_size(run.tp) // run.tp
+    return run.activation.loss_chunk_tokens or default_chunk_tokens(vocab_local)
 
 
 MASK_SHARE = 0.01     # FlexAttention's block mask may take this share of the predicted peak

@@ -157,13 +157,18 @@ def evaluate(cfg: Config, gpus: int, gpu_memory_gib: Optional[float], host_memor
     resolves it. ConfigError for what the run itself would refuse there (kept attention outputs without SDPA,
     say)."""
     machine = machine or described_machine(gpus, gpu_memory_gib, hw, packages)
-    gpu_memory_gib = machine.memory_gib if gpu_memory_gib is None else gpu_memory_gib
-    run = resolve(cfg, machine, gpus)
+    return predict(cfg, resolve(cfg, machine, gpus), gpu_memory_gib, host_memory_gib, hw)
+
+
+def predict(cfg: Config, run: RunPlan, gpu_memory_gib: Optional[float], host_memory_gib: Optional[float],
+            hw: Hardware) -> Prediction:
+    """Memory, fit and step time of the run `run` resolved `cfg` into (`gpu_memory_gib` None: its machine's)."""
+    gpu_memory_gib = run.machine.memory_gib if gpu_memory_gib is None else gpu_memory_gib
     est = estimate_plan(cfg, run)
     offloaded = sum(t.bytes for t in est.terms if t.host and t.name.startswith("offloaded"))
     step = step_time(cfg.model, layout_of(run), options_of(cfg, run), precision_of(run), workload_of(cfg, run), hw,
                      Overlap(grad_reduce=cfg.parallel.overlap_grad_reduce), retained=offloaded)
-    per_node = est.host * min(gpus, hw.gpus_per_node)
+    per_node = est.host * min(run.world, hw.gpus_per_node)
     why, usable = [], hw.usable_bytes(gpu_memory_gib, est.largest.bytes)
     if est.peak > usable:
         why.append(f"peak {est.peak / GIB:.1f} GiB > usable {usable / GIB:.1f} GiB")
@@ -176,8 +181,17 @@ def predicted_step_seconds(cfg: Config, gpus: int, hw: Hardware, machine: Option
     """The step time of `cfg` at its own layout and options on `gpus` GPUs (of `machine`, default the described
     H100s; at data.seq_len, the longest length of a curriculum), or None for a config the model does not cover."""
     try:
-        memory = 80.0 if machine is not None and machine.memory_gib is None else None   # no device: time only
-        return evaluate(cfg, gpus, memory, None, hw, machine=machine).step.total
+        return run_step_seconds(cfg, resolve(cfg, machine or described_machine(gpus, None, hw), gpus), hw)
+    except (ConfigError, ValueError):
+        return None
+
+
+def run_step_seconds(cfg: Config, run: RunPlan, hw: Hardware) -> Optional[float]:
+    """The step time of the run `run` resolved `cfg` into (at data.seq_len, the longest length of a curriculum),
+    or None for a run the model does not cover."""
+    try:
+        memory = 80.0 if run.machine.memory_gib is None else None       # no device: time only
+        return predict(cfg, run, memory, None, hw).step.total
     except (ConfigError, ValueError):
         return None
 
@@ -237,14 +251,14 @@ def check_phase_time(cfg: Config, run: RunPlan, peak_tflops: Optional[float]) ->
     error; a run on an unknown GPU (no peak) or outside what the planner covers is not checked.
 
     The step judged is the run's own longest: its global batch (training.global_batch_size, where a batch
-    ramp ends), each sample at the longest length of its curriculum (data.seq_len), on `run`'s own machine
-    (its attention backend, kernels and ranks per node); a validation is training.eval_steps such batches,
-    forward only. The message names the batch and length it judged."""
+    ramp ends), each sample at the longest length of its curriculum (data.seq_len), as `run`, the run's own plan,
+    lays it out (its machine, attention backend, kernels and ranks per node); a validation is training.eval_steps
+    such batches, forward only. The message names the batch and length it judged."""
     if not peak_tflops:
         return
     nodes = run.machine.ranks_per_node
     hw = Hardware(peak_tflops=peak_tflops, **({"gpus_per_node": nodes} if nodes else {}))
-    step = predicted_step_seconds(cfg, run.world, hw, run.machine)
+    step = run_step_seconds(cfg, run, hw)
     if step is None:
         return
     t = cfg.training

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from megalysses.parallel.sequence_layout import SequenceLayout
 from megalysses.plan.machine import Machine
 
 
@@ -28,12 +29,17 @@ class ActivationPolicy:
     offload: bool = False           # checkpointed block inputs live in pinned host memory
     checkpoint_stride: int = 1      # checkpointing keeps every k-th block input (groups of k blocks)
     mlp_chunk_tokens: int = 0
-    loss_chunk_tokens: int = 0
+    loss_chunk_tokens: int = 0      # the LM head + loss tile asked for (0: the kernel's default)
+    loss_tile: int = 0              # the tile the model runs: loss_chunk_tokens, or where that is 0 the kernel's
+                                    # default for the local vocabulary (plan/run_plan.py concrete_loss_tile, which
+                                    # only a plan can decide: a policy made without one runs loss_chunk_tokens)
     tp_sequence_parallel: bool = False
     head_chunks: int = 1            # attention runs over this many groups of heads (model/layers.py Attention)
     mask_block: int = 128           # FlexAttention's block-mask block size with documents (plan/run_plan.py)
 
     def __post_init__(self) -> None:
+        if not self.loss_tile:
+            object.__setattr__(self, "loss_tile", self.loss_chunk_tokens)
         if self.keep_attention and self.offload:
             raise ValueError("keeping attention outputs with activation offload is not supported: they would stay "
                              "on the device (config.checks.check_kept_attention refuses the config)")
@@ -62,7 +68,11 @@ class RunPlan:
     kernels: str                    # norms, RoPE, SwiGLU: torch, triton, liger or apex
     collective: str                 # nccl or gloo
     phases: tuple[Phase, ...]
+    sequence: SequenceLayout        # which positions each sp rank holds; every phase is padded to its multiple
     activation: ActivationPolicy
+    micro_batch_size: int           # samples per micro-batch on each dp rank
+    micro_batches: int              # micro-batches per step at training.global_batch_size (where a ramp ends)
+    grad_dtype: str                 # what gradients accumulate and are reduced in: always "float32"
     optimizer: str                  # where the state lives: "fsdp", "zero1", "zero1-host" (optimizer offload) or
                                     # "fsdp-host" (parameter offload)
     attention_window: int = 0       # the sliding window every attention layer masks (model.sliding_window; 0: none)
@@ -73,6 +83,20 @@ class RunPlan:
     def padded_seq_len(self) -> int:
         """data.seq_len padded to the layout's multiple (the longest phase but the long-context evaluation's)."""
         return max(p.padded_len for p in self.phases if p.name != "long_eval")
+
+    @property
+    def fsdp(self) -> bool:
+        """FSDP2 shards the weights, gradients and optimizer state (parallel.fsdp)."""
+        return self.optimizer.startswith("fsdp")
+
+    @property
+    def samples_per_micro_batch(self) -> int:
+        """Samples of one micro-batch over the dp ranks."""
+        return self.micro_batch_size * self.dp
+
+    def micro_batches_of(self, batch: int) -> int:
+        """Micro-batches of a step of `batch` global samples (a batch of a ramp)."""
+        return batch // self.samples_per_micro_batch
 
     @property
     def torch_dtype(self):

@@ -228,9 +228,9 @@ def evaluate(args: argparse.Namespace) -> int:
     mesh = grid.device_mesh(device)
     model = build_model(cfg, grid, device, mesh, run)
     print0(load_initial_weights(weights, model, cfg, grid, mesh))
-    if not cfg.parallel.fsdp:
+    if not run.fsdp:
         model.to(run.torch_dtype)
-    evaluator = LongEval(cfg, grid, device, run.torch_dtype, tok, haystack)
+    evaluator = LongEval(cfg, grid, device, run, tok, haystack)
     where: list[str] = ["starting"]
     try:
         report = evaluator.run(model, settings, trained, where.append)

@@ -22,15 +22,19 @@ from megalysses.data.validate import check_dtype_holds, check_token_ids
 from megalysses.distributed import print0
 from megalysses.grid import ParallelGrid
 from megalysses.config.batch_schedule import BatchSizes
+from megalysses.plan import RunPlan
 
 Batch = dict[str, torch.Tensor]
 
 
 class TrainingData:
-    def __init__(self, cfg: Config, grid: ParallelGrid, device: torch.device) -> None:
+    """The datasets of a run, read as its plan says: micro-batches of run.micro_batch_size samples on each dp rank,
+    each sample split over the sp ranks and padded as run.sequence lays it out (the layout that gave each phase
+    of the plan its padded length)."""
+
+    def __init__(self, cfg: Config, grid: ParallelGrid, run: RunPlan, device: torch.device) -> None:
         d, t = cfg.data, cfg.training
-        self.cfg, self.grid, self.device = cfg, grid, device
-        self.num_micro = t.global_batch_size // (t.micro_batch_size * grid.dp_size)
+        self.cfg, self.grid, self.run, self.device = cfg, grid, run, device
         self.batch_sizes = BatchSizes.from_config(t)      # the batch of each step (a ramp, or constant)
         self.packing_summary: list[str] = []              # what packing did to conversations, in words
         if d.mock:
@@ -95,12 +99,11 @@ class TrainingData:
                                f"training.eval_interval=0")
 
     def _micro_batches(self, dataset, consumed: int, curriculum: bool) -> Iterator[Batch]:
-        d, g, step_of = self.cfg.data, self.grid, self.batch_sizes.step_of
-        for mb in iterate_micro_batches(dataset, self.cfg.training.micro_batch_size, g.dp_rank, g.dp_size, g.sp_rank,
-                                        g.sp_size, consumed, self.eod_id, d.reset_position_ids, d.document_mask,
-                                        seq_len=d.seq_len, eod_mask_loss=d.eod_mask_loss,
-                                        vocab_size=self.cfg.model.vocab_size,
-                                        layout=g.sequence_layout(self.cfg.parallel.tp_sequence_parallel),
+        d, g, run, step_of = self.cfg.data, self.grid, self.run, self.batch_sizes.step_of
+        for mb in iterate_micro_batches(dataset, run.micro_batch_size, g.dp_rank, run.dp, g.sp_rank, run.sp, consumed,
+                                        self.eod_id, d.reset_position_ids, d.document_mask, seq_len=d.seq_len,
+                                        eod_mask_loss=d.eod_mask_loss, vocab_size=self.cfg.model.vocab_size,
+                                        layout=run.sequence,
                                         length_at=(lambda first: d.seq_len_at(step_of(first))) if curriculum else None,
                                         loss_average=d.loss_average):
             yield {k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
@@ -110,9 +113,9 @@ class TrainingData:
         global batch holds (a batch-size ramp grows it with the samples consumed); step k's samples are cut to
         data.seq_len_at(k) tokens (the sequence-length curriculum)."""
         it = self._micro_batches(self.train, consumed_samples, curriculum=True)
-        per_micro = self.cfg.training.micro_batch_size * self.grid.dp_size
+        per_micro = self.run.samples_per_micro_batch
         while True:
-            num_micro = self.batch_sizes.at(consumed_samples) // per_micro
+            num_micro = self.run.micro_batches_of(self.batch_sizes.at(consumed_samples))
             step = [mb for _, mb in zip(range(num_micro), it)]
             if len(step) < num_micro:
                 raise DatasetError("the training data ran out before training.train_steps: "
@@ -124,4 +127,4 @@ class TrainingData:
         """The fixed validation set: eval_steps global batches at data.seq_len (at every stage of a curriculum,
         so validation losses compare across it)."""
         it = self._micro_batches(self.valid, 0, curriculum=False)
-        return [mb for _, mb in zip(range(self.num_micro * self.cfg.training.eval_steps), it)]
+        return [mb for _, mb in zip(range(self.run.micro_batches * self.cfg.training.eval_steps), it)]

@@ -2,13 +2,14 @@
 (megalysses/evaluation/tasks.py), forward only, through the run's own layout (tp, Ulysses and ring sp, pp and
 virtual stages, FSDP, head chunks, offload), so a length evaluates wherever a training step of it runs.
 
-    evaluator = LongEval(cfg, grid, device, dtype, tokenizer, haystack)    # PromptError: no prompts to write
+    evaluator = LongEval(cfg, grid, device, run, tokenizer, haystack)    # PromptError: no prompts to write
     evaluator.check(settings)                                            # LongEvalError: bad settings, one line
     report = evaluator.run(model, settings, trained_length, doing)       # report.results: the figures
 
 Every rank builds the samples it needs from (seed, task, length, depth, index) alone: the dp ranks take turns
-with micro-batches of max(1, micro_batch_size * data.seq_len // length) samples (the tokens of a training
-micro-batch, the curriculum's rule), each sp rank keeps its positions of them as the data loader would, and
+with micro-batches of max(1, the plan's micro_batch_size * data.seq_len // length) samples (the tokens of a training
+micro-batch, the curriculum's rule), each sp rank keeps its positions of them as the data loader would (the
+plan's sequence layout), in the plan's compute dtype, and
 the last pipeline stage scores its tokens (kernels/linear_cross_entropy.token_scores: the answer positions'
 logits alone for the needle tasks). The per-sample sums (answer tokens, greedy hits; per position bucket,
 tokens and loss) are added over the world in float64, so every layout reports the same figures. An answer
@@ -33,6 +34,7 @@ from megalysses.evaluation.tasks import (ACCURACY_TASKS, TASKS, Prompts, Sample,
 from megalysses.grid import ParallelGrid
 from megalysses.parallel.interleaved import VirtualStages, run_interleaved
 from megalysses.parallel.pipeline import Batch, forward_only
+from megalysses.plan import RunPlan
 from megalysses.parallel.fsdp import reshard
 
 HAYSTACK_TASKS = ("niah", "niah-multikey", "position-loss")
@@ -109,9 +111,9 @@ def check_settings(s: LongEvalSettings, prompts: Prompts, haystack: Optional[Doc
 class LongEval:
     """The long-context evaluation of one run's model on its grid (see the module's docstring)."""
 
-    def __init__(self, cfg: Config, grid: ParallelGrid, device: torch.device, dtype: torch.dtype, tokenizer: Any,
+    def __init__(self, cfg: Config, grid: ParallelGrid, device: torch.device, run: RunPlan, tokenizer: Any,
                  haystack: Optional[DocumentStream]) -> None:
-        self.cfg, self.grid, self.device, self.dtype = cfg, grid, device, dtype
+        self.cfg, self.grid, self.device, self.plan = cfg, grid, device, run
         self.haystack = haystack
         self.prompts = Prompts(tokenizer, cfg.data.bos)
         self.eod = tokenizer.eod_id              # data.eod where the run names one (tokenizer_from_config)
@@ -158,8 +160,8 @@ class LongEval:
 
     def _length(self, model: torch.nn.Module, s: LongEvalSettings, length: int,
                 doing: Callable[[str], None]) -> list[dict]:
-        g, t = self.grid, self.cfg.training
-        per_mb = max(1, t.micro_batch_size * self.cfg.data.seq_len // length)
+        g = self.grid
+        per_mb = max(1, self.plan.micro_batch_size * self.cfg.data.seq_len // length)
         items = self._items(s)
         chunk = per_mb * g.dp_size
         rounds = -(-len(items) // chunk)
@@ -187,7 +189,7 @@ class LongEval:
         micro-batch of the run, with labels only where a sample scores; and each local label's bucket."""
         d, g = self.cfg.data, self.grid
         tokens = [x.tokens if x is not None else np.zeros(length + 1, dtype=np.int64) for x in samples]
-        layout = g.sequence_layout(self.cfg.parallel.tp_sequence_parallel)
+        layout = self.plan.sequence
         mb = build_micro_batch(tokens, length, g.sp_rank, g.sp_size, self.eod, d.reset_position_ids, d.document_mask,
                                d.eod_mask_loss, layout=layout)
         full = np.full((len(samples), layout.padded_len(length)), -1, dtype=np.int64)
@@ -207,7 +209,7 @@ class LongEval:
         shape = (b, s // g.tp_size if model.groups.sequence_parallel else s, model.cfg.hidden_size)
         out: list = []
         common = dict(pp_rank=g.pp_rank, pp_size=g.pp_size, rank_of_stage=g.stage_rank, hidden_shape=shape,
-                      dtype=self.dtype, device=self.device, scores=out)
+                      dtype=self.plan.torch_dtype, device=self.device, scores=out)
         with torch.no_grad():
             if isinstance(model, VirtualStages):
                 run_interleaved(model, [mb], 1.0, forward_only=True, **common)
@@ -252,7 +254,7 @@ class TrainingLongEval:
     length the step trained at, which follows a data.seq_len_schedule). Settings that cannot run are a
     ConfigError before step 1."""
 
-    def __init__(self, cfg: Config, grid: ParallelGrid, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: Config, grid: ParallelGrid, device: torch.device, run: RunPlan) -> None:
         from megalysses.config import ConfigError
         from megalysses.data.tokenizer import tokenizer_from_config
 
@@ -266,7 +268,7 @@ class TrainingLongEval:
             text = any(t in HAYSTACK_TASKS for t in e.tasks)
             haystack = (DocumentStream.whole(e.haystack) if e.haystack else
                         DocumentStream.validation(d) if text and not d.mock else None)
-            self.evaluator = LongEval(cfg, grid, device, dtype, tok, haystack if text else None)
+            self.evaluator = LongEval(cfg, grid, device, run, tok, haystack if text else None)
             lengths = e.lengths or sorted({n for _, n in d.seq_len_schedule} or {d.seq_len})
             self.evaluator.check(self.settings(lengths))
         except ValueError as err:          # PromptError, LongEvalError, HaystackError, TokenizerError

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -70,8 +71,8 @@ def build_model(cfg: Config, grid: ParallelGrid, device: torch.device, mesh: Dev
     (pinned_arenas), or without them from pinned requests of its own."""
     model_cfg = model_config(cfg, run)
     groups = ParallelGroups(tp=grid.tp_group, ulysses=grid.ulysses_group, ring=grid.ring_group,
-                            sequence_parallel=cfg.parallel.tp_sequence_parallel)
-    v = cfg.parallel.virtual_stages
+                            sequence_parallel=run.activation.tp_sequence_parallel)
+    v = run.virtual_stages
     V = grid.pp_size * v
     chunks = []
     # allocated where the weights live: where they run, never staged through host memory, or (parameter
@@ -86,25 +87,27 @@ def build_model(cfg: Config, grid: ParallelGrid, device: torch.device, mesh: Dev
             chunk.offload.pinned = pinned[f"model chunk {k}"]
         if device.type != "meta":      # a meta build (a dry run for a described machine) has shapes only
             init_weights(chunk, cfg.training.seed, grid.tp_rank, grid.tp_size)
-        if cfg.parallel.fsdp:
+        if run.fsdp:
             shard_model(chunk, mesh["grad"], run.torch_dtype, offload=run.weights == "host")
         chunks.append(chunk)
     return chunks[0] if v == 1 else VirtualStages(chunks)
 
 
-def build_optimizer(cfg: Config, model: GPTStage, grid: ParallelGrid, device: Optional[torch.device] = None,
-                    pinned: Optional[PinnedMemory] = None) -> Optimizer:
+def build_optimizer(cfg: Config, model: GPTStage, grid: ParallelGrid, run: RunPlan,
+                    device: Optional[torch.device] = None, pinned: Optional[PinnedMemory] = None) -> Optimizer:
+    """The optimizer the plan places: FSDP2's AdamW over the sharded model, or ZeRO-1's over the grad group (its
+    state in host memory where the plan puts it there)."""
     o = cfg.optimizer
     # the two copies of a tied embedding (first and last stage) sum their gradients; a middle stage has neither
     tied_across_stages = cfg.model.tie_embeddings and grid.pp_size > 1 and (grid.is_first_stage or grid.is_last_stage)
     common = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, tp_rank=grid.tp_rank,
                   embed_group=grid.embed_group if tied_across_stages else None,
                   tied_head_copy=tied_across_stages and not grid.is_first_stage)
-    if cfg.parallel.fsdp:
+    if run.fsdp:
         return FSDPAdamW(model, **common, device=device)
     return ShardedAdamW(model.named_parameters(), grid.grad_group, **common,
                         bucket_elements=cfg.parallel.grad_bucket_elements, overlap=cfg.parallel.overlap_grad_reduce,
-                        offload=cfg.training.optimizer_offload, pinned=pinned)
+                        offload=run.optimizer == "zero1-host", pinned=pinned)
 
 
 def build_model_and_optimizer(cfg: Config, grid: ParallelGrid, device: torch.device, run: RunPlan,
@@ -116,7 +119,7 @@ def build_model_and_optimizer(cfg: Config, grid: ParallelGrid, device: torch.dev
     where there are any (a converted model, checkpoint.init_from), the optimizer's fp32 masters from it,
     then the compute weights in the run's dtype (FSDP casts when it gathers); what both pin in host memory
     from arenas the plan sizes (pinned_arenas). `doing` is told each phase."""
-    if mesh is None and cfg.parallel.fsdp:
+    if mesh is None and run.fsdp:
         mesh = grid.device_mesh(device)
     pinned = pinned_arenas(cfg, run, grid, device)
     doing("building the model")
@@ -125,8 +128,8 @@ def build_model_and_optimizer(cfg: Config, grid: ParallelGrid, device: torch.dev
         doing(f"loading the initial weights {initial}")
         print0(load_initial_weights(initial, model, cfg, grid, mesh))
     doing("building the optimizer")
-    opt = build_optimizer(cfg, model, grid, device, pinned.get("optimizer"))
-    if not cfg.parallel.fsdp:
+    opt = build_optimizer(cfg, model, grid, run, device, pinned.get("optimizer"))
+    if not run.fsdp:
         with torch.no_grad():       # in place, as nn.Module.to does (which cannot swap a memory trace's fake
             for p in model.parameters():    # parameters)
                 p.data = p.data.to(run.torch_dtype)
@@ -152,6 +155,17 @@ def _prepare_dirs(cfg: Config, run_dir: Path, ckpt_dir: Path) -> None:
         check_writable(Path(cfg.logging.tensorboard_dir), "logging.tensorboard_dir")
 
 
+@dataclass
+class Progress:
+    """Where a run stands: steps done, samples consumed, optimizer steps taken (skipped steps excluded) and
+    the last finite loss."""
+
+    step: int = 0
+    consumed: int = 0
+    updates: int = 0
+    loss: float = float("nan")
+
+
 def train(cfg: Config, grid: ParallelGrid, device: torch.device, signals: Optional[StopSignals] = None,
           watchdog: Optional[Watchdog] = None, run: Optional[RunPlan] = None, dry_run: bool = False) -> dict:
     """Run training to the end (or a stop); returns a summary {step, loss, stopped_by}.
@@ -164,139 +178,195 @@ def train(cfg: Config, grid: ParallelGrid, device: torch.device, signals: Option
     run_dir = Path(cfg.logging.run_dir)
     ckpt_dir = Path(cfg.checkpoint.dir or run_dir / "checkpoints")
     doing = watchdog.doing if watchdog is not None else (lambda what: None)
-    doing("checking the run directory")
-    on_rank0(lambda: _prepare_dirs(cfg, run_dir, ckpt_dir))
-    run = run or resolve_run(cfg, device, grid)
-    check_logging_backends(cfg)
-    if watchdog is not None or dry_run:      # the machine's GPU's peak, or logging.peak_tflops
-        check_phase_time(cfg, run, peak_tflops(cfg.logging.peak_tflops, run.machine.gpu, run.dtype))
-    if device.type != "meta":                # this node (not a described one) holds what the host terms need
-        check_host_memory(cfg, run)
-    if run.attention == "flex" and device.type == "cuda":
-        reserve_compiles(flex_compile_budget(run))
-    print0(startup_line(cfg, grid, run))
-    dtype = run.torch_dtype
-    mesh = grid.device_mesh(device)
-
-    step, consumed, updates = 0, 0, 0       # updates: optimizer steps taken (skipped steps excluded)
-    total = cfg.training.train_steps
-    source = ckpt_dir if cfg.checkpoint.load == "auto" else cfg.checkpoint.load
-    path = None
-    if source is not None and not dry_run:
-        doing(f"verifying the checkpoints in {source}")
-        path = choose_checkpoint(source, explicit=cfg.checkpoint.load != "auto", fallback=cfg.checkpoint.fallback)
-    # weights without optimizer state (a converted model) start the run; so does init_from when there is
-    # no checkpoint of this run to resume (a dry run reads no weights)
-    initial = path if path is not None and is_weights_only(path) else None if path else cfg.checkpoint.init_from
-    if initial is not None:
-        path = None
-    initial = None if dry_run else initial
+    run = _start_up(cfg, grid, device, run, run_dir, ckpt_dir, watchdog is not None or dry_run, doing)
+    path, initial = (None, None) if dry_run else _checkpoint_to_load(cfg, ckpt_dir, doing)
     doing("checking the long-context evaluation")
-    long_eval = TrainingLongEval(cfg, grid, device, dtype) if cfg.long_eval.interval and not dry_run else None
+    long_eval = TrainingLongEval(cfg, grid, device, run) if cfg.long_eval.interval and not dry_run else None
+    mesh = grid.device_mesh(device)
     model, opt = build_model_and_optimizer(cfg, grid, device, run, mesh, initial, doing)
     check_built(model, grid, run)
     if dry_run:
         on_rank0(lambda: write_runtime(run_dir, cfg, grid, run))
         return {"step": 0, "loss": float("nan"), "stopped_by": "dry_run"}
     doing("opening the datasets")
-    data = TrainingData(cfg, grid, device)
+    data = TrainingData(cfg, grid, run, device)
+    progress = Progress()
     if path is not None:
         doing(f"loading the checkpoint {path}")
-        meta = load_checkpoint(path, model, opt, grid, mesh, architecture(cfg.model, grid.tp_size))
-        step, consumed = meta["step"], meta["consumed_samples"]
-        updates = meta.get("optimizer_steps", step)
-        if step >= total:
-            last = meta.get("loss")
-            return {"step": step, "loss": float("nan") if last is None else last, "stopped_by": "already_finished"}
-        print0(f"resumed from {path} at step {step} ({consumed} samples consumed)")
-        if 0 < cfg.training.exit_at_step <= step:
-            raise ConfigError(f"the checkpoint {path} is at step {step}, already at or past "
-                              f"training.exit_at_step={cfg.training.exit_at_step}: raise exit_at_step "
-                              f"(or set it to 0) to continue this run")
+        progress = _resume(cfg, path, model, opt, grid, mesh)
+        if progress.step >= cfg.training.train_steps:
+            return {"step": progress.step, "loss": progress.loss, "stopped_by": "already_finished"}
 
     # the run's config (what tools/generate.py and the converter read) only once this one has passed every
     # check and loaded its checkpoint: a launch that fails leaves the run as it was
     def start_run() -> None:
         save_config(cfg, run_dir / "config.yaml")
         write_runtime(run_dir, cfg, grid, run)
-        mark_start(run_dir, step, path, consumed * cfg.data.seq_len,
+        mark_start(run_dir, progress.step, path, progress.consumed * cfg.data.seq_len,
                    {"tp": grid.tp_size, "sp": grid.sp_size, "pp": grid.pp_size, "dp": grid.dp_size})
 
     on_rank0(start_run)
-    logger = MetricsLogger(cfg, run_dir, grid.world, device, total, dtype)
-    profiler = StepProfiler(cfg.profile, grid.rank, run_dir, device, watchdog)
-    flags = signals or StopSignals()
-    start = time.monotonic()
-    stopped_by, loss = "train_steps", float("nan")
+    loop = TrainingLoop(cfg, grid, device, run, model, opt, mesh, data, long_eval, progress, ckpt_dir, doing)
+    return loop(signals, watchdog)
 
-    def save() -> None:
-        doing(f"saving the checkpoint of step {step}")
-        save_checkpoint(ckpt_dir, step, model, opt, grid, mesh, keep_last=cfg.checkpoint.keep_last,
-                        meta={"consumed_samples": consumed, "optimizer_steps": updates,
-                              "loss": loss if math.isfinite(loss) else None,
+
+def _start_up(cfg: Config, grid: ParallelGrid, device: torch.device, run: Optional[RunPlan], run_dir: Path,
+              ckpt_dir: Path, check_time: bool, doing: Callable[[str], None]) -> RunPlan:
+    """The checks before anything is built: the directories writable (rank 0), the plan (resolved here when not
+    given), the logging backends, the phase times against the watchdog (`check_time`), this node's host memory;
+    then the start-up line. Returns the plan."""
+    doing("checking the run directory")
+    on_rank0(lambda: _prepare_dirs(cfg, run_dir, ckpt_dir))
+    run = run or resolve_run(cfg, device, grid)
+    check_logging_backends(cfg)
+    if check_time:                           # the machine's GPU's peak, or logging.peak_tflops
+        check_phase_time(cfg, run, peak_tflops(cfg.logging.peak_tflops, run.machine.gpu, run.dtype))
+    if device.type != "meta":                # this node (not a described one) holds what the host terms need
+        check_host_memory(cfg, run)
+    if run.attention == "flex" and device.type == "cuda":
+        reserve_compiles(flex_compile_budget(run))
+    print0(startup_line(cfg, grid, run))
+    return run
+
+
+def _checkpoint_to_load(cfg: Config, ckpt_dir: Path, doing: Callable[[str], None]
+                        ) -> tuple[Optional[Path], Optional[str | Path]]:
+    """(the checkpoint to resume, the weights to start from): weights without optimizer state (a converted
+    model) start the run; so does checkpoint.init_from when there is no checkpoint of this run to resume."""
+    source = ckpt_dir if cfg.checkpoint.load == "auto" else cfg.checkpoint.load
+    path = None
+    if source is not None:
+        doing(f"verifying the checkpoints in {source}")
+        path = choose_checkpoint(source, explicit=cfg.checkpoint.load != "auto", fallback=cfg.checkpoint.fallback)
+    if path is not None and is_weights_only(path):
+        return None, path
+    return path, None if path else cfg.checkpoint.init_from
+
+
+def _resume(cfg: Config, path: Path, model: GPTStage | VirtualStages, opt: Optimizer, grid: ParallelGrid,
+            mesh: DeviceMesh) -> Progress:
+    """The checkpoint `path` loaded into the model and optimizer; where it left the run."""
+    meta = load_checkpoint(path, model, opt, grid, mesh, architecture(cfg.model, grid.tp_size))
+    step = meta["step"]
+    last = meta.get("loss")
+    progress = Progress(step, meta["consumed_samples"], meta.get("optimizer_steps", step),
+                        float("nan") if last is None else last)
+    if step >= cfg.training.train_steps:
+        return progress
+    print0(f"resumed from {path} at step {step} ({progress.consumed} samples consumed)")
+    if 0 < cfg.training.exit_at_step <= step:
+        raise ConfigError(f"the checkpoint {path} is at step {step}, already at or past "
+                          f"training.exit_at_step={cfg.training.exit_at_step}: raise exit_at_step "
+                          f"(or set it to 0) to continue this run")
+    return Progress(step, progress.consumed, progress.updates)
+
+
+class TrainingLoop:
+    """The steps of a built run, from `progress` to training.train_steps or a stop: each step's batch, its
+    validation, long-context evaluation and checkpoint when due, and the stop every rank agrees on."""
+
+    def __init__(self, cfg: Config, grid: ParallelGrid, device: torch.device, run: RunPlan,
+                 model: GPTStage | VirtualStages, opt: Optimizer, mesh: DeviceMesh, data: TrainingData,
+                 long_eval: Optional[TrainingLongEval], progress: Progress, ckpt_dir: Path,
+                 doing: Callable[[str], None]) -> None:
+        self.cfg, self.grid, self.device, self.run = cfg, grid, device, run
+        self.model, self.opt, self.mesh, self.data, self.long_eval = model, opt, mesh, data, long_eval
+        self.progress, self.ckpt_dir, self.doing = progress, ckpt_dir, doing
+
+    def __call__(self, signals: Optional[StopSignals], watchdog: Optional[Watchdog]) -> dict:
+        cfg, p, doing = self.cfg, self.progress, self.doing
+        run_dir, total = Path(cfg.logging.run_dir), cfg.training.train_steps
+        self.logger = MetricsLogger(cfg, run_dir, self.grid.world, self.device, total, self.run.torch_dtype)
+        profiler = StepProfiler(cfg.profile, self.grid.rank, run_dir, self.device, watchdog)
+        flags = signals or StopSignals()
+        start = time.monotonic()
+        stopped_by = "train_steps"
+        batches = self.data.train_batches(p.consumed)
+        first_step, saved_at, first_updates = p.step, p.step, p.updates
+        seq_len, samples = 0, 0
+        try:
+            while p.step < total:
+                lr = lr_at(p.step, cfg.optimizer, total, lr_progress(cfg.training, p.step, p.consumed))
+                if cfg.data.seq_len_at(p.step) != seq_len:
+                    seq_len = cfg.data.seq_len_at(p.step)
+                    if cfg.data.seq_len_schedule:
+                        print0(stage_line(cfg, p.step))
+                doing(f"reading the batch of step {p.step + 1}")
+                batch = next(batches)
+                if len(batch) * self.run.samples_per_micro_batch != samples:   # a ramp grows the global batch
+                    samples = len(batch) * self.run.samples_per_micro_batch
+                    if self.data.batch_sizes.ramped:
+                        print0(batch_line(p.step, samples, self.data.batch_sizes, self.run.samples_per_micro_batch))
+                doing(f"training step {p.step + 1}")
+                with profiler.step(p.step + 1):
+                    result = train_step(self.model, self.opt, batch, self.grid, lr=lr,
+                                        grad_clip=cfg.optimizer.grad_clip, dtype=self.run.torch_dtype,
+                                        nan_policy=cfg.training.nan_policy)
+                p.step += 1
+                p.updates += not result.skipped
+                p.consumed += samples
+                p.loss = result.loss if math.isfinite(result.loss) else p.loss   # the last finite loss
+                # throughput counts every token processed (masked labels included), as the FLOPs do
+                self.logger.step(p.step, result.loss, lr, result.grad_norm, samples * cfg.data.seq_len, seq_len,
+                                 tokens_seen=p.consumed * cfg.data.seq_len)
+                if self._after_step():
+                    saved_at = p.step
+                stopped_by = self._stop(flags, start)
+                if stopped_by != "train_steps":
+                    break
+            if p.updates == first_updates and p.step > first_step and stopped_by != "signal":
+                raise NonFiniteLossError(f"every step of this run (steps {first_step + 1} to {p.step}) was skipped: "
+                                         f"the loss or the gradient norm was never finite, so nothing was learned; "
+                                         f"lower optimizer.lr or check the data")
+            if p.step > first_step and saved_at != p.step:
+                self.save()
+            if stopped_by != "train_steps":
+                print0(f"stopped at step {p.step} ({stopped_by}); checkpoint saved to {self.ckpt_dir}")
+        finally:
+            profiler.close()
+            if signals is None:
+                flags.restore()
+            self.logger.close()
+        return {"step": p.step, "loss": p.loss, "stopped_by": stopped_by}
+
+    def _after_step(self) -> bool:
+        """Validation, long-context evaluation and a checkpoint where due (their time kept out of tokens/s);
+        whether a checkpoint was saved."""
+        cfg, step = self.cfg, self.progress.step
+        t0 = time.perf_counter()
+        if cfg.training.eval_interval and step % cfg.training.eval_interval == 0:
+            self.doing(f"validating at step {step}")
+            self.logger.eval(step, evaluate(self.model, self.data.valid_batches(), self.grid, self.run.torch_dtype))
+        if self.long_eval is not None and self.long_eval.due(step):
+            self.logger.long_eval(step, scalars(self.long_eval(self.model, step, self.doing)))
+        saved = bool(cfg.checkpoint.save_interval) and step % cfg.checkpoint.save_interval == 0
+        if saved:
+            self.save()
+        self.logger.exclude(time.perf_counter() - t0)   # tokens/s measures training steps only
+        return saved
+
+    def _stop(self, flags: StopSignals, start: float) -> str:
+        """Why the loop stops after this step ("train_steps": it goes on, or has trained them all), agreed by
+        every rank through one small all-reduce."""
+        t, step = self.cfg.training, self.progress.step
+        wall_limit = 60 * t.max_wall_minutes
+        over_time = wall_limit > 0 and time.monotonic() - start > wall_limit
+        stop = torch.tensor([float(flags.signalled), float(over_time)], device=self.device)
+        self.doing(f"waiting for every rank to finish step {step}")
+        comm.all_reduce_(stop, comm.world(), op="max")
+        interval = t.exit_interval and step % t.exit_interval == 0
+        if (stop.any() or step == t.exit_at_step or interval) and step < t.train_steps:
+            return ("signal" if stop[0] else "max_wall_minutes" if stop[1] else
+                    "exit_at_step" if step == t.exit_at_step else "exit_interval")
+        return "train_steps"
+
+    def save(self) -> None:
+        cfg, p, grid = self.cfg, self.progress, self.grid
+        self.doing(f"saving the checkpoint of step {p.step}")
+        save_checkpoint(self.ckpt_dir, p.step, self.model, self.opt, grid, self.mesh,
+                        keep_last=cfg.checkpoint.keep_last,
+                        meta={"consumed_samples": p.consumed, "optimizer_steps": p.updates,
+                              "loss": p.loss if math.isfinite(p.loss) else None,
                               "model_shape": architecture(cfg.model, grid.tp_size),
                               "layout": {"tp": grid.tp_size, "sp": grid.sp_size, "pp": grid.pp_size,
                                          "dp": grid.dp_size}})
-
-    batches = data.train_batches(consumed)
-    first_step, saved_at, first_updates = step, step, updates
-    seq_len, samples = 0, 0
-    per_micro = cfg.training.micro_batch_size * grid.dp_size
-    try:
-        while step < total:
-            lr = lr_at(step, cfg.optimizer, total, lr_progress(cfg.training, step, consumed))
-            if cfg.data.seq_len_at(step) != seq_len:
-                seq_len = cfg.data.seq_len_at(step)
-                if cfg.data.seq_len_schedule:
-                    print0(stage_line(cfg, step))
-            doing(f"reading the batch of step {step + 1}")
-            batch = next(batches)
-            if len(batch) * per_micro != samples:           # this step's global batch (a ramp grows it)
-                samples = len(batch) * per_micro
-                if data.batch_sizes.ramped:
-                    print0(batch_line(step, samples, data.batch_sizes, per_micro))
-            doing(f"training step {step + 1}")
-            with profiler.step(step + 1):
-                result = train_step(model, opt, batch, grid, lr=lr, grad_clip=cfg.optimizer.grad_clip,
-                                    dtype=dtype, nan_policy=cfg.training.nan_policy)
-            step += 1
-            updates += not result.skipped
-            consumed += samples
-            loss = result.loss if math.isfinite(result.loss) else loss   # the last finite loss
-            # throughput counts every token processed (masked labels included), as the FLOPs do
-            logger.step(step, result.loss, lr, result.grad_norm, samples * cfg.data.seq_len, seq_len,
-                        tokens_seen=consumed * cfg.data.seq_len)
-            t0 = time.perf_counter()
-            if cfg.training.eval_interval and step % cfg.training.eval_interval == 0:
-                doing(f"validating at step {step}")
-                logger.eval(step, evaluate(model, data.valid_batches(), grid, dtype))
-            if long_eval is not None and long_eval.due(step):
-                logger.long_eval(step, scalars(long_eval(model, step, doing)))
-            if cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0:
-                save()
-                saved_at = step
-            logger.exclude(time.perf_counter() - t0)   # tokens/s measures training steps only
-            wall_limit = 60 * cfg.training.max_wall_minutes
-            over_time = wall_limit > 0 and time.monotonic() - start > wall_limit
-            stop = torch.tensor([float(flags.signalled), float(over_time)], device=device)
-            doing(f"waiting for every rank to finish step {step}")
-            comm.all_reduce_(stop, comm.world(), op="max")
-            interval = cfg.training.exit_interval and step % cfg.training.exit_interval == 0
-            if (stop.any() or step == cfg.training.exit_at_step or interval) and step < total:
-                stopped_by = ("signal" if stop[0] else "max_wall_minutes" if stop[1] else
-                              "exit_at_step" if step == cfg.training.exit_at_step else "exit_interval")
-                break
-        if updates == first_updates and step > first_step and stopped_by != "signal":
-            raise NonFiniteLossError(f"every step of this run (steps {first_step + 1} to {step}) was skipped: the "
-                                     f"loss or the gradient norm was never finite, so nothing was learned; lower "
-                                     f"optimizer.lr or check the data")
-        if step > first_step and saved_at != step:
-            save()
-        if stopped_by != "train_steps":
-            print0(f"stopped at step {step} ({stopped_by}); checkpoint saved to {ckpt_dir}")
-    finally:
-        profiler.close()
-        if signals is None:
-            flags.restore()
-        logger.close()
-    return {"step": step, "loss": loss, "stopped_by": stopped_by}

@@ -284,16 +284,14 @@ def fake_batch(cfg: Config, grid: ParallelGrid, run: RunPlan, device: torch.devi
     """This rank's micro-batches of one global batch at the run's longest (padded) length, as the data loader
     hands them over: token ids, labels and positions of its S/sp tokens, and the document ids of the whole
     sequence with packed-document masks."""
-    t = cfg.training
-    micro = t.global_batch_size // (t.micro_batch_size * grid.dp_size)
-    S = run.padded_seq_len
+    B, S = run.micro_batch_size, run.padded_seq_len
     local = S // grid.sp_size
     out = []
-    for _ in range(micro):
-        mb = {k: torch.zeros(t.micro_batch_size, local, dtype=torch.long, device=device)
+    for _ in range(run.micro_batches):
+        mb = {k: torch.zeros(B, local, dtype=torch.long, device=device)
               for k in ("input_ids", "labels", "position_ids")}
         if cfg.data.document_mask:
-            mb["doc_ids"] = torch.zeros(t.micro_batch_size, S, dtype=torch.long, device=device)
+            mb["doc_ids"] = torch.zeros(B, S, dtype=torch.long, device=device)
         out.append(mb)
     return out
 

@@ -35,14 +35,15 @@ def dataset(prefix: Path, ids: list[int], dtype: type) -> str:
 def train_on(rank: int, world: int, tmp: str) -> dict:
     from megalysses.config.io import load_config
     from megalysses.data import DatasetError
-    from megalysses.grid import ParallelGrid
+    from megalysses.training.runtime import plan_and_grid
     from megalysses.training.loop import train
 
     def go(layout: str, name: str, data: str) -> object:
         cfg = load_config(None, TINY + LAYOUTS[layout] + [f"data.paths={tmp}/{data}",
                                                          f"logging.run_dir={tmp}/run_{layout}_{name}"])
         try:
-            return train(cfg, ParallelGrid.for_config(cfg), torch.device("cpu"))["step"]
+            run, grid = plan_and_grid(cfg, torch.device("cpu"))
+            return train(cfg, grid, torch.device("cpu"), run=run)["step"]
         except DatasetError as e:
             return str(e)
 
