@@ -37,53 +37,15 @@ def backward_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precisio
     attn_terms = attention_half_terms(m, layout, opts, prec, seq_len)
     full = attn_terms + mlp_half_terms(m, layout, opts, prec, seq_len)
     attn_half = bytes_per_token(attn_terms)
-    chunk_name, summed = "", 0.0
-    if N > 1:           # the block input, the recomputed QKV input, one chunk's activations
-        chunk = attention_terms(m, layout, opts, prec, seq_len, N)
+    before_core, at_core, chunk_name, summed = _attention_alive(m, layout, opts, prec, seq_len, attn_terms)
+    if N > 1:
         d = dims(m, layout, opts, N)
-        # the chunk's QKV output stays bound through its backward (model/tiled.py chunks_backward), as a view
-        # of v keeps it anyway with some kernels
-        qkv_out = 0 if any(t[0].startswith("the QKV output") for t in chunk) else d["qkv"] * a
-        casts = bytes_per_token([t for t in chunk if t[0].startswith("cos, sin")])
-        before_core = attn_half + h * a + casts + qkv_out
-        at_core = attn_half + h * a + bytes_per_token(chunk) + qkv_out
-        chunk_name, summed = f" (one of {N} head chunks, the QKV input's gradient summed)", h * a
-    else:
-        before_core = bytes_per_token([t for t in attn_terms
-                                       if t[0].startswith(("attention norm", "QKV input", "cos, sin"))])
-        at_core = attn_half
-    q, kv = d["q"], d["kv"]
-    # the kernel's dk, dv: at the query heads' width when K/V were repeated to them before it; a flash kernel
-    # (FlashAttention-2's backward, torch's flash kernels) reading fewer KV heads as they are writes them at
-    # that width inside too (dk_expanded, dv_expanded) before summing each group into dk, dv
-    kv_grads = q if d["expand"] else kv
-    accumulator = 4 * q if opts.dq_accumulator else 0
-    inside = 2 * q * a if opts.dq_accumulator and not d["expand"] and q != kv else 0
-    # the fp32 rowsum(dO * O) per query head (a flash kernel's softmax_d, FlexAttention's delta)
-    rowsum = 4 * d["hq"] if opts.dq_accumulator or opts.attention == "flex" else 0
-    mlp_tiled = tiled(opts.mlp_chunk_tokens, layout, opts, seq_len)
-    if mlp_tiled:
-        tile = opts.mlp_chunk_tokens * r / tokens      # a tile's share of the tokens
-        # a tile's backward (model/tiled.py MLPTiles) at the worst of its MLP's (the norm output, gathered over tp,
-        # the gate-up output, silu, the down input and their gradients, the tile's output) and its norm's (the
-        # norm output's gradient, the tile's input gradient and output beside the norm's temporaries); the
-        # residual's gradient for every token, and the MLP's weights' gradients: their fp32 sums over the tiles,
-        # one tile's in the weights' dtype
-        weights = (mlp_params(m, layout.tp) + norm_params(m)) * (4 + prec.weight)
-        tile_mlp = tile * (((4 if k.swiglu_silu else 3) + 2) * f + 3 * h) * a
-        tile_norm = tile * 3 * h * a + norm_tile_bytes(m, opts, prec, opts.mlp_chunk_tokens) / tokens
-        mlp = max(tile_mlp, tile_norm) + h / r * a + weights / tokens
-        mlp_name = "MLP tile: its recomputation and gradients, the residual's gradient, the weights' fp32 sums"
-    else:
-        mlp, mlp_name = 2 * f * a, "MLP: the down input's gradient and its factors'"
-    core = (2 * q + 2 * kv_grads) * a + inside + accumulator + rowsum
-    core_name = ("attention: dout, dq, dk, dv" + (", dk and dv at the query heads" if inside else "")
-                 + (", fp32 dq accumulator" if accumulator else "") + (", fp32 rowsum(dO O)" if rowsum else ""))
-    if d["ring"] > 1:
-        core, core_name = _ring_backward(q, kv, a, d["ring"], opts, accumulator,
-                                         recomputed=opts.activation_checkpointing or N > 1)
+    core, core_name = _core_backward(d, opts, a)
     core, core_name = core + summed, core_name + chunk_name
-    assembly = (k.qkv_grad_buffers * d["qkv"] + (3 * (q + 2 * kv) if d["P"] > 1 else 0)) * a + summed
+    mlp_tiled = tiled(opts.mlp_chunk_tokens, layout, opts, seq_len)
+    mlp, mlp_name = _mlp_backward(m, layout, opts, prec, tokens, h, r, f) if mlp_tiled else \
+        (2 * f * a, "MLP: the down input's gradient and its factors'")
+    assembly = (k.qkv_grad_buffers * d["qkv"] + (3 * (d["q"] + 2 * d["kv"]) if d["P"] > 1 else 0)) * a + summed
     # with the attention output and LSE kept, those of the moments past attention are retained, not recomputed
     kept = bytes_per_token(kept_attention_terms(m, layout, opts, prec))
     moments = {mlp_name: (bytes_per_token(full) - kept, mlp),
@@ -111,24 +73,92 @@ def backward_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precisio
     own = own_weight_grads(m, layout, opts, mlp_tiled)
     weigh = grad_bytes or (lambda elements: elements * prec.weight)
     moments = {n: (al, g + weigh(own[_kind(n)]) / tokens) for n, (al, g) in moments.items()}
+    return _worst_moment_terms(moments, opts, tokens, h / r, a, bytes_per_token(full))
+
+
+def _attention_alive(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, seq_len: int,
+                     attn_terms: list) -> tuple[float, float, str, float]:
+    """Bytes per token alive before the attention kernel's backward and at it, the head chunks' name for the
+    moments, and the QKV input's gradient the chunks sum into (0 without head chunks)."""
+    d, a, N = dims(m, layout, opts), prec.act, opts.head_chunks
+    attn_half = bytes_per_token(attn_terms)
+    if N <= 1:
+        before_core = bytes_per_token([t for t in attn_terms
+                                       if t[0].startswith(("attention norm", "QKV input", "cos, sin"))])
+        return before_core, attn_half, "", 0.0
+    # the block input, the recomputed QKV input, one chunk's activations
+    chunk = attention_terms(m, layout, opts, prec, seq_len, N)
+    h = d["h"]
+    d = dims(m, layout, opts, N)
+    # the chunk's QKV output stays bound through its backward (model/tiled.py chunks_backward), as a view
+    # of v keeps it anyway with some kernels
+    qkv_out = 0 if any(t[0].startswith("the QKV output") for t in chunk) else d["qkv"] * a
+    casts = bytes_per_token([t for t in chunk if t[0].startswith("cos, sin")])
+    before_core = attn_half + h * a + casts + qkv_out
+    at_core = attn_half + h * a + bytes_per_token(chunk) + qkv_out
+    return before_core, at_core, f" (one of {N} head chunks, the QKV input's gradient summed)", h * a
+
+
+def _core_backward(d: dict, opts: Options, a: int) -> tuple[float, str]:
+    """The attention kernel's backward buffers per token (or ring attention's), and their name."""
+    q, kv = d["q"], d["kv"]
+    # the kernel's dk, dv: at the query heads' width when K/V were repeated to them before it; a flash kernel
+    # (FlashAttention-2's backward, torch's flash kernels) reading fewer KV heads as they are writes them at
+    # that width inside too (dk_expanded, dv_expanded) before summing each group into dk, dv
+    kv_grads = q if d["expand"] else kv
+    accumulator = 4 * q if opts.dq_accumulator else 0
+    inside = 2 * q * a if opts.dq_accumulator and not d["expand"] and q != kv else 0
+    # the fp32 rowsum(dO * O) per query head (a flash kernel's softmax_d, FlexAttention's delta)
+    rowsum = 4 * d["hq"] if opts.dq_accumulator or opts.attention == "flex" else 0
+    if d["ring"] > 1:
+        return _ring_backward(q, kv, a, d["ring"], opts, accumulator,
+                              recomputed=opts.activation_checkpointing or opts.head_chunks > 1)
+    core = (2 * q + 2 * kv_grads) * a + inside + accumulator + rowsum
+    return core, ("attention: dout, dq, dk, dv" + (", dk and dv at the query heads" if inside else "")
+                  + (", fp32 dq accumulator" if accumulator else "") + (", fp32 rowsum(dO O)" if rowsum else ""))
+
+
+def _mlp_backward(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, tokens: float,
+                  h: float, r: int, f: float) -> tuple[float, str]:
+    """With MLP tiles: a tile's backward (model/tiled.py MLPTiles) at the worst of its MLP's (the norm output,
+    gathered over tp, the gate-up output, silu, the down input and their gradients, the tile's output) and its
+    norm's (the norm output's gradient, the tile's input gradient and output beside the norm's temporaries);
+    the residual's gradient for every token, and the MLP's weights' gradients: their fp32 sums over the tiles,
+    one tile's in the weights' dtype."""
+    a = prec.act
+    tile = opts.mlp_chunk_tokens * r / tokens      # a tile's share of the tokens
+    weights = (mlp_params(m, layout.tp) + norm_params(m)) * (4 + prec.weight)
+    tile_mlp = tile * (((4 if KERNELS[opts.kernels].swiglu_silu else 3) + 2) * f + 3 * h) * a
+    tile_norm = tile * 3 * h * a + norm_tile_bytes(m, opts, prec, opts.mlp_chunk_tokens) / tokens
+    return (max(tile_mlp, tile_norm) + h / r * a + weights / tokens,
+            "MLP tile: its recomputation and gradients, the residual's gradient, the weights' fp32 sums")
+
+
+def _worst_moment_terms(moments: dict, opts: Options, tokens: float, width: float, a: int,
+                        full: float) -> list[Term]:
+    """The layer's backward at its worst moment as terms: its recomputed activations (or, retained, those freed
+    by then off), its transient bytes, a checkpoint group's other inputs and the residual stream's gradient;
+    `width`: the residual stream's elements per token (h / r), `a` bytes each; `full`: the bytes per token a
+    layer keeps."""
+    residual = width * a
     name, (alive, grads) = max(moments.items(), key=lambda kv_: sum(kv_[1]))
     offloaded = opts.activation_offload and opts.activation_checkpointing
     if opts.activation_checkpointing and not offloaded:
-        alive -= h / r * a                 # the norm's input is the retained block input itself
+        alive -= residual                  # the norm's input is the retained block input itself
     what = "recomputed" if opts.activation_checkpointing else "own"
     terms = [] if not opts.activation_checkpointing else [
         Term(f"the layer's {what} activations (at its worst moment)", tokens * alive,
              f"{tokens:.4g} tok x {alive:.4g} B")]
     if not opts.activation_checkpointing:      # retained already: what is freed by that moment comes off
-        terms.append(Term("the layer's activations freed by then", -tokens * (bytes_per_token(full) - alive),
-                          f"-{tokens:.4g} tok x {bytes_per_token(full) - alive:.4g} B"))
+        terms.append(Term("the layer's activations freed by then", -tokens * (full - alive),
+                          f"-{tokens:.4g} tok x {full - alive:.4g} B"))
     each = ", ".join(f"{n.split(':')[0]} {(al + g) * tokens / GIB:.3g} GiB" for n, (al, g) in moments.items())
     terms.append(Term(f"backward of one layer, {name}", tokens * grads, f"{tokens:.4g} tok x {grads:.4g} B; {each}"))
     k = opts.checkpoint_stride if opts.activation_checkpointing else 1
     if k > 1:   # a group recomputed from its input keeps every block input of the group (model/gpt.py)
-        terms.append(Term(f"the group's other recomputed block inputs ({k - 1})", (k - 1) * tokens * h / r * a,
-                          f"{k - 1} x {tokens:.4g} tok x {h / r:.4g} x {a} B"))
-    terms.append(Term("residual-stream gradient", tokens * h / r * a, f"{tokens:.4g} tok x {h / r:.4g} x {a} B"))
+        terms.append(Term(f"the group's other recomputed block inputs ({k - 1})", (k - 1) * tokens * residual,
+                          f"{k - 1} x {tokens:.4g} tok x {width:.4g} x {a} B"))
+    terms.append(Term("residual-stream gradient", tokens * residual, f"{tokens:.4g} tok x {width:.4g} x {a} B"))
     return terms
 
 
