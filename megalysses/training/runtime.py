@@ -37,27 +37,29 @@ def resolve_run(cfg: Config, device: torch.device, grid: Optional[ParallelGrid] 
 
 def check_built(model: torch.nn.Module, grid: ParallelGrid, run: RunPlan) -> None:
     """The built model and grid do what the plan says: every attention layer runs the plan's backend and
-    sliding window, every fused op its kernels (the q/k head norms' too), the stage its activation policy, the
-    grid its ulysses x ring, the weights its dtype (FSDP keeps fp32 shards and gathers in the plan's dtype). A
-    difference is a bug: what the planner predicted would not be what the run does."""
+    sliding window, every fused op its kernels (the q/k head norms' too), every stage and its blocks the
+    activation policy (as model/policies.py applied it), the grid its ulysses x ring, the weights its dtype (FSDP
+    keeps fp32 shards and gathers in the plan's dtype). A difference is a bug: what the planner predicted would
+    not be what the run does."""
     from megalysses.model.gpt import GPTStage
     from megalysses.model.layers import MLP, Attention, HeadNorm, Norm
+    from megalysses.model.policies import applied_policy
 
     wrong = []
     if (grid.ulysses_size, grid.ring_size) != (run.ulysses, run.ring):
         wrong.append(f"grid ulysses x ring {grid.ulysses_size} x {grid.ring_size}")
     for name, m in model.named_modules():
-        if isinstance(m, Attention) and (m.backend, m.head_chunks, m.window) != (
-                run.attention, run.activation.head_chunks, run.attention_window):
-            wrong.append(f"{name} attention {m.backend} in {m.head_chunks} head chunks, window {m.window}")
+        if isinstance(m, Attention) and (m.backend, m.window) != (run.attention, run.attention_window):
+            wrong.append(f"{name} attention {m.backend}, window {m.window}")
         if isinstance(m, (Attention, MLP, Norm, HeadNorm)) and m.impl != run.kernels:
             wrong.append(f"{name} kernels {m.impl}")
         if isinstance(m, GPTStage):
-            a = run.activation
-            kept = (m.activation_checkpointing, m.offload is not None, m.loss_chunk_tokens, m.checkpoint_stride,
-                    {b.mlp_chunk_tokens for b in m.layers.values()} or {a.mlp_chunk_tokens})
-            if kept != (a.checkpointing, a.offload, a.loss_chunk_tokens, a.checkpoint_stride, {a.mlp_chunk_tokens}):
-                wrong.append(f"{name or 'stage'} activation policy {kept}")
+            try:
+                applied = applied_policy(m)
+            except ValueError as e:
+                applied = str(e)
+            if applied != run.activation:
+                wrong.append(f"{name or 'stage'} activation policy {applied}")
     if not run.optimizer.startswith("fsdp"):
         dtypes = {str(p.dtype).removeprefix("torch.") for p in model.parameters()}
         if dtypes != {run.dtype}:
