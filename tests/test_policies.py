@@ -59,3 +59,21 @@ def test_a_policy_the_model_cannot_run_is_refused_when_applied():
         _model(ActivationPolicy(head_chunks=3))
     with pytest.raises(ValueError, match="activation offload .* needs checkpointing"):
         _model(ActivationPolicy(offload=True))
+
+
+def test_the_run_checks_the_policy_its_model_carries_out():
+    """training/runtime.py check_built reads the policy back from the built model: as build_model applies it, it
+    holds; a plain model for the same plan is a bug it names."""
+    from megalysses.config_io import load_config
+    from megalysses.grid import ParallelGrid
+    from megalysses.training.loop import build_model
+    from megalysses.training.runtime import check_built, model_config, resolve_run
+
+    cfg = load_config(overrides=["data.mock=true", "data.seq_len=32", "model.vocab_size=128", "model.hidden_size=32",
+                                 "model.num_layers=2", "model.num_heads=4", "training.global_batch_size=1",
+                                 "training.activation_checkpointing=true", "training.mlp_chunk_tokens=8"])
+    grid, cpu = ParallelGrid.single(), torch.device("cpu")
+    run = resolve_run(cfg, cpu, grid)
+    check_built(build_model(cfg, grid, cpu, None, run), grid, run)
+    with pytest.raises(RuntimeError, match=r"stage activation policy ActivationPolicy\(checkpointing=False"):
+        check_built(GPTStage(model_config(cfg, run)), grid, run)
