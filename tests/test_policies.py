@@ -57,8 +57,9 @@ def test_a_policy_keeps_the_plain_models_names_and_numbers():
 def test_a_policy_the_model_cannot_run_is_refused_when_applied():
     with pytest.raises(ValueError, match="3 head chunks do not split the 2 KV heads"):
         _model(ActivationPolicy(head_chunks=3))
-    with pytest.raises(ValueError, match="activation offload .* needs checkpointing"):
-        _model(ActivationPolicy(offload=True))
+    for needs_checkpointing in ({"offload": True}, {"keep_attention": True}, {"checkpoint_stride": 2}):
+        with pytest.raises(ValueError, match="they need checkpointing"):
+            _model(ActivationPolicy(**needs_checkpointing))
 
 
 def test_the_run_checks_the_policy_its_model_carries_out():

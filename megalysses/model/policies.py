@@ -136,9 +136,10 @@ def apply_activation_policy(stage: GPTStage, policy: ActivationPolicy,
     """Put the runners of `policy` in place of a plain stage's (in place; returns the stage). `pinned`: where
     activation offload takes its host buffers (the run's arena for this stage, training/loop.py pinned_arenas;
     None: pinned requests of its own). Apply it before FSDP wraps the blocks (training/fsdp.py shard_model)."""
-    if policy.offload and not policy.checkpointing:
-        raise ValueError("activation offload moves the inputs that checkpointing keeps: it needs checkpointing "
-                         "(config_checks refuses training.activation_offload without activation_checkpointing)")
+    if (policy.offload or policy.keep_attention or policy.checkpoint_stride > 1) and not policy.checkpointing:
+        raise ValueError(f"{policy}: activation offload, kept attention and a checkpoint stride say what "
+                         f"checkpointing keeps and where; they need checkpointing (config_checks refuses them without "
+                         f"training.activation_checkpointing)")
     if policy.checkpointing and policy.offload:
         stage.run_blocks = OffloadedCheckpoints(policy.checkpoint_stride, ActivationOffload(pinned=pinned))
     elif policy.checkpointing and policy.keep_attention:
