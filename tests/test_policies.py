@@ -6,6 +6,7 @@ import torch
 
 from megalysses.config import ModelConfig
 from megalysses.model.gpt import GPTStage, init_weights
+from megalysses.model.kv_cache import KVCache
 from megalysses.model.policies import activation_offload, applied_policy, apply_activation_policy
 from megalysses.plan import ActivationPolicy
 
@@ -49,9 +50,13 @@ def test_a_policy_keeps_the_plain_models_names_and_numbers():
         for n, g in grads.items():
             torch.testing.assert_close(got[n], g, rtol=1e-5, atol=1e-6, msg=f"{name}: {n}")
         model.eval()
-        with torch.no_grad():                                       # evaluation runs the same blocks plainly
-            ids = torch.arange(16)[None] % CFG.vocab_size
-            torch.testing.assert_close(model(ids, torch.arange(16)[None]), plain(ids, torch.arange(16)[None]))
+        with torch.no_grad():     # evaluation, and generation with its KV cache (all heads at once), run plainly
+            ids, pos = torch.arange(16)[None] % CFG.vocab_size, torch.arange(16)[None]
+            torch.testing.assert_close(model(ids, pos), plain(ids, pos))
+            caches = [KVCache(CFG, 1, 16, torch.device("cpu"), torch.float32) for _ in range(2)]
+            for lo, hi in ((0, 12), (12, 13)):                      # a prompt, then one token
+                torch.testing.assert_close(model(ids[:, lo:hi], pos[:, lo:hi], cache=caches[0]),
+                                           plain(ids[:, lo:hi], pos[:, lo:hi], cache=caches[1]))
 
 
 def test_a_policy_the_model_cannot_run_is_refused_when_applied():
