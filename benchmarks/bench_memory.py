@@ -76,6 +76,7 @@ def run_length(cfg: Config, device: torch.device, steps: int = 2) -> dict:
 
     from megalysses.grid import ParallelGrid
     from megalysses.measure import host_resident, measure_peak
+    from megalysses.model.policies import activation_offload
     from megalysses.training.loop import build_model_and_optimizer
     from megalysses.plan.flops import flops_per_token
     from megalysses.training.metrics import peak_for
@@ -122,9 +123,10 @@ def run_length(cfg: Config, device: torch.device, steps: int = 2) -> dict:
         row["step_s"] = time.perf_counter() - start
         row["measured_gib"] = peak.bytes / GIB
         row["measured"] = "megalysses.measure.measure_peak (CPU)"
-    if model.offload is not None:
-        row["host_gib"] = sum(t.numel() * t.element_size() for t in model.offload.host_buffers()) / GIB
-        row["prefetched"], row["on_demand"] = model.offload.stats.prefetched, model.offload.stats.on_demand
+    offload = activation_offload(model)
+    if offload is not None:
+        row["host_gib"] = sum(t.numel() * t.element_size() for t in offload.host_buffers()) / GIB
+        row["prefetched"], row["on_demand"] = offload.stats.prefetched, offload.stats.on_demand
     row["loss"] = result.loss
     row["error"] = row["predicted_gib"] / row["measured_gib"] - 1
     row["tokens_per_s"] = S * cfg.training.global_batch_size / row["step_s"]

@@ -176,13 +176,16 @@ def host_resident(model: Any, opt: Any, runtime: Any,
     first step) and, where the plan puts the optimizer in host memory, its state, fp32 masters and reduced
     gradients (their arenas, by storage). Such an optimizer's update runs on the host: it is made
     `unmeasured` here."""
+    from megalysses.model.policies import activation_offload
+
     chunks = model.chunks if hasattr(model, "chunks") else [model]
     held = runtime.optimizer in ("zero1-host", "fsdp-host")
     if held:
         opt.optimizer.step = unmeasured(opt.optimizer.step)
 
     def tensors() -> list[torch.Tensor]:
-        out = [t for c in chunks if c.offload is not None for t in c.offload.host_buffers()] if activations else []
+        offloads = [o for o in map(activation_offload, chunks) if o is not None] if activations else []
+        out = [t for o in offloads for t in o.host_buffers()]
         if held:
             slots = getattr(opt, "slots", [])
             out += [_local(t) for st in opt.optimizer.state.values() for t in st.values()

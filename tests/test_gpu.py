@@ -16,6 +16,7 @@ import torch
 
 from megalysses.config.io import load_config
 from megalysses.testing import run_distributed
+from megalysses.model.policies import activation_offload, apply_activation_policy
 from megalysses.plan import ActivationPolicy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -206,9 +207,9 @@ def _offload_model(offload: bool, keep_attention: bool = False):
                       num_kv_heads=2, attention_backend="sdpa")
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = GPTStage(cfg, ParallelGroups(), policy=ActivationPolicy(checkpointing=True, offload=offload,
-                                                                        mlp_chunk_tokens=2048,
-                                                                        keep_attention=keep_attention))
+        model = apply_activation_policy(GPTStage(cfg, ParallelGroups()),
+                                        ActivationPolicy(checkpointing=True, offload=offload, mlp_chunk_tokens=2048,
+                                                         keep_attention=keep_attention))
     init_weights(model, 0)
     model.to(torch.bfloat16)
     ids = torch.randint(0, cfg.vocab_size, (1, OFFLOAD_SEQ), device="cuda")
@@ -232,9 +233,9 @@ def test_activation_offload_drops_device_memory_and_keeps_the_gradients():
         grads[offload] = {n: p.grad.float() for n, p in model.named_parameters()}
         losses[offload] = loss.item()
         if offload:
-            stats = model.offload.stats
+            stats = activation_offload(model).stats
             assert (stats.prefetched, stats.on_demand) == (OFFLOAD_LAYERS - 1, 1), stats
-            assert all(t.is_pinned() for t in model.offload.host_buffers())
+            assert all(t.is_pinned() for t in activation_offload(model).host_buffers())
     block_input = OFFLOAD_SEQ * OFFLOAD_HIDDEN * 2
     # 8 block inputs leave the device after the forward (one may still be on its way out)
     assert peaks[False][0] - peaks[True][0] >= (OFFLOAD_LAYERS - 1) * block_input, peaks
@@ -317,7 +318,8 @@ def test_activation_offload_copies_overlap_compute():
     assert copies >= 0.05 * compute, f"copies {copies:.2f} ms against compute {compute:.2f} ms: too few to show"
     assert with_offload - compute <= 0.5 * copies, \
         f"with offload {with_offload:.2f} ms, compute {compute:.2f} ms, the copies alone {copies:.2f} ms"
-    assert offloaded.offload.stats.on_demand == offloaded.offload.stats.offloaded // OFFLOAD_LAYERS
+    stats = activation_offload(offloaded).stats
+    assert stats.on_demand == stats.offloaded // OFFLOAD_LAYERS
 
 
 # ----------------------------------------------------------------------------- gradients and weights off the GPU

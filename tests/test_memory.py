@@ -4,6 +4,7 @@ import torch
 from megalysses.config import ModelConfig
 from megalysses.kernels.rope import rope_cos_sin
 from megalysses.model.layers import Block, ParallelGroups
+from megalysses.model.policies import TiledMLP
 
 S, H, F = 128, 64, 256
 
@@ -12,7 +13,9 @@ def _saved_bytes_and_grads(mlp_chunk_tokens: int):
     """Run one block forward + backward; return the bytes autograd saved and every gradient."""
     cfg = ModelConfig(hidden_size=H, num_heads=4, ffn_hidden_size=F, attention_backend="sdpa")
     torch.manual_seed(0)
-    block = Block(cfg, ParallelGroups(), mlp_chunk_tokens)
+    block = Block(cfg, ParallelGroups())
+    if mlp_chunk_tokens:
+        block.mlp_half = TiledMLP(mlp_chunk_tokens)
     for p in block.parameters():
         torch.nn.init.normal_(p, std=0.05)
     x = torch.randn(2, S, H, requires_grad=True)

@@ -28,6 +28,7 @@ from megalysses.memory import (PRECISIONS, Layout, Options, Workload, bytes_per_
                                sp_buffer_bytes_per_token, stage_params)
 from megalysses.model.gpt import GPTStage, init_weights
 from megalysses.model.layers import ParallelGroups
+from megalysses.model.policies import activation_offload, apply_activation_policy
 from megalysses.parallel.interleaved import rank_order
 from megalysses.parallel.sequence_layout import SequenceLayout
 from megalysses.plan import ActivationPolicy, Machine
@@ -59,7 +60,7 @@ def measure_forward(cfg: ModelConfig, seq: int, opts: dict, groups: Optional[Par
     copies (CPU tensors here) are left out of `bytes`."""
     groups = groups or ParallelGroups()
     torch.manual_seed(0)
-    model = GPTStage(cfg, groups, policy=ActivationPolicy(
+    model = apply_activation_policy(GPTStage(cfg, groups), ActivationPolicy(
         checkpointing=opts.get("activation_checkpointing", False), loss_chunk_tokens=opts.get("loss_chunk_tokens", 0),
         mlp_chunk_tokens=opts.get("mlp_chunk_tokens", 0), offload=opts.get("activation_offload", False),
         keep_attention=opts.get("keep_attention", False), head_chunks=opts.get("head_chunks", 1)))
@@ -72,8 +73,8 @@ def measure_forward(cfg: ModelConfig, seq: int, opts: dict, groups: Optional[Par
     ids_local = ids[:, chunk].contiguous()
     _, retained = measure_retained(lambda: model(ids_local, pos, labels=ids_local),
                                    exclude=tuple(model.parameters()) + (pos, ids_local))
-    if model.offload is not None:
-        host = sum(t.numel() * t.element_size() for t in model.offload.host_buffers())
+    if activation_offload(model) is not None:
+        host = sum(t.numel() * t.element_size() for t in activation_offload(model).host_buffers())
         retained = replace(retained, bytes=retained.bytes - host)
     return retained
 

@@ -17,6 +17,7 @@ from megalysses.config.checks import check_heads
 from megalysses.grid import ParallelGrid
 from megalysses.model.gpt import GPTStage, init_weights
 from megalysses.model.layers import ParallelGroups
+from megalysses.model.policies import apply_activation_policy
 from megalysses.parallel.sequence_layout import shard_sample
 from megalysses.testing import run_distributed
 from megalysses.plan import ActivationPolicy
@@ -122,7 +123,7 @@ def _run_layout(cfg: ModelConfig, grid: ParallelGrid, groups: ParallelGroups, po
     """(global loss, full gradients, this rank's logits) of the model at this layout and policy."""
     import torch.distributed as dist
 
-    model = GPTStage(cfg, groups, policy=policy)
+    model = apply_activation_policy(GPTStage(cfg, groups), policy)
     init_weights(model, seed=7, tp_rank=grid.tp_rank, tp_size=grid.tp_size)
     with torch.no_grad():
         logits = model(mb["input_ids"], mb["position_ids"], doc_ids=mb.get("doc_ids"))

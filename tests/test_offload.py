@@ -18,7 +18,7 @@ from megalysses.measure import measure_retained
 from megalysses.memory import PRECISIONS, Layout, Options, retained_activation_bytes
 from megalysses.model.gpt import GPTStage, init_weights
 from megalysses.model.layers import ParallelGroups
-from megalysses.parallel.offload import ActivationOffload
+from megalysses.model.policies import activation_offload, apply_activation_policy
 from megalysses.testing import run_distributed
 from megalysses.training.runtime import plan_and_grid
 from megalysses.plan import ActivationPolicy
@@ -71,8 +71,9 @@ def one_step(overrides: list[str], world: int) -> dict:
     batches = next(TrainingData(cfg, grid, runtime, device).train_batches(0))
     result = train_step(model, opt, batches, grid, lr=1e-3, grad_clip=1.0, dtype=runtime.torch_dtype)
     chunks = model.chunks if hasattr(model, "chunks") else [model]
-    got.update(loss=result.loss, norm=result.grad_norm, stats=[c.offload.stats for c in chunks if c.offload])
-    got["pinned"] = [(c.offload.pinned.capacity, c.offload.pinned.high_water) for c in chunks if c.offload]
+    offloads = [o for o in map(activation_offload, chunks) if o]
+    got.update(loss=result.loss, norm=result.grad_norm, stats=[o.stats for o in offloads])
+    got["pinned"] = [(o.pinned.capacity, o.pinned.high_water) for o in offloads]
     return got
 
 
@@ -185,12 +186,13 @@ def test_offload_lowers_the_peak_of_a_training_step_as_predicted(one_process):
     assert with_offload.predicted < without.predicted - 3 * BLOCK_INPUT
 
 
-def _model(layers: int = 4) -> GPTStage:
+def _model(layers: int = 4, offload: bool = True, stride: int = 1, pinned=None) -> GPTStage:
     from megalysses.config import ModelConfig
     cfg = ModelConfig(vocab_size=256, hidden_size=64, num_layers=layers, num_heads=4, num_kv_heads=2,
                       ffn_hidden_size=160, attention_backend="sdpa")
     torch.manual_seed(0)
-    model = GPTStage(cfg, ParallelGroups(), policy=ActivationPolicy(checkpointing=True, offload=True))
+    policy = ActivationPolicy(checkpointing=True, offload=offload, checkpoint_stride=stride)
+    model = apply_activation_policy(GPTStage(cfg, ParallelGroups()), policy, pinned)
     init_weights(model, 0)
     return model
 
@@ -202,7 +204,7 @@ def test_the_device_keeps_what_the_memory_model_says():
     S = 64
     ids, pos = torch.randint(0, 256, (1, S)), torch.arange(S)[None]
     _, kept = measure_retained(lambda: model(ids, pos, labels=ids), exclude=tuple(model.parameters()) + (pos, ids))
-    host = model.offload.host_buffers()
+    host = activation_offload(model).host_buffers()
     host_bytes = sum(t.numel() * t.element_size() for t in host)
     device = kept.bytes - host_bytes
     opts = Options(activation_checkpointing=True, activation_offload=True, attention="sdpa", native_gqa=False)
@@ -229,14 +231,13 @@ def test_a_longer_sequence_lets_the_shorter_ones_host_buffers_go():
 
     grads = {}
     for offload in (None, "own", "arena"):
-        model = _model(layers=2)
         arena = PinnedArena(2 * aligned(64 * 64 * 4), torch.device("cpu")) if offload == "arena" else None
-        model.offload = ActivationOffload(pinned=arena) if offload else None
+        model = _model(layers=2, offload=offload is not None, pinned=arena)
         for S in (32, 64):
             ids, pos = torch.randint(0, 256, (1, S), generator=torch.Generator().manual_seed(S)), torch.arange(S)[None]
             model(ids, pos, labels=ids).backward()
             if offload:
-                assert {tuple(t.shape) for t in model.offload.host_buffers()} == {(1, S, 64)}
+                assert {tuple(t.shape) for t in activation_offload(model).host_buffers()} == {(1, S, 64)}
         if arena is not None:
             assert arena.in_use == arena.capacity == arena.high_water
         grads[offload] = [p.grad for p in model.parameters()]
@@ -258,11 +259,10 @@ def test_a_checkpoint_stride_keeps_every_kth_block_input_for_the_same_gradients(
     S, fp32 = 64, PRECISIONS["fp32"]
     ids, pos = torch.randint(0, 256, (1, S)), torch.arange(S)[None]
     for offload in (False, True):
-        model = _model()
-        model.checkpoint_stride, model.offload = 2, model.offload if offload else None
+        model = _model(offload=offload, stride=2)
         _, kept = measure_retained(functools.partial(model, ids, pos, labels=ids),
                                    exclude=tuple(model.parameters()) + (pos, ids))
-        host = sum(t.numel() * t.element_size() for t in model.offload.host_buffers()) if offload else 0
+        host = sum(t.numel() * t.element_size() for t in activation_offload(model).host_buffers()) if offload else 0
         opts = Options(activation_checkpointing=True, activation_offload=offload, checkpoint_stride=2,
                        attention="sdpa", native_gqa=False)
         assert kept.bytes - host == retained_activation_bytes(model.cfg, Layout(), opts, fp32, S), (offload, kept)

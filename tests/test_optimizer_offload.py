@@ -9,6 +9,7 @@ import torch
 
 from megalysses.config.io import load_config
 from megalysses.grid import ParallelGrid
+from megalysses.model.policies import activation_offload
 from megalysses.testing import run_distributed
 
 BASE = ["data.mock=true", "data.seq_len=32", "model.vocab_size=128", "model.hidden_size=64", "model.num_layers=2",
@@ -74,7 +75,7 @@ def arena_use(cfg, runtime, grid, model, opt) -> tuple[int, int] | None:
     from megalysses.plan.memory import pinned_requests_of
 
     chunks = model.chunks if hasattr(model, "chunks") else [model]
-    arenas = [a for a in [getattr(opt, "pinned", None)] + [c.offload.pinned for c in chunks if c.offload]
+    arenas = [a for a in [getattr(opt, "pinned", None)] + [o.pinned for o in map(activation_offload, chunks) if o]
               if hasattr(a, "capacity")]
     if not arenas:
         return None

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from megalysses import accelerator
+from megalysses.model.policies import activation_offload
 from megalysses.pinned_arena import ALIGN, PinnedArena, aligned
 
 
@@ -73,7 +74,7 @@ def test_a_run_sizes_its_arena_from_the_plan():
     mine = {owner: [r for r in reqs if r.owner == owner] for owner in ("optimizer", "model chunk 0")}
     assert sum(map(len, mine.values())) == len(reqs)
     assert opt.pinned.capacity == arena_bytes(mine["optimizer"])
-    assert model.offload.pinned.capacity == arena_bytes(mine["model chunk 0"])
+    assert activation_offload(model).pinned.capacity == arena_bytes(mine["model chunk 0"])
     assert {r.name for r in reqs} == {"offloaded block inputs", "fp32 masters", "reduced fp32 gradients",
                                       "gradient staging buffers"}
     (inputs,) = mine["model chunk 0"]
@@ -82,7 +83,7 @@ def test_a_run_sizes_its_arena_from_the_plan():
     assert sum(host[name] for name in {r.name for r in reqs}) == arena_bytes(reqs)
     # the masters and reduced gradients are taken at once; the block inputs in the first forward
     masters = sum(r.total for r in reqs if r.name in ("fp32 masters", "reduced fp32 gradients"))
-    assert opt.pinned.in_use == masters and model.offload.pinned.in_use == 0
+    assert opt.pinned.in_use == masters and activation_offload(model).pinned.in_use == 0
 
 
 def test_a_bucket_larger_than_a_staging_buffer_fills_them_in_turn():

@@ -96,11 +96,12 @@ def test_a_forward_that_keeps_nothing_warns_once():
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from megalysses.model.gpt import GPTStage
+    from megalysses.model.policies import apply_activation_policy
     from megalysses.plan import ActivationPolicy
     from tests.test_memory_model import small_model
 
     torch.manual_seed(0)
-    model = GPTStage(small_model(), policy=ActivationPolicy(checkpointing=True, keep_attention=True))
+    model = apply_activation_policy(GPTStage(small_model()), ActivationPolicy(checkpointing=True, keep_attention=True))
     ids = torch.randint(0, 256, (1, 32))
     pos = torch.arange(32)[None]
     with warnings.catch_warnings():

@@ -63,24 +63,31 @@ class TiledNorm(torch.autograd.Function):
         x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
         want_x = ctx.needs_input_grad[2]
         want = [p is not None and ctx.needs_input_grad[3 + i] for i, p in enumerate(params)]
+        ps = [p.detach().requires_grad_(w) if p is not None else None for p, w in zip(params, want)]
         dx = torch.empty_like(x2) if want_x else None
-        dparams = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) if w else None
-                   for p, w in zip(params, want)]
-        for lo in range(0, x2.shape[0], ctx.rows):
-            with torch.enable_grad():
-                xt = x2[lo:lo + ctx.rows].detach().requires_grad_(want_x)
-                ps = [p.detach().requires_grad_(w) if p is not None else None for p, w in zip(params, want)]
-                y = ctx.fn(xt, *ps)
-                leaves = ([xt] if want_x else []) + [p for p, w in zip(ps, want) if w]
-                grads = list(torch.autograd.grad(y, leaves, dy2[lo:lo + ctx.rows]))
-            if want_x:
-                dx[lo:lo + ctx.rows] = grads.pop(0)
-            for d in dparams:
-                if d is not None:
-                    d += grads.pop(0)
+        sums = iter(tiled_backward(lambda xt: ctx.fn(xt, *ps), ctx.rows, x2, dy2,
+                                   [p for p, w in zip(ps, want) if w], dx))
         out = [dx.view(ctx.x_shape) if want_x else None]
-        out += [d.to(p.dtype) if d is not None else None for d, p in zip(dparams, params)]
+        out += [next(sums).to(p.dtype) if w else None for p, w in zip(params, want)]
         return (None, None, *out)
+
+
+def tiled_backward(fn: Callable[[Tensor], Tensor], rows: int, x2: Tensor, dy2: Tensor, leaves: list[Tensor],
+                   dx2: Optional[Tensor]) -> list[Tensor]:
+    """The backward of a row-wise `fn` over tiles of `rows` rows of x2 (M, N), its output's gradient dy2 (M, N):
+    each tile recomputed under autograd, x2's gradient written into dx2's rows (None: not wanted; dx2 may be
+    dy2 itself, each tile read before it is written) and the gradients of `leaves` (tensors fn reads) summed
+    over the tiles in fp32, returned in fp32."""
+    sums = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in leaves]
+    for lo in range(0, x2.shape[0], rows):
+        with torch.enable_grad():
+            xt = x2[lo:lo + rows].detach().requires_grad_(dx2 is not None)
+            grads = list(torch.autograd.grad(fn(xt), ([xt] if dx2 is not None else []) + leaves, dy2[lo:lo + rows]))
+        if dx2 is not None:
+            dx2[lo:lo + rows] = grads.pop(0)
+        for total, g in zip(sums, grads):
+            total += g
+    return sums
 
 
 def tiled_norm(fn: Callable[..., Tensor], x: Tensor, *params: Optional[Tensor]) -> Tensor:

@@ -7,27 +7,29 @@ initialisation (seeded by name, full tensor, then sliced over tp) gives the same
 every (tp, sp, pp).
 
     model = GPTStage(cfg.model, groups)                     # whole model, this rank's tp shards
+    apply_activation_policy(model, run.activation)          # model/policies.py: checkpointing, offload, tiles
     loss_sum = model(input_ids, position_ids, doc_ids=doc_ids, labels=labels)   # sum over local tokens
+
+The model is plain: its forward computes the architecture and its parallel layers (tp, Ulysses, the ring)
+and nothing else. What the backward keeps and where (checkpointing, offload, head chunks, tiles) is applied
+afterwards by model/policies.py, which puts other runners in place of the plain ones (RunBlocks here, a
+Block's halves) and leaves the modules, and so the parameter names, as they are.
 """
 from __future__ import annotations
 
-import functools
 import math
 import zlib
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 from megalysses import comm
 from megalysses.config import ModelConfig
 from megalysses.kernels.rope import rope_cos_sin
 from megalysses.model.kv_cache import KVCache
 from megalysses.model.layers import Block, Norm, ParallelGroups
-from megalysses.model.recompute import KeptAttention, checkpoint_context
 from megalysses.kernels.linear_cross_entropy import linear_cross_entropy, token_scores
-from megalysses.parallel.offload import ActivationOffload
 from megalysses.parallel.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding, column_parallel_linear
 from megalysses.parallel.ulysses import prepare_sequence_mask
 from megalysses.plan.types import ActivationPolicy
@@ -51,34 +53,36 @@ def stage_layers(num_layers: int, pp: int, pp_rank: int) -> range:
     return range(pp_rank * per, (pp_rank + 1) * per)
 
 
+class RunBlocks:
+    """How a stage runs its blocks: each in turn, keeping what autograd keeps (with a KV cache, each block its
+    layer's). model/policies.py puts others in its place (checkpointing, offload); a plain stage runs this."""
+
+    def run(self, stage: "GPTStage", x: Tensor, cos: Tensor, sin: Tensor, mask: Any,
+            cache: Optional[KVCache] = None) -> Tensor:
+        for index, block in stage.layers.items():
+            x = block(x, cos, sin, mask, cache.layer(int(index)) if cache is not None else None)
+        return x
+
+
 class GPTStage(nn.Module):
     def __init__(self, cfg: ModelConfig, groups: Optional[ParallelGroups] = None,
-                 layers: Optional[range] = None, first: bool = True, last: bool = True,
-                 policy: Optional[ActivationPolicy] = None) -> None:
-        """`cfg` names concrete kernels and attention (the run's plan: training.runtime.model_config);
-        `policy` says what the backward keeps and where (checkpointing, offload, tiles; default: all of it,
-        on the device)."""
+                 layers: Optional[range] = None, first: bool = True, last: bool = True) -> None:
+        """`cfg` names concrete kernels and attention (the run's plan: training.runtime.model_config). The
+        stage is plain: every activation kept on the device, until model/policies.py applies a policy."""
         super().__init__()
         groups = groups or ParallelGroups()
-        policy = policy or ActivationPolicy()
         self.cfg, self.groups = cfg, groups
         self.first, self.last = first, last
-        self.activation_checkpointing = policy.checkpointing
-        self.checkpoint_stride = policy.checkpoint_stride if policy.checkpointing else 1
-        # checkpointing keeps the attention kernels' outputs too (model/recompute.py)
-        self.checkpoint_context = checkpoint_context(policy.checkpointing and policy.keep_attention)
-        # checkpointed block inputs in host memory until the backward (parallel/offload.py)
-        self.offload = ActivationOffload() if policy.offload else None
-        self.loss_chunk_tokens = policy.loss_tile
-        self.mask_block = policy.mask_block
+        self.run_blocks = RunBlocks()
+        self.loss_tile = 0                          # the LM head + loss tile (0: the kernel's own default)
+        self.mask_block = ActivationPolicy().mask_block
         layers = range(cfg.num_layers) if layers is None else layers
         sp_ = groups.sequence_parallel
         self.vocab_padded = cfg.padded_vocab_size(groups.tp_size)
         if first or (last and cfg.tie_embeddings):
             # on a last stage without the first, this copy is the tied LM head (grads synced over `embed`)
             self.embed = VocabParallelEmbedding(self.vocab_padded, cfg.hidden_size, groups.tp, sp_)
-        self.layers = nn.ModuleDict({str(i): Block(cfg, groups, policy.mlp_chunk_tokens, policy.head_chunks)
-                                     for i in layers})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, groups) for i in layers})
         if last:
             self.final_norm = Norm(cfg, groups)
             if not cfg.tie_embeddings:
@@ -106,22 +110,9 @@ class GPTStage(nn.Module):
         mask = prepare_sequence_mask(doc_ids, self.cfg.attention_backend, self.groups.ulysses, self.groups.ring,
                                      position_ids.shape[1], self.cfg.sliding_window,
                                      self.mask_block)                                 # once per step
-        x = self.embed(inputs) if self.first else inputs                               # (B, s, h)
-        blocks = list(self.layers.items())
-        stride = self.checkpoint_stride if self.activation_checkpointing and self.training else 1
-        for start in range(0, len(blocks), stride):
-            group = blocks[start:start + stride]
-            # a group of blocks keeps its input only; recomputed, each of its blocks keeps its own
-            fn = group[0][1] if len(group) == 1 else functools.partial(_checkpointed, [b for _, b in group])
-            if self.activation_checkpointing and self.training and self.offload is not None:
-                x = self.offload.checkpoint(fn, x, cos, sin, mask)
-            elif self.activation_checkpointing and self.training:
-                x = checkpoint(fn, x, cos, sin, mask, use_reentrant=False, context_fn=self.checkpoint_context)
-            else:
-                index, block = group[0]
-                x = block(x, cos, sin, mask, cache.layer(int(index)) if cache is not None else None)
-        if isinstance(self.checkpoint_context, KeptAttention) and self.training and torch.is_grad_enabled():
-            self.checkpoint_context.check()
+        # the first block's input (B, s, h) goes straight to the runner, which lets it go after that block (so
+        # activation offload can take it off the device): no local here holds it
+        x = self.run_blocks.run(self, self.embed(inputs) if self.first else inputs, cos, sin, mask, cache)
         if cache is not None:
             cache.advance(x.shape[1])
         if not self.last:
@@ -140,16 +131,9 @@ class GPTStage(nn.Module):
             x = comm.copy_to_tp(x, self.groups.tp)
         if scores:
             return token_scores(x, head, labels, self.groups.tp, self.vocab_start, self.cfg.vocab_size,
-                                self.loss_chunk_tokens)
+                                self.loss_tile)
         return linear_cross_entropy(x, head, labels, self.groups.tp, self.vocab_start, self.cfg.vocab_size,
-                                    self.loss_chunk_tokens, loss_weights)
-
-
-def _checkpointed(blocks: list[nn.Module], x: Tensor, cos: Tensor, sin: Tensor, mask) -> Tensor:
-    """Blocks in a row, each under its own checkpoint (the inside of a checkpointed group of blocks)."""
-    for block in blocks:
-        x = checkpoint(block, x, cos, sin, mask, use_reentrant=False)
-    return x
+                                    self.loss_tile, loss_weights)
 
 
 def _init_kind(name: str, cfg: ModelConfig) -> tuple[str, float]:

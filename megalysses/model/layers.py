@@ -21,8 +21,8 @@ from megalysses.kernels.norms import add_rms_norm, layer_norm, rms_norm
 from megalysses.kernels.rope import rope_qkv
 from megalysses.kernels.swiglu import swiglu
 from megalysses.model.kv_cache import LayerKV
-from megalysses.model.tiled import HeadChunks, MLPTiles, attention_params, mlp_params
-from megalysses.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, mark_tp
+from megalysses.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, column_parallel_input,
+                                                 column_parallel_input_grad, mark_tp)
 from megalysses.parallel.ring import ring_attention
 from megalysses.parallel.ulysses import ulysses_attention
 
@@ -106,30 +106,23 @@ class Attention(nn.Module):
     query heads that read it, then k_g, then v_g. Splitting its rows over tp therefore gives every rank
     whole groups (its own query heads with their KV heads), and the full tensor does not depend on tp.
 
-    With `head_chunks` = N > 1 the rank's heads run in N chunks of hk/N whole KV groups, one after the
-    other: the chunk's rows of the QKV weight (contiguous, by the grouping above), RoPE, the all-to-all,
-    attention, the inverse all-to-all and the chunk's columns of o_proj, whose partial outputs add up to
-    the projection of all heads. The norm and the tp input (the all-gather under TP sequence sharding) are
-    made once, and the tp reduction (reduce-scatter) and o_proj's bias come once, on the sum. Only the
-    block input is kept: the backward recomputes the norm and each chunk (model/tiled.py HeadChunks), so
-    only one chunk's (B, S/sp, (hq + 2 hk) D / N) intermediates exist at a time.
+    The heads can also run in N chunks of whole KV groups, one after the other (training.attention_head_chunks:
+    model/policies.py applies it, model/tiled.py HeadChunks runs it), through `attend`, `chunk_weights`,
+    `projection_input` and `reduce`: the chunk's rows of the QKV weight (contiguous, by the grouping above) and
+    its columns of o_proj, whose partial outputs add up to the projection of all heads.
 
     The attention width num_heads x D need not be the hidden size (model.head_dim). With model.qk_layernorm each
     query and key head is RMS-normalised over D before RoPE, on the rank's own heads before the all-to-all, so
     the Ulysses ranks, the ring's blocks and the head chunks all receive normalised heads. With
     model.sliding_window every attention kernel masks keys that many positions or more behind the query."""
 
-    def __init__(self, cfg: ModelConfig, groups: ParallelGroups, head_chunks: int = 1) -> None:
+    def __init__(self, cfg: ModelConfig, groups: ParallelGroups) -> None:
         super().__init__()
         h, D, tp = cfg.hidden_size, cfg.head_size, groups.tp_size
         self.groups, self.head_dim, self.backend, self.impl = groups, D, cfg.attention_backend, cfg.kernels
         self.window = cfg.sliding_window
         self.hq, self.hk = cfg.num_heads // tp, cfg.kv_heads // tp
         self.rep = cfg.num_heads // cfg.kv_heads
-        if head_chunks < 1 or self.hk % head_chunks:
-            raise ValueError(f"Attention: {head_chunks} head chunks do not split the {self.hk} KV heads of a tp rank "
-                             f"into whole KV groups (config.checks.check_head_chunks names the valid counts)")
-        self.head_chunks = head_chunks
         sp_ = groups.sequence_parallel
         self.qkv_proj = ColumnParallelLinear(h, (cfg.num_heads + 2 * cfg.kv_heads) * D, groups.tp, cfg.qkv_bias, sp_)
         self.o_proj = RowParallelLinear(cfg.num_heads * D, h, groups.tp, cfg.attention_bias, sp_)
@@ -138,9 +131,9 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Any, cache: Optional[LayerKV] = None) -> Tensor:
         qkv = self.qkv_proj(x)                                                   # (B, S/sp, hk*(rep+2)*D)
-        return self.o_proj(self._attend(qkv, cos, sin, mask, cache))            # (B, s, h)
+        return self.o_proj(self.attend(qkv, cos, sin, mask, cache))             # (B, s, h)
 
-    def _attend(self, qkv: Tensor, cos: Tensor, sin: Tensor, mask: Any, cache: Optional[LayerKV] = None) -> Tensor:
+    def attend(self, qkv: Tensor, cos: Tensor, sin: Tensor, mask: Any, cache: Optional[LayerKV] = None) -> Tensor:
         """The projection of some whole KV groups (B, S/sp, g*(rep+2)*D) -> their attention output
         (B, S/sp, g*rep*D): the q/k head norms, RoPE, then Ulysses around core or ring attention (or the
         generation cache)."""
@@ -164,27 +157,41 @@ class Attention(nn.Module):
             out = ulysses_attention(q, k, v, self.groups.ulysses, attn)
         return out.reshape(B, s, -1)
 
-    def chunk_slices(self, c: int) -> tuple[slice, slice]:
-        """Head chunk c's rows of the QKV weight (and bias) and its columns of o_proj's weight."""
-        rows = self.qkv_proj.weight.shape[0] // self.head_chunks
-        cols = self.o_proj.weight.shape[1] // self.head_chunks
+    def check_head_chunks(self, chunks: int) -> None:
+        """ValueError unless `chunks` splits this rank's KV heads into whole KV groups."""
+        if chunks < 1 or self.hk % chunks:
+            raise ValueError(f"Attention: {chunks} head chunks do not split the {self.hk} KV heads of a tp rank "
+                             f"into whole KV groups (config.checks.check_head_chunks names the valid counts)")
+
+    def chunk_slices(self, c: int, chunks: int) -> tuple[slice, slice]:
+        """Head chunk c of `chunks`: its rows of the QKV weight (and bias) and its columns of o_proj's weight."""
+        rows = self.qkv_proj.weight.shape[0] // chunks
+        cols = self.o_proj.weight.shape[1] // chunks
         return slice(c * rows, (c + 1) * rows), slice(c * cols, (c + 1) * cols)
+
+    def chunk_weights(self, c: int, chunks: int) -> tuple[Tensor, Optional[Tensor], Tensor]:
+        """Head chunk c of `chunks`: its QKV weight (and bias) and o_proj weight (views)."""
+        rows, cols = self.chunk_slices(c, chunks)
+        bias = self.qkv_proj.bias
+        return self.qkv_proj.weight[rows], None if bias is None else bias[rows], self.o_proj.weight[:, cols]
 
     def head_norms(self) -> list[Tensor]:
         """The q and k head norms' weights (none without model.qk_layernorm)."""
         return [] if self.q_norm is None else [self.q_norm.weight, self.k_norm.weight]
 
-    def chunk_weights(self, c: int) -> tuple[Tensor, Optional[Tensor], Tensor]:
-        """Head chunk c's QKV weight (and bias) and o_proj weight (views)."""
-        rows, cols = self.chunk_slices(c)
-        bias = self.qkv_proj.bias
-        return self.qkv_proj.weight[rows], None if bias is None else bias[rows], self.o_proj.weight[:, cols]
+    def projection_input(self, y: Tensor) -> Tensor:
+        """What the QKV projection reads of its input y (B, s, h): (B, S/sp, h), all-gathered over tp under
+        TP sequence sharding."""
+        return column_parallel_input(y, self.groups.tp, self.groups.sequence_parallel)
 
-    def chunked(self, norm: nn.Module, x: Tensor, cos: Tensor, sin: Tensor, mask: Any) -> Tensor:
-        """attn(norm(x)) in head chunks (model/tiled.py HeadChunks: only x is kept), tp-reduced, o_proj's bias
-        added once."""
-        acc = HeadChunks.apply(self, norm, x, cos, sin, mask, *attention_params(self, norm))
-        return self.o_proj.reduce(acc)                                           # (B, s, h)
+    def projection_input_grad(self, dy: Tensor) -> Tensor:
+        """projection_input's backward, for a caller that computes the gradient of what it read (B, S/sp, h)."""
+        return column_parallel_input_grad(dy, self.groups.tp, self.groups.sequence_parallel)   # (B, s, h)
+
+    def reduce(self, partial: Tensor) -> Tensor:
+        """o_proj's partial output summed over some heads' chunks (B, S/sp, h) -> the layer's output (B, s, h):
+        tp-reduced, o_proj's bias added once."""
+        return self.o_proj.reduce(partial)
 
 
 class MLP(nn.Module):
@@ -211,36 +218,42 @@ class MLP(nn.Module):
         return self.down_proj(inner)                                   # (B, s, h)
 
 
+class AttentionHalf:
+    """How a Block runs its attention half: attn(attn_norm(x)), (B, s, h). model/policies.py puts others in its
+    place (head chunks); a plain model runs this one."""
+
+    def run(self, block: "Block", x: Tensor, cos: Tensor, sin: Tensor, mask: Optional[Any],
+                 cache: Optional[LayerKV] = None) -> Tensor:
+        return block.attn(block.attn_norm(x), cos, sin, mask, cache)
+
+
+class MLPHalf:
+    """How a Block runs its MLP half: h + mlp(mlp_norm(h)) for h = x + a, the residual add fused with the norm
+    (the attention output is not held while the MLP runs). model/policies.py puts others in its place (tiles);
+    a plain model runs this one."""
+
+    def run(self, block: "Block", x: Tensor, a: Tensor) -> Tensor:
+        x, normed = block.mlp_norm.add_forward(x, a)
+        del a                                          # the attention output is not held while the MLP runs
+        return x + block.mlp(normed)
+
+
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(x)).
 
-    With `mlp_chunk_tokens` the MLP norm and the MLP run over sequence tiles of that many local tokens,
-    keeping only their input (model/tiled.py MLPTiles); each tile is recomputed in the backward, so only one
-    tile's (B, tile, f/tp) intermediates exist at a time.
-    (The MLP is token-wise; with TP sequence sharding every tp rank tiles its shard the same way,
-    so the all-gather / reduce-scatter inside pair up tile by tile.)"""
+    Each half runs through a plain object (AttentionHalf, MLPHalf) that the activation policy may replace
+    (model/policies.py: head chunks, MLP tiles); the modules, and so the parameter names, stay."""
 
-    def __init__(self, cfg: ModelConfig, groups: ParallelGroups, mlp_chunk_tokens: int = 0,
-                 head_chunks: int = 1) -> None:
+    def __init__(self, cfg: ModelConfig, groups: ParallelGroups) -> None:
         super().__init__()
         self.attn_norm = Norm(cfg, groups)
-        self.attn = Attention(cfg, groups, head_chunks)
+        self.attn = Attention(cfg, groups)
         self.mlp_norm = Norm(cfg, groups)
         self.mlp = MLP(cfg, groups)
-        self.mlp_chunk_tokens = mlp_chunk_tokens
+        self.attention_half, self.mlp_half = AttentionHalf(), MLPHalf()
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Optional[Any],
                 cache: Optional[LayerKV] = None) -> Tensor:
-        if self.attn.head_chunks > 1 and cache is None:
-            a = self.attn.chunked(self.attn_norm, x, cos, sin, mask)              # keeps x alone
-        else:
-            a = self.attn(self.attn_norm(x), cos, sin, mask, cache)
-        tile = self.mlp_chunk_tokens
-        if tile and tile < x.shape[1]:
-            x = x + a
-            del a                                      # the attention output is not held while the MLP runs
-            return MLPTiles.apply(self, x, tile, *mlp_params(self))               # keeps x + a alone
-        # x + attention, then its norm (the attention output is not held while the MLP runs)
-        x, normed = self.mlp_norm.add_forward(x, a)
-        del a
-        return x + self.mlp(normed)
+        # the attention output (B, s, h) goes straight into the MLP half, whose method call holds the only
+        # reference to it (a local here, or a callable object's __call__, would keep it alive through the MLP)
+        return self.mlp_half.run(self, x, self.attention_half.run(self, x, cos, sin, mask, cache))

@@ -1,6 +1,6 @@
 """A block's two halves over pieces, each keeping one (tokens x hidden) tensor for its backward.
 
-    acc = HeadChunks.apply(attn, norm, x, cos, sin, mask, *attention_params(attn, norm))
+    acc = HeadChunks.apply(attn, norm, chunks, x, cos, sin, mask, *attention_params(attn, norm))
     out = MLPTiles.apply(block, h, tile, *mlp_params(block))    # h + mlp(mlp_norm(h)), tile by tile
 
 HeadChunks keeps only the block input x; acc is the sum over head chunks of o_proj(attn(norm(x))). Its
@@ -29,27 +29,27 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from megalysses.kernels.norms import norm_tile_rows
-from megalysses.parallel.tensor_parallel import column_parallel_input, column_parallel_input_grad
+from megalysses.kernels.norms import norm_tile_rows, tiled_backward
 
 
 class HeadChunks(torch.autograd.Function):
     """The attention half's o_proj partial sum over head chunks (before the tp reduction and o_proj's bias),
-    keeping only x; `attn` is the layer's Attention, `norm` its input norm, `params` theirs (attention_params),
-    whose gradients the backward returns (each reaches its .grad once per backward, as autograd's own)."""
+    keeping only x; `attn` is the layer's Attention, `norm` its input norm, `chunks` how many groups of heads
+    (whole KV groups: Attention.check_head_chunks), `params` theirs (attention_params), whose gradients the
+    backward returns (each reaches its .grad once per backward, as autograd's own)."""
 
     @staticmethod
-    def forward(ctx, attn: nn.Module, norm: nn.Module, x: Tensor, cos: Tensor, sin: Tensor, mask: Any,
+    def forward(ctx, attn: nn.Module, norm: nn.Module, chunks: int, x: Tensor, cos: Tensor, sin: Tensor, mask: Any,
                 *params: Tensor) -> Tensor:
-        ctx.attn, ctx.norm, ctx.mask = attn, norm, mask
+        ctx.attn, ctx.norm, ctx.chunks, ctx.mask = attn, norm, chunks, mask
         ctx.save_for_backward(x, cos, sin)
-        return chunks_forward(attn, norm, x, cos, sin, mask)
+        return chunks_forward(attn, norm, chunks, x, cos, sin, mask)
 
     @staticmethod
     def backward(ctx, d_acc: Tensor):
         x, cos, sin = ctx.saved_tensors
-        dx, grads = chunks_backward(ctx.attn, ctx.norm, x, cos, sin, ctx.mask, d_acc)
-        return (None, None, dx, None, None, None, *grads)
+        dx, grads = chunks_backward(ctx.attn, ctx.norm, ctx.chunks, x, cos, sin, ctx.mask, d_acc)
+        return (None, None, None, dx, None, None, None, *grads)
 
 
 def attention_params(attn: nn.Module, norm: nn.Module) -> list[Tensor]:
@@ -59,19 +59,15 @@ def attention_params(attn: nn.Module, norm: nn.Module) -> list[Tensor]:
     return qkv + [attn.o_proj.weight] + attn.head_norms() + list(norm.parameters())
 
 
-def _tp_input(attn: nn.Module, norm: nn.Module, x: Tensor) -> Tensor:
-    """The norm of x as the QKV projection reads it (all-gathered over tp under TP sequence sharding)."""
-    return column_parallel_input(norm(x), attn.groups.tp, attn.groups.sequence_parallel)     # (B, S/sp, h)
-
-
-def chunks_forward(attn: nn.Module, norm: nn.Module, x: Tensor, cos: Tensor, sin: Tensor, mask: Any) -> Tensor:
+def chunks_forward(attn: nn.Module, norm: nn.Module, chunks: int, x: Tensor, cos: Tensor, sin: Tensor,
+                   mask: Any) -> Tensor:
     """sum_c o_proj_c(attend(qkv_c(norm(x)))) (B, S/sp, h), no autograd graph."""
     with torch.no_grad():
-        y = _tp_input(attn, norm, x)
+        y = attn.projection_input(norm(x))                                             # (B, S/sp, h)
         acc = None
-        for c in range(attn.head_chunks):
-            qkv_w, qkv_b, o_w = attn.chunk_weights(c)
-            o = attn._attend(F.linear(y, qkv_w, qkv_b), cos, sin, mask)                 # (B, S/sp, q/N)
+        for c in range(chunks):
+            qkv_w, qkv_b, o_w = attn.chunk_weights(c, chunks)
+            o = attn.attend(F.linear(y, qkv_w, qkv_b), cos, sin, mask)                 # (B, S/sp, q/N)
             if acc is None:
                 acc = F.linear(o, o_w)
             else:
@@ -79,13 +75,13 @@ def chunks_forward(attn: nn.Module, norm: nn.Module, x: Tensor, cos: Tensor, sin
         return acc
 
 
-def chunks_backward(attn: nn.Module, norm: nn.Module, x: Tensor, cos: Tensor, sin: Tensor, mask: Any,
+def chunks_backward(attn: nn.Module, norm: nn.Module, chunks: int, x: Tensor, cos: Tensor, sin: Tensor, mask: Any,
                     d_acc: Tensor) -> tuple[Tensor, list[Tensor]]:
     """(x's gradient, the gradients of attention_params). Each chunk's weights are leaves of their own, so
     its gradients are the chunk's rows (columns) alone, written into one gradient per weight; the head norms,
     which every chunk uses whole, sum theirs over the chunks in fp32."""
     with torch.no_grad():
-        y = _tp_input(attn, norm, x)
+        y = attn.projection_input(norm(x))
     dy = torch.zeros(y.shape, dtype=y.dtype, device=y.device)
     dy2 = dy.view(-1, dy.shape[-1])
     bias = attn.qkv_proj.bias
@@ -94,9 +90,9 @@ def chunks_backward(attn: nn.Module, norm: nn.Module, x: Tensor, cos: Tensor, si
     d_acc2 = d_acc.reshape(-1, d_acc.shape[-1])
     head_norms = attn.head_norms()
     d_head_norms = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in head_norms]
-    for c in range(attn.head_chunks):
-        rows, cols = attn.chunk_slices(c)
-        qkv_w, qkv_b, o_w = attn.chunk_weights(c)
+    for c in range(chunks):
+        rows, cols = attn.chunk_slices(c, chunks)
+        qkv_w, qkv_b, o_w = attn.chunk_weights(c, chunks)
         with torch.enable_grad():
             qkv_w, qkv_b = qkv_w.detach().requires_grad_(), None if qkv_b is None else qkv_b.detach().requires_grad_()
             qkv = F.linear(y, qkv_w, qkv_b)                                            # y: no graph
@@ -105,7 +101,7 @@ def chunks_backward(attn: nn.Module, norm: nn.Module, x: Tensor, cos: Tensor, si
                 dy2.addmm_(g.reshape(-1, g.shape[-1]), w.detach())
 
             qkv.register_hook(into_dy)
-            o = attn._attend(qkv, cos, sin, mask)                                    # (B, S/sp, q/N)
+            o = attn.attend(qkv, cos, sin, mask)                                     # (B, S/sp, q/N)
         # o_proj's part by hand, so that the chunk's (B, S/sp, h) output is never made again
         o2 = o.detach().reshape(-1, o.shape[-1])
         d_o_w[:, cols] = d_acc2.t() @ o2
@@ -118,7 +114,7 @@ def chunks_backward(attn: nn.Module, norm: nn.Module, x: Tensor, cos: Tensor, si
             total += g
         del qkv, o, o2, d_o, grads
     del y
-    dy = column_parallel_input_grad(dy, attn.groups.tp, attn.groups.sequence_parallel)   # (B, s, h)
+    dy = attn.projection_input_grad(dy)                                                 # (B, s, h)
     dx, d_norm = norm_backward_into(norm, x, dy)
     d_head_norms = [total.to(p.dtype) for total, p in zip(d_head_norms, head_norms)]
     return dx, [g for g in (d_qkv_w, d_qkv_b) if g is not None] + [d_o_w] + d_head_norms + d_norm
@@ -130,15 +126,7 @@ def norm_backward_into(norm: nn.Module, x: Tensor, dy: Tensor) -> tuple[Tensor, 
     dy = dy.contiguous()
     x2, dy2 = x.reshape(-1, x.shape[-1]), dy.view(-1, dy.shape[-1])
     params = list(norm.parameters())
-    sums = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in params]
-    rows = norm_tile_rows(x.shape[-1])
-    for lo in range(0, x2.shape[0], rows):
-        with torch.enable_grad():
-            xt = x2[lo:lo + rows].detach().requires_grad_()
-            dxt, *grads = torch.autograd.grad(norm(xt), [xt] + params, dy2[lo:lo + rows])
-        dy2[lo:lo + rows] = dxt
-        for total, g in zip(sums, grads):
-            total += g
+    sums = tiled_backward(norm, norm_tile_rows(x.shape[-1]), x2, dy2, params, dy2)
     return dy, [total.to(p.dtype) for total, p in zip(sums, params)]
 
 

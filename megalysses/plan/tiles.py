@@ -45,7 +45,7 @@ def _peak(cfg: Config, plan: RunPlan, **tiles: int) -> float:
 
 
 def _local_tokens(plan: RunPlan) -> int:
-    """Tokens of a rank's residual stream: what MLP tiles split (model/layers.py Block)."""
+    """Tokens of a rank's residual stream: what MLP tiles split (model/policies.py TiledMLP)."""
     return plan.padded_seq_len // (plan.sp * (plan.tp if plan.activation.tp_sequence_parallel else 1))
 
 

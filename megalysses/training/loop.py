@@ -31,6 +31,7 @@ from megalysses.memory import arenas
 from megalysses.plan.memory import pinned_requests_of
 from megalysses.model.gpt import GPTStage, architecture, init_weights, stage_layers
 from megalysses.model.layers import ParallelGroups
+from megalysses.model.policies import apply_activation_policy
 from megalysses.parallel.interleaved import VirtualStages
 from megalysses.pinned_arena import PinnedArena, PinnedMemory
 from megalysses.plan import RunPlan
@@ -82,9 +83,8 @@ def build_model(cfg: Config, grid: ParallelGrid, device: torch.device, mesh: Dev
         vs = k * grid.pp_size + grid.pp_rank
         with torch.device(where):
             chunk = GPTStage(model_cfg, groups, stage_layers(cfg.model.num_layers, V, vs), first=vs == 0,
-                             last=vs == V - 1, policy=run.activation)
-        if chunk.offload is not None and pinned is not None:
-            chunk.offload.pinned = pinned[f"model chunk {k}"]
+                             last=vs == V - 1)
+        apply_activation_policy(chunk, run.activation, (pinned or {}).get(f"model chunk {k}"))
         if device.type != "meta":      # a meta build (a dry run for a described machine) has shapes only
             init_weights(chunk, cfg.training.seed, grid.tp_rank, grid.tp_size)
         if run.fsdp:

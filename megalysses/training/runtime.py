@@ -2,7 +2,6 @@
 beside config.yaml (the plan, the layout and the software the choices were made with).
 
     run = resolve_run(cfg, device, grid)            # megalysses.plan.resolve on this machine; ConfigError
-    run, grid = plan_and_grid(cfg, device)          # the plan over the process group's world, and its grid
     model_cfg = model_config(cfg, run)              # cfg.model with the concrete attention and kernels
     print0(startup_line(cfg, grid, run))
 """
@@ -15,7 +14,6 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from megalysses.config import Config, ConfigError, ModelConfig
 from megalysses.grid import ParallelGrid
@@ -37,38 +35,32 @@ def resolve_run(cfg: Config, device: torch.device, grid: Optional[ParallelGrid] 
     return run
 
 
-def plan_and_grid(cfg: Config, device: torch.device) -> tuple[RunPlan, ParallelGrid]:
-    """The plan of a run of `cfg` on this machine over the process group's world (without one, a world of one), and
-    the grid it lays out: the two as a run builds them (tools/pretrain.py)."""
-    if not dist.is_initialized():
-        return resolve(cfg, Machine.current(device), 1), ParallelGrid.single()
-    run = resolve(cfg, Machine.current(device), dist.get_world_size())
-    return run, ParallelGrid.for_plan(run, cfg.parallel.timeout_seconds)
-
-
 def check_built(model: torch.nn.Module, grid: ParallelGrid, run: RunPlan) -> None:
     """The built model and grid do what the plan says: every attention layer runs the plan's backend and
-    sliding window, every fused op its kernels (the q/k head norms' too), the stage its activation policy, the
-    grid its ulysses x ring, the weights its dtype (FSDP keeps fp32 shards and gathers in the plan's dtype). A
-    difference is a bug: what the planner predicted would not be what the run does."""
+    sliding window, every fused op its kernels (the q/k head norms' too), every stage and its blocks the
+    activation policy (as model/policies.py applied it), the grid its ulysses x ring, the weights its dtype (FSDP
+    keeps fp32 shards and gathers in the plan's dtype). A difference is a bug: what the planner predicted would
+    not be what the run does."""
     from megalysses.model.gpt import GPTStage
     from megalysses.model.layers import MLP, Attention, HeadNorm, Norm
+    from megalysses.model.policies import applied_policy
 
     wrong = []
     if (grid.ulysses_size, grid.ring_size) != (run.ulysses, run.ring):
         wrong.append(f"grid ulysses x ring {grid.ulysses_size} x {grid.ring_size}")
     for name, m in model.named_modules():
-        if isinstance(m, Attention) and (m.backend, m.head_chunks, m.window) != (
-                run.attention, run.activation.head_chunks, run.attention_window):
-            wrong.append(f"{name} attention {m.backend} in {m.head_chunks} head chunks, window {m.window}")
+        if isinstance(m, Attention) and (m.backend, m.window) != (run.attention, run.attention_window):
+            wrong.append(f"{name} attention {m.backend}, window {m.window}")
         if isinstance(m, (Attention, MLP, Norm, HeadNorm)) and m.impl != run.kernels:
             wrong.append(f"{name} kernels {m.impl}")
         if isinstance(m, GPTStage):
-            a = run.activation
-            kept = (m.activation_checkpointing, m.offload is not None, m.loss_chunk_tokens, m.checkpoint_stride,
-                    {b.mlp_chunk_tokens for b in m.layers.values()} or {a.mlp_chunk_tokens})
-            if kept != (a.checkpointing, a.offload, a.loss_tile, a.checkpoint_stride, {a.mlp_chunk_tokens}):
-                wrong.append(f"{name or 'stage'} activation policy {kept}")
+            try:
+                applied = applied_policy(m)
+            except ValueError as e:
+                applied = str(e)
+            # read back, a stage asks for the loss tile it runs (the plan's concrete one)
+            if applied != dataclasses.replace(run.activation, loss_chunk_tokens=run.activation.loss_tile):
+                wrong.append(f"{name or 'stage'} activation policy {applied}")
     if not run.optimizer.startswith("fsdp"):
         dtypes = {str(p.dtype).removeprefix("torch.") for p in model.parameters()}
         if dtypes != {run.dtype}:
