@@ -1,6 +1,7 @@
-"""Process-group set-up: NCCL when CUDA is available (device from LOCAL_RANK), gloo otherwise.
+"""Process-group set-up with the collective backend a run's plan records: NCCL (this rank's GPU from LOCAL_RANK)
+or gloo (the CPU).
 
-    device = init_distributed(backend="auto", timeout_seconds=600)   # reads torchrun's env vars
+    device = init_distributed(run.collective, timeout_seconds=600)   # reads torchrun's env vars
     ...
     destroy_distributed()
 
@@ -25,25 +26,17 @@ import torch.distributed as dist
 
 T = TypeVar("T")
 
-def pick_backend(backend: str = "auto") -> str:
-    """The collective backend of this process (plan.run_plan.collective_backend, the one rule): NCCL where
-    every local process can have its own GPU, gloo otherwise."""
-    from megalysses.plan.machine import Machine
-    from megalysses.plan.run_plan import collective_backend
-
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= local_world
-    return collective_backend(backend, Machine(device="cuda" if cuda else "cpu"))
-
-
-def init_distributed(backend: str = "auto", timeout_seconds: float = 600.0, init_method: Optional[str] = None,
+def init_distributed(backend: str, timeout_seconds: float = 600.0, init_method: Optional[str] = None,
                      rank: Optional[int] = None, world_size: Optional[int] = None) -> torch.device:
-    """Initialise the default process group (idempotent) and return this rank's device.
+    """Initialise the default process group (idempotent) with `backend` ("nccl" or "gloo": a plan's
+    `collective`) and return this rank's device: its GPU under NCCL, the CPU under gloo.
 
     Without an explicit rank/world_size the torchrun variables RANK, WORLD_SIZE, LOCAL_RANK are used;
     a plain `python pretrain.py` runs as a world of one.
     """
-    backend = pick_backend(backend)
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"init_distributed takes a concrete collective backend (nccl or gloo), not {backend!r}: "
+                         f"pass the plan's run.collective")
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if backend == "nccl":
         device = torch.device("cuda", local_rank)

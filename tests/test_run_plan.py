@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from megalysses.config.io import load_config
 from megalysses.plan import Machine
@@ -87,3 +88,27 @@ def test_the_plan_records_what_the_loop_loader_and_model_read():
     tiled = resolve(load_config(overrides=base + ["training.loss_chunk_tokens=64"]), Machine.current("cpu"), 8)
     assert (tiled.activation.loss_chunk_tokens, tiled.activation.loss_tile) == (64, 64)
     assert run.grad_dtype == "float32" and run.record()["sequence"] == {"sp": 2, "ring": 1, "tp_shard": 2}
+
+
+def test_the_process_group_starts_with_the_plans_collective(monkeypatch):
+    """The device a run resolves its plan on comes before any process group (a gloo run is a CPU run), and the
+    group starts with the plan's concrete collective backend, never with `auto`."""
+    from megalysses.config import ConfigError
+    from megalysses.distributed import init_distributed
+    from megalysses.plan import resolve
+    from megalysses.plan.machine import local_device
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 2)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert local_device() == local_device("nccl") == torch.device("cuda", 1)
+    assert local_device("gloo") == torch.device("cpu")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")          # fewer GPUs than local processes: the CPU
+    assert local_device() == torch.device("cpu")
+    cfg = load_config(overrides=["data.mock=true", "parallel.backend=nccl"])
+    with pytest.raises(ConfigError, match="parallel.backend=nccl needs CUDA, which this machine has not"):
+        resolve(cfg, Machine.current(local_device(cfg.parallel.backend)), 1)
+    assert resolve(load_config(overrides=["data.mock=true"]), Machine.current("cpu"), 1).collective == "gloo"
+    with pytest.raises(ValueError, match="pass the plan's run.collective"):
+        init_distributed("auto")

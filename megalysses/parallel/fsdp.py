@@ -51,9 +51,10 @@ def adam_state(optimizer: torch.optim.Optimizer, p: Tensor) -> dict:
     return st
 
 
-def shard_model(model: nn.Module, grad_mesh: DeviceMesh, compute_dtype: torch.dtype,
+def shard_model(model: nn.Module, grad_mesh: DeviceMesh, compute_dtype: torch.dtype, grad_dtype: torch.dtype,
                 offload: bool = False) -> nn.Module:
-    """Apply fully_shard to each block and to the stage (in place); parameters become DTensors. `offload`
+    """Apply fully_shard to each block and to the stage (in place); parameters become DTensors, gathered in
+    `compute_dtype`, their gradients reduced in `grad_dtype` (a plan's: fp32). `offload`
     (training.param_offload): the shards in host memory (the model is built there), each block's weights
     prefetched one block ahead, forward and backward."""
     if fully_shard is None or not hasattr(FSDPModule, "set_force_sum_reduction_for_comms"):
@@ -62,7 +63,7 @@ def shard_model(model: nn.Module, grad_mesh: DeviceMesh, compute_dtype: torch.dt
                           f"upgrade torch or set parallel.fsdp=false (ZeRO-1)")
     tp_dims = {name: getattr(p, "tp_dim", None) for name, p in model.named_parameters()}
     policy = MixedPrecisionPolicy(param_dtype=None if compute_dtype == torch.float32 else compute_dtype,
-                                  reduce_dtype=torch.float32)
+                                  reduce_dtype=grad_dtype)
     where = CPUOffloadPolicy(pin_memory=grad_mesh.device_type == "cuda") if offload else OffloadPolicy()
     blocks = list(model.layers.values())
     for block in blocks:

@@ -3,9 +3,10 @@
 The model's parameters hold the compute weights (bf16 on GPU, fp32 on CPU); the optimizer alone keeps
 fp32 masters. Every parameter (this rank's tp shard of it) is split along dim 0 into G chunks (torch.chunk
 semantics) over the G ranks of the grad group; rank r owns chunk r: its fp32 master copy, exp_avg and
-exp_avg_sq. Gradients of low-precision parameters are accumulated over the micro-batches of a step in
-fp32 (`main_grad`, filled by a hook as each micro-batch's gradient arrives); with one micro-batch per
-step the bf16 gradient is used as it is and converted in the reduction. One step:
+exp_avg_sq. Gradients are accumulated and reduced in `grad_dtype` (a plan's: fp32): those of parameters in
+another dtype are accumulated over the micro-batches of a step in it (`main_grad`, filled by a hook as each
+micro-batch's gradient arrives); with one micro-batch per step the bf16 gradient is used as it is and
+converted in the reduction. One step:
   1. tied embeddings: sum the two copies' gradients over the embed group (first + last stage);
   2. reduce-scatter the gradients in fp32 over the grad group, in buckets (each rank receives the
      sum of its own chunks). With overlap, buckets (in reverse parameter order, the order the
@@ -65,30 +66,33 @@ class _Slot:
     padded: int                  # elements of one rank's padded chunk: ceil(rows/G) * row size
     master: Optional[nn.Parameter]
     counts_in_norm: bool
-    main_grad: Optional[Tensor] = None   # fp32 accumulation of a low-precision parameter's gradient
-    host_grad: Optional[Tensor] = None   # offload: where the reduced fp32 chunk is copied
+    grad_dtype: torch.dtype              # what its gradient is accumulated and reduced in
+    main_grad: Optional[Tensor] = None   # accumulation (grad_dtype) of the gradient of a parameter in another dtype
+    host_grad: Optional[Tensor] = None   # offload: where the reduced chunk is copied
 
     def grad(self) -> Tensor:
-        """This step's gradient (the rank's full tp shard), in fp32, zeros when none arrived."""
+        """This step's gradient (the rank's full tp shard), in grad_dtype, zeros when none arrived."""
         if self.main_grad is not None:
             return self.main_grad
         if self.param.grad is not None:
-            return self.param.grad.float()
-        return torch.zeros(self.param.shape, dtype=torch.float32, device=self.param.device)
+            return self.param.grad.to(self.grad_dtype)
+        return torch.zeros(self.param.shape, dtype=self.grad_dtype, device=self.param.device)
 
 
 class ShardedAdamW:
     def __init__(self, named_params: Iterable[tuple[str, nn.Parameter]], grad_group: Group, *, lr: float,
                  betas: tuple[float, float], eps: float, weight_decay: float, tp_rank: int = 0,
                  embed_group: Group = None, tied_head_copy: bool = False, bucket_elements: int = BUCKET_ELEMENTS,
-                 overlap: bool = False, offload: bool = False, pinned: Optional[PinnedMemory] = None) -> None:
+                 overlap: bool = False, offload: bool = False, pinned: Optional[PinnedMemory] = None,
+                 grad_dtype: torch.dtype = torch.float32) -> None:
         """`tied_head_copy`: this stage holds the LM-head copy of a tied embedding (not the first stage).
         `overlap`: launch each bucket's reduce-scatter from the backward, as soon as the last micro-batch
         has produced all of its gradients (see begin_step); otherwise everything is reduced in step().
         `offload`: masters, moments and reduced gradients in host memory, the gradients streamed there during
         the backward, the update on the CPU; the masters, the reduced gradients and the staging buffers pinned,
-        from `pinned` (the run's arena; by default requests of their own)."""
-        self.grad_group, self.embed_group = grad_group, embed_group
+        from `pinned` (the run's arena; by default requests of their own). `grad_dtype`: what the gradients are
+        accumulated and reduced in (the plan's)."""
+        self.grad_group, self.embed_group, self.grad_dtype = grad_group, embed_group, grad_dtype
         self.G, self.r = comm.group_size(grad_group), comm.group_rank(grad_group)
         self.offload = offload
         named_params = list(named_params)
@@ -103,7 +107,8 @@ class ShardedAdamW:
             master = nn.Parameter(self._state_tensor(p.detach()[lo:hi])) if hi > lo else None
             replicated_over_tp = getattr(p, "tp_dim", None) is None
             counts = not (replicated_over_tp and tp_rank != 0) and not (tied_head_copy and name == "embed.weight")
-            self.slots.append(_Slot(name, p, (lo, hi), math.ceil(rows / self.G) * row_size, master, counts))
+            self.slots.append(_Slot(name, p, (lo, hi), math.ceil(rows / self.G) * row_size, master, counts,
+                                    grad_dtype))
             if master is not None and offload:
                 self.slots[-1].host_grad = self.pinned.empty(tuple(master.shape), master.dtype)
             if master is not None:
@@ -172,7 +177,7 @@ class ShardedAdamW:
             s.master.grad = s.host_grad
             s.host_grad.copy_(grad.view_as(s.host_grad), non_blocking=True)
         else:
-            s.master.grad = grad.view_as(s.master)
+            s.master.grad = grad.view_as(s.master).to(s.master.dtype)
 
     def _rank_chunk(self, t: Tensor, s: _Slot, rank: int) -> Tensor:
         """Chunk `rank` of tensor t (param shaped), flattened and zero-padded to s.padded."""
@@ -221,14 +226,14 @@ class ShardedAdamW:
         self._launched, self._next = [], 0
 
     def _on_grad(self, s: _Slot, bucket: Optional[int]) -> None:
-        """A micro-batch's gradient of s.param has arrived: accumulate it in fp32 when the parameter is
-        low-precision and more micro-batches follow; launch the bucket's reduction once it is complete
+        """A micro-batch's gradient of s.param has arrived: accumulate it in grad_dtype when the parameter is
+        in another dtype and more micro-batches follow; launch the bucket's reduction once it is complete
         (offload: in every micro-batch)."""
         if not self._expected:
             return
         param = s.param
-        if self._expected > 1 and param.dtype != torch.float32 and not (self.offload and bucket is not None):
-            grad = param.grad.float()
+        if self._expected > 1 and param.dtype != self.grad_dtype and not (self.offload and bucket is not None):
+            grad = param.grad.to(self.grad_dtype)
             s.main_grad = grad if s.main_grad is None else s.main_grad.add_(grad)
             param.grad = None
         self._fired[id(param)] += 1
@@ -264,9 +269,10 @@ class ShardedAdamW:
                 s.param.grad, s.main_grad = None, None
 
     def _send_buffer(self, bucket: list[_Slot]) -> Tensor:
-        """The bucket's gradients as one fp32 reduce-scatter input in rank-major layout ([chunk 0 of every
+        """The bucket's gradients as one grad_dtype reduce-scatter input in rank-major layout ([chunk 0 of every
         param | chunk 1 of every param | ...], each chunk zero-padded), converted as they are copied in."""
-        send = torch.empty(sum(s.padded for s in bucket) * self.G, dtype=torch.float32, device=bucket[0].param.device)
+        send = torch.empty(sum(s.padded for s in bucket) * self.G, dtype=self.grad_dtype,
+                           device=bucket[0].param.device)
         offset = 0
         for j in range(self.G):
             for s in bucket:

@@ -1,6 +1,7 @@
 """The machine a run is planned for: the real one a rank runs on, or one described for planning.
 
     machine = Machine.current(device)                         # this rank's device, packages and node
+    machine = Machine.current(local_device(cfg.parallel.backend))   # the machine a run of cfg runs on here
     machine = Machine.described("H100", ranks_per_node=8)     # a plain torch install on H100 nodes
     machine = Machine.described("H100", packages=("flash_attn", "triton"))
 
@@ -103,6 +104,16 @@ class Machine:
         return {"device": self.device, "gpu": self.gpu, "memory_gib": None if self.memory_gib is None else
                 round(self.memory_gib, 1), "ranks_per_node": self.ranks_per_node,
                 "packages": sorted(self.packages), "allocator": self.allocator, "pinned_exact": self.pinned_exact}
+
+
+def local_device(backend: str = "auto") -> torch.device:
+    """The device of this process for parallel.backend `backend`: its own GPU (torchrun's LOCAL_RANK) where CUDA
+    gives every process of the node one, unless the run asks for gloo (a CPU run); the CPU otherwise. The plan
+    resolved on this machine decides the collective backend (run_plan.collective_backend): NCCL on the GPU."""
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if backend != "gloo" and torch.cuda.is_available() and torch.cuda.device_count() >= local_world:
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
 
 
 @functools.lru_cache(maxsize=1)

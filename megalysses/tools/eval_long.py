@@ -57,6 +57,7 @@ from megalysses.kernels.attention import reserve_compiles
 from megalysses.model.hf import model_config_from_hf
 from megalysses.model.hf_io import HFFormatError, open_hf_dir
 from megalysses.plan import Machine, resolve
+from megalysses.plan.machine import local_device
 from megalysses.training.long_eval import LongEval, LongEvalError, LongEvalSettings, check_settings, text_only
 from megalysses.training.loop import build_model
 from megalysses.training.runtime import flex_compile_budget, startup_line
@@ -217,8 +218,8 @@ def evaluate(args: argparse.Namespace) -> int:
             raise LongEvalError(f"{args.from_hf}'s config.json gives no max_position_embeddings: give --lengths")
         check_settings(settings, prompts, haystack, text_only(tok))
     cfg.long_eval.lengths = list(settings.lengths)          # phases of the plan (compiled attention's shapes)
-    device = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_seconds)
-    run = resolve(cfg, Machine.current(device), world)
+    run = resolve(cfg, Machine.current(local_device(cfg.parallel.backend)), world)
+    device = init_distributed(run.collective, cfg.parallel.timeout_seconds)
     if run.attention == "flex" and device.type == "cuda":
         reserve_compiles(flex_compile_budget(run))
     grid = ParallelGrid.for_plan(run, cfg.parallel.timeout_seconds)

@@ -34,8 +34,9 @@ from megalysses.model.gpt import GPTStage, architecture, init_weights
 from megalysses.model.hf import model_config_from_hf, our_tensor
 from megalysses.model.hf_io import HFFormatError, open_hf_dir
 from megalysses.model.kv_cache import KVCache
-from megalysses.plan import Machine
-from megalysses.plan.run_plan import compute_dtype
+from megalysses.plan import Machine, RunPlan, resolve
+from megalysses.plan.machine import local_device
+from megalysses.training.runtime import model_config
 from megalysses.checkpoint.dcp_io import (
     CheckpointError, check_model_shape, load_model_weights, resolve_checkpoint)
 
@@ -110,16 +111,21 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--prompt is empty: give at least one character to continue from")
 
 
+GENERATION = ["parallel.tp=1", "parallel.sp=1", "parallel.sp_ring=0", "parallel.pp=1", "parallel.backend=auto",
+              "parallel.tp_sequence_parallel=false", "parallel.fsdp=false", "model.attention_backend=auto",
+              "model.kernels=torch", "training.dtype=auto"]
+"""What generation changes in a run's config: one process on this machine (its GPU if it has one), whose plan
+decides the attention backend (the KV cache attends whatever it is) and the dtype (the machine's: bf16 on a GPU,
+fp32 on the CPU); the torch references, which run anywhere, as the kernels."""
+
+
 def load_run(run: Path) -> tuple[Config, Any]:
-    """The run's config (forced to one CPU process) and its tokenizer; raises ValueError naming the problem."""
+    """The run's config as one process generates with it (GENERATION) and its tokenizer; raises ValueError naming
+    the problem."""
     if not (run / "config.yaml").is_file():
         raise ValueError(f"{run} is not a run directory (no config.yaml): pass the logging.run_dir of a run")
-    # one CPU process: the layout, attention backend and kernels of the run do not apply here
     try:
-        cfg = load_config(run / "config.yaml", ["parallel.tp=1", "parallel.sp=1", "parallel.sp_ring=0",
-                                                "parallel.pp=1", "parallel.tp_sequence_parallel=false",
-                                                "parallel.fsdp=false",
-                                                "model.attention_backend=sdpa", "model.kernels=torch"])
+        cfg = load_config(run / "config.yaml", GENERATION)
     except (ConfigError, OSError, UnicodeDecodeError) as e:
         raise ValueError(f"{run / 'config.yaml'} cannot be read as a run config: {e}") from None
     try:
@@ -141,39 +147,49 @@ def prompt_ids(tok: Any, prompt: str, bos: Optional[str]) -> list[int]:
     return ids
 
 
-def _from_run(args: argparse.Namespace) -> tuple[GPTStage, Any, Optional[str], str, Optional[int]]:
-    """(model, tokenizer, bos, where, the length it trained at) from a run directory."""
+def generation_plan(cfg: Config) -> RunPlan:
+    """The plan of one process generating with `cfg` on this machine (its GPU if it has one)."""
+    try:
+        return resolve(cfg, Machine.current(local_device()), 1)
+    except ConfigError as e:
+        raise ValueError(f"cannot generate here: {e}") from None
+
+
+def _from_run(args: argparse.Namespace) -> tuple[GPTStage, RunPlan, Any, Optional[str], str, Optional[int]]:
+    """(model, its plan, tokenizer, bos, where, the length it trained at) from a run directory."""
     cfg, tok = load_run(Path(args.run))
     source = args.checkpoint or cfg.checkpoint.dir or Path(args.run) / "checkpoints"
     path = resolve_checkpoint(source)
     if path is None:
         raise CheckpointError(f"no checkpoint under {source}")
     check_model_shape(path, architecture(cfg.model))
-    device = init_distributed("gloo", 60.0)
+    run = generation_plan(cfg)
+    device = init_distributed("gloo", 60.0)         # the weights are read into this process's CPU memory
     try:
         grid = ParallelGrid()
-        model = GPTStage(cfg.model)
+        model = GPTStage(model_config(cfg, run))
         init_weights(model, cfg.training.seed)
         load_model_weights(path, model, grid, grid.device_mesh(device))
     finally:
         destroy_distributed()
-    return model, tok, cfg.data.bos, str(path), cfg.data.seq_len
+    return model, run, tok, cfg.data.bos, str(path), cfg.data.seq_len
 
 
-def _from_hf(folder: str) -> tuple[GPTStage, Any, Optional[str], str, Optional[int]]:
-    """(model, tokenizer, bos, where, its max_position_embeddings) from a Hugging Face model directory."""
+def _from_hf(folder: str) -> tuple[GPTStage, RunPlan, Any, Optional[str], str, Optional[int]]:
+    """(model, its plan, tokenizer, bos, where, its max_position_embeddings) from a Hugging Face model directory."""
     try:
         config, tensors = open_hf_dir(folder)
-        cfg = model_config_from_hf(config, attention_backend="sdpa")
+        cfg = Config(model=model_config_from_hf(config))
     except (HFFormatError, KeyError, TypeError, ValueError) as e:
         raise ValueError(f"--hf {folder}: {e}") from None
     try:
         tok = build_tokenizer("huggingface", folder)
     except TokenizerError as e:
         raise ValueError(f"--hf {folder}: its tokenizer: {e}") from None
-    model = GPTStage(cfg)
-    model.load_state_dict({n: our_tensor(n, cfg, tensors.get).float() for n, _ in model.named_parameters()})
-    return model, tok, None, folder, config.get("max_position_embeddings")
+    run = generation_plan(cfg)
+    model = GPTStage(model_config(cfg, run))
+    model.load_state_dict({n: our_tensor(n, model.cfg, tensors.get).float() for n, _ in model.named_parameters()})
+    return model, run, tok, None, folder, config.get("max_position_embeddings")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -193,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     _check_args(p, args)
     try:
-        model, tok, bos, where, trained = _from_hf(args.hf) if args.hf else _from_run(args)
+        model, run, tok, bos, where, trained = _from_hf(args.hf) if args.hf else _from_run(args)
         prompts = [prompt_ids(tok, text, bos) for text in args.prompt]
         empty = [text for text, ids in zip(args.prompt, prompts) if not ids]
         if empty:
@@ -205,8 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     if trained and longest > trained:
         print(f"warning: the longest prompt and --max-new-tokens {args.max_new_tokens} come to {longest} tokens, past "
               f"the {trained} the model was trained at: text beyond that length is unreliable", file=sys.stderr)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = getattr(torch, compute_dtype("auto", Machine.current(device)))      # the generation phase's
+    device, dtype = local_device(), run.torch_dtype
     model = model.to(device, dtype).eval()
     gen = torch.Generator().manual_seed(args.seed)
     outs = generate(model, prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,

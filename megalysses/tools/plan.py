@@ -160,7 +160,8 @@ def explain(p: Prediction, hw: Hardware, gpu_memory_gib: float) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The command line: the config, the machine, what to print, and the step-time model's hardware figures."""
     d = Hardware()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, help="YAML config: model, batch, dtype, attention backend")
@@ -189,13 +190,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     for f in dataclasses.fields(Hardware):
         p.add_argument("--" + f.name.replace("_", "-"), type=type(getattr(d, f.name)), default=getattr(d, f.name),
                        help=f"default {getattr(d, f.name)}")
+    return p
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = _parser()
     args = p.parse_args(argv)
     if args.trace and args.no_search:
         p.error("--trace traces the top layout of the search: leave out --no-search")
-    bad = {name: f"must be positive, got {getattr(args, name)}"
-           for name in ("gpus", "seq_len", "gpu_memory_gib", "top", "host_memory_gib")
-           if getattr(args, name) is not None and not getattr(args, name) > 0}
-    bad.update(hardware_problems({f.name: getattr(args, f.name) for f in dataclasses.fields(Hardware)}))
+    bad = _flag_problems(args)
     for name, why in bad.items():          # one line per bad flag
         print(f"error: --{name.replace('_', '-')} {why}", file=sys.stderr)
     if bad:
@@ -262,16 +265,29 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("no layout fits: more GPUs, a shorter sequence, or --host-memory-gib for activation, optimizer and "
               "parameter offload")
     if rows and "traced_peak_gib" in rows[0]:
-        r = rows[0]
-        print(f"traced (layout 1, one step on fake tensors, {r['traced_seconds']:.0f} s): peak "
-              f"{r['traced_peak_gib']:.2f} GiB per GPU at {r['traced_moment']} (the model: {r['peak_gib']:.2f} GiB "
-              f"at {r['peak_phase']}); "
-              f"host {r['traced_host_gib']:.0f} GiB per node, {r['traced_pinned_gib']:.0f} of them pinned (the "
-              f"model: {r['host_gib_per_node']:.0f})")
+        print(_traced_line(rows[0]))
     print(_own_verdict(mine, own_row) + (f": {why}" if mine is not None and mine.fits else ""))
     if args.explain and fitting:
         print(explain(fitting[0], hw, args.gpu_memory_gib))
     return 0
+
+
+def _flag_problems(args: argparse.Namespace) -> dict[str, str]:
+    """flag -> what is wrong with its value: the sizes that must be positive, and the hardware figures."""
+    bad = {name: f"must be positive, got {getattr(args, name)}"
+           for name in ("gpus", "seq_len", "gpu_memory_gib", "top", "host_memory_gib")
+           if getattr(args, name) is not None and not getattr(args, name) > 0}
+    bad.update(hardware_problems({f.name: getattr(args, f.name) for f in dataclasses.fields(Hardware)}))
+    return bad
+
+
+def _traced_line(r: dict) -> str:
+    """The traced peak of the top layout (row `r`, with --trace) beside the memory model's."""
+    return (f"traced (layout 1, one step on fake tensors, {r['traced_seconds']:.0f} s): peak "
+            f"{r['traced_peak_gib']:.2f} GiB per GPU at {r['traced_moment']} (the model: {r['peak_gib']:.2f} GiB "
+            f"at {r['peak_phase']}); "
+            f"host {r['traced_host_gib']:.0f} GiB per node, {r['traced_pinned_gib']:.0f} of them pinned (the "
+            f"model: {r['host_gib_per_node']:.0f})")
 
 
 def _own_verdict(mine: Optional[Prediction], own_row: dict) -> str:

@@ -33,8 +33,8 @@ from megalysses.data import DatasetError
 from megalysses.distributed import (collective_failure, destroy_distributed, die_with_launcher, init_distributed,
                                     print0, write_error_file)
 from megalysses.grid import LayoutError, ParallelGrid
-from megalysses.plan import Machine, resolve
-from megalysses.plan.machine import PLAIN_TORCH
+from megalysses.plan import Machine, RunPlan, resolve
+from megalysses.plan.machine import PLAIN_TORCH, local_device
 from megalysses.training.dry_run import dry_run
 from megalysses.training.loop import train
 from megalysses.training.signals import StopSignals
@@ -132,9 +132,11 @@ def _run(args: argparse.Namespace, signals: StopSignals) -> int:
     die_with_launcher()
     configure_allocator(cuda=torch.cuda.is_available())      # before CUDA allocates anything
     try:
-        device = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_seconds)
+        run = _plan(cfg, rank0)
+        device = init_distributed(run.collective, cfg.parallel.timeout_seconds)
     except (RuntimeError, ValueError) as e:
-        message = f"error: cannot start the process group: {' '.join(str(e).split())[:300]}"
+        message = f"error: {e}" if isinstance(e, ConfigError) else \
+            f"error: cannot start the process group: {' '.join(str(e).split())[:300]}"
         if rank0:
             print(message, flush=True)
         write_error_file(message)
@@ -143,10 +145,6 @@ def _run(args: argparse.Namespace, signals: StopSignals) -> int:
         return _interrupted("starting up", cfg)
     watchdog = Watchdog.start(dist.get_rank(), dist.get_world_size(), cfg.parallel.timeout_seconds)
     try:
-        for note in config_warnings(cfg):
-            print0(f"warning: {note}")
-        validate_config(cfg, world_size=dist.get_world_size())
-        run = resolve(cfg, Machine.current(device), dist.get_world_size())    # every decision, once
         grid = ParallelGrid.for_plan(run, cfg.parallel.timeout_seconds)
         summary = train(cfg, grid, device, signals=signals, watchdog=watchdog, run=run, dry_run=args.dry_run)
         if summary["stopped_by"] == "dry_run":
@@ -170,6 +168,18 @@ def _run(args: argparse.Namespace, signals: StopSignals) -> int:
     finally:
         watchdog.stop()
         destroy_distributed()
+
+
+def _plan(cfg: Config, rank0: bool) -> RunPlan:
+    """The run's plan, before any process group: the config checked at torchrun's world size and every decision
+    made on this process's machine (the collective backend the group starts with among them); ConfigError
+    names what cannot run, here or at that size. The config's warnings are printed first, from rank 0."""
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if rank0:
+        for note in config_warnings(cfg):
+            print(f"warning: {note}", flush=True)
+    validate_config(cfg, world_size=world)
+    return resolve(cfg, Machine.current(local_device(cfg.parallel.backend)), world)    # every decision, once
 
 
 def _print_config(cfg: Config) -> None:

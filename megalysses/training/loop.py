@@ -88,7 +88,8 @@ def build_model(cfg: Config, grid: ParallelGrid, device: torch.device, mesh: Dev
         if device.type != "meta":      # a meta build (a dry run for a described machine) has shapes only
             init_weights(chunk, cfg.training.seed, grid.tp_rank, grid.tp_size)
         if run.fsdp:
-            shard_model(chunk, mesh["grad"], run.torch_dtype, offload=run.weights == "host")
+            shard_model(chunk, mesh["grad"], run.torch_dtype, getattr(torch, run.grad_dtype),
+                        offload=run.weights == "host")
         chunks.append(chunk)
     return chunks[0] if v == 1 else VirtualStages(chunks)
 
@@ -107,7 +108,7 @@ def build_optimizer(cfg: Config, model: GPTStage, grid: ParallelGrid, run: RunPl
         return FSDPAdamW(model, **common, device=device)
     return ShardedAdamW(model.named_parameters(), grid.grad_group, **common,
                         bucket_elements=cfg.parallel.grad_bucket_elements, overlap=cfg.parallel.overlap_grad_reduce,
-                        offload=run.optimizer == "zero1-host", pinned=pinned)
+                        offload=run.optimizer == "zero1-host", pinned=pinned, grad_dtype=getattr(torch, run.grad_dtype))
 
 
 def build_model_and_optimizer(cfg: Config, grid: ParallelGrid, device: torch.device, run: RunPlan,
