@@ -111,7 +111,7 @@ def choose_kernels(requested: str, machine: Machine) -> str:
 
 def _phases(cfg: Config, sequence: SequenceLayout) -> tuple[Phase, ...]:
     d = cfg.data
-    train = [Phase("train" if step == 0 else f"train from step {step + 1}", n, sequence.padded_len(n))
+    train = [Phase("train" if step == 0 else f"train from step {step + 1}", n, sequence.padded_len(n), step)
              for step, n in (d.seq_len_schedule or [[0, d.seq_len]])]
     long_eval = [Phase("long_eval", n, sequence.padded_len(n)) for n in sorted(set(cfg.long_eval.lengths))]
     return tuple(train) + (Phase("eval", d.seq_len, sequence.padded_len(d.seq_len)),) + tuple(long_eval)

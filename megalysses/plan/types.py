@@ -4,6 +4,7 @@ the cost models read them."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Optional
 
 from megalysses.parallel.sequence_layout import SequenceLayout
 from megalysses.plan.machine import Machine
@@ -17,6 +18,7 @@ class Phase:
                                 # "long_eval" (a length of long_eval.lengths: forward only, not a step's shape)
     seq_len: int
     padded_len: int
+    from_step: Optional[int] = None     # a training phase: the optimizer steps from this one on train at seq_len
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,11 @@ class RunPlan:
     def padded_seq_len(self) -> int:
         """data.seq_len padded to the layout's multiple (the longest phase but the long-context evaluation's)."""
         return max(p.padded_len for p in self.phases if p.name != "long_eval")
+
+    def train_phase(self, step: int) -> Phase:
+        """The training phase of the optimizer step taken after `step` completed steps (the sequence-length
+        curriculum's stage, data.seq_len_schedule)."""
+        return [p for p in self.phases if p.from_step is not None and p.from_step <= step][-1]
 
     @property
     def fsdp(self) -> bool:

@@ -100,11 +100,12 @@ class TrainingData:
 
     def _micro_batches(self, dataset, consumed: int, curriculum: bool) -> Iterator[Batch]:
         d, g, run, step_of = self.cfg.data, self.grid, self.run, self.batch_sizes.step_of
+        phase_at = (lambda first: run.train_phase(step_of(first)).seq_len) if curriculum else None
         for mb in iterate_micro_batches(dataset, run.micro_batch_size, g.dp_rank, run.dp, g.sp_rank, run.sp, consumed,
                                         self.eod_id, d.reset_position_ids, d.document_mask, seq_len=d.seq_len,
                                         eod_mask_loss=d.eod_mask_loss, vocab_size=self.cfg.model.vocab_size,
                                         layout=run.sequence,
-                                        length_at=(lambda first: d.seq_len_at(step_of(first))) if curriculum else None,
+                                        length_at=phase_at,
                                         loss_average=d.loss_average):
             yield {k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
 

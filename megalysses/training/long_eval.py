@@ -259,7 +259,7 @@ class TrainingLongEval:
         from megalysses.data.tokenizer import tokenizer_from_config
 
         e, d = cfg.long_eval, cfg.data
-        self.cfg = cfg
+        self.cfg, self.run = cfg, run
         try:
             tok = tokenizer_from_config(d, cfg.model.vocab_size)
             if tok.vocab_size > cfg.model.vocab_size:
@@ -269,7 +269,7 @@ class TrainingLongEval:
             haystack = (DocumentStream.whole(e.haystack) if e.haystack else
                         DocumentStream.validation(d) if text and not d.mock else None)
             self.evaluator = LongEval(cfg, grid, device, run, tok, haystack if text else None)
-            lengths = e.lengths or sorted({n for _, n in d.seq_len_schedule} or {d.seq_len})
+            lengths = e.lengths or sorted({p.seq_len for p in run.phases if p.from_step is not None})
             self.evaluator.check(self.settings(lengths))
         except ValueError as err:          # PromptError, LongEvalError, HaystackError, TokenizerError
             raise ConfigError(f"long_eval: {' '.join(str(err).split())}") from None
@@ -283,5 +283,5 @@ class TrainingLongEval:
 
     def __call__(self, model: torch.nn.Module, step: int, doing: Callable[[str], None]) -> LongEvalReport:
         """The evaluation after `step` steps: at long_eval.lengths, or the length that step trained at."""
-        trained = self.cfg.data.seq_len_at(step - 1)
+        trained = self.run.train_phase(step - 1).seq_len
         return self.evaluator.run(model, self.settings(self.cfg.long_eval.lengths or [trained]), trained, doing)
