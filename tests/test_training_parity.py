@@ -1,9 +1,10 @@
 """End-to-end training parity: 3 optimizer steps at each layout equal one process (losses, gradient norms, the
 validation loss and final weights), one spawned group of ranks per world size, through tests/parity.py's runner."""
 import pytest
+import torch
 
 from chat_data import write_conversations
-from tests.parity import check_run, run_layouts
+from tests.parity import Run, check_run, run_layouts
 
 # conversations packed whole with a loss mask, as NullTokenizer ids: step 1 packed into sequences of 16 tokens,
 # steps 2-3 into 32 (those longer truncated), each conversation a document of its own
@@ -115,3 +116,19 @@ def test_layouts_equal_one_process(tmp_path, references, chat, world):
         want = reference_of(name)
         check_run(references[want] if want in references else results[want], results[name], name,
                   **CLOSE.get(name, {}))
+
+
+def test_check_run_fails_on_each_quantity():
+    """The comparison every run goes through tells apart a loss, a gradient norm, a validation loss or a weight
+    off by 2e-5 relative, a missing step, and a reference whose loss did not fall."""
+    want = Run([3.0, 2.5, 2.0], {"w": torch.ones(4, 4)}, [1.5, 1.2, 1.0], [2.1])
+    check_run(want, Run(*want), "same")
+    off = 1 + 2e-5
+    for got in (Run([3.0, 2.5 * off, 2.0], *want[1:]), Run(want[0], want[1], [1.5, 1.2, off], want[3]),
+                Run(*want[:3], [2.1 * off]), Run(want[0], {"w": torch.ones(4, 4) * off}, *want[2:]),
+                Run(want[0][:2], *want[1:])):
+        with pytest.raises(AssertionError):
+            check_run(want, got, "off")
+    flat = Run([2.0, 2.5, 3.0], *want[1:])
+    with pytest.raises(AssertionError, match="did not fall"):
+        check_run(flat, flat, "flat")
