@@ -12,7 +12,8 @@ from megalysses.testing import run_distributed
 from megalysses.config.batch_schedule import BatchSizes, rampup_stages
 from megalysses.training.schedule import lr_at, lr_progress
 from test_curriculum import _recording_worker
-from test_training_parity import BASE, full_weights, losses, rel
+from tests.fixtures import TRAIN_PARITY, full_weights, losses, step_rows
+from tests.parity import check_run, logged
 
 
 def megatron_ramp(start, increment, samples, final, consumed):
@@ -115,19 +116,15 @@ def test_ramp_parity_and_resume(tmp_path):
     assert "global batch 6 from step 4 (3 micro-batches per step; ramping up to 8)" in per_rank[0][1]["printed"]
 
     assert _consumed(split, 3) == sum(BATCHES[:3]) and _consumed(split, 6) == sum(BATCHES)
-    rows = [json.loads(x) for x in (dp2 / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
-    cfg = load_config(overrides=BASE + RAMP)
+    rows = step_rows(dp2)
+    cfg = load_config(overrides=TRAIN_PARITY + RAMP)
     consumed = [sum(BATCHES[:k]) for k in range(6)]
     assert [r["lr"] for r in rows] == [lr_at(k, cfg.optimizer, 6, lr_progress(cfg.training, k, c))
                                        for k, c in enumerate(consumed)]
     assert [r["seq_len"] for r in rows] == [16, 16, 16, 32, 32, 32]
 
-    ref = losses(sp2)
-    for run, w in ((dp2, weights[1]), (pp2, weights[2])):
-        for a, b in zip(losses(run), ref):
-            assert abs(a - b) <= 1e-5 * abs(b), f"{run.name}: losses {losses(run)} != {ref}"
-        bad = {n: rel(w[n], t) for n, t in weights[0].items() if rel(w[n], t) > 1e-5}
-        assert not bad, f"{run.name}: the ramped weights differ from sp2's: {bad}"
+    for run, w in ((dp2, weights[1]), (pp2, weights[2])):      # the ramped run at sp2 as the reference
+        check_run(logged(sp2, weights[0]), logged(run, w), run.name, steps=6, quantities=("losses", "weights"))
     assert losses(split) == losses(dp2), "a resume mid-ramp is not bit for bit"
     for name, t in weights[1].items():
         assert torch.equal(weights[4][name], t), f"{name} differs after a resume mid-ramp"

@@ -1,7 +1,6 @@
 """Checkpoints: resume is exact at the same layout, close at another (resharding), a save killed
 halfway leaves the previous checkpoint as `latest`, and checkpoint.init_from a run starts a new run from
 its weights."""
-import json
 import os
 import shutil
 from pathlib import Path
@@ -10,7 +9,8 @@ import pytest
 import torch
 
 from megalysses.testing import DistributedTestError, run_distributed
-from test_training_parity import _train_worker, full_weights, losses, rel
+from tests.fixtures import full_weights, losses, rel_norm, step_rows
+from tests.parity import train_worker
 
 SIX = ["training.train_steps=6", "optimizer.warmup_steps=2"]
 TP2SP2 = ["parallel.tp=2", "parallel.sp=2"]
@@ -18,11 +18,11 @@ PP2DP2 = ["parallel.pp=2"]
 
 
 def _steps(run_dir: Path) -> list[int]:
-    return [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+    return [row["step"] for row in step_rows(run_dir)]
 
 
 def _train_scrambled_if_init(rank, world, runs):
-    """_train_worker, except that a run with checkpoint.init_from starts from a model whose freshly built
+    """train_worker, except that a run with checkpoint.init_from starts from a model whose freshly built
     weights are scrambled: unless init_from loads the source's weights, that run trains another model."""
     from megalysses.training import loop
 
@@ -37,7 +37,7 @@ def _train_scrambled_if_init(rank, world, runs):
         return model
 
     loop.build_model = build
-    return _train_worker(rank, world, runs)
+    return train_worker(rank, world, runs)
 
 
 def test_resume_exact_and_resharded(tmp_path):
@@ -72,14 +72,14 @@ def test_resume_exact_and_resharded(tmp_path):
         assert _steps(run) == list(range(first, first + 3))
         for a, b in zip(losses(run), losses(straight)[first - 1:]):
             assert abs(a - b) <= 1e-5 * abs(b), f"{run.name}: loss {a} != {b}"
-        bad = {n: rel(w[n], ref) for n, ref in weights[0].items() if w is not None and rel(w[n], ref) > 1e-5}
+        bad = {n: rel_norm(w[n], ref) for n, ref in weights[0].items() if w is not None and rel_norm(w[n], ref) > 1e-5}
         assert not bad, f"{run.name}: resharded resume differs: {bad}"
 
     assert losses(source)[0] == losses(straight)[0]
     assert _steps(init) == [1, 2, 3]
     for a, b in zip(losses(init), losses(straight)[:3]):
         assert abs(a - b) <= 1e-5 * abs(b), f"init_from: loss {a} != {b} (straight, from scratch)"
-    bad = {n: rel(weights[7][n], ref) for n, ref in weights[1].items() if rel(weights[7][n], ref) > 1e-5}
+    bad = {n: rel_norm(weights[7][n], ref) for n, ref in weights[1].items() if rel_norm(weights[7][n], ref) > 1e-5}
     assert not bad, f"init_from: the weights after 3 steps differ from straight's: {bad}"
     _init_from_bad_input(tmp_path, source)
 
@@ -122,7 +122,7 @@ def test_fsdp_resume_and_interchange_with_zero1(tmp_path):
         (str(z_from_f), PP2DP2 + SIX + [f"checkpoint.load={f_split}/checkpoints/step_0000003"]),
         (str(f_from_z), PP2DP2 + fsdp + SIX + [f"checkpoint.load={z_split}/checkpoints/step_0000003"]),
     ]
-    per_rank = run_distributed(_train_worker, 4, tmp_path, args=(runs,), timeout=400)
+    per_rank = run_distributed(train_worker, 4, tmp_path, args=(runs,), timeout=400)
     weights = [full_weights([r[i] for r in per_rank]) for i in range(len(runs))]
 
     assert losses(f_split) == losses(f_straight), "FSDP resume at the same layout is not bit-for-bit"
@@ -132,7 +132,7 @@ def test_fsdp_resume_and_interchange_with_zero1(tmp_path):
         assert _steps(run) == [4, 5, 6]
         for a, b in zip(losses(run), losses(straight)[3:]):
             assert abs(a - b) <= 1e-5 * abs(b), f"{run.name}: loss {a} != {b}"
-        bad = {n: rel(w[n], ref) for n, ref in weights[0].items() if rel(w[n], ref) > 1e-5}
+        bad = {n: rel_norm(w[n], ref) for n, ref in weights[0].items() if rel_norm(w[n], ref) > 1e-5}
         assert not bad, f"{run.name}: resumed weights differ: {bad}"
 
 
@@ -140,11 +140,11 @@ def _rng_worker(rank, world, run_dir):
     """Train one step (saved with the RNG state), reseed, and train again: the second run only loads."""
     one_step = [(run_dir, ["training.train_steps=1", "training.eval_interval=0"])]
     torch.manual_seed(123)
-    _train_worker(rank, world, one_step)
+    train_worker(rank, world, one_step)
     saved = torch.load(Path(run_dir) / "checkpoints" / "step_0000001" / f"rng_rank{rank}.pt")["torch"]
     torch.manual_seed(999)
     before = torch.get_rng_state()
-    _train_worker(rank, world, one_step)
+    train_worker(rank, world, one_step)
     return torch.equal(before, saved), torch.equal(torch.get_rng_state(), saved)
 
 
@@ -164,7 +164,7 @@ def _batch_size_worker(rank, world, run_dir):
         return real(self, consumed)
 
     TrainingData.train_batches = spy
-    _train_worker(rank, world, [(run_dir, [f"training.global_batch_size={gbs}", f"training.train_steps={steps}",
+    train_worker(rank, world, [(run_dir, [f"training.global_batch_size={gbs}", f"training.train_steps={steps}",
                                            "training.eval_interval=0"]) for gbs, steps in ((4, 2), (8, 3))])
     return seen
 
@@ -174,7 +174,7 @@ def test_resume_at_another_global_batch_size_continues_the_sample_stream(tmp_pat
 
 
 def _skip_step_2(rank, world, runs):
-    """_train_worker, with step 2 skipped as a non-finite loss skips it (training.nan_policy=skip)."""
+    """train_worker, with step 2 skipped as a non-finite loss skips it (training.nan_policy=skip)."""
     from megalysses.training import loop
     from megalysses.training.step import StepResult
 
@@ -191,7 +191,7 @@ def _skip_step_2(rank, world, runs):
         return train_step(model, opt, *args, **kwargs)
 
     loop.lr_at, loop.train_step = lr_at_spy, skip
-    return _train_worker(rank, world, runs)
+    return train_worker(rank, world, runs)
 
 
 def test_resume_after_a_skipped_step_is_exact(tmp_path):
@@ -218,13 +218,13 @@ def _die_during_save(rank, world, runs):
         return real(src, dst)
 
     ckpt.os.replace = replace
-    return _train_worker(rank, world, runs)
+    return train_worker(rank, world, runs)
 
 
 def test_killed_save_keeps_previous_checkpoint(tmp_path):
     run = tmp_path / "run"
     common = ["training.train_steps=4", "checkpoint.save_interval=2", "parallel.timeout_seconds=15"]
-    run_distributed(_train_worker, 2, tmp_path, args=([(str(run), common + ["training.exit_at_step=2"])],))
+    run_distributed(train_worker, 2, tmp_path, args=([(str(run), common + ["training.exit_at_step=2"])],))
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_0000002"
 
     with pytest.raises(DistributedTestError):
@@ -234,7 +234,7 @@ def test_killed_save_keeps_previous_checkpoint(tmp_path):
     assert not (ckpts / "step_0000004").exists()
     logged = losses(run)                      # steps 1, 2, then 3, 4 of the run that died
 
-    run_distributed(_train_worker, 2, tmp_path, args=([(str(run), common)],))
+    run_distributed(train_worker, 2, tmp_path, args=([(str(run), common)],))
     assert (ckpts / "latest").read_text().strip() == "step_0000004"
     assert _steps(run)[-2:] == [3, 4]
     assert losses(run)[-2:] == logged[2:4], "the resumed run did not repeat steps 3-4 exactly"

@@ -8,11 +8,10 @@ import time
 from pathlib import Path
 
 import pytest
+from tests import fixtures
 
 ROOT = Path(__file__).resolve().parent.parent
-TINY = ["data.mock=true", "data.seq_len=32", "model.vocab_size=128", "model.hidden_size=32", "model.num_layers=2",
-        "model.num_heads=4", "training.global_batch_size=2", "training.micro_batch_size=1", "logging.log_interval=1",
-        "parallel.timeout_seconds=30"]
+TINY = fixtures.TINY + ["parallel.timeout_seconds=30"]
 
 
 def _env():

@@ -4,7 +4,6 @@ pp, dp) trains like one process, metrics.jsonl and the log show the length, and 
 middle of a stage or across a stage boundary repeats the uninterrupted run's losses bit for bit."""
 import contextlib
 import io
-import json
 
 import torch
 import torch.distributed as dist
@@ -12,7 +11,8 @@ import torch.distributed as dist
 from megalysses.config.io import load_config
 from megalysses.testing import run_distributed
 from megalysses.training import loop
-from test_training_parity import _train_worker, full_weights, losses
+from tests.fixtures import full_weights, losses, metrics
+from tests.parity import train_worker
 
 # steps 1-2 at 2 tokens (16 sequences per sample), 3-4 at 16 (2), 5-6 at 32; validation at 32 on steps 3, 6
 SCHEDULE = ["data.seq_len_schedule=[[0, 2], [2, 16], [4, 32]]", "training.train_steps=6",
@@ -29,7 +29,7 @@ LAYOUTS = {  # name: (overrides, sp, dp, the multiple each sequence is padded to
 
 
 def _recording_worker(rank, world, runs):
-    """_train_worker on each run, also returning the input shapes of every step's micro-batches on this rank
+    """train_worker on each run, also returning the input shapes of every step's micro-batches on this rank
     and what rank 0 printed."""
     out, original = [], loop.train_step
     for run in runs:
@@ -42,15 +42,11 @@ def _recording_worker(rank, world, runs):
         loop.train_step, text = record, io.StringIO()
         try:
             with contextlib.redirect_stdout(text):
-                (result,) = _train_worker(rank, world, [run])
+                (result,) = train_worker(rank, world, [run])
         finally:
             loop.train_step = original
         out.append({**result, "shapes": shapes, "printed": text.getvalue()})
     return out
-
-
-def _rows(run_dir):
-    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def _reference(run_dir):
@@ -67,7 +63,7 @@ def test_schedule_at_every_layout_and_exact_resume(tmp_path):
     ref_losses = losses(tmp_path / "single")
 
     # the lengths change at the scheduled steps; each step has the same micro-batches and tokens
-    rows = [r for r in _rows(tmp_path / "single") if "loss" in r]
+    rows = [r for r in metrics(tmp_path / "single") if "loss" in r]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6] and [r["seq_len"] for r in rows] == LENGTHS
     assert ref["shapes"] == [[(SEQ // n, n)] * GBS for n in LENGTHS]
     printed = ref["printed"].splitlines()
@@ -80,7 +76,7 @@ def test_schedule_at_every_layout_and_exact_resume(tmp_path):
     assert printed.index(stages[1]) == printed.index(next(x for x in printed if x.startswith("step      2/6"))) + 1
     assert [x.split(" | ")[1] for x in printed if x.startswith("step ") and "| seq " in x] == \
         [f"seq {n}" for n in LENGTHS]
-    assert len([r for r in _rows(tmp_path / "single") if "val_loss" in r]) == 2
+    assert len([r for r in metrics(tmp_path / "single") if "val_loss" in r]) == 2
 
     split = tmp_path / "split"
     runs = [(str(tmp_path / name), SCHEDULE + overrides) for name, (overrides, *_) in LAYOUTS.items()]
@@ -92,7 +88,7 @@ def test_schedule_at_every_layout_and_exact_resume(tmp_path):
     per_rank = run_distributed(_recording_worker, 2, tmp_path, args=(runs,), timeout=400)
 
     for i, (name, (_, sp, dp, multiple)) in enumerate(LAYOUTS.items()):
-        assert [r["seq_len"] for r in _rows(tmp_path / name) if "loss" in r] == LENGTHS, name
+        assert [r["seq_len"] for r in metrics(tmp_path / name) if "loss" in r] == LENGTHS, name
         padded = [-(-n // multiple) * multiple for n in LENGTHS]
         for rank in per_rank:
             shapes = rank[i]["shapes"]
@@ -103,8 +99,8 @@ def test_schedule_at_every_layout_and_exact_resume(tmp_path):
             assert abs(a - b) <= 1e-5 * abs(b), f"{name}: step {step} loss {a} != {b}"
 
     # resumed inside a stage and across a stage boundary: the sp2 run's losses and weights, bit for bit
-    assert [r["step"] for r in _rows(split) if "loss" in r] == [1, 2, 3, 4, 5, 6]
-    assert [r["seq_len"] for r in _rows(split) if "loss" in r] == LENGTHS
+    assert [r["step"] for r in metrics(split) if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    assert [r["seq_len"] for r in metrics(split) if "loss" in r] == LENGTHS
     assert losses(split) == losses(tmp_path / "sp2"), "the resumed run is not bit-for-bit"
     sp2 = full_weights([r[0] for r in per_rank])
     weights = [full_weights([r[k] for r in per_rank]) for k in (5, 6, 7)]

@@ -15,11 +15,10 @@ import torch
 from megalysses import comm
 from megalysses.config.io import load_config
 from megalysses.testing import run_distributed
+from tests.fixtures import PARITY, with_model
 
-BASE = ["data.mock=true", "data.seq_len=32", "model.vocab_size=128", "model.hidden_size=64", "model.num_layers=4",
-        "model.num_heads=4", "model.num_kv_heads=2", "model.attention_backend=sdpa", "training.micro_batch_size=1",
-        "training.global_batch_size=4", "logging.log_interval=1", "training.eval_interval=2",
-        "training.eval_steps=1", "parallel.timeout_seconds=60"]
+BASE = with_model(PARITY, num_heads=4) + ["logging.log_interval=1", "training.eval_interval=2",
+                                          "training.eval_steps=1", "parallel.timeout_seconds=60"]
 LAYOUTS = {
     "dp2_save_resume": ["checkpoint.save_interval=2", "training.train_steps=2"],
     "tp2": ["parallel.tp=2", "parallel.tp_sequence_parallel=true", "model.tie_embeddings=true",

@@ -18,6 +18,7 @@ from megalysses.config.io import load_config
 from megalysses.testing import run_distributed
 from megalysses.model.policies import activation_offload, apply_activation_policy
 from megalysses.plan import ActivationPolicy
+from tests.fixtures import metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.gpu,
@@ -29,10 +30,6 @@ TINY = ["data.mock=true", "data.seq_len=256", "model.vocab_size=1000", "model.hi
 
 def _sets(overrides):
     return [a for o in overrides for a in ("--set", o)]
-
-
-def _metrics(run: Path) -> list[dict]:
-    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.timeout(900)   # compiles and several processes
@@ -53,9 +50,9 @@ def test_pretrain_on_one_gpu_with_nccl_kernels_eval_checkpoint_and_resume(tmp_pa
                             text=True, timeout=300)
     assert second.returncode == 0, second.stdout + second.stderr
     assert "resumed from" in second.stdout
-    losses = [r["loss"] for r in _metrics(run) if "loss" in r]
+    losses = [r["loss"] for r in metrics(run) if "loss" in r]
     assert len(losses) == 8 and all(x == x and x < 1e3 for x in losses)
-    assert any("val_loss" in r for r in _metrics(run))
+    assert any("val_loss" in r for r in metrics(run))
 
 
 def _gloo_on_gpu_worker(rank, world, run_dir):
@@ -91,7 +88,7 @@ def _curve(tmp: Path, dtype: str) -> list[float]:
     cfg = load_config(overrides=TINY + ["training.train_steps=50", f"training.dtype={dtype}", "optimizer.lr=1e-3",
                                         f"logging.run_dir={tmp / dtype}"])
     loop.train(cfg, ParallelGrid(world=1, rank=0), torch.device("cuda", 0))
-    return [r["loss"] for r in _metrics(tmp / dtype) if "loss" in r]
+    return [r["loss"] for r in metrics(tmp / dtype) if "loss" in r]
 
 
 def _curves_worker(rank, world, tmp):
@@ -131,7 +128,7 @@ def _flex_curriculum_worker(rank, world, run_dir):
         "data.seq_len_schedule=[[0, 64], [1, 128], [2, 256], [3, 512]]", "training.eval_interval=2",
         "training.eval_steps=1", f"logging.run_dir={run_dir}"])
     loop.train(cfg, ParallelGrid(world=1, rank=0), torch.device("cuda", 0))
-    return [r["seq_len"] for r in _metrics(Path(run_dir)) if "loss" in r]
+    return [r["seq_len"] for r in metrics(Path(run_dir)) if "loss" in r]
 
 
 @pytest.mark.timeout(900)   # compiles and several processes
@@ -352,7 +349,7 @@ def test_gradients_and_weights_off_the_gpu(tmp_path):
         sets = OFF_GPU + extra + [f"logging.run_dir={run}"]
         done = subprocess.run(base + _sets(sets), cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stdout + done.stderr
-        records = [r for r in _metrics(run) if "loss" in r]
+        records = [r for r in metrics(run) if "loss" in r]
         got[name] = ([r["loss"] for r in records], max(r["peak_mem_gib"] for r in records))
     for name, (_, plain) in OFF_GPU_RUNS.items():
         if plain is not None:

@@ -15,11 +15,11 @@ from megalysses.plan.flops import flops_per_token, peak_tflops
 from megalysses.training import metrics
 from megalysses.training.loop import train
 from megalysses.config.checks import check_logging_backends
+from tests.fixtures import MOCK_32, SMALL_MODEL
 
-TINY = ["data.mock=true", "data.seq_len=32", "model.vocab_size=128", "model.hidden_size=32", "model.num_layers=2",
-        "model.num_heads=4", "model.attention_backend=sdpa", "training.global_batch_size=4",
-        "training.micro_batch_size=1", "training.train_steps=4", "logging.log_interval=2",
-        "training.eval_interval=4", "training.eval_steps=1", "parallel.timeout_seconds=60"]
+TINY = MOCK_32 + SMALL_MODEL + ["model.attention_backend=sdpa", "training.global_batch_size=4",
+                                "training.micro_batch_size=1", "training.train_steps=4", "logging.log_interval=2",
+                                "training.eval_interval=4", "training.eval_steps=1", "parallel.timeout_seconds=60"]
 
 
 @pytest.fixture

@@ -23,11 +23,10 @@ from megalysses.testing import run_distributed
 from megalysses.training.runtime import plan_and_grid
 from megalysses.plan import ActivationPolicy
 from tests.test_memory_model import measure_forward, measured_step_peak, small_model
+from tests.fixtures import PARITY
 
-BASE = ["data.mock=true", "data.seq_len=32", "model.vocab_size=128", "model.hidden_size=64", "model.num_layers=4",
-        "model.num_heads=8", "model.num_kv_heads=2", "model.attention_backend=sdpa", "training.micro_batch_size=1",
-        "training.global_batch_size=4", "training.train_steps=2", "training.activation_checkpointing=true",
-        "parallel.grad_bucket_elements=5000", "parallel.timeout_seconds=60", "data.document_mask=true"]
+BASE = PARITY + ["training.train_steps=2", "training.activation_checkpointing=true",
+                 "parallel.grad_bucket_elements=5000", "parallel.timeout_seconds=60", "data.document_mask=true"]
 LAYOUTS = {   # name: overrides on 4 ranks
     "tp2 sp2, TP sequence sharding, tiled MLP and loss": [
         "parallel.tp=2", "parallel.sp=2", "parallel.tp_sequence_parallel=true", "training.mlp_chunk_tokens=4",

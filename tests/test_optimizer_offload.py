@@ -11,12 +11,12 @@ from megalysses.config.io import load_config
 from megalysses.grid import ParallelGrid
 from megalysses.model.policies import activation_offload
 from megalysses.testing import run_distributed
+from tests.fixtures import MOCK_32, PARITY_MODEL, with_model
 
-BASE = ["data.mock=true", "data.seq_len=32", "model.vocab_size=128", "model.hidden_size=64", "model.num_layers=2",
-        "model.num_heads=8", "model.num_kv_heads=2", "model.attention_backend=sdpa", "training.micro_batch_size=1",
-        "optimizer.lr=1e-2", "optimizer.warmup_steps=1", "optimizer.grad_clip=0.1",
-        "parallel.grad_bucket_elements=5000", "parallel.timeout_seconds=60", "training.train_steps=3",
-        "logging.log_interval=1"]
+BASE = with_model(MOCK_32 + PARITY_MODEL, num_layers=2) + [
+    "training.micro_batch_size=1", "optimizer.lr=1e-2", "optimizer.warmup_steps=1", "optimizer.grad_clip=0.1",
+    "parallel.grad_bucket_elements=5000", "parallel.timeout_seconds=60", "training.train_steps=3",
+    "logging.log_interval=1"]
 RUNS = {   # name: overrides (world from the caller)
     "fp32, dp": ["training.global_batch_size=2"],
     "bf16, one micro-batch": ["training.global_batch_size=2", "training.dtype=bfloat16"],

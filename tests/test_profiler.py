@@ -8,10 +8,9 @@ import torch
 from megalysses.config import ProfileConfig
 from megalysses.testing import run_distributed
 from megalysses.training.profiler import PROFILE_ALLOWANCE, StepProfiler
+from tests import fixtures
 
-TINY = ["data.mock=true", "data.seq_len=32", "model.vocab_size=128", "model.hidden_size=32", "model.num_layers=2",
-        "model.num_heads=4", "training.global_batch_size=2", "training.micro_batch_size=1", "logging.log_interval=1",
-        "parallel.timeout_seconds=60"]
+TINY = fixtures.TINY + ["parallel.timeout_seconds=60"]
 
 
 class Allowances:

@@ -4,10 +4,11 @@ torch: the layouts' parity shares our loop, optimizer and schedule with that run
 import torch
 
 from megalysses.config.io import load_config
-from test_training_parity import BASE, rel, run_layouts
+from tests.fixtures import TRAIN_PARITY
+from tests.parity import Run, check_run, run_layouts
 
 # Adam moves an element by ~lr * g / (|g| + eps): with eps near |g| it sees the gradients' scale, so a
-# clip coefficient that is wrong shows in the weights. BASE's clip of 0.5 binds at every step (the
+# clip coefficient that is wrong shows in the weights. TRAIN_PARITY's clip of 0.5 binds at every step (the
 # gradient norms are ~1.5); 10 never does.
 BINDING = ["optimizer.eps=1e-4"]
 NOT_BINDING = ["optimizer.eps=1e-4", "optimizer.grad_clip=10"]
@@ -24,7 +25,7 @@ def plain_torch(overrides: list[str], steps: int = 3) -> tuple[dict, list[float]
     from megalysses.training.runtime import plan_and_grid
     from megalysses.training.schedule import lr_at
 
-    cfg = load_config(overrides=BASE + overrides)
+    cfg = load_config(overrides=TRAIN_PARITY + overrides)
     o = cfg.optimizer
     model = GPTStage(cfg.model)
     init_weights(model, cfg.training.seed)
@@ -49,15 +50,10 @@ def plain_torch(overrides: list[str], steps: int = 3) -> tuple[dict, list[float]
     return {n: p.detach().clone() for n, p in model.named_parameters()}, norms
 
 
-def check(got, want, name):
-    _, weights, norms, _ = got
-    want_weights, want_norms = want
-    assert len(norms) == len(want_norms) == 3
-    for step, (a, b) in enumerate(zip(norms, want_norms), 1):
-        assert abs(a - b) <= 1e-5 * b, f"{name}: step {step} gradient norm {a} != plain torch's {b}"
-    assert set(weights) == set(want_weights)
-    bad = {n: rel(weights[n], w) for n, w in want_weights.items() if rel(weights[n], w) > 1e-5}
-    assert not bad, f"{name}: final weights differ from plain torch's: {bad}"
+def check(got: Run, want: tuple[dict, list[float]], name: str) -> None:
+    """The run's 3 gradient norms and final weights are plain torch's (within 1e-5)."""
+    weights, norms = want
+    check_run(Run([], weights, norms, []), got, f"{name} against plain torch", quantities=("grad_norms", "weights"))
 
 
 def test_single_process_run_is_plain_torch(tmp_path):

@@ -25,7 +25,8 @@ from megalysses.testing import run_distributed
 from megalysses.training.runtime import resolve_run, startup_line, write_runtime
 from tests import ring_oracle
 from tests.ring_oracle import blockwise_attention
-from test_model_parity import GQA_2_PER_RANK, MQA, ONE_HEAD, QWEN, THREE_HEADS, _parity_worker, case, check_parity
+from tests.parity import (GQA_2_PER_RANK, MQA, ONE_HEAD, QWEN, THREE_HEADS, case, check_model_parity, check_run, logged,
+                          model_parity_worker)
 
 ROOT = Path(__file__).resolve().parent.parent
 spec = importlib.util.spec_from_file_location("bench_ulysses_comm", ROOT / "benchmarks" / "bench_ulysses_comm.py")
@@ -277,7 +278,7 @@ def _ring_worker(rank, world, shape, parity_cases):
     # bytes sent by one attention layer at each split of sp, counted on gloo
     out["bytes"] = {ring: bench.count_layer(rank, world, shape, ring) for _, ring in bench.factorisations(shape, world)}
     # the whole model at sp up to 8 (test_model_parity's matrix), in the same group of ranks
-    out["parity"] = _parity_worker(rank, world, parity_cases)
+    out["parity"] = model_parity_worker(rank, world, parity_cases)
     return out
 
 
@@ -298,14 +299,10 @@ def test_ring_on_8_ranks(tmp_path):
         for out in results:
             got = out["bytes"][r]
             assert all(got[key] == want[key] for key in bench.KEYS), (u, r, got, want)
-    check_parity([out["parity"] for out in results], PARITY_ON_8)
+    check_model_parity([out["parity"] for out in results], PARITY_ON_8)
 
 
 # ----------------------------------------------------------------------------- through torchrun
-
-def _metrics(run: Path) -> list[dict]:
-    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-
 
 def test_torchrun_ulysses_times_ring_equals_one_process(tmp_path):
     """The issue's example, 2 query heads and 1 KV head at sp=4 with 250 tokens (ulysses 2 x ring 2, padded
@@ -324,12 +321,10 @@ def test_torchrun_ulysses_times_ring_equals_one_process(tmp_path):
         cmd = [sys.executable, *launch, str(ROOT / "pretrain.py"), *args]
         r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stdout + r.stderr
-        runs[name] = (r.stdout, _metrics(run))
-    assert "sp = ulysses 2 x ring 2, seq_len 250 padded to 252" in runs["sp4"][0]
-    one, sp4 = runs["one"][1], runs["sp4"][1]
-    for key in ("loss", "grad_norm", "val_loss"):
-        a, b = [row[key] for row in one if key in row], [row[key] for row in sp4 if key in row]
-        assert len(a) == len(b) > 0 and all(abs(x - y) <= 1e-5 * abs(x) for x, y in zip(a, b)), (key, a, b)
+        runs[name] = r.stdout
+    assert "sp = ulysses 2 x ring 2, seq_len 250 padded to 252" in runs["sp4"]
+    check_run(logged(tmp_path / "one"), logged(tmp_path / "sp4"), "sp4", steps=2, evals=1,
+              quantities=("losses", "grad_norms", "val_losses"))
     gen = subprocess.run([sys.executable, str(ROOT / "tools" / "generate.py"), "--run", str(tmp_path / "sp4"),
                           "--prompt", "ab", "--max-new-tokens", "3", "--temperature", "0"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=120)
