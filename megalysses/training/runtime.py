@@ -2,6 +2,7 @@
 beside config.yaml (the plan, the layout and the software the choices were made with).
 
     run = resolve_run(cfg, device, grid)            # megalysses.plan.resolve on this machine; ConfigError
+    run, grid = plan_and_grid(cfg, device)          # the plan over the process group's world, and its grid
     model_cfg = model_config(cfg, run)              # cfg.model with the concrete attention and kernels
     print0(startup_line(cfg, grid, run))
 """
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from megalysses.config import Config, ConfigError, ModelConfig
 from megalysses.grid import ParallelGrid
@@ -33,6 +35,15 @@ def resolve_run(cfg: Config, device: torch.device, grid: Optional[ParallelGrid] 
                           f"{grid.ring_size} but the config resolves to ulysses {run.ulysses} x ring {run.ring}: "
                           f"build it with ParallelGrid.for_plan(run)")
     return run
+
+
+def plan_and_grid(cfg: Config, device: torch.device) -> tuple[RunPlan, ParallelGrid]:
+    """The plan of a run of `cfg` on this machine over the process group's world (without one, a world of one), and
+    the grid it lays out: the two as a run builds them (tools/pretrain.py)."""
+    if not dist.is_initialized():
+        return resolve(cfg, Machine.current(device), 1), ParallelGrid.single()
+    run = resolve(cfg, Machine.current(device), dist.get_world_size())
+    return run, ParallelGrid.for_plan(run, cfg.parallel.timeout_seconds)
 
 
 def check_built(model: torch.nn.Module, grid: ParallelGrid, run: RunPlan) -> None:
