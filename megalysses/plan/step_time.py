@@ -122,12 +122,23 @@ class StepTime:
                 "pipeline bubble": self.bubble, "optimizer": self.optimizer}
 
 
-def step_time(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, work: Workload, hw: Hardware,
-              overlap: Overlap = Overlap(), retained: float = 0.0) -> StepTime:
-    """Predicted seconds per optimizer step on the busiest rank. `retained`: activation bytes per step
-    that activation offload copies out and back."""
-    t, P, v, M = layout.tp, layout.sp, layout.virtual_stages, work.micro_batches
-    u, ring = layout.ulysses, layout.ring
+@dataclass
+class _Compute:
+    """A step's arithmetic on the busiest rank, and what the collectives' counts need of it."""
+
+    tokens: float           # per micro-batch per rank
+    layers: int             # on the stage
+    q: float                # query (and output) width per rank
+    kv: float               # K/V width per rank after replication to the Ulysses degree
+    recomputes: int         # forwards recomputed in the backward
+    forwards: int           # of attention, per layer
+    mm: float               # matmul FLOPs per step
+    attn: float             # attention FLOPs per step
+    seconds: float          # both at the hardware's efficiencies
+
+
+def _compute(m: ModelConfig, layout: Layout, opts: Options, work: Workload, hw: Hardware) -> _Compute:
+    t, P, M = layout.tp, layout.sp, work.micro_batches
     tokens = work.micro_batch_size * work.seq_len / P                 # per micro-batch per rank
     L = stage_layers(m, layout)
     dense = layer_params(m, t) - 2 * m.hidden_size - head_norm_params(m)
@@ -135,7 +146,7 @@ def step_time(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, wo
     # with head chunks each chunk replicates its own KV heads to the Ulysses degree when it has fewer
     N = opts.head_chunks
     hk = m.kv_heads // t // N
-    q, kv = m.num_heads * m.head_size / t, N * hk * kv_replication(hk, u) * m.head_size
+    q, kv = m.num_heads * m.head_size / t, N * hk * kv_replication(hk, layout.ulysses) * m.head_size
     fwd_mm = L * 2 * dense * tokens
     # causal: 4 S q FLOPs per key a query attends, S/2 of them on average (flops.attended_keys); a sliding window
     # spares work where the kernel skips masked blocks (flash-attn, FlexAttention), not with dense masks
@@ -154,14 +165,19 @@ def step_time(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, wo
     # kept; head chunks recompute attention once more (per chunk, in the backward)
     forwards = 1 + (0 if opts.keep_attention else recomputes) + (N > 1)     # of attention, per layer
     attn = M * fwd_attn * (forwards + 2)
-    compute = (mm / (hw.peak_tflops * 1e12 * hw.matmul_efficiency)
+    seconds = (mm / (hw.peak_tflops * 1e12 * hw.matmul_efficiency)
                + attn / (hw.peak_tflops * 1e12 * hw.attention_efficiency))
-    passes = 2 + recomputes                                              # forward, backward (+ recomputes)
-    attn_passes = passes + (N > 1)     # head chunks: the all-to-alls and the ring's hops once more, per chunk
-    a = prec.act
-    span_tp, span_sp, span_grad = t, t * P, t * P * layout.dp
-    nbytes: dict[str, float] = {"all_to_all": 0.0, "all_reduce": 0.0, "p2p": 0.0, "ring_p2p": 0.0, "host": 0.0}
-    exposed: dict[str, float] = {}
+    return _Compute(tokens, L, q, kv, recomputes, forwards, mm, attn, seconds)
+
+
+def _model_parallel_comm(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, work: Workload,
+                         hw: Hardware, overlap: Overlap, c: _Compute, nbytes: dict, exposed: dict) -> None:
+    """The Ulysses all-to-alls, the ring's hops and merges, the tensor-parallel collectives and the pipeline's
+    p2p: their bytes into `nbytes`, their seconds not hidden under compute into `exposed`."""
+    t, P, M, u, ring = layout.tp, layout.sp, work.micro_batches, layout.ulysses, layout.ring
+    tokens, L, q, kv, a = c.tokens, c.layers, c.q, c.kv, prec.act
+    passes = 2 + c.recomputes                                            # forward, backward (+ recomputes)
+    attn_passes = passes + (opts.head_chunks > 1)  # head chunks: the all-to-alls and the ring's hops once more
     if u > 1:
         a2a = (u - 1) / u * tokens * (2 * q + 2 * kv) * a * L * attn_passes * M
         nbytes["all_to_all"] = a2a
@@ -172,12 +188,12 @@ def step_time(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, wo
         # the block's attention, so only what the attention does not cover shows
         block = tokens * 2 * kv                                            # elements of one K/V block
         nbytes["ring_p2p"] = ((ring - 1) * attn_passes * block * a + ring * block * 4) * L * M
-        attention = attn / (hw.peak_tflops * 1e12 * hw.attention_efficiency)
-        exposed["ring p2p"] = max(0.0, nbytes["ring_p2p"] / hw.link(span_sp) - attention)
+        attention = c.attn / (hw.peak_tflops * 1e12 * hw.attention_efficiency)
+        exposed["ring p2p"] = max(0.0, nbytes["ring_p2p"] / hw.link(t * P) - attention)
         # what one fused kernel over the whole sequence does not do: at each of the r steps the block's output is
         # merged into the fp32 output and LSE (every forward), and the backward adds the block's dq and dK/dV into
         # fp32 accumulators (parallel/ring.py); each a memory-bound pass of about (a + 8) bytes an element
-        merges = ring * L * M * tokens * (q * forwards + q + 2 * kv) * (a + 8)
+        merges = ring * L * M * tokens * (q * c.forwards + q + 2 * kv) * (a + 8)
         exposed["ring merges (fp32, device memory)"] = merges / (hw.hbm_gbs * 1e9)
     if t > 1:
         per = (t - 1) / t * tokens * m.hidden_size * a
@@ -186,33 +202,47 @@ def step_time(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, wo
         else:
             tp = 2 * per * 2 * L * passes * M                              # 2 all-reduces, ring 2(t-1)/t
         nbytes["all_reduce"] += tp
-        exposed["tensor-parallel collectives"] = 0.0 if overlap.tp else tp / hw.link(span_tp)
+        exposed["tensor-parallel collectives"] = 0.0 if overlap.tp else tp / hw.link(t)
     if layout.pp > 1:
         r = t if opts.tp_sequence_parallel else 1
-        p2p = 2 * tokens / r * m.hidden_size * 4 * M * v
+        p2p = 2 * tokens / r * m.hidden_size * 4 * M * layout.virtual_stages
         nbytes["p2p"] = p2p
         exposed["pipeline p2p"] = 0.0 if overlap.p2p else p2p / hw.link(layout.world)
-    n = max(sum(stage_params(m, layout, s == 0, s == layout.pp - 1)) for s in (0, layout.pp - 1))
-    G = layout.dp * P
-    per_mb = compute / M
-    if G > 1:
-        share = (G - 1) / G * n
-        if opts.fsdp:
-            fsdp = M * share * (2 * a + 4)                                # gathers forward + backward, fp32 reduce
-            nbytes["all_reduce"] += fsdp
-            exposed["FSDP gathers and reduce-scatters"] = max(0.0, fsdp / hw.link(span_grad) - compute)
-        elif opts.optimizer_offload:     # every micro-batch's buckets reduced during its own backward
-            reduce, gather = share * 4, share * prec.weight
-            nbytes["all_reduce"] += M * reduce + gather
-            rs = reduce / hw.link(span_grad)
-            exposed["gradient reduce-scatter"] = M * max(0.0, rs - 2 / 3 * per_mb)
-            exposed["parameter all-gather"] = 0.0 if overlap.param_gather else gather / hw.link(span_grad)
-        else:
-            reduce, gather = share * 4, share * prec.weight
-            nbytes["all_reduce"] += reduce + gather
-            rs = reduce / hw.link(span_grad)
-            exposed["gradient reduce-scatter"] = max(0.0, rs - 2 / 3 * per_mb) if overlap.grad_reduce else rs
-            exposed["parameter all-gather"] = 0.0 if overlap.param_gather else gather / hw.link(span_grad)
+
+
+def _data_parallel_comm(layout: Layout, opts: Options, prec: Precision, M: int, n: float, hw: Hardware,
+                        overlap: Overlap, compute: float, nbytes: dict, exposed: dict) -> None:
+    """FSDP's gathers and reduce-scatters, or ZeRO-1's gradient reduce-scatter and parameter all-gather, over the
+    dp x sp ranks that hold the same weights: bytes into `nbytes`, what compute does not hide into `exposed`."""
+    G = layout.dp * layout.sp
+    if G <= 1:
+        return
+    span_grad, a, per_mb = layout.tp * layout.sp * layout.dp, prec.act, compute / M
+    share = (G - 1) / G * n
+    if opts.fsdp:
+        fsdp = M * share * (2 * a + 4)                                # gathers forward + backward, fp32 reduce
+        nbytes["all_reduce"] += fsdp
+        exposed["FSDP gathers and reduce-scatters"] = max(0.0, fsdp / hw.link(span_grad) - compute)
+    elif opts.optimizer_offload:     # every micro-batch's buckets reduced during its own backward
+        reduce, gather = share * 4, share * prec.weight
+        nbytes["all_reduce"] += M * reduce + gather
+        rs = reduce / hw.link(span_grad)
+        exposed["gradient reduce-scatter"] = M * max(0.0, rs - 2 / 3 * per_mb)
+        exposed["parameter all-gather"] = 0.0 if overlap.param_gather else gather / hw.link(span_grad)
+    else:
+        reduce, gather = share * 4, share * prec.weight
+        nbytes["all_reduce"] += reduce + gather
+        rs = reduce / hw.link(span_grad)
+        exposed["gradient reduce-scatter"] = max(0.0, rs - 2 / 3 * per_mb) if overlap.grad_reduce else rs
+        exposed["parameter all-gather"] = 0.0 if overlap.param_gather else gather / hw.link(span_grad)
+
+
+def _host_and_optimizer(layout: Layout, opts: Options, prec: Precision, M: int, n: float, hw: Hardware,
+                        compute: float, retained: float, nbytes: dict, exposed: dict) -> float:
+    """The host copies of the offloads (bytes into `nbytes`, what compute does not hide into `exposed`), and
+    the optimizer step's seconds: on the device, or on the host's cores with the optimizer or the parameters
+    offloaded."""
+    G = layout.dp * layout.sp
     copies = 0.0                     # host <-> device bytes per step beyond the optimizer's own
     if opts.activation_offload:
         copies += 2 * retained
@@ -223,16 +253,29 @@ def step_time(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, wo
     if copies:
         nbytes["host"] = copies
         exposed["host copies (offload)"] = max(0.0, copies / (hw.host_gbs * 1e9) - compute)
-    comm_mb = sum(exposed.get(k, 0.0) for k in ("Ulysses all-to-all", "ring p2p", "tensor-parallel collectives",
-                                                 "pipeline p2p")) / M
-    bubble = (layout.pp - 1) / v * (per_mb + comm_mb)
     if opts.optimizer_offload and not opts.fsdp:   # weights back up, the update on the host's cores
         moved = n * prec.weight / G
         nbytes["host"] += moved
-        optimizer = moved / (hw.host_gbs * 1e9) + n / G / (hw.host_adam_gparams * 1e9)
-    elif opts.param_offload and opts.fsdp:          # the update on the host's cores, in place
-        optimizer = n / G / (hw.host_adam_gparams * 1e9)
-    else:
-        optimizer = n / G * (prec.master + prec.moments + 4) * 3 / (hw.hbm_gbs * 1e9)
-    return StepTime(compute=compute, exposed=exposed, bubble=bubble, optimizer=optimizer, bytes=nbytes,
-                    flops={"matmul": mm, "attention": attn})
+        return moved / (hw.host_gbs * 1e9) + n / G / (hw.host_adam_gparams * 1e9)
+    if opts.param_offload and opts.fsdp:          # the update on the host's cores, in place
+        return n / G / (hw.host_adam_gparams * 1e9)
+    return n / G * (prec.master + prec.moments + 4) * 3 / (hw.hbm_gbs * 1e9)
+
+
+def step_time(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, work: Workload, hw: Hardware,
+              overlap: Overlap = Overlap(), retained: float = 0.0) -> StepTime:
+    """Predicted seconds per optimizer step on the busiest rank. `retained`: activation bytes per step
+    that activation offload copies out and back."""
+    M = work.micro_batches
+    c = _compute(m, layout, opts, work, hw)
+    nbytes: dict[str, float] = {"all_to_all": 0.0, "all_reduce": 0.0, "p2p": 0.0, "ring_p2p": 0.0, "host": 0.0}
+    exposed: dict[str, float] = {}
+    _model_parallel_comm(m, layout, opts, prec, work, hw, overlap, c, nbytes, exposed)
+    n = max(sum(stage_params(m, layout, s == 0, s == layout.pp - 1)) for s in (0, layout.pp - 1))
+    _data_parallel_comm(layout, opts, prec, M, n, hw, overlap, c.seconds, nbytes, exposed)
+    optimizer = _host_and_optimizer(layout, opts, prec, M, n, hw, c.seconds, retained, nbytes, exposed)
+    comm_mb = sum(exposed.get(k, 0.0) for k in ("Ulysses all-to-all", "ring p2p", "tensor-parallel collectives",
+                                                 "pipeline p2p")) / M
+    bubble = (layout.pp - 1) / layout.virtual_stages * (c.seconds / M + comm_mb)
+    return StepTime(compute=c.seconds, exposed=exposed, bubble=bubble, optimizer=optimizer, bytes=nbytes,
+                    flops={"matmul": c.mm, "attention": c.attn})
