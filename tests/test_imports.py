@@ -1,7 +1,7 @@
 """The packages only look up the README's map: the "Layout of the code" list is read here, and every import of
 every module under megalysses/ (imports inside functions included) points at its own line or a line above it;
 every module is on the map, a line names one package or at most three modules, and no two modules import each
-other, directly or round a longer circle."""
+other, directly or round a longer circle. And no function under megalysses/ is over 80 lines."""
 import ast
 import re
 from pathlib import Path
@@ -104,3 +104,11 @@ def test_no_import_circles():
         if m not in state:
             visit(m, [m])
     assert not circles, circles
+
+
+def test_no_function_over_80_lines():
+    """Functions stay short: none in megalysses/ over 80 lines (split by phase or by cost term)."""
+    long = [f"{path.relative_to(REPO)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+            for path in sorted(ROOT.rglob("*.py")) for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 80]
+    assert not long, long

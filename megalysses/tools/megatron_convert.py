@@ -240,6 +240,14 @@ def _data(c: _Converter) -> None:
 
 
 def _batch_and_schedule(c: _Converter) -> None:
+    gbs, steps, by_samples = _batch_and_steps(c)
+    _lr_schedule(c, gbs, steps, by_samples)
+    _adamw(c)
+
+
+def _batch_and_steps(c: _Converter) -> tuple[int, int, bool]:
+    """The batch (micro, global, a ramp or a step schedule) and the training length in steps; returns (the final
+    global batch, the steps, whether Megatron-LM counted in samples)."""
     from megalysses.tools.megatron_files import rampup_train_iters, step_schedule
 
     mbs = c.need("--micro-batch-size")
@@ -275,7 +283,11 @@ def _batch_and_schedule(c: _Converter) -> None:
     else:
         steps = c.get("--train-iters")
         c.set("--train-iters", training__train_steps=steps)
+    return gbs, steps, by_samples
 
+
+def _lr_schedule(c: _Converter, gbs: int, steps: int, by_samples: bool) -> None:
+    """The learning-rate schedule's lengths in steps of the final global batch: decay, warm-up, WSD's decay."""
     mode = "--train-samples" if by_samples else "--train-iters"
     for iters_flag, samples_flag in (("--lr-decay-iters", "--lr-decay-samples"),
                                      ("--lr-warmup-iters", "--lr-warmup-samples"),
@@ -317,6 +329,10 @@ def _batch_and_schedule(c: _Converter) -> None:
         c.set("--lr-wsd-decay-iters --lr-wsd-decay-samples", optimizer__wsd_decay_steps=_whole(
             c, wsd, "--lr-wsd-decay-samples" if by_samples else "--lr-wsd-decay-iters", "optimizer.wsd_decay_steps"))
         c.set("--lr-wsd-decay-style", optimizer__wsd_decay_style=c.get("--lr-wsd-decay-style"))
+
+
+def _adamw(c: _Converter) -> None:
+    """The learning rates, gradient clipping, weight decay and Adam's settings."""
     c.set("--lr", optimizer__lr=c.need("--lr"))
     c.set("--min-lr", optimizer__min_lr=c.get("--min-lr"))
     c.set("--clip-grad", optimizer__grad_clip=c.get("--clip-grad"))

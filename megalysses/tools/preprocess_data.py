@@ -49,6 +49,7 @@ import shlex
 import signal
 import sys
 import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
@@ -426,48 +427,20 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     parts_of = {(k, q): f"{temp[k]}.part{q}" for k in finals for q in range(parts)}
     builders = {kq: IndexedDatasetBuilder(bin_path(prefix), np.uint8 if kq[0] == "loss_mask" else dtype)
                 for kq, prefix in parts_of.items()}
-    docs = nbytes = empty = loss_tokens = spelled = 0
-    tokens = dict.fromkeys(args.json_keys, 0)
-    skipped: collections.Counter = collections.Counter()
-    examples: list[str] = []
-    empty_example, spelled_example, seen_keys = None, None, set()
+    tally = _Tally(dict.fromkeys(args.json_keys, 0))
     progress = Progress(reader.total)
     next_log = args.log_interval
     init_args = (tok_args, args.json_keys, reader.folder, args.workers > 1)
     try:
         for result in _ordered_results(reader, args.workers, init_args):
-            part = (result["ordinals"] // block if block else result["ordinals"] % parts) if parts > 1 else None
-            for key in finals:
-                toks, lengths, per_doc = result[key]
-                if key in tokens:
-                    tokens[key] += len(toks)
-                if part is None:
-                    builders[key, 0].add_documents(toks, lengths, per_doc)
-                    continue
-                for q in range(parts):
-                    mine = part == q
-                    seq_mine = np.repeat(mine, per_doc)
-                    builders[key, q].add_documents(toks[np.repeat(seq_mine, lengths)], lengths[seq_mine],
-                                                   per_doc[mine])
-            docs += len(result["ordinals"])
-            nbytes += result["bytes"]
-            empty += result["empty"]
-            empty_example = empty_example or result["empty_example"]
-            spelled += result.get("spelled", 0)
-            spelled_example = spelled_example or result.get("spelled_example")
-            skipped.update(result["skipped"])
-            loss_tokens += result.get("loss_tokens", 0)
-            if args.chat:     # a bad record is named as it is met (the first SHOWN of them)
-                for line in result["examples"][:max(0, preprocess_chat.SHOWN - len(examples))]:
-                    print(f"skipped {line}", file=sys.stderr)
-            seen_keys.update(result["seen_keys"])
-            examples += result["examples"][:(preprocess_chat.SHOWN if args.chat else 5) - len(examples)]
-            if docs >= next_log:
-                progress.report(docs, nbytes, result["position"], sum(tokens.values()))
-                next_log = docs + args.log_interval
-        for key, count in tokens.items():
+            _write(result, builders, finals, tally.tokens, parts, block)
+            tally.add(result, args.chat)
+            if tally.docs >= next_log:
+                progress.report(tally.docs, tally.nbytes, result["position"], sum(tally.tokens.values()))
+                next_log = tally.docs + args.log_interval
+        for key, count in tally.tokens.items():
             if count == 0:
-                raise InputError(_empty_message(args, key, docs, skipped, examples, seen_keys))
+                raise InputError(_empty_message(args, key, tally.docs, tally.skipped, tally.examples, tally.seen_keys))
         for kq, builder in builders.items():
             builder.finalize(idx_path(parts_of[kq]))
         for key, final in finals.items():
@@ -485,12 +458,62 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         for prefix in temp.values():
             for leftover in glob.glob(glob.escape(prefix) + "*"):
                 os.remove(leftover)
-    progress.report(docs, nbytes, reader.position.done, sum(tokens.values()), final=True)
-    summary = {"documents": docs, "tokens": sum(tokens.values()), "bytes": nbytes, "skipped": dict(skipped),
-               "empty": empty, "loss_tokens": loss_tokens, "special_spelled": spelled, "seconds": progress.elapsed,
-               "outputs": list(finals.values())}
-    _report(args, tokenizer, finals, summary, examples, empty_example, spelled_example)
+    progress.report(tally.docs, tally.nbytes, reader.position.done, sum(tally.tokens.values()), final=True)
+    summary = {"documents": tally.docs, "tokens": sum(tally.tokens.values()), "bytes": tally.nbytes,
+               "skipped": dict(tally.skipped), "empty": tally.empty, "loss_tokens": tally.loss_tokens,
+               "special_spelled": tally.spelled, "seconds": progress.elapsed, "outputs": list(finals.values())}
+    _report(args, tokenizer, finals, summary, tally.examples, tally.empty_example, tally.spelled_example)
     return summary
+
+
+def _write(result: dict[str, Any], builders: dict, finals: dict[str, str], tokens: dict[str, int], parts: int,
+           block: Optional[int]) -> None:
+    """A batch of results into the builders: every document into its partition's (the one of its ordinal, or
+    of its block of consecutive documents with --keep-sequential-samples), counting each text key's tokens."""
+    part = (result["ordinals"] // block if block else result["ordinals"] % parts) if parts > 1 else None
+    for key in finals:
+        toks, lengths, per_doc = result[key]
+        if key in tokens:
+            tokens[key] += len(toks)
+        if part is None:
+            builders[key, 0].add_documents(toks, lengths, per_doc)
+            continue
+        for q in range(parts):
+            mine = part == q
+            seq_mine = np.repeat(mine, per_doc)
+            builders[key, q].add_documents(toks[np.repeat(seq_mine, lengths)], lengths[seq_mine], per_doc[mine])
+
+
+@dataclass
+class _Tally:
+    """What the run has met so far: tokens per key, documents, bytes, skipped and empty records, examples."""
+
+    tokens: dict[str, int]
+    docs: int = 0
+    nbytes: int = 0
+    empty: int = 0
+    loss_tokens: int = 0
+    spelled: int = 0
+    skipped: collections.Counter = field(default_factory=collections.Counter)
+    examples: list[str] = field(default_factory=list)
+    empty_example: Optional[str] = None
+    spelled_example: Optional[str] = None
+    seen_keys: set = field(default_factory=set)
+
+    def add(self, result: dict[str, Any], chat: bool) -> None:
+        self.docs += len(result["ordinals"])
+        self.nbytes += result["bytes"]
+        self.empty += result["empty"]
+        self.empty_example = self.empty_example or result["empty_example"]
+        self.spelled += result.get("spelled", 0)
+        self.spelled_example = self.spelled_example or result.get("spelled_example")
+        self.skipped.update(result["skipped"])
+        self.loss_tokens += result.get("loss_tokens", 0)
+        if chat:     # a bad record is named as it is met (the first SHOWN of them)
+            for line in result["examples"][:max(0, preprocess_chat.SHOWN - len(self.examples))]:
+                print(f"skipped {line}", file=sys.stderr)
+        self.seen_keys.update(result["seen_keys"])
+        self.examples += result["examples"][:(preprocess_chat.SHOWN if chat else 5) - len(self.examples)]
 
 
 def _report(args: argparse.Namespace, tokenizer: Any, finals: dict[str, str], summary: dict[str, Any],
