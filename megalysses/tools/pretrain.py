@@ -174,7 +174,8 @@ def _plan(cfg: Config, rank0: bool) -> RunPlan:
     """The run's plan, before any process group: the config checked at torchrun's world size and every decision
     made on this process's machine (the collective backend the group starts with among them); ConfigError
     names what cannot run, here or at that size. The config's warnings are printed first, from rank 0."""
-    world = int(os.environ.get("WORLD_SIZE", 1))
+    # torchrun's world, or that of a process group already started (a test harness, a notebook)
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
     if rank0:
         for note in config_warnings(cfg):
             print(f"warning: {note}", flush=True)
