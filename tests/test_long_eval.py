@@ -175,8 +175,8 @@ def _greedy_answers(cfg, samples: dict) -> dict:
 
 
 def _pipeline(rank, world, tmp):
-    """One process: the passkey corpus through preprocessing, two training steps with long_eval, the answers
-    made greedy (or not), and tools/eval_long.py on the run."""
+    """One process: the passkey corpus (its answers alone trained) through preprocessing, two training steps with
+    long_eval, the answers made greedy (or not), and tools/eval_long.py on the run."""
     from megalysses.data.tokenizer import tokenizer_from_config
     from megalysses.evaluation.haystack import DocumentStream
     from megalysses.grid import ParallelGrid
@@ -185,10 +185,11 @@ def _pipeline(rank, world, tmp):
     from megalysses.training.loop import train
 
     with open(f"{tmp}/pk.jsonl", "w") as f:
-        for doc in passkey_documents([textwrap.__doc__, json.__doc__], LENGTH, 8, seed=0):
-            f.write(json.dumps({"text": doc}) + "\n")
-    preprocess_data.main(["--input", f"{tmp}/pk.jsonl", "--output-prefix", f"{tmp}/pk", "--json-keys", "text",
-                          "--append-eod", "--workers", "1", "--tokenizer-type", "byte", "--log-interval", "0"])
+        for record in passkey_records(passkey_documents([textwrap.__doc__, json.__doc__], LENGTH, 8, seed=0),
+                                      "answer"):
+            f.write(json.dumps(record) + "\n")
+    preprocess_data.main(["--input", f"{tmp}/pk.jsonl", "--output-prefix", f"{tmp}/pk", "--chat", "--workers", "1",
+                          "--tokenizer-type", "byte", "--log-interval", "0"])
     cfg = load_config(None, RUN + [f"data.paths=[{tmp}/pk_text_document]", f"logging.run_dir={tmp}/run"])
     grid = ParallelGrid.for_config(cfg)
     train(cfg, grid, torch.device("cpu"))
