@@ -15,7 +15,7 @@ import torch
 from megalysses.config import ConfigError
 from megalysses.config.io import load_config
 from megalysses.data.tokenizer import ByteTokenizer
-from megalysses.evaluation.corpus import passkey_documents, plain_text
+from megalysses.evaluation.corpus import passkey_documents, passkey_records, plain_text
 from megalysses.evaluation.tasks import (NIAH_KEYS, PromptError, Prompts, bucket_bounds, bucket_of,
                                          compose, document_positions, niah_prompt, passkey_prompt, repeated_filler)
 from megalysses.kernels.linear_cross_entropy import token_scores
@@ -106,6 +106,44 @@ def test_passkey_corpus_documents_are_one_sample_each():
     assert plain_text("Tab\there: 3 ü!") == "Tab here: !"
     with pytest.raises(ValueError, match="cannot hold the passkey prompt"):
         passkey_documents(iter(()), seq_len=200, count=1, seed=1)
+    assert list(passkey_records(docs, "all")) == [{"text": d} for d in docs]
+    with pytest.raises(ValueError, match="loss on 'key': give one of all, answer"):
+        next(passkey_records(docs, "key"))
+
+
+def test_answer_only_corpus_trains_the_labels_the_evaluation_scores(tmp_path, capsys):
+    """--loss-on answer through preprocess_data.py --chat and the loader: one document a sequence of exactly
+    seq_len tokens, its text the evaluation's prompt, and the labels that carry the loss its answer and EOD alone,
+    at the positions the evaluation scores."""
+    from megalysses.data.build import build_gpt_datasets
+    from megalysses.data.loader import build_micro_batch
+    from megalysses.tools import build_corpus, preprocess_data
+
+    docs = list(passkey_documents([textwrap.__doc__, json.__doc__], seq_len=400, count=6, seed=2))
+    with open(tmp_path / "pk.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in passkey_records(docs, "answer"))
+    preprocess_data.main(["--input", str(tmp_path / "pk.jsonl"), "--output-prefix", str(tmp_path / "pk"), "--chat",
+                          "--workers", "1", "--tokenizer-type", "byte", "--log-interval", "0"])
+    train, _, _ = build_gpt_datasets([str(tmp_path / "pk_text_document")], "100,0,0", 400, 1, (6, None, None))
+    rows = [train[i] for i in range(6)]
+    batch = build_micro_batch(rows, 400, 0, 1, 257, True, True)
+    labels, inputs = batch["labels"].numpy(), batch["input_ids"].numpy()
+    prompts = Prompts(ByteTokenizer())
+    rng = np.random.default_rng(0)
+    scored = compose(prompts, passkey_prompt(prompts, 0.5, rng), 398, repeated_filler(prompts), rng).buckets == 0
+    for row, lab, inp in zip(rows, labels, inputs):
+        text = bytes(row.tokens[:-1].astype(np.uint8)).decode()
+        key = text.rsplit(" ", 1)[1]
+        assert len(row.tokens) == 400 and row.tokens[-1] == 257 and text in docs and (inp == row.tokens).all()
+        assert text.endswith(f"What is the pass key? The pass key is {key}") and f"The pass key is {key}." in text
+        assert (np.flatnonzero(lab != -100) == np.arange(392, 399)).all() and lab[398] == 257   # the answer, EOD
+        assert bytes(lab[392:398].astype(np.uint8)).decode() == f" {key}" and scored[392:].all() and \
+            not scored[:392].any()                         # the labels the evaluation scores at length 398
+    for argv, said in ((["--stdlib", "--loss-on", "answer"], "error: --loss-on only applies with --passkey"),
+                       (["--passkey", "--loss-on", "key"], "error: argument --loss-on: invalid choice: 'key'")):
+        with pytest.raises(SystemExit):
+            build_corpus.main(argv + ["--output", str(tmp_path / "x.jsonl")])
+        assert said in capsys.readouterr().err.strip().splitlines()[-1]
 
 
 def _greedy_answers(cfg, samples: dict) -> dict:
@@ -136,8 +174,8 @@ def _greedy_answers(cfg, samples: dict) -> dict:
 
 
 def _pipeline(rank, world, tmp):
-    """One process: the passkey corpus through preprocessing, two training steps with long_eval, the answers
-    made greedy (or not), and tools/eval_long.py on the run."""
+    """One process: the passkey corpus (its answers alone trained) through preprocessing, two training steps with
+    long_eval, the answers made greedy (or not), and tools/eval_long.py on the run."""
     from megalysses.data.tokenizer import tokenizer_from_config
     from megalysses.evaluation.haystack import DocumentStream
     from megalysses.tools import preprocess_data
@@ -146,10 +184,11 @@ def _pipeline(rank, world, tmp):
     from megalysses.training.runtime import plan_and_grid
 
     with open(f"{tmp}/pk.jsonl", "w") as f:
-        for doc in passkey_documents([textwrap.__doc__, json.__doc__], LENGTH, 8, seed=0):
-            f.write(json.dumps({"text": doc}) + "\n")
-    preprocess_data.main(["--input", f"{tmp}/pk.jsonl", "--output-prefix", f"{tmp}/pk", "--json-keys", "text",
-                          "--append-eod", "--workers", "1", "--tokenizer-type", "byte", "--log-interval", "0"])
+        for record in passkey_records(passkey_documents([textwrap.__doc__, json.__doc__], LENGTH, 8, seed=0),
+                                      "answer"):
+            f.write(json.dumps(record) + "\n")
+    preprocess_data.main(["--input", f"{tmp}/pk.jsonl", "--output-prefix", f"{tmp}/pk", "--chat", "--workers", "1",
+                          "--tokenizer-type", "byte", "--log-interval", "0"])
     cfg = load_config(None, RUN + [f"data.paths=[{tmp}/pk_text_document]", f"logging.run_dir={tmp}/run"])
     run, grid = plan_and_grid(cfg, torch.device("cpu"))
     train(cfg, grid, torch.device("cpu"), run=run)

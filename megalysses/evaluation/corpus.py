@@ -2,6 +2,7 @@
 long for the byte tokenizer, so that packing never separates a key from its question.
 
     docs = passkey_documents(texts, seq_len=512, count=20000, seed=0)    # strings of seq_len - 1 bytes
+    records = passkey_records(docs, loss_on="answer")    # {"prompt": ..., "completion": " 12345"}
 
 Each document is the passkey prompt of tasks.py (intro, filler, the key sentence at a uniformly random depth,
 filler, the question and the key) with the filler a passage of `texts` repeated, as the passkey filler repeats
@@ -11,6 +12,11 @@ space. With the
 EOD that tools/preprocess_data.py --append-eod adds, a document is seq_len tokens: with data.seq_len = seq_len
 the samples of a GPT dataset are exactly its documents (each sample's last label, the token after the EOD,
 is the next document's first).
+
+Which tokens carry the loss (passkey_records): every token ("all", records {"text": ...}: the model learns the
+text as well as the retrieval, and the answer is 5 of its labels), or the answer's alone ("answer", records
+{"prompt": ..., "completion": " 12345"} that tools/preprocess_data.py --chat writes with their loss mask: the
+answer and the EOD after it are the only labels, so every label asks for the look-up).
 """
 from __future__ import annotations
 
@@ -23,6 +29,10 @@ from megalysses.data.tokenizer import ByteTokenizer
 from megalysses.evaluation.tasks import Filler, Prompts, compose, passkey_prompt
 
 _NOT_PLAIN = re.compile(r"[^ -~]|[0-9]")
+LOSS_ON = ("all", "answer")
+"""What carries the loss in a passkey corpus: every token, or the answer alone."""
+KEY_DIGITS = 5
+"""Digits of every passkey (tasks.passkey_prompt), the answer " 12345" one token more with its space."""
 
 
 def plain_text(text: str) -> str:
@@ -62,3 +72,13 @@ def _documents(prompts: Prompts, texts: Iterable[str], seq_len: int, count: int,
     for _ in range(count):
         sample = compose(prompts, passkey_prompt(prompts, float(rng.random()), rng), seq_len - 2, filler, rng)
         yield bytes(sample.tokens.astype(np.uint8)).decode("ascii")
+
+
+def passkey_records(documents: Iterable[str], loss_on: str) -> Iterator[dict[str, str]]:
+    """The JSON records of passkey documents: {"text": document} when every token carries the loss ("all"), or
+    {"prompt": the document to its question, "completion": the answer} when the answer alone does ("answer")."""
+    if loss_on not in LOSS_ON:
+        raise ValueError(f"loss on {loss_on!r}: give one of {', '.join(LOSS_ON)}")
+    for doc in documents:
+        yield {"text": doc} if loss_on == "all" else {"prompt": doc[:-KEY_DIGITS - 1],
+                                                      "completion": doc[-KEY_DIGITS - 1:]}

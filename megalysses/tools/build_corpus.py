@@ -2,6 +2,7 @@
 
     python tools/build_corpus.py --stdlib --output data/stdlib.jsonl [--exclude-tests]
     python tools/build_corpus.py --passkey --seq-len 512 --documents 20000 --output data/passkey512.jsonl
+    python tools/build_corpus.py --passkey --loss-on answer --seq-len 512 --output data/passkey512a.jsonl
 
 --stdlib takes every .py file of the running interpreter's standard library (sysconfig's "stdlib"
 path; site-packages and dist-packages are always left out), sorted by relative path, one jsonl
@@ -18,6 +19,13 @@ document is cut at a sample boundary (a key never loses its question):
     python tools/preprocess_data.py --input data/passkey512.jsonl --output-prefix data/passkey512 \
         --json-keys text --append-eod --tokenizer-type byte
 
+With --loss-on answer (default: all) only the answer (its space, its digits) and the EOD after it carry the
+loss: the records are {"prompt": ..., "completion": " 12345"}, which tools/preprocess_data.py --chat writes with
+their loss mask (and the EOD), each document a sequence of its own:
+
+    python tools/preprocess_data.py --chat --input data/passkey512a.jsonl --output-prefix data/passkey512a \
+        --tokenizer-type byte
+
 The output is written to a temporary name and renamed when complete.
 """
 from __future__ import annotations
@@ -33,7 +41,7 @@ import tokenize
 from pathlib import Path
 from typing import Iterator, Optional
 
-from megalysses.evaluation.corpus import passkey_documents
+from megalysses.evaluation.corpus import LOSS_ON, passkey_documents, passkey_records
 
 EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 TEST_DIRS = {"test", "tests", "idle_test"}
@@ -82,7 +90,12 @@ def main(argv: Optional[list[str]] = None) -> dict[str, int]:
                    "tokenizer), the data.seq_len to train with (default 512)")
     p.add_argument("--documents", type=int, default=20000, help="--passkey: how many documents (default 20000)")
     p.add_argument("--seed", type=int, default=0, help="--passkey: seed of the keys, depths and filler (default 0)")
+    p.add_argument("--loss-on", choices=LOSS_ON, default=None,
+                   help="--passkey: which tokens carry the loss: all of them (default), or the answer's alone "
+                        "(prompt/completion records for tools/preprocess_data.py --chat)")
     args = p.parse_args(argv)
+    if args.loss_on is not None and not args.passkey:
+        p.error("--loss-on only applies with --passkey")
     if args.passkey and (args.seq_len < 2 or args.documents < 1):
         p.error(f"--seq-len {args.seq_len} / --documents {args.documents}: give a length of at least 2 tokens and "
                 f"at least one document")
@@ -133,10 +146,11 @@ def _write_stdlib(f, root: str, exclude_tests: bool) -> dict[str, int]:
 
 def _write_passkey(f, root: str, args: argparse.Namespace) -> dict[str, int]:
     written = nbytes = 0
-    for text in passkey_documents(docstrings(root), args.seq_len, args.documents, args.seed):
-        f.write(json.dumps({"text": text}) + "\n")
+    documents = passkey_documents(docstrings(root), args.seq_len, args.documents, args.seed)
+    for record in passkey_records(documents, args.loss_on or "all"):
+        f.write(json.dumps(record) + "\n")
         written += 1
-        nbytes += len(text)
+        nbytes += sum(map(len, record.values()))
     return {"documents": written, "skipped": 0, "empty": 0, "characters": nbytes}
 
 
