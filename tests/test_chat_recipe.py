@@ -13,6 +13,7 @@ import torch
 from chat_data import CHATML, CONVERSATIONS, make_tokenizer, write_jsonl
 from megalysses.data.indexed import IndexedDataset, loss_mask_prefix
 from megalysses.tools import convert_checkpoint, preprocess_data, pretrain
+from tests.fixtures import step_rows
 
 transformers = pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,8 +70,7 @@ def test_the_recipe_from_a_hugging_face_model_and_back(model_dir, tmp_path):
 
     # step 1 trains at 256 tokens: the 4 conversations (52, 18, 252 and 34 tokens) in 2 sequences of 1 sample
     assert sorted(tokens.sequence_lengths.tolist()) == [18, 34, 52, 252]
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    first = next(r for r in rows if "loss" in r)
+    first = step_rows(run)[0]
     assert first["seq_len"] == 256
     hf, tok = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval(), \
         transformers.AutoTokenizer.from_pretrained(str(model_dir))

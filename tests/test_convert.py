@@ -21,6 +21,7 @@ from megalysses.model.gpt import GPTStage  # noqa: E402
 from megalysses.model.hf import model_config_from_hf, our_tensor  # noqa: E402
 from megalysses.model.hf_io import open_hf_dir  # noqa: E402
 from megalysses.tools import convert_checkpoint, generate  # noqa: E402
+from tests.fixtures import losses  # noqa: E402
 from test_data_hf_tokenizer import word_tokenizer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -199,8 +200,7 @@ def hf_loss_on_first_batch(path) -> float:
 
 
 def first_loss(run: Path) -> float:
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in rows if "loss" in r][0]
+    return losses(run)[0]
 
 
 def test_hf_to_megalysses_train_and_back(hf_dir, tmp_path):

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from megalysses.testing import run_distributed
+from tests.fixtures import metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 MARKER = "<!-- first-hour"
@@ -107,7 +108,7 @@ def test_the_first_hour_runs_as_written(tmp_path, monkeypatch, capsys):
     printed = capsys.readouterr().out
 
     run_dir = tmp_path / "runs" / "my"
-    marks = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"event"' in line]
+    marks = [row for row in metrics(run_dir) if "event" in row]
     assert [(m["step"], m["layout"]["tp"], m["layout"]["sp"]) for m in marks] == [(0, 1, 2), (2, 2, 1)]
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_0000003"
     assert (run_dir / "metrics.png").is_file() and "(1 restarts marked)" in printed

@@ -11,6 +11,7 @@ from megalysses.config.io import load_config
 from megalysses.tools.from_megatron import main
 from megalysses.tools.megatron_convert import convert
 from megalysses.tools.megatron_script import MegatronArgsError, parse_arguments, script_arguments
+from tests.fixtures import step_rows
 
 LLAMA3 = r"""#!/bin/bash
 # Llama-3 8B shape, Megatron-LM launch script style: $1 checkpoints, $2 TensorBoard logs, $3 the tokenizer
@@ -555,7 +556,7 @@ def test_a_converted_config_trains(tmp_path, capsys):
     out, run = tmp_path / "tiny.yaml", tmp_path / "run"
     assert main(["--output", str(out), "--run-dir", str(run), "--", *argv]) == 0
     assert pretrain.main(["--config", str(out), "--set", "parallel.timeout_seconds=60"]) == 0
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+    rows = step_rows(run)
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[0]["lr"] == 0.0      # warmup from 0, as Megatron-LM
     assert "global batch 4 from step 3" in capsys.readouterr().out
     # Megatron-LM's torch profiler records steps 2 and 3 of --profile-step-start 2 --profile-step-end 4, on rank 0

@@ -20,6 +20,7 @@ from megalysses.evaluation.tasks import (NIAH_KEYS, PromptError, Prompts, bucket
                                          compose, document_positions, niah_prompt, passkey_prompt, repeated_filler)
 from megalysses.kernels.linear_cross_entropy import token_scores
 from megalysses.testing import run_distributed
+from tests.fixtures import metrics
 
 LENGTH = 448
 TASKS = ("passkey", "niah", "position-loss")
@@ -192,7 +193,7 @@ def _pipeline(rank, world, tmp):
     cfg = load_config(None, RUN + [f"data.paths=[{tmp}/pk_text_document]", f"logging.run_dir={tmp}/run"])
     run, grid = plan_and_grid(cfg, torch.device("cpu"))
     train(cfg, grid, torch.device("cpu"), run=run)
-    logged = [json.loads(line) for line in open(f"{tmp}/run/metrics.jsonl")]
+    logged = metrics(tmp / "run")
     evaluator = LongEval(cfg, grid, torch.device("cpu"), run, tokenizer_from_config(cfg.data),
                          DocumentStream.validation(cfg.data))
     s = LongEvalSettings(TASKS[:2], (LENGTH,), DEPTHS, SAMPLES)

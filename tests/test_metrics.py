@@ -1,5 +1,4 @@
 """Metrics sinks: TensorBoard event files carry the scalars of metrics.jsonl; a missing package is a config error."""
-import json
 import math
 import sys
 
@@ -16,6 +15,7 @@ from megalysses.training import metrics
 from megalysses.training.loop import train
 from megalysses.config.checks import check_logging_backends
 from tests.fixtures import MOCK_32, SMALL_MODEL
+from tests.fixtures import metrics as metrics_rows
 
 TINY = MOCK_32 + SMALL_MODEL + ["model.attention_backend=sdpa", "training.global_batch_size=4",
                                 "training.micro_batch_size=1", "training.train_steps=4", "logging.log_interval=2",
@@ -36,8 +36,7 @@ def _logged(run):
     """The step rows of metrics.jsonl as {name: [(step, value), ...]}, None values left out (the start
     marks, `{"event": "start", ...}`, are not scalars)."""
     points: dict[str, list[tuple[int, float]]] = {}
-    for line in (run / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
+    for rec in metrics_rows(run):
         if "event" in rec:
             continue
         for key, value in rec.items():
@@ -102,7 +101,7 @@ def test_flops_follow_each_steps_sequence_length(tmp_path, monkeypatch):
     for step, length in ((1, 8), (2, 8), (3, 8), (4, 32)):
         logger.step(step, 1.0, 1e-3, 0.5, tokens, length)
     logger.close()
-    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(tmp_path / "run")
     assert [(r["step"], r["seq_len"]) for r in rows] == [(2, 8), (4, 32)]
     fpt = flops_per_token
     assert fpt(cfg.model, 32) > fpt(cfg.model, 8)
