@@ -48,7 +48,8 @@ def collective_backend(requested: str, machine: Machine) -> str:
     if requested == "auto":
         return "nccl" if machine.cuda else "gloo"
     if requested == "nccl" and not machine.cuda:
-        raise ConfigError("parallel.backend=nccl needs CUDA, which this machine has not: use gloo or auto")
+        raise ConfigError("cannot start the process group: parallel.backend=nccl needs CUDA, which this machine has "
+                          "not: use gloo or auto")
     return requested
 
 
