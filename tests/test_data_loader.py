@@ -10,6 +10,7 @@ from megalysses.data.gpt_dataset import GPTDataset, MockGPTDataset
 from megalysses.data.indexed import IndexedDataset, IndexedDatasetBuilder
 from megalysses.data.loader import IGNORE_INDEX, build_micro_batch, cut_samples, iterate_micro_batches
 from megalysses.parallel.sequence_layout import SequenceLayout
+from tests.fixtures import MOCK_32
 
 SEQ, EOD = 16, 999
 
@@ -132,8 +133,7 @@ def test_eod_mask_loss_reaches_training_and_validation_batches(flag):
     from megalysses.training.data import TrainingData
     from megalysses.training.runtime import plan_and_grid
 
-    cfg = load_config(overrides=["data.mock=true", "data.seq_len=32", "model.vocab_size=128",
-                                 "training.global_batch_size=2", "training.eval_interval=1",
+    cfg = load_config(overrides=MOCK_32 + ["training.global_batch_size=2", "training.eval_interval=1",
                                  f"data.eod_mask_loss={str(flag).lower()}"])
     run, grid = plan_and_grid(cfg, torch.device("cpu"))
     data = TrainingData(cfg, grid, run, torch.device("cpu"))

@@ -8,6 +8,7 @@ import torch
 from megalysses import accelerator
 from megalysses.model.policies import activation_offload
 from megalysses.pinned_arena import ALIGN, PinnedArena, aligned
+from tests.fixtures import MOCK_32, SMALL_MODEL, with_model
 
 
 def test_an_arena_hands_out_aligned_slices_and_takes_them_back():
@@ -63,8 +64,7 @@ def test_a_run_sizes_its_arena_from_the_plan():
     from megalysses.training import loop
     from megalysses.training.runtime import resolve_run
 
-    cfg = load_config(overrides=["data.mock=true", "data.seq_len=32", "model.vocab_size=128", "model.hidden_size=32",
-                                 "model.num_layers=3", "model.num_heads=4", "training.global_batch_size=2",
+    cfg = load_config(overrides=with_model(MOCK_32 + SMALL_MODEL, num_layers=3) + ["training.global_batch_size=2",
                                  "training.micro_batch_size=1", "training.activation_checkpointing=true",
                                  "training.activation_offload=true", "training.optimizer_offload=true"])
     grid, cpu = ParallelGrid.single(), torch.device("cpu")

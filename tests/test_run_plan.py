@@ -16,6 +16,7 @@ from megalysses.plan.search import evaluate
 from megalysses.plan.step_time import Hardware
 from megalysses.tools import plan as plan_cli
 from megalysses.tools import pretrain
+from tests.fixtures import MOCK_32, SMALL_MODEL
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = [("configs/quickstart.yaml", 4), ("configs/gpt_1b_32k.yaml", 8), ("configs/gpt_1b_8gpu.yaml", 8),
@@ -49,9 +50,8 @@ def test_the_planned_run_is_the_run_that_starts(path, gpus, tmp_path, capsys):
 def test_a_real_run_on_this_cpu_is_the_planned_one(tmp_path):
     """Two gloo ranks under torchrun, one step: its runtime.json is the planner's plan of the same config on
     this machine (its packages, two ranks to the node); --dry-run stops the same launch before step 1."""
-    sets = ["data.mock=true", "data.seq_len=32", "model.vocab_size=128", "model.hidden_size=32",
-            "model.num_layers=2", "model.num_heads=4", "training.global_batch_size=2", "training.micro_batch_size=1",
-            "training.train_steps=1", "parallel.sp=2", "training.activation_checkpointing=true",
+    sets = MOCK_32 + SMALL_MODEL + ["training.global_batch_size=2", "training.micro_batch_size=1",
+                                    "training.train_steps=1", "parallel.sp=2", "training.activation_checkpointing=true",
             "training.loss_chunk_tokens=8", "parallel.timeout_seconds=60"]
     cfg = load_config(overrides=sets)
     planned = evaluate(cfg, 2, 80, None, Hardware(), machine=Machine.current("cpu", ranks_per_node=2)).run.record()
