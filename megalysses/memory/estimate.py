@@ -19,16 +19,11 @@ from megalysses.memory.types import Estimate, Layout, Options, Precision, Term, 
 def estimate(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, work: Workload) -> Estimate:
     """The peak over the pipeline stages (the first holds the most micro-batches, the last the loss), with the
     largest single block of any of them."""
-    stages = [_stage_estimate(m, layout, opts, prec, work, s) for s in sorted({0, layout.pp - 1})]
+    stages = [_Stage(m, layout, opts, prec, work, s).estimate() for s in sorted({0, layout.pp - 1})]
     est = max(stages, key=lambda e: e.peak)
     est.largest = max((e.largest for e in stages), key=lambda t: t.bytes)
     est.phases = {key: b for e in stages for key, b in e.phases.items()}
     return est
-
-
-def _stage_estimate(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, work: Workload,
-                    stage: int) -> Estimate:
-    return _Stage(m, layout, opts, prec, work, stage).estimate()
 
 
 class _Stage:

@@ -223,7 +223,7 @@ class AttentionHalf:
     place (head chunks); a plain model runs this one."""
 
     def run(self, block: "Block", x: Tensor, cos: Tensor, sin: Tensor, mask: Optional[Any],
-                 cache: Optional[LayerKV] = None) -> Tensor:
+            cache: Optional[LayerKV] = None) -> Tensor:
         return block.attn(block.attn_norm(x), cos, sin, mask, cache)
 
 

@@ -61,7 +61,7 @@ class Checkpointed(RunBlocks):
         return checkpoint(fn, x, cos, sin, mask, use_reentrant=False, context_fn=self.context_fn)
 
     def run(self, stage: GPTStage, x: Tensor, cos: Tensor, sin: Tensor, mask: Any,
-                 cache: Optional[KVCache] = None) -> Tensor:
+            cache: Optional[KVCache] = None) -> Tensor:
         if not stage.training:
             return super().run(stage, x, cos, sin, mask, cache)
         blocks = list(stage.layers.values())
@@ -81,7 +81,7 @@ class KeptAttentionCheckpoints(Checkpointed):
         super().__init__(stride, self.kept)
 
     def run(self, stage: GPTStage, x: Tensor, cos: Tensor, sin: Tensor, mask: Any,
-                 cache: Optional[KVCache] = None) -> Tensor:
+            cache: Optional[KVCache] = None) -> Tensor:
         x = super().run(stage, x, cos, sin, mask, cache)
         if stage.training and torch.is_grad_enabled():
             self.kept.check()
@@ -108,7 +108,7 @@ class HeadChunkedAttention(AttentionHalf):
         self.chunks = chunks
 
     def run(self, block: Block, x: Tensor, cos: Tensor, sin: Tensor, mask: Optional[Any],
-                 cache: Optional[LayerKV] = None) -> Tensor:
+            cache: Optional[LayerKV] = None) -> Tensor:
         if cache is not None:
             return super().run(block, x, cos, sin, mask, cache)
         attn, norm = block.attn, block.attn_norm

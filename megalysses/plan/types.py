@@ -86,10 +86,15 @@ class RunPlan:
         """data.seq_len padded to the layout's multiple (the longest phase but the long-context evaluation's)."""
         return max(p.padded_len for p in self.phases if p.name != "long_eval")
 
+    @property
+    def train_phases(self) -> tuple[Phase, ...]:
+        """The training phases, in step order: one, or a sequence-length curriculum's stages."""
+        return tuple(p for p in self.phases if p.from_step is not None)
+
     def train_phase(self, step: int) -> Phase:
         """The training phase of the optimizer step taken after `step` completed steps (the sequence-length
         curriculum's stage, data.seq_len_schedule)."""
-        return [p for p in self.phases if p.from_step is not None and p.from_step <= step][-1]
+        return [p for p in self.train_phases if p.from_step <= step][-1]
 
     @property
     def fsdp(self) -> bool:

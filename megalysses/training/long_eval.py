@@ -269,7 +269,7 @@ class TrainingLongEval:
             haystack = (DocumentStream.whole(e.haystack) if e.haystack else
                         DocumentStream.validation(d) if text and not d.mock else None)
             self.evaluator = LongEval(cfg, grid, device, run, tok, haystack if text else None)
-            lengths = e.lengths or sorted({p.seq_len for p in run.phases if p.from_step is not None})
+            lengths = e.lengths or sorted({p.seq_len for p in run.train_phases})
             self.evaluator.check(self.settings(lengths))
         except ValueError as err:          # PromptError, LongEvalError, HaystackError, TokenizerError
             raise ConfigError(f"long_eval: {' '.join(str(err).split())}") from None

@@ -288,8 +288,9 @@ class TrainingLoop:
         try:
             while p.step < total:
                 lr = lr_at(p.step, cfg.optimizer, total, lr_progress(cfg.training, p.step, p.consumed))
-                if self.run.train_phase(p.step).seq_len != seq_len:
-                    seq_len = self.run.train_phase(p.step).seq_len
+                phase_len = self.run.train_phase(p.step).seq_len
+                if phase_len != seq_len:
+                    seq_len = phase_len
                     if cfg.data.seq_len_schedule:
                         print0(stage_line(cfg, p.step))
                 doing(f"reading the batch of step {p.step + 1}")
