@@ -5,12 +5,15 @@ with the same message everywhere, before the first step): the index structure (i
 dtype and every token id against the tokenizer's and the model's vocabulary (validate.py, cached),
 and each micro-batch is checked against the model's vocabulary once more as it is built. Datasets of
 conversations (a loss mask beside them) are packed at every length of the curriculum (data/packing.py),
-and rank 0 prints what packing did.
+and rank 0 prints what packing did; one whose loss mask marks no token to train on is refused, and a step
+whose samples hold none is told in a warning (counted from the packing index on the host, the same on every
+rank: nothing is read back from a device).
 """
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Iterator, Optional
 
+import numpy as np
 import torch
 
 from megalysses.config import Config
@@ -37,6 +40,7 @@ class TrainingData:
         self.cfg, self.grid, self.run, self.device = cfg, grid, run, device
         self.batch_sizes = BatchSizes.from_config(t)      # the batch of each step (a ramp, or constant)
         self.packing_summary: list[str] = []              # what packing did to conversations, in words
+        self.empty_steps = 0                              # steps whose samples hold no label that trains
         if d.mock:
             self.eod_id = cfg.model.vocab_size - 1
             n = t.train_steps * t.global_batch_size
@@ -121,8 +125,27 @@ class TrainingData:
             if len(step) < num_micro:
                 raise DatasetError("the training data ran out before training.train_steps: "
                                    "the sample index was built for fewer samples")
+            self._warn_if_nothing_to_train(consumed_samples, num_micro * per_micro)
             consumed_samples += num_micro * per_micro
             yield step
+
+    def _warn_if_nothing_to_train(self, first: int, samples: int) -> None:
+        """A warning when the step of samples [first, first + samples) holds no label that carries the loss."""
+        if self._step_labels(first, samples) != 0:
+            return
+        self.empty_steps += 1
+        print0(f"warning: step {self.batch_sizes.step_of(first) + 1} trains on nothing: its {samples} samples hold "
+               f"no token that carries the loss ({self.empty_steps} such step{'s' if self.empty_steps > 1 else ''} "
+               f"so far): its loss and gradients are zero")
+
+    def _step_labels(self, first: int, samples: int) -> Optional[int]:
+        """The labels that carry the loss in the global batch of samples [first, first + samples), from the packing
+        index (packed conversations); None where the data has no loss mask (every label trains)."""
+        labels_of = getattr(self.train, "labels_of", None)
+        if labels_of is None:
+            return None
+        length = self.run.train_phase(self.batch_sizes.step_of(first)).seq_len
+        return labels_of(np.arange(first, first + samples), length)
 
     def valid_batches(self) -> list[Batch]:
         """The fixed validation set: eval_steps global batches at data.seq_len (at every stage of a curriculum,
