@@ -3,6 +3,7 @@
 Every dataset is validated when it is opened, on every rank alike (so a bad dataset ends the run
 with the same message everywhere, before the first step): the index structure (indexed.py), the
 dtype and every token id against the tokenizer's and the model's vocabulary (validate.py, cached),
+the tokenizer recorded beside it (data/tokenizer_identity.py; another one than the run's: a warning),
 and each micro-batch is checked against the model's vocabulary once more as it is built. Datasets of
 conversations (a loss mask beside them) are packed at every length of the curriculum (data/packing.py),
 and rank 0 prints what packing did; one whose loss mask marks no token to train on is refused, and a step
@@ -21,6 +22,7 @@ from megalysses.data import DatasetError, MockGPTDataset, build_gpt_datasets, it
 from megalysses.data.indexed import IndexedDataset
 from megalysses.data.packing import Packing, describe
 from megalysses.data.tokenizer import NullTokenizer, tokenizer_from_config
+from megalysses.data.tokenizer_identity import identity_mismatch, read_identity, tokenizer_identity
 from megalysses.data.validate import check_dtype_holds, check_token_ids
 from megalysses.distributed import print0
 from megalysses.grid import ParallelGrid
@@ -70,8 +72,10 @@ class TrainingData:
             raise DatasetError(f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size="
                                f"{vocab}: raise model.vocab_size (to a multiple of tp)")
         self.eod_id = tokenizer.eod_id
+        identity: list[dict] = []                 # the run tokenizer's, made when a dataset records one
 
         def validate(ds: IndexedDataset, cache_dir: str) -> None:
+            _check_identity(ds.prefix, tokenizer, identity)
             if not isinstance(tokenizer, NullTokenizer):   # its vocabulary is the model's, not the data's maker
                 check_dtype_holds(ds, tokenizer.vocab_size, f"data.tokenizer={d.tokenizer}")
             check_token_ids(ds, vocab, cache_dir, "model.vocab_size")
@@ -152,3 +156,21 @@ class TrainingData:
         so validation losses compare across it)."""
         it = self._micro_batches(self.valid, 0, curriculum=False)
         return [mb for _, mb in zip(range(self.run.micro_batches * self.cfg.training.eval_steps), it)]
+
+
+def _check_identity(prefix: str, tokenizer: object, identity: list[dict]) -> None:
+    """A warning (rank 0) when the dataset `prefix` records another tokenizer than the run's (`identity` caches
+    the run's, computed once); nothing when it records none."""
+    try:
+        recorded = read_identity(prefix)
+    except ValueError as e:
+        print0(f"warning: {e}: the tokenizer that wrote {prefix} is not checked")
+        return
+    if recorded is None:
+        return
+    if not identity:
+        identity.append(tokenizer_identity(tokenizer))
+    line = identity_mismatch(recorded, identity[0], prefix)
+    if line:
+        print0(f"warning: {line}")
+
