@@ -291,6 +291,8 @@ def test_the_plan_names_the_default_lengths_left_out_and_the_estimate_reads_the_
     tally = EvalProgress(cells=4, tokens=5760, cells_done=1, tokens_done=960, last="passkey at 320 tokens, depth 0.5")
     assert progress_line(tally, 90.0) == ("long_eval: 1 of 4 cells done (passkey at 320 tokens, depth 0.5), 0:01:30 "
                                           "elapsed, about 0:07:30 left")
+    from megalysses.tools.eval_long import _parser
+    assert "Llama, Qwen2/2.5, Qwen3 or Mistral" in " ".join(_parser().format_help().split())
 
 
 def test_results_that_cannot_be_written_are_printed_and_one_error(tmp_path, capsys):
