@@ -124,6 +124,14 @@ def test_blend_of_conversations_and_plain_documents(chats, tmp_path):
     batches = list(iterate_micro_batches(train, 2, 0, 1, 0, 1, 0, eod_id=127, reset_position_ids=True,
                                          document_mask=True, length_at=lambda g: 16 if g < 10 else 32))
     assert [tuple(b["input_ids"].shape) for b in batches] == [(4, 16)] * 5 + [(2, 32)] * 5
+    assert train.labels_of(np.arange(20), 16) is None                # windows: every label trains
+    twice, _, _ = build_gpt_datasets(["0.5", ds.prefix, "0.5", ds.prefix], "1,0,0", 32, seed=1,
+                                     num_samples=(20, None, None), cache_dir=str(tmp_path / "cache2"),
+                                     packing=Packing(lengths=(16, 32)))
+    for length in (16, 32):
+        held = [int((build_micro_batch(twice.rows(i, length), length, 0, 1, 127, True, True)["labels"]
+                     != IGNORE_INDEX).sum()) for i in range(20)]
+        assert twice.labels_of(np.arange(20), length) == sum(held) and twice.labels_of(np.array([3]), length) == held[3]
 
 
 def test_a_micro_batch_keeps_conversations_apart():
