@@ -188,6 +188,30 @@ def test_shards_of_conversations_merge_with_their_masks(folders, tmp_path):
         merge_datasets.main(["--input", str(shards), "--output-prefix", str(tmp_path / "again")])
 
 
+def test_a_json_template_file_is_read_for_its_chat_template(folders, tmp_path):
+    """--chat-template given a tokenizer_config.json renders its chat_template (named ones: the default), as the
+    folder's own would, never the JSON text itself; JSON without one is refused."""
+    import json
+
+    from megalysses.data.chat_template import TemplateError
+
+    messages = CONVERSATIONS[0]["messages"]
+    want = ChatTemplate.from_folder(folders["llama3"]).render(messages)[0]
+    config = folders["llama3"] / "tokenizer_config.json"
+    got = ChatTemplate.from_folder(folders["chatml"], config)
+    assert got.render(messages)[0] == want and got.name == f"{config} (chat_template)"
+    named = tmp_path / "named.json"
+    named.write_text(json.dumps({"chat_template": [{"name": "tool_use", "template": CHATML},
+                                                   {"name": "default", "template": LLAMA3}]}))
+    assert ChatTemplate.from_folder(folders["chatml"], named).render(messages)[0] == want
+    jinja = tmp_path / "literal.jinja"                 # a template whose text starts with a brace is still one
+    jinja.write_text("{ {{ messages[0].content }} }")
+    assert ChatTemplate.from_folder(folders["chatml"], jinja).render(messages)[0] == f"{{ {messages[0]['content']} }}"
+    (tmp_path / "other.json").write_text(json.dumps({"bos_token": "<s>"}))
+    with pytest.raises(TemplateError, match="other.json is JSON without a 'chat_template' field"):
+        ChatTemplate.from_folder(folders["chatml"], tmp_path / "other.json")
+
+
 def test_a_record_error_names_its_kind():
     with pytest.raises(RecordError) as err:
         ChatEncoder(build_tokenizer("byte")).encode({"prompt": "a", "completion": ""})

@@ -172,7 +172,9 @@ def test_sentencepiece_command_lines(corpus, tokenizers_dir, tmp_path, kind, par
             tmp_path)
     check(out, "text", megatron_bytes([r["text"] for r in corpus["rows"]], sp.encode_as_ids, sp.eos_id(),
                                       sp.get_piece_size(), partitions, sequential))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["sp_text_document.bin", "sp_text_document.idx"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sp_text_document.bin", "sp_text_document.idx",
+                                                         "sp_text_document.tokenizer.json"]   # its tokenizer
+    assert json.loads((tmp_path / "sp_text_document.tokenizer.json").read_text())["type"] == "sentencepiece"
 
 
 def test_null_tokenizer_command_line(corpus, tmp_path):

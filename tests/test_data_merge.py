@@ -59,6 +59,14 @@ def test_merged_shards_equal_one_preprocessing_run(tmp_path, capsys):
     shard_1 = IndexedDataset(tmp_path / "shards" / "shard_01_text_document")
     assert f"shard_01_text_document: 32 docs, {shard_1.num_tokens:,} tokens; merged so far: 57 docs |" in err, err
     assert "done: " in err and "1 files of" in err and "README.md" in err
+    assert sorted(p.name for p in out.parent.iterdir()) == ["corpus_text_document.bin", "corpus_text_document.idx",
+                                                            "corpus_text_document.tokenizer.json"]
+    # the shards' tokenizer goes beside the merged dataset (a shard that records none: the merge records none)
+    shard = tmp_path / "shards" / "shard_00_text_document.tokenizer.json"
+    assert (out.parent / "corpus_text_document.tokenizer.json").read_bytes() == shard.read_bytes()
+    shard.unlink()
+    merge_datasets.main(["--input", str(tmp_path / "shards"), "--output-prefix", str(out)])
+    assert "records no tokenizer" in capsys.readouterr().err
     assert sorted(p.name for p in out.parent.iterdir()) == ["corpus_text_document.bin", "corpus_text_document.idx"]
 
 

@@ -1,6 +1,7 @@
 """tools/preprocess_data.py and tools/build_corpus.py: identical output for any worker count,
 malformed lines skipped and reported, .gz and folder inputs, no complete-looking output on failure."""
 import gzip
+import hashlib
 import json
 import os
 import signal
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 
 from megalysses.data.indexed import IndexedDataset, IndexedDatasetBuilder
+from megalysses.data.tokenizer import build_tokenizer
 from megalysses.tools import build_corpus, preprocess_data, train_tokenizer
 
 
@@ -106,6 +108,13 @@ def test_sentencepiece_output_identical_across_workers(tmp_path, preprocess, mon
     run(preprocess, inp, tmp_path / "s3", *args, "--workers", "3")
     assert read_bytes(tmp_path / "s1_text_document") == read_bytes(tmp_path / "s3_text_document")
     assert IndexedDataset(tmp_path / "s1_text_document").dtype == np.uint16
+    # the tokenizer that wrote it, recorded beside it: its type, model file and the file's hash, ids, EOD
+    recorded = json.loads(Path(f"{tmp_path}/s1_text_document.tokenizer.json").read_text())
+    tok = build_tokenizer("sentencepiece", model)
+    assert recorded == {"version": 1, "type": "sentencepiece", "vocab_size": 500, "eod": tok.eod_id, "bos": tok.bos_id,
+                        "files": [{"name": "sp.model", "sha256": hashlib.sha256(Path(model).read_bytes()).hexdigest()}]}
+    run(preprocess, inp, tmp_path / "s1", "--append-eod")                   # written again, by another tokenizer
+    assert json.loads(Path(f"{tmp_path}/s1_text_document.tokenizer.json").read_text())["type"] == "byte"
 
 
 def test_interrupted_run_leaves_nothing_that_looks_complete(tmp_path, preprocess, monkeypatch):

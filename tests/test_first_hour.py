@@ -101,7 +101,8 @@ def test_the_first_hour_runs_as_written(tmp_path, monkeypatch, capsys):
     # a JSON Lines corpus of one's own: Python's json package, a document per block of its files
     library = Path(sysconfig.get_paths()["stdlib"]) / "json"
     documents = [b for f in sorted(library.glob("*.py")) for b in f.read_text().split("\n\n") if b.strip()]
-    (tmp_path / "my.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in documents))
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "my.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in documents))
     (tmp_path / "configs").symlink_to(ROOT / "configs")
     monkeypatch.chdir(tmp_path)
     scripts = [run(argv, stdin, tmp_path) for argv, stdin in steps]
@@ -151,3 +152,19 @@ def test_make_quickstart_installs_what_training_and_plotting_need_with_progress(
 ])
 def test_the_block_is_read_as_bash_reads_it(block, expected):
     assert commands(block) == expected
+
+
+def test_the_first_hour_writes_only_where_git_ignores():
+    """The corpus, the tokenizer and the datasets go under data/, the runs under runs/, the export under out/:
+    each a folder .gitignore names, so the first hour leaves nothing for `git status` to list."""
+    ignored = {line.strip().strip("/") for line in (ROOT / ".gitignore").read_text().splitlines()}
+    written = []
+    for argv, _ in commands(first_hour_block()):
+        for flag in ("--output", "--model-prefix", "--output-prefix", "--to-hf"):
+            if flag in argv:
+                written.append(argv[argv.index(flag) + 1])
+    corpus = re.search(r"build_corpus\.py .*--output (\S+)`", first_hour_block())
+    assert corpus is not None and written, "the first hour names where its corpus and datasets go"
+    for path in written + [corpus.group(1)]:
+        assert path.split("/")[0] in ignored and "/" in path, f"{path} is not in a folder .gitignore names"
+

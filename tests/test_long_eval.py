@@ -5,7 +5,10 @@ from the layouts of the parity matrix (tp, Ulysses and ring sp, pp and virtual s
 The answers of the needle tasks are made the model's own greedy choice (computed from full logits) in half of
 the samples and wrong in the last token in the other half, so every (task, depth) cell must read exactly 50%:
 a metric that can move, and one that a misplaced label, sample or rank would change."""
+import contextlib
+import io
 import json
+import re
 import textwrap
 
 import numpy as np
@@ -16,8 +19,9 @@ from megalysses.config import ConfigError
 from megalysses.config.io import load_config
 from megalysses.data.tokenizer import ByteTokenizer
 from megalysses.evaluation.corpus import passkey_documents, passkey_records, plain_text
-from megalysses.evaluation.tasks import (NIAH_KEYS, PromptError, Prompts, bucket_bounds, bucket_of,
-                                         compose, document_positions, niah_prompt, passkey_prompt, repeated_filler)
+from megalysses.evaluation.tasks import (NIAH_KEYS, PromptError, Prompts, bucket_bounds, bucket_of, compose,
+                                         document_positions, minimum_length, niah_prompt, passkey_prompt,
+                                         repeated_filler)
 from megalysses.kernels.linear_cross_entropy import token_scores
 from megalysses.testing import run_distributed
 from tests.fixtures import metrics
@@ -198,10 +202,12 @@ def _pipeline(rank, world, tmp):
                          DocumentStream.validation(cfg.data))
     s = LongEvalSettings(TASKS[:2], (LENGTH,), DEPTHS, SAMPLES)
     forced = _greedy_answers(cfg, {(LENGTH, item): evaluator.sample(s, LENGTH, item) for item in evaluator._items(s)})
-    results = _evaluate_with(forced, ["--run", f"{tmp}/run", "--out", f"{tmp}/single"] + EVAL)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        results = _evaluate_with(forced, ["--run", f"{tmp}/run", "--out", f"{tmp}/single"] + EVAL)
     pictures = sorted(p.name for p in (tmp / "single").glob("*.png"))
     return {"logged": logged, "forced": forced, "results": results, "pictures": pictures,
-            "table": (tmp / "single" / "long_eval.md").read_text()}
+            "table": (tmp / "single" / "long_eval.md").read_text(), "printed": printed.getvalue()}
 
 
 def _evaluate_with(forced: dict, argv: list[str]) -> dict:
@@ -250,6 +256,54 @@ def test_training_logs_long_eval_and_the_tool_writes_its_figures(single):
     assert all(set(r) == {"task", "length", "depth", "accuracy", "samples"} for r in accuracy)
     position = [r for r in out["results"]["results"] if r["task"] == "position-loss"]
     assert [r["positions"] for r in position][-1] == [256, 448] and all(r["tokens"] > 0 for r in position)
+    # what it runs, said before the weights are read, then a line per cell done (2 samples each, one at a time)
+    lines = [line for line in out["printed"].splitlines() if line.startswith("long_eval: ")]
+    assert lines[0] == (f"long_eval: tasks passkey, niah, position-loss; lengths {LENGTH} (trained at {LENGTH}); "
+                        f"depths 0, 1; 2 samples each: 5 cells, 10 samples, {10 * LENGTH:,} tokens"), lines
+    done = [re.match(r"long_eval: (\d) of 5 cells done \((.*)\), 0:\d\d:\d\d elapsed, about 0:\d\d:\d\d left$",
+                     line) for line in lines[1:]]
+    assert all(done) and [(int(m[1]), m[2]) for m in done] == [
+        (1, f"passkey at {LENGTH} tokens, depth 0"), (2, f"passkey at {LENGTH} tokens, depth 1"),
+        (3, f"niah at {LENGTH} tokens, depth 0"), (4, f"niah at {LENGTH} tokens, depth 1"),
+        (5, f"position-loss at {LENGTH} tokens")], lines
+    assert lines[-1].endswith("about 0:00:00 left")
+    assert out["printed"].index("long_eval: tasks") < out["printed"].index("| passkey: length")
+
+
+def test_the_plan_names_the_default_lengths_left_out_and_the_estimate_reads_the_tokens_left():
+    from argparse import Namespace
+
+    from megalysses.tools.eval_long import _settings, plan_lines, progress_line
+    from megalysses.training.long_eval import EvalProgress
+
+    cfg = load_config(None, ["data.mock=true", "model.vocab_size=259", "long_eval.tasks=[passkey,position-loss]",
+                             "long_eval.depths=[0.5]", "long_eval.samples=3"])
+    prompts = Prompts(ByteTokenizer())
+    args = Namespace(tasks=None, lengths=None, depths=None, samples=None, seed=None)
+    settings, dropped = _settings(cfg, args, prompts, 640)
+    need = minimum_length(prompts, "passkey")
+    assert 160 < need <= 320 and settings.lengths == (320, 640)
+    assert dropped == [(f"length 160 (a quarter of the trained 640) left out: it cannot hold the passkey prompt, "
+                        f"which needs {need} tokens with this tokenizer")]
+    plan = ("long_eval: tasks passkey, position-loss; lengths 320, 640 (extrapolation) (trained at 320); depths 0.5; "
+            "3 samples each: 4 cells, 12 samples, 5,760 tokens")
+    assert plan_lines(settings, 320, dropped) == [plan, f"long_eval: {dropped[0]}"]
+    tally = EvalProgress(cells=4, tokens=5760, cells_done=1, tokens_done=960, last="passkey at 320 tokens, depth 0.5")
+    assert progress_line(tally, 90.0) == ("long_eval: 1 of 4 cells done (passkey at 320 tokens, depth 0.5), 0:01:30 "
+                                          "elapsed, about 0:07:30 left")
+    from megalysses.tools.eval_long import _parser
+    assert "Llama, Qwen2/2.5, Qwen3 or Mistral" in " ".join(_parser().format_help().split())
+
+
+def test_results_that_cannot_be_written_are_printed_and_one_error(tmp_path, capsys):
+    from megalysses.tools.eval_long import _write
+    from megalysses.training.long_eval import LongEvalReport, LongEvalSettings
+    from tests.faults.cases_convert import read_only
+
+    report = LongEvalReport([{"task": "passkey", "length": 400, "depth": 0.5, "accuracy": 0.5, "samples": 2}], 400)
+    with pytest.raises(ConfigError, match="cannot write the results into .*: give --out a directory"):
+        _write(read_only(tmp_path) / "out", report, LongEvalSettings(("passkey",), (400,)), tmp_path, {})
+    assert "| 400 | 50% | 50% |" in capsys.readouterr().out
 
 
 def test_every_layout_reports_the_figures_of_one_process(single):

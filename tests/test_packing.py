@@ -124,6 +124,14 @@ def test_blend_of_conversations_and_plain_documents(chats, tmp_path):
     batches = list(iterate_micro_batches(train, 2, 0, 1, 0, 1, 0, eod_id=127, reset_position_ids=True,
                                          document_mask=True, length_at=lambda g: 16 if g < 10 else 32))
     assert [tuple(b["input_ids"].shape) for b in batches] == [(4, 16)] * 5 + [(2, 32)] * 5
+    assert train.labels_of(np.arange(20), 16) is None                # windows: every label trains
+    twice, _, _ = build_gpt_datasets(["0.5", ds.prefix, "0.5", ds.prefix], "1,0,0", 32, seed=1,
+                                     num_samples=(20, None, None), cache_dir=str(tmp_path / "cache2"),
+                                     packing=Packing(lengths=(16, 32)))
+    for length in (16, 32):
+        held = [int((build_micro_batch(twice.rows(i, length), length, 0, 1, 127, True, True)["labels"]
+                     != IGNORE_INDEX).sum()) for i in range(20)]
+        assert twice.labels_of(np.arange(20), length) == sum(held) and twice.labels_of(np.array([3]), length) == held[3]
 
 
 def test_a_micro_batch_keeps_conversations_apart():
@@ -150,3 +158,68 @@ def test_a_micro_batch_keeps_conversations_apart():
         for key in ("input_ids", "labels", "position_ids", "loss_weights"):
             assert part[key].tolist() == weighted[key][:, keep].tolist(), key
         assert part["doc_ids"].tolist() == weighted["doc_ids"].tolist()
+
+
+def _mask_rewritten(prefix: str, keep) -> None:
+    """The loss mask of `prefix` rewritten: conversation i keeps its mask where keep(i, its mask) says, else 0."""
+    from megalysses.data.indexed import IndexedDatasetBuilder
+
+    old = IndexedDataset(loss_mask_prefix(prefix))
+    masks = [np.where(keep(i, old[i]), old[i], 0).astype(np.uint8) for i in range(len(old))]
+    del old
+    builder = IndexedDatasetBuilder(f"{loss_mask_prefix(prefix)}.bin", np.uint8)
+    for m in masks:
+        builder.add_document(m)
+    builder.finalize(f"{loss_mask_prefix(prefix)}.idx")
+
+
+@pytest.mark.parametrize("too_long", ["drop", "truncate"])
+def test_the_labels_that_train_are_counted_from_the_index_as_the_micro_batches_hold_them(chats, tmp_path, too_long):
+    p = packed(chats, tmp_path, too_long=too_long, lengths=(8, 16, 32), num_samples=12)
+    for length in (8, 16, 32):
+        for i in range(len(p)):
+            batch = build_micro_batch(p.rows(i, length), length, 0, 1, 127, True, True)
+            assert p.labels_of(np.array([i]), length) == int((batch["labels"] != IGNORE_INDEX).sum())
+        assert p.labels_of(np.arange(3), length) == sum(p.labels_of(np.array([i]), length) for i in range(3))
+
+
+def test_conversations_with_nothing_to_train_on_are_refused(tmp_path):
+    zeros = write_conversations(tmp_path / "zeros_text_document", count=20, longest=30)
+    _mask_rewritten(zeros, lambda i, m: False)
+    ds = IndexedDataset(zeros)
+    with pytest.raises(DatasetError, match="no token of its conversations carries the loss: .* marks none"):
+        PackedConversations(ds, open_loss_mask(ds, loss_mask_prefix(zeros)), (0, len(ds)), 32, seed=1)
+    late = write_conversations(tmp_path / "late_text_document", count=20, shortest=20, longest=40)
+    _mask_rewritten(late, lambda i, m: np.arange(len(m)) >= 12)       # every answer past the first 12 tokens
+    ds = IndexedDataset(late)
+    with pytest.raises(DatasetError, match="in the first 8 tokens of each .data.too_long=truncate"):
+        PackedConversations(ds, open_loss_mask(ds, loss_mask_prefix(late)), (0, len(ds)), 32, seed=1,
+                            packing=Packing(too_long="truncate", lengths=(8, 32)))
+
+
+def test_a_step_with_nothing_to_train_on_is_told_with_the_count(tmp_path, capsys):
+    """Half the conversations carry no loss: the steps whose one sample holds only those are named, counted."""
+    import torch
+
+    from megalysses.config.io import load_config
+    from megalysses.training.data import TrainingData
+    from megalysses.training.runtime import plan_and_grid
+
+    prefix = write_conversations(tmp_path / "half_text_document", count=40)
+    _mask_rewritten(prefix, lambda i, m: i % 2 == 0)
+    cfg = load_config(overrides=["data.mock=false", f"data.paths=[{prefix}]", "data.tokenizer=NullTokenizer",
+                                 "model.vocab_size=128", "data.seq_len=32", "data.pack=none", "data.split=100,0,0",
+                                 "training.global_batch_size=1", "training.micro_batch_size=1",
+                                 "training.train_steps=12", "training.eval_interval=0",
+                                 f"data.cache_dir={tmp_path / 'cache'}"])
+    run, grid = plan_and_grid(cfg, torch.device("cpu"))
+    data = TrainingData(cfg, grid, run, torch.device("cpu"))
+    capsys.readouterr()
+    steps = [labels for _, labels in zip(range(12), ((mb["labels"] != IGNORE_INDEX).sum().item()
+                                                      for batch in data.train_batches(0) for mb in batch))]
+    warned = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning: step")]
+    empty = [k + 1 for k, n in enumerate(steps) if n == 0]
+    assert empty and len(empty) < 12, steps                       # some steps train on nothing, others do not
+    assert warned == [f"warning: step {s} trains on nothing: its 1 samples hold no token that carries "
+                                   f"the loss ({n} such step{'s' if n > 1 else ''} so far): its loss and gradients "
+                                   f"are zero" for n, s in enumerate(empty, 1)]

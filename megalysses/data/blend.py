@@ -133,6 +133,18 @@ class BlendedDataset:
             raise IndexError(f"sample {i} outside [0, {self.size})")
         return self.datasets[int(self.dataset_index[i])][int(self.dataset_sample_index[i])]
 
+    def labels_of(self, samples: np.ndarray, length: int) -> Optional[int]:
+        """The labels that carry the loss in `samples` read at `length`, from the members' indices (None when one
+        of them is a dataset of windows, whose every label trains)."""
+        member, index = self.dataset_index[samples], self.dataset_sample_index[samples]
+        total = 0
+        for d in np.unique(member).tolist():
+            count = getattr(self.datasets[d], "labels_of", None)
+            if count is None:
+                return None
+            total += count(index[member == d], length)
+        return total
+
     def rows(self, i: int, length: int) -> list:
         """Sample i read at `length` (a divisor of seq_len), from whichever dataset it comes: packed
         conversations or windows of documents cut into pieces (packing.sample_rows)."""

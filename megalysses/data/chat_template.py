@@ -150,26 +150,55 @@ class ChatTemplate:
             folder = folder.parent
         special = _special_tokens(folder)
         if template_file is not None:
-            path = Path(template_file)
-            try:
-                return cls(path.read_text(encoding="utf-8"), special, str(path))
-            except (OSError, UnicodeDecodeError) as err:
-                raise TemplateError(f"{path}: cannot read the chat template ({err})") from None
+            return cls._from_file(Path(template_file), special)
         jinja = folder / "chat_template.jinja"
         if jinja.is_file():
             return cls(jinja.read_text(encoding="utf-8"), special, str(jinja))
         config = folder / "tokenizer_config.json"
         value = read_json(config, TemplateError).get("chat_template") if config.is_file() else None
-        if isinstance(value, list):   # named templates: the default, and the one for tools if there is one
+        if value is None:
+            raise NoTemplate(f"{folder}: no chat template (neither chat_template.jinja nor a chat_template in "
+                             f"tokenizer_config.json): pass one with --chat-template FILE")
+        return cls._from_field(value, special, config)
+
+    @classmethod
+    def _from_file(cls, path: Path, special: dict[str, str]) -> "ChatTemplate":
+        """--chat-template FILE: a Jinja template, or a JSON object (a tokenizer_config.json) read for its
+        chat_template field; a JSON file without one is refused, never rendered as a template."""
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            raise TemplateError(f"{path}: cannot read the chat template ({err})") from None
+        start = text.lstrip()[:2]
+        if path.suffix != ".json" and (start[:1] != "{" or start in ("{%", "{{", "{#")):
+            return cls(text, special, str(path))            # Jinja: text, or a tag first
+        try:
+            record = json.loads(text)
+        except json.JSONDecodeError as err:
+            if path.suffix != ".json":
+                return cls(text, special, str(path))        # a template that starts with a literal "{"
+            raise TemplateError(f"{path}: a .json chat template file that is not JSON ({err.msg}, line {err.lineno}): "
+                                f"pass a Jinja template, or a tokenizer_config.json holding a chat_template") from None
+        value = record.get("chat_template") if isinstance(record, dict) else None
+        if value is None:
+            raise TemplateError(f"{path} is JSON without a 'chat_template' field, not a chat template: pass a Jinja "
+                                f"template file, or a tokenizer_config.json that holds one")
+        return cls._from_field(value, special, path)
+
+    @classmethod
+    def _from_field(cls, value: Any, special: dict[str, str], config: Path) -> "ChatTemplate":
+        """The template of a tokenizer_config.json's chat_template: a string, or named templates (the default,
+        and the one for tools if there is one)."""
+        if isinstance(value, list):
             named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
-            if "default" not in named:
+            if not isinstance(named.get("default"), str):
                 raise TemplateError(f"{config}: the chat templates {sorted(map(str, named))} have no 'default': "
                                     f"pass one with --chat-template FILE")
             return cls(named["default"], special, f"{config} (default)", named.get("tool_use"))
         if isinstance(value, str):
             return cls(value, special, f"{config} (chat_template)")
-        raise NoTemplate(f"{folder}: no chat template (neither chat_template.jinja nor a chat_template in "
-                         f"tokenizer_config.json): pass one with --chat-template FILE")
+        raise TemplateError(f"{config}: its chat_template is {type(value).__name__}, not a template (a string, or "
+                            f"a list of named ones): pass one with --chat-template FILE")
 
     def render(self, messages: list[dict], tools: Optional[list] = None, add_generation_prompt: bool = False,
                documents: Optional[list] = None) -> tuple[str, list[tuple[int, int]]]:

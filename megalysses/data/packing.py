@@ -14,7 +14,8 @@ Sample i at length L is sequences [i * seq_len / L, (i + 1) * seq_len / L) of th
 the tokens it holds without a curriculum. A conversation longer than L is dropped, truncated to its first L
 tokens (dropped when none of those carries the loss) or refused (DatasetError), as `too_long` says, and
 counted. The indices are built in numpy and cached beside the data (cache.py), so every rank and every
-resume reads the same sequences.
+resume reads the same sequences; beside them, the labels that carry the loss in each sequence, so a step's
+count is known on the host before it runs (`labels_of`), and a dataset with none at a length is refused.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import numpy as np
 from megalysses.data.cache import cached_arrays
 from megalysses.data.indexed import DatasetError, IndexedDataset
 
-PACK_VERSION = "packed-conversations-v1"
+PACK_VERSION = "packed-conversations-v2"
 PACK_MODES = ("ffd", "none")
 TOO_LONG = ("drop", "truncate", "error")
 
@@ -131,13 +132,21 @@ class PackedConversations:
                    "seed": seed, "need": need, "mode": packing.mode, "prefix": os.path.basename(indexed.prefix)}
             self._index[length] = cached_arrays(
                 cache_dir, f"{os.path.basename(indexed.prefix)}-{name}-packed{length}", key,
-                lambda u=usable, n=need, L=length: self._build(u, start, L, seed, n), ["items", "sizes", "bins"])
+                lambda u=usable, n=need, L=length: self._build(u, start, L, seed, n),
+                ["items", "sizes", "bins", "labels"])
             bins = len(self._index[length]["bins"]) - 1
             counts.update(sequences=bins, samples=bins // (seq_len // length))
             self._counts[length] = counts
+        for length, c in self._counts.items():
+            if c["empty"] and c["empty"] == c["conversations"]:
+                raise DatasetError(self._nothing_to_train(length))
         if min(c["samples"] for c in self._counts.values()) < 1:
             raise ValueError(f"{indexed.prefix} ({name}): its conversations fill no sample of {seq_len} tokens "
                              f"at every length {sorted(self._counts)}")
+        for length, index in self._index.items():
+            if not index["labels"].any():
+                raise DatasetError(self._nothing_to_train(length))
+        self._per_sample: dict[int, np.ndarray] = {}
 
     def _usable(self, lengths: np.ndarray, start: int, length: int) -> tuple[np.ndarray, dict[str, int]]:
         """Each conversation's tokens at `length` (0: left out) and the counts of what was left out or cut."""
@@ -157,11 +166,32 @@ class PackedConversations:
             counts["dropped"] = len(long)
         return usable, counts
 
+    def _nothing_to_train(self, length: int) -> str:
+        """The message for a dataset whose sequences at `length` hold no label that carries the loss."""
+        cut = (f" in the first {length} tokens of each (data.too_long=truncate cuts the rest away)"
+               if self.packing.too_long == "truncate" else
+               f" in those of at most {length} tokens (data.too_long=drop leaves out the longer)"
+               if length < self.seq_len or self._counts[length]["dropped"] else "")
+        return (f"{self.indexed.prefix} ({self.name}): no token of its conversations carries the loss{cut}: "
+                f"{os.path.basename(self.mask.prefix)} marks none, so there is nothing to train on; write the data "
+                f"with tools/preprocess_data.py --chat from conversations with assistant turns (prompt and "
+                f"completion: a completion), or train at a longer data.seq_len")
+
+    def _labels(self, usable: np.ndarray, start: int) -> np.ndarray:
+        """Per conversation, the labels that carry the loss in its first usable tokens (its first token is no
+        label: nothing predicts it within the conversation)."""
+        out = np.zeros(len(usable), dtype=np.int64)
+        for i in np.flatnonzero(usable > 1).tolist():
+            out[i] = np.count_nonzero(self.mask.get(start + i, 1, int(usable[i]) - 1))
+        return out
+
     def _build(self, usable: np.ndarray, start: int, length: int, seed: int,
                need: Optional[int]) -> dict[str, np.ndarray]:
         kept = np.flatnonzero(usable > 0)
         if not len(kept):
-            return {"items": np.zeros(0, np.int64), "sizes": np.zeros(0, np.int32), "bins": np.zeros(1, np.int64)}
+            return {"items": np.zeros(0, np.int64), "sizes": np.zeros(0, np.int32), "bins": np.zeros(1, np.int64),
+                    "labels": np.zeros(0, np.int64)}
+        per_conversation = self._labels(usable, start)
         items, sizes, bins, total, epoch = [], [], [np.zeros(1, np.int64)], 0, 0
         while True:
             order = np.random.default_rng([seed, epoch]).permutation(len(usable))
@@ -175,7 +205,9 @@ class PackedConversations:
             epoch += 1
             if need is None or total >= need:
                 break
-        return {"items": np.concatenate(items), "sizes": np.concatenate(sizes), "bins": np.concatenate(bins)}
+        items, bins = np.concatenate(items), np.concatenate(bins)
+        labels = np.add.reduceat(per_conversation[items - start], bins[:-1]) if len(items) else np.zeros(0, np.int64)
+        return {"items": items, "sizes": np.concatenate(sizes), "bins": bins, "labels": labels}
 
     def __len__(self) -> int:
         return min(c["samples"] for c in self._counts.values())
@@ -190,6 +222,13 @@ class PackedConversations:
         k = self.seq_len // length
         index = self._index[length]
         return [self._row(index, b) for b in range(i * k, (i + 1) * k)]
+
+    def labels_of(self, samples: np.ndarray, length: int) -> int:
+        """The labels that carry the loss in `samples` (sample indices) read at `length`, from the index alone."""
+        if length not in self._per_sample:
+            k = self.seq_len // length
+            self._per_sample[length] = self._index[length]["labels"][:len(self) * k].reshape(len(self), k).sum(1)
+        return int(self._per_sample[length][samples].sum())
 
     def sequences(self, length: int) -> list[PackedRow]:
         """Every sequence packed at `length`, in order (samples take them seq_len / length at a time)."""

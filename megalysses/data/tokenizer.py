@@ -338,7 +338,7 @@ class GPT2BPETokenizer(HFTokenizer):
         tok.decoder = decoders.ByteLevel()
         if tok.token_to_id("<|endoftext|>") is not None:
             tok.add_special_tokens(["<|endoftext|>"])
-        self.path = vocab
+        self.path, self.merge_file = vocab, merges
         self._setup(tok, False, {"eos": "<|endoftext|>"})
 
 

@@ -10,8 +10,9 @@ the training layout.
 (the latest, or --step N) and evaluates on the run's layout where the world size allows it (a multiple of
 tp x sp x pp ranks: the rest is data parallelism), else on all the ranks as one sequence-parallel group
 (Ulysses as far as the heads allow, ring attention for the rest); --set section.key=value changes the layout
-(or any setting) as pretrain.py's --set does. --from-hf evaluates a Hugging Face Llama directory (its
-config.json, safetensors and tokenizer.json), the rest of the settings from --config (default: the schema's).
+(or any setting) as pretrain.py's --set does. --from-hf evaluates a Hugging Face model folder (Llama, Qwen2/2.5,
+Qwen3 or Mistral: its config.json, safetensors and tokenizer.json), the rest of the settings from --config
+(default: the schema's).
 The forward is the training one (tp, sp = ulysses x ring, pp and virtual stages, FSDP, head chunks, activation
 offload), so a length evaluates wherever a training step of that length runs.
 
@@ -22,12 +23,16 @@ text is the run's validation data or --haystack. An answer is correct when each 
 given the correct prefix, which is what greedy decoding would write: one forward, and only the answer
 positions reach the LM head. Lengths past the one the model trained at are allowed and marked as
 extrapolation (with the model's RoPE and its scaling). --tasks, --lengths, --depths, --samples and --seed
-default to the run's long_eval section (lengths: the trained length and its half and quarter).
+default to the run's long_eval section (lengths: the trained length and its half and quarter, those that hold
+every task's prompt).
+
+It prints what it will run (tasks, lengths, depths, samples; default lengths left out, and why) before the
+weights are read, then a line each time cells (a task at a length and depth) are done, with the time left.
 
 Writes long_eval.json (results: one entry per task, length and depth, or position bucket; settings, layout
 and seconds beside them), long_eval.md (the tables, also printed) and PNG pictures (a depth x length heatmap per
 needle task, passkey accuracy against length, loss against position; needs matplotlib, the `plot` extra) into
-the run directory or --out.
+the run directory or --out, which is checked writable before anything runs.
 """
 from __future__ import annotations
 
@@ -35,6 +40,8 @@ import argparse
 import dataclasses
 import os
 import sys
+import tempfile
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -58,7 +65,8 @@ from megalysses.model.hf import model_config_from_hf
 from megalysses.model.hf_io import HFFormatError, open_hf_dir
 from megalysses.plan import Machine, resolve
 from megalysses.plan.machine import local_device
-from megalysses.training.long_eval import LongEval, LongEvalError, LongEvalSettings, check_settings, text_only
+from megalysses.training.long_eval import (EvalProgress, LongEval, LongEvalError, LongEvalSettings, cell_count,
+                                           check_settings, sample_items, text_only)
 from megalysses.training.loop import build_model
 from megalysses.training.runtime import flex_compile_budget, startup_line
 
@@ -79,7 +87,9 @@ def _parser() -> argparse.ArgumentParser:
     source.add_argument("--run", "--run-dir", dest="run",
                         help="a run directory (config.yaml and checkpoints/); under torchrun spell it --run-dir "
                              "(torchrun reads --run as its own --run-path)")
-    source.add_argument("--from-hf", metavar="HF_DIR", help="a Hugging Face Llama directory")
+    source.add_argument("--from-hf", metavar="HF_DIR",
+                        help="a Hugging Face model folder: Llama, Qwen2/2.5, Qwen3 or Mistral (config.json, "
+                             "safetensors, tokenizer.json)")
     p.add_argument("--step", type=int, help="--run: the checkpoint of this step (default: the latest)")
     p.add_argument("--config", help="--from-hf: a megalysses YAML for everything but the model (layout, data)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
@@ -170,19 +180,76 @@ def _fit_layout(cfg: Config, world: int, overrides: list[str]) -> tuple[Config, 
     return cfg, note
 
 
-def _settings(cfg: Config, args: argparse.Namespace, prompts: Any, trained: Optional[int]) -> LongEvalSettings:
+def _settings(cfg: Config, args: argparse.Namespace, prompts: Any,
+              trained: Optional[int]) -> tuple[LongEvalSettings, list[str]]:
     """--tasks, --lengths, --depths, --samples, --seed over the config's long_eval section; default lengths: the
-    trained length, its half and its quarter, those that hold every task's prompt."""
+    trained length, its half and its quarter, those that hold every task's prompt; and a line for each default
+    length left out, saying why."""
     e = cfg.long_eval
     tasks = tuple(args.tasks if args.tasks is not None else e.tasks)
     lengths = args.lengths if args.lengths is not None else e.lengths
+    dropped: list[str] = []
     if not lengths and trained:
-        lengths = [n for n in (trained // 4, trained // 2, trained)
-                   if all(n >= minimum_length(prompts, t) for t in tasks if t in TASKS)] or [trained]
+        lengths, dropped = _default_lengths(trained, prompts, [t for t in tasks if t in TASKS])
     return LongEvalSettings(tasks=tasks, lengths=tuple(lengths or ()),
                             depths=tuple(args.depths if args.depths is not None else e.depths),
                             samples=args.samples if args.samples is not None else e.samples,
-                            seed=args.seed if args.seed is not None else e.seed)
+                            seed=args.seed if args.seed is not None else e.seed), dropped
+
+
+def _default_lengths(trained: int, prompts: Any, tasks: list[str]) -> tuple[list[int], list[str]]:
+    """The trained length, its half and its quarter, those that hold every task's prompt (the trained length
+    alone when none does); a line for each left out."""
+    need = {t: minimum_length(prompts, t) for t in tasks}
+    kept, dropped = [], []
+    for n, what in ((trained // 4, "a quarter of "), (trained // 2, "half "), (trained, "")):
+        short = [t for t in tasks if n < need[t]]
+        if short:
+            dropped.append(f"length {n} ({what}the trained {trained}) left out: it cannot hold the {short[0]} "
+                           f"prompt, which needs {need[short[0]]} tokens with this tokenizer")
+        else:
+            kept.append(n)
+    return kept or [trained], dropped
+
+
+def plan_lines(settings: LongEvalSettings, trained: Optional[int], dropped: list[str]) -> list[str]:
+    """What the evaluation will run, in words: tasks, lengths (past the trained one marked), needle depths and
+    samples, and the cells, samples and tokens that makes; then the default lengths left out."""
+    lengths = sorted(set(settings.lengths))
+    marked = [f"{n} (extrapolation)" if trained is not None and n > trained else str(n) for n in lengths]
+    per_length = len(sample_items(settings))
+    depths = (f"; depths {', '.join(f'{d:g}' for d in settings.depths)}"
+              if any(t != "position-loss" for t in settings.tasks) else "")
+    line = (f"long_eval: tasks {', '.join(settings.tasks)}; lengths {', '.join(marked)}"
+            f"{f' (trained at {trained})' if trained else ''}{depths}; {settings.samples} samples each: "
+            f"{cell_count(settings) * len(lengths)} cells, {per_length * len(lengths)} samples, "
+            f"{per_length * sum(lengths):,} tokens")
+    return [line] + [f"long_eval: {d}" for d in dropped]
+
+
+def _clock(seconds: float) -> str:
+    s = int(round(seconds))
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+def progress_line(done: EvalProgress, elapsed: float) -> str:
+    """One line of progress: the cells done, the last of them, the time so far and an estimate of the time left
+    (the seconds per sample token so far, times the tokens left)."""
+    left = elapsed * (done.tokens - done.tokens_done) / max(done.tokens_done, 1)
+    return (f"long_eval: {done.cells_done} of {done.cells} cells done ({done.last}), {_clock(elapsed)} elapsed, "
+            f"about {_clock(left)} left")
+
+
+def check_output(out: Path, what: str) -> None:
+    """ConfigError unless files can be written in `out`, or in the folder it would be made in, tried by writing
+    one (and removing it: nothing is left behind, not even `out`)."""
+    existing = next((q for q in (out, *out.parents) if q.exists()), Path("."))
+    try:
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".long_eval-write-test-"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"{what} {out}: cannot write there ({existing}: {e.strerror or e}): give a directory "
+                          f"this user can write to") from None
 
 
 def _haystack(cfg: Config, args: argparse.Namespace, settings: LongEvalSettings) -> Optional[DocumentStream]:
@@ -202,10 +269,15 @@ def evaluate(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+    out = Path(args.out or args.run)
+    if is_rank0() and args.out:       # before any work: the results must have somewhere to go
+        check_output(out, "--out")
     cfg, tok = _run_config(args) if args.run else _hf_config(args)
+    if is_rank0() and not args.out:
+        check_output(out, "the run directory")
     cfg, note = _fit_layout(cfg, world, args.overrides)
     prompts = Prompts(tok, cfg.data.bos)
-    settings = _settings(cfg, args, prompts, None)
+    settings, dropped = _settings(cfg, args, prompts, None)
     haystack = _haystack(cfg, args, settings)
     check_settings(settings, prompts, haystack, text_only(tok))
     if args.run:
@@ -213,7 +285,7 @@ def evaluate(args: argparse.Namespace) -> int:
     else:
         weights, trained = Path(args.from_hf), open_hf_dir(args.from_hf)[0].get("max_position_embeddings")
     if not settings.lengths:
-        settings = _settings(cfg, args, prompts, trained)
+        settings, dropped = _settings(cfg, args, prompts, trained)
         if not settings.lengths:
             raise LongEvalError(f"{args.from_hf}'s config.json gives no max_position_embeddings: give --lengths")
         check_settings(settings, prompts, haystack, text_only(tok))
@@ -226,6 +298,8 @@ def evaluate(args: argparse.Namespace) -> int:
     if note:
         print0(note)
     print0(startup_line(cfg, grid, run))
+    for line in plan_lines(settings, trained, dropped):
+        print0(line)
     mesh = grid.device_mesh(device)
     model = build_model(cfg, grid, device, mesh, run)
     print0(load_initial_weights(weights, model, cfg, grid, mesh))
@@ -233,14 +307,16 @@ def evaluate(args: argparse.Namespace) -> int:
         model.to(run.torch_dtype)
     evaluator = LongEval(cfg, grid, device, run, tok, haystack)
     where: list[str] = ["starting"]
+    start = time.perf_counter()
     try:
-        report = evaluator.run(model, settings, trained, where.append)
+        report = evaluator.run(model, settings, trained, where.append,
+                               lambda done: print0(progress_line(done, time.perf_counter() - start)))
     except (torch.OutOfMemoryError, MemoryError):
         raise LongEvalError(f"out of memory while {where[-1]}: this layout cannot hold that length; evaluate shorter "
                             f"--lengths, or spread the sequence over more ranks (--set parallel.sp=N) or into "
                             f"smaller pieces (training.attention_head_chunks, training.mlp_chunk_tokens)") from None
     if is_rank0():
-        _write(Path(args.out or args.run), report, settings, weights, {
+        _write(out, report, settings, weights, {
             "world": world, "tp": grid.tp_size, "sp": grid.sp_size, "ulysses": grid.ulysses_size,
             "ring": grid.ring_size, "pp": grid.pp_size, "dp": grid.dp_size, "attention": run.attention,
             "dtype": run.dtype, "startup": startup_line(cfg, grid, run)})
@@ -248,20 +324,24 @@ def evaluate(args: argparse.Namespace) -> int:
 
 
 def _write(out: Path, report: Any, settings: LongEvalSettings, weights: Path, layout: dict) -> None:
-    """long_eval.json, long_eval.md (printed too) and the pictures, in `out`."""
-    out.mkdir(parents=True, exist_ok=True)
+    """long_eval.json, long_eval.md (printed first, so that a failing write loses nothing) and the pictures, in
+    `out`; ConfigError when they cannot be written there."""
     trained = report.trained_length
-    write_results(out, report.results, trained, {
-        "source": str(weights), "settings": dataclasses.asdict(settings), "layout": layout,
-        "seconds": {str(n): round(t, 3) for n, t in report.seconds.items()}})
     table = markdown(report.results, trained)
-    (out / MARKDOWN_NAME).write_text(table)
-    print(table, end="")
+    print(table, end="", flush=True)
     try:
+        out.mkdir(parents=True, exist_ok=True)
+        write_results(out, report.results, trained, {
+            "source": str(weights), "settings": dataclasses.asdict(settings), "layout": layout,
+            "seconds": {str(n): round(t, 3) for n, t in report.seconds.items()}})
+        (out / MARKDOWN_NAME).write_text(table)
         pictures = draw(report.results, out, trained)
     except ImportError:
         print("warning: no pictures: they need matplotlib (pip install 'megalysses[plot]')", file=sys.stderr)
         pictures = []
+    except OSError as e:
+        raise ConfigError(f"cannot write the results into {out} ({e.strerror or e}; the tables are printed above): "
+                          f"give --out a directory this user can write to") from None
     print(f"wrote {out / 'long_eval.json'}, {out / MARKDOWN_NAME}" + "".join(f", {p}" for p in pictures))
 
 

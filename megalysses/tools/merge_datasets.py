@@ -13,6 +13,9 @@ those merged so far, documents/s, MB/s, ETA); the output is written under tempor
 when complete, the .idx last, so an interrupted merge leaves nothing behind. --multimodal (indices with
 sequence modes) is refused.
 
+The tokenizer recorded beside each shard (`{shard}.tokenizer.json`, tools/preprocess_data.py) goes beside the
+merged dataset when every shard has it; shards that record different tokenizers are refused.
+
 Shards of conversations (tools/preprocess_data.py --chat) have their loss mask beside them
 (`{shard}_loss_mask`): the masks are merged alike into `{output_prefix}_loss_mask`, so the merged tokens and
 mask stay aligned; shards with a mask and shards without cannot be merged (blend them with data.paths).
@@ -33,6 +36,8 @@ from typing import Any, Optional
 from megalysses.data.indexed import (DatasetError, IndexedDataset, IndexedDatasetBuilder, bin_path, idx_path,
                                      loss_mask_prefix)
 from megalysses.data.progress import Progress
+from megalysses.data.tokenizer_identity import (SUFFIX, describe, read_identity, same_tokenizer, sidecar_path,
+                                                write_identity)
 from megalysses.tools.preprocess_data import Stopped, check_output_prefix, raise_stopped
 
 
@@ -51,7 +56,8 @@ def find_pairs(folder: Path) -> tuple[list[str], list[str]]:
                 raise DatasetError(f"{folder / (stem + have)} has no {stem + need} beside it (a shard whose "
                                    f"preprocessing did not finish?): re-create the pair, or move {stem + have} out "
                                    f"of --input")
-    others = [n for n in names if not n.endswith((".bin", ".idx"))]
+    others = [n for n in names if not n.endswith((".bin", ".idx"))
+              and not (n.endswith(SUFFIX) and n[:-len(SUFFIX)] in stems)]      # the shards' tokenizers
     return [str(folder / stem) for stem in sorted(stems)], others
 
 
@@ -85,6 +91,29 @@ def split_masks(prefixes: list[str]) -> tuple[list[str], list[str]]:
     return datasets, [loss_mask_prefix(p) for p in have]
 
 
+def common_identity(prefixes: list[str]) -> Optional[dict]:
+    """The tokenizer every dataset records (None when some record none, said in a note); DatasetError when two
+    record different ones."""
+    records = []
+    for prefix in prefixes:
+        try:
+            records.append(read_identity(prefix))
+        except ValueError as e:
+            raise DatasetError(f"{e}: remove it, or write {prefix} again with tools/preprocess_data.py") from None
+    known = [(p, r) for p, r in zip(prefixes, records) if r is not None]
+    for prefix, record in known[1:]:
+        if not same_tokenizer(known[0][1], record):
+            raise DatasetError(f"{prefix} was tokenized with {describe(record)} but {known[0][0]} with "
+                               f"{describe(known[0][1])}: the shards of one dataset need one tokenizer; tokenize "
+                               f"them again with one")
+    if known and len(known) < len(prefixes):
+        lacks = next(p for p, r in zip(prefixes, records) if r is None)
+        print(f"note: {lacks} records no tokenizer ({sidecar_path(lacks)}): the merged dataset records none",
+              file=sys.stderr)
+        return None
+    return known[0][1] if known else None
+
+
 def merge(folder: str, output_prefix: str) -> dict[str, Any]:
     """Merge the .bin/.idx pairs of `folder` into `{output_prefix}.bin/.idx` (and their loss masks into
     `{output_prefix}_loss_mask`); a summary of what was done."""
@@ -103,6 +132,7 @@ def merge(folder: str, output_prefix: str) -> dict[str, Any]:
     datasets, dtype = _check_inputs(prefixes)
     if masks:
         _check_inputs(masks)
+    identity = common_identity(prefixes)
     names = [Path(p).name for p in prefixes]
     if sorted(names, key=_natural) != names:
         a, b = next((x, y) for x, y in zip(names, sorted(names, key=_natural)) if x != y)
@@ -137,10 +167,13 @@ def merge(folder: str, output_prefix: str) -> dict[str, Any]:
         for (_, _, t, _), builder in zip(outputs, builders):
             builder.finalize(idx_path(t))
         for _, _, t, final in outputs:
-            if os.path.exists(idx_path(final)):
-                os.remove(idx_path(final))
+            for old in (idx_path(final), sidecar_path(final)):
+                if os.path.exists(old):
+                    os.remove(old)
             os.replace(bin_path(t), bin_path(final))
             os.replace(idx_path(t), idx_path(final))
+        if identity is not None:
+            write_identity(output_prefix, identity)
     finally:
         for builder in builders:
             builder.close()

@@ -33,8 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="records are conversations ('messages', optionally 'tools') or 'prompt' and 'completion': "
                         "write the tokens and, beside them, the loss mask of the answers")
     c.add_argument("--chat-template", default=None, metavar="FILE",
-                   help="a Jinja chat template (default: the tokenizer folder's chat_template.jinja or "
-                        "tokenizer_config.json's chat_template)")
+                   help="a Jinja chat template, or a tokenizer_config.json whose chat_template is used (default: "
+                        "the tokenizer folder's chat_template.jinja or tokenizer_config.json's chat_template)")
     c.add_argument("--chat-train-on", choices=("all", "last"), default="all",
                    help="which assistant turns carry the loss: all of them (default) or the last")
     c.add_argument("--chat-end-of-turn", action=argparse.BooleanOptionalAction, default=True,

@@ -34,7 +34,9 @@ document boundary with no tokens and no EOD; a JSON list of strings is a pre-spl
 sequence per non-empty string. Lines that are not JSON, lack a key or hold a non-string are skipped,
 counted and reported (a line is skipped whole, so the per-key outputs stay aligned); empty documents
 are counted and reported. A run that would write no tokens is refused. Output is byte-identical for
-any --workers. Files are written under temporary names and renamed at the very end, the .idx last.
+any --workers. Files are written under temporary names and renamed at the very end, the .idx last; beside
+each dataset, PREFIX.tokenizer.json records the tokenizer that wrote it (its type, files and their sha256,
+ids, EOD), which training compares with its own (docs/DATA_FORMAT.md).
 """
 from __future__ import annotations
 
@@ -62,6 +64,7 @@ from megalysses.data.columnar import chat_columns, check_columns, read_records
 from megalysses.data.progress import Progress
 from megalysses.data.text_input import InputError, Position, check_jsonl, corpus_inputs, read_file, read_lines
 from megalysses.data.tokenizer import ByteTokenizer, TokenizerError, build_tokenizer
+from megalysses.data.tokenizer_identity import sidecar_path, tokenizer_identity, write_identity
 from megalysses.tools import preprocess_chat
 
 BATCH_BYTES = 1 << 20
@@ -443,15 +446,19 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
                 raise InputError(_empty_message(args, key, tally.docs, tally.skipped, tally.examples, tally.seen_keys))
         for kq, builder in builders.items():
             builder.finalize(idx_path(parts_of[kq]))
+        identity = tokenizer_identity(tokenizer)
         for key, final in finals.items():
             source = parts_of[key, 0]
             if parts > 1:   # Megatron-LM merges its partitions' outputs in partition order
                 source = temp[key]
                 merge_datasets([parts_of[key, q] for q in range(parts)], source)
-            if os.path.exists(idx_path(final)):
-                os.remove(idx_path(final))
+            for old in (idx_path(final), sidecar_path(final)):   # an earlier dataset's identity goes before it
+                if os.path.exists(old):
+                    os.remove(old)
             os.replace(bin_path(source), bin_path(final))
             os.replace(idx_path(source), idx_path(final))
+            if key != "loss_mask":
+                write_identity(final, identity)
     finally:
         for builder in builders.values():
             builder.close()
@@ -536,9 +543,10 @@ def _report(args: argparse.Namespace, tokenizer: Any, finals: dict[str, str], su
               file=sys.stderr)
     if summary["special_spelled"]:
         print(_spelled_message(summary["special_spelled"], spelled_example, args), file=sys.stderr)
-    for final in finals.values():
-        print(f"wrote {bin_path(final)} and {idx_path(final)}", file=sys.stderr)
-    # the tokenizer is not recorded in the .bin/.idx (Megatron-LM's format): name the one a run must use
+    for key, final in finals.items():
+        identity = "" if key == "loss_mask" else f" (and the tokenizer that wrote them in {sidecar_path(final)})"
+        print(f"wrote {bin_path(final)} and {idx_path(final)}{identity}", file=sys.stderr)
+    # the .bin/.idx do not name their tokenizer (Megatron-LM's format): the settings of a run that uses it
     default = "" if args.tokenizer_type_given else " (the default: pass --tokenizer-type for another)"
     print(f"tokenized with {args.tokenizer_type}{default}: {tokenizer.vocab_size} ids, EOD {tokenizer.eod_id}; "
           f"train with pretrain.py {' '.join(shlex.quote(a) for a in _training_settings(args, tokenizer, finals))} "

@@ -3,14 +3,18 @@
 Every dataset is validated when it is opened, on every rank alike (so a bad dataset ends the run
 with the same message everywhere, before the first step): the index structure (indexed.py), the
 dtype and every token id against the tokenizer's and the model's vocabulary (validate.py, cached),
+the tokenizer recorded beside it (data/tokenizer_identity.py; another one than the run's: a warning),
 and each micro-batch is checked against the model's vocabulary once more as it is built. Datasets of
 conversations (a loss mask beside them) are packed at every length of the curriculum (data/packing.py),
-and rank 0 prints what packing did.
+and rank 0 prints what packing did; one whose loss mask marks no token to train on is refused, and a step
+whose samples hold none is told in a warning (counted from the packing index on the host, the same on every
+rank: nothing is read back from a device).
 """
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Iterator, Optional
 
+import numpy as np
 import torch
 
 from megalysses.config import Config
@@ -18,6 +22,7 @@ from megalysses.data import DatasetError, MockGPTDataset, build_gpt_datasets, it
 from megalysses.data.indexed import IndexedDataset
 from megalysses.data.packing import Packing, describe
 from megalysses.data.tokenizer import NullTokenizer, tokenizer_from_config
+from megalysses.data.tokenizer_identity import identity_mismatch, read_identity, tokenizer_identity
 from megalysses.data.validate import check_dtype_holds, check_token_ids
 from megalysses.distributed import print0
 from megalysses.grid import ParallelGrid
@@ -37,6 +42,7 @@ class TrainingData:
         self.cfg, self.grid, self.run, self.device = cfg, grid, run, device
         self.batch_sizes = BatchSizes.from_config(t)      # the batch of each step (a ramp, or constant)
         self.packing_summary: list[str] = []              # what packing did to conversations, in words
+        self.empty_steps = 0                              # steps whose samples hold no label that trains
         if d.mock:
             self.eod_id = cfg.model.vocab_size - 1
             n = t.train_steps * t.global_batch_size
@@ -66,8 +72,10 @@ class TrainingData:
             raise DatasetError(f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size="
                                f"{vocab}: raise model.vocab_size (to a multiple of tp)")
         self.eod_id = tokenizer.eod_id
+        identity: list[dict] = []                 # the run tokenizer's, made when a dataset records one
 
         def validate(ds: IndexedDataset, cache_dir: str) -> None:
+            _check_identity(ds.prefix, tokenizer, identity)
             if not isinstance(tokenizer, NullTokenizer):   # its vocabulary is the model's, not the data's maker
                 check_dtype_holds(ds, tokenizer.vocab_size, f"data.tokenizer={d.tokenizer}")
             check_token_ids(ds, vocab, cache_dir, "model.vocab_size")
@@ -121,11 +129,48 @@ class TrainingData:
             if len(step) < num_micro:
                 raise DatasetError("the training data ran out before training.train_steps: "
                                    "the sample index was built for fewer samples")
+            self._warn_if_nothing_to_train(consumed_samples, num_micro * per_micro)
             consumed_samples += num_micro * per_micro
             yield step
+
+    def _warn_if_nothing_to_train(self, first: int, samples: int) -> None:
+        """A warning when the step of samples [first, first + samples) holds no label that carries the loss."""
+        if self._step_labels(first, samples) != 0:
+            return
+        self.empty_steps += 1
+        print0(f"warning: step {self.batch_sizes.step_of(first) + 1} trains on nothing: its {samples} samples hold "
+               f"no token that carries the loss ({self.empty_steps} such step{'s' if self.empty_steps > 1 else ''} "
+               f"so far): its loss and gradients are zero")
+
+    def _step_labels(self, first: int, samples: int) -> Optional[int]:
+        """The labels that carry the loss in the global batch of samples [first, first + samples), from the packing
+        index (packed conversations); None where the data has no loss mask (every label trains)."""
+        labels_of = getattr(self.train, "labels_of", None)
+        if labels_of is None:
+            return None
+        length = self.run.train_phase(self.batch_sizes.step_of(first)).seq_len
+        return labels_of(np.arange(first, first + samples), length)
 
     def valid_batches(self) -> list[Batch]:
         """The fixed validation set: eval_steps global batches at data.seq_len (at every stage of a curriculum,
         so validation losses compare across it)."""
         it = self._micro_batches(self.valid, 0, curriculum=False)
         return [mb for _, mb in zip(range(self.run.micro_batches * self.cfg.training.eval_steps), it)]
+
+
+def _check_identity(prefix: str, tokenizer: object, identity: list[dict]) -> None:
+    """A warning (rank 0) when the dataset `prefix` records another tokenizer than the run's (`identity` caches
+    the run's, computed once); nothing when it records none."""
+    try:
+        recorded = read_identity(prefix)
+    except ValueError as e:
+        print0(f"warning: {e}: the tokenizer that wrote {prefix} is not checked")
+        return
+    if recorded is None:
+        return
+    if not identity:
+        identity.append(tokenizer_identity(tokenizer))
+    line = identity_mismatch(recorded, identity[0], prefix)
+    if line:
+        print0(f"warning: {line}")
+

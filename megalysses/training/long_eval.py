@@ -62,6 +62,30 @@ class LongEvalSettings:
 
 
 @dataclass
+class EvalProgress:
+    """How far an evaluation has got: its cells (a task at a length and depth; loss by position: one per length)
+    whose samples have all run, of all of them, the last one done (in words), and the sample tokens run so far, of
+    all of them (what an estimate of the time left reads)."""
+
+    cells: int
+    tokens: int
+    cells_done: int = 0
+    tokens_done: int = 0
+    last: str = ""
+
+
+def sample_items(s: LongEvalSettings) -> list[tuple[str, int, int]]:
+    """(task, depth index, sample index) of every sample of one length, a cell's samples one after the other."""
+    items = [(t, d, k) for t in s.tasks if t in ACCURACY_TASKS for d in range(len(s.depths)) for k in range(s.samples)]
+    return items + [("position-loss", 0, k) for k in range(s.samples) if "position-loss" in s.tasks]
+
+
+def cell_count(s: LongEvalSettings) -> int:
+    """The cells of one length: a task at a depth (loss by position: one)."""
+    return len({(task, d) for task, d, _ in sample_items(s)})
+
+
+@dataclass
 class LongEvalReport:
     """The figures (one entry per task, length and depth, or position bucket), and beside them the trained
     length and the seconds each length took."""
@@ -125,15 +149,19 @@ class LongEval:
         check_settings(s, self.prompts, self.haystack, self.drop)
 
     def run(self, model: torch.nn.Module, s: LongEvalSettings, trained_length: Optional[int] = None,
-            doing: Callable[[str], None] = lambda what: None) -> LongEvalReport:
-        """The figures of `s` for `model` (this rank's stage or virtual stages), the same on every rank."""
+            doing: Callable[[str], None] = lambda what: None,
+            progress: Callable[[EvalProgress], None] = lambda done: None) -> LongEvalReport:
+        """The figures of `s` for `model` (this rank's stage or virtual stages), the same on every rank;
+        `progress` is told each time cells are done."""
         training = model.training
         model.eval()
         report = LongEvalReport([], trained_length)
+        lengths = sorted(set(s.lengths))
+        tally = EvalProgress(cells=cell_count(s) * len(lengths), tokens=len(sample_items(s)) * sum(lengths))
         try:
-            for length in sorted(set(s.lengths)):
+            for length in lengths:
                 t0 = time.perf_counter()
-                report.results += self._length(model, s, length, doing)
+                report.results += self._length(model, s, length, doing, (tally, progress))
                 report.seconds[length] = time.perf_counter() - t0
         finally:
             reshard(model)
@@ -144,9 +172,7 @@ class LongEval:
 
     def _items(self, s: LongEvalSettings) -> list[tuple[str, int, int]]:
         """(task, depth index, sample index) of every sample of one length."""
-        items = [(t, d, k) for t in s.tasks if t in ACCURACY_TASKS for d in range(len(s.depths))
-                 for k in range(s.samples)]
-        return items + [("position-loss", 0, k) for k in range(s.samples) if "position-loss" in s.tasks]
+        return sample_items(s)
 
     def sample(self, s: LongEvalSettings, length: int, item: tuple[str, int, int]) -> Sample:
         """Sample `item` of `length`: the same on every rank."""
@@ -158,8 +184,8 @@ class LongEval:
                   lambda n, r: self.haystack.window(n, r, self.drop, self.separator))
         return compose(self.prompts, task_prompt(self.prompts, task, s.depths[d], rng), length, filler, rng)
 
-    def _length(self, model: torch.nn.Module, s: LongEvalSettings, length: int,
-                doing: Callable[[str], None]) -> list[dict]:
+    def _length(self, model: torch.nn.Module, s: LongEvalSettings, length: int, doing: Callable[[str], None],
+                told: tuple[EvalProgress, Callable[[EvalProgress], None]]) -> list[dict]:
         g = self.grid
         per_mb = max(1, self.plan.micro_batch_size * self.cfg.data.seq_len // length)
         items = self._items(s)
@@ -167,6 +193,7 @@ class LongEval:
         rounds = -(-len(items) // chunk)
         buckets = int(bucket_of(np.array([length - 1]))[0]) + 1
         stats = torch.zeros(len(items), buckets, 3, dtype=torch.float64, device=self.device)  # tokens, hits, loss
+        last = {(task, d): i for i, (task, d, _) in enumerate(items)}        # each cell's last sample
         for c in range(rounds):
             doing(f"evaluating long context at {length} tokens (micro-batch {c + 1} of {rounds})")
             ids = range(c * chunk + g.dp_rank * per_mb, c * chunk + (g.dp_rank + 1) * per_mb)   # this dp rank's
@@ -181,6 +208,8 @@ class LongEval:
                         where = local[b][keep]
                         stats[i].index_add_(0, where, torch.stack([torch.ones_like(losses[b][keep]),
                                                                    hits[b][keep], losses[b][keep]], dim=1))
+            ran = range(c * chunk, min((c + 1) * chunk, len(items)))
+            _advance(told, [cell for cell, i in last.items() if i in ran], len(ran) * length, s.depths, length)
         comm.all_reduce_(stats, comm.world())
         return _figures(items, stats.cpu(), s, length)
 
@@ -216,6 +245,19 @@ class LongEval:
             else:
                 forward_only(model, [mb], 1.0, **common)
         return out[0] if out else None
+
+
+def _advance(told: tuple[EvalProgress, Callable[[EvalProgress], None]], done: list[tuple[str, int]], tokens: int,
+             depths: tuple[float, ...], length: int) -> None:
+    """The tally after a micro-batch of `tokens` sample tokens that completed the cells `done` (task, depth
+    index), in order; the listener told when any were."""
+    tally, progress = told
+    tally.tokens_done += tokens
+    if done:
+        task, d = done[-1]
+        tally.cells_done += len(done)
+        tally.last = f"{task} at {length} tokens" + (f", depth {depths[d]:g}" if task in ACCURACY_TASKS else "")
+        progress(tally)
 
 
 def _figures(items: list[tuple[str, int, int]], stats: torch.Tensor, s: LongEvalSettings, length: int) -> list[dict]:

@@ -277,6 +277,16 @@ def _not_uint8(tmp: Path, mask: str) -> None:
     write(Path(mask), [[1] * len(ds[i]) for i in range(len(ds))], np.uint16)
 
 
+def _mask_where(keep: Callable[[np.ndarray], np.ndarray]) -> Callable[[Path, str], None]:
+    """The conversations' loss mask, 1 where keep(positions) and the answers are (all answers: keep True)."""
+    def build(tmp: Path, mask: str) -> None:
+        from megalysses.data.indexed import IndexedDataset
+        ds = IndexedDataset(str(tmp / "chat_text_document"))
+        answers = [np.asarray(ds[i]) % 2 for i in range(len(ds))]        # stands for the answers' tokens
+        write(Path(mask), [(a * keep(np.arange(len(a)))).tolist() for a in answers], np.uint8)
+    return build
+
+
 def _index_alone(tmp: Path, mask: str) -> None:
     _not_uint8(tmp, mask)
     os.remove(f"{mask}.bin")
@@ -289,6 +299,13 @@ CASES += [
     Case("data/conversations_too_long_refused", pretrain_on(chats, "data.too_long=error"), "longer than the sequences"),
     Case("data/conversations_packed_without_document_mask", pretrain_on(chats, "data.document_mask=false"),
          "data.document_mask"),
+    Case("data/conversations_loss_mask_all_zeros", pretrain_on(chats_mask_replaced(_mask_where(
+        lambda at: np.zeros(len(at), bool))), "data.seq_len=64"), "no token of its conversations carries"),
+    Case("data/conversations_every_answer_truncated_away", pretrain_on(
+        lambda tmp: chats_mask_replaced(_mask_where(lambda at: at >= 33))(tmp), "data.too_long=truncate"),
+         "carries the loss in the first 32 tokens"),
+    Case("data/conversations_answers_only_in_the_first_token", pretrain_on(chats_mask_replaced(_mask_where(
+        lambda at: at == 0)), "data.seq_len=64"), "no token of its conversations carries"),
     Case("data/conversations_all_longer_than_the_sequence", pretrain_on(lambda tmp: chats(tmp, 60, shortest=33)),
          "fill no sample"),
 ]

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Callable
 
 from tests.faults.cases_config import pretrain
+from tests.faults.cases_convert import hf_model, read_only
 from tests.faults.cases_tools import run_dir, tokenizer_json
 from tests.faults.corpus import Case
 
@@ -99,6 +100,11 @@ CASES = [
         ["--from-hf", str(tmp)]), "--out"),
     Case("long_eval/hf_dir_missing", lambda tmp: __import__("megalysses.tools.eval_long", fromlist=["m"]).main(
         ["--from-hf", str(tmp / "nope"), "--out", str(tmp / "o")]), "not a directory"),
+    Case("long_eval/out_not_writable", lambda tmp: eval_long(*PASSKEY, "--out", f"{read_only(tmp)}/results")(tmp),
+         "cannot write there"),
+    Case("long_eval/hf_out_not_writable", lambda tmp: __import__("megalysses.tools.eval_long", fromlist=["m"]).main(
+        ["--from-hf", hf_model()(tmp), "--out", f"{read_only(tmp)}/results", "--tasks", "passkey"]),
+         "cannot write there"),
     Case("long_eval/out_is_a_file", _then(lambda tmp: (tmp / "f").write_text("x"), eval_long(
         *PASSKEY, "--out", "{tmp}/f/results")), "is a file"),
     # the config section, as pretrain reads it

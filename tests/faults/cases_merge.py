@@ -47,6 +47,17 @@ def cut(name: str, keep: int) -> Callable[[Path], None]:
     return lambda folder: (folder / name).write_bytes((folder / name).read_bytes()[:keep])
 
 
+def identities(**kinds: str) -> Callable[[Path], None]:
+    """The identity of a tokenizer of each kind (byte, null, ...) recorded beside shard NAME, as preprocessing
+    records it."""
+    def damage(folder: Path) -> None:
+        from megalysses.data.tokenizer import build_tokenizer
+        from megalysses.data.tokenizer_identity import tokenizer_identity, write_identity
+        for name, kind in kinds.items():
+            write_identity(folder / name, tokenizer_identity(build_tokenizer(kind, vocab_size=300)))
+    return damage
+
+
 def below_a_file(tmp: Path) -> int:
     (tmp / "afile").write_text("x")
     return merge(output="{tmp}/afile/merged")(tmp)
@@ -66,6 +77,10 @@ CASES = [
     Case("merge/bin_truncated", merge(shards(*GOOD, damage=cut("a.bin", 4))), "truncated .bin"),
     Case("merge/idx_garbage", merge(shards(*GOOD, damage=lambda f: (f / "a.idx").write_bytes(b"x" * 64))),
          "bad magic"),
+    Case("merge/shards_of_different_tokenizers", merge(shards(*GOOD, damage=identities(a="byte", b="null"))),
+         "the shards of one dataset need one tokenizer"),
+    Case("merge/shard_tokenizer_record_garbage", merge(shards(*GOOD, damage=lambda f: (
+        f / "b.tokenizer.json").write_text("{not json"))), "b.tokenizer.json: cannot be read"),
     Case("merge/output_is_a_directory", merge(output="{tmp}"), "is a directory"),
     Case("merge/output_below_a_file", below_a_file, "is a file"),
     Case("merge/output_inside_input", merge(output="{tmp}/shards/merged"), "inside --input"),

@@ -258,6 +258,15 @@ CASES += [
                                                                     jsonl(CHATS)(tmp))[1]), "does not compile"),
     Case("preprocess/chat_template_file_missing", chat("chatml", "--chat-template", "{tmp}/none.jinja"),
          "cannot read the chat template"),
+    Case("preprocess/chat_template_json_without_one", chat("chatml", "--chat-template", "{tmp}/tokenizer_config.json",
+                                                           source=lambda tmp: (
+                                                               made("tokenizer_config.json", b'{"bos_token": "<s>"}')(
+                                                                   tmp), jsonl(CHATS)(tmp))[1]),
+         "JSON without a 'chat_template' field"),
+    Case("preprocess/chat_template_json_file_not_json", chat("chatml", "--chat-template", "{tmp}/template.json",
+                                                             source=lambda tmp: (
+                                                                 made("template.json", b'{"chat_template": ')(tmp),
+                                                                 jsonl(CHATS)(tmp))[1]), "not JSON"),
     Case("preprocess/chat_template_rewrites_earlier_turns", chat("rewrites", source=jsonl(TWO_TURNS)),
          "rewrites earlier turns"),
     Case("preprocess/chat_generation_blocks_not_one_per_turn", chat("one_block", source=jsonl(TWO_TURNS)),

@@ -2,6 +2,7 @@
 warmup longer than the run, optimizer.lr=0) were accepted without a word: each now gets one warning
 line from pretrain, and the run goes on to train."""
 import contextlib
+import hashlib
 import io
 import json
 from pathlib import Path
@@ -46,3 +47,33 @@ def test_lr_zero_warns_and_trains(tmp_path):
     assert status == 0, out
     assert _warnings(out) == ["warning: optimizer.lr=0: the weights will not change"], out
     assert _trained(tmp_path / "run", out) == [1, 2]
+
+
+def test_data_of_another_tokenizer_warns_naming_both_and_trains(tmp_path):
+    """Byte-tokenized data (every id inside a 300-piece sentencepiece vocabulary) trained with that sentencepiece
+    model: one warning naming both tokenizers, from the identity preprocessing wrote beside the data; none with
+    the tokenizer that wrote it, nor for data that records none (older datasets)."""
+    from megalysses.data.tokenizer_identity import sidecar_path
+    from megalysses.tools.preprocess_data import main as preprocess
+    from tests.faults.cases_data import sp_model
+
+    docs = "".join(json.dumps({"text": f"document {i}: " + "the quick brown fox " * 4}) + "\n" for i in range(40))
+    (tmp_path / "in.jsonl").write_text(docs)
+    preprocess(["--input", str(tmp_path / "in.jsonl"), "--output-prefix", str(tmp_path / "d"), "--append-eod",
+                "--log-interval", "0"])
+    data = ["data.mock=false", f"data.paths=[{tmp_path / 'd_text_document'}]", "model.vocab_size=512",
+            "data.split=100,0,0", "training.eval_interval=0", "checkpoint.save_interval=0"]
+    model = sp_model(tmp_path)
+    status, out = _pretrain(tmp_path / "sp", *data, "data.tokenizer=sentencepiece", f"data.tokenizer_model={model}")
+    assert status == 0, out
+    digest = hashlib.sha256(Path(model).read_bytes()).hexdigest()[:12]
+    assert _warnings(out) == [(f"warning: {tmp_path / 'd_text_document'} was tokenized with byte (259 ids, EOD 257), "
+                               f"but this run's tokenizer is sentencepiece sp.model (sha256 {digest}, 300 ids, EOD 2): "
+                               f"set data.tokenizer (and data.tokenizer_model, data.eod) to the one that wrote it, or "
+                               f"re-tokenize it")], out
+    assert _trained(tmp_path / "sp", out) == [1, 2]
+    status, out = _pretrain(tmp_path / "byte", *data, "data.tokenizer=byte")
+    assert status == 0 and _warnings(out) == [], out
+    Path(sidecar_path(tmp_path / "d_text_document")).unlink()
+    status, out = _pretrain(tmp_path / "old", *data, "data.tokenizer=sentencepiece", f"data.tokenizer_model={model}")
+    assert status == 0 and _warnings(out) == [], out
