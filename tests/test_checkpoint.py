@@ -253,3 +253,26 @@ def test_metadata_never_unpickles_arbitrary_objects(tmp_path):
     (tmp_path / ".metadata").write_bytes(pickle.dumps(_Evil()))
     with pytest.raises(CheckpointError, match="refusing to unpickle"):
         SafeFileSystemReader(str(tmp_path)).read_metadata()
+
+
+def test_pruning_keeps_the_checkpoint_an_init_from_names(tmp_path, capsys):
+    """A run started from one checkpoint folder of another run marks it (a KEEP file naming the run, outside its
+    manifest): that run's checkpoint.keep_last then prunes around it, and it still verifies."""
+    from megalysses.checkpoint.manifest import verify_checkpoint
+    from megalysses.tools.pretrain import main
+    from tests.faults.launch import TINY
+
+    def pretrain(run: Path, *overrides: str) -> str:
+        sets = TINY + [f"logging.run_dir={run}", "checkpoint.save_interval=1", *overrides]
+        assert main([a for o in sets for a in ("--set", o)]) == 0
+        return capsys.readouterr().out
+
+    source, started = tmp_path / "source", tmp_path / "started"
+    pretrain(source, "training.train_steps=2", "checkpoint.keep_last=0")
+    step1 = source / "checkpoints" / "step_0000001"
+    out = pretrain(started, "training.train_steps=1", f"checkpoint.init_from={step1}")
+    assert f"initial weights: {step1}" in out
+    assert (step1 / "KEEP").read_text() == f"the initial weights of the run {started}\n"
+    pretrain(source, "training.train_steps=4", "checkpoint.keep_last=1")
+    assert sorted(p.name for p in (source / "checkpoints").glob("step_*")) == ["step_0000001", "step_0000004"]
+    assert verify_checkpoint(step1) == []

@@ -212,7 +212,7 @@ def test_hf_to_megalysses_train_and_back(hf_dir, tmp_path):
     want = hf_loss_on_first_batch(hf_dir)
     r = torchrun(2, run / "config.yaml", TRAIN + ["parallel.tp=2"])
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "initial weights from" in r.stdout
+    assert f"initial weights: {run / 'checkpoints' / 'step_0000000'} (weights only)" in r.stdout
     assert abs(first_loss(run) - want) <= 1e-5 * want
     back = ["--from", str(run), "--to-hf", str(tmp_path / "trained"), "--dtype", "float32"]
     assert convert_checkpoint.main(back) == 0
@@ -231,12 +231,53 @@ def test_hf_to_megalysses_train_and_back(hf_dir, tmp_path):
     r = torchrun(2, run / "config.yaml", TRAIN + ["parallel.tp=1", "parallel.sp=2", f"checkpoint.init_from={hf_dir}",
                                                   f"logging.run_dir={fresh}", "training.train_steps=1"])
     assert r.returncode == 0, r.stdout + r.stderr
+    assert f"initial weights: the Hugging Face model {hf_dir}" in r.stdout
     assert abs(first_loss(fresh) - want) <= 1e-5 * want
     # init_from a Hugging Face directory: the same, read from that directory
     assert convert_checkpoint.main(["--from", str(fresh), "--to-hf", str(tmp_path / "fresh_hf")]) == 0
     config = json.loads((tmp_path / "fresh_hf" / "config.json").read_text())
     assert (config["max_position_embeddings"], config["bos_token_id"], config["eos_token_id"]) == (256, 1, 2)
     assert (tmp_path / "fresh_hf" / "generation_config.json").is_file()
+
+
+def pretrain_in_process(config: Path, overrides: list[str], capsys) -> str:
+    """pretrain's main in this process (a world of one); what it printed."""
+    from megalysses.tools import pretrain
+
+    assert pretrain.main(["--config", str(config)] + [a for o in overrides for a in ("--set", o)]) == 0
+    return capsys.readouterr().out
+
+
+def test_a_fine_tune_into_another_run_directory_starts_from_the_converted_weights(hf_dir, tmp_path, capsys):
+    """One conversion, several fine-tunes: config.yaml's checkpoint.init_from names the converted step-0 weights,
+    so a run directory of its own starts from them (its first loss is transformers' on the same batch), even
+    after the converted run pruned its older checkpoints (the step-0 weights hold a KEEP file); every start
+    says where its weights come from, random ones included."""
+    run = tmp_path / "run"
+    assert convert_checkpoint.main(["--from-hf", str(hf_dir), "--to", str(run)]) == 0
+    step0 = run / "checkpoints" / "step_0000000"
+    assert yaml.safe_load((run / "config.yaml").read_text())["checkpoint"]["init_from"] == str(step0)
+    assert "checkpoint.init_from of" in (step0 / "KEEP").read_text()
+    want = hf_loss_on_first_batch(hf_dir)
+    one = TRAIN + ["training.train_steps=1"]
+
+    # the converted run itself, pruned to its last checkpoint: the step-0 weights stay
+    out = pretrain_in_process(run / "config.yaml", TRAIN + ["training.train_steps=3", "checkpoint.save_interval=1",
+                                                            "checkpoint.keep_last=1"], capsys)
+    assert f"initial weights: {step0} (weights only)" in out
+    assert abs(first_loss(run) - want) <= 1e-5 * want
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_0000000", "step_0000003"]
+
+    other = tmp_path / "other"
+    out = pretrain_in_process(run / "config.yaml", one + [f"logging.run_dir={other}"], capsys)
+    assert f"initial weights: {step0} (weights only)" in out
+    assert abs(first_loss(other) - want) <= 1e-5 * want
+
+    scratch = tmp_path / "scratch"
+    out = pretrain_in_process(run / "config.yaml", one + [f"logging.run_dir={scratch}", "checkpoint.init_from=null",
+                                                          "training.seed=7"], capsys)
+    assert "initial weights: random (seed 7)" in out
+    assert abs(first_loss(scratch) - want) > 1e-3 * want
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -293,3 +334,26 @@ def test_a_context_extension_sets_its_rope_scaling_at_conversion(tmp_path):
     config = transformers.AutoConfig.from_pretrained(tmp_path / "back")
     assert {k: config.rope_parameters[k] for k in ("rope_type", "factor", "original_max_position_embeddings")} == \
         {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+
+
+def test_a_rope_scaling_turned_on_at_conversion_takes_the_models_own_context(tmp_path, capsys):
+    """--set model.rope_scaling.type=yarn on a model without scaling: original_max_position_embeddings is the model's
+    own context (config.json's max_position_embeddings), not the schema's default; given, it is --set's. The hint
+    to add data.paths comes only when the config has none."""
+    from test_hf import family_model
+
+    torch.manual_seed(0)
+    family_model("mistral").save_pretrained(tmp_path / "hf")               # plain RoPE, 64 positions
+    config = tmp_path / "with_data.yaml"
+    config.write_text("data:\n  paths: [data/corpus_text_document]\n")
+    argv = ["--from-hf", str(tmp_path / "hf"), "--set", "model.rope_scaling.type=yarn", "--set",
+            "model.rope_scaling.factor=4"]
+    assert convert_checkpoint.main(argv + ["--to", str(tmp_path / "a"), "--config", str(config)]) == 0
+    assert "--set data.paths" not in capsys.readouterr().out
+    scaling = yaml.safe_load((tmp_path / "a" / "config.yaml").read_text())["model"]["rope_scaling"]
+    assert (scaling["type"], scaling["original_max_position_embeddings"]) == ("yarn", 64)
+    given = ["--set", "model.rope_scaling.original_max_position_embeddings=32"]
+    assert convert_checkpoint.main(argv + given + ["--to", str(tmp_path / "b")]) == 0
+    assert "--set data.paths=[...]" in capsys.readouterr().out
+    scaling = yaml.safe_load((tmp_path / "b" / "config.yaml").read_text())["model"]["rope_scaling"]
+    assert scaling["original_max_position_embeddings"] == 32

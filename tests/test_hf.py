@@ -7,7 +7,7 @@ import torch
 
 from megalysses.config import ModelConfig
 from megalysses.model.gpt import GPTStage
-from megalysses.model.hf import from_hf_state_dict, hf_config_dict, model_config_from_hf, to_hf_state_dict
+from megalysses.model.hf import from_hf_state_dict, hf_config_dict, hf_shapes, model_config_from_hf, to_hf_state_dict
 
 transformers = pytest.importorskip("transformers")
 
@@ -103,6 +103,7 @@ def test_families_match_transformers(family):
     back = to_hf_state_dict(ours.state_dict(), cfg)
     ref = {k: v for k, v in hf.state_dict().items() if "rotary_emb" not in k}
     assert set(back) == set(ref) and all(torch.equal(back[k], ref[k]) for k in ref)
+    assert hf_shapes(cfg) == {k: tuple(v.shape) for k, v in ref.items()}        # what the import checks against
     exported = hf_config_dict(cfg, "float32", 64, eos_token_id=2, bos_token_id=1)
     config = transformers.AutoConfig.for_model(**exported)
     assert type(config) is type(hf.config) and model_config_from_hf(exported, attention_backend="sdpa") == cfg

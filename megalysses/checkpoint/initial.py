@@ -8,7 +8,10 @@ Called on the freshly built fp32 model, before the optimizer takes its fp32 mast
 optimizer starts fresh from exactly these weights. A Hugging Face directory is read tensor by tensor
 (mmapped safetensors): each rank converts one parameter at a time to our layout and keeps its own tp
 shard (and, under FSDP, its own dim-0 chunk). A megalysses checkpoint is read with DCP, resharded to
-this layout; from a full checkpoint the fp32 masters are taken, not the rounded compute weights.
+this layout; from a full checkpoint the fp32 masters are taken, not the rounded compute weights. A
+Hugging Face directory's tensors are checked against the shapes its config.json predicts before any is read;
+one checkpoint folder named directly is kept from pruning (a KEEP file, checkpoint/manifest.py), so that the
+run can start from it again.
 """
 from __future__ import annotations
 
@@ -21,13 +24,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from megalysses.config import Config, ConfigError
+from megalysses.distributed import on_rank0, print0
 from megalysses.grid import ParallelGrid
 from megalysses.model.gpt import architecture
-from megalysses.model.hf import check_hf_names, model_config_from_hf, our_tensor
+from megalysses.model.hf import check_hf_names, check_hf_shapes, model_config_from_hf, our_tensor
 from megalysses.model.hf_io import HFFormatError, is_hf_dir, open_hf_dir
 from megalysses.checkpoint.dcp_io import (CheckpointError, SafeFileSystemReader, model_entry, check_model_shape,
                                             resolve_checkpoint)
-from megalysses.checkpoint.manifest import verify_checkpoint
+from megalysses.checkpoint.manifest import mark_kept, verify_checkpoint
 
 WEIGHTS_ONLY = "weights_only"
 
@@ -69,8 +73,13 @@ def _from_hf(folder: Path, model: nn.Module, cfg: Config, grid: ParallelGrid) ->
                           f"to the Hugging Face model's (tools/convert_checkpoint.py --from-hf writes one)")
     try:
         check_hf_names(tensors.keys(), cfg.model)
+        check_hf_shapes(tensors.shape, cfg.model)           # each tensor's header, before any tensor is read
     except KeyError as e:
         raise ConfigError(f"checkpoint.init_from={folder}: {e.args[0]}") from None
+    except HFFormatError:                                 # said by load_initial_weights
+        raise
+    except ValueError as e:
+        raise ConfigError(f"checkpoint.init_from={folder}: {e}") from None
     for name, p in model.named_parameters():
         _copy_full(p, our_tensor(name, cfg.model, tensors.get).float(), grid)
     # positions and the window are the run's to choose (a context extension changes the RoPE scaling): said, not refused
@@ -80,8 +89,8 @@ def _from_hf(folder: Path, model: nn.Module, cfg: Config, grid: ParallelGrid) ->
                        f"{theirs.rope_theta:g}, {theirs.rope_scaling.type}")
     if theirs.sliding_window != m.sliding_window:
         changed.append(f"sliding window {m.sliding_window} where the model has {theirs.sliding_window}")
-    return f"initial weights from the Hugging Face model {folder}" + (f" (this run: {'; '.join(changed)})"
-                                                                      if changed else "")
+    return f"initial weights: the Hugging Face model {folder}" + (f" (this run: {'; '.join(changed)})"
+                                                                   if changed else "")
 
 
 def _from_checkpoint(path: Path, model: nn.Module, cfg: Config, grid: ParallelGrid, mesh: DeviceMesh) -> str:
@@ -90,7 +99,17 @@ def _from_checkpoint(path: Path, model: nn.Module, cfg: Config, grid: ParallelGr
     sub = mesh["tp", "grad"]
     state = {f"{prefix}.{n}": model_entry(p, sub, grid.tp_size) for n, p in model.named_parameters()}
     dcp.load(state, storage_reader=SafeFileSystemReader(str(path)))
-    return f"initial weights from {path}"
+    return f"initial weights: {path}" + (" (weights only)" if prefix == "model" else "")
+
+
+def _keep(path: Path, run_dir: str) -> None:
+    """Rank 0: keep the checkpoint a run starts from out of pruning (a KEEP file, manifest.py), so that the run
+    can start again from it; a warning where it cannot be written."""
+    try:
+        mark_kept(path, f"the initial weights of the run {Path(run_dir).absolute()}")
+    except OSError as e:
+        print0(f"warning: {path} cannot be marked to keep ({e.strerror or e}): pruning in its own run directory "
+               f"(checkpoint.keep_last) may remove it, and this run could not start from it again")
 
 
 def find_initial_checkpoint(source: str | Path) -> Path:
@@ -128,6 +147,9 @@ def load_initial_weights(source: str | Path, model: nn.Module, cfg: Config, grid
         raise ConfigError(f"checkpoint.init_from={source}: {e}") from None
     path = find_initial_checkpoint(folder)
     try:
-        return _from_checkpoint(path, model, cfg, grid, mesh)
+        line = _from_checkpoint(path, model, cfg, grid, mesh)
     except CheckpointError as e:
         raise ConfigError(f"checkpoint.init_from={source}: {e}") from None
+    if path == folder:                 # one checkpoint named (a run directory's `latest` moves on as it trains)
+        on_rank0(lambda: _keep(path, cfg.logging.run_dir))
+    return line

@@ -15,7 +15,10 @@ from an earlier checkpoint (an explicit `checkpoint.load`, or a fallback) starts
 first save, checkpoints with a higher step than the one just saved belong to the abandoned timeline
 and are moved to `<dir>/abandoned/` (kept, never deleted, never resumed from automatically). Pruning
 (`keep_last`) then counts back from the checkpoint just saved, which `latest` names and which is
-therefore never deleted.
+therefore never deleted. Nor is a checkpoint holding a `KEEP` file: the weights a `checkpoint.init_from`
+names (tools/convert_checkpoint.py --from-hf writes one into the step-0 weights it converts, and a run that
+starts from one checkpoint folder writes one there), each line of it saying who needs it; delete the file to
+let pruning remove the checkpoint.
 """
 from __future__ import annotations
 
@@ -33,6 +36,8 @@ from megalysses.distributed import print0
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
+KEEP = "KEEP"
+"""A file in a checkpoint that pruning respects: the checkpoint stays (each line says which run needs it)."""
 ABANDONED = "abandoned"
 FORMAT = 1
 _CHUNK = 1 << 24
@@ -66,10 +71,11 @@ def checksums(directory: Path, names: list[str]) -> dict[str, list[int]]:
 
 
 def write_manifest(directory: Path, known: dict[str, list[int]]) -> None:
-    """Record every file of `directory` (checksums in `known` are reused, the rest computed here)."""
+    """Record every file of `directory` (checksums in `known` are reused, the rest computed here) but a KEEP
+    file, which runs that start from the checkpoint may add to."""
     files = dict(known)
     for p in sorted(directory.iterdir()):
-        if p.is_file() and p.name != MANIFEST and p.name not in files:
+        if p.is_file() and p.name not in (MANIFEST, KEEP) and p.name not in files:
             files[p.name] = list(file_checksum(p))
     text = json.dumps({"format": FORMAT, "files": dict(sorted(files.items()))}, separators=(",", ":"))
     (directory / MANIFEST).write_text(text)
@@ -297,6 +303,16 @@ def prune(root: Path, saved: Path, keep_last: int) -> None:
                f"({', '.join(p.name for p in later)}) to {aside}: this run continued from an earlier step; "
                f"delete them when they are no longer needed")
     if keep_last > 0:
-        older = [p for p in checkpoints_in(root) if step_of(p) < step]
+        older = [p for p in checkpoints_in(root) if step_of(p) < step and not (p / KEEP).exists()]
         for old in older[:max(0, len(older) - (keep_last - 1))]:
             shutil.rmtree(old, ignore_errors=True)
+
+
+def mark_kept(checkpoint: Path, why: str) -> None:
+    """Keep `checkpoint` from pruning (a KEEP file), adding the line `why` unless it is there. OSError when the
+    checkpoint cannot be written."""
+    path = checkpoint / KEEP
+    lines = path.read_text().splitlines() if path.is_file() else []
+    if why not in lines:
+        with open(path, "a") as f:
+            f.write(why + "\n")

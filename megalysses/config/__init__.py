@@ -413,7 +413,8 @@ class CheckpointConfig:
     """Save every N steps (0 = only at the end / on preemption)."""
     keep_last: int = 2
     """Keep this many checkpoints, counting back from the one just saved (0 = keep all); the one `latest`
-    names is never deleted."""
+    names is never deleted, nor one holding a KEEP file (weights a checkpoint.init_from names: the converter's
+    step-0 weights, a checkpoint folder a run started from)."""
     load: Optional[str] = "auto"
     """auto = resume from <dir>/latest if present; a path = load it; None = start fresh."""
     init_from: Optional[str] = None

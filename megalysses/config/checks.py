@@ -15,8 +15,9 @@ from typing import Optional
 from megalysses.config import Config, ConfigError, DataConfig, RopeScalingConfig, TrainingConfig
 
 
-def validate_config(cfg: Config, world_size: Optional[int] = None) -> None:
-    """Cross-field rules. With `world_size`, also the layout and batch arithmetic. Raises ConfigError."""
+def validate_config(cfg: Config, world_size: Optional[int] = None, paths_later: bool = False) -> None:
+    """Cross-field rules. With `world_size`, also the layout and batch arithmetic; with `paths_later`, an empty
+    data.paths is allowed (a converted model's config, given its data when training starts). Raises ConfigError."""
     m, p, d, t = cfg.model, cfg.parallel, cfg.data, cfg.training
     _check_ranges(cfg)
     if m.head_dim is None and m.hidden_size % m.num_heads:
@@ -45,7 +46,7 @@ def validate_config(cfg: Config, world_size: Optional[int] = None) -> None:
         raise ConfigError(f"model.num_layers={m.num_layers} is not divisible by parallel.pp={p.pp}: "
                           f"every pipeline stage holds the same number of layers")
     _check_tokenizer(d)
-    if not d.mock and not d.paths:
+    if not d.mock and not d.paths and not paths_later:
         raise ConfigError("data.paths is empty: give dataset prefixes (tools/preprocess_data.py output) "
                           "or set data.mock=true")
     if d.mock and m.vocab_size < 3:
@@ -231,6 +232,12 @@ def config_warnings(cfg: Config) -> list[str]:
     if o.warmup_steps > t.train_steps:
         notes.append(f"optimizer.warmup_steps={o.warmup_steps} is more than training.train_steps={t.train_steps}: "
                      f"the learning rate never reaches optimizer.lr")
+    rs, plain = cfg.model.rope_scaling, RopeScalingConfig()
+    unused = [f"model.rope_scaling.{f.name}={getattr(rs, f.name)}" for f in dataclasses.fields(rs)
+              if f.name != "type" and getattr(rs, f.name) != getattr(plain, f.name)]
+    if rs.type == "none" and unused:
+        notes.append(f"{', '.join(unused)} {'is' if len(unused) == 1 else 'are'} unused: model.rope_scaling.type "
+                     f"is none (plain RoPE); set model.rope_scaling.type (llama3, linear or yarn) to apply it")
     return notes
 
 

@@ -16,7 +16,8 @@ Mistral's head_dim and sliding window (model.sliding_window, read with Qwen's us
 layer_types); Llama's attention_bias and mlp_bias map as they are. RoPE scaling (llama3, linear, yarn) is
 read from `rope_scaling` or (transformers 5) `rope_parameters`. Mixture-of-experts models, other
 model_types and other RoPE types are refused, naming what does not convert.
-`our_tensor` / `hf_tensors` convert one parameter at a time, so a loader never needs the whole model.
+`our_tensor` / `hf_tensors` convert one parameter at a time, so a loader never needs the whole model;
+`check_hf_names` and `check_hf_shapes` compare a model's tensors with what its config predicts before any is read.
 """
 from __future__ import annotations
 
@@ -84,6 +85,9 @@ _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwe
 _MIXTURES = {"mixtral", "qwen2_moe", "qwen3_moe", "qwen3_next", "llama4", "deepseek_v2", "deepseek_v3", "dbrx",
              "jamba", "olmoe", "granitemoe", "phimoe", "minimax", "gpt_oss", "qwen3_5_moe", "mistral4"}
 _ROPE_TYPES = ("default", "llama3", "linear", "yarn")
+_ROPE_KEYS = {"factor": "context extension factor, the new context over the original, e.g. 4.0",
+              "low_freq_factor": "llama3 low-frequency factor, Llama 3.1's is 1.0",
+              "high_freq_factor": "llama3 high-frequency factor, Llama 3.1's is 4.0"}
 
 
 def _field(hf_config: Any, key: str, default: Any = None) -> Any:
@@ -107,15 +111,23 @@ def _rope(hf_config: Any) -> tuple[float, RopeScalingConfig]:
         return float(theta), RopeScalingConfig()
     if kind not in _ROPE_TYPES:
         raise ValueError(f"RoPE scaling of type {kind!r} is not supported (plain RoPE, llama3, linear and yarn are)")
+    key = "rope_scaling" if scaling else "rope_parameters"
+
+    def required(name: str) -> float:
+        if spec.get(name) is None:
+            raise ValueError(f"config.json's {key} (rope_type {kind}) has no {name}: add it (the {_ROPE_KEYS[name]}), "
+                             f"or remove {key} for plain RoPE")
+        return float(spec[name])
+
     if kind == "linear":
-        return float(theta), RopeScalingConfig(type="linear", factor=float(spec["factor"]))
+        return float(theta), RopeScalingConfig(type="linear", factor=required("factor"))
     positions = _field(hf_config, "max_position_embeddings")
     original = int(_field(hf_config, "original_max_position_embeddings") or
                    spec.get("original_max_position_embeddings") or positions)
     if kind == "llama3":
         return float(theta), RopeScalingConfig(
-            type="llama3", factor=float(spec["factor"]), low_freq_factor=float(spec["low_freq_factor"]),
-            high_freq_factor=float(spec["high_freq_factor"]), original_max_position_embeddings=original)
+            type="llama3", factor=required("factor"), low_freq_factor=required("low_freq_factor"),
+            high_freq_factor=required("high_freq_factor"), original_max_position_embeddings=original)
     factor = spec.get("factor") or positions / original
     attention = spec.get("attention_factor")
     return float(theta), RopeScalingConfig(
@@ -345,9 +357,48 @@ def check_hf_names(hf_names: set[str], cfg: ModelConfig) -> None:
         raise KeyError(f"unexpected Hugging Face tensors {unknown[:3]}: the model is not a plain Llama of this shape")
 
 
+def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The shape of every Hugging Face tensor of a model with cfg's architecture: our model built on the meta
+    device, its tensors converted by hf_tensors, so the prediction is what the conversion itself reads."""
+    from megalysses.model.gpt import GPTStage
+
+    with torch.device("meta"):
+        model = GPTStage(cfg)
+    return {k: tuple(t.shape) for n, p in model.named_parameters() for k, t in hf_tensors(n, p, cfg).items()}
+
+
+def _shape_words(hf_name: str, cfg: ModelConfig) -> str:
+    """The config.json fields a Hugging Face tensor's shape follows from, with their values."""
+    heads = f"num_attention_heads {cfg.num_heads} x head_dim {cfg.head_size}"
+    kv = f"num_key_value_heads {cfg.kv_heads} x head_dim {cfg.head_size}"
+    hidden, ffn = f"hidden_size {cfg.hidden_size}", f"intermediate_size {cfg.ffn_size}"
+    head, vocab = f"head_dim {cfg.head_size}", f"vocab_size {cfg.vocab_size}"
+    dims = {"q_proj": (heads, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden), "o_proj": (hidden, heads),
+            "q_norm": (head,), "k_norm": (head,), "gate_proj": (ffn, hidden), "up_proj": (ffn, hidden),
+            "down_proj": (hidden, ffn), "embed_tokens": (vocab, hidden), "lm_head": (vocab, hidden)}
+    parts = hf_name.split(".")
+    kind = next((k for k in parts if k in dims), None)
+    words = dims[kind] if kind is not None else (hidden,)
+    return ", ".join(words[:1] if parts[-1] == "bias" else words)
+
+
+def check_hf_shapes(shape_of: Callable[[str], tuple[int, ...]], cfg: ModelConfig) -> None:
+    """Raise ValueError naming the first Hugging Face tensor whose shape (read by shape_of(name), without reading
+    the tensor) is not the one cfg predicts (hf_shapes): a config.json that does not describe its weights."""
+    for name, want in hf_shapes(cfg).items():
+        if name == "lm_head.weight" and cfg.tie_embeddings:
+            continue                                         # tied: transformers does not save it
+        have = tuple(shape_of(name))
+        if have != want:
+            raise ValueError(f"the tensor {name} has shape {have} where config.json ({_shape_words(name, cfg)}) "
+                             f"predicts {want}: config.json does not describe these weights; correct it to the "
+                             f"model's own")
+
+
 def from_hf_state_dict(hf_sd: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
     """A Hugging Face Llama state dict -> ours (full tensors)."""
     check_hf_names(set(hf_sd), cfg)
+    check_hf_shapes(lambda name: hf_sd[name].shape, cfg)
     return {name: our_tensor(name, cfg, hf_sd.__getitem__) for name in our_names(cfg)}
 
 

@@ -74,7 +74,7 @@ class HFTensors:
     def keys(self) -> set[str]:
         return set(self.weight_map)
 
-    def get(self, name: str) -> Tensor:
+    def _handle(self, name: str):
         if name not in self.weight_map:
             raise KeyError(f"{self.folder} has no tensor {name}")
         file = self.weight_map[name]
@@ -83,10 +83,22 @@ class HFTensors:
             if not path.is_file():
                 raise HFFormatError(f"{self.folder}: the index names {file}, which is missing")
             self._files[file] = self._open_file(path)
+        return self._files[file], self.folder / file
+
+    def get(self, name: str) -> Tensor:
+        handle, path = self._handle(name)
         try:
-            return self._files[file].get_tensor(name)
+            return handle.get_tensor(name)
         except Exception as e:   # as above
-            raise _damaged(self.folder / file, e) from None
+            raise _damaged(path, e) from None
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The shape of tensor `name`, from its file's header (nothing read)."""
+        handle, path = self._handle(name)
+        try:
+            return tuple(handle.get_slice(name).get_shape())
+        except Exception as e:   # as above
+            raise _damaged(path, e) from None
 
 
 def open_hf_dir(path: str | Path) -> tuple[dict, HFTensors]:

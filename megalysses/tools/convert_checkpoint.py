@@ -11,10 +11,14 @@
 layout (fused QKV and gate-up projections, the padded vocabulary) as a DCP checkpoint that loads at any
 (tp, sp, pp, dp) layout, with or without FSDP; training starts from it with a fresh optimizer at step 0.
 The run's config.yaml takes its model section from the Hugging Face config and everything else from
---config (default: the schema's defaults); set data.paths before training. --set model.rope_theta,
-model.rope_scaling.* and model.sliding_window change the model section too (no tensor depends on them: a
-context extension's RoPE scaling, say). (checkpoint.init_from
-points a run at a Hugging Face directory directly, without converting.)
+--config (default: the schema's defaults); set data.paths before training. Its checkpoint.init_from names the
+converted step-0 weights, so a run of this config in any run directory starts from them (they hold a KEEP file:
+checkpoint pruning leaves them). The model section is checked as a run checks its config (config.checks, --set
+overrides included; its warnings printed) and every tensor's shape against it before anything is written; a RoPE
+scaling that --set turns on takes the model's own context (max_position_embeddings) as its original one.
+--set model.rope_theta, model.rope_scaling.* and model.sliding_window change the model section too (no tensor
+depends on them: a context extension's RoPE scaling, say). (checkpoint.init_from can also point a run at a
+Hugging Face directory directly, without converting.)
 When the Hugging Face directory has a tokenizer.json, the run keeps a copy of its tokenizer files (its chat
 template among them) in <run_dir>/tokenizer/ and its config.yaml points data.tokenizer at it (the model's ids are that
 tokenizer's), unless --set names another. The paths config.yaml names are absolute: the run works from
@@ -43,23 +47,25 @@ import sys
 import types
 import warnings
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
 import yaml
 
-from megalysses.config import Config, ConfigError
+from megalysses.config import Config, ConfigError, ModelConfig
+from megalysses.config.checks import config_warnings, validate_config
 from megalysses.config.io import apply_override, config_from_dict, config_to_dict, save_config
 from megalysses.data.hf_tokenizer import hf_tokenizer_files, source_name
 from megalysses.data.tokenizer import TokenizerError, canonical_kind, tokenizer_from_config
 from megalysses.model.gpt import GPTStage, architecture
-from megalysses.model.hf import hf_config_dict, hf_tensors, model_config_from_hf, our_names, our_tensor, check_hf_names
+from megalysses.model.hf import (check_hf_names, check_hf_shapes, hf_config_dict, hf_tensors, model_config_from_hf,
+                                 our_names, our_tensor)
 from megalysses.model.hf_io import DTYPES, HFFormatError, check_new_dir, is_hf_dir, open_hf_dir, write_hf_dir
 from megalysses.checkpoint.dcp_io import (LATEST, CheckpointError, SafeFileSystemReader, model_differences,
                                             resolve_checkpoint)
 from megalysses.checkpoint.initial import WEIGHTS_ONLY, is_weights_only
-from megalysses.checkpoint.manifest import FORMAT, verify_checkpoint, write_manifest
+from megalysses.checkpoint.manifest import FORMAT, mark_kept, verify_checkpoint, write_manifest
 
 
 HF_SOURCE = "hf_source"      # <run_dir>/hf_source/: the imported model's config.json (and generation_config.json)
@@ -99,17 +105,23 @@ def _base_config(path: Optional[str], overrides: list[str]) -> dict:
     return data
 
 
-def from_hf(hf_dir: str, run_dir: str, config: Optional[str] = None, overrides: Optional[list[str]] = None) -> Path:
-    """Write <run_dir>/config.yaml and a weights-only checkpoint at step 0; returns the checkpoint dir."""
-    hf_config, tensors = open_hf_dir(hf_dir)
+def _own_tokenizer(hf_dir: str, overrides: list[str]) -> bool:
+    """The run takes the imported model's tokenizer (a copy in <run_dir>/tokenizer/): it has a tokenizer.json,
+    and --set names no other."""
+    return (Path(hf_dir) / "tokenizer.json").is_file() and not any(o.startswith("data.tokenizer") for o in overrides)
+
+
+def _imported_config(hf_dir: str, hf_config: dict, run_dir: str, config: Optional[str],
+                     overrides: list[str]) -> Config:
+    """The run's config: the model section from config.json (and what --set gives of RUN_MODEL_KEYS), the rest
+    from --config and --set. A RoPE scaling that --set turns on takes the model's own context for its
+    original_max_position_embeddings unless --set gives one."""
     try:
         model = model_config_from_hf(hf_config)
     except (ValueError, KeyError, TypeError) as e:
         raise ConvertError(f"{hf_dir}: {e}") from None
-    data = _base_config(config, overrides or [])
-    own_tokenizer = (Path(hf_dir) / "tokenizer.json").is_file() and not any(o.startswith("data.tokenizer")
-                                                                            for o in overrides or [])
-    if own_tokenizer:
+    data = _base_config(config, overrides)
+    if _own_tokenizer(hf_dir, overrides):
         # the model's ids are its tokenizer's: that one, not --config's, unless --set names another; the run
         # keeps a copy of its own (the Hugging Face folder may go)
         data.setdefault("data", {}).update(tokenizer="huggingface", tokenizer_model=str(Path(run_dir) / "tokenizer"))
@@ -117,15 +129,64 @@ def from_hf(hf_dir: str, run_dir: str, config: Optional[str] = None, overrides: 
     kept = ("kernels", "attention_backend", "vocab_pad_multiple", "init_std")
     keep = {k: base_model[k] for k in kept if k in base_model}
     data["model"] = {**config_to_dict(Config())["model"], **dataclasses.asdict(model), **keep}
-    for ov in overrides or []:       # what the weights do not fix, a context extension's RoPE scaling say, is --set's
+    for ov in overrides:       # what the weights do not fix, a context extension's RoPE scaling say, is --set's
         if ov.startswith(RUN_MODEL_KEYS):
             apply_override(data, ov)
+    context = hf_config.get("max_position_embeddings")
+    scaling = data["model"]["rope_scaling"]
+    if model.rope_scaling.type == "none" and scaling.get("type") in ("llama3", "yarn") and isinstance(context, int) \
+            and not any(o.startswith("model.rope_scaling.original_max_position_embeddings") for o in overrides):
+        scaling["original_max_position_embeddings"] = context           # the model's own, not the schema's
     data.setdefault("logging", {})["run_dir"] = str(run_dir)
     cfg = config_from_dict(data)
+    _check_run_config(cfg, model, hf_dir, context)
+    return cfg
+
+
+# our model keys that config.json names otherwise, for the messages of _check_run_config
+_HF_KEYS = {"model.num_heads": "num_attention_heads", "model.num_kv_heads": "num_key_value_heads",
+            "model.hidden_size": "hidden_size", "model.head_dim": "head_dim", "model.ffn_hidden_size":
+            "intermediate_size", "model.num_layers": "num_hidden_layers", "model.vocab_size": "vocab_size"}
+
+
+def _check_run_config(cfg: Config, imported: ModelConfig, hf_dir: str, context: Any) -> None:
+    """The checks a run applies to its config (config.checks: its warnings printed, its errors raised as one
+    ConvertError that names config.json's fields), data.paths aside (given when training starts); and a RoPE
+    scaling that --set changed must not take an original context longer than the model's own."""
+    for note in config_warnings(cfg):
+        print(f"warning: {note}", flush=True)
+    try:
+        validate_config(cfg, paths_later=True)
+    except ConfigError as e:
+        named = [f"{theirs} for {ours}" for ours, theirs in _HF_KEYS.items() if f"{ours}=" in str(e)]
+        where = f" (config.json of {hf_dir}: {', '.join(named)})" if named else ""
+        raise ConvertError(f"the converted config would not run: {e}{where}") from None
+    rs = cfg.model.rope_scaling
+    if rs.type in ("llama3", "yarn") and rs != imported.rope_scaling and isinstance(context, int) and \
+            rs.original_max_position_embeddings > context:
+        raise ConvertError(f"model.rope_scaling.original_max_position_embeddings={rs.original_max_position_embeddings} "
+                           f"is above the context of {hf_dir} (max_position_embeddings={context} in its config.json): "
+                           f"the original context is the one the model was trained at; set it to {context} or less, "
+                           f"or leave it out ({context})")
+
+
+def from_hf(hf_dir: str, run_dir: str, config: Optional[str] = None, overrides: Optional[list[str]] = None
+            ) -> tuple[Path, Config]:
+    """Write <run_dir>/config.yaml and a weights-only checkpoint at step 0, which the config's
+    checkpoint.init_from names and pruning keeps (a KEEP file); returns the checkpoint dir and the config.
+    The config is checked as a run checks it, and every tensor's shape against it, before anything is written."""
+    hf_config, tensors = open_hf_dir(hf_dir)
+    cfg = _imported_config(hf_dir, hf_config, run_dir, config, overrides or [])
+    own_tokenizer = _own_tokenizer(hf_dir, overrides or [])
     try:
         check_hf_names(tensors.keys(), cfg.model)
+        check_hf_shapes(tensors.shape, cfg.model)         # each tensor's header, before any tensor is read
     except KeyError as e:
         raise ConvertError(f"{hf_dir}: {e.args[0]}") from None
+    except HFFormatError:                                 # a damaged file names itself
+        raise
+    except ValueError as e:
+        raise ConvertError(f"{hf_dir}: {e}") from None
 
     run = Path(run_dir)
     root = Path(cfg.checkpoint.dir or run / "checkpoints")
@@ -136,6 +197,8 @@ def from_hf(hf_dir: str, run_dir: str, config: Optional[str] = None, overrides: 
     # every tensor is read (and a damaged file found) before anything is written
     state = {f"model.{name}": our_tensor(name, cfg.model, tensors.get) for name in our_names(cfg.model)}
     final, tmp = root / "step_0000000", root / "step_0000000.tmp"
+    # any run started from this config starts from these weights, whatever its run directory
+    cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, init_from=os.path.abspath(final)))
     created = [p for p in (run, root, run / HF_SOURCE, run / "tokenizer") if not p.exists()]
     try:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -145,6 +208,7 @@ def from_hf(hf_dir: str, run_dir: str, config: Optional[str] = None, overrides: 
                 "model_shape": architecture(cfg.model), "source": str(hf_dir), "format": FORMAT}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         write_manifest(tmp, {})
+        mark_kept(tmp, f"checkpoint.init_from of {os.path.abspath(run / 'config.yaml')}: the weights of {hf_dir}")
         shutil.rmtree(run / HF_SOURCE, ignore_errors=True)
         (run / HF_SOURCE).mkdir(parents=True)
         for name in SOURCE_FILES:
@@ -167,7 +231,7 @@ def from_hf(hf_dir: str, run_dir: str, config: Optional[str] = None, overrides: 
             raise ConvertError(f"--to {run_dir} cannot be written ({e.strerror or e}): choose a place this user can "
                                f"write to, with room for the model") from None
         raise
-    return final
+    return final, cfg
 
 
 def _run_config(path: Path, checkpoint: Path, config: Optional[str]) -> tuple[Config, Path]:
@@ -366,9 +430,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                 raise ConvertError("--from-hf needs --to RUN_DIR (the megalysses run directory to create)")
             if args.to_hf:
                 raise ConvertError("--to-hf goes with --from RUN_DIR, not with --from-hf")
-            final = from_hf(args.from_hf, args.to, args.config, args.overrides)
-            print(f"wrote {final} (weights only, step 0) and {Path(args.to) / 'config.yaml'}: train with "
-                  f"pretrain.py --config {Path(args.to) / 'config.yaml'} --set data.paths=[...]")
+            final, cfg = from_hf(args.from_hf, args.to, args.config, args.overrides)
+            data = "" if cfg.data.paths or cfg.data.mock else " --set data.paths=[...]"
+            print(f"wrote {final} (weights only, step 0; checkpoint.init_from names it) and "
+                  f"{Path(args.to) / 'config.yaml'}: train with pretrain.py --config {Path(args.to) / 'config.yaml'}"
+                  f"{data}")
         else:
             if not args.to_hf:
                 raise ConvertError("--from needs --to-hf HF_DIR (the Hugging Face directory to write)")

@@ -181,6 +181,8 @@ def train(cfg: Config, grid: ParallelGrid, device: torch.device, signals: Option
     doing = watchdog.doing if watchdog is not None else (lambda what: None)
     run = _start_up(cfg, grid, device, run, run_dir, ckpt_dir, watchdog is not None or dry_run, doing)
     path, initial = (None, None) if dry_run else _checkpoint_to_load(cfg, ckpt_dir, doing)
+    if path is None and initial is None and not dry_run:      # the others say it as they load
+        print0(f"initial weights: random (seed {cfg.training.seed})")
     doing("checking the long-context evaluation")
     long_eval = TrainingLongEval(cfg, grid, device, run) if cfg.long_eval.interval and not dry_run else None
     mesh = grid.device_mesh(device)

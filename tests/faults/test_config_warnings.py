@@ -77,3 +77,20 @@ def test_data_of_another_tokenizer_warns_naming_both_and_trains(tmp_path):
     Path(sidecar_path(tmp_path / "d_text_document")).unlink()
     status, out = _pretrain(tmp_path / "old", *data, "data.tokenizer=sentencepiece", f"data.tokenizer_model={model}")
     assert status == 0 and _warnings(out) == [], out
+
+
+def test_a_rope_scaling_factor_without_its_type_warns_and_trains(tmp_path):
+    """model.rope_scaling.factor (or any of its fields) set while the type is none applies to nothing: one line says
+    so and names the key that turns it on."""
+    status, out = _pretrain(tmp_path / "run", "model.rope_scaling.factor=4")
+    assert status == 0, out
+    assert _warnings(out) == [("warning: model.rope_scaling.factor=4.0 is unused: model.rope_scaling.type is none "
+                               "(plain RoPE); set model.rope_scaling.type (llama3, linear or yarn) to apply it")], out
+    assert _trained(tmp_path / "run", out) == [1, 2]
+    from megalysses.config import Config, ModelConfig, RopeScalingConfig
+    from megalysses.config.checks import config_warnings
+
+    assert config_warnings(Config(model=ModelConfig(rope_scaling=RopeScalingConfig(type="linear", factor=4)))) == []
+    two = config_warnings(Config(model=ModelConfig(rope_scaling=RopeScalingConfig(factor=4, beta_fast=16))))
+    assert two == [("model.rope_scaling.factor=4, model.rope_scaling.beta_fast=16 are unused: model.rope_scaling.type "
+                    "is none (plain RoPE); set model.rope_scaling.type (llama3, linear or yarn) to apply it")]
