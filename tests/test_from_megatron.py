@@ -445,6 +445,25 @@ def test_qwen_style_flags_and_flags_without_an_entry(tmp_path, capsys):
     dry_run(out, 16, tmp_path)
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_padded_vocabulary_has_megatron_lms_rows(tp):
+    """--padded-vocab-size (Qwen conversions give 152064) is the rows of Megatron-LM's embedding and output layer,
+    kept as given (its _set_padded_vocab_size pads only where none is given): the converted config pads the
+    tokenizer's vocabulary to those rows, at the script's tp and at every tp that divides them; Megatron-LM's own
+    multiple (128 x tp) is kept where it gives the same rows (at tp 2: 151936 pads to 152064)."""
+    from megalysses.config import ModelConfig
+
+    rows, argv = 152064, QWEN + ["--padded-vocab-size", "152064", "--tensor-model-parallel-size", str(tp)]
+    conv = convert(parse_arguments(argv))
+    vocab, multiple = conv.values["model.vocab_size"], conv.values["model.vocab_pad_multiple"]
+    assert "--padded-vocab-size" in conv.mapped and "--padded-vocab-size" not in conv.lossy
+    megatron = 128 * tp
+    assert multiple == (megatron if -(-vocab // megatron) * megatron == rows else rows), (vocab, multiple)
+    model = ModelConfig(vocab_size=vocab, vocab_pad_multiple=multiple)
+    assert {model.padded_vocab_size(t) for t in (tp, 2 * tp, 4 * tp)} == {rows}
+    assert convert(parse_arguments(QWEN)).values["model.vocab_pad_multiple"] == 128      # none given: 128 x tp
+
+
 def test_yarn_flags_give_megatron_lms_frequencies_and_attention_factor():
     """Megatron-LM's YaRN (--position-embedding-type yarn) with its defaults and with an mscale of its own: the
     attention factor Megatron-LM computes, (1 + 0.1 mscale ln f) / (1 + 0.1 mscale_all_dim ln f), in the config."""
