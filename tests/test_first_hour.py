@@ -35,12 +35,17 @@ TINY_MODEL = ["model.hidden_size=32", "model.num_layers=2", "model.num_heads=4",
               "logging.log_interval=1", "parallel.timeout_seconds=60"]
 
 
-def first_hour_block() -> str:
+def readme_block(marker: str) -> str:
+    """The ```bash block of README.md after `marker` (a `<!-- name: ...` comment), which it holds once."""
     text = (ROOT / "README.md").read_text()
-    assert text.count(MARKER) == 1, "README.md has one first-hour block, after its marker"
-    block = re.search(r"```bash\n(.*?)```", text[text.index(MARKER):], re.S)
-    assert block is not None, "the first-hour marker is followed by a ```bash block"
+    assert text.count(marker) == 1, f"README.md has one block after {marker!r}"
+    block = re.search(r"```bash\n(.*?)```", text[text.index(marker):], re.S)
+    assert block is not None, f"{marker!r} is followed by a ```bash block"
     return block.group(1)
+
+
+def first_hour_block() -> str:
+    return readme_block(MARKER)
 
 
 def commands(block: str) -> list[tuple[list[str], str]]:
