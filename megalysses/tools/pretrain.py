@@ -128,6 +128,10 @@ def _run(args: argparse.Namespace, signals: StopSignals) -> int:
         return 0
     if args.gpus is not None:
         return _described_dry_run(cfg, args)
+    if args.gpu_memory_gib is not None or args.host_memory_gib is not None:
+        print("error: --gpu-memory-gib and --host-memory-gib describe the machine of a --dry-run --gpus N: add "
+              "--gpus (a run on this machine reads its own)", file=sys.stderr)
+        return 2
     if args.trace_memory:
         print("error: --trace-memory traces a run on a described machine in this process: add --dry-run --gpus N",
               file=sys.stderr)

@@ -162,6 +162,7 @@ CASES = [
     Case("tools/dry_run_gpu_unknown", dry_run("--gpus", "2", "--gpu", "MI300X"), "--gpu-memory-gib"),
     Case("tools/dry_run_gpus_without_dry_run", lambda tmp: __import__("megalysses.tools.pretrain", fromlist=["m"])
          .main(["--config", QUICKSTART, "--set", "data.mock=true", "--gpus", "2"]), "add --dry-run"),
+    Case("tools/dry_run_machine_without_gpus", dry_run("--gpu-memory-gib", "40"), "add --gpus"),
     Case("tools/dry_run_does_not_fit", dry_run("--gpus", "4", "--gpu-memory-gib", "2.12"), "does not fit (peak"),
     Case("tools/dry_run_traced_peak_does_not_fit", dry_run("--gpus", "4", "--gpu-memory-gib", "2.12", "--trace-memory"),
          "> usable"),
