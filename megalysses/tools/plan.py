@@ -34,6 +34,9 @@ traced_host_gib (host memory per node at its high-water mark) and traced_pinned_
 Step time is megalysses.plan.step_time's model at the stated figures (defaults: H100 SXM nodes of 8;
 each is checked: efficiencies in (0, 1], the peak and bandwidths positive, at least one GPU per node), at
 the config's global batch.
+The machine's flags are checked as pretrain.py --dry-run --gpus N checks them (megalysses/plan/described.py),
+and a --gpus above the most any layout of the config can use (search.most_gpus) or a --seq-len the config
+cannot run at (a data.seq_len_schedule ending at another length, say) is one error line before any search.
 This command line is a front end: the models and the search live in megalysses.plan.
 """
 from __future__ import annotations

@@ -258,7 +258,7 @@ def _fit_verdict(mine, own_row: dict, traced: Optional[float], args: argparse.Na
         print(own_verdict(mine, own_row) + note)
         return 0
     print(f"error: {own_verdict(None, {**own_row, 'why_not': '; '.join(why)})}: tools/plan.py --config "
-          f"{args.config} --gpus {args.gpus} lists the layouts that fit", file=sys.stderr)
+          f"{args.config or 'CONFIG'} --gpus {args.gpus} lists the layouts that fit", file=sys.stderr)
     return 1
 
 
