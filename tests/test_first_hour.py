@@ -36,7 +36,7 @@ TINY_MODEL = ["model.hidden_size=32", "model.num_layers=2", "model.num_heads=4",
 
 
 def readme_block(marker: str) -> str:
-    """The ```bash block of README.md after `marker` (a `<!-- name: ...` comment), which it holds once."""
+    """The ```bash block that follows `marker` (an HTML comment, once in README.md)."""
     text = (ROOT / "README.md").read_text()
     assert text.count(marker) == 1, f"README.md has one block after {marker!r}"
     block = re.search(r"```bash\n(.*?)```", text[text.index(marker):], re.S)
