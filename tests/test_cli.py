@@ -245,3 +245,33 @@ def test_a_run_directory_works_from_any_directory(tmp_path, monkeypatch):
                           env=_env(), capture_output=True, text=True, timeout=60)
     assert plot.returncode == 0, plot.stdout + plot.stderr
     assert (run / "metrics.png").stat().st_size > 1000
+
+
+def test_a_described_dry_run_checks_its_machine_and_its_fit_as_the_planner_does(tmp_path, capsys):
+    """--dry-run --gpus N: a described-machine flag the planner refuses is refused in the same words (one line,
+    nothing written); a layout that does not fit the machine ends in the planner's verdict as one error line and a
+    non-zero exit, with --trace-memory the traced peak held to the same usable memory."""
+    from megalysses.tools import plan, pretrain
+
+    config, run_dir = str(ROOT / "configs" / "quickstart.yaml"), tmp_path / "run"
+    dry = ["--config", config, "--set", "data.mock=true", "--set", f"logging.run_dir={run_dir}", "--dry-run"]
+    for flags in (["--gpu-memory-gib", "-80"], ["--gpu-memory-gib", "1"], ["--host-memory-gib", "0"],
+                  ["--gpus-per-node", "0"], ["--packages", "triton,flash"], ["--gpus", "0"]):
+        argv = ["--gpus", "2", *flags]
+        assert pretrain.main(dry + argv) == 2, flags
+        said = capsys.readouterr().err.strip().splitlines()
+        assert plan.main(["--config", config, *argv]) == 1, flags
+        assert said == capsys.readouterr().err.strip().splitlines() and len(said) == 1, (said, flags)
+        assert said[0].startswith(f"error: {flags[0]} ") and not run_dir.exists()
+    assert pretrain.main(dry + ["--gpus", "2", "--gpu", "MI300X"]) == 2
+    assert capsys.readouterr().err.startswith("error: --gpu MI300X: its memory is not known here")
+
+    small = ["--gpus", "4", "--gpu-memory-gib", "2.12"]       # 0.12 GiB past the reserve, less the allowance
+    assert plan.main(["--config", config, *small, "--no-search"]) == 0
+    assert "the config's own layout does not fit (peak" in capsys.readouterr().out
+    assert pretrain.main(dry + small) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: the config's own layout does not fit (peak"), err
+    assert pretrain.main(dry + small + ["--trace-memory"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "does not fit (peak" in err[0] and "; traced peak 0.0" in err[0] and "> usable" in err[0]

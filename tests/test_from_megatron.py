@@ -349,6 +349,39 @@ def test_llama3_style_script(files, tmp_path, capsys):
     dry_run(out, 32, tmp_path)
 
 
+def test_the_readmes_example_runs_as_written(files, tmp_path, capsys, monkeypatch):
+    """The README's `--script` command, on a script in the style of the example it names and the test's files for
+    its CKPT TB TOKENIZER DATA: it writes the config; without --allow-lossy it lists the same flags and ends in
+    the error line the README quotes."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.split("## Coming from Megatron-LM", 1)[1]
+    line = re.search(r"\n    (python tools/from_megatron.py --script .*?)\n(?!        )", section, re.S).group(1)
+    argv = shlex.split(line.replace("\\\n", " "))
+    script = argv[argv.index("--script") + 1]
+    (tmp_path / script).write_text(LLAMA3)
+    (tmp_path / "configs").mkdir()
+    monkeypatch.chdir(tmp_path)
+    at = argv.index("CKPT")
+    assert argv[at:at + 4] == ["CKPT", "TB", "TOKENIZER", "DATA"] and "--allow-lossy" in argv, argv
+    argv[at:at + 4] = llama_args(files)
+    assert argv[:2] == ["python", "tools/from_megatron.py"] and main(argv[2:]) == 0
+    report = capsys.readouterr().out
+    assert load_config(tmp_path / "configs" / "mine.yaml").model.num_layers == 32
+    (tmp_path / "configs" / "mine.yaml").unlink()
+    assert main([a for a in argv[2:] if a != "--allow-lossy"]) == 1
+    said = capsys.readouterr()
+    assert not (tmp_path / "configs" / "mine.yaml").exists()
+    for flag in ("--fp8-format", "--fp8-amax-history-len", "--decoupled-lr", "--grad-reduce-in-bf16"):
+        assert f"`{flag}`" in section.split("not honoured", 1)[1][:200] and f"  {flag}: " in report
+    assert re.match(r"error: \d+ settings cannot be honoured \(above\): configs/mine.yaml not written",
+                    said.err.strip()), said.err
+    assert "error: N settings cannot be honoured (above): configs/mine.yaml not written" in section
+
+
 def test_gpt3_style_script(files, tmp_path, capsys):
     out = tmp_path / "gpt3.yaml"
     script = tmp_path / "gpt3.sh"
@@ -443,6 +476,25 @@ def test_qwen_style_flags_and_flags_without_an_entry(tmp_path, capsys):
     assert "parallel.sp=8 runs as ulysses 8 x ring 1 (megalysses' choice)" in report
     assert load_config(out).model.attention_backend == "auto"
     dry_run(out, 16, tmp_path)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_padded_vocabulary_has_megatron_lms_rows(tp):
+    """--padded-vocab-size (Qwen conversions give 152064) is the rows of Megatron-LM's embedding and output layer,
+    kept as given (its _set_padded_vocab_size pads only where none is given): the converted config pads the
+    tokenizer's vocabulary to those rows, at the script's tp and at every tp that divides them; Megatron-LM's own
+    multiple (128 x tp) is kept where it gives the same rows (at tp 2: 151936 pads to 152064)."""
+    from megalysses.config import ModelConfig
+
+    rows, argv = 152064, QWEN + ["--padded-vocab-size", "152064", "--tensor-model-parallel-size", str(tp)]
+    conv = convert(parse_arguments(argv))
+    vocab, multiple = conv.values["model.vocab_size"], conv.values["model.vocab_pad_multiple"]
+    assert "--padded-vocab-size" in conv.mapped and "--padded-vocab-size" not in conv.lossy
+    megatron = 128 * tp
+    assert multiple == (megatron if -(-vocab // megatron) * megatron == rows else rows), (vocab, multiple)
+    model = ModelConfig(vocab_size=vocab, vocab_pad_multiple=multiple)
+    assert {model.padded_vocab_size(t) for t in (tp, 2 * tp, 4 * tp)} == {rows}
+    assert convert(parse_arguments(QWEN)).values["model.vocab_pad_multiple"] == 128      # none given: 128 x tp
 
 
 def test_yarn_flags_give_megatron_lms_frequencies_and_attention_factor():

@@ -496,3 +496,28 @@ def test_the_search_skips_only_what_cannot_fit(monkeypatch, path, sets, gpus, to
     monkeypatch.setattr(search, "could_fit", lambda *args: True)
     every, every_considered = plan(cfg, gpus, tokens, gpu_gib, host_gib)
     assert [p.row() for p in fitting] == [p.row() for p in every] and considered == every_considered
+
+
+def test_cli_refuses_before_any_search_what_no_layout_can_run(capsys, monkeypatch):
+    """More --gpus than any layout of the config can use, or a --seq-len the config cannot run at (its curriculum
+    ends at another length), is one error line naming the number or the cause, and nothing is searched."""
+    from megalysses.tools import plan as plan_tool
+
+    def no_search(*args, **kwargs):
+        raise AssertionError("searched")
+
+    monkeypatch.setattr(plan_tool, "plan", no_search)
+    cfg = load_config("configs/quickstart.yaml")
+    t, m = cfg.training, cfg.model
+    most = t.global_batch_size // t.micro_batch_size * m.num_heads * m.num_layers * max(1, cfg.data.seq_len // 256)
+    assert main(["--config", "configs/quickstart.yaml", "--gpus", str(most + 1)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: --gpus {most + 1} is more than this config can use: at most "
+                                               f"{most} GPUs = dp "), err
+    assert main(["--config", "configs/quickstart.yaml", "--gpus", str(most), "--no-search"]) == 0
+    assert "the config's own layout" in capsys.readouterr().out
+    assert main(["--config", "configs/llama3_8b_128k.yaml", "--gpus", "64", "--seq-len", "1048576"]) == 1
+    out = capsys.readouterr()
+    assert not out.out and out.err.count("\n") == 1 and out.err.startswith(
+        "error: --seq-len 1048576: this config cannot run at that length: data.seq_len_schedule ends at seq_len "
+        "131072"), out.err

@@ -34,15 +34,23 @@ def agree(planned: dict, runtime: dict) -> None:
     assert not differ, f"planned vs run: {differ}"
 
 
+HOST_GIB = {"configs/gpt_1b_1m_offload.yaml": 256}      # the node's memory, where a config offloads to it
+
+
 @pytest.mark.parametrize("path, gpus", SHIPPED)
 def test_the_planned_run_is_the_run_that_starts(path, gpus, tmp_path, capsys):
+    """... and it fits the machine, as the planner judges it (the dry run's last line)."""
     config = str(ROOT / path)
-    assert plan_cli.main(["--config", config, "--gpus", str(gpus), "--json", "--no-search"]) == 0
-    planned = json.loads(capsys.readouterr().out)["config_layout"]["plan"]
+    host = ["--host-memory-gib", str(HOST_GIB[path])] if path in HOST_GIB else []
+    assert plan_cli.main(["--config", config, "--gpus", str(gpus), "--json", "--no-search", *host]) == 0
+    judged = json.loads(capsys.readouterr().out)["config_layout"]
+    planned = judged["plan"]
     run_dir = tmp_path / "run"
     assert pretrain.main(["--config", config, "--dry-run", "--gpus", str(gpus),
-                          "--set", f"logging.run_dir={run_dir}"]) == 0
-    assert "runtime.json written" in capsys.readouterr().out
+                          "--set", f"logging.run_dir={run_dir}", *host]) == 0
+    out = capsys.readouterr().out
+    assert "runtime.json written" in out and judged["fits"]
+    assert out.strip().splitlines()[-1].startswith("the config's own layout (") and " fits, peak " in out
     agree(planned, json.loads((run_dir / "runtime.json").read_text()))
     assert not (run_dir / "metrics.jsonl").exists() and not any((run_dir / "checkpoints").glob("step_*"))
 

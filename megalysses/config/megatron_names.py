@@ -130,6 +130,11 @@ _TABLE = [
     _f("--make-vocab-size-divisible-by", "int", "model.vocab_pad_multiple", default=128,
        note="Megatron-LM pads to a multiple of this times tp: the converter writes that product, so the padded "
             "vocabulary has Megatron-LM's size; padding rows are never in the softmax here"),
+    _f("--padded-vocab-size", "int", "model.vocab_pad_multiple",
+       note="the rows of the embedding and output layer, kept as given (no 128 x tp rounding then): the converter "
+            "writes Megatron-LM's own multiple where it gives those rows, else the size itself, so the tokenizer's "
+            "vocabulary pads to it at every tp that divides it; a size below the tokenizer's or one tp does not "
+            "divide is refused, as Megatron-LM's vocab-parallel embedding cannot take it"),
     _f("--vocab-size", "int", "model.vocab_size",
        note="read by Megatron-LM for NullTokenizer; otherwise the tokenizer's size, which the converter reads"),
     _f("--attention-backend", "str", "model.attention_backend", default="auto",

@@ -2,6 +2,7 @@
 memory model (megalysses.memory) and the cost models here read.
 
     machine.py    Machine: the real device and its packages, or a described one (planning)
+    described.py  the figures that describe a machine (tools/plan.py's and the dry run's flags), checked once
     types.py      RunPlan, Phase, ActivationPolicy: what a resolved run is
     run_plan.py   resolve(cfg, machine, world) -> RunPlan: dtype, ulysses x ring, attention, kernels, ...
     tiles.py      the MLP and loss tiles `auto` resolves to, from the memory model

@@ -96,6 +96,27 @@ def candidate_configs(cfg: Config, gpus: int, offload: bool, gpus_per_node: int 
                                          attention_head_chunks=chunks))
 
 
+RING_MIN_TOKENS = 256
+"""The fewest tokens of a sequence a ring rank is planned with: a ring degree is at most data.seq_len / 256."""
+
+
+def most_gpus(cfg: Config) -> tuple[int, dict[str, tuple[int, str]]]:
+    """The most GPUs any layout of `cfg` can use, and its factors ({name: (most, why)}): dp at most the
+    global batch over the micro-batch (a micro-batch to each dp rank), tp x Ulysses at most the query heads
+    (each such rank holds whole heads; tp within a node besides), pp at most the layers, the ring at most
+    data.seq_len / RING_MIN_TOKENS. A --gpus above it plans nothing that can run."""
+    m, t, S = cfg.model, cfg.training, cfg.data.seq_len
+    factors = {"dp": (max(1, t.global_batch_size // t.micro_batch_size),
+                      f"training.global_batch_size {t.global_batch_size} / micro_batch_size {t.micro_batch_size}"),
+               "tp x ulysses": (m.num_heads, f"model.num_heads {m.num_heads}"),
+               "pp": (m.num_layers, f"model.num_layers {m.num_layers}"),
+               "ring": (max(1, S // RING_MIN_TOKENS), f"data.seq_len {S} / {RING_MIN_TOKENS}")}
+    most = 1
+    for n, _ in factors.values():
+        most *= n
+    return most, factors
+
+
 @dataclass
 class Prediction:
     """A config's resolved plan, its memory estimate and step time, and whether it fits."""

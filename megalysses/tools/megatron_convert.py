@@ -235,8 +235,32 @@ def _data(c: _Converter) -> None:
     vocab = tokenizer_size(kind, c.get("--tokenizer-model"), c.get("--vocab-file"), c.get("--merge-file"),
                            c.get("--vocab-size"), c.read_files, c.note, c.vocab_size)
     c.set("--vocab-size --tokenizer-model --vocab-file", model__vocab_size=vocab)
-    multiple = c.get("--make-vocab-size-divisible-by") * c.get("--tensor-model-parallel-size")
-    c.set("--make-vocab-size-divisible-by", model__vocab_pad_multiple=multiple)
+    c.set("--make-vocab-size-divisible-by --padded-vocab-size", model__vocab_pad_multiple=_pad_multiple(c, vocab))
+
+
+def _pad_multiple(c: _Converter, vocab: int) -> int:
+    """model.vocab_pad_multiple that pads `vocab` tokens to Megatron-LM's rows: its vocab_size_with_padding (a
+    multiple of --make-vocab-size-divisible-by x tp) unless --padded-vocab-size gives the rows, which it keeps
+    as given; then that multiple where it gives the same rows, else the rows themselves (which pad `vocab` to
+    them at every tp that divides them)."""
+    tp = c.get("--tensor-model-parallel-size")
+    multiple = c.get("--make-vocab-size-divisible-by") * tp
+    rows = c.get("--padded-vocab-size")
+    if rows is None:
+        return multiple
+    if rows < vocab:
+        raise MegatronArgsError(f"--padded-vocab-size {rows} is smaller than the tokenizer's {vocab} tokens: the "
+                                f"embedding would not hold every token id; give at least {vocab} (or leave it out: "
+                                f"Megatron-LM pads to a multiple of --make-vocab-size-divisible-by x tp)")
+    if rows % tp:
+        raise MegatronArgsError(f"--padded-vocab-size {rows} is not divisible by --tensor-model-parallel-size {tp}: "
+                                f"Megatron-LM's vocab-parallel embedding splits the rows evenly over tp; give a "
+                                f"multiple of {tp}")
+    if -(-vocab // multiple) * multiple == rows:
+        return multiple
+    c.note(f"--padded-vocab-size {rows}: model.vocab_pad_multiple={rows}, so the {vocab} tokens pad to {rows} rows, "
+           f"Megatron-LM's, at every tp that divides {rows}")
+    return rows
 
 
 def _batch_and_schedule(c: _Converter) -> None:

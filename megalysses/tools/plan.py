@@ -34,6 +34,9 @@ traced_host_gib (host memory per node at its high-water mark) and traced_pinned_
 Step time is megalysses.plan.step_time's model at the stated figures (defaults: H100 SXM nodes of 8;
 each is checked: efficiencies in (0, 1], the peak and bandwidths positive, at least one GPU per node), at
 the config's global batch.
+The machine's flags are checked as pretrain.py --dry-run --gpus N checks them (megalysses/plan/described.py),
+and a --gpus above the most any layout of the config can use (search.most_gpus) or a --seq-len the config
+cannot run at (a data.seq_len_schedule ending at another length, say) is one error line before any search.
 This command line is a front end: the models and the search live in megalysses.plan.
 """
 from __future__ import annotations
@@ -43,16 +46,17 @@ import dataclasses
 import json
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from megalysses.config import ConfigError
 from megalysses.config.checks import validate_config
 from megalysses.config.io import load_config
 from megalysses.memory import GIB, KERNELS, fmt_bytes
-from megalysses.plan.machine import OPTIONAL_PACKAGES, PLAIN_TORCH, device_memory_gib
-from megalysses.plan.search import Prediction, evaluate, plan
-from megalysses.plan.step_time import Hardware, hardware_problems
+from megalysses.plan.described import MachineFigures, flag_lines, machine_problems
+from megalysses.plan.machine import OPTIONAL_PACKAGES, PLAIN_TORCH, Machine, device_memory_gib
+from megalysses.plan.search import Prediction, evaluate, most_gpus, plan
+from megalysses.plan.step_time import Hardware
 
 
 # ----------------------------------------------------------------------------- output
@@ -199,8 +203,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.trace and args.no_search:
         p.error("--trace traces the top layout of the search: leave out --no-search")
     bad = _flag_problems(args)
-    for name, why in bad.items():          # one line per bad flag
-        print(f"error: --{name.replace('_', '-')} {why}", file=sys.stderr)
+    for line in flag_lines(bad):           # one line per bad flag
+        print(line, file=sys.stderr)
     if bad:
         return 1
     try:
@@ -213,20 +217,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.kernels is not None:
         cfg = replace(cfg, model=replace(cfg.model, kernels=args.kernels))
     hw = Hardware(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Hardware)})
-    packages = tuple(x for x in args.packages.split(",") if x)
-    unknown = sorted(set(packages) - set(OPTIONAL_PACKAGES))
-    if unknown:
-        print(f"error: --packages: unknown {', '.join(unknown)}; choose from {', '.join(OPTIONAL_PACKAGES)}",
-              file=sys.stderr)
-        return 1
-    if hw.usable_bytes(args.gpu_memory_gib) <= 0:
-        print(f"error: --gpu-memory-gib {args.gpu_memory_gib:g} leaves nothing usable after --reserve-gib "
-              f"{hw.reserve_gib:g} and --fragmentation {hw.fragmentation:g}: give the memory of one GPU (79.6 for an "
-              f"H100 80GB)", file=sys.stderr)
+    packages = _packages(args)
+    problem = _config_problem(cfg, args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return 1
     fitting, considered = ([], 0) if args.no_search else plan(
         cfg, args.gpus, args.seq_len, args.gpu_memory_gib, args.host_memory_gib, hw, packages, progress=Progress())
-    mine, own_row = _own_layout(replace(cfg, data=replace(cfg.data, seq_len=args.seq_len)), args, hw, packages)
+    mine, own_row = own_layout(replace(cfg, data=replace(cfg.data, seq_len=args.seq_len)), args.gpus, hw,
+                               Described(args.gpu_memory_gib, args.host_memory_gib, packages))
     if mine is not None and mine.fits and not args.no_search:
         own_row["rank"], why = ranking(mine, fitting)
         own_row["behind_best_s"] = behind(mine, fitting[0]) if fitting else {}
@@ -250,7 +249,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     if args.no_search:
         print(f"{args.config}: {args.seq_len} tokens on {args.gpus} x {args.gpu_memory_gib:g} GiB: "
-              f"{_own_verdict(mine, own_row)}")
+              f"{own_verdict(mine, own_row)}")
         return 0
     print(f"{args.config}: {args.seq_len} tokens on {args.gpus} x {args.gpu_memory_gib:g} GiB; "
           f"{len(fitting)} of {considered} layouts fit "
@@ -266,18 +265,24 @@ def main(argv: Optional[list[str]] = None) -> int:
               "parameter offload")
     if rows and "traced_peak_gib" in rows[0]:
         print(_traced_line(rows[0]))
-    print(_own_verdict(mine, own_row) + (f": {why}" if mine is not None and mine.fits else ""))
+    print(own_verdict(mine, own_row) + (f": {why}" if mine is not None and mine.fits else ""))
     if args.explain and fitting:
         print(explain(fitting[0], hw, args.gpu_memory_gib))
     return 0
 
 
+def _packages(args: argparse.Namespace) -> tuple[str, ...]:
+    return tuple(x for x in args.packages.split(",") if x)
+
+
 def _flag_problems(args: argparse.Namespace) -> dict[str, str]:
-    """flag -> what is wrong with its value: the sizes that must be positive, and the hardware figures."""
-    bad = {name: f"must be positive, got {getattr(args, name)}"
-           for name in ("gpus", "seq_len", "gpu_memory_gib", "top", "host_memory_gib")
-           if getattr(args, name) is not None and not getattr(args, name) > 0}
-    bad.update(hardware_problems({f.name: getattr(args, f.name) for f in dataclasses.fields(Hardware)}))
+    """flag -> what is wrong with its value: the described machine's figures (plan/described.py, as
+    pretrain.py --dry-run --gpus checks them), and the sizes of the plan that must be positive."""
+    figures = MachineFigures(gpus=args.gpus, gpu_memory_gib=args.gpu_memory_gib,
+                             host_memory_gib=args.host_memory_gib, packages=_packages(args))
+    bad = machine_problems(figures, {f.name: getattr(args, f.name) for f in dataclasses.fields(Hardware)})
+    bad.update({name: f"must be positive, got {getattr(args, name)}" for name in ("seq_len", "top")
+                if getattr(args, name) is not None and not getattr(args, name) > 0})
     return bad
 
 
@@ -290,21 +295,47 @@ def _traced_line(r: dict) -> str:
             f"model: {r['host_gib_per_node']:.0f})")
 
 
-def _own_verdict(mine: Optional[Prediction], own_row: dict) -> str:
-    """Whether the config's own layout fits, with its peak and speed where it does."""
+def _config_problem(cfg, args: argparse.Namespace) -> str:
+    """What stops any plan of `cfg` for this command line before a search, in words (empty: nothing): a config
+    that cannot run at --seq-len (its curriculum ending at another length, say), or more --gpus than any layout of
+    it can use (search.most_gpus)."""
+    at_length = replace(cfg, data=replace(cfg.data, seq_len=args.seq_len))
+    try:
+        validate_config(at_length)
+    except ConfigError as e:
+        return f"--seq-len {args.seq_len}: this config cannot run at that length: {e}"
+    most, factors = most_gpus(at_length)
+    if args.gpus > most:
+        return (f"--gpus {args.gpus} is more than this config can use: at most {most} GPUs = "
+                + " x ".join(f"{name} {n} ({why})" for name, (n, why) in factors.items()))
+    return ""
+
+
+def own_verdict(mine: Optional[Prediction], own_row: dict) -> str:
+    """Whether the config's own layout fits, with its peak and speed where it does (own_layout's answer)."""
     if mine is not None and mine.fits:
         return (f"the config's own layout ({layout_words(own_row)}) fits, peak {own_row['peak_gib']:.1f} GiB, "
                 f"{own_row['tokens_per_s']:.0f} tok/s")
     return f"the config's own layout does not fit ({own_row['why_not']})"
 
 
-def _own_layout(own, args: argparse.Namespace, hw: Hardware, packages: tuple[str, ...]
-                ) -> tuple[Optional[Prediction], dict]:
+@dataclass(frozen=True)
+class Described:
+    """The described machine's memory and packages a config's own layout is judged on (`machine`: the one it
+    resolves on, default the planner's H100 nodes of these)."""
+
+    gpu_memory_gib: Optional[float]
+    host_memory_gib: Optional[float]
+    packages: tuple[str, ...]
+    machine: Optional[Machine] = None
+
+
+def own_layout(own, gpus: int, hw: Hardware, on: Described) -> tuple[Optional[Prediction], dict]:
     """The config's own layout and options on the described machine: its prediction (None where the run would
-    refuse it) and its row."""
+    refuse it) and its row. tools/plan.py and pretrain.py --dry-run --gpus N judge a config's fit with it."""
     try:
-        validate_config(own, world_size=args.gpus)
-        mine = evaluate(own, args.gpus, args.gpu_memory_gib, args.host_memory_gib, hw, packages)
+        validate_config(own, world_size=gpus)
+        mine = evaluate(own, gpus, on.gpu_memory_gib, on.host_memory_gib, hw, on.packages, machine=on.machine)
     except (ConfigError, ValueError) as e:
         return None, {"fits": False, "why_not": str(e)}
     return mine, {**mine.row(), "why_not": mine.why_not, "plan": mine.run.record()}

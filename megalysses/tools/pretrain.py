@@ -61,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     dry.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
     dry.add_argument("--gpu-memory-gib", type=float, default=None,
                      help="memory one GPU exposes (default: the described GPU's, 79.6 for an H100 80GB)")
+    dry.add_argument("--host-memory-gib", type=float, default=None,
+                     help="host memory per node, to judge what the config offloads to it as tools/plan.py does "
+                          "(default: not judged; a run checks its node's at start-up)")
     dry.add_argument("--packages", default=",".join(PLAIN_TORCH),
                      help=f"the described machine's optional packages (default {','.join(PLAIN_TORCH)})")
     dry.add_argument("--trace-memory", action="store_true",
@@ -125,6 +128,10 @@ def _run(args: argparse.Namespace, signals: StopSignals) -> int:
         return 0
     if args.gpus is not None:
         return _described_dry_run(cfg, args)
+    if args.gpu_memory_gib is not None or args.host_memory_gib is not None:
+        print("error: --gpu-memory-gib and --host-memory-gib describe the machine of a --dry-run --gpus N: add "
+              "--gpus (a run on this machine reads its own)", file=sys.stderr)
+        return 2
     if args.trace_memory:
         print("error: --trace-memory traces a run on a described machine in this process: add --dry-run --gpus N",
               file=sys.stderr)
@@ -194,27 +201,71 @@ def _print_config(cfg: Config) -> None:
 
 
 def _described_dry_run(cfg, args: argparse.Namespace) -> int:
-    """--dry-run --gpus N: rank 0's start-up path of a run on a described machine (training/dry_run.py)."""
-    if not args.dry_run or args.gpus < 1 or args.gpus_per_node < 1:
-        print("error: --gpus N (N >= 1, with --gpus-per-node >= 1) describes the machine of a --dry-run: add "
-              "--dry-run", file=sys.stderr)
+    """--dry-run --gpus N: rank 0's start-up path of a run on a described machine (training/dry_run.py), its
+    flags checked as tools/plan.py checks them (plan/described.py), then whether the config's own layout fits
+    that machine, judged and worded as tools/plan.py judges it (with --trace-memory, the traced peak too): a
+    layout that does not fit ends in one error line and a non-zero exit."""
+    from megalysses.plan.described import MachineFigures, flag_lines, machine_problems
+    from megalysses.plan.step_time import Hardware
+
+    if not args.dry_run:
+        print("error: --gpus N describes the machine of a --dry-run: add --dry-run", file=sys.stderr)
+        return 2
+    packages = tuple(p for p in args.packages.split(",") if p)
+    bad = machine_problems(MachineFigures(args.gpus, args.gpu, args.gpu_memory_gib, args.host_memory_gib, packages),
+                           {"gpus_per_node": args.gpus_per_node})
+    if bad:
+        print("\n".join(flag_lines(bad)), file=sys.stderr)
         return 2
     try:
         machine = Machine.described(args.gpu, ranks_per_node=min(args.gpus, args.gpus_per_node),
-                                    memory_gib=args.gpu_memory_gib,
-                                    packages=tuple(p for p in args.packages.split(",") if p))
+                                    memory_gib=args.gpu_memory_gib, packages=packages)
         record = dry_run(cfg, machine, args.gpus)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"dry run: {args.gpus} x {args.gpu}: attention {record['attention']}, kernels {record['kernels']}, "
           f"{record['dtype']}; {Path(cfg.logging.run_dir) / 'runtime.json'} written")
-    return _trace_memory(cfg, machine, args.gpus) if args.trace_memory else 0
+    from megalysses.tools.plan import Described, own_layout
+
+    host = float("inf") if args.host_memory_gib is None else args.host_memory_gib    # unsaid: not judged here
+    mine, own_row = own_layout(cfg, args.gpus, Hardware(gpus_per_node=args.gpus_per_node),
+                               Described(args.gpu_memory_gib, host, packages, machine))
+    traced = None
+    if args.trace_memory:
+        traced = _trace_memory(cfg, machine, args.gpus)
+        if traced is None:
+            return 1
+    return _fit_verdict(mine, own_row, traced, args)
 
 
-def _trace_memory(cfg, machine: Machine, gpus: int) -> int:
+def _fit_verdict(mine, own_row: dict, traced: Optional[float], args: argparse.Namespace) -> int:
+    """The described dry run's last line: tools/plan.py's verdict on the config's own layout, and the traced peak
+    (bytes, with --trace-memory) held to the same usable memory; 0 where both fit, 1 with one error line where
+    either does not."""
+    from megalysses.memory import GIB
+    from megalysses.tools.plan import own_verdict
+
+    why, note = [own_row["why_not"]] if own_row["why_not"] else [], ""
+    if mine is not None and traced is not None:
+        over = traced > mine.usable
+        said = f"traced peak {traced / GIB:.2f} GiB {'>' if over else '<='} usable {mine.usable / GIB:.2f} GiB"
+        why, note = (why + [said], note) if over else (why, f"; {said}")
+    if mine is not None and not why:
+        if args.host_memory_gib is None and own_row["host_gib_per_node"] > 0:
+            note += (f"; {own_row['host_gib_per_node']:g} GiB of host memory per node, which --host-memory-gib "
+                     f"judges (the run checks its node's at start-up)")
+        print(own_verdict(mine, own_row) + note)
+        return 0
+    print(f"error: {own_verdict(None, {**own_row, 'why_not': '; '.join(why)})}: tools/plan.py --config "
+          f"{args.config or 'CONFIG'} --gpus {args.gpus} lists the layouts that fit", file=sys.stderr)
+    return 1
+
+
+def _trace_memory(cfg, machine: Machine, gpus: int) -> Optional[float]:
     """--trace-memory: one step traced on fake tensors (training/trace.py), printed beside the memory model's
-    prediction and written to <run_dir>/memory_trace.json."""
+    prediction and written to <run_dir>/memory_trace.json; returns the traced peak per GPU in bytes (None after
+    an error line)."""
     import json
 
     from megalysses.memory import GIB
@@ -226,7 +277,7 @@ def _trace_memory(cfg, machine: Machine, gpus: int) -> int:
         est = estimate_config(cfg, gpus, machine)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return None
     for t in traces:
         print("\n".join(t.lines()))
     top = max(traces, key=lambda t: t.device.bytes)
@@ -239,7 +290,7 @@ def _trace_memory(cfg, machine: Machine, gpus: int) -> int:
                                "model": {"peak_gib": est.peak_gib, "stage": est.stage, "phase": est.phase,
                                          "host_gib": est.host / GIB}}, indent=1))
     print(f"{out} written")
-    return 0
+    return float(top.device.bytes)
 
 
 def _error_line(e: Exception, doing: str) -> str:

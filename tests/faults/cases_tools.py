@@ -1,5 +1,6 @@
 """Bad arguments and run directories given to tools/generate.py, tools/plot_metrics.py and
-tools/build_corpus.py (their main functions, in-process)."""
+tools/build_corpus.py, and the described machine of tools/plan.py and of pretrain.py --dry-run --gpus N (their
+main functions, in-process)."""
 from __future__ import annotations
 
 import json
@@ -73,6 +74,25 @@ def generate_with_hf(vocab: int) -> Callable[[Path], int]:
     return body
 
 
+QUICKSTART = str(Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml")
+
+
+def dry_run(*flags: str) -> Callable[[Path], int]:
+    """pretrain.py --dry-run --gpus N (given among `flags`) of the quickstart config, mock data."""
+    def body(tmp: Path) -> int:
+        from megalysses.tools.pretrain import main
+        return main(["--config", QUICKSTART, "--set", "data.mock=true", "--set", f"logging.run_dir={tmp}/run",
+                     "--dry-run", *flags])
+    return body
+
+
+def plan(*flags: str, config: str = QUICKSTART) -> Callable[[Path], int]:
+    def body(tmp: Path) -> int:
+        from megalysses.tools.plan import main
+        return main(["--config", config, *flags])
+    return body
+
+
 ROW = {"step": 1, "loss": 5.0, "lr": 1e-3, "tokens_per_s": 100.0}
 GOOD_METRICS = (json.dumps(ROW) + "\n").encode()
 
@@ -134,6 +154,23 @@ CASES = [
     Case("tools/build_corpus_output_is_directory", build_corpus("{tmp}"), "is a directory"),
     Case("tools/build_corpus_output_below_a_file", build_corpus("{tmp}/f/corpus.jsonl",
                                                                 lambda tmp: (tmp / "f").write_text("x")), "is a file"),
+    # the described machine: one check for the planner and the dry run; the fit judged alike
+    Case("tools/dry_run_gpu_memory_negative", dry_run("--gpus", "2", "--gpu-memory-gib", "-80"), "--gpu-memory-gib"),
+    Case("tools/dry_run_gpu_memory_below_the_reserve", dry_run("--gpus", "2", "--gpu-memory-gib", "1"),
+         "leaves nothing usable"),
+    Case("tools/dry_run_packages_unknown", dry_run("--gpus", "2", "--packages", "flash-attn"), "--packages unknown"),
+    Case("tools/dry_run_gpu_unknown", dry_run("--gpus", "2", "--gpu", "MI300X"), "--gpu-memory-gib"),
+    Case("tools/dry_run_gpus_without_dry_run", lambda tmp: __import__("megalysses.tools.pretrain", fromlist=["m"])
+         .main(["--config", QUICKSTART, "--set", "data.mock=true", "--gpus", "2"]), "add --dry-run"),
+    Case("tools/dry_run_machine_without_gpus", dry_run("--gpu-memory-gib", "40"), "add --gpus"),
+    Case("tools/dry_run_does_not_fit", dry_run("--gpus", "4", "--gpu-memory-gib", "2.12"), "does not fit (peak"),
+    Case("tools/dry_run_traced_peak_does_not_fit", dry_run("--gpus", "4", "--gpu-memory-gib", "2.12", "--trace-memory"),
+         "> usable"),
+    Case("tools/plan_gpu_memory_negative", plan("--gpus", "2", "--gpu-memory-gib", "-80"), "--gpu-memory-gib"),
+    Case("tools/plan_gpus_beyond_any_layout", plan("--gpus", "1000000"), "is more than this config can use: at most"),
+    Case("tools/plan_seq_len_beyond_the_curriculum", plan("--gpus", "8", "--seq-len", "1024", "--set",
+                                                         "data.seq_len_schedule=[[0, 128], [10, 256]]"),
+         "data.seq_len_schedule ends at seq_len 256"),
     Case("tools/build_corpus_without_source", lambda tmp: __import__("megalysses.tools.build_corpus", fromlist=["m"])
          .main(["--output", str(tmp / "c.jsonl")]), "--stdlib"),
 ]
