@@ -99,14 +99,14 @@ def _ordered(blocks: Tensor) -> tuple[Tensor, Tensor]:
     row the count of its True columns, and its columns, the True ones first, each part ascending (the stable
     descending argsort create_block_mask makes), put in place by their ranks instead of a sort."""
     C = blocks.shape[-1]
-    true_up_to = blocks.cumsum(-1, dtype=torch.long)                          # True columns up to each
+    true_up_to = blocks.cumsum(-1, dtype=torch.int32)                         # True columns up to each
     count = true_up_to[..., -1:]
-    col = torch.arange(C, device=blocks.device)
+    col = torch.arange(C, dtype=torch.int32, device=blocks.device)
     # a True column's slot: the True ones before it; a False one's: every True one, then the False ones before it
     slot = torch.where(blocks, true_up_to - 1, (col + count).sub_(true_up_to))
     indices = torch.empty(blocks.shape, dtype=torch.int32, device=blocks.device)
-    indices.scatter_(-1, slot, col.to(torch.int32).expand(blocks.shape))
-    return count.squeeze(-1).to(torch.int32), indices
+    indices.scatter_(-1, slot.long(), col.expand(blocks.shape))
+    return count.squeeze(-1), indices
 
 
 def _ordered_rows(blocks: Tensor) -> tuple[Tensor, Tensor]:
