@@ -3,7 +3,7 @@ documents' boundaries per block (megalysses/kernels/block_mask.py) on a CPU, bes
 (the mask evaluated on every pair of tokens) where that finishes.
 
     python benchmarks/bench_block_mask.py [--tokens 1048576] [--blocks 128 256 512] [--mean-doc 8192]
-                                          [--per-pair 2048 4096 8192] [--threads N]
+                                          [--per-pair 2048 4096 8192] [--threads N] [--out-dir DIR | --record]
 
 Each case runs in a fresh process: its inputs are made, then the build is timed (wall and CPU seconds) and its
 peak memory is the process's peak resident set growth over the build (the result included), beside the bytes
@@ -14,13 +14,15 @@ queries and keys with documents of random lengths (mean --mean-doc tokens):
     window     the diagonal block with a 64K-token sliding window
 and the per-pair rows: torch's create_block_mask of the diagonal block at the --per-pair sizes (eager on a
 CPU, as a test runs it; compiled on CUDA it is fused but evaluates the same pairs), beside ours at that size.
-Prints a markdown table.
+Prints a markdown table; with --out-dir (or --record: benchmarks/results/) writes the rows as block_mask.json
+(benchmarks/results/block_mask.md reads them).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import platform
 import resource
 import subprocess
 import sys
@@ -28,6 +30,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.harness import add_output_args, child_env, output_dir, write_text  # noqa: E402
+
 WINDOW = 1 << 16
 
 
@@ -39,7 +45,6 @@ def run_case(case: str, tokens: int, block: int, mean_doc: int, per_pair: bool) 
     """One build in this process: seconds, CPU seconds, peak resident growth and the result's bytes."""
     import torch
 
-    sys.path.insert(0, str(ROOT))
     from megalysses.kernels.block_mask import MaskPattern, build_block_mask
 
     starts = torch.rand(1, 2 * tokens, generator=torch.Generator().manual_seed(0)) < 1.0 / mean_doc
@@ -69,7 +74,7 @@ def run_case(case: str, tokens: int, block: int, mean_doc: int, per_pair: bool) 
 
 
 def _in_child(args: list[str], threads: int) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    env = child_env(OMP_NUM_THREADS=str(threads))
     out = subprocess.run([sys.executable, __file__, "--child", *args], env=env, check=True, capture_output=True,
                          text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
@@ -88,7 +93,9 @@ def main() -> None:
                         help="sizes at which torch's create_block_mask is timed beside ours (block 128)")
     parser.add_argument("--threads", type=int, default=1, help="torch's CPU threads")
     parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
+    add_output_args(parser, name="block_mask")
     args = parser.parse_args()
+    folder = output_dir(parser, args)
     if args.child:
         case, tokens, block, mean_doc, per_pair = args.child
         print(json.dumps(run_case(case, int(tokens), int(block), int(mean_doc), per_pair == "1")))
@@ -100,13 +107,21 @@ def main() -> None:
     for tokens in args.per_pair:
         for per_pair in ("1", "0"):
             rows.append(_in_child(["diagonal", str(tokens), "128", str(args.mean_doc), per_pair], args.threads))
-    print(f"torch threads {args.threads}, mean document {args.mean_doc} tokens, load average "
-          f"{os.getloadavg()[0]:.2f} at the end\n")
+    load = os.getloadavg()[0]
+    print(f"torch threads {args.threads}, mean document {args.mean_doc} tokens, load average {load:.2f} at the end\n")
     print("| size | case | block | method | seconds | CPU seconds | peak bytes | BlockMask bytes |")
     print("|---|---|---:|---|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {_size(r['tokens'])} x {_size(r['tokens'])} | {r['case']} | {r['block']} | {r['method']} | "
               f"{r['seconds']:.3f} | {r['cpu_seconds']:.3f} | {r['peak_bytes']:,} | {r['result_bytes']:,} |")
+    if folder is not None:
+        import torch
+
+        meta = {"threads": args.threads, "mean_doc": args.mean_doc, "load_average": load,
+                "machine": platform.platform(), "processor": platform.processor(), "torch": torch.__version__}
+        text = json.dumps({**meta, "rows": rows}, indent=2) + "\n"
+        out = write_text(folder, f"{args.name or 'block_mask'}.json", text)
+        print(f"\nwrote {out}")
 
 
 if __name__ == "__main__":
