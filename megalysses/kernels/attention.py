@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from megalysses import accelerator
+from megalysses.kernels.block_mask import MaskPattern, build_block_mask
 
 try:
     from torch.nn.attention import flex_attention as flex_module
@@ -212,14 +213,12 @@ class AttentionMask:
         return self._cached(("dense", window) if window else "dense", build)
 
     def block_mask(self, window: int = 0) -> Any:
-        """FlexAttention BlockMask of shape (B, 1, S, S)."""
+        """FlexAttention BlockMask of shape (B, 1, S, S), built from the documents' boundaries per block
+        (kernels/block_mask.py)."""
         def build() -> Any:
             docs = self.doc_ids
-            B, S = docs.shape
-
-            def mask_mod(b, h, q_idx, kv_idx):
-                return _causal(q_idx, kv_idx, window) & (docs[b, q_idx] == docs[b, kv_idx])
-            return create_block_mask(mask_mod, B, S, docs.device, block=self.block)
+            pattern = MaskPattern(causal=True, q_docs=docs, k_docs=docs, window=window)
+            return build_block_mask(pattern, docs.shape[1], docs.shape[1], self.block, docs.device)
         return self._cached(("block_mask", window) if window else "block_mask", build)
 
     def varlen(self) -> tuple[Tensor, int]:
@@ -363,24 +362,10 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Optional[AttentionMask], scale:
     return out.transpose(1, 2)                                            # (B, S, Hq, D)
 
 
-def create_block_mask(mask_mod: Callable, B: Optional[int], S: int, device: torch.device,
-                      kv_len: Optional[int] = None, block: int = 128) -> Any:
-    """A FlexAttention BlockMask for S queries and kv_len (default S) keys in blocks of `block` tokens (a
-    multiple of 128, the kernel's tile; fused on CUDA)."""
-    kwargs = {"BLOCK_SIZE": block}
-    params = inspect.signature(flex_module.create_block_mask).parameters
-    if torch.device(device).type == "cuda" and "_compile" in params:
-        kwargs["_compile"] = True   # fused: never materialises the (B, S, S) mask
-    return flex_module.create_block_mask(mask_mod, B, None, S, S if kv_len is None else kv_len, device=device,
-                                         **kwargs)
-
-
 @functools.lru_cache(maxsize=8)
 def causal_block_mask(S: int, device: torch.device, window: int = 0) -> Any:
-    """The plain causal (sliding-window) BlockMask of S positions (cached)."""
-    def causal(b, h, q_idx, kv_idx):
-        return _causal(q_idx, kv_idx, window)
-    return create_block_mask(causal, None, S, device)
+    """The plain causal (sliding-window) BlockMask of S positions in 128-token blocks (cached)."""
+    return build_block_mask(MaskPattern(causal=True, window=window), S, S, device=device)
 
 
 @functools.lru_cache(maxsize=1)

@@ -31,6 +31,7 @@ from torch import Tensor
 from megalysses import accelerator
 from megalysses.kernels import attention
 from megalysses.kernels.attention import flex_module
+from megalysses.kernels.block_mask import MaskPattern, build_block_mask
 
 aten = torch.ops.aten
 
@@ -43,9 +44,9 @@ class AttentionBlock:
     q_docs (B, Sq), k_docs (B, Sk): document ids of the block's queries and keys (None: no documents).
     window > 0: q_pos (Sq,), k_pos (Sk,), the queries' and keys' indices in the whole sequence, and a query
     attends only keys less than `window` before it (kernels/attention.py's sliding window).
-    Each mask form a backend needs is built on first use and kept, so the layers of a step share it, except
-    FlexAttention's block mask of documents or a window: its int32 (Sq/block x Sk/block) index tensors are
-    built for each use (a ring step's pair of blocks) and freed after it, in blocks of `block` tokens."""
+    Each mask form a backend needs is built on first use and kept, so the layers, head chunks and backward of a
+    step share it: FlexAttention's block mask of documents or a window (four int32 (Sq/block x Sk/block) index
+    tensors, in blocks of `block` tokens) among them."""
 
     def __init__(self, causal: bool, q_docs: Optional[Tensor] = None, k_docs: Optional[Tensor] = None,
                  window: int = 0, q_pos: Optional[Tensor] = None, k_pos: Optional[Tensor] = None,
@@ -103,23 +104,13 @@ class AttentionBlock:
         return self._cached(("empty", sq, sk), lambda: ~self.allowed(sq, sk, device).any(-1))
 
     def flex_mask(self, sq: int, sk: int, device: torch.device) -> Any:
-        """FlexAttention BlockMask (None: no mask, every pair allowed); with documents or a window a new one,
-        which the caller drops after its step."""
+        """FlexAttention BlockMask (None: no mask, every pair allowed); with documents or a window built from the
+        documents' boundaries and positions per block (kernels/block_mask.py, never per pair of tokens) on first
+        use and kept, so the head chunks, the layers and the backward of a step share it."""
         if not self.masked:
             return attention.causal_block_mask(sq, device) if self.causal else None
-        qd, kd, causal, window = self.q_docs, self.k_docs, self.causal, self.window
-        qp, kp = (None, None) if not window else (self.q_pos.to(device), self.k_pos.to(device))
-
-        def mask_mod(b, h, q_idx, kv_idx):
-            allowed = kv_idx <= q_idx if causal else q_idx >= 0
-            if qd is not None:
-                allowed = allowed & (qd[b, q_idx] == kd[b, kv_idx])
-            if window:
-                allowed = allowed & (qp[q_idx] - kp[kv_idx] < window)
-            return allowed
-        with torch.no_grad():
-            return attention.create_block_mask(mask_mod, None if qd is None else qd.shape[0], sq, device, kv_len=sk,
-                                               block=self.block)
+        pattern = MaskPattern(self.causal, self.q_docs, self.k_docs, self.window, self.q_pos, self.k_pos)
+        return self._cached(("flex", sq, sk), lambda: build_block_mask(pattern, sq, sk, self.block, device))
 
 
 def _heads_first(x: Tensor) -> Tensor:

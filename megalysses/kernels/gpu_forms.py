@@ -13,9 +13,8 @@ custom op with fake implementations); what they cannot run, or run otherwise tha
     flash      flash-attn (flash_attn_func, flash_attn_varlen_func): the outputs and the fp32 log-sum-exp.
     flex       FlexAttention: compiled on CUDA, refused on meta tensors; its form allocates the output and the
                fp32 log-sum-exp, and in the backward (against the output and the log-sum-exp) the gradients
-               and the fp32 rowsum(dO * O). create_block_mask compiled on CUDA never makes the (S, S) mask:
-               its form makes the block-level masks that the compiled part makes, then runs torch's own
-               conversion of them into the BlockMask's index tensors (an int64 argsort of each).
+               and the fp32 rowsum(dO * O). Block masks are built as on CUDA (kernels/block_mask.py: from
+               the documents' boundaries per block), the plain causal one for each trace (not cached).
 A fused backward allocates workspaces inside its kernel, which the tracker counts at the kernel's op
 (WORKSPACES, LiveBytes.workspaces): the flash kernels' fp32 dq accumulator and rowsum(dO * O), and with
 fewer KV heads than query heads dK and dV at the query heads' width before they are summed per group.
@@ -164,23 +163,6 @@ def _compiled_flex() -> Any:
     return flex
 
 
-def _create_block_mask(mask_mod: Any, B: Optional[int], S: int, device: Any, kv_len: Optional[int] = None,
-                       block: int = 128) -> Any:
-    """create_block_mask as compiled on CUDA: the partial and full block masks (B, 1, S/block, Sk/block) that
-    its fused part makes from mask_mod (never the (S, Sk) mask), then torch's own conversion of them into the
-    BlockMask's kv and q index tensors."""
-    kv_len = S if kv_len is None else kv_len
-    n_q, n_kv = -(-S // block), -(-kv_len // block)
-    partial = torch.zeros(B or 1, 1, n_q, n_kv, dtype=torch.int8, device=device)
-    full = torch.zeros(B or 1, 1, n_q, n_kv, dtype=torch.int8, device=device)
-    return attention.flex_module._create_sparse_block_from_block_mask((partial, full), mask_mod, (S, kv_len),
-                                                                      block, block)
-
-
-def _causal_block_mask(S: int, device: Any, window: int = 0) -> Any:
-    return _create_block_mask(lambda b, h, q, kv: attention._causal(q, kv, window), None, S, device)
-
-
 # ----------------------------------------------------------------------------- installing them
 
 class _Forms:
@@ -197,8 +179,7 @@ def gpu_kernels(live: Any, packages: frozenset) -> Iterator[None]:
         (attention, "flash_attn_func", _flash_attn_func),
         (attention, "flash_attn_varlen_func", _flash_attn_varlen_func),
         (attention, "compiled_flex", _compiled_flex),
-        (attention, "create_block_mask", _create_block_mask),
-        (attention, "causal_block_mask", _causal_block_mask),
+        (attention, "causal_block_mask", attention.causal_block_mask.__wrapped__),     # built for each trace
         (attention, "_installed", lambda: frozenset(packages)),
     ]
     saved = [(table, key, table[key]) for table, key, _ in replaced]

@@ -26,7 +26,7 @@ What a layer keeps for the backward (megalysses/model/layers.py, no checkpointin
                       the query heads when the kernel has no native grouped-query attention; without either,
                       v is a view that keeps the whole QKV output), the output and the fp32 log-sum-exp;
                       the reference backend keeps fp32 S x S probabilities and an S x S mask instead;
-                      masks: SDPA's dense one, FlexAttention's block mask (blocks.py flex_mask), none for
+                      masks: SDPA's dense one, FlexAttention's block masks (blocks.py flex_mask), none for
                       varlen and flash-attn (cumulative lengths)
     ring attention    (sp = ulysses x ring, Layout.ring > 1) q (or the all-to-all buffer), its own stack of
                       k and v, the output and the log-sum-exp; its backward adds fp32 dQ and dK/dV buffers

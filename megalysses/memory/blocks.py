@@ -18,27 +18,51 @@ def flex_mask_bytes(batch: int, seq_q: float, seq_k: float, block: int) -> float
     return batch * 4 * (FLEX_INDEX_TENSORS * rows * cols + 2 * (rows + cols))
 
 
-def flex_mask(m: ModelConfig, layout: Layout, opts: Options, work: Workload) -> Term | None:
-    """The block mask FlexAttention holds on a rank, or None where it builds none: with a ring, one ring step's
-    pair of blocks (built for the step and freed after it, kernels/block_attention.py); without, the step's
-    mask over the whole sequence that every Ulysses rank attends to (kernels/attention.py), with documents in
-    blocks of opts.mask_block tokens, plain causal in 128-token ones."""
+def _flex_masks(m: ModelConfig, layout: Layout, opts: Options, work: Workload) -> list[tuple[int, float, float, int]]:
+    """(batch, query and key positions, block) of each BlockMask FlexAttention holds on a rank at once, the
+    largest first. With a ring and documents or a window, one per ring step's pair of blocks (the rank's own
+    block whole, the r-1 others half: kernels/block_attention.py AttentionBlock builds each on first use and
+    keeps it for the step, shared by the layers, the head chunks and the backward); plain causal on a ring, the
+    cached mask of the diagonal block; without a ring, the step's mask over the whole sequence that every
+    Ulysses rank attends to. Documents in blocks of opts.mask_block tokens, a plain causal (window) mask in
+    128-token ones; a batch of micro_batch_size with documents, else 1."""
     if opts.attention != "flex":
-        return None
+        return []
     block = opts.mask_block if opts.documents else 128
-    if layout.ring > 1:
-        if not opts.documents:           # the cached causal mask of the diagonal block
-            side = work.seq_len / layout.ring
-            return Term("FlexAttention's causal block mask (the diagonal ring block)",
-                        flex_mask_bytes(1, side, side, 128), f"(S/r / 128)^2 x {4 * FLEX_INDEX_TENSORS} B")
-        side = work.seq_len / layout.ring
-        return Term(f"FlexAttention's block mask of one ring step ({block}-token blocks)",
-                    flex_mask_bytes(work.micro_batch_size, side, side, block),
-                    f"B x (S/r / {block})^2 x {4 * FLEX_INDEX_TENSORS} B")
     batch = work.micro_batch_size if opts.documents else 1
-    return Term(f"FlexAttention's block mask ({block}-token blocks)",
-                flex_mask_bytes(batch, work.seq_len, work.seq_len, block),
-                f"B x (S / {block})^2 x {4 * FLEX_INDEX_TENSORS} B")
+    if layout.ring == 1:
+        return [(batch, work.seq_len, work.seq_len, block)]
+    side = work.seq_len / layout.ring
+    if not (opts.documents or m.sliding_window > 0):
+        return [(1, side, side, 128)]
+    return [(batch, side, side, block)] + [(batch, side / 2, side, block)] * (layout.ring - 1)
+
+
+def flex_mask(m: ModelConfig, layout: Layout, opts: Options, work: Workload) -> Term | None:
+    """The block masks FlexAttention holds on a rank (_flex_masks), or None where it builds none."""
+    masks = _flex_masks(m, layout, opts, work)
+    if not masks:
+        return None
+    batch, _, _, block = masks[0]
+    total = sum(flex_mask_bytes(*mask) for mask in masks)
+    if layout.ring == 1:
+        return Term(f"FlexAttention's block mask ({block}-token blocks)", total,
+                    f"B x (S / {block})^2 x {4 * FLEX_INDEX_TENSORS} B")
+    if len(masks) == 1:
+        return Term("FlexAttention's causal block mask (the diagonal ring block)", total,
+                    f"(S/r / 128)^2 x {4 * FLEX_INDEX_TENSORS} B")
+    return Term(f"FlexAttention's block masks of the {layout.ring} ring steps ({block}-token blocks, kept for the "
+                f"step)", total, f"B x ((S/r / {block})^2 + (r - 1) (S/2r / {block}) (S/r / {block})) x "
+                f"{4 * FLEX_INDEX_TENSORS} B, r = {layout.ring}")
+
+
+def flex_index_tensor_bytes(m: ModelConfig, layout: Layout, opts: Options, work: Workload) -> float:
+    """The largest single index tensor of FlexAttention's block masks on a rank (0 where it builds none)."""
+    masks = _flex_masks(m, layout, opts, work)
+    if not masks:
+        return 0.0
+    batch, seq_q, seq_k, block = masks[0]
+    return batch * 4 * -(-seq_q // block) * -(-seq_k // block)
 
 
 def largest_block(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, work: Workload,
@@ -66,8 +90,7 @@ def largest_block(m: ModelConfig, layout: Layout, opts: Options, prec: Precision
         blocks["a tile of fp32 logits"] = tile * vocab * 4
         if tile < tokens:
             blocks["the head weight's fp32 gradient sum"] = vocab * d["h"] * 4
-    mask = flex_mask(m, layout, opts, work)
-    if mask is not None:
-        blocks["one index tensor of FlexAttention's block mask"] = mask.bytes / FLEX_INDEX_TENSORS
+    if opts.attention == "flex":
+        blocks["one index tensor of FlexAttention's block mask"] = flex_index_tensor_bytes(m, layout, opts, work)
     name = max(blocks, key=blocks.get)
     return Term(f"largest block: {name}", blocks[name])

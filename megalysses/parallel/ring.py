@@ -45,8 +45,10 @@ class RingMask:
     """The blocks ring rank `ring_rank` attends to over a (padded) sequence of `seq_len` positions: which
     rows and columns of each block take part and which pairs may attend (causal, same document).
 
-    doc_ids: (B, seq_len) document id of every position of the full sequence, or None (plain causal); block:
-    FlexAttention's block-mask block size (a flex block mask is built per ring step and freed after it)."""
+    doc_ids: (B, seq_len) document id of every position of the full sequence, non-decreasing along each row as
+    the data loader makes them (FlexAttention's block masks rely on it), or None (plain causal); block:
+    FlexAttention's block-mask block size (each ring step's block mask is built on its first use and kept with
+    the step's other masks: the layers, head chunks and backward of the step share them)."""
 
     def __init__(self, doc_ids: Optional[Tensor], ring_rank: int, ring_size: int, seq_len: int,
                  device: Optional[torch.device] = None, block: int = 128) -> None:
