@@ -13,6 +13,7 @@ from megalysses.config.checks import check_heads, check_world_size, validate_con
 from megalysses.config.io import load_config
 from megalysses.memory import (GIB, PRECISIONS, Layout, Options, Workload, estimate, layer_params,
                                stage_params)
+from megalysses.plan.communicators import axis_sizes, communicators
 from megalysses.plan.search import (candidate_configs, check_phase_time, evaluate, plan,
                                      predicted_step_seconds)
 from megalysses.plan.step_time import Hardware, Overlap, step_time
@@ -206,15 +207,21 @@ def test_cli_json_best_and_null(capsys):
     own = out["config_layout"]                         # where the config's own layout ranks, and by what it trails
     assert own["rank"] > 1 and own["step_s"] > best["step_s"]
     assert sum(own["behind_best_s"].values()) == pytest.approx(own["step_s"] - best["step_s"], abs=1e-3)
-    # by default an H100 80GB as it is exposed (79.6 GiB): the budget takes off the reserve and a fragmentation
-    # allowance of at least the layout's largest block (here a block input: 256K / sp tokens x hidden x 2 B)
+    # by default an H100 80GB as it is exposed (79.6 GiB): the budget takes off the reserve, the layout's
+    # communicators and a fragmentation allowance of at least the layout's largest block (here a block input:
+    # 256K / sp tokens x hidden x 2 B)
     assert main(["--config", "configs/gpt_1b_8gpu.yaml", "--gpus", "8", "--seq-len", "262144", "--json",
                  "--no-search"]) == 0
     out, hw = json.loads(capsys.readouterr().out), Hardware()
     best, hidden = out["config_layout"], load_config("configs/gpt_1b_8gpu.yaml").model.hidden_size
     assert out["gpu_memory_gib"] == 79.6 and best["largest_block_gib"] >= 262144 / best["sp"] * hidden * 2 / GIB
     allowance = max(hw.fragmentation * 79.6, best["largest_block_gib"])
-    assert best["usable_gib"] == pytest.approx(79.6 - hw.reserve_gib - allowance, abs=0.01)
+    sizes = axis_sizes(best["tp"], best["sp"] // best["ring"], best["ring"], best["dp"], best["pp"])
+    comms = communicators(sizes, grad_apart=True)        # ZeRO-1 overlapping its reduce-scatters (the default)
+    assert (best["communicators"], best["communicators_gib"]) == (len(comms),
+                                                               round(sum(c.bytes for c in comms) / GIB, 2))
+    assert best["usable_gib"] == pytest.approx(79.6 - hw.reserve_gib - sum(c.bytes for c in comms) / GIB - allowance,
+                                               abs=0.01)
     assert best["peak_gib"] <= best["usable_gib"]
     # --set overrides the config as pretrain.py's does
     assert main(["--config", "configs/gpt_1b_8gpu.yaml", "--gpus", "8", "--gpu-memory-gib", "80", "--json",
