@@ -10,14 +10,15 @@ grid and its process groups, the device mesh made of them, the datasets of a gen
 datasets blended, their document, sample and shuffle indices and the blend read from the cache a first run
 built), the model and optimizer built as a run builds them (on the meta device, where a GPU run puts them on
 the GPU), and a checkpoint's metadata read (DCP's .metadata of a checkpoint saved by `world` ranks, written
-here with one chunk per rank and tensor as DCP records a ZeRO-1 checkpoint's sharded optimizer state). The
+here with one chunk per rank and tensor as DCP records a ZeRO-1 checkpoint's sharded optimizer state; up to
+--metadata-world ranks, since it grows as tensors x world: 8,192 ranks' would take gigabytes to build here). The
 layout is fixed (tp 2, ulysses 4, pp 1, Llama-3.1-8B's shapes at seq_len 8192) and so is the global batch (1,024
 sequences): the same job on more ranks, dp growing. Recorded per world: wall time of each stage, new_group and
 split_group calls and the process groups they created, this rank's communicators, the peak host memory
 (ru_maxrss) of the process.
 
-`--before` replays what the grid did before each rank created only its own groups: every rank called
-new_group for every group of every kind, and DeviceMesh created its own.
+`--before` adds, after the grid, what the grid did before each rank created only its own groups: every rank
+called new_group for every group of every kind, and DeviceMesh created its own.
 
 Store traffic (gloo, N processes on this machine, a TCPStore wrapped to count): each rank's store operations
 and the distinct keys it touched while the grid and its mesh are built, after init_process_group.
@@ -134,7 +135,7 @@ def checkpoint_metadata(path: Path, model, world: int) -> None:
         pickle.dump(Metadata(state_dict_metadata=meta, storage_data=storage), f)
 
 
-def one_world(world: int, work: Path, before: bool) -> dict:
+def one_world(world: int, work: Path, before: bool, metadata_world: int) -> dict:
     """Rank 0's start-up in a fake world of `world` ranks (run in a fresh process): seconds per stage and counts."""
     import torch
     import torch.distributed as dist
@@ -167,10 +168,10 @@ def one_world(world: int, work: Path, before: bool) -> dict:
     run = resolve(cfg, Machine.described("H100", ranks_per_node=8), world)
     stage("plan_s")
     with Counted() as counted:
-        if before:
-            old_groups(GridLayout(world, tp=run.tp, sp=run.sp, pp=run.pp, ring=run.ring), timedelta(seconds=60))
         grid = ParallelGrid.for_plan(run, cfg.parallel.timeout_seconds)
         mesh = grid.device_mesh(torch.device("meta"))
+        if before:      # after the grid: torch names a rank's own groups by how many groups it already has
+            old_groups(GridLayout(world, tp=run.tp, sp=run.sp, pp=run.pp, ring=run.ring), timedelta(seconds=60))
     out.update(new_group_calls=counted.calls, groups_created=counted.groups,
                communicators=len(getattr(grid, "communicators", [])))
     stage("grid_s")
@@ -180,12 +181,13 @@ def one_world(world: int, work: Path, before: bool) -> dict:
     model, _ = build_model_and_optimizer(cfg, grid, torch.device("meta"), run, mesh)
     stage("model_s")
     ckpt = work / f"ckpt_{world}"
-    if not (ckpt / ".metadata").exists():
-        checkpoint_metadata(ckpt, model, world)
-    t = time.perf_counter()
-    FileSystemReader(str(ckpt)).read_metadata()
-    out["metadata_mib"] = round((ckpt / ".metadata").stat().st_size / 2**20, 1)
-    stage("checkpoint_metadata_s")
+    if world <= metadata_world:      # its chunks grow as tensors x world: past this, extrapolated (scale.md)
+        if not (ckpt / ".metadata").exists():
+            checkpoint_metadata(ckpt, model, world)
+        t = time.perf_counter()
+        FileSystemReader(str(ckpt)).read_metadata()
+        out["metadata_mib"] = round((ckpt / ".metadata").stat().st_size / 2**20, 1)
+        stage("checkpoint_metadata_s")
     out["cpu_s"] = round(time.process_time() - cpu, 3)
     dist.destroy_process_group()
     out["peak_host_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
@@ -260,10 +262,10 @@ def store_rank(rank: int, world: int, port: int, before: bool, out_dir: str) -> 
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=120))
     store.counting = True
     t = time.perf_counter()
-    if before:
-        old_groups(GridLayout(world, tp=2, sp=2), timedelta(seconds=120))
     grid = ParallelGrid(tp=2, sp=2, timeout_seconds=120)
     grid.device_mesh(torch.device("cpu"))
+    if before:
+        old_groups(GridLayout(world, tp=2, sp=2), timedelta(seconds=120))
     seconds = time.perf_counter() - t
     store.counting = False
     dist.barrier()
@@ -298,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--worlds", type=int, nargs="*", default=[8, 64, 1024, 8192])
     ap.add_argument("--store-worlds", type=int, nargs="*", default=[8, 16])
     ap.add_argument("--work", default=None, help="where the corpus, its cache and the checkpoints' metadata go")
+    ap.add_argument("--metadata-world", type=int, default=1024,
+                    help="the largest world whose checkpoint metadata is built and read (tensors x world chunks)")
     ap.add_argument("--before", action="store_true", help="replay every rank creating every group (the old grid)")
     ap.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--record", action="store_true", help="write benchmarks/results/scale.json")
@@ -305,18 +309,20 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.work or tempfile.mkdtemp(prefix="scale-"))
     work.mkdir(parents=True, exist_ok=True)
     if args.one is not None:
-        print(json.dumps(one_world(args.one, work, args.before)))
+        print(json.dumps(one_world(args.one, work, args.before, args.metadata_world)))
         return 0
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     startup = []
     for world in [args.worlds[0]] + args.worlds:      # the first run builds the corpus and its cache: not recorded
-        cmd = [sys.executable, __file__, "--one", str(world), "--work", str(work)]
+        cmd = [sys.executable, __file__, "--one", str(world), "--work", str(work), "--metadata-world",
+               str(args.metadata_world)]
         cmd += ["--before"] if args.before else []
         r = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if r.returncode:
             print(r.stdout + r.stderr, file=sys.stderr)
             return 1
         startup.append(json.loads(r.stdout.strip().splitlines()[-1]))
+        print(json.dumps(startup[-1]), file=sys.stderr, flush=True)
     startup = startup[1:]
     for row in startup:
         row["total_s"] = round(sum(v for k, v in row.items() if k.endswith("_s") and k != "cpu_s"), 3)

@@ -175,8 +175,9 @@ class ParallelGrid:
             first = comm.kinds[0]
             mine = [] if first == "embed" and self.pp_rank not in (0, L.pp - 1) else L.group_of(first, self.rank)
             group = self._new_group(comm, mine)
-            if mine:
+            if group is not None:
                 self._communicators.append((comm, mine))
+            if mine:
                 self._groups.update(dict.fromkeys(comm.kinds, group))
                 self._ranks.update(dict.fromkeys(comm.kinds, mine))
         for kind in KINDS:              # a grid kind of one rank (a middle stage has no embed group)
@@ -186,7 +187,7 @@ class ParallelGrid:
     def _new_group(self, comm: Communicator, ranks: list[int]) -> Optional[dist.ProcessGroup]:
         """This rank's process group of `comm` (None outside it). WORLD itself where it holds the same ranks; NCCL
         splits the world's communicator (every rank calls, once per communicator, as DeviceMesh does); otherwise
-        only the group's members create it (no store traffic, no call, on the other ranks)."""
+        the group's members alone create it, meeting through the store among themselves."""
         if not dist.is_initialized():
             return None
         if comm.kinds[0] == "world" and dist.get_world_size() == self.world:
@@ -197,9 +198,13 @@ class ParallelGrid:
         if getattr(dist.group.WORLD, "bound_device_id", None) is not None:
             return dist.split_group(split_ranks=self.layout.groups(comm.kinds[0]), timeout=self.timeout,
                                     group_desc=desc)
-        if dist.get_rank() not in ranks:
-            return None       # not a member (or a rank standing in for another in a smaller world: tests)
-        return dist.new_group(ranks, timeout=self.timeout, use_local_synchronization=True, group_desc=desc)
+        # torch names a group so created by its ranks and the number of groups the rank already has, so every rank
+        # creates one group per communicator: where it is in none (a middle stage's embed, a rank standing in for
+        # another in a smaller world: tests), a group of itself alone, which nothing uses
+        member = dist.get_rank() in ranks
+        group = dist.new_group(ranks if member else [dist.get_rank()], timeout=self.timeout,
+                               use_local_synchronization=True, group_desc=desc if member else "unused")
+        return group if member else None
 
     @property
     def communicators(self) -> list[dict]:
