@@ -181,9 +181,10 @@ def one_world(world: int, work: Path, before: bool, metadata_world: int) -> dict
     model, _ = build_model_and_optimizer(cfg, grid, torch.device("meta"), run, mesh)
     stage("model_s")
     ckpt = work / f"ckpt_{world}"
+    if metadata_world < 0:            # a run of its own writes the metadata, outside the measured one's memory
+        checkpoint_metadata(ckpt, model, world)
+        return {}
     if world <= metadata_world:      # its chunks grow as tensors x world: past this, extrapolated (scale.md)
-        if not (ckpt / ".metadata").exists():
-            checkpoint_metadata(ckpt, model, world)
         t = time.perf_counter()
         FileSystemReader(str(ckpt)).read_metadata()
         out["metadata_mib"] = round((ckpt / ".metadata").stat().st_size / 2**20, 1)
@@ -314,9 +315,10 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     startup = []
     for world in [args.worlds[0]] + args.worlds:      # the first run builds the corpus and its cache: not recorded
-        cmd = [sys.executable, __file__, "--one", str(world), "--work", str(work), "--metadata-world",
-               str(args.metadata_world)]
-        cmd += ["--before"] if args.before else []
+        base = [sys.executable, __file__, "--one", str(world), "--work", str(work), "--metadata-world"]
+        if world <= args.metadata_world and not (work / f"ckpt_{world}" / ".metadata").exists():
+            subprocess.run(base + ["-1"], check=True, capture_output=True, env=env)
+        cmd = base + [str(args.metadata_world)] + (["--before"] if args.before else [])
         r = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if r.returncode:
             print(r.stdout + r.stderr, file=sys.stderr)
