@@ -194,14 +194,16 @@ class ParallelGrid:
             if self.timeout is not None:
                 _set_group_timeout(self.timeout, dist.group.WORLD)
             return dist.group.WORLD
-        desc = "+".join(comm.kinds)
+        # torch names a group by its ranks and the number of groups the rank already has, so every rank creates one
+        # group per communicator: where it is in none (a middle stage's embed, a rank standing in for another in a
+        # smaller world: tests), a group of itself alone, which nothing uses
+        desc, member = "+".join(comm.kinds), dist.get_rank() in ranks
         if getattr(dist.group.WORLD, "bound_device_id", None) is not None:
-            return dist.split_group(split_ranks=self.layout.groups(comm.kinds[0]), timeout=self.timeout,
-                                    group_desc=desc)
-        # torch names a group so created by its ranks and the number of groups the rank already has, so every rank
-        # creates one group per communicator: where it is in none (a middle stage's embed, a rank standing in for
-        # another in a smaller world: tests), a group of itself alone, which nothing uses
-        member = dist.get_rank() in ranks
+            split = self.layout.groups(comm.kinds[0])
+            covered = {r for g in split for r in g}
+            split += [[r] for r in range(dist.get_world_size()) if r not in covered]
+            group = dist.split_group(split_ranks=split, timeout=self.timeout, group_desc=desc)
+            return group if member else None
         group = dist.new_group(ranks if member else [dist.get_rank()], timeout=self.timeout,
                                use_local_synchronization=True, group_desc=desc if member else "unused")
         return group if member else None
