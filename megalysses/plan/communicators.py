@@ -7,8 +7,9 @@
 Every group of the grid (grid.py) is named for its purpose, but a communicator (with NCCL, its buffers and
 connections) belongs to a set of ranks: kinds whose groups hold the same ranks share one process group.
 A group's ranks differ along some of the grid's axes (FINE_AXES), so two kinds share when the axes of size
-above one that their groups vary along are the same: sp and the gradient group and WORLD when tp = pp = dp = 1
-and ring = 1, tp and mp when pp = 1, the device mesh's dimensions and the grid's groups of the same axes.
+above one that their groups vary along are the same: sp, Ulysses and WORLD when tp = pp = dp = 1 and ring = 1
+(the gradient group too, where its collectives do not overlap the step's), tp and mp when pp = 1, the device
+mesh's dimensions and the grid's groups of the same axes.
 
 One exception, a "lane" of its own: the gradient group's collectives run beside the step's other collectives
 (FSDP's prefetching all-gathers and reduce-scatters on their own streams, ZeRO-1's bucket reduce-scatters
