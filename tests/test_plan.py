@@ -15,7 +15,7 @@ from megalysses.memory import (GIB, PRECISIONS, Layout, Options, Workload, estim
                                stage_params)
 from megalysses.plan.communicators import axis_sizes, communicators
 from megalysses.plan.search import (candidate_configs, check_phase_time, evaluate, plan,
-                                     predicted_step_seconds)
+                                     predicted_step_seconds, ranking)
 from megalysses.plan.step_time import Hardware, Overlap, step_time
 from megalysses.plan.tiles import could_fit
 from megalysses.tools.plan import _flags, main
@@ -503,3 +503,18 @@ def test_the_search_skips_only_what_cannot_fit(monkeypatch, path, sets, gpus, to
     monkeypatch.setattr(search, "could_fit", lambda *args: True)
     every, every_considered = plan(cfg, gpus, tokens, gpu_gib, host_gib)
     assert [p.row() for p in fitting] == [p.row() for p in every] and considered == every_considered
+
+
+def test_between_equal_layouts_fewer_communicators_first():
+    """The search's order: step time, then peak, then the number of communicators (sp over the whole world shares
+    WORLD's; with tp beside it, tp and sp each have their own)."""
+    from types import SimpleNamespace
+
+    def layout(tp, ulysses, step=1.0, peak=1.0):
+        run = SimpleNamespace(tp=tp, ulysses=ulysses, ring=1, dp=1, pp=1, grad_overlap=True)
+        return SimpleNamespace(step=SimpleNamespace(total=step), estimate=SimpleNamespace(peak=peak), run=run)
+
+    sp8, tp2sp4 = layout(1, 8), layout(2, 4)
+    assert sorted([tp2sp4, sp8], key=ranking) == [sp8, tp2sp4]
+    assert sorted([sp8, layout(2, 4, step=0.9)], key=ranking)[0].step.total == 0.9
+    assert sorted([sp8, layout(2, 4, peak=0.9)], key=ranking)[0].estimate.peak == 0.9

@@ -199,6 +199,12 @@ def run_step_seconds(cfg: Config, run: RunPlan, hw: Hardware) -> Optional[float]
         return None
 
 
+def ranking(p: Prediction) -> tuple[float, float, int]:
+    """How the search orders the layouts that fit: the fastest step first, then the lower peak, then, between
+    otherwise equal layouts, the one with fewer communicators."""
+    return p.step.total, p.estimate.peak, len(run_communicators(p.run))
+
+
 def plan(cfg: Config, gpus: int, seq_len: int, gpu_memory_gib: Optional[float] = None,
          host_memory_gib: Optional[float] = None, hw: Optional[Hardware] = None,
          packages: tuple[str, ...] = PLAIN_TORCH,
@@ -245,8 +251,7 @@ def plan(cfg: Config, gpus: int, seq_len: int, gpu_memory_gib: Optional[float] =
         runs.add(p.run)
         if p.fits:
             fitting.append(p)
-    # between otherwise equal layouts, the one with fewer communicators
-    fitting.sort(key=lambda p: (p.step.total, p.estimate.peak, len(run_communicators(p.run))))
+    fitting.sort(key=ranking)
     return fitting, considered
 
 
