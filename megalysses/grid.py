@@ -19,7 +19,15 @@ Groups by purpose:
     mp       pp x tp: the ranks that together hold one copy of the model (global grad norm)
     embed    first + last pipeline stage (tied input/output embeddings)
 
-`device_mesh` builds the (pp, tp, grad) DeviceMesh that checkpoints and FSDP place tensors on.
+`device_mesh` builds the (pp, tp, grad) DeviceMesh that checkpoints and FSDP place tensors on, from the
+grid's own groups.
+
+One process group per communicator: kinds whose groups hold the same ranks share one (sp, ulysses and ring
+where one factor is 1; tp and mp where pp = 1; WORLD for a kind of every rank; the mesh's dimensions), except
+the gradient group, kept apart where its collectives overlap the step's (plan/communicators.py says which and
+why; `communicators` lists this rank's, as runtime.json does). Each rank creates only the groups it belongs
+to (new_group with use_local_synchronization), so its start-up does not grow with the number of groups in the
+world; under NCCL each communicator is split from the world's (one call per communicator on every rank).
 """
 from __future__ import annotations
 
@@ -34,21 +42,12 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from megalysses.parallel.sequence_layout import SequenceLayout
 from megalysses.plan import RunPlan
+from megalysses.plan.communicators import (FINE_AXES, GROUP_AXES, KINDS, MESH_KINDS, Communicator, axis_sizes,
+                                           communicators)
+
+__all__ = ["AXES", "FINE_AXES", "GROUP_AXES", "GridLayout", "LayoutError", "ParallelGrid"]
 
 AXES = ("pp", "dp", "sp", "tp")
-# the grid with sp split into its ring and Ulysses parts (Ulysses fastest)
-FINE_AXES = ("pp", "dp", "ring", "ulysses", "tp")
-# which (fine) axes vary inside one group of each kind
-GROUP_AXES = {
-    "tp": ("tp",),
-    "sp": ("ring", "ulysses"),
-    "ulysses": ("ulysses",),
-    "ring": ("ring",),
-    "dp": ("dp",),
-    "pp": ("pp",),
-    "grad": ("dp", "ring", "ulysses"),
-    "mp": ("pp", "tp"),
-}
 
 
 class LayoutError(ValueError):
@@ -116,28 +115,41 @@ class GridLayout:
         return c
 
     def groups(self, kind: str) -> list[list[int]]:
-        """Every group of one kind, as sorted rank lists that partition the world (embed excepted)."""
+        """Every group of one kind (a grid kind, a mesh dimension or "world"), as sorted rank lists that partition
+        the world (embed excepted): O(world), for arithmetic and tests; a rank's own is group_of."""
+        if kind == "world":
+            return [list(range(self.world))]
         if kind == "embed":
             first, last = self.ranks[0].reshape(-1), self.ranks[-1].reshape(-1)
             return [sorted({int(a), int(b)}) for a, b in zip(first, last)]
-        vary = GROUP_AXES[kind]
+        vary = GROUP_AXES[MESH_KINDS.get(kind, kind)]
         keep = [a for a in FINE_AXES if a not in vary]
         perm = [FINE_AXES.index(a) for a in keep] + [FINE_AXES.index(a) for a in vary]
         t = self.fine_ranks.permute(*perm)
         return [sorted(g.tolist()) for g in t.reshape(-1, t.shape[len(keep):].numel())]
 
     def group_of(self, kind: str, rank: int) -> list[int]:
-        for g in self.groups(kind):
-            if rank in g:
-                return g
-        raise KeyError(f"rank {rank} has no {kind} group")
+        """The sorted ranks of `rank`'s group of `kind`, from its coordinates alone (KeyError: a middle pipeline
+        stage has no embed group)."""
+        c = self.coords(rank)
+        if kind == "world":
+            return list(range(self.world))
+        if kind == "embed":
+            if c["pp"] not in (0, self.pp - 1):
+                raise KeyError(f"rank {rank} has no embed group (a middle pipeline stage)")
+            stages = self.ranks[:, c["dp"], c["sp"], c["tp"]]
+            return sorted({int(stages[0]), int(stages[-1])})
+        vary = GROUP_AXES[MESH_KINDS.get(kind, kind)]
+        index = tuple(slice(None) if a in vary else c[a] for a in FINE_AXES)
+        return sorted(self.fine_ranks[index].reshape(-1).tolist())
 
 
 class ParallelGrid:
     """This rank's coordinates and process groups. Build once after init_process_group; pass it around."""
 
     def __init__(self, tp: int = 1, sp: int = 1, pp: int = 1, world: Optional[int] = None,
-                 rank: Optional[int] = None, ring: int = 1, timeout_seconds: Optional[float] = None) -> None:
+                 rank: Optional[int] = None, ring: int = 1, timeout_seconds: Optional[float] = None,
+                 grad_apart: bool = True) -> None:
         self.world = dist.get_world_size() if world is None else world
         self.rank = dist.get_rank() if rank is None else rank
         # every group ends a collective that waits longer than this (parallel.timeout_seconds);
@@ -147,26 +159,67 @@ class ParallelGrid:
         c = self.layout.coords(self.rank)
         self.pp_rank, self.dp_rank, self.sp_rank, self.tp_rank = c["pp"], c["dp"], c["sp"], c["tp"]
         self.ring_rank, self.ulysses_rank = c["ring"], c["ulysses"]
+        # grad_apart: the gradient group keeps its own communicator (RunPlan.grad_overlap; plan/communicators.py)
+        self.grad_apart = grad_apart
         self._groups: dict[str, Optional[dist.ProcessGroup]] = {}
         self._ranks: dict[str, list[int]] = {}
-        sp_groups: dict[tuple[int, ...], Optional[dist.ProcessGroup]] = {}
-        # every rank creates every group in the same order; a group of one is None (collectives skip it).
-        # A ulysses or ring group with the ranks of an sp group (the other factor is 1) is that group.
-        for kind in list(GROUP_AXES) + ["embed"]:
-            for ranks in self.layout.groups(kind):
-                if kind in ("ulysses", "ring") and tuple(ranks) in sp_groups:
-                    group = sp_groups[tuple(ranks)]
-                else:
-                    group = dist.new_group(ranks, timeout=self.timeout) if len(ranks) > 1 else None
-                if kind == "sp":
-                    sp_groups[tuple(ranks)] = group
-                if self.rank in ranks:
-                    self._groups[kind], self._ranks[kind] = group, ranks
+        self._communicators: list[tuple[Communicator, list[int]]] = []     # this rank's, with their ranks
+        self._create_groups()
+
+    def _create_groups(self) -> None:
+        """One process group per communicator of plan/communicators.py (kinds of the same ranks share it), each
+        created by its members alone; a grid kind's group of one rank is None (collectives skip it)."""
+        L = self.layout
+        sizes = axis_sizes(L.tp, L.ulysses, L.ring, L.dp, L.pp)
+        for comm in communicators(sizes, self.grad_apart):     # the same list, in the same order, on every rank
+            first = comm.kinds[0]
+            mine = [] if first == "embed" and self.pp_rank not in (0, L.pp - 1) else L.group_of(first, self.rank)
+            group = self._new_group(comm, mine)
+            if group is not None:
+                self._communicators.append((comm, mine))
+            if mine:
+                self._groups.update(dict.fromkeys(comm.kinds, group))
+                self._ranks.update(dict.fromkeys(comm.kinds, mine))
+        for kind in KINDS:              # a grid kind of one rank (a middle stage has no embed group)
+            if kind not in self._ranks and (kind != "embed" or self.pp_rank in (0, L.pp - 1)):
+                self._ranks[kind], self._groups[kind] = L.group_of(kind, self.rank), None
+
+    def _new_group(self, comm: Communicator, ranks: list[int]) -> Optional[dist.ProcessGroup]:
+        """This rank's process group of `comm` (None outside it). WORLD itself where it holds the same ranks; NCCL
+        splits the world's communicator (every rank calls, once per communicator, as DeviceMesh does); otherwise
+        the group's members alone create it, meeting through the store among themselves."""
+        if not dist.is_initialized():
+            return None
+        if comm.kinds[0] == "world" and dist.get_world_size() == self.world:
+            if self.timeout is not None:
+                _set_group_timeout(self.timeout, dist.group.WORLD)
+            return dist.group.WORLD
+        # torch names a group by its ranks and the number of groups the rank already has, so every rank creates one
+        # group per communicator: where it is in none (a middle stage's embed, a rank standing in for another in a
+        # smaller world: tests), a group of itself alone, which nothing uses
+        desc, member = "+".join(comm.kinds), dist.get_rank() in ranks
+        if getattr(dist.group.WORLD, "bound_device_id", None) is not None:
+            split = self.layout.groups(comm.kinds[0])
+            covered = {r for g in split for r in g}
+            split += [[r] for r in range(dist.get_world_size()) if r not in covered]
+            group = dist.split_group(split_ranks=split, timeout=self.timeout, group_desc=desc)
+            return group if member else None
+        group = dist.new_group(ranks if member else [dist.get_rank()], timeout=self.timeout,
+                               use_local_synchronization=True, group_desc=desc if member else "unused")
+        return group if member else None
+
+    @property
+    def communicators(self) -> list[dict]:
+        """This rank's communicators, one per process group: its ranks, the kinds that use it, its stated device
+        memory, and why it is kept apart where another of the same ranks exists (runtime.json)."""
+        return [comm.record(ranks) for comm, ranks in self._communicators]
 
     @classmethod
     def for_plan(cls, run: RunPlan, timeout_seconds: Optional[float] = None) -> "ParallelGrid":
-        """The grid of a resolved run: its tp, sp (split into ulysses x ring as the plan splits it) and pp."""
-        return cls(tp=run.tp, sp=run.sp, pp=run.pp, ring=run.ring, timeout_seconds=timeout_seconds)
+        """The grid of a resolved run: its tp, sp (split into ulysses x ring as the plan splits it) and pp, the
+        gradient group apart where the plan overlaps its collectives with the step's."""
+        return cls(tp=run.tp, sp=run.sp, pp=run.pp, ring=run.ring, timeout_seconds=timeout_seconds,
+                   grad_apart=run.grad_overlap)
 
     @classmethod
     def single(cls) -> "ParallelGrid":
@@ -243,20 +296,18 @@ class ParallelGrid:
         return self._groups.get("embed")
 
     def device_mesh(self, device: torch.device, kind: Optional[str] = None) -> DeviceMesh:
-        """The (pp, tp, grad) device mesh of the grid (grad = dp x sp in grid order): checkpoints place every
-        tensor on its stage's (tp, grad) sub-mesh, FSDP shards over grad. `kind`: the mesh's device type
-        (default: the device's; host ranks for a meta build, a dry run, except a memory trace's, whose meta
-        device stands for the GPU)."""
+        """The (pp, tp, grad) device mesh of the grid (grad = dp x sp in grid order), made of the grid's own process
+        groups (no communicator of its own): checkpoints place every tensor on its stage's (tp, grad) sub-mesh, FSDP
+        shards over grad. `kind`: the mesh's device type (default: the device's; host ranks for a meta build, a dry
+        run, except a memory trace's, whose meta device stands for the GPU)."""
         L = self.layout
         ranks = L.ranks.permute(0, 3, 1, 2).reshape(L.pp, L.tp, L.dp * L.sp)
         # fresh row-major strides: torch 2.11 takes the mesh layout from them, and a size-1 dim of the
         # permuted view keeps a stride that makes mesh["tp", "grad"] fail as out of order
         kind = kind or ("cpu" if device.type == "meta" else device.type)
-        mesh = DeviceMesh(kind, ranks.flatten().view(ranks.shape), mesh_dim_names=("pp", "tp", "grad"))
-        if self.timeout is not None:    # DeviceMesh creates its groups with torch's default timeout
-            for name in ("pp", "tp", "grad"):
-                _set_group_timeout(self.timeout, mesh.get_group(name))
-        return mesh
+        groups = [self._groups[k] for k in MESH_KINDS]
+        return DeviceMesh.from_group(groups, kind, mesh=ranks.flatten().view(ranks.shape),
+                                     mesh_dim_names=("pp", "tp", "grad"))
 
     def sequence_layout(self, tp_sequence_parallel: bool) -> SequenceLayout:
         """Which positions of a sample each sp rank holds, and the multiple samples are padded to."""

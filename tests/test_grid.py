@@ -4,6 +4,7 @@ import itertools
 import pytest
 
 from megalysses.grid import FINE_AXES, GROUP_AXES, GridLayout, LayoutError, ParallelGrid
+from megalysses.plan.communicators import GRADIENT_KINDS, KINDS, MESH_KINDS, axis_sizes, communicators
 from megalysses.testing import run_distributed
 
 DEGREES = (1, 2, 4)
@@ -86,6 +87,7 @@ def _grid_worker(rank, world, grids):
         mesh = grid.device_mesh(torch.device("cpu"))
         sub = mesh["tp", "grad"]
         out["mesh"] = (mesh.mesh.tolist(), sub.mesh.tolist(), mesh.get_local_rank("grad"))
+        out["communicators"] = grid.communicators
         results.append(out)
     return results
 
@@ -105,3 +107,78 @@ def test_grid_groups_and_mesh_on_8_ranks(tmp_path):
             full, sub, grad_index = out["mesh"]
             assert full == layout.ranks.permute(0, 3, 1, 2).reshape(layout.pp, layout.tp, -1).tolist()
             assert sub == full[c["pp"]] and grad_index == layout.group_of("grad", rank).index(rank)
+            check_communicators(layout, rank, out["communicators"], grad_apart=True)
+
+
+def check_communicators(layout: GridLayout, rank: int, comms: list, grad_apart: bool) -> None:
+    """A rank's communicators ({ranks, kinds[, kept_apart]}, as runtime.json lists them) against the grid's arithmetic:
+    every kind of one holds its ranks, each kind is in one, and no two hold the same ranks except the gradients'
+    kept apart (one of the two)."""
+    on_embed = layout.coords(rank)["pp"] in (0, layout.pp - 1)
+    for c in comms:
+        assert all(layout.group_of(k, rank) == c["ranks"] for k in c["kinds"]), c
+    kinds = [k for c in comms for k in c["kinds"]]
+    want = {k for k in KINDS if k in MESH_KINDS or (k != "embed" or on_embed) and len(layout.group_of(k, rank)) > 1}
+    assert sorted(kinds) == sorted(want | {"world"}), kinds
+    by_ranks: dict[tuple, list] = {}
+    for c in comms:
+        by_ranks.setdefault(tuple(c["ranks"]), []).append(c)
+    for same in by_ranks.values():
+        apart = [c for c in same if c.get("kept_apart")]
+        assert len(same) == 1 or (grad_apart and len(same) == 2 and len(apart) == 1
+                                  and set(apart[0]["kinds"]) <= set(GRADIENT_KINDS)), same
+
+
+@pytest.mark.parametrize("grad_apart", [True, False])
+def test_one_communicator_per_set_of_ranks(grad_apart):
+    """plan/communicators.py's list for every layout of LAYOUTS, on its first and last rank: what the grid creates."""
+    for tp, sp, pp, dp, ring in LAYOUTS:
+        layout = GridLayout(tp * sp * pp * dp, tp=tp, sp=sp, pp=pp, ring=ring)
+        for rank in (0, layout.world - 1):
+            on_embed = layout.coords(rank)["pp"] in (0, pp - 1)
+            comms = communicators(axis_sizes(tp, sp // ring, ring, dp, pp), grad_apart, embed=on_embed)
+            check_communicators(layout, rank, [c.record(layout.group_of(c.kinds[0], rank)) for c in comms], grad_apart)
+    # sp over the whole world (tp = pp = dp = 1): sp, ulysses and WORLD one communicator, the gradients' apart while
+    # they overlap the step; the mesh's dimensions of one rank share a group of one
+    comms = communicators(axis_sizes(1, 8, 1, 1, 1), grad_apart)
+    assert [c.kinds for c in comms] == ([("world", "sp", "ulysses"), ("grad", "mesh.grad"), ("mesh.pp", "mesh.tp")]
+                                        if grad_apart else
+                                        [("world", "sp", "ulysses", "grad", "mesh.grad"), ("mesh.pp", "mesh.tp")])
+
+
+def _fake_world_grid(world: int, rank: int, dims: dict) -> tuple[int, int]:
+    """(new_group calls, groups created) of one rank building a grid and its mesh in a fake world of `world`."""
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    calls, made, original = [0], [0], dist.new_group
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        group = original(*args, **kwargs)
+        made[0] += group is not None
+        return group
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    dist.new_group = counted
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Set timeout is now only supported")
+            grid = ParallelGrid(**dims, timeout_seconds=60)
+            grid.device_mesh(torch.device("cpu"))
+        assert len(grid.communicators) == made[0] + 1          # WORLD besides those created
+    finally:
+        dist.new_group = original
+        dist.destroy_process_group()
+    return calls[0], made[0]
+
+
+def test_groups_created_per_rank_do_not_grow_with_the_world():
+    """A rank creates only its own groups: the same new_group calls in a world of 32, 256 or 2,048 (tp 2, ulysses 2,
+    ring 2, pp 2, dp growing), not one per group of the world."""
+    dims = dict(tp=2, sp=4, ring=2, pp=2)
+    counts = {world: _fake_world_grid(world, world // 2 + 3, dims) for world in (32, 256, 2048)}
+    assert len(set(counts.values())) == 1, counts

@@ -6,6 +6,7 @@ import pytest
 from megalysses.config.checks import validate_config
 from megalysses.config.io import load_config
 from megalysses.memory import GIB, PRECISIONS, Layout, Options, Workload, longest_sequence
+from megalysses.plan.communicators import communicator_bytes
 from megalysses.plan.search import evaluate, plan
 from megalysses.plan.step_time import Hardware, step_time
 from tests.planning import H100_GIB, LLAMA3_8B, h100s, load
@@ -54,8 +55,9 @@ def test_longer_sequences_than_alst_with_megalysses_own_layouts(gpus, tokens, al
     fitting, _ = plan(cfg, gpus, tokens, host_memory_gib=1769)
     assert fitting and tokens > alst
     best = fitting[0]
-    # the budget of an H100 80GB as it is exposed, less the reserve and at least the largest block
-    assert best.usable == Hardware().usable_bytes(H100_GIB, best.estimate.largest.bytes)
+    # the budget of an H100 80GB as it is exposed, less the reserve, the layout's communicators and at least the
+    # largest block
+    assert best.usable == Hardware().usable_bytes(H100_GIB, best.estimate.largest.bytes, communicator_bytes(best.run))
     assert best.estimate.peak <= best.usable and best.host_per_node <= 1769 * GIB
     row = best.row()
     assert 0 < row["mfu"] < 1 and row["step_s"] > 0

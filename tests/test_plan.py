@@ -13,8 +13,9 @@ from megalysses.config.checks import check_heads, check_world_size, validate_con
 from megalysses.config.io import load_config
 from megalysses.memory import (GIB, PRECISIONS, Layout, Options, Workload, estimate, layer_params,
                                stage_params)
+from megalysses.plan.communicators import axis_sizes, communicators
 from megalysses.plan.search import (candidate_configs, check_phase_time, evaluate, plan,
-                                     predicted_step_seconds)
+                                     predicted_step_seconds, ranking)
 from megalysses.plan.step_time import Hardware, Overlap, step_time
 from megalysses.plan.tiles import could_fit
 from megalysses.tools.plan import _flags, main
@@ -206,15 +207,21 @@ def test_cli_json_best_and_null(capsys):
     own = out["config_layout"]                         # where the config's own layout ranks, and by what it trails
     assert own["rank"] > 1 and own["step_s"] > best["step_s"]
     assert sum(own["behind_best_s"].values()) == pytest.approx(own["step_s"] - best["step_s"], abs=1e-3)
-    # by default an H100 80GB as it is exposed (79.6 GiB): the budget takes off the reserve and a fragmentation
-    # allowance of at least the layout's largest block (here a block input: 256K / sp tokens x hidden x 2 B)
+    # by default an H100 80GB as it is exposed (79.6 GiB): the budget takes off the reserve, the layout's
+    # communicators and a fragmentation allowance of at least the layout's largest block (here a block input:
+    # 256K / sp tokens x hidden x 2 B)
     assert main(["--config", "configs/gpt_1b_8gpu.yaml", "--gpus", "8", "--seq-len", "262144", "--json",
                  "--no-search"]) == 0
     out, hw = json.loads(capsys.readouterr().out), Hardware()
     best, hidden = out["config_layout"], load_config("configs/gpt_1b_8gpu.yaml").model.hidden_size
     assert out["gpu_memory_gib"] == 79.6 and best["largest_block_gib"] >= 262144 / best["sp"] * hidden * 2 / GIB
     allowance = max(hw.fragmentation * 79.6, best["largest_block_gib"])
-    assert best["usable_gib"] == pytest.approx(79.6 - hw.reserve_gib - allowance, abs=0.01)
+    sizes = axis_sizes(best["tp"], best["sp"] // best["ring"], best["ring"], best["dp"], best["pp"])
+    comms = communicators(sizes, grad_apart=True)        # ZeRO-1 overlapping its reduce-scatters (the default)
+    assert (best["communicators"], best["communicators_gib"]) == (len(comms),
+                                                               round(sum(c.bytes for c in comms) / GIB, 2))
+    assert best["usable_gib"] == pytest.approx(79.6 - hw.reserve_gib - sum(c.bytes for c in comms) / GIB - allowance,
+                                               abs=0.01)
     assert best["peak_gib"] <= best["usable_gib"]
     # --set overrides the config as pretrain.py's does
     assert main(["--config", "configs/gpt_1b_8gpu.yaml", "--gpus", "8", "--gpu-memory-gib", "80", "--json",
@@ -521,3 +528,18 @@ def test_cli_refuses_before_any_search_what_no_layout_can_run(capsys, monkeypatc
     assert not out.out and out.err.count("\n") == 1 and out.err.startswith(
         "error: --seq-len 1048576: this config cannot run at that length: data.seq_len_schedule ends at seq_len "
         "131072"), out.err
+
+
+def test_between_equal_layouts_fewer_communicators_first():
+    """The search's order: step time, then peak, then the number of communicators (sp over the whole world shares
+    WORLD's; with tp beside it, tp and sp each have their own)."""
+    from types import SimpleNamespace
+
+    def layout(tp, ulysses, step=1.0, peak=1.0):
+        run = SimpleNamespace(tp=tp, ulysses=ulysses, ring=1, dp=1, pp=1, grad_overlap=True)
+        return SimpleNamespace(step=SimpleNamespace(total=step), estimate=SimpleNamespace(peak=peak), run=run)
+
+    sp8, tp2sp4 = layout(1, 8), layout(2, 4)
+    assert sorted([tp2sp4, sp8], key=ranking) == [sp8, tp2sp4]
+    assert sorted([sp8, layout(2, 4, step=0.9)], key=ranking)[0].step.total == 0.9
+    assert sorted([sp8, layout(2, 4, peak=0.9)], key=ranking)[0].estimate.peak == 0.9

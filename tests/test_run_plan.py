@@ -70,8 +70,11 @@ def test_a_real_run_on_this_cpu_is_the_planned_one(tmp_path):
         r = subprocess.run(cmd + (["--dry-run"] if dry else []), cwd=ROOT, capture_output=True, text=True,
                            timeout=120, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
         assert r.returncode == 0, r.stdout + r.stderr
-        agree(planned, json.loads((run_dir / "runtime.json").read_text()))
+        runtime = json.loads((run_dir / "runtime.json").read_text())
+        agree(planned, runtime)
         assert (run_dir / "metrics.jsonl").exists() != dry
+        # rank 0's communicators, one per process group, counted on the start-up line
+        assert f"| {len(runtime['communicators'])} communicators" in r.stdout, r.stdout
 
 
 def test_the_plan_records_what_the_loop_loader_and_model_read():

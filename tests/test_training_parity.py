@@ -1,10 +1,14 @@
 """End-to-end training parity: 3 optimizer steps at each layout equal one process (losses, gradient norms, the
 validation loss and final weights), one spawned group of ranks per world size, through tests/parity.py's runner."""
+import json
+
 import pytest
 import torch
 
 from chat_data import write_conversations
+from megalysses.grid import GridLayout
 from tests.parity import Run, check_run, run_layouts
+from tests.test_grid import check_communicators
 
 # conversations packed whole with a loss mask, as NullTokenizer ids: step 1 packed into sequences of 16 tokens,
 # steps 2-3 into 32 (those longer truncated), each conversation a document of its own
@@ -111,6 +115,10 @@ def test_layouts_equal_one_process(tmp_path, references, chat, world):
     names = [n for n, (w, _) in LAYOUTS.items() if w == world]
     results = run_layouts(tmp_path, world, names, LAYOUTS, chat=chat)
     for name in names:
+        # rank 0's communicators, one per set of ranks (the gradients' kept apart where they overlap the step)
+        record = json.loads((tmp_path / name / "runtime.json").read_text())
+        layout = GridLayout(world, tp=record["tp"], sp=record["sp"], pp=record["pp"], ring=record["ring"])
+        check_communicators(layout, 0, record["communicators"], record["grad_overlap"])
         if name in REFERENCE.values():
             continue
         want = reference_of(name)

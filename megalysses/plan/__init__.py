@@ -11,6 +11,7 @@ memory model (megalysses.memory) and the cost models here read.
     search.py     a config's predicted memory and step time on a machine, the layouts that fit, and the
                   phase-time check of a run (tools/plan.py is the command line over it)
     memory.py     the memory model (megalysses.memory) read off a RunPlan: its estimate and pinned requests
+    communicators.py  which of a run's process groups share a communicator, and their device memory
 
 It sits below config, kernels (what each kernel can run), memory and parallel (the sequence layout) in the
 README's code map, and imports nothing further down.

@@ -158,7 +158,8 @@ def resolve(cfg: Config, machine: Machine, world_size: int, tiles: bool = True) 
                   optimizer=("fsdp-host" if t.param_offload else "fsdp") if p.fsdp else
                   "zero1-host" if t.optimizer_offload else "zero1",
                   weights="host" if t.param_offload else "device",
-                  gradients="host" if t.param_offload or t.optimizer_offload else "device")
+                  gradients="host" if t.param_offload or t.optimizer_offload else "device",
+                  grad_overlap=p.fsdp or p.overlap_grad_reduce or t.optimizer_offload or t.param_offload)
     if tiles:
         run = _auto_tiles(cfg, run)
     if t.attention_head_chunks == "auto":
@@ -221,6 +222,7 @@ def auto_head_chunks(cfg: Config, run: RunPlan) -> int:
     if run.machine.memory_gib is None or run.activation.keep_attention:
         return 1
     from megalysses.plan.memory import estimate_plan      # the memory model reads RunPlans: import late
+    from megalysses.plan.communicators import communicator_bytes
     from megalysses.plan.step_time import Hardware
 
     m, hw = cfg.model, Hardware()
@@ -231,7 +233,7 @@ def auto_head_chunks(cfg: Config, run: RunPlan) -> int:
         except ValueError:
             return 1
         peak = est.peak
-        if peak <= hw.usable_bytes(run.machine.memory_gib, est.largest.bytes):
+        if peak <= hw.usable_bytes(run.machine.memory_gib, est.largest.bytes, communicator_bytes(run)):
             return n
         peaks.append((peak, n))
     return min(peaks)[1]

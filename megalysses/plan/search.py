@@ -7,8 +7,9 @@ run's phases fit its watchdog: the cost models (megalysses.memory, plan.step_tim
 A config is planned on a described machine (Machine.described: `hw.gpus_per_node` ranks to a node, with
 the optional `packages` given, a plain CUDA torch install by default, and the memory the GPU exposes unless
 `gpu_memory_gib` is given), resolved as the run resolves it. A layout fits where its predicted peak is at
-most the usable memory: the device's less Hardware's reserve and its fragmentation allowance, at least the
-layout's largest single block (Hardware.usable_bytes).
+most the usable memory: the device's less Hardware's reserve, the layout's communicators (plan/communicators.py)
+and its fragmentation allowance, at least the layout's largest single block (Hardware.usable_bytes); between
+layouts otherwise equal, the one with fewer communicators comes first.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from megalysses.plan.machine import PLAIN_TORCH, Machine
 from megalysses.plan.run_plan import resolve
 from megalysses.plan.tiles import could_fit
 from megalysses.plan.types import RunPlan
+from megalysses.plan.communicators import communicator_bytes, run_communicators
 from megalysses.plan.step_time import Hardware, Overlap, StepTime, step_time
 
 
@@ -148,7 +150,8 @@ class Prediction:
                 "attention_head_chunks": self.run.activation.head_chunks,
                 "tp_sequence_parallel": c.parallel.tp_sequence_parallel, "fsdp": c.parallel.fsdp,
                 "peak_gib": round(self.estimate.peak / GIB, 2), "peak_phase": self.estimate.phase,
-                "usable_gib": round(self.usable / GIB, 2),
+                "usable_gib": round(self.usable / GIB, 2), "communicators": len(run_communicators(self.run)),
+                "communicators_gib": round(communicator_bytes(self.run) / GIB, 2),
                 "largest_block_gib": round(self.estimate.largest.bytes / GIB, 2),
                 "host_gib_per_node": round(self.host_per_node / GIB, 1),
                 "all_to_all_gb": round(s.bytes["all_to_all"] / 1e9, 2),
@@ -190,7 +193,7 @@ def predict(cfg: Config, run: RunPlan, gpu_memory_gib: Optional[float], host_mem
     step = step_time(cfg.model, layout_of(run), options_of(cfg, run), precision_of(run), workload_of(cfg, run), hw,
                      Overlap(grad_reduce=cfg.parallel.overlap_grad_reduce), retained=offloaded)
     per_node = est.host * min(run.world, hw.gpus_per_node)
-    why, usable = [], hw.usable_bytes(gpu_memory_gib, est.largest.bytes)
+    why, usable = [], hw.usable_bytes(gpu_memory_gib, est.largest.bytes, communicator_bytes(run))
     if est.peak > usable:
         why.append(f"peak {est.peak / GIB:.1f} GiB > usable {usable / GIB:.1f} GiB")
     if per_node > 0 and (host_memory_gib is None or per_node > host_memory_gib * GIB):
@@ -217,6 +220,12 @@ def run_step_seconds(cfg: Config, run: RunPlan, hw: Hardware) -> Optional[float]
         return None
 
 
+def ranking(p: Prediction) -> tuple[float, float, int]:
+    """How the search orders the layouts that fit: the fastest step first, then the lower peak, then, between
+    otherwise equal layouts, the one with fewer communicators."""
+    return p.step.total, p.estimate.peak, len(run_communicators(p.run))
+
+
 def plan(cfg: Config, gpus: int, seq_len: int, gpu_memory_gib: Optional[float] = None,
          host_memory_gib: Optional[float] = None, hw: Optional[Hardware] = None,
          packages: tuple[str, ...] = PLAIN_TORCH,
@@ -229,7 +238,8 @@ def plan(cfg: Config, gpus: int, seq_len: int, gpu_memory_gib: Optional[float] =
     hw = hw or Hardware()
     cfg = replace(cfg, data=replace(cfg.data, seq_len=seq_len))
     machine = described_machine(gpus, gpu_memory_gib, hw, packages)
-    budget = hw.usable_bytes(machine.memory_gib)     # at least each layout's own (its largest block comes off)
+    budget = hw.usable_bytes(machine.memory_gib)     # at least each layout's own (its communicators and largest
+                                                     # block come off)
     fitting, considered, runs, layouts = [], 0, set(), {}
     candidates = list(candidate_configs(cfg, gpus, host_memory_gib is not None, hw.gpus_per_node))
     for searched, cand in enumerate(candidates, 1):
@@ -251,7 +261,8 @@ def plan(cfg: Config, gpus: int, seq_len: int, gpu_memory_gib: Optional[float] =
             continue
         considered += 1
         try:
-            if not could_fit(cand, resolve(cand, machine, gpus, tiles=False), budget):
+            untiled = resolve(cand, machine, gpus, tiles=False)
+            if not could_fit(cand, untiled, budget - communicator_bytes(untiled)):
                 continue
             p = evaluate(cand, gpus, machine.memory_gib, host_memory_gib, hw, machine=machine)
         except ValueError:        # one the memory model does not cover, or the run refuses (it says which): not planned
@@ -261,7 +272,7 @@ def plan(cfg: Config, gpus: int, seq_len: int, gpu_memory_gib: Optional[float] =
         runs.add(p.run)
         if p.fits:
             fitting.append(p)
-    fitting.sort(key=lambda p: (p.step.total, p.estimate.peak))
+    fitting.sort(key=ranking)
     return fitting, considered
 
 

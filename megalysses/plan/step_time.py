@@ -39,11 +39,11 @@ class Hardware:
                                           # host's cores updates with torch's foreach AdamW (optimizer offload)
     hbm_gbs: float = 2680.0               # device memory bandwidth (80% of 3.35 TB/s): the optimizer step
     gpus_per_node: int = 8
-    reserve_gib: float = 2.0              # what no allocator trace sees (estimates, not measured here): the CUDA
-                                          # context, about 0.5 GiB on an H100 under CUDA 12's lazy module loading;
-                                          # NCCL's buffers, NCCL_BUFFSIZE (4 MiB) per channel, peer and protocol
-                                          # of each communicator, about 1 GiB for a run's process groups; cuBLAS
-                                          # and cuBLASLt workspaces, tens of MiB per stream
+    reserve_gib: float = 1.0              # what no allocator trace sees besides the communicators (estimates, not
+                                          # measured here): the CUDA context, about 0.5 GiB on an H100 under CUDA
+                                          # 12's lazy module loading; cuBLAS and cuBLASLt workspaces, tens of MiB per
+                                          # stream; the rest, slack. NCCL's buffers are counted per communicator
+                                          # of the layout (plan/communicators.py), beside this
     fragmentation: float = 0.05           # the least share of the device held back for the caching allocator's
                                           # fragmentation; the allowance is at least the largest single block
 
@@ -58,10 +58,12 @@ class Hardware:
         set at start-up, keep the rest small)."""
         return max(self.fragmentation * gpu_memory_gib * GIB, largest_block)
 
-    def usable_bytes(self, gpu_memory_gib: float, largest_block: float = 0.0) -> float:
-        """The device budget: its memory less the reserve and the fragmentation allowance (`largest_block`: the
-        largest single allocation, memory.Estimate.largest)."""
-        return gpu_memory_gib * GIB - self.reserve_gib * GIB - self.allowance_bytes(gpu_memory_gib, largest_block)
+    def usable_bytes(self, gpu_memory_gib: float, largest_block: float = 0.0, communicators: float = 0.0) -> float:
+        """The device budget: its memory less the reserve, the layout's communicators (`communicators` bytes:
+        plan/communicators.py communicator_bytes; 0, an upper bound, where no layout is given) and the fragmentation
+        allowance (`largest_block`: the largest single allocation, memory.Estimate.largest)."""
+        return (gpu_memory_gib * GIB - self.reserve_gib * GIB - communicators
+                - self.allowance_bytes(gpu_memory_gib, largest_block))
 
     def link(self, span: int) -> float:
         """Bandwidth (bytes/s) of a group whose ranks span `span` consecutive world ranks."""

@@ -29,6 +29,7 @@ from dataclasses import replace
 
 from megalysses.config import Config
 from megalysses.memory import loss_tile_tokens
+from megalysses.plan.communicators import communicator_bytes
 from megalysses.plan.memory import estimate_plan, layout_of, options_of
 from megalysses.plan.types import ActivationPolicy, RunPlan
 from megalysses.plan.step_time import Hardware
@@ -69,7 +70,7 @@ def mlp_tile(cfg: Config, plan: RunPlan) -> int:
         return 0
     whole = _estimate(cfg, plan, mlp_chunk_tokens=0)
     untiled, memory = whole.peak, plan.machine.memory_gib
-    if memory and untiled <= Hardware().usable_bytes(memory, whole.largest.bytes):
+    if memory and untiled <= Hardware().usable_bytes(memory, whole.largest.bytes, communicator_bytes(plan)):
         return 0
     at_h = _peak(cfg, plan, mlp_chunk_tokens=h)
     if untiled <= at_h * (1 + 1e-12):

@@ -80,6 +80,9 @@ class RunPlan:
     attention_window: int = 0       # the sliding window every attention layer masks (model.sliding_window; 0: none)
     weights: str = "device"         # "host": pinned host memory, streamed in a block ahead (parameter offload)
     gradients: str = "device"       # "host": each bucket (block) leaves the device as its backward finishes
+    grad_overlap: bool = True       # the gradient group's collectives run beside the step's others (FSDP's prefetch
+                                    # and reduce-scatter, ZeRO-1's buckets during the backward): the grid keeps
+                                    # their communicator apart (plan/communicators.py)
 
     @property
     def padded_seq_len(self) -> int:

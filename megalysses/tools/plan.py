@@ -22,13 +22,15 @@ among those that fit, and by which terms of the step time it trails the first.
 The table names each row's options (ckpt, act-offload, mlp-tile=16K, ...: the line under it gives the config
 key of each); the search's progress goes to stderr, so --json's stdout stays one JSON object.
 
-Memory is megalysses.memory's prediction. A layout fits when its peak is at most the usable device
-memory (--gpu-memory-gib, by default what an H100 80GB exposes, 79.6 GiB; less --reserve-gib for the CUDA
-context, NCCL and cuBLAS, and a fragmentation allowance of --fragmentation of the device or the layout's
-largest single block, whichever is more: `usable_gib` in --json) and, with activation offload, the
---host-memory-gib of a node holds what its ranks offload. With --trace, one step of the top layout runs at
-the real shape on fake tensors (megalysses/training/trace.py: rank 0 of its first and last pipeline stage,
-the run's own code, every tensor it allocates counted): the layout gains traced_peak_gib (per GPU),
+Memory is megalysses.memory's prediction. A layout fits when its peak is at most the usable device memory
+(--gpu-memory-gib, by default what an H100 80GB exposes, 79.6 GiB; less --reserve-gib for the CUDA context and
+cuBLAS, the layout's NCCL communicators at a stated figure each by the collectives they run
+(megalysses/plan/communicators.py; `communicators` and `communicators_gib` in --json), and a fragmentation
+allowance of --fragmentation of the device or the layout's largest single block, whichever is more:
+`usable_gib` in --json) and, with activation offload, the --host-memory-gib of a node holds what its ranks
+offload. With --trace, one step of the top layout runs at the real shape on fake tensors
+(megalysses/training/trace.py: rank 0 of its first and last pipeline stage, the run's own code, every tensor
+it allocates counted): the layout gains traced_peak_gib (per GPU),
 traced_moment and traced_phase (where it peaked, and the memory model's name for that moment),
 traced_host_gib (host memory per node at its high-water mark) and traced_pinned_gib (its pinned part).
 Step time is megalysses.plan.step_time's model at the stated figures (defaults: H100 SXM nodes of 8;
@@ -53,6 +55,7 @@ from megalysses.config import ConfigError
 from megalysses.config.checks import validate_config
 from megalysses.config.io import load_config
 from megalysses.memory import GIB, KERNELS, fmt_bytes
+from megalysses.plan.communicators import run_communicators
 from megalysses.plan.described import MachineFigures, flag_lines, machine_problems
 from megalysses.plan.machine import OPTIONAL_PACKAGES, PLAIN_TORCH, Machine, device_memory_gib
 from megalysses.plan.search import Prediction, evaluate, most_gpus, plan
@@ -145,8 +148,10 @@ def explain(p: Prediction, hw: Hardware, gpu_memory_gib: float) -> str:
         where = "host" if t.host else "    "
         lines.append(f"  {where} {fmt_bytes(t.bytes):>12}  {t.name:<62} {t.formula}")
     allowance = hw.allowance_bytes(gpu_memory_gib, e.largest.bytes)
+    comms = run_communicators(p.run)
     lines.append(f"  peak {fmt_bytes(e.peak)} <= usable {fmt_bytes(p.usable)} ({gpu_memory_gib:g} GiB - "
-                 f"{hw.reserve_gib:g} GiB reserve - {fmt_bytes(allowance)} fragmentation allowance: the larger of "
+                 f"{hw.reserve_gib:g} GiB reserve - {fmt_bytes(sum(c.bytes for c in comms))} for {len(comms)} "
+                 f"communicators - {fmt_bytes(allowance)} fragmentation allowance: the larger of "
                  f"{hw.fragmentation:g} of the device and the {e.largest.name}, {fmt_bytes(e.largest.bytes)})")
     mm, at = s.flops["matmul"], s.flops["attention"]
     lines.append("step time (one rank):")

@@ -149,7 +149,7 @@ def startup_line(cfg: Config, grid: ParallelGrid, run: RunPlan) -> str:
     return (f"megalysses: world={grid.world} tp={grid.tp_size} sp={grid.sp_size} pp={grid.pp_size} "
             f"dp={grid.dp_size} | {sequence_summary(cfg, run)} | {run.machine.device} {run.dtype} | attention "
             f"{run.attention} ({run.attention_reason}) | kernels {run.kernels} | {vocab} | "
-            f"{', '.join(memory_options(cfg, run))}{allocator}")
+            f"{', '.join(memory_options(cfg, run))} | {len(grid.communicators)} communicators{allocator}")
 
 
 def runtime_record(cfg: Config, run: RunPlan) -> dict:
@@ -158,11 +158,12 @@ def runtime_record(cfg: Config, run: RunPlan) -> dict:
 
 
 def write_runtime(run_dir: Path, cfg: Config, grid: ParallelGrid, run: RunPlan) -> None:
-    """<run_dir>/runtime.json: the plan (runtime_record) and the software it was made with."""
+    """<run_dir>/runtime.json: the plan (runtime_record), this rank's communicators (one per process group: its ranks,
+    the kinds of group that share it) and the software it was made with."""
     versions = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
                 "triton": _version("triton") if triton_importable() else None,
                 "flash_attn": _version("flash_attn") if flash_attn_func is not None else None}
-    record = {**runtime_record(cfg, run), "versions": versions}
+    record = {**runtime_record(cfg, run), "communicators": grid.communicators, "versions": versions}
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "runtime.json").write_text(json.dumps(record, indent=1) + "\n")
 
