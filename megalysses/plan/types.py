@@ -80,6 +80,8 @@ class RunPlan:
     attention_window: int = 0       # the sliding window every attention layer masks (model.sliding_window; 0: none)
     weights: str = "device"         # "host": pinned host memory, streamed in a block ahead (parameter offload)
     gradients: str = "device"       # "host": each bucket (block) leaves the device as its backward finishes
+    async_save: bool = False        # checkpoints staged in pinned host memory and written in the background
+    async_save_reason: str = ""     # why (checkpoint.async_save, and for auto the host memory it needs and has)
 
     @property
     def padded_seq_len(self) -> int:
