@@ -28,6 +28,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
@@ -129,7 +130,7 @@ class BackgroundSaver:
             return
         try:
             pending.result()
-        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
             failures = getattr(e, "failures", None)
             cause = next(iter(failures.values()))[0] if failures else e
             first = (str(cause).strip().splitlines() or [""])[0][:300]
