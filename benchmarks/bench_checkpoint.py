@@ -15,9 +15,9 @@ mode into a checkpoint directory under the system's temporary folder. Timed on r
 - step: the median training step with no save in flight, and while a background write is in flight (the two CPU
   ranks and the writer share the machine's cores, so the write slows training there; a GPU's steps do not share
   the host's cores with it);
-- end: the wait for the last save at the end of training.
-
-Saves at the end of training are not counted in the stall (both modes wait for it there). Prints a markdown table;
+- end: the save at the end of training, until it is complete (both modes wait for it there: it is not counted
+  in the stall).
+ Prints a markdown table;
 with --out-dir (or --record: benchmarks/results/) writes it as checkpoint.md.
 """
 from __future__ import annotations
@@ -64,13 +64,15 @@ def _worker(rank: int, world: int, overrides: list[str], run_dir: str) -> dict:
             times["save"].append(t2 - t0)
             times["waiting"].append(t1 - t0)
             times["staging"].append(t2 - t1)
+        else:
+            times["end"] = t2 - t0
         times["params"] = sum(p.numel() for p in self.model.parameters())
 
     def finish(self, quiet: bool = False) -> None:
         t0 = time.perf_counter()
         real_finish(self, quiet)
         if not quiet:
-            times["end"] = time.perf_counter() - t0
+            times["end"] += time.perf_counter() - t0
 
     def step(model, opt, *args, **kwargs):
         busy = writing()
@@ -133,7 +135,10 @@ def main() -> None:
         f"| of which waiting for the previous save (s) | - | {_median(bg['waiting']):.2f} | |",
         f"| training step, no write in flight (s) | {idle:.2f} | | |",
         f"| training step, a background write in flight (s) | | {writing:.2f} | {writing / idle:.2f}x |",
-        f"| wait for the last save at the end (s) | {sync['end']:.2f} | {bg['end']:.2f} | |",
+        f"| the save at the end of training, until complete (s) | {sync['end']:.2f} | {bg['end']:.2f} | |",
+        "",
+        (f"Each save's stall (s): synchronous {', '.join(f'{t:.2f}' for t in sync['save'])}; background "
+         f"{', '.join(f'{t:.2f}' for t in bg['save'])}."),
     ]
     text = "\n".join(lines) + "\n"
     print(text)
