@@ -77,7 +77,7 @@ def own_storage(t: torch.Tensor) -> torch.Tensor:
         return t
     start = t.storage_offset() * t.element_size()
     whole = t.untyped_storage()
-    raw = torch.empty(0, dtype=torch.uint8).set_(whole, 0, (whole.nbytes(),))
+    raw = torch.empty(0, dtype=torch.uint8, device=t.device).set_(whole, 0, (whole.nbytes(),))
     window = memoryview(raw.numpy())[start:start + t.numel() * t.element_size()]
     return torch.frombuffer(window, dtype=torch.uint8).view(t.dtype).view(t.shape)
 
