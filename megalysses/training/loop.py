@@ -264,6 +264,15 @@ def _resume(cfg: Config, path: Path, model: GPTStage | VirtualStages, opt: Optim
     return Progress(step, progress.consumed, progress.updates)
 
 
+def background_saver(cfg: Config, run: RunPlan, grid: ParallelGrid, device: torch.device) -> BackgroundSaver:
+    """What writes this rank's checkpoints in the background (checkpoint.async_save): its staging arena as the plan
+    sizes it, and its process group, made while the launcher's store is there (a stop signal from a launcher that
+    died still gets its checkpoint)."""
+    staging = [r for r in pinned_requests_of(cfg, run, grid.pp_rank) if r.owner == STAGING]
+    return BackgroundSaver(arena_bytes(staging), device, cfg.parallel.timeout_seconds,
+                           f"checkpoint staging: {sum(r.count for r in staging)} tensors")
+
+
 class TrainingLoop:
     """The steps of a built run, from `progress` to training.train_steps or a stop: each step's batch, its
     validation, long-context evaluation and checkpoint when due, and the stop every rank agrees on."""
@@ -275,7 +284,7 @@ class TrainingLoop:
         self.cfg, self.grid, self.device, self.run = cfg, grid, device, run
         self.model, self.opt, self.mesh, self.data, self.long_eval = model, opt, mesh, data, long_eval
         self.progress, self.ckpt_dir, self.doing = progress, ckpt_dir, doing
-        self.saver: Optional[BackgroundSaver] = None        # the first save makes it (checkpoint.async_save)
+        self.saver = background_saver(cfg, run, grid, device) if run.async_save else None
 
     def __call__(self, signals: Optional[StopSignals], watchdog: Optional[Watchdog]) -> dict:
         cfg, p, doing = self.cfg, self.progress, self.doing
@@ -369,21 +378,18 @@ class TrainingLoop:
 
     def save(self) -> None:
         """The checkpoint of this step: written before it returns, or with checkpoint.async_save (as the plan
-        resolved it) staged, then written in the background after the previous one is complete."""
+        resolved it; the loop then has a saver) staged, then written in the background after the previous one is
+        complete."""
         cfg, p, grid = self.cfg, self.progress, self.grid
         meta = {"consumed_samples": p.consumed, "optimizer_steps": p.updates,
                 "loss": p.loss if math.isfinite(p.loss) else None,
                 "model_shape": architecture(cfg.model, grid.tp_size),
                 "layout": {"tp": grid.tp_size, "sp": grid.sp_size, "pp": grid.pp_size, "dp": grid.dp_size}}
-        if not self.run.async_save:
+        if self.saver is None:
             self.doing(f"saving the checkpoint of step {p.step}")
             save_checkpoint(self.ckpt_dir, p.step, self.model, self.opt, grid, self.mesh, meta,
                             keep_last=cfg.checkpoint.keep_last)
             return
-        if self.saver is None:
-            staging = [r for r in pinned_requests_of(cfg, self.run, grid.pp_rank) if r.owner == STAGING]
-            self.saver = BackgroundSaver(arena_bytes(staging), self.device, cfg.parallel.timeout_seconds,
-                                         f"checkpoint staging: {sum(r.count for r in staging)} tensors")
         if self.saver.pending_step is not None:
             self.doing(f"waiting for the checkpoint of step {self.saver.pending_step} before saving step {p.step}")
             self.saver.wait()
