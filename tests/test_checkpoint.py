@@ -221,9 +221,12 @@ def _die_during_save(rank, world, runs):
     return train_worker(rank, world, runs)
 
 
-def test_killed_save_keeps_previous_checkpoint(tmp_path):
+@pytest.mark.parametrize("mode", ["true", "false"])
+def test_killed_save_keeps_previous_checkpoint(tmp_path, mode):
+    """Synchronous, or in the background (where rank 0's completing thread dies at the rename)."""
     run = tmp_path / "run"
-    common = ["training.train_steps=4", "checkpoint.save_interval=2", "parallel.timeout_seconds=15"]
+    common = ["training.train_steps=4", "checkpoint.save_interval=2", "parallel.timeout_seconds=15",
+              f"checkpoint.async_save={mode}"]
     run_distributed(train_worker, 2, tmp_path, args=([(str(run), common + ["training.exit_at_step=2"])],))
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_0000002"
 
@@ -238,6 +241,106 @@ def test_killed_save_keeps_previous_checkpoint(tmp_path):
     assert (ckpts / "latest").read_text().strip() == "step_0000004"
     assert _steps(run)[-2:] == [3, 4]
     assert losses(run)[-2:] == logged[2:4], "the resumed run did not repeat steps 3-4 exactly"
+
+
+def _sigkill_during_background_write(rank, world, runs):
+    """Rank 0 is SIGKILLed while the step-4 checkpoint is being written in the background, once training has gone
+    on to step 6 (the write is held back until then). The run resumes at step 3: its 4th step is step 6."""
+    import signal
+    import threading
+    import time
+
+    import megalysses.checkpoint.dcp_io as ckpt
+    from megalysses.training import loop
+
+    trained, real_step, real_checksums = threading.Event(), loop.train_step, ckpt.checksums
+    steps = [0]
+
+    def step(*args, **kwargs):
+        steps[0] += 1
+        if steps[0] == 4 and rank == 0:
+            trained.set()
+            time.sleep(30)             # the kill lands here, during step 6
+        return real_step(*args, **kwargs)
+
+    def checksums(directory, names):
+        if rank == 0 and directory.name == "step_0000004.tmp":
+            assert threading.current_thread() is not threading.main_thread()
+            trained.wait(60)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_checksums(directory, names)
+
+    loop.train_step, ckpt.checksums = step, checksums
+    return train_worker(rank, world, runs)
+
+
+def test_sigkill_during_a_background_write_keeps_previous_checkpoint(tmp_path):
+    """A rank killed while its checkpoint is written in the background (training already a step further) leaves
+    `latest` at the previous checkpoint and the step's .tmp directory, which is never resumed; the resumed run
+    repeats the steps exactly."""
+    run = tmp_path / "run"
+    common = ["training.train_steps=6", "checkpoint.save_interval=2", "parallel.timeout_seconds=15",
+              "checkpoint.async_save=true"]
+    run_distributed(train_worker, 2, tmp_path, args=([(str(run), common + ["training.exit_at_step=2"])],))
+    with pytest.raises(DistributedTestError):
+        run_distributed(_sigkill_during_background_write, 2, tmp_path, args=([(str(run), common)],), timeout=120)
+    ckpts = run / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "step_0000002"
+    assert not (ckpts / "step_0000004").exists() and (ckpts / "step_0000004.tmp").is_dir()
+    assert _steps(run)[-1] == 5, "training did not go on while the checkpoint was written"
+    logged = losses(run)                      # steps 1, 2, then 3, 4, 5 of the run that was killed
+
+    run_distributed(train_worker, 2, tmp_path, args=([(str(run), common)],))
+    assert (ckpts / "latest").read_text().strip() == "step_0000006"
+    assert _steps(run)[-4:] == [3, 4, 5, 6]
+    assert losses(run)[-4:-1] == logged[2:5], "the resumed run did not repeat steps 3-5 exactly"
+
+
+def _staged_worker(rank, world, runs):
+    """train_worker, recording this rank's staging arena (capacity, high water) as each background saver closes."""
+    from megalysses.checkpoint.background import BackgroundSaver
+
+    seen, close = [], BackgroundSaver.close
+
+    def spy(self):
+        seen.append((self.staging.arena.capacity, self.staging.arena.high_water))
+        return close(self)
+
+    BackgroundSaver.close = spy
+    return train_worker(rank, world, runs), seen
+
+
+def _checkpoint_bytes(step_dir: Path) -> dict[str, bytes]:
+    """The files of a checkpoint that hold its state (not DCP's metadata, which records a save id)."""
+    return {p.name: p.read_bytes() for p in step_dir.iterdir()
+            if p.name.endswith((".distcp", ".pt")) or p.name == "meta.json"}
+
+
+@pytest.mark.parametrize("layout", [["parallel.tp=2"], ["parallel.sp=2", "parallel.fsdp=true"]])
+def test_async_saves_resume_bit_identically_to_sync_ones(tmp_path, layout):
+    """The same run saved synchronously and in the background, stopped at step 4 and resumed to 6: the same
+    checkpoint files byte for byte, the same losses and weights bit for bit; the staging arena holds what the plan
+    counts for it, all of it on rank 0 (the largest chunks)."""
+    six = layout + ["training.train_steps=6", "checkpoint.save_interval=2", "training.eval_interval=0"]
+    runs = []
+    for mode in ("false", "true"):
+        d = str(tmp_path / mode)
+        runs += [(d, six + [f"checkpoint.async_save={mode}", "training.exit_at_step=4"]),
+                 (d, six + [f"checkpoint.async_save={mode}"])]
+    per_rank = run_distributed(_staged_worker, 2, tmp_path, args=(runs,), timeout=300)
+    weights = [full_weights([r[0][i] for r in per_rank]) for i in range(len(runs))]
+    sync, background = tmp_path / "false", tmp_path / "true"
+    assert _steps(background) == [1, 2, 3, 4, 5, 6]
+    assert losses(background) == losses(sync)
+    for name, w in weights[1].items():
+        assert torch.equal(weights[3][name], w), f"{name} differs after resuming from a background save"
+    for step in ("step_0000004", "step_0000006"):
+        files = _checkpoint_bytes(sync / "checkpoints" / step)
+        assert files and _checkpoint_bytes(background / "checkpoints" / step) == files, step
+    for rank, (_, arenas) in enumerate(per_rank):
+        assert len(arenas) == 2                               # one saver per run, none in the synchronous runs
+        for capacity, high in arenas:
+            assert 0 < high <= capacity and (high == capacity or rank > 0), (rank, capacity, high)
 
 
 class _Evil:

@@ -66,7 +66,8 @@ def test_a_run_sizes_its_arena_from_the_plan():
 
     cfg = load_config(overrides=with_model(MOCK_32 + SMALL_MODEL, num_layers=3) + ["training.global_batch_size=2",
                                  "training.micro_batch_size=1", "training.activation_checkpointing=true",
-                                 "training.activation_offload=true", "training.optimizer_offload=true"])
+                                 "training.activation_offload=true", "training.optimizer_offload=true",
+                                 "checkpoint.async_save=false"])      # the background saver's arena: test_checkpoint
     grid, cpu = ParallelGrid.single(), torch.device("cpu")
     run = resolve_run(cfg, cpu, grid)
     model, opt = loop.build_model_and_optimizer(cfg, grid, cpu, run)

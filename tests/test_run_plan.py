@@ -123,3 +123,52 @@ def test_the_process_group_starts_with_the_plans_collective(monkeypatch):
     assert resolve(load_config(overrides=["data.mock=true"]), Machine.current("cpu"), 1).collective == "gloo"
     with pytest.raises(ValueError, match="pass the plan's run.collective"):
         init_distributed("auto")
+
+
+def test_async_save_is_decided_once_from_the_nodes_memory():
+    """checkpoint.async_save=auto: in the background where the node's memory holds its ranks' staging copy (the
+    memory model's pinned host requests, one per saved tensor) beside what they keep there, else synchronous and
+    the start-up line says why; unknown memory (a described machine) and false are synchronous, true is kept."""
+    from dataclasses import replace
+
+    from megalysses.grid import ParallelGrid
+    from megalysses.memory.host import STAGING
+    from megalysses.plan import resolve
+    from megalysses.plan.memory import estimate_plan, pinned_requests_of
+    from megalysses.training.runtime import startup_line
+
+    cfg = load_config(overrides=MOCK_32 + SMALL_MODEL)
+    roomy = replace(Machine.current("cpu"), host_memory_gib=64.0, ranks_per_node=2)
+    run = resolve(cfg, roomy, 2)
+    assert run.async_save and run.async_save_reason.startswith("auto: a staging copy of")
+    staging = [r for r in pinned_requests_of(cfg, run, 0) if r.owner == STAGING]
+    assert sum(r.count for r in staging) == 4 * len(list(_model_params(cfg)))      # weight, master, moments
+    est = estimate_plan(cfg, run)
+    assert sum(t.bytes for t in est.terms if t.name.startswith("checkpoint staging")) == sum(r.total for r in staging)
+    assert "checkpoints written in the background" in startup_line(cfg, ParallelGrid.single(), run)
+
+    needed = 2 * estimate_plan(cfg, run).host + 2 * est.peak          # a CPU run's peak is host memory too
+    tight = resolve(cfg, replace(roomy, host_memory_gib=0.9 * needed / 2**30), 2)
+    assert not tight.async_save and "over its" in tight.async_save_reason
+    assert not any(r.owner == STAGING for r in pinned_requests_of(cfg, tight, 0))
+    line = startup_line(cfg, ParallelGrid.single(), tight)
+    assert f"checkpoints written synchronously ({tight.async_save_reason})" in line
+    assert resolve(cfg, replace(roomy, host_memory_gib=1.1 * needed / 2**30), 2).async_save
+    assert not resolve(cfg, Machine.described(None), 2).async_save
+    off = load_config(overrides=MOCK_32 + SMALL_MODEL + ["checkpoint.async_save=false"])
+    assert not resolve(off, roomy, 2).async_save
+    forced = load_config(overrides=MOCK_32 + SMALL_MODEL + ["checkpoint.async_save=true"])
+    assert resolve(forced, replace(roomy, host_memory_gib=0.001), 2).async_save
+
+
+def _model_params(cfg):
+    """The parameter tensors of the whole model of `cfg` (one stage, tp 1)."""
+    from megalysses.model.gpt import GPTStage, stage_layers
+    from megalysses.model.layers import ParallelGroups
+    from megalysses.training.runtime import model_config, resolve_run
+
+    run = resolve_run(cfg, torch.device("cpu"))
+    with torch.device("meta"):
+        model = GPTStage(model_config(cfg, run), ParallelGroups(), stage_layers(cfg.model.num_layers, 1, 0),
+                         first=True, last=True)
+    return model.parameters()

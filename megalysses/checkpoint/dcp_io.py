@@ -22,6 +22,7 @@ import json
 import os
 import pickle
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -132,31 +133,56 @@ def training_state(model: torch.nn.Module, opt: Any, grid: ParallelGrid, mesh: D
 def save_checkpoint(ckpt_dir: str | Path, step: int, model: torch.nn.Module, opt: Any,
                     grid: ParallelGrid, mesh: DeviceMesh, meta: dict, keep_last: int = 2) -> Path:
     """Write <dir>/step_N atomically (tmp dir + manifest + rename), then update `latest`, then prune."""
+    tmp, final = begin_checkpoint(ckpt_dir, step, grid.rank)
+    dcp.save(training_state(model, opt, grid, mesh), storage_writer=dcp.FileSystemWriter(str(tmp)))
+    complete_checkpoint(Written(tmp, final, step, meta, {"torch": torch.get_rng_state()}, keep_last), grid.rank)
+    return final
+
+
+def begin_checkpoint(ckpt_dir: str | Path, step: int, rank: int) -> tuple[Path, Path]:
+    """(the empty temporary directory every rank writes step `step` into, where it goes once complete)."""
     root = Path(ckpt_dir)
     final = root / f"step_{step:07d}"
     tmp = root / f"step_{step:07d}.tmp"
-    if grid.rank == 0:
+    if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     dist.barrier()
-    dcp.save(training_state(model, opt, grid, mesh), storage_writer=dcp.FileSystemWriter(str(tmp)))
-    rng = {"torch": torch.get_rng_state()}
-    torch.save(rng, tmp / f"rng_rank{grid.rank}.pt")
-    mine = checksums(tmp, own_files(tmp, grid.rank))      # read back from the page cache
-    every: Optional[list] = [None] * dist.get_world_size() if grid.rank == 0 else None
-    dist.gather_object(mine, every, dst=0)
-    if grid.rank == 0:
-        (tmp / "meta.json").write_text(json.dumps({**meta, "step": step, "format": FORMAT}, indent=1))
-        write_manifest(tmp, {name: v for part in every for name, v in part.items()})
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
+    return tmp, final
+
+
+@dataclass(frozen=True)
+class Written:
+    """A checkpoint whose DCP files every rank has written into `tmp`: what completing it needs."""
+
+    tmp: Path
+    final: Path
+    step: int
+    meta: dict
+    rng: dict               # this rank's RNG state when the state was taken
+    keep_last: int
+
+
+def complete_checkpoint(w: Written, rank: int, group: Optional[dist.ProcessGroup] = None) -> None:
+    """Once every rank's DCP files are in `w.tmp`: each rank adds its RNG state and checksums its files (read back
+    from the page cache), rank 0 gathers them into the manifest, renames the directory into place, points `latest`
+    at it and prunes; collective over `group` (default: the world)."""
+    torch.save(w.rng, w.tmp / f"rng_rank{rank}.pt")
+    mine = checksums(w.tmp, own_files(w.tmp, rank))
+    every: Optional[list] = [None] * dist.get_world_size(group) if rank == 0 else None
+    dist.gather_object(mine, every, dst=0, group=group)
+    if rank == 0:
+        root = w.final.parent
+        (w.tmp / "meta.json").write_text(json.dumps({**w.meta, "step": w.step, "format": FORMAT}, indent=1))
+        write_manifest(w.tmp, {name: v for part in every for name, v in part.items()})
+        shutil.rmtree(w.final, ignore_errors=True)
+        os.replace(w.tmp, w.final)
         pointer = root / f"{LATEST}.tmp"
-        pointer.write_text(final.name + "\n")
+        pointer.write_text(w.final.name + "\n")
         os.replace(pointer, root / LATEST)
-        prune(root, final, keep_last)
-    dist.barrier()
-    return final
+        prune(root, w.final, w.keep_last)
+    dist.barrier(group=group)
 
 
 def resolve_checkpoint(path: str | Path) -> Optional[Path]:

@@ -424,6 +424,12 @@ class CheckpointConfig:
     fallback: bool = True
     """When the checkpoint to resume from fails its checksums (or `latest` is missing or damaged), resume
     from the newest older checkpoint that verifies, saying so; false = stop with the error."""
+    async_save: Union[bool, Literal["auto"]] = "auto"
+    """Write checkpoints in the background: each save copies this rank's state into pinned host memory (an arena
+    the plan counts, reused by every save) and training goes on while a thread writes it; the next save, a stop
+    and the end of training wait for it, and `latest` moves only once every rank has written it. auto = where
+    this node's memory holds the copy beside what the run keeps there (the plan decides once; the start-up line
+    says which), else synchronous; false = every rank waits for its files to reach storage."""
 
 
 @dataclass

@@ -14,10 +14,14 @@ megalysses' own pinned tensors, each requested at its exact size:
     optimizer offload    (ZeRO-1) each parameter's fp32 master chunk and reduced-gradient chunk (the largest
                          rank's, ceil(rows / G) rows), and with more than one micro-batch per step the
                          staging buffers a later micro-batch's bucket waits in (parallel/host_gradients.py)
-Each request names its owner (the optimizer, or the offloader of one model chunk), and each owner takes an
-arena of its own: an offloader lets all its buffers go when the sequence grows (a curriculum's next length)
-and takes them again at the new size, which its own arena always holds (shared with longer-lived slices,
-the space freed could be split into ranges too small for them).
+    checkpoint staging   (checkpoint.async_save) a copy of every tensor the rank saves, the background write's
+                         source (checkpoint/background.py): each parameter as the rank holds it (its tp shard in
+                         the compute dtype, or under FSDP its fp32 dim-0 chunk) and its fp32 master, exp_avg and
+                         exp_avg_sq chunks (the largest rank's)
+Each request names its owner (the optimizer, the offloader of one model chunk, the checkpoint stager), and each
+owner takes an arena of its own: an offloader lets all its buffers go when the sequence grows (a curriculum's
+next length) and takes them again at the new size, which its own arena always holds (shared with longer-lived
+slices, the space freed could be split into ranges too small for them).
 What torch pins for FSDP2's CPUOffloadPolicy (parameter offload) goes through torch's caching host allocator
 instead, counted by memory.types.torch_pinned: rounded up to a power of two where torch rounds it.
 """
@@ -26,9 +30,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megalysses.config import ModelConfig
-from megalysses.memory.states import shard_elements
+from megalysses.memory.states import param_shapes, shard_elements
 from megalysses.memory.types import Layout, Options, Precision, Term, Workload, fmt_bytes
 from megalysses.pinned_arena import ALIGN, aligned
+
+STAGING = "checkpoint"
+"""The owner of the checkpoint staging requests: the background saver, which takes its arena at the first save."""
 
 STAGES = 2
 """Optimizer offload's staging buffers (parallel/host_gradients.py): a later micro-batch's reduced gradients
@@ -118,7 +125,23 @@ def pinned_requests(m: ModelConfig, layout: Layout, opts: Options, prec: Precisi
             elements = staging_elements(int(opts.bucket_bytes // 4), G, sum(n * c for n, c in shards))
             reqs.append(PinnedRequest("gradient staging buffers", elements * (4 if G > 1 else prec.weight), STAGES,
                                       "optimizer"))
+    if opts.async_save:
+        reqs += staging_requests(m, layout, opts, prec, stage)
     return reqs
+
+
+def staging_requests(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, stage: int) -> list[PinnedRequest]:
+    """The copy of pipeline rank `stage`'s checkpoint state that a background save writes from: every parameter as
+    the rank saves it (ZeRO-1: its tp shard in the compute dtype; FSDP: its fp32 dim-0 chunk) and its optimizer
+    state (fp32 master, exp_avg, exp_avg_sq: dim-0 chunks over the grad group; the largest rank's)."""
+    first, last = stage == 0, stage == layout.pp - 1
+    if opts.fsdp:
+        weights = [(4 * n, count) for n, count in shard_elements(m, layout, first, last)]
+    else:
+        weights = [(rows * row * prec.weight, count) for rows, row, count in param_shapes(m, layout, first, last)]
+    chunks = shard_elements(m, layout, first, last)
+    return ([PinnedRequest("checkpoint staging: weights", nbytes, count, STAGING) for nbytes, count in weights] +
+            [PinnedRequest("checkpoint staging: master and moments", 4 * n, 3 * count, STAGING) for n, count in chunks])
 
 
 def arena_bytes(reqs: list[PinnedRequest]) -> int:

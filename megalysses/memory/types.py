@@ -108,6 +108,8 @@ class Options:
     bucket_bytes: float = 32_000_000 * 4       # one gradient bucket (ZeRO-1: parallel.grad_bucket_elements fp32)
     overlap_grad_reduce: bool = True   # ZeRO-1 reduces buckets during the backward (parallel.overlap_grad_reduce)
     mask_block: int = 128              # FlexAttention's block-mask block size (ActivationPolicy.mask_block)
+    async_save: bool = False           # checkpoints staged in pinned host memory, written in the background
+                                       # (checkpoint.async_save as the plan resolved it; memory/host.py)
     pinned_rounding: bool = False      # torch rounds each pinned request of its own (FSDP2's) up to a power of two
                                        # (a torch that cannot stop it: Machine.pinned_exact False); megalysses'
                                        # own are exact (memory/host.py)

@@ -57,6 +57,8 @@ class Machine:
     allocator: str = ""                 # the allocator settings in force on CUDA, and whose (accelerator.py)
     pinned_exact: bool = True           # torch's own pinned requests (FSDP2's) above 1 MiB allocated as asked, not
                                         # rounded up to a power of two (megalysses' own are always exact)
+    host_memory_gib: Optional[float] = None   # physical memory of one node; None where unknown (a described
+                                              # machine without it)
 
     def has(self, package: str) -> bool:
         return package in self.packages
@@ -81,7 +83,8 @@ class Machine:
         settings = allocator_settings(device.type == "cuda")
         return cls(device=device.type, gpu=gpu, memory_gib=memory, ranks_per_node=ranks_per_node,
                    packages=installed_packages(), triton_interpreter=interpreting and device.type == "cpu",
-                   allocator=settings.describe() if device.type == "cuda" else "", pinned_exact=settings.pinned_exact)
+                   allocator=settings.describe() if device.type == "cuda" else "", pinned_exact=settings.pinned_exact,
+                   host_memory_gib=node_memory_gib())
 
     @classmethod
     def described(cls, gpu: Optional[str] = "H100", ranks_per_node: int = 8, memory_gib: Optional[float] = None,
@@ -103,7 +106,16 @@ class Machine:
         """What runtime.json records of the machine."""
         return {"device": self.device, "gpu": self.gpu, "memory_gib": None if self.memory_gib is None else
                 round(self.memory_gib, 1), "ranks_per_node": self.ranks_per_node,
-                "packages": sorted(self.packages), "allocator": self.allocator, "pinned_exact": self.pinned_exact}
+                "packages": sorted(self.packages), "allocator": self.allocator, "pinned_exact": self.pinned_exact,
+                "host_memory_gib": None if self.host_memory_gib is None else round(self.host_memory_gib, 1)}
+
+
+def node_memory_gib() -> Optional[float]:
+    """This node's physical memory in GiB (None where the system does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def local_device(backend: str = "auto") -> torch.device:

@@ -50,6 +50,7 @@ def options_of(cfg: Config, plan: RunPlan) -> Options:
                    kernels=plan.kernels, attention=plan.attention, native_gqa=native, dq_accumulator=accumulator,
                    documents=cfg.data.document_mask, bucket_bytes=0 if plan.fsdp else p.grad_bucket_elements * 4,
                    overlap_grad_reduce=p.overlap_grad_reduce, pinned_rounding=not plan.machine.pinned_exact,
+                   async_save=plan.async_save,
                    mask_block=a.mask_block)
 
 

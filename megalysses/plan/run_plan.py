@@ -20,7 +20,8 @@ training (a backward), which is what every phase of the run then uses: evaluatio
 forward only. The kernels are model.kernels' (the torch references by default: the Triton kernels are
 opt-in until measured on a GPU), refused where they cannot run. Attention head chunks are checked against
 the layout's heads (config.checks.head_chunk_counts); `auto` asks the memory model for the fewest that fit
-the device (auto_head_chunks).
+the device (auto_head_chunks). Checkpoints are saved in the background where the node's memory holds the
+staging copy beside what the run keeps there (choose_async_save).
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from megalysses.config import Config, ConfigError
 from megalysses.config.checks import check_head_chunks, check_heads, check_kept_attention, head_chunk_counts
 from megalysses.kernels.attention import unsupported_reason
 from megalysses.kernels.linear_cross_entropy import default_chunk_tokens
+from megalysses.memory.types import fmt_bytes
 from megalysses.parallel.sequence_layout import SequenceLayout
 from megalysses.plan.machine import Machine
 from megalysses.plan.types import ActivationPolicy, Phase, RunPlan
@@ -166,7 +168,45 @@ def resolve(cfg: Config, machine: Machine, world_size: int, tiles: bool = True) 
         run = replace(run, activation=replace(run.activation, head_chunks=auto_head_chunks(cfg, run)))
     if attention == "flex" and has_docs:
         run = replace(run, activation=replace(run.activation, mask_block=flex_mask_block(cfg, run)))
-    return replace(run, activation=replace(run.activation, loss_tile=concrete_loss_tile(cfg, run)))
+    run = replace(run, activation=replace(run.activation, loss_tile=concrete_loss_tile(cfg, run)))
+    if tiles:
+        asynchronous, why = choose_async_save(cfg, run)
+        run = replace(run, async_save=asynchronous, async_save_reason=why)
+    return run
+
+
+GIB = 2**30
+
+
+def choose_async_save(cfg: Config, run: RunPlan) -> tuple[bool, str]:
+    """(whether checkpoints are written in the background, why): checkpoint.async_save as given, or for `auto`
+    whether one node's ranks' host memory, with the staging copy of their checkpoint state, fits the node's
+    memory (the memory model's host bytes, and on a CPU run its peak too, which is host memory there): the
+    copy is pinned and never swapped out. Synchronous where the node's memory is unknown (a described
+    machine) or the memory model does not cover the run."""
+    requested = cfg.checkpoint.async_save
+    if requested is not True and requested != "auto":
+        return False, "checkpoint.async_save=false"
+    from megalysses.plan.memory import estimate_plan      # the memory model reads RunPlans: import late
+
+    try:
+        est = estimate_plan(cfg, replace(run, async_save=True))
+    except ValueError:
+        return requested is True, "checkpoint.async_save=true" if requested is True else \
+            "auto: the memory model does not cover this run"
+    staging = sum(t.bytes for t in est.terms if t.host and t.name.startswith("checkpoint staging"))
+    copy = f"a staging copy of {fmt_bytes(staging)} per rank"
+    if requested is True:
+        return True, f"checkpoint.async_save=true: {copy}"
+    node = run.machine.host_memory_gib
+    if node is None:
+        return False, "auto: this node's memory is not known"
+    ranks = run.machine.ranks_per_node or 1
+    needed = ranks * (est.host + (0 if run.machine.cuda else est.peak))
+    if needed > node * GIB:
+        return False, (f"auto: {copy} would bring the node's {ranks} rank(s) to {needed / GIB:.1f} GiB of host "
+                       f"memory, over its {node:.1f} GiB")
+    return True, f"auto: {copy}, {needed / GIB:.1f} GiB of the node's {node:.1f} GiB with it"
 
 
 def concrete_loss_tile(cfg: Config, run: RunPlan) -> int:

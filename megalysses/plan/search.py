@@ -327,7 +327,9 @@ def check_host_memory(cfg: Config, run: RunPlan, node_bytes: Optional[float] = N
         return
     ranks = run.machine.ranks_per_node or 1
     if node_bytes and host * ranks > node_bytes:
+        staging = " or save synchronously (checkpoint.async_save=false)" if run.async_save else ""
         raise ConfigError(f"this run needs {host * ranks / GIB:.1f} GiB of host memory per node ({ranks} ranks x "
-                          f"{host / GIB:.1f} GiB: offloaded activations and optimizer state, tools/plan.py --explain "
-                          f"itemises them) but the node has {node_bytes / GIB:.1f} GiB: offload less "
-                          f"(training.checkpoint_stride, training.activation_offload=false), or use more nodes")
+                          f"{host / GIB:.1f} GiB: offloaded activations and optimizer state, checkpoint staging, "
+                          f"tools/plan.py --explain itemises them) but the node has {node_bytes / GIB:.1f} GiB: "
+                          f"offload less (training.checkpoint_stride, training.activation_offload=false){staging}, "
+                          f"or use more nodes")

@@ -83,6 +83,8 @@ class RunPlan:
     grad_overlap: bool = True       # the gradient group's collectives run beside the step's others (FSDP's prefetch
                                     # and reduce-scatter, ZeRO-1's buckets during the backward): the grid keeps
                                     # their communicator apart (plan/communicators.py)
+    async_save: bool = False        # checkpoints staged in pinned host memory and written in the background
+    async_save_reason: str = ""     # why (checkpoint.async_save, and for auto the host memory it needs and has)
 
     @property
     def padded_seq_len(self) -> int:

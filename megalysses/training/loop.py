@@ -17,9 +17,10 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from megalysses import comm
+from megalysses.checkpoint.background import BackgroundSaver
 from megalysses.checkpoint.dcp_io import load_checkpoint, save_checkpoint
 from megalysses.checkpoint.initial import is_weights_only, load_initial_weights
-from megalysses.checkpoint.manifest import choose_checkpoint
+from megalysses.checkpoint.manifest import CheckpointError, choose_checkpoint
 from megalysses.config import Config, ConfigError
 from megalysses.config.checks import check_logging_backends
 from megalysses.config.io import save_config
@@ -28,6 +29,7 @@ from megalysses.distributed import on_rank0, print0
 from megalysses.grid import ParallelGrid
 from megalysses.kernels.attention import reserve_compiles
 from megalysses.memory import arenas
+from megalysses.memory.host import STAGING, arena_bytes
 from megalysses.plan.memory import pinned_requests_of
 from megalysses.model.gpt import GPTStage, architecture, init_weights, stage_layers
 from megalysses.model.layers import ParallelGroups
@@ -55,7 +57,7 @@ def pinned_arenas(cfg: Config, run: RunPlan, grid: ParallelGrid, device: torch.d
     """This rank's pinned host memory: what the memory model counts for its pipeline stage, an arena for each
     owner (each model chunk's activation offloader, the optimizer; memory/host.py); empty where nothing is
     pinned."""
-    reqs = pinned_requests_of(cfg, run, grid.pp_rank)
+    reqs = [r for r in pinned_requests_of(cfg, run, grid.pp_rank) if r.owner != STAGING]   # the saver's (save)
 
     def what(owner: str) -> str:
         mine = [r for r in reqs if r.owner == owner and r.count]
@@ -264,6 +266,15 @@ def _resume(cfg: Config, path: Path, model: GPTStage | VirtualStages, opt: Optim
     return Progress(step, progress.consumed, progress.updates)
 
 
+def background_saver(cfg: Config, run: RunPlan, grid: ParallelGrid, device: torch.device) -> BackgroundSaver:
+    """What writes this rank's checkpoints in the background (checkpoint.async_save): its staging arena as the plan
+    sizes it, and its process group, made while the launcher's store is there (a stop signal from a launcher that
+    died still gets its checkpoint)."""
+    staging = [r for r in pinned_requests_of(cfg, run, grid.pp_rank) if r.owner == STAGING]
+    return BackgroundSaver(arena_bytes(staging), device, cfg.parallel.timeout_seconds,
+                           f"checkpoint staging: {sum(r.count for r in staging)} tensors")
+
+
 class TrainingLoop:
     """The steps of a built run, from `progress` to training.train_steps or a stop: each step's batch, its
     validation, long-context evaluation and checkpoint when due, and the stop every rank agrees on."""
@@ -275,6 +286,7 @@ class TrainingLoop:
         self.cfg, self.grid, self.device, self.run = cfg, grid, device, run
         self.model, self.opt, self.mesh, self.data, self.long_eval = model, opt, mesh, data, long_eval
         self.progress, self.ckpt_dir, self.doing = progress, ckpt_dir, doing
+        self.saver = background_saver(cfg, run, grid, device) if run.async_save else None
 
     def __call__(self, signals: Optional[StopSignals], watchdog: Optional[Watchdog]) -> dict:
         cfg, p, doing = self.cfg, self.progress, self.doing
@@ -324,9 +336,11 @@ class TrainingLoop:
                                          f"lower optimizer.lr or check the data")
             if p.step > first_step and saved_at != p.step:
                 self.save()
+            self.finish_saves()
             if stopped_by != "train_steps":
                 print0(f"stopped at step {p.step} ({stopped_by}); checkpoint saved to {self.ckpt_dir}")
         finally:
+            self.finish_saves(quiet=True)
             profiler.close()
             if signals is None:
                 flags.restore()
@@ -365,12 +379,34 @@ class TrainingLoop:
         return "train_steps"
 
     def save(self) -> None:
+        """The checkpoint of this step: written before it returns, or with checkpoint.async_save (as the plan
+        resolved it; the loop then has a saver) staged, then written in the background after the previous one is
+        complete."""
         cfg, p, grid = self.cfg, self.progress, self.grid
-        self.doing(f"saving the checkpoint of step {p.step}")
-        save_checkpoint(self.ckpt_dir, p.step, self.model, self.opt, grid, self.mesh,
-                        keep_last=cfg.checkpoint.keep_last,
-                        meta={"consumed_samples": p.consumed, "optimizer_steps": p.updates,
-                              "loss": p.loss if math.isfinite(p.loss) else None,
-                              "model_shape": architecture(cfg.model, grid.tp_size),
-                              "layout": {"tp": grid.tp_size, "sp": grid.sp_size, "pp": grid.pp_size,
-                                         "dp": grid.dp_size}})
+        meta = {"consumed_samples": p.consumed, "optimizer_steps": p.updates,
+                "loss": p.loss if math.isfinite(p.loss) else None,
+                "model_shape": architecture(cfg.model, grid.tp_size),
+                "layout": {"tp": grid.tp_size, "sp": grid.sp_size, "pp": grid.pp_size, "dp": grid.dp_size}}
+        if self.saver is None:
+            self.doing(f"saving the checkpoint of step {p.step}")
+            save_checkpoint(self.ckpt_dir, p.step, self.model, self.opt, grid, self.mesh, meta,
+                            keep_last=cfg.checkpoint.keep_last)
+            return
+        if self.saver.pending_step is not None:
+            self.doing(f"waiting for the checkpoint of step {self.saver.pending_step} before saving step {p.step}")
+            self.saver.wait()
+        self.doing(f"staging the checkpoint of step {p.step}")
+        self.saver.save(self.ckpt_dir, p.step, self.model, self.opt, grid, self.mesh, meta, cfg.checkpoint.keep_last)
+
+    def finish_saves(self, quiet: bool = False) -> None:
+        """The end of training, a stop: wait until the checkpoint being written in the background is complete on
+        every rank, and let the saver go. `quiet` (on the way out of an error): its own failure is not raised."""
+        saver, self.saver = self.saver, None
+        if saver is None:
+            return
+        self.doing(f"waiting for the checkpoint of step {saver.pending_step} to be written")
+        try:
+            saver.close()
+        except CheckpointError:
+            if not quiet:
+                raise

@@ -122,6 +122,10 @@ def memory_options(cfg: Config, run: RunPlan) -> list[str]:
         opts.append("TP sequence sharding")
     if run.virtual_stages > 1:
         opts.append(f"interleaved pipeline (v={run.virtual_stages})")
+    if run.async_save:
+        opts.append("checkpoints written in the background")
+    elif cfg.checkpoint.async_save == "auto" and run.async_save_reason:
+        opts.append(f"checkpoints written synchronously ({run.async_save_reason})")
     return opts
 
 

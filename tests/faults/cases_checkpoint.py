@@ -125,6 +125,12 @@ class _Evil:
         return (os.system, ("echo owned",))
 
 
+def _killed_background_write(ckpts: Path) -> None:
+    """What a rank killed while step 3 was written in the background leaves: its .tmp directory (here with every
+    file already there, the rename not yet done) beside `latest`, which still names step 2."""
+    shutil.copytree(ckpts / STEP, ckpts / "step_0000003.tmp")
+
+
 def _evil_metadata(ckpts: Path) -> None:
     """.metadata replaced by a pickle that runs a command, and the manifest updated to match."""
     from megalysses.checkpoint.manifest import write_manifest
@@ -189,6 +195,9 @@ CASES = [Case(f"checkpoint/{name}", resume(damage), expect) for name, damage, ex
     Case("checkpoint/only_checkpoint_corrupt_with_fallback", resume(both(_only_step_2, truncate(SHARD)), fallback=True),
          SHARD),
     Case("checkpoint/metadata_unpickles_a_command", resume(_evil_metadata), "refusing to unpickle"),
+    Case("checkpoint/killed_background_write_never_resumed",
+         resume(both(_killed_background_write, flip(SHARD), flip(SHARD, step="step_0000001")), fallback=True),
+         "no older checkpoint"),
     Case("checkpoint/legacy_checkpoint_truncated", resume(_legacy_truncated), "cannot be loaded"),
     Case("checkpoint/load_missing_path", pretrain("checkpoint.load={tmp}/nowhere"), "does not exist"),
     Case("checkpoint/load_a_file", pretrain("checkpoint.load={tmp}/file.pt",

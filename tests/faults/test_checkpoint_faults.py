@@ -191,3 +191,54 @@ def test_fallback_pruning_timelines_and_metrics(tmp_path):
     marks = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if '"event"' in x]
     assert [(m["run"], m["step"]) for m in marks] == [(1, 0), (2, 2), (3, 2), (4, 3)]
     assert marks[1]["resumed_from"].endswith("step_0000002") and marks[0]["resumed_from"] is None
+
+
+def test_a_failed_background_write_is_one_error_and_keeps_latest(tmp_path, monkeypatch):
+    """A background write that fails (the disk full while rank 0 checksums its files) is one `error:` line naming
+    the step, and `latest` stays at the checkpoint before it."""
+    import megalysses.checkpoint.dcp_io as ckpt
+
+    real = ckpt.checksums
+
+    def full(directory, names):
+        if directory.name == "step_0000004.tmp":
+            raise OSError(28, "No space left on device")
+        return real(directory, names)
+
+    monkeypatch.setattr(ckpt, "checksums", full)
+    run = tmp_path / "run"
+    status, out = _pretrain(run, "training.train_steps=4", "checkpoint.save_interval=2", "checkpoint.async_save=true")
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert status != 0 and len(errors) == 1 and "Traceback" not in out, out
+    assert "step 4" in errors[0] and "No space left on device" in errors[0], errors
+    assert read_latest(run / "checkpoints")[0].name == "step_0000002"
+
+
+def test_a_stop_signal_finishes_the_background_save(tmp_path, monkeypatch):
+    """SIGTERM arrives while step 2's checkpoint is written in the background: the run stops after the step it is
+    on, saves it, and exits 0 only once that checkpoint is complete (its write held back a second) and `latest`."""
+    import os
+    import signal
+    import time
+
+    import megalysses.checkpoint.dcp_io as ckpt
+
+    real = ckpt.checksums
+
+    def slow(directory, names):
+        if directory.name == "step_0000002.tmp":
+            os.kill(os.getpid(), signal.SIGTERM)
+        else:
+            time.sleep(1.0)
+        return real(directory, names)
+
+    monkeypatch.setattr(ckpt, "checksums", slow)
+    run = tmp_path / "run"
+    status, out = _pretrain(run, "training.train_steps=50", "checkpoint.save_interval=2", "checkpoint.async_save=true")
+    assert status == 0, out
+    stopped = [line for line in out.splitlines() if line.startswith("stopped at step")]
+    assert stopped and "(signal)" in stopped[0], out
+    step = int(stopped[0].split()[3])
+    latest = read_latest(run / "checkpoints")[0]
+    assert 2 < step < 50 and latest.name == f"step_{step:07d}" and verify_checkpoint(latest) == []
+    assert not list((run / "checkpoints").glob("*.tmp")), "a save was left incomplete"
