@@ -7,9 +7,11 @@ from torch import nn
 
 from megalysses.config import OptimizerConfig
 from megalysses.testing import run_distributed
-from megalysses.parallel.zero import ShardedAdamW, chunk_rows
+from megalysses.parallel.optimizer import AdamWSettings
+from megalysses.parallel.zero import ReduceSettings, ShardedAdamW, chunk_rows
 from megalysses.training.schedule import lr_at
 
+ADAMW = AdamWSettings(lr=0.1, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 SHAPES = {"a.weight": (7, 5), "b.weight": (3, 4), "norm.weight": (6,), "c.bias": (1,)}
 
 
@@ -29,7 +31,7 @@ def _zero1_worker(rank, world, clip):
     params = _params()
     for p in params.values():
         p.tp_dim = None
-    opt = ShardedAdamW(params.items(), dist.group.WORLD, lr=0.1, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    opt = ShardedAdamW(params.items(), dist.group.WORLD, ADAMW)
     ref = _params()
     ref_opt = torch.optim.AdamW([{"params": [ref["a.weight"], ref["b.weight"]], "weight_decay": 0.1},
                                  {"params": [ref["norm.weight"], ref["c.bias"]], "weight_decay": 0.0}],
@@ -74,20 +76,21 @@ def _overlap_worker(rank, world):
     results = {}
     for overlap in (False, True):
         m = model()
-        opt = ShardedAdamW(m.named_parameters(), dist.group.WORLD, lr=0.1, betas=(0.9, 0.95), eps=1e-8,
-                           weight_decay=0.1, bucket_elements=200, overlap=overlap)
+        opt = ShardedAdamW(m.named_parameters(), dist.group.WORLD, ADAMW,
+                           ReduceSettings(bucket_elements=200, overlap=overlap))
         launched_during_backward, final_at_launch = [], []
-        launch = opt._launch
+        reducer = opt.reducer
+        launch = reducer._launch
 
-        def spy(index, launch=launch, opt=opt, final_at_launch=final_at_launch):   # gradients final at a launch
-            final_at_launch.append(sum(v == len(xs) for v in opt._fired.values()))
+        def spy(index, launch=launch, reducer=reducer, final_at_launch=final_at_launch):   # final at a launch
+            final_at_launch.append(sum(v == len(xs) for v in reducer.pending.fired.values()))
             launch(index)
 
-        opt._launch = spy
+        reducer._launch = spy
         opt.begin_step(len(xs))
         for x in xs:
             m(x).square().sum().backward()
-            launched_during_backward.append(len(opt._launched))
+            launched_during_backward.append(len(reducer.pending.launched))
         norm = opt.step(max_norm=1.0)
         results[overlap] = ([p.detach().clone() for p in m.parameters()], norm, launched_during_backward,
                             len(opt.buckets), final_at_launch)
@@ -138,7 +141,7 @@ def test_nonfinite_gradient_norm_changes_nothing():
     for p in params.values():
         p.tp_dim = None
     before = {n: p.detach().clone() for n, p in params.items()}
-    opt = ShardedAdamW(params.items(), None, lr=0.1, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    opt = ShardedAdamW(params.items(), None, ADAMW)
     for n, p in params.items():
         p.grad = _grads(0, 0)[n]
     params["b.weight"].grad[1, 2] = float("inf")

@@ -41,7 +41,8 @@ from megalysses.training.data import TrainingData
 from megalysses.parallel.fsdp import FSDPAdamW, shard_model
 from megalysses.training.long_eval import TrainingLongEval, scalars
 from megalysses.training.metrics import MetricsLogger
-from megalysses.parallel.zero import Optimizer, ShardedAdamW
+from megalysses.parallel.optimizer import AdamWSettings, Optimizer
+from megalysses.parallel.zero import ReduceSettings, ShardedAdamW
 from megalysses.training.profiler import StepProfiler
 from megalysses.training.rundir import check_writable, mark_start
 from megalysses.training.runtime import (check_built, flex_compile_budget, model_config, resolve_run, startup_line,
@@ -101,14 +102,14 @@ def build_optimizer(cfg: Config, model: GPTStage, grid: ParallelGrid, run: RunPl
     o = cfg.optimizer
     # the two copies of a tied embedding (first and last stage) sum their gradients; a middle stage has neither
     tied_across_stages = cfg.model.tie_embeddings and grid.pp_size > 1 and (grid.is_first_stage or grid.is_last_stage)
-    common = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, tp_rank=grid.tp_rank,
-                  embed_group=grid.embed_group if tied_across_stages else None,
-                  tied_head_copy=tied_across_stages and not grid.is_first_stage)
+    settings = AdamWSettings(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
+                             tp_rank=grid.tp_rank, embed_group=grid.embed_group if tied_across_stages else None,
+                             tied_head_copy=tied_across_stages and not grid.is_first_stage)
     if run.fsdp:
-        return FSDPAdamW(model, **common, device=device)
-    return ShardedAdamW(model.named_parameters(), grid.grad_group, **common,
-                        bucket_elements=cfg.parallel.grad_bucket_elements, overlap=cfg.parallel.overlap_grad_reduce,
-                        offload=run.optimizer == "zero1-host", pinned=pinned, grad_dtype=getattr(torch, run.grad_dtype))
+        return FSDPAdamW(model, settings, device=device)
+    reduce = ReduceSettings(bucket_elements=cfg.parallel.grad_bucket_elements, overlap=cfg.parallel.overlap_grad_reduce,
+                            offload=run.optimizer == "zero1-host", grad_dtype=getattr(torch, run.grad_dtype))
+    return ShardedAdamW(model.named_parameters(), grid.grad_group, settings, reduce, pinned)
 
 
 def build_model_and_optimizer(cfg: Config, grid: ParallelGrid, device: torch.device, run: RunPlan,

@@ -18,7 +18,7 @@ from megalysses.grid import ParallelGrid
 from megalysses.parallel.interleaved import VirtualStages, run_interleaved
 from megalysses.parallel.pipeline import Batch, forward_backward_1f1b, forward_backward_local, forward_only
 from megalysses.parallel.fsdp import reshard
-from megalysses.parallel.zero import Optimizer
+from megalysses.parallel.optimizer import Optimizer
 
 
 @dataclass
