@@ -137,6 +137,9 @@ def test_schedules():
 
 
 def test_nonfinite_gradient_norm_changes_nothing():
+    """A non-finite norm, decided on the device: weights and moments stay as they were; once the step count is
+    set right (as the loop's read-back does), the next step is exactly a first step of a fresh optimizer. A
+    guarded finite step is bit for bit the unguarded one."""
     params = _params()
     for p in params.values():
         p.tp_dim = None
@@ -145,14 +148,37 @@ def test_nonfinite_gradient_norm_changes_nothing():
     for n, p in params.items():
         p.grad = _grads(0, 0)[n]
     params["b.weight"].grad[1, 2] = float("inf")
-    assert math.isinf(opt.step(max_norm=1.0))
+    norm = opt.step(max_norm=1.0)
+    assert isinstance(norm, torch.Tensor) and math.isinf(norm)
     for n, p in params.items():
         assert torch.equal(p, before[n]) and p.grad is None, n
-    assert all(not st for st in opt.optimizer.state.values())       # no AdamW step was counted
-    for n, p in params.items():
-        p.grad = _grads(1, 0)[n]
+    assert all(not st["exp_avg"].any() and not st["exp_avg_sq"].any() for st in opt.optimizer.state.values())
+    opt.set_step(0)
+    fresh = {n: nn.Parameter(t.clone()) for n, t in before.items()}
+    for p in fresh.values():
+        p.tp_dim = None
+    fresh_opt = ShardedAdamW(fresh.items(), None, ADAMW)
+    for ps in (params, fresh):
+        for n, p in ps.items():
+            p.grad = _grads(1, 0)[n]
     assert math.isfinite(opt.step(max_norm=1.0))
-    assert not torch.equal(params["a.weight"], before["a.weight"])
+    fresh_opt.step(max_norm=1.0, guard=False)
+    for n in params:
+        assert not torch.equal(params[n], before[n]) and torch.equal(params[n], fresh[n]), n
+
+
+def test_a_nonfinite_loss_changes_nothing():
+    """`ok` false (the loss was not finite): nothing is updated, whatever the norm."""
+    params = _params()
+    for p in params.values():
+        p.tp_dim = None
+    before = {n: p.detach().clone() for n, p in params.items()}
+    opt = ShardedAdamW(params.items(), None, ADAMW)
+    for n, p in params.items():
+        p.grad = _grads(0, 0)[n]
+    assert math.isfinite(opt.step(max_norm=1.0, ok=torch.tensor(False)))
+    for n, p in params.items():
+        assert torch.equal(p, before[n]), n
 
 
 def test_wsd_decay_starts_after_warmup():

@@ -284,7 +284,8 @@ class GradientReducer:
                     self._take(s, mine[offset:offset + s.master.numel()])
                 offset += s.padded
         if self.offload and self.slots and accelerator.on_gpu(self.slots[0].param):
-            accelerator.current().current_stream(self.slots[0].param.device).synchronize()   # host copies done
+            accelerator.synchronize(accelerator.current().current_stream(self.slots[0].param.device),
+                                    "offload")   # the host copies done
         self.pending = _Pending()
 
     def _stream_rest(self) -> None:

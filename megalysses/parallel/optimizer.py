@@ -3,25 +3,30 @@
 
     opt.set_lr(lr)                 # the schedule's learning rate of this step
     opt.begin_step(micro_batches)  # before the backward passes (ZeRO-1 launches reductions from them)
-    norm = opt.step(max_norm)      # reduce, global norm, clip, AdamW, gather; the norm before clipping
+    norm = opt.step(max_norm, ok)  # reduce, global norm, clip, AdamW, gather; the norm before clipping (on the
+                                   # device: a step whose norm or `ok` is not finite updates nothing)
     opt.set_step(updates)          # AdamW's step count (a resume: skipped steps excluded)
     opt.checkpoint_slots()         # (name, parameter, {master, exp_avg, exp_avg_sq}) as dim-0 chunks
 
 AdamWBase holds torch's AdamW (foreach; decay on matrices only), the learning rate, the step count, the
-global gradient norm (every element counted once over every rank) and the clipping; each optimizer says how
+global gradient norm (every element counted once over every rank), the clipping and the skip of a step whose
+norm is not finite, all decided on the device (no host synchronisation); each optimizer says how
 its gradients get to the tensors AdamW updates (`_prepare`), what its local sum of squares is, and what
 follows the update (`_finish`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Protocol
+from typing import Iterator, Optional, Protocol
 
 import torch
 from torch import Tensor, nn
 
-from megalysses import comm
+from megalysses import accelerator, comm
 from megalysses.comm import Group
+
+
+GUARD_ELEMENTS = 1 << 25      # a guarded update steps this many elements at a time (their copies kept aside)
 
 
 @dataclass(frozen=True)
@@ -51,7 +56,7 @@ class Optimizer(Protocol):
 
     def begin_step(self, backward_passes: int) -> None: ...
 
-    def step(self, max_norm: float = 0.0) -> float: ...
+    def step(self, max_norm: float = 0.0, ok: Optional[Tensor] = None, guard: bool = True) -> Tensor: ...
 
     def zero_grad(self) -> None: ...
 
@@ -124,24 +129,73 @@ class AdamWBase:
         return local.sqrt()
 
     @torch.no_grad()
-    def step(self, max_norm: float = 0.0) -> float:
-        """Prepare the gradients, clip to `max_norm` (0: no clipping), update. Returns the gradient norm before
-        clipping; a non-finite norm (the same on every rank) drops the gradients and leaves weights and state
-        untouched."""
+    def step(self, max_norm: float = 0.0, ok: Optional[Tensor] = None, guard: bool = True) -> Tensor:
+        """Prepare the gradients, clip to `max_norm` (0: no clipping), update; the gradient norm before clipping,
+        left on the device (nothing here reads a value back to the host). With `guard`, a step whose norm is not
+        finite (the same on every rank), or whose `ok` (a device bool: the loss was finite) is false, updates
+        nothing: the weights and AdamW's moments are put back, decided on the device. AdamW's step count, kept
+        on the host, has counted it: the caller sets it right (set_step) once it reads the step back. Without
+        `guard` (training.nan_policy=abort: the run stops at that read-back) the update is not checked."""
         self._prepare()
         norm = self.grad_norm()
-        if not torch.isfinite(norm):
-            self.zero_grad()
-            return norm.item()
         if max_norm > 0:
-            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0).to(self.update_device)
+            coef = self._to_update_device(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
             for g in self._update_grads():
                 g.mul_(coef)
         for group in self.optimizer.param_groups:
             for p in group["params"]:
                 adam_state(self.optimizer, p)
-        self.optimizer.step()
+        if guard:
+            finite = torch.isfinite(norm) if ok is None else torch.isfinite(norm) & ok
+            self._guarded_update(self._to_update_device(finite))
+        else:
+            self.optimizer.step()
         self._finish()
         self.zero_grad()
-        return norm.item()
+        return norm
 
+    def _to_update_device(self, t: Tensor) -> Tensor:
+        """t where AdamW's tensors are: an offloaded update waits for it on the host (counted apart)."""
+        if t.device == self.update_device:
+            return t
+        with accelerator.host_wait("offload"):
+            return t.to(self.update_device)
+
+    def _guarded_update(self, ok: Tensor) -> None:
+        """AdamW's update where `ok`, none where not: the tensors are stepped in runs of up to GUARD_ELEMENTS
+        elements (each element's arithmetic is the same as in one step of all of them), a run's weights and
+        moments kept aside while it is stepped and put back unless `ok`."""
+        groups = self.optimizer.param_groups
+        everything = [g["params"] for g in groups]
+        try:
+            for index, params in enumerate(everything):
+                for run in _runs(params, GUARD_ELEMENTS):
+                    for j, g in enumerate(groups):
+                        g["params"] = run if j == index else []
+                    now = [_as_local(t) for p in run for t in (p, self.optimizer.state[p]["exp_avg"],
+                                                               self.optimizer.state[p]["exp_avg_sq"])]
+                    kept = [t.clone() for t in now]
+                    self.optimizer.step()
+                    for new, old in zip(now, kept):
+                        torch.where(ok, new, old, out=new)
+        finally:
+            for g, params in zip(groups, everything):
+                g["params"] = params
+
+
+def _as_local(t: Tensor) -> Tensor:
+    """This rank's part of t (an FSDP2 DTensor's local shard; any other tensor itself)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _runs(tensors: list[Tensor], limit: int) -> Iterator[list[Tensor]]:
+    """`tensors` in order, in runs of at most `limit` elements (a larger tensor alone)."""
+    run, size = [], 0
+    for t in tensors:
+        if run and size + t.numel() > limit:
+            yield run
+            run, size = [], 0
+        run.append(t)
+        size += t.numel()
+    if run:
+        yield run
