@@ -38,6 +38,7 @@ from megalysses.config import ModelConfig  # noqa: E402
 from megalysses.grid import ParallelGrid  # noqa: E402
 from megalysses.model.gpt import GPTStage  # noqa: E402
 from megalysses.model.hf import from_hf_state_dict, model_config_from_hf  # noqa: E402
+from megalysses.parallel.optimizer import AdamWSettings  # noqa: E402
 from megalysses.parallel.zero import ShardedAdamW  # noqa: E402
 from megalysses.training.step import train_step  # noqa: E402
 
@@ -55,7 +56,8 @@ class Ours:
     def __init__(self, cfg: ModelConfig, hf_state: dict, device: torch.device, dtype: torch.dtype) -> None:
         self.model = GPTStage(cfg).to(device)
         self.model.load_state_dict(from_hf_state_dict(hf_state, cfg))
-        self.opt = ShardedAdamW(self.model.named_parameters(), None, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+        self.opt = ShardedAdamW(self.model.named_parameters(), None,
+                                AdamWSettings(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD))
         self.model.to(dtype)       # compute weights; the optimizer keeps the fp32 masters
         self.grid = ParallelGrid(world=1, rank=0)
         self.dtype = dtype

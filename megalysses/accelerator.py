@@ -8,6 +8,8 @@ compute. Everything else runs on plain tensors; a memory trace on a CPU swaps th
     side = host.stream(device)                         # a side stream (None on a CPU)
     with host.on(side): ...; done = host.event(side)   # queue work on it; an event after it
     with use(MyHost()): ...                            # another Host (a trace counting pinned bytes), then back
+    values = read_back(figures)                        # device values on the host: the host waits for them
+    with host_wait("save"): ...; synchronize(done)     # waits made for a save, not the step (counted apart)
 
 The Host interface, what a replacement implements (class Host is the real one):
     pinned_empty(shape, dtype, device) -> Tensor   a host tensor for copies to and from `device`, exactly as
@@ -55,7 +57,7 @@ import functools
 import os
 import weakref
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 from torch import Tensor
@@ -194,3 +196,67 @@ def use(host: Host) -> Iterator[Host]:
         yield host
     finally:
         _active.remove(host)
+
+
+# ---------------------------------------------------------------------- host waits
+# Where the host waits for the device, said in one place so that it can be counted (measure.count_host_syncs):
+# a step reads its figures back once, on a logging step (read_back); a save, an evaluation and an offloaded
+# optimizer's host update wait for their own reasons (host_wait), counted apart from the step's.
+_waits: list[str] = []
+_watchers: list[Callable[[str, str], None]] = []
+_telling: list[str] = []
+
+
+@contextlib.contextmanager
+def host_wait(reason: str) -> Iterator[None]:
+    """The host synchronisations inside are made for `reason` ("save", "evaluation", "offload"), not the step."""
+    _waits.append(reason)
+    try:
+        yield
+    finally:
+        _waits.pop()
+
+
+def wait_reason() -> str:
+    """What a host synchronisation made now is for: the innermost host_wait's reason, else "step"."""
+    return _waits[-1] if _waits else "step"
+
+
+@contextlib.contextmanager
+def watch(watcher: Callable[[str, str], None]) -> Iterator[None]:
+    """Tell `watcher(reason, what)` of every synchronize and read_back while the block runs."""
+    _watchers.append(watcher)
+    try:
+        yield
+    finally:
+        _watchers.remove(watcher)
+
+
+def telling() -> bool:
+    """Whether a synchronize or read_back the watchers have been told of is in progress (its own copy is
+    that one synchronisation, not another)."""
+    return bool(_telling)
+
+
+@contextlib.contextmanager
+def _told(what: str) -> Iterator[None]:
+    for watcher in list(_watchers):
+        watcher(wait_reason(), what)
+    _telling.append(what)
+    try:
+        yield
+    finally:
+        _telling.pop()
+
+
+def synchronize(waitable: Any, reason: Optional[str] = None) -> None:
+    """The host waits until the work queued on a stream, or before an event, has run (its .synchronize()), for
+    `reason` (a host_wait's; by default the one in force)."""
+    with host_wait(reason or wait_reason()), _told(f"{type(waitable).__name__}.synchronize"):
+        waitable.synchronize()
+
+
+def read_back(t: Tensor) -> list:
+    """t's values as Python numbers: one copy to the host, the host waiting for it when t is on a GPU."""
+    with _told("read_back"):
+        return t.detach().cpu().tolist()

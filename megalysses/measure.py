@@ -1,5 +1,6 @@
 """Measured memory, to check megalysses.memory's predictions against: what a forward leaves for its
-backward, and the peak of live tensor bytes over any piece of code, on CPU as on GPU.
+backward, and the peak of live tensor bytes over any piece of code, on CPU as on GPU; and the host
+synchronisations a piece of code makes (count_host_syncs).
 
     out, kept = measure_retained(lambda: model(ids, pos, labels=ids), exclude=tuple(model.parameters()))
     peak = measure_peak(lambda: train_step(...), baseline=tensors_that_exist_before)
@@ -12,16 +13,19 @@ allocates and frees inside its own kernel, such as a fused attention backward's 
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves
+
+from megalysses import accelerator
 
 
 SETTLE_POLLS, SETTLE_SECONDS = 100, 0.005
@@ -199,3 +203,78 @@ def host_resident(model: Any, opt: Any, runtime: Any,
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
+
+
+@dataclass
+class HostSyncs:
+    """The host synchronisations count_host_syncs saw, by reason: "step" for those a step makes, and the
+    reasons the code gave with accelerator.host_wait ("save", "evaluation", "offload") for the others."""
+
+    counts: dict[str, int] = field(default_factory=dict)
+    seen: list[tuple[str, str]] = field(default_factory=list)    # (reason, what), in order
+
+    @property
+    def step(self) -> int:
+        """The synchronisations made for the step itself."""
+        return self.counts.get("step", 0)
+
+    def apart(self) -> dict[str, int]:
+        """The others, by reason."""
+        return {k: v for k, v in self.counts.items() if k != "step"}
+
+    def add(self, reason: str, what: str) -> None:
+        self.counts[reason] = self.counts.get(reason, 0) + 1
+        self.seen.append((reason, what))
+
+
+def _device_read(func: Any, args: tuple, kwargs: dict) -> Optional[tuple[torch.Tensor, str]]:
+    """(the tensor read, the op) when `func` makes the host wait for a device value: a scalar read (.item(),
+    bool(), float(): aten._local_scalar_dense) or a blocking copy from another device to the CPU."""
+    if func is torch.ops.aten._local_scalar_dense.default:
+        return args[0], "item"
+    if func is torch.ops.aten.copy_.default:
+        dst, src = args[0], args[1]
+        blocking = not (args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+        if dst.device.type == "cpu" and src.device.type not in ("cpu", "meta") and blocking:
+            return src, "copy to the host"
+    if func is torch.ops.aten._to_copy.default:
+        where = kwargs.get("device")
+        if (where is not None and torch.device(where).type == "cpu" and args[0].device.type not in ("cpu", "meta")
+                and not kwargs.get("non_blocking", False)):
+            return args[0], "copy to the host"
+    return None
+
+
+@contextlib.contextmanager
+def count_host_syncs(host: Optional[Callable[[], Iterable[torch.Tensor]]] = None) -> Iterator[HostSyncs]:
+    """Count the host synchronisations of the block: every scalar read of a tensor (`.item()`, `bool()`,
+    `float()`: aten._local_scalar_dense), every blocking copy from a GPU to the host, and every
+    accelerator.synchronize and read_back, each under the reason accelerator.host_wait gives ("step" outside
+    any). On a CPU the device is the CPU, so the ops are counted, not time: a read of a tensor `host()` lists
+    (one that lives in host memory on a GPU too, such as AdamW's step counts) is no synchronisation and is
+    left out. `.tolist()` of a CPU tensor dispatches no op and is not seen (on a GPU it copies to the host
+    first, and that copy is).
+
+        with count_host_syncs(lambda: adam_step_counts(opt)) as syncs:
+            train_step(...)
+        assert syncs.step == 0, syncs.seen
+    """
+    syncs = HostSyncs()
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            read = None if accelerator.telling() else _device_read(func, args, kwargs)
+            if read is not None:
+                away = {t.untyped_storage()._cdata for t in host()} if host is not None else set()
+                if read[0].untyped_storage()._cdata not in away:
+                    syncs.add(accelerator.wait_reason(), f"{read[1]} ({func})")
+            return func(*args, **kwargs)
+
+    with accelerator.watch(syncs.add), Count():
+        yield syncs
+
+
+def adam_step_counts(opt: Any) -> list[torch.Tensor]:
+    """The AdamW step counts of an optimizer (parallel/optimizer.py): host tensors, read by torch's update."""
+    return [st["step"] for st in opt.optimizer.state.values() if "step" in st]

@@ -7,6 +7,7 @@ import torch
 from megalysses.config import ModelConfig
 from megalysses.grid import ParallelGrid
 from megalysses.model.gpt import GPTStage, init_weights
+from megalysses.parallel.optimizer import AdamWSettings
 from megalysses.parallel.zero import ShardedAdamW
 from megalysses.training.step import train_step
 
@@ -36,7 +37,8 @@ def batches(n: int, micro: int = 2):
 def build(dtype: torch.dtype):
     model = GPTStage(CFG)
     init_weights(model, seed=1)
-    opt = ShardedAdamW(model.named_parameters(), None, lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    opt = ShardedAdamW(model.named_parameters(), None,
+                       AdamWSettings(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1))
     model.to(dtype)
     return model, opt
 

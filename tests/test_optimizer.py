@@ -7,9 +7,11 @@ from torch import nn
 
 from megalysses.config import OptimizerConfig
 from megalysses.testing import run_distributed
-from megalysses.parallel.zero import ShardedAdamW, chunk_rows
+from megalysses.parallel.optimizer import AdamWSettings
+from megalysses.parallel.zero import ReduceSettings, ShardedAdamW, chunk_rows
 from megalysses.training.schedule import lr_at
 
+ADAMW = AdamWSettings(lr=0.1, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 SHAPES = {"a.weight": (7, 5), "b.weight": (3, 4), "norm.weight": (6,), "c.bias": (1,)}
 
 
@@ -29,7 +31,7 @@ def _zero1_worker(rank, world, clip):
     params = _params()
     for p in params.values():
         p.tp_dim = None
-    opt = ShardedAdamW(params.items(), dist.group.WORLD, lr=0.1, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    opt = ShardedAdamW(params.items(), dist.group.WORLD, ADAMW)
     ref = _params()
     ref_opt = torch.optim.AdamW([{"params": [ref["a.weight"], ref["b.weight"]], "weight_decay": 0.1},
                                  {"params": [ref["norm.weight"], ref["c.bias"]], "weight_decay": 0.0}],
@@ -74,20 +76,21 @@ def _overlap_worker(rank, world):
     results = {}
     for overlap in (False, True):
         m = model()
-        opt = ShardedAdamW(m.named_parameters(), dist.group.WORLD, lr=0.1, betas=(0.9, 0.95), eps=1e-8,
-                           weight_decay=0.1, bucket_elements=200, overlap=overlap)
+        opt = ShardedAdamW(m.named_parameters(), dist.group.WORLD, ADAMW,
+                           ReduceSettings(bucket_elements=200, overlap=overlap))
         launched_during_backward, final_at_launch = [], []
-        launch = opt._launch
+        reducer = opt.reducer
+        launch = reducer._launch
 
-        def spy(index, launch=launch, opt=opt, final_at_launch=final_at_launch):   # gradients final at a launch
-            final_at_launch.append(sum(v == len(xs) for v in opt._fired.values()))
+        def spy(index, launch=launch, reducer=reducer, final_at_launch=final_at_launch):   # final at a launch
+            final_at_launch.append(sum(v == len(xs) for v in reducer.pending.fired.values()))
             launch(index)
 
-        opt._launch = spy
+        reducer._launch = spy
         opt.begin_step(len(xs))
         for x in xs:
             m(x).square().sum().backward()
-            launched_during_backward.append(len(opt._launched))
+            launched_during_backward.append(len(reducer.pending.launched))
         norm = opt.step(max_norm=1.0)
         results[overlap] = ([p.detach().clone() for p in m.parameters()], norm, launched_during_backward,
                             len(opt.buckets), final_at_launch)
@@ -134,22 +137,48 @@ def test_schedules():
 
 
 def test_nonfinite_gradient_norm_changes_nothing():
+    """A non-finite norm, decided on the device: weights and moments stay as they were; once the step count is
+    set right (as the loop's read-back does), the next step is exactly a first step of a fresh optimizer. A
+    guarded finite step is bit for bit the unguarded one."""
     params = _params()
     for p in params.values():
         p.tp_dim = None
     before = {n: p.detach().clone() for n, p in params.items()}
-    opt = ShardedAdamW(params.items(), None, lr=0.1, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    opt = ShardedAdamW(params.items(), None, ADAMW)
     for n, p in params.items():
         p.grad = _grads(0, 0)[n]
     params["b.weight"].grad[1, 2] = float("inf")
-    assert math.isinf(opt.step(max_norm=1.0))
+    norm = opt.step(max_norm=1.0)
+    assert isinstance(norm, torch.Tensor) and math.isinf(norm)
     for n, p in params.items():
         assert torch.equal(p, before[n]) and p.grad is None, n
-    assert all(not st for st in opt.optimizer.state.values())       # no AdamW step was counted
-    for n, p in params.items():
-        p.grad = _grads(1, 0)[n]
+    assert all(not st["exp_avg"].any() and not st["exp_avg_sq"].any() for st in opt.optimizer.state.values())
+    opt.set_step(0)
+    fresh = {n: nn.Parameter(t.clone()) for n, t in before.items()}
+    for p in fresh.values():
+        p.tp_dim = None
+    fresh_opt = ShardedAdamW(fresh.items(), None, ADAMW)
+    for ps in (params, fresh):
+        for n, p in ps.items():
+            p.grad = _grads(1, 0)[n]
     assert math.isfinite(opt.step(max_norm=1.0))
-    assert not torch.equal(params["a.weight"], before["a.weight"])
+    fresh_opt.step(max_norm=1.0, guard=False)
+    for n in params:
+        assert not torch.equal(params[n], before[n]) and torch.equal(params[n], fresh[n]), n
+
+
+def test_a_nonfinite_loss_changes_nothing():
+    """`ok` false (the loss was not finite): nothing is updated, whatever the norm."""
+    params = _params()
+    for p in params.values():
+        p.tp_dim = None
+    before = {n: p.detach().clone() for n, p in params.items()}
+    opt = ShardedAdamW(params.items(), None, ADAMW)
+    for n, p in params.items():
+        p.grad = _grads(0, 0)[n]
+    assert math.isfinite(opt.step(max_norm=1.0, ok=torch.tensor(False)))
+    for n, p in params.items():
+        assert torch.equal(p, before[n]), n
 
 
 def test_wsd_decay_starts_after_warmup():

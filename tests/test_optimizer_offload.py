@@ -97,11 +97,11 @@ def reduced_gradients(overrides: list[str], world: int) -> dict:
     model, opt = loop.build_model_and_optimizer(cfg, grid, device, runtime)
     got = {}
 
-    def capture(max_norm: float) -> float:
+    def capture(max_norm: float, ok=None, guard=True) -> torch.Tensor:
         opt.reduce_gradients()
         got.update({s.name: s.master.grad.clone() for s in opt.slots if s.master is not None})
         opt.zero_grad()
-        return 1.0
+        return torch.tensor(1.0)
 
     opt.step = capture
     loss = train_step(model, opt, next(TrainingData(cfg, grid, runtime, device).train_batches(0)), grid, lr=1e-3,

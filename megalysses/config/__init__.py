@@ -400,7 +400,9 @@ class TrainingConfig:
     back to host memory as its backward finishes, and the AdamW update runs on the CPU. The device holds two
     blocks' weights, one block's gradients and the embedding and head."""
     nan_policy: Literal["abort", "skip"] = "abort"
-    """On a NaN/Inf loss: abort the run, or skip the step."""
+    """On a NaN/Inf loss or gradient norm: abort the run, or skip the step (it updates nothing). Both are
+    decided on the device, without waiting for it: an abort is reported at the next logging step
+    (logging.log_interval), naming the step it happened at, before anything is saved."""
 
 
 @dataclass
@@ -439,7 +441,9 @@ class LoggingConfig:
     run_dir: str = "runs/default"
     """Run directory: resolved config, metrics.jsonl, checkpoints."""
     log_interval: int = 10
-    """Print a metrics line every N steps."""
+    """Print a metrics line every N steps. Only these steps read the step's figures back to the host (the
+    others do not wait for the device), so a stop signal, training.max_wall_minutes and a NaN abort take
+    effect at the next of them."""
     wandb_mode: Literal["disabled", "offline", "online"] = "disabled"
     """Weights & Biases mode (online needs network)."""
     wandb_project: str = "megalysses"

@@ -238,14 +238,16 @@ class AttentionMask:
 
 
 def prepare_attention_mask(doc_ids: Optional[Tensor], backend: str, seq_len: Optional[int] = None,
-                           device: Optional[DeviceLike] = None, window: int = 0,
-                           block: int = 128) -> Optional[AttentionMask]:
+                           device: Optional[DeviceLike] = None, window: int = 0, block: int = 128,
+                           check: bool = True) -> Optional[AttentionMask]:
     """The document mask for one step, to pass as `mask=` to every layer's `core_attention`.
 
     doc_ids: (B, S) ints, non-decreasing per row, or None (plain causal: returns None). seq_len, when
     given, is checked against S; device, when given, is where the mask lives (default: doc_ids'); block:
     FlexAttention's block-mask block size. The form that `backend` (the run's concrete backend) uses with
-    the layers' sliding `window` is built now; any other on first use."""
+    the layers' sliding `window` is built now; any other on first use. `check`: refuse doc ids that decrease
+    (reading the answer back to the host); the model's forward leaves it to the loader, whose ids are
+    cumulative sums, so that a training step does not wait for it."""
     if doc_ids is None:
         return None
     if doc_ids.dim() != 2 or doc_ids.dtype.is_floating_point or doc_ids.dtype == torch.bool:
@@ -254,7 +256,7 @@ def prepare_attention_mask(doc_ids: Optional[Tensor], backend: str, seq_len: Opt
         raise ValueError(f"doc_ids cover {doc_ids.shape[1]} positions but the sequence has {seq_len}")
     if device is not None:
         doc_ids = doc_ids.to(device)
-    if doc_ids.shape[1] > 1 and bool((doc_ids[:, 1:] < doc_ids[:, :-1]).any()):
+    if check and doc_ids.shape[1] > 1 and bool((doc_ids[:, 1:] < doc_ids[:, :-1]).any()):
         raise ValueError("doc_ids must be non-decreasing along each row (one id per packed document)")
     return AttentionMask(doc_ids, block).build_for(backend, window)
 

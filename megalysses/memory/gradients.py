@@ -55,7 +55,7 @@ def reverse_parameter_sizes(m: ModelConfig, layout: Layout, last: bool) -> list[
 
 def waiting_for_bucket(m: ModelConfig, layout: Layout, opts: Options, last: bool, ready: float) -> float:
     """Of the first `ready` gradient elements of the backward (reverse_parameter_sizes), those in a bucket that
-    is not complete yet (ShardedAdamW._make_buckets: a bucket closes once it holds
+    is not complete yet (GradientReducer._make_buckets: a bucket closes once it holds
     parallel.grad_bucket_elements, so a parameter larger than that is a bucket of its own)."""
     limit, closed, filling, total = max(opts.bucket_bytes / 4, 1), 0.0, 0.0, 0.0
     for numel in reverse_parameter_sizes(m, layout, last):

@@ -9,9 +9,9 @@ pipeline parallelism work as without FSDP: the gathered weights are this rank's 
 
 Gradients are SUMMED over the grad group (the loss is already divided by the global token count),
 reduced in fp32; on GPU the weights are gathered in the compute dtype (bf16) while the sharded fp32
-parameters are the master weights. FSDPAdamW mirrors ShardedAdamW (global-norm clipping with every
-element counted once, tied-embedding sync across pipeline stages, AdamW on the local chunks), and
-checkpoints describe the same chunks with the same names, so runs move freely between FSDP and ZeRO-1.
+parameters are the master weights. FSDPAdamW has ShardedAdamW's shape (parallel/optimizer.py: global-norm
+clipping with every element counted once, tied-embedding sync across pipeline stages, AdamW on the local
+chunks), and checkpoints describe the same chunks with the same names, so runs move freely between FSDP and ZeRO-1.
 
 With training.param_offload every unit takes FSDP2's CPUOffloadPolicy: the sharded fp32 parameters (the
 masters), their gradients and AdamW's moments live in host memory (pinned on CUDA) and the update runs on
@@ -31,24 +31,13 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from megalysses import comm
-from megalysses.comm import Group
 from megalysses.config import ConfigError
+from megalysses.parallel.optimizer import AdamWBase, AdamWSettings, adam_state
 
 try:  # public since torch 2.6
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 except ImportError:  # pragma: no cover - depends on the installed torch
     fully_shard = None
-
-
-def adam_state(optimizer: torch.optim.Optimizer, p: Tensor) -> dict:
-    """p's AdamW state (foreach, not fused), created as torch's AdamW creates it on a first step when it
-    does not exist yet: a float32 step count on the host and zero moments like p. A checkpoint load can
-    then fill it, and no torch version's default-device tensor creation reaches the step."""
-    st = optimizer.state[p]
-    if not st:
-        st.update(step=torch.zeros((), dtype=torch.float32, device="cpu"), exp_avg=torch.zeros_like(p),
-                  exp_avg_sq=torch.zeros_like(p))
-    return st
 
 
 def shard_model(model: nn.Module, grad_mesh: DeviceMesh, compute_dtype: torch.dtype, grad_dtype: torch.dtype,
@@ -96,50 +85,34 @@ def _local(t: Tensor) -> Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-class FSDPAdamW:
+class FSDPAdamW(AdamWBase):
     """AdamW over the FSDP-sharded parameters; same interface and checkpoint layout as ShardedAdamW."""
 
-    def __init__(self, model: nn.Module, *, lr: float, betas: tuple[float, float], eps: float,
-                 weight_decay: float, tp_rank: int = 0, embed_group: Group = None,
-                 tied_head_copy: bool = False, device: Optional[torch.device] = None) -> None:
+    def __init__(self, model: nn.Module, settings: AdamWSettings, device: Optional[torch.device] = None) -> None:
         """`device`: where the collectives run (the compute device), when the shards live in host memory."""
         self.named = list(model.named_parameters())
         self.device = device or _local(self.named[0][1]).device
-        self.embed_group = embed_group
-        self.tied_embed = [p for n, p in self.named if n == "embed.weight"] if embed_group is not None else []
-        self.counts = {n: not (getattr(p, "tp_dim", None) is None and tp_rank != 0)
-                       and not (tied_head_copy and n == "embed.weight") for n, p in self.named}
-        decay = [p for _, p in self.named if p.dim() >= 2]
-        no_decay = [p for _, p in self.named if p.dim() < 2]
-        groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=True)
-
-    def set_lr(self, lr: float) -> None:
-        for g in self.optimizer.param_groups:
-            g["lr"] = lr
-
-    def begin_step(self, backward_passes: int) -> None:
-        """Nothing to prepare: FSDP reduce-scatters each unit's gradients during the backward already."""
+        self.embed_group = settings.embed_group
+        self.tied_embed = [p for n, p in self.named if n == "embed.weight"] if self.embed_group is not None else []
+        self.counts = {n: settings.counts_in_norm(n, p) for n, p in self.named}
+        super().__init__([p for _, p in self.named if p.dim() >= 2], [p for _, p in self.named if p.dim() < 2],
+                         settings, _local(self.named[0][1]).device)
 
     def zero_grad(self) -> None:
         for _, p in self.named:
             p.grad = None
 
-    @torch.no_grad()
-    def grad_norm(self) -> Tensor:
-        """The true global L2 norm: local chunks summed over every rank, each element once."""
-        local = torch.zeros((), dtype=torch.float32, device=_local(self.named[0][1]).device)
-        for n, p in self.named:
-            if p.grad is not None and self.counts[n]:
-                local += _local(p.grad).float().pow(2).sum()
-        local = local.to(self.device)                 # offload: the host's sum, reduced on the device
-        comm.all_reduce_(local, comm.world())
-        return local.sqrt()
+    def checkpoint_slots(self) -> Iterator[tuple[str, nn.Parameter, Optional[dict[str, Tensor]]]]:
+        """(name, parameter, {master, exp_avg, exp_avg_sq} as this rank's dim-0 chunks)."""
+        for name, p in self.named:
+            st = adam_state(self.optimizer, p)
+            yield name, p, {"master": _local(p.data), "exp_avg": _local(st["exp_avg"]),
+                            "exp_avg_sq": _local(st["exp_avg_sq"])}
 
-    @torch.no_grad()
-    def step(self, max_norm: float = 0.0) -> float:
-        """Sync tied embeddings, clip, update. Returns the gradient norm before clipping; a non-finite
-        norm leaves weights and state untouched."""
+    # ------------------------------------------------------------------ AdamWBase's hooks
+    def _prepare(self) -> None:
+        """FSDP reduce-scattered each unit's gradients during the backward; the tied embedding's two copies
+        are summed here."""
         for _, p in self.named:         # a parameter that got no gradient steps like one with a zero gradient
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -149,28 +122,13 @@ class FSDPAdamW:
             comm.all_reduce_(summed, self.embed_group)
             if summed is not grad:
                 grad.copy_(summed)
-        norm = self.grad_norm()
-        if not torch.isfinite(norm):   # the same on every rank: drop the gradients, change nothing
-            self.zero_grad()
-            return norm.item()
-        if max_norm > 0:
-            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0).to(_local(self.named[0][1]).device)
-            for _, p in self.named:
-                _local(p.grad).mul_(coef)
-        for _, p in self.named:
-            adam_state(self.optimizer, p)
-        self.optimizer.step()
-        self.zero_grad()
-        return norm.item()
 
-    def set_step(self, step: int) -> None:
-        for state in self.optimizer.state.values():
-            if "step" in state:
-                state["step"].fill_(float(step))
+    def _local_norm_sq(self) -> Tensor:
+        local = torch.zeros((), dtype=torch.float32, device=_local(self.named[0][1]).device)
+        for n, p in self.named:
+            if p.grad is not None and self.counts[n]:
+                local += _local(p.grad).float().pow(2).sum()
+        return local.to(self.device)                  # offload: the host's sum, reduced on the device
 
-    def checkpoint_slots(self) -> Iterator[tuple[str, nn.Parameter, Optional[dict[str, Tensor]]]]:
-        """(name, parameter, {master, exp_avg, exp_avg_sq} as this rank's dim-0 chunks)."""
-        for name, p in self.named:
-            st = adam_state(self.optimizer, p)
-            yield name, p, {"master": _local(p.data), "exp_avg": _local(st["exp_avg"]),
-                            "exp_avg_sq": _local(st["exp_avg_sq"])}
+    def _update_grads(self) -> list[Tensor]:
+        return [_local(p.grad) for _, p in self.named]

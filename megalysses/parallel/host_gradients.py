@@ -89,7 +89,7 @@ class HostGradients:
         """Wait for every copy and make every pending addition: the host buffers hold the step's sums."""
         if self.stream is None:
             return
-        self.stream.synchronize()
+        accelerator.synchronize(self.stream, "offload")
         while self._pending:
             self._add(self._pending.pop(0))
 
@@ -97,13 +97,13 @@ class HostGradients:
         """Forget what is in flight (a skipped step): wait for the copies, add nothing."""
         if self.stream is None:
             return
-        self.stream.synchronize()
+        accelerator.synchronize(self.stream, "offload")
         self._pending = []
 
     # ------------------------------------------------------------------ helpers
     def _add(self, entry: tuple[Any, Tensor, list]) -> None:
         done, stage, targets = entry
-        done.synchronize()
+        accelerator.synchronize(done, "offload")
         for host, at, stage_at, n in targets:
             host.view(-1)[at:at + n].add_(stage[stage_at:stage_at + n])    # fp32 += the piece, promoted exactly
 

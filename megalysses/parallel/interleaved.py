@@ -97,9 +97,10 @@ def slot_schedule(P: int, v: int, M: int, forward_only: bool = False) -> list[li
     return slots
 
 
-def run_interleaved(model: VirtualStages, microbatches: list[Batch], scale: float, *, pp_rank: int, pp_size: int,
-                    rank_of_stage: Callable[[int], int], hidden_shape: tuple[int, ...], device: torch.device,
-                    dtype: torch.dtype, forward_only: bool = False, scores: Optional[list] = None) -> Tensor:
+def run_interleaved(model: VirtualStages, microbatches: list[Batch], scale: float | Tensor, *, pp_rank: int,
+                    pp_size: int, rank_of_stage: Callable[[int], int], hidden_shape: tuple[int, ...],
+                    device: torch.device, dtype: torch.dtype, forward_only: bool = False,
+                    scores: Optional[list] = None) -> Tensor:
     """One step (or, forward_only, one validation pass) on this rank. Returns the summed scaled loss
     (non-zero only on the rank holding the last virtual stage). With `scores` (a list; forward_only), that rank
     appends each micro-batch's per-token (losses, greedy hits) to it instead, in micro-batch order."""

@@ -159,7 +159,7 @@ class ActivationOffload:
         # a new shape: a longer sequence (a curriculum's next stage), whose predecessors do not come back
         for old in (buf for bufs in self._free.values() for buf in bufs):
             if old.free_after is not None:
-                old.free_after.synchronize()         # its last copy back to the device has read it
+                accelerator.synchronize(old.free_after, "offload")   # its last copy back to the device has read it
             self.pinned.release(old.tensor)
         self._free = {key: []}
         buf = self.pinned.empty(tuple(x.shape), x.dtype)

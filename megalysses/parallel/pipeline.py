@@ -19,7 +19,7 @@ from megalysses.comm import send_recv
 Batch = dict[str, Tensor]
 
 
-def stage_forward(stage: torch.nn.Module, mb: Batch, x: Optional[Tensor], scale: float,
+def stage_forward(stage: torch.nn.Module, mb: Batch, x: Optional[Tensor], scale: float | Tensor,
                   scores: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """The scaled loss (fp32) on the last stage (with `scores`, each token's loss and greedy hit instead:
     GPTStage.forward); elsewhere the hidden states, in the compute dtype (the dtype of the pipeline buffers)."""
@@ -29,7 +29,7 @@ def stage_forward(stage: torch.nn.Module, mb: Batch, x: Optional[Tensor], scale:
     return out * scale if stage.last and not scores else out
 
 
-def forward_backward_local(stage: torch.nn.Module, microbatches: list[Batch], scale: float) -> Tensor:
+def forward_backward_local(stage: torch.nn.Module, microbatches: list[Batch], scale: float | Tensor) -> Tensor:
     """pp=1: forward + backward of each micro-batch, gradients accumulate. Returns the summed scaled loss
     (on the batch's device: no host synchronisation between micro-batches)."""
     total = torch.zeros((), dtype=torch.float32, device=microbatches[0]["labels"].device)
@@ -53,7 +53,7 @@ def stage_backward(out: Tensor, grad: Optional[Tensor]) -> None:
         Variable._execution_engine.run_backward((out,), (grad,), False, False, (), True, True)
 
 
-def forward_backward_1f1b(stage: torch.nn.Module, microbatches: list[Batch], scale: float, *, pp_rank: int,
+def forward_backward_1f1b(stage: torch.nn.Module, microbatches: list[Batch], scale: float | Tensor, *, pp_rank: int,
                           pp_size: int, rank_of_stage: Callable[[int], int], hidden_shape: tuple[int, ...],
                           dtype: torch.dtype, device: torch.device) -> Tensor:
     """One step of 1F1B on this stage. Returns the summed scaled loss (non-zero on the last stage only)."""

@@ -43,7 +43,9 @@ def prepare_sequence_mask(doc_ids: Optional[Tensor], backend: str, ulysses_group
     block size (the run plan's ActivationPolicy.mask_block)."""
     ring = comm.group_size(ring_group)
     if ring == 1:
-        return prepare_attention_mask(doc_ids, backend, window=window, block=block) if doc_ids is not None else None
+        # the loader's doc ids (cumulative sums) are non-decreasing: not checked, which would wait for the device
+        return (prepare_attention_mask(doc_ids, backend, window=window, block=block, check=False)
+                if doc_ids is not None else None)
     seq_len = local_len * comm.group_size(ulysses_group) * ring
     return RingMask(doc_ids, comm.group_rank(ring_group), ring, seq_len, block=block)
 

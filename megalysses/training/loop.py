@@ -1,9 +1,13 @@
 """The training loop: build, resume, step, validate, checkpoint, stop cleanly.
 
 Stops at training.train_steps, at training.max_wall_minutes (with a checkpoint), or on SIGTERM /
-SIGUSR1 (preemption: checkpoint, then exit 0). Every rank agrees on stopping through one small
-all-reduce per step, so no rank is left waiting in a collective. With a watchdog, the loop tells it
-what it is doing, so that a stuck rank is named with its phase.
+SIGUSR1 (preemption: checkpoint, then exit 0). An ordinary step reads nothing back to the host; a logging
+step (every logging.log_interval steps, and the last) reads its figures back once: the loss, token count and
+gradient norm, the steps since the last one whose loss or norm was not finite (skipped, or with
+training.nan_policy=abort the run stopped naming the first), and the stop flags, which every rank agrees on
+through one small all-reduce there, so no rank is left waiting in a collective. A signal or the wall-clock
+limit therefore stops the run at the next logging step. A save reads the figures back too (counted apart).
+With a watchdog, the loop tells it what it is doing, so that a stuck rank is named with its phase.
 """
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ from typing import Callable, Optional
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from megalysses import comm
+from megalysses import accelerator
 from megalysses.checkpoint.background import BackgroundSaver
 from megalysses.checkpoint.dcp_io import load_checkpoint, save_checkpoint
 from megalysses.checkpoint.initial import is_weights_only, load_initial_weights
@@ -42,8 +46,9 @@ from megalysses.plan.search import check_host_memory, check_phase_time
 from megalysses.training.data import TrainingData
 from megalysses.parallel.fsdp import FSDPAdamW, shard_model
 from megalysses.training.long_eval import TrainingLongEval, scalars
-from megalysses.training.metrics import MetricsLogger
-from megalysses.parallel.zero import Optimizer, ShardedAdamW
+from megalysses.training.metrics import MetricsLogger, ReadBack, StepTally
+from megalysses.parallel.optimizer import AdamWSettings, Optimizer
+from megalysses.parallel.zero import ReduceSettings, ShardedAdamW
 from megalysses.training.profiler import StepProfiler
 from megalysses.training.rundir import check_writable, mark_start
 from megalysses.training.runtime import (check_built, flex_compile_budget, model_config, resolve_run, startup_line,
@@ -103,14 +108,14 @@ def build_optimizer(cfg: Config, model: GPTStage, grid: ParallelGrid, run: RunPl
     o = cfg.optimizer
     # the two copies of a tied embedding (first and last stage) sum their gradients; a middle stage has neither
     tied_across_stages = cfg.model.tie_embeddings and grid.pp_size > 1 and (grid.is_first_stage or grid.is_last_stage)
-    common = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, tp_rank=grid.tp_rank,
-                  embed_group=grid.embed_group if tied_across_stages else None,
-                  tied_head_copy=tied_across_stages and not grid.is_first_stage)
+    settings = AdamWSettings(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
+                             tp_rank=grid.tp_rank, embed_group=grid.embed_group if tied_across_stages else None,
+                             tied_head_copy=tied_across_stages and not grid.is_first_stage)
     if run.fsdp:
-        return FSDPAdamW(model, **common, device=device)
-    return ShardedAdamW(model.named_parameters(), grid.grad_group, **common,
-                        bucket_elements=cfg.parallel.grad_bucket_elements, overlap=cfg.parallel.overlap_grad_reduce,
-                        offload=run.optimizer == "zero1-host", pinned=pinned, grad_dtype=getattr(torch, run.grad_dtype))
+        return FSDPAdamW(model, settings, device=device)
+    reduce = ReduceSettings(bucket_elements=cfg.parallel.grad_bucket_elements, overlap=cfg.parallel.overlap_grad_reduce,
+                            offload=run.optimizer == "zero1-host", grad_dtype=getattr(torch, run.grad_dtype))
+    return ShardedAdamW(model.named_parameters(), grid.grad_group, settings, reduce, pinned)
 
 
 def build_model_and_optimizer(cfg: Config, grid: ParallelGrid, device: torch.device, run: RunPlan,
@@ -295,6 +300,7 @@ class TrainingLoop:
         profiler = StepProfiler(cfg.profile, self.grid.rank, run_dir, self.device, watchdog)
         flags = signals or StopSignals()
         start = time.monotonic()
+        self.tally, self.read_at, self.wall = StepTally(self.device), p.step, (flags, start)
         stopped_by = "train_steps"
         batches = self.data.train_batches(p.consumed)
         first_step, saved_at, first_updates = p.step, p.step, p.updates
@@ -319,24 +325,27 @@ class TrainingLoop:
                                         grad_clip=cfg.optimizer.grad_clip, dtype=self.run.torch_dtype,
                                         nan_policy=cfg.training.nan_policy)
                 p.step += 1
-                p.updates += not result.skipped
                 p.consumed += samples
-                p.loss = result.loss if math.isfinite(result.loss) else p.loss   # the last finite loss
+                self.tally.add(result.figures, p.step)
+                back = self._read_back() if self.logger.due(p.step) else None
                 # throughput counts every token processed (masked labels included), as the FLOPs do
-                self.logger.step(p.step, result.loss, lr, result.grad_norm, samples * cfg.data.seq_len, seq_len,
-                                 tokens_seen=p.consumed * cfg.data.seq_len)
+                self.logger.step(p.step, back and back.loss, lr, back and back.grad_norm, samples * cfg.data.seq_len,
+                                 seq_len, tokens_seen=p.consumed * cfg.data.seq_len)
                 if self._after_step():
                     saved_at = p.step
-                stopped_by = self._stop(flags, start)
+                stopped_by = self._stop(back)
                 if stopped_by != "train_steps":
                     break
+            self._settle("save")
             if p.updates == first_updates and p.step > first_step and stopped_by != "signal":
                 raise NonFiniteLossError(f"every step of this run (steps {first_step + 1} to {p.step}) was skipped: "
                                          f"the loss or the gradient norm was never finite, so nothing was learned; "
                                          f"lower optimizer.lr or check the data")
             if p.step > first_step and saved_at != p.step:
-                self.save()
-            self.finish_saves()
+                with accelerator.host_wait("save"):
+                    self.save()
+            with accelerator.host_wait("save"):
+                self.finish_saves()
             if stopped_by != "train_steps":
                 print0(f"stopped at step {p.step} ({stopped_by}); checkpoint saved to {self.ckpt_dir}")
         finally:
@@ -352,29 +361,58 @@ class TrainingLoop:
         whether a checkpoint was saved."""
         cfg, step = self.cfg, self.progress.step
         t0 = time.perf_counter()
-        if cfg.training.eval_interval and step % cfg.training.eval_interval == 0:
-            self.doing(f"validating at step {step}")
-            self.logger.eval(step, evaluate(self.model, self.data.valid_batches(), self.grid, self.run.torch_dtype))
-        if self.long_eval is not None and self.long_eval.due(step):
-            self.logger.long_eval(step, scalars(self.long_eval(self.model, step, self.doing)))
+        with accelerator.host_wait("evaluation"):
+            if cfg.training.eval_interval and step % cfg.training.eval_interval == 0:
+                self.doing(f"validating at step {step}")
+                self.logger.eval(step, evaluate(self.model, self.data.valid_batches(), self.grid, self.run.torch_dtype))
+            if self.long_eval is not None and self.long_eval.due(step):
+                self.logger.long_eval(step, scalars(self.long_eval(self.model, step, self.doing)))
         saved = bool(cfg.checkpoint.save_interval) and step % cfg.checkpoint.save_interval == 0
         if saved:
-            self.save()
+            self._settle("save")            # the checkpoint's loss and optimizer steps
+            with accelerator.host_wait("save"):
+                self.save()
         self.logger.exclude(time.perf_counter() - t0)   # tokens/s measures training steps only
         return saved
 
-    def _stop(self, flags: StopSignals, start: float) -> str:
-        """Why the loop stops after this step ("train_steps": it goes on, or has trained them all), agreed by
-        every rank through one small all-reduce."""
+    def _read_back(self) -> ReadBack:
+        """The one read-back of a logging step (StepTally.read), with this rank's stop flags: the run's progress
+        (optimizer updates, the last finite loss) brought up to date, AdamW's step count set right where steps
+        were skipped, and a step whose loss or gradient norm was not finite reported (training.nan_policy=abort)."""
+        t, p = self.cfg.training, self.progress
+        flags, start = self.wall
+        over_time = t.max_wall_minutes > 0 and time.monotonic() - start > 60 * t.max_wall_minutes
+        self.doing(f"waiting for every rank to finish step {p.step}")
+        back = self.tally.read((flags.signalled, over_time))
+        p.updates += p.step - self.read_at - back.not_finite
+        self.read_at = p.step
+        p.loss = back.last_finite_loss if math.isfinite(back.last_finite_loss) else p.loss   # the last finite loss
+        skipped = self.logger.extra.get("skipped_steps", 0) + back.not_finite      # since the last logged step
+        self.logger.note(skipped_steps=skipped, updates=p.updates)
+        if back.not_finite and t.nan_policy == "abort":
+            raise NonFiniteLossError(f"the loss or the gradient norm was not finite at step {back.first_not_finite} "
+                                     f"(found at step {p.step}; loss now {back.loss:.4f}, gradient norm "
+                                     f"{back.grad_norm:.4f}): aborting (set training.nan_policy=skip to skip such "
+                                     f"steps)")
+        if back.not_finite:
+            self.opt.set_step(p.updates)          # AdamW counted the skipped steps until now
+        return back
+
+    def _settle(self, reason: str) -> None:
+        """Read the steps back now (for `reason`: a save needs the run's progress) unless this step did."""
+        if self.read_at != self.progress.step:
+            with accelerator.host_wait(reason):
+                self._read_back()
+
+    def _stop(self, back: Optional[ReadBack]) -> str:
+        """Why the loop stops after this step ("train_steps": it goes on, or has trained them all): a signal or
+        training.max_wall_minutes as every rank agreed in this step's read-back (logging steps only),
+        training.exit_at_step or exit_interval."""
         t, step = self.cfg.training, self.progress.step
-        wall_limit = 60 * t.max_wall_minutes
-        over_time = wall_limit > 0 and time.monotonic() - start > wall_limit
-        stop = torch.tensor([float(flags.signalled), float(over_time)], device=self.device)
-        self.doing(f"waiting for every rank to finish step {step}")
-        comm.all_reduce_(stop, comm.world(), op="max")
+        signal, over_time = back.stop if back is not None else (False, False)
         interval = t.exit_interval and step % t.exit_interval == 0
-        if (stop.any() or step == t.exit_at_step or interval) and step < t.train_steps:
-            return ("signal" if stop[0] else "max_wall_minutes" if stop[1] else
+        if (signal or over_time or step == t.exit_at_step or interval) and step < t.train_steps:
+            return ("signal" if signal else "max_wall_minutes" if over_time else
                     "exit_at_step" if step == t.exit_at_step else "exit_interval")
         return "train_steps"
 

@@ -1,14 +1,19 @@
 """Throughput accounting (tokens/s, MFU by megalysses.plan.flops), the rank-0 log line, metrics.jsonl,
-optional wandb and TensorBoard."""
+optional wandb and TensorBoard; the steps' figures kept on the device between logging steps (StepTally) and
+read back once on each."""
 from __future__ import annotations
 
 import json
+import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import torch
+from torch import Tensor
 
+from megalysses import accelerator, comm
 from megalysses.config import Config
 from megalysses.distributed import is_rank0, print0
 from megalysses.plan.flops import flops_per_token, peak_tflops
@@ -17,6 +22,54 @@ def peak_for(configured: float, device: torch.device, dtype: torch.dtype) -> Opt
     """The peak MFU is measured against on `device` (plan.flops.peak_tflops with the device's GPU name)."""
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     return peak_tflops(configured, gpu, str(dtype).removeprefix("torch."))
+
+
+@dataclass
+class ReadBack:
+    """What a logging step reads back: the step's loss, token count and gradient norm, the steps since the
+    previous read-back whose loss or norm was not finite (the first of them), the last finite loss among
+    them (NaN if none), and the stop flags every rank agreed on (a signal, training.max_wall_minutes)."""
+
+    loss: float
+    tokens: float
+    grad_norm: float
+    not_finite: int
+    first_not_finite: int
+    last_finite_loss: float
+    stop: tuple[bool, ...]
+
+
+class StepTally:
+    """The steps' figures on the device between two read-backs. `add` takes a step's (training/step.py
+    StepResult.figures) without a host synchronisation; `read` all-reduces this rank's stop flags over every
+    rank and reads everything back in one copy, the logging step's one synchronisation."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.figures = torch.full((4,), math.nan, dtype=torch.float64, device=device)
+        self._clear()
+
+    def _clear(self) -> None:
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.not_finite, self.first, self.last_finite = zero, zero.clone(), torch.full_like(zero, math.nan)
+
+    def add(self, figures: Tensor, step: int) -> None:
+        """Step `step`'s figures: [loss, tokens, gradient norm, not finite]."""
+        bad = figures[3]
+        self.first = torch.where((bad > 0) & (self.first == 0), float(step), self.first)
+        self.not_finite = self.not_finite + bad
+        self.last_finite = torch.where(torch.isfinite(figures[0]), figures[0], self.last_finite)
+        self.figures = figures
+
+    def read(self, flags: tuple[bool, ...]) -> ReadBack:
+        """Agree on the stop `flags` (any rank's) and read the tally back; it starts again from nothing."""
+        stop = torch.stack([torch.full((), float(f), dtype=torch.float64, device=self.device) for f in flags])
+        comm.all_reduce_(stop, comm.world(), op="max")
+        tally = torch.stack([self.not_finite, self.first, self.last_finite])
+        values = accelerator.read_back(torch.cat([self.figures, tally, stop]))
+        self._clear()
+        loss, tokens, norm, _, bad, first, last = values[:7]
+        return ReadBack(loss, tokens, norm, int(bad), int(first), last, tuple(v > 0 for v in values[7:]))
 
 
 class MetricsLogger:
@@ -32,6 +85,7 @@ class MetricsLogger:
         self.wandb = self.tensorboard = None
         self.tokens_seen: Optional[int] = None
         self.t_last, self.tokens_since, self.flops_since, self.steps_since = time.perf_counter(), 0, 0.0, 0
+        self.extra: dict[str, float] = {}
         if is_rank0():
             run_dir.mkdir(parents=True, exist_ok=True)
             if cfg.logging.wandb_mode != "disabled":
@@ -44,15 +98,24 @@ class MetricsLogger:
 
                 self.tensorboard = SummaryWriter(log_dir=cfg.logging.tensorboard_dir or str(run_dir / "tensorboard"))
 
-    def step(self, step: int, loss: float, lr: float, grad_norm: float, tokens: int, seq_len: int,
-             force: bool = False, tokens_seen: Optional[int] = None) -> None:
-        """Account one optimizer step of `tokens` tokens in sequences of `seq_len`; log every log_interval.
+    def due(self, step: int) -> bool:
+        """Whether step `step` is a logging step: every logging.log_interval steps, and the last."""
+        return step % self.cfg.logging.log_interval == 0 or step == self.total
+
+    def note(self, **scalars: float) -> None:
+        """Scalars to log with the next logged step (skipped steps, optimizer updates)."""
+        self.extra.update(scalars)
+
+    def step(self, step: int, loss: Optional[float], lr: float, grad_norm: Optional[float], tokens: int,
+             seq_len: int, force: bool = False, tokens_seen: Optional[int] = None) -> None:
+        """Account one optimizer step of `tokens` tokens in sequences of `seq_len`; log every log_interval
+        (`loss` and `grad_norm` are read back on those steps only: None on the others).
         `tokens_seen`: the tokens trained on by the end of this step, since step 1."""
         self.tokens_since += tokens
         self.tokens_seen = tokens_seen
         self.flops_since += tokens * flops_per_token(self.cfg.model, seq_len)
         self.steps_since += 1
-        if not (force or step % self.cfg.logging.log_interval == 0 or step == self.total):
+        if not (force or self.due(step)):
             return
         now = time.perf_counter()
         dt = max(now - self.t_last, 1e-9)
@@ -62,7 +125,8 @@ class MetricsLogger:
                "loss": loss, "lr": lr, "grad_norm": grad_norm,
                "tokens_per_s": tok_s, "tokens_per_s_per_device": tok_s / self.world, "tflops_per_device": tflops,
                "mfu": tflops / self.peak if self.peak else None, "step_time_s": dt / self.steps_since,
-               "peak_mem_gib": _peak_mem(self.device)}
+               "peak_mem_gib": _peak_mem(self.device), **self.extra}
+        self.extra = {}
         eta = (self.total - step) * dt / self.steps_since
         self.t_last, self.tokens_since, self.flops_since, self.steps_since = now, 0, 0.0, 0
         self._emit(rec)

@@ -4,6 +4,10 @@ The loss is the sum of token losses over the global batch divided by the GLOBAL 
 tokens (labels != -100), counted over the grad (dp x sp) group before the forward; the number that
 is returned (and logged) is that same number. With loss weights (data.loss_average: document) it is the
 weighted sum divided by the global sum of the weights: the mean over documents of their mean token loss.
+
+A training step reads nothing back to the host: the token count, the loss scale, the loss, the gradient norm,
+the clipping and a non-finite step's skip stay on the device, in StepResult's one tensor, which the loop reads
+on its logging steps (training/loop.py). An evaluation reads its loss back.
 """
 from __future__ import annotations
 
@@ -18,14 +22,28 @@ from megalysses.grid import ParallelGrid
 from megalysses.parallel.interleaved import VirtualStages, run_interleaved
 from megalysses.parallel.pipeline import Batch, forward_backward_1f1b, forward_backward_local, forward_only
 from megalysses.parallel.fsdp import reshard
-from megalysses.parallel.zero import Optimizer
+from megalysses.parallel.optimizer import Optimizer
 
 
 @dataclass
 class StepResult:
-    loss: float
-    grad_norm: float
-    skipped: bool = False
+    """One step's figures, left on the device: [loss, token count, gradient norm, not finite] (float64; the
+    norm is NaN when the loss is not finite, "not finite" 1.0 when the loss or the norm is not, a step that
+    updated nothing with training.nan_policy=skip). The properties read one back (a host synchronisation)."""
+
+    figures: Tensor
+
+    @property
+    def loss(self) -> float:
+        return float(self.figures[0])
+
+    @property
+    def grad_norm(self) -> float:
+        return float(self.figures[2])
+
+    @property
+    def skipped(self) -> bool:
+        return bool(self.figures[3])
 
 
 class NonFiniteLossError(RuntimeError):
@@ -47,14 +65,15 @@ def global_token_count(microbatches: list[Batch], grid: ParallelGrid) -> Tensor:
     return count
 
 
-def _global_loss(total: Tensor, grid: ParallelGrid, device: torch.device) -> float:
-    """Sum the scaled per-rank losses over grad, then share the last stage's value along the pipeline."""
+def _global_loss(total: Tensor, grid: ParallelGrid, device: torch.device) -> Tensor:
+    """Sum the scaled per-rank losses over grad, then share the last stage's value along the pipeline (float64,
+    on the device)."""
     t = total.to(device=device, dtype=torch.float64)
     if grid.grad_group is not None:
         comm.all_reduce_(t, grid.grad_group)
     if grid.pp_group is not None:
         comm.all_reduce_(t, grid.pp_group)   # only the last stage contributes
-    return t.item()
+    return t
 
 
 def _hidden_shape(model: torch.nn.Module, mb: Batch, grid: ParallelGrid) -> tuple[int, int, int]:
@@ -65,9 +84,12 @@ def _hidden_shape(model: torch.nn.Module, mb: Batch, grid: ParallelGrid) -> tupl
 
 def train_step(model: torch.nn.Module, opt: Optimizer, microbatches: list[Batch], grid: ParallelGrid, *,
                lr: float, grad_clip: float, dtype: torch.dtype, nan_policy: str = "abort") -> StepResult:
+    """One optimizer step over `microbatches`, nothing read back to the host. A non-finite loss or gradient norm
+    updates nothing (decided on the device) unless `nan_policy` is "abort": then the loop stops at its next
+    read-back, before anything is saved."""
     device = microbatches[0]["labels"].device
     count = global_token_count(microbatches, grid)
-    scale = 1.0 / max(count.item(), 1.0)
+    scale = count.clamp(min=1.0).reciprocal().float()      # what 1.0 / max(count, 1) rounds to in fp32
     model.train()
     opt.begin_step(len(microbatches))
     if grid.pp_size == 1:
@@ -82,19 +104,12 @@ def train_step(model: torch.nn.Module, opt: Optimizer, microbatches: list[Batch]
             rank_of_stage=grid.stage_rank, device=device, dtype=dtype,
             hidden_shape=_hidden_shape(model, microbatches[0], grid))
     loss = _global_loss(total, grid, device)
-    if not math.isfinite(loss):
-        opt.zero_grad()
-        if nan_policy == "abort":
-            raise NonFiniteLossError(f"loss is {loss}: aborting (set training.nan_policy=skip to skip such steps)")
-        return StepResult(loss, float("nan"), skipped=True)
+    finite = torch.isfinite(loss)
     opt.set_lr(lr)
-    norm = opt.step(grad_clip)              # a non-finite gradient norm updates nothing
-    if not math.isfinite(norm):
-        if nan_policy == "abort":
-            raise NonFiniteLossError(f"gradient norm is {norm} (loss {loss:.4f}): aborting "
-                                     f"(set training.nan_policy=skip to skip such steps)")
-        return StepResult(loss, norm, skipped=True)
-    return StepResult(loss, norm)
+    norm = opt.step(grad_clip, finite, guard=nan_policy != "abort")   # not finite: nothing updated
+    norm = torch.where(finite, norm.to(torch.float64), math.nan)
+    bad = ~(finite & torch.isfinite(norm))
+    return StepResult(torch.stack([loss, count, norm, bad.to(torch.float64)]))
 
 
 @torch.no_grad()
@@ -114,4 +129,4 @@ def evaluate(model: torch.nn.Module, microbatches: list[Batch], grid: ParallelGr
                              dtype=dtype, device=device)
     reshard(model)
     model.train()
-    return _global_loss(total, grid, device)
+    return _global_loss(total, grid, device).item()

@@ -1,0 +1,195 @@
+"""Host synchronisations (megalysses.measure.count_host_syncs): an ordinary training step makes none, a logging
+step exactly one (its figures read back once), at one process and at two ranks with ZeRO-1, FSDP2 and a pipeline;
+a save's are counted apart."""
+import pytest
+import torch
+
+from fixtures import TINY
+from megalysses import accelerator
+from megalysses.measure import adam_step_counts, count_host_syncs
+from megalysses.testing import run_distributed
+
+STEPS = 4
+LOOP = TINY + [f"training.train_steps={STEPS}", "logging.log_interval=2", "parallel.timeout_seconds=60"]
+
+
+class _Waitable:
+    def synchronize(self) -> None:
+        pass
+
+
+def test_the_counter_sees_reads_and_waits():
+    t, held = torch.arange(3.0), torch.zeros(())
+    with count_host_syncs(lambda: [held]) as syncs:
+        t.sum().item()
+        bool(t.any())
+        float(t[0])                       # three scalar reads
+        held.item()                       # a tensor in host memory: no synchronisation
+        t.add(1)                          # no read
+        accelerator.read_back(t * 2)      # one read back, its own copy not counted again
+        with accelerator.host_wait("save"):
+            t[1].item()
+            accelerator.synchronize(_Waitable())
+        accelerator.synchronize(_Waitable(), "offload")
+    assert syncs.step == 4, syncs.seen
+    assert syncs.apart() == {"save": 2, "offload": 1}, syncs.seen
+    with count_host_syncs() as none:
+        held.item()
+    assert none.step == 1
+
+
+@pytest.mark.gpu
+def test_the_counter_sees_copies_to_the_host():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    t = torch.ones(4, device="cuda")
+    with count_host_syncs() as syncs:
+        t.cpu()
+        torch.empty(4).copy_(t)
+        t.to("cpu", non_blocking=True)    # not waited for
+        t.sum().item()
+    assert syncs.step == 3, syncs.seen
+
+
+@pytest.fixture
+def world_of_one(tmp_path):
+    """A one-rank gloo group in this process: a training run without spawning ranks."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+class _Phases:
+    """A watchdog's view of the loop: what it was doing when each synchronisation was made."""
+
+    def __init__(self) -> None:
+        self.syncs, self.marks = None, []
+
+    def doing(self, what: str) -> None:
+        self.marks.append((len(self.syncs.seen), what))
+
+    def allow(self, factor: float) -> None:
+        pass
+
+    def by_phase(self) -> list[tuple[str, list[str]]]:
+        ends = [at for at, _ in self.marks[1:]] + [len(self.syncs.seen)]
+        return [(what, [reason for reason, _ in self.syncs.seen[at:end]])
+                for (at, what), end in zip(self.marks, ends)]
+
+
+def _loop_worker(rank, world, runs):
+    import megalysses.training.loop as loop
+    from megalysses.config.io import load_config
+    from megalysses.training.runtime import plan_and_grid
+
+    out, build = {}, loop.build_model_and_optimizer
+    for name, overrides in runs:
+        cfg = load_config(overrides=overrides)
+        grid = plan_and_grid(cfg, torch.device("cpu"))[1]
+        built = {}
+
+        def capture(*args, built=built, **kwargs):
+            built["run"] = build(*args, **kwargs)
+            return built["run"]
+
+        def host(built=built, grid=grid):       # host memory on a GPU too: the rank grid, AdamW's step counts
+            return [grid.layout.ranks] + (adam_step_counts(built["run"][1]) if built else [])
+
+        phases = _Phases()
+        loop.build_model_and_optimizer = capture
+        try:
+            with count_host_syncs(host) as syncs:
+                phases.syncs = syncs
+                loop.train(cfg, grid, torch.device("cpu"), watchdog=phases)
+        finally:
+            loop.build_model_and_optimizer = build
+        out[name] = phases.by_phase()
+    return out
+
+
+def _check(phases: list[tuple[str, list[str]]], name: str) -> None:
+    """Training a step: no synchronisation; its read-back: one on a logging step (2 and 4), none on the others;
+    the final checkpoint's apart."""
+    for step in range(1, STEPS + 1):
+        trained = [reasons for what, reasons in phases if what == f"training step {step}"]
+        assert trained == [[]], (name, step, trained)
+        read = [reasons for what, reasons in phases if what == f"waiting for every rank to finish step {step}"]
+        assert read == ([["step"]] if step % 2 == 0 else []), (name, step, read)
+    saved = [reasons for what, reasons in phases if what.startswith("saving the checkpoint")]
+    assert saved and all(r == "save" for reasons in saved for r in reasons), (name, saved)
+
+
+def test_one_process_step_makes_no_host_sync_and_a_logging_step_one(tmp_path, world_of_one):
+    runs = [("one", LOOP + [f"logging.run_dir={tmp_path / 'one'}"])]
+    _check(_loop_worker(0, 1, runs)["one"], "one")
+
+
+def test_two_ranks_make_no_host_sync_on_an_ordinary_step(tmp_path):
+    layouts = {"zero1": ["parallel.tp=1", "parallel.sp=1", "parallel.overlap_grad_reduce=true"],
+               "fsdp": ["parallel.tp=1", "parallel.sp=1", "parallel.fsdp=true"],
+               "pp2": ["parallel.tp=1", "parallel.sp=1", "parallel.pp=2"]}
+    runs = [(name, LOOP + o + [f"logging.run_dir={tmp_path / name}"]) for name, o in layouts.items()]
+    for per_rank in run_distributed(_loop_worker, 2, tmp_path, args=(runs,), timeout=300):
+        for name in layouts:
+            _check(per_rank[name], name)
+
+
+def _train_with_step_3_not_finite(cfg, monkeypatch):
+    """Train `cfg` with step 3's gradients made infinite (through the real step: the norm is not finite);
+    returns (the loop's summary, the optimizer)."""
+    import megalysses.training.loop as loop
+    from megalysses.grid import ParallelGrid
+
+    built, build, step = {}, loop.build_model_and_optimizer, loop.train_step
+    calls = []
+
+    def capture(*args, **kwargs):
+        built["run"] = build(*args, **kwargs)
+        return built["run"]
+
+    def poisoned(model, opt, *args, **kwargs):
+        calls.append(1)
+        hook = next(model.parameters()).register_hook(lambda g: g * float("inf")) if len(calls) == 3 else None
+        try:
+            return step(model, opt, *args, **kwargs)
+        finally:
+            if hook is not None:
+                hook.remove()
+
+    monkeypatch.setattr(loop, "build_model_and_optimizer", capture)
+    monkeypatch.setattr(loop, "train_step", poisoned)
+    summary = loop.train(cfg, ParallelGrid(tp=1, sp=1, pp=1), torch.device("cpu"))
+    return summary, built["run"][1]
+
+
+def test_a_skipped_step_is_counted_at_the_next_logging_step(tmp_path, world_of_one, monkeypatch):
+    """nan_policy=skip: step 3 updates nothing; the logging step 4 reads it back: 3 updates, 1 step skipped, and
+    AdamW's step count set back to the updates."""
+    from fixtures import step_rows
+    from megalysses.config.io import load_config
+
+    run = tmp_path / "run"
+    cfg = load_config(overrides=TINY + ["training.train_steps=4", "logging.log_interval=4",
+                                        "training.nan_policy=skip", f"logging.run_dir={run}"])
+    summary, opt = _train_with_step_3_not_finite(cfg, monkeypatch)
+    assert summary["step"] == 4
+    (row,) = step_rows(run)
+    assert row["step"] == 4 and row["skipped_steps"] == 1 and row["updates"] == 3, row
+    assert {float(st["step"]) for st in opt.optimizer.state.values()} == {3.0}
+
+
+def test_an_abort_is_reported_at_the_next_logging_step(tmp_path, world_of_one, monkeypatch):
+    """nan_policy=abort: the step it happened at, found at the logging step, before the checkpoint due there."""
+    from megalysses.config.io import load_config
+    from megalysses.training.step import NonFiniteLossError
+
+    run = tmp_path / "run"
+    cfg = load_config(overrides=TINY + ["training.train_steps=8", "logging.log_interval=4",
+                                        "checkpoint.save_interval=4", f"logging.run_dir={run}"])
+    with pytest.raises(NonFiniteLossError, match=r"not finite at step 3 \(found at step 4.*nan_policy=skip"):
+        _train_with_step_3_not_finite(cfg, monkeypatch)
+    assert not list((run / "checkpoints").glob("step_*"))
