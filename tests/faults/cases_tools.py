@@ -163,8 +163,8 @@ CASES = [
     Case("tools/dry_run_gpus_without_dry_run", lambda tmp: __import__("megalysses.tools.pretrain", fromlist=["m"])
          .main(["--config", QUICKSTART, "--set", "data.mock=true", "--gpus", "2"]), "add --dry-run"),
     Case("tools/dry_run_machine_without_gpus", dry_run("--gpu-memory-gib", "40"), "add --gpus"),
-    Case("tools/dry_run_does_not_fit", dry_run("--gpus", "4", "--gpu-memory-gib", "2.12"), "does not fit (peak"),
-    Case("tools/dry_run_traced_peak_does_not_fit", dry_run("--gpus", "4", "--gpu-memory-gib", "2.12", "--trace-memory"),
+    Case("tools/dry_run_does_not_fit", dry_run("--gpus", "4", "--gpu-memory-gib", "1.68"), "does not fit (peak"),
+    Case("tools/dry_run_traced_peak_does_not_fit", dry_run("--gpus", "4", "--gpu-memory-gib", "1.68", "--trace-memory"),
          "> usable"),
     Case("tools/plan_gpu_memory_negative", plan("--gpus", "2", "--gpu-memory-gib", "-80"), "--gpu-memory-gib"),
     Case("tools/plan_gpus_beyond_any_layout", plan("--gpus", "1000000"), "is more than this config can use: at most"),
