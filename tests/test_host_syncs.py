@@ -113,13 +113,14 @@ def _loop_worker(rank, world, runs):
 
 def _check(phases: list[tuple[str, list[str]]], name: str) -> None:
     """Training a step: no synchronisation; its read-back: one on a logging step (2 and 4), none on the others;
-    the final checkpoint's apart."""
+    the final checkpoint's apart (saved, or staged and written in the background: checkpoint.async_save)."""
     for step in range(1, STEPS + 1):
         trained = [reasons for what, reasons in phases if what == f"training step {step}"]
         assert trained == [[]], (name, step, trained)
         read = [reasons for what, reasons in phases if what == f"waiting for every rank to finish step {step}"]
         assert read == ([["step"]] if step % 2 == 0 else []), (name, step, read)
-    saved = [reasons for what, reasons in phases if what.startswith("saving the checkpoint")]
+    saving = ("saving the checkpoint", "staging the checkpoint", "waiting for the checkpoint")  # written, or in the
+    saved = [reasons for what, reasons in phases if what.startswith(saving)]                    # background
     assert saved and all(r == "save" for reasons in saved for r in reasons), (name, saved)
 
 

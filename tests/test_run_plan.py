@@ -75,6 +75,8 @@ def test_a_real_run_on_this_cpu_is_the_planned_one(tmp_path):
         assert (run_dir / "metrics.jsonl").exists() != dry
         # rank 0's communicators, one per process group, counted on the start-up line
         assert f"| {len(runtime['communicators'])} communicators" in r.stdout, r.stdout
+        # the background saver's gloo group among them where the plan saves checkpoints in the background
+        assert len([c for c in runtime["communicators"] if c["kinds"] == ["checkpoint"]]) == runtime["async_save"]
 
 
 def test_the_plan_records_what_the_loop_loader_and_model_read():

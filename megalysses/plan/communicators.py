@@ -139,6 +139,18 @@ def communicators(sizes: Mapping[str, int], grad_apart: bool, embed: bool = True
             for (key_lane, axes), kinds in shared.items()]
 
 
+CHECKPOINT_APART = ("a background checkpoint is completed (gathered, checksummed, its latest moved) on the saver's own "
+                    "thread while training's collectives run: gloo, in host memory, no device buffers")
+"""Why the background saver's process group (checkpoint.async_save) is kept apart from WORLD's, which holds the
+same ranks."""
+
+
+def checkpoint_record(world: int) -> dict:
+    """runtime.json's entry for the background saver's process group: gloo over every rank, kept apart."""
+    return {"ranks": list(range(world)), "kinds": ["checkpoint"], "mib": 0, "backend": "gloo",
+            "kept_apart": CHECKPOINT_APART}
+
+
 def run_communicators(run) -> list[Communicator]:
     """The communicators of the busiest rank of a RunPlan (the first pipeline stage's: it has the embed group)."""
     return communicators(axis_sizes(run.tp, run.ulysses, run.ring, run.dp, run.pp), run.grad_overlap)

@@ -22,6 +22,7 @@ from megalysses.grid import ParallelGrid
 from megalysses.kernels.attention import flash_attn_func
 from megalysses.kernels.triton_support import triton_importable
 from megalysses.plan import Machine, RunPlan, resolve
+from megalysses.plan.communicators import checkpoint_record
 
 
 def resolve_run(cfg: Config, device: torch.device, grid: Optional[ParallelGrid] = None) -> RunPlan:
@@ -153,12 +154,19 @@ def startup_line(cfg: Config, grid: ParallelGrid, run: RunPlan) -> str:
     return (f"megalysses: world={grid.world} tp={grid.tp_size} sp={grid.sp_size} pp={grid.pp_size} "
             f"dp={grid.dp_size} | {sequence_summary(cfg, run)} | {run.machine.device} {run.dtype} | attention "
             f"{run.attention} ({run.attention_reason}) | kernels {run.kernels} | {vocab} | "
-            f"{', '.join(memory_options(cfg, run))} | {len(grid.communicators)} communicators{allocator}")
+            f"{', '.join(memory_options(cfg, run))} | {len(rank_communicators(grid, run))} communicators{allocator}")
 
 
 def runtime_record(cfg: Config, run: RunPlan) -> dict:
     """What runtime.json holds: the plan and the start-up line's memory options."""
     return {**run.record(), "memory_options": memory_options(cfg, run)}
+
+
+def rank_communicators(grid: ParallelGrid, run: RunPlan) -> list[dict]:
+    """This rank's communicators as runtime.json lists them: the grid's, and the background saver's where the plan
+    saves checkpoints in the background (training/loop.py background_saver makes it)."""
+    saver = [checkpoint_record(grid.world)] if run.async_save and grid.world > 1 else []
+    return grid.communicators + saver
 
 
 def write_runtime(run_dir: Path, cfg: Config, grid: ParallelGrid, run: RunPlan) -> None:
@@ -167,7 +175,7 @@ def write_runtime(run_dir: Path, cfg: Config, grid: ParallelGrid, run: RunPlan) 
     versions = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
                 "triton": _version("triton") if triton_importable() else None,
                 "flash_attn": _version("flash_attn") if flash_attn_func is not None else None}
-    record = {**runtime_record(cfg, run), "communicators": grid.communicators, "versions": versions}
+    record = {**runtime_record(cfg, run), "communicators": rank_communicators(grid, run), "versions": versions}
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "runtime.json").write_text(json.dumps(record, indent=1) + "\n")
 
