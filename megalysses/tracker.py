@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import heapq
+import os
 import sys
 import weakref
 from dataclasses import dataclass, field
@@ -46,6 +47,7 @@ _OTHER = "other"                        # host memory that is not pinned
 _ACCOUNTS = {DEVICE: (DEVICE,), PINNED: (PINNED, HOST), _OTHER: (HOST,)}
 _MODULE = "megalysses_module"           # a module's name on the gradient nodes of its outputs
 MEMORIES = (DEVICE, PINNED, HOST)
+PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep      # this package's own directory
 _EXACT, _TORCH = "exact", "torch"       # how pinned host memory is being allocated (LiveBytes._pinning)
 aten = torch.ops.aten
 
@@ -177,7 +179,7 @@ class LiveBytes(TorchDispatchMode):
     def transient(self, nbytes: int, what: str) -> None:
         """`nbytes` of the device allocated and freed again right here (a kernel's workspace): a peak if it
         makes one."""
-        workspace = _Storage(nbytes, DEVICE, Alive(nbytes, (), "workspace", str(self._moment(what))))
+        workspace = _Storage(nbytes, DEVICE, Alive(nbytes, (nbytes,), "uint8", str(self._moment(what))))
         self.largest_allocation = max(self.largest_allocation, nbytes)
         self._arrive(DEVICE, nbytes)
         self._live[id(workspace)] = workspace
@@ -205,9 +207,9 @@ class LiveBytes(TorchDispatchMode):
             module = ""
         frame, where = sys._getframe(2), ""
         while frame is not None:
-            name = frame.f_code.co_filename
-            if "/megalysses/" in name and not name.endswith("tracker.py"):
-                where = f"{name.rsplit('/megalysses/', 1)[1]}:{frame.f_code.co_name}"
+            name = project_file(frame.f_code.co_filename)
+            if name is not None and name != "tracker.py":
+                where = f"{name}:{frame.f_code.co_name}"
                 break
             frame = frame.f_back
         return Moment(phase, module, op, where)
@@ -252,7 +254,8 @@ class LiveBytes(TorchDispatchMode):
             self._pending[account] = []
 
     def _list(self, account: str) -> None:
-        rows = [s for s in self._live.values() if account in _ACCOUNTS[s.memory]] + self._pending.pop(account)
+        rows = [s for s in self._live.values() if account in _ACCOUNTS[s.memory] and s.nbytes] + \
+            [s for s in self._pending.pop(account) if s.nbytes]
         self.peaks[account].largest = [s.alive for s in heapq.nlargest(self.keep, rows, key=lambda s: s.nbytes)]
 
     def _resized(self, storage: torch.UntypedStorage, size: int) -> None:
@@ -357,6 +360,15 @@ class LiveBytes(TorchDispatchMode):
         if t.dtype == torch.bool:
             return t not in self._false
         return 1.0 if t.dtype.is_floating_point else 1
+
+
+def project_file(filename: str, package: str = PACKAGE) -> Optional[str]:
+    """`filename` relative to the megalysses package's directory `package` (ending in a separator), or None
+    for a file outside it (torch's own, a test's: wherever the checkout and its virtual environment are)."""
+    if filename.startswith(package):
+        return filename[len(package):]
+    real = os.path.realpath(filename)
+    return real[len(package):] if real.startswith(package) else None
 
 
 def _plain_tensors(leaves: Iterable[Any]) -> Iterator[torch.Tensor]:

@@ -217,6 +217,9 @@ def trace_step(cfg: Config, machine: Machine, world: int, stage: int = 0, keep: 
     rank = stage_rank(run, stage)
     # the meta device stands for the GPU: give it a backend of its own on the fake process group
     dist.init_process_group("cpu:fake,cuda:fake,meta:fake", store=FakeStore(), rank=rank, world_size=world)
+    # a group of backends per device has no default backend, and torch warns of it as the group is destroyed
+    # ("No backend of type 0 found"): the fake one is its default
+    dist.group.WORLD._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
     start = time.perf_counter()
     try:
         with warnings.catch_warnings(), _fsdp_on_meta():    # the fake backend takes no group timeouts, and
