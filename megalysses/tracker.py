@@ -152,7 +152,7 @@ class LiveBytes(TorchDispatchMode):
 
     def mark_pinned(self, t: torch.Tensor) -> None:
         """t's storage (a host tensor) is pinned memory."""
-        (t,) = _plain_tensors([t])
+        (t,) = plain_tensors([t])
         st = self._live.get(t.untyped_storage()._cdata)
         if st is None:
             st = self._add(t, "mark_pinned")
@@ -172,7 +172,7 @@ class LiveBytes(TorchDispatchMode):
 
     def track(self, tensors: Iterable[torch.Tensor]) -> None:
         """Count tensors made before this tracker started (while they live)."""
-        for t in _plain_tensors(tensors):
+        for t in plain_tensors(tensors):
             if t.untyped_storage()._cdata not in self._live:
                 self._add(t, "before")
 
@@ -207,8 +207,8 @@ class LiveBytes(TorchDispatchMode):
             module = ""
         frame, where = sys._getframe(2), ""
         while frame is not None:
-            name = project_file(frame.f_code.co_filename)
-            if name is not None and name != "tracker.py":
+            name = project_file(frame.f_code.co_filename)      # (not a dispatch mode's own frame: a roofline's)
+            if name is not None and name != "tracker.py" and frame.f_code.co_name != "__torch_dispatch__":
                 where = f"{name}:{frame.f_code.co_name}"
                 break
             frame = frame.f_back
@@ -336,7 +336,7 @@ class LiveBytes(TorchDispatchMode):
         self._pinning = pinning or (_TORCH if by_torch else False)
         touched = set()
         try:
-            for t in _plain_tensors(tree_leaves(out)):
+            for t in plain_tensors(tree_leaves(out)):
                 if self._memory(t) is not None and t.untyped_storage()._cdata not in self._live:
                     touched.update(_ACCOUNTS[self._add(t, str(func)).memory])
         finally:
@@ -371,12 +371,12 @@ def project_file(filename: str, package: str = PACKAGE) -> Optional[str]:
     return real[len(package):] if real.startswith(package) else None
 
 
-def _plain_tensors(leaves: Iterable[Any]) -> Iterator[torch.Tensor]:
+def plain_tensors(leaves: Iterable[Any]) -> Iterator[torch.Tensor]:
     """The tensors that hold memory among `leaves`: a wrapper subclass (DTensor) holds its inner tensors'."""
     for t in leaves:
         if is_traceable_wrapper_subclass(t):
             names, _ = t.__tensor_flatten__()
-            yield from _plain_tensors(getattr(t, name) for name in names)
+            yield from plain_tensors(getattr(t, name) for name in names)
         elif isinstance(t, torch.Tensor):
             yield t
 

@@ -114,13 +114,20 @@ def test_plan_trace_and_dry_run_trace_memory(tmp_path, capfd):
     assert best["traced_peak_gib"] > 0 and best["traced_phase"] in ("loss", "backward", "final norm", "optimizer")
     assert abs(best["peak_gib"] - best["traced_peak_gib"]) <= 0.01, best      # peak_gib is rounded to 0.01
     assert best["traced_host_gib"] >= best["traced_pinned_gib"] >= 0
+    # the traced roofline of the step beside the step-time model's, by the same categories
+    assert best["traced_step_s"] == pytest.approx(sum(best["traced_step_breakdown"].values()), rel=1e-4)
+    assert set(best["traced_step_breakdown"]) <= set(best["step_breakdown"])
+    assert best["traced_mfu"] > 0 and best["traced_launches"] > 0 and best["traced_host_syncs"] > 0
+    assert best["traced_mask_evaluations"] >= 0
     run_dir = tmp_path / "run"
     assert pretrain.main(["--config", "configs/quickstart.yaml", "--set", "data.mock=true", "--set",
                           f"logging.run_dir={run_dir}", "--dry-run", "--gpus", "4", "--trace-memory"]) == 0
     out = capsys.readouterr().out
     assert "memory trace: peak" in out and "the memory model:" in out
+    assert "step trace:" in out and "the step-time model:" in out and "kernel launches" in out
     record = json.loads((run_dir / "memory_trace.json").read_text())
     assert record["stages"][0]["device"]["gib"] > 0 and record["model"]["peak_gib"] > 0
+    assert record["step"]["traced_step_s"] > 0 and record["model"]["step_s"] > 0
     assert pretrain.main(["--config", "configs/quickstart.yaml", "--trace-memory"]) == 2
 
 
