@@ -173,9 +173,15 @@ def _compute(m: ModelConfig, layout: Layout, opts: Options, work: Workload, hw: 
     head = 2 * m.padded_vocab_size(t) / t * m.hidden_size * tokens
     # forwards recomputed in the backward: one under checkpointing, two with a stride (the group's, the block's)
     recomputes = (2 if opts.checkpoint_stride > 1 else 1) if opts.activation_checkpointing else 0
-    redo_mm = fwd_mm * recomputes
+    # the block's recomputation runs its attention projections again, and its MLP: in tiles, each tile's forward
+    # once more in its own backward besides (the tiles keep nothing); untiled, up to the last tensor the backward
+    # saved (torch.utils.checkpoint's early stop): the down projection, whose output nothing saves, does not run
+    mlp_mm, down = L * 2 * mlp * tokens, L * 2 * m.hidden_size * m.ffn_size / t * tokens
+    redo_mm = (fwd_mm - mlp_mm) * recomputes
     if tiled(opts.mlp_chunk_tokens, layout, opts, work.seq_len):
-        redo_mm += L * 2 * mlp * tokens * (1 + recomputes)
+        redo_mm += mlp_mm * (1 + recomputes)
+    else:
+        redo_mm += (mlp_mm - down) * recomputes
     if N > 1:       # each head chunk's forward runs again in its backward: QKV and output projections
         redo_mm += L * 2 * (m.hidden_size * (q + 2 * m.kv_heads * m.head_size / t) + q * m.hidden_size) * tokens
     mm = M * (3 * (fwd_mm + head) + redo_mm)
