@@ -137,7 +137,7 @@ def step_table(rows: list[dict]) -> str:
     """The traced step time against the step-time model's, per optimizer step, by category (seconds traced /
     modelled), with the traced counts."""
     lines = ["| case | traced step s | model step s | " + " | ".join(STEP_COLUMNS) +
-             " | launches | host syncs | mask evaluations |",
+             " | kernels | host syncs | mask evaluations |",
              "|---|---:|---:|" + "---:|" * (len(STEP_COLUMNS) + 3)]
     for r in rows:
         if "traced_step_s" not in r:
