@@ -1,8 +1,11 @@
 """The memory model against the memory trace at the real shapes: every shipped config at its GPU count, and the
 long-sequence cases at the layout the planner ranks first (Llama-3.1-8B at 1M tokens on one H100, 6M on eight
 and 24M on 32, with 1,769 GiB of host memory per node; Llama-3.2-1B at 1M on one H100 with 120 GiB; Triton
-kernels, global batch 1), each one training step traced on fake tensors (megalysses/training/trace.py: rank 0
-of its first and last pipeline stage, the run's own code at the real shape, no GPU needed).
+kernels, global batch 1; the one-GPU 1B shape at 16K and 32K), each one training step traced on fake tensors
+(megalysses/training/trace.py: rank 0 of its first and last pipeline stage, the run's own code at the real
+shape, no GPU needed), and its traced roofline (training/roofline.py) against the step-time model: a second
+table of seconds per optimizer step by category, traced / modelled, with the kernel launches, host syncs
+and mask evaluations.
 
     python benchmarks/bench_trace.py                         # every case (the 24M one takes longest)
     python benchmarks/bench_trace.py --cases gpt_1b_32k 8b-1m-1 [--out-dir DIR | --record] [--name memory_trace]
@@ -42,7 +45,8 @@ SHIPPED = {"quickstart": 4, "gpt_1b_32k": 8, "gpt_1b_8gpu": 8, "gpt_1b_1m_offloa
            "llama3_8b_1m": 64, "llama3_8b_chat_128k": 8}
 LONG = {   # name: (config, GPUs, tokens, host GiB per node)
     "8b-1m-1": ("llama3_8b_1m", 1, 1 << 20, 1769), "8b-6m-8": ("llama3_8b_1m", 8, 6 << 20, 1769),
-    "8b-24m-32": ("llama3_8b_1m", 32, 24 << 20, 1769), "1b-1m-1": ("gpt_1b_1m_offload", 1, 1 << 20, 120)}
+    "8b-24m-32": ("llama3_8b_1m", 32, 24 << 20, 1769), "1b-1m-1": ("gpt_1b_1m_offload", 1, 1 << 20, 120),
+    "1b-16k-1": ("gpt_1b_1m_offload", 1, 16 << 10, 120), "1b-32k-1": ("gpt_1b_1m_offload", 1, 32 << 10, 120)}
 TOLERANCE = 0.03
 
 
