@@ -1,8 +1,11 @@
 """The memory model against the memory trace at the real shapes: every shipped config at its GPU count, and the
 long-sequence cases at the layout the planner ranks first (Llama-3.1-8B at 1M tokens on one H100, 6M on eight
 and 24M on 32, with 1,769 GiB of host memory per node; Llama-3.2-1B at 1M on one H100 with 120 GiB; Triton
-kernels, global batch 1), each one training step traced on fake tensors (megalysses/training/trace.py: rank 0
-of its first and last pipeline stage, the run's own code at the real shape, no GPU needed).
+kernels, global batch 1; the one-GPU 1B shape at 16K and 32K), each one training step traced on fake tensors
+(megalysses/training/trace.py: rank 0 of its first and last pipeline stage, the run's own code at the real
+shape, no GPU needed), and its traced roofline (training/roofline.py) against the step-time model: a second
+table of seconds per optimizer step by category, traced / modelled, with the kernel launches, host syncs
+and mask evaluations.
 
     python benchmarks/bench_trace.py                         # every case (the 24M one takes longest)
     python benchmarks/bench_trace.py --cases gpt_1b_32k 8b-1m-1 [--out-dir DIR | --record] [--name memory_trace]
@@ -36,13 +39,14 @@ from megalysses.memory import GIB  # noqa: E402
 from megalysses.plan.machine import device_memory_gib  # noqa: E402
 from megalysses.plan.search import evaluate, plan  # noqa: E402
 from megalysses.plan.step_time import Hardware  # noqa: E402
-from megalysses.training.trace import model_phase, trace_run, traced_peak  # noqa: E402
+from megalysses.training.trace import model_phase, roofline_fields, trace_run, traced_peak  # noqa: E402
 
 SHIPPED = {"quickstart": 4, "gpt_1b_32k": 8, "gpt_1b_8gpu": 8, "gpt_1b_1m_offload": 1, "llama3_8b_128k": 32,
            "llama3_8b_1m": 64, "llama3_8b_chat_128k": 8}
 LONG = {   # name: (config, GPUs, tokens, host GiB per node)
     "8b-1m-1": ("llama3_8b_1m", 1, 1 << 20, 1769), "8b-6m-8": ("llama3_8b_1m", 8, 6 << 20, 1769),
-    "8b-24m-32": ("llama3_8b_1m", 32, 24 << 20, 1769), "1b-1m-1": ("gpt_1b_1m_offload", 1, 1 << 20, 120)}
+    "8b-24m-32": ("llama3_8b_1m", 32, 24 << 20, 1769), "1b-1m-1": ("gpt_1b_1m_offload", 1, 1 << 20, 120),
+    "1b-16k-1": ("gpt_1b_1m_offload", 1, 16 << 10, 120), "1b-32k-1": ("gpt_1b_1m_offload", 1, 32 << 10, 120)}
 TOLERANCE = 0.03
 
 
@@ -73,7 +77,7 @@ def measure(name: str, hw: Hardware, memory: float) -> dict:
         _, _, tokens, _ = LONG[name]
         return {**row, "seq_len": tokens, "fits": False, "why": "no layout fits (the memory model's planner)"}
     cfg, est = p.cfg, p.estimate
-    traces = trace_run(cfg, p.run.machine, gpus)
+    traces = trace_run(cfg, p.run.machine, gpus, hw=hw)
     top = traced_peak(traces)
     phase = model_phase(top.device.moment)
     at_moment = est.phases.get((top.stage, phase))
@@ -100,6 +104,9 @@ def measure(name: str, hw: Hardware, memory: float) -> dict:
             "usable_gib": usable / GIB, "fits": top.device.bytes <= usable,
             "activation_bytes_per_token": (top.device.bytes - top.before) / tokens,
             "trace_seconds": sum(t.seconds for t in traces), "seconds": time.perf_counter() - start,
+            **roofline_fields(traces), "model_step_s": p.step.total, "step_breakdown": p.step.breakdown(hw),
+            "traced_by_op_s": dict(sorted(max(traces, key=lambda t: t.roofline.total).roofline.by_op.items(),
+                                          key=lambda kv: -kv[1])[:12]),
             "largest_tensors": [{"gib": a.bytes / GIB, "shape": list(a.shape), "dtype": a.dtype, "made": a.made}
                                 for a in top.device.largest[:8]]}
 
@@ -127,6 +134,24 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+STEP_COLUMNS = ("compute", "attention", "masks", "communication", "host copies", "optimizer", "launches")
+
+
+def step_table(rows: list[dict]) -> str:
+    """The traced step time against the step-time model's, per optimizer step, by category (seconds traced /
+    modelled), with the traced counts."""
+    lines = ["| case | traced step s | model step s | " + " | ".join(STEP_COLUMNS) +
+             " | kernels | host syncs | mask evaluations |",
+             "|---|---:|---:|" + "---:|" * (len(STEP_COLUMNS) + 3)]
+    for r in rows:
+        if "traced_step_s" not in r:
+            continue
+        cells = [f"{r['traced_step_breakdown'][k]:.3g} / {r['step_breakdown'].get(k, 0.0):.3g}" for k in STEP_COLUMNS]
+        lines.append(f"| {r['case']} | {r['traced_step_s']:.4g} | {r['model_step_s']:.4g} | " + " | ".join(cells) +
+                     f" | {r['traced_launches']:,} | {r['traced_host_syncs']} | {r['traced_mask_evaluations']:.3g} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", nargs="+", default=list(SHIPPED) + list(LONG), choices=list(SHIPPED) + list(LONG),
@@ -139,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.cases:
         rows.append(measure(name, hw, memory))
         print(f"{name}: done in {rows[-1].get('seconds', 0):.0f} s", flush=True)
-    text = table(rows)
+    text = (table(rows) + "\n\nStep time per optimizer step, traced / modelled, seconds by category:\n\n"
+            + step_table(rows))
     print("\n" + text)
     bad = [r["case"] for r in rows if "traced_gib" in r and (abs(r["error"]) > TOLERANCE or not same_moment(r))]
     if folder is not None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import heapq
+import os
 import sys
 import weakref
 from dataclasses import dataclass, field
@@ -46,6 +47,7 @@ _OTHER = "other"                        # host memory that is not pinned
 _ACCOUNTS = {DEVICE: (DEVICE,), PINNED: (PINNED, HOST), _OTHER: (HOST,)}
 _MODULE = "megalysses_module"           # a module's name on the gradient nodes of its outputs
 MEMORIES = (DEVICE, PINNED, HOST)
+PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep      # this package's own directory
 _EXACT, _TORCH = "exact", "torch"       # how pinned host memory is being allocated (LiveBytes._pinning)
 aten = torch.ops.aten
 
@@ -150,7 +152,7 @@ class LiveBytes(TorchDispatchMode):
 
     def mark_pinned(self, t: torch.Tensor) -> None:
         """t's storage (a host tensor) is pinned memory."""
-        (t,) = _plain_tensors([t])
+        (t,) = plain_tensors([t])
         st = self._live.get(t.untyped_storage()._cdata)
         if st is None:
             st = self._add(t, "mark_pinned")
@@ -170,14 +172,14 @@ class LiveBytes(TorchDispatchMode):
 
     def track(self, tensors: Iterable[torch.Tensor]) -> None:
         """Count tensors made before this tracker started (while they live)."""
-        for t in _plain_tensors(tensors):
+        for t in plain_tensors(tensors):
             if t.untyped_storage()._cdata not in self._live:
                 self._add(t, "before")
 
     def transient(self, nbytes: int, what: str) -> None:
         """`nbytes` of the device allocated and freed again right here (a kernel's workspace): a peak if it
         makes one."""
-        workspace = _Storage(nbytes, DEVICE, Alive(nbytes, (), "workspace", str(self._moment(what))))
+        workspace = _Storage(nbytes, DEVICE, Alive(nbytes, (nbytes,), "uint8", str(self._moment(what))))
         self.largest_allocation = max(self.largest_allocation, nbytes)
         self._arrive(DEVICE, nbytes)
         self._live[id(workspace)] = workspace
@@ -205,9 +207,9 @@ class LiveBytes(TorchDispatchMode):
             module = ""
         frame, where = sys._getframe(2), ""
         while frame is not None:
-            name = frame.f_code.co_filename
-            if "/megalysses/" in name and not name.endswith("tracker.py"):
-                where = f"{name.rsplit('/megalysses/', 1)[1]}:{frame.f_code.co_name}"
+            name = project_file(frame.f_code.co_filename)      # (not a dispatch mode's own frame: a roofline's)
+            if name is not None and name != "tracker.py" and frame.f_code.co_name != "__torch_dispatch__":
+                where = f"{name}:{frame.f_code.co_name}"
                 break
             frame = frame.f_back
         return Moment(phase, module, op, where)
@@ -252,7 +254,8 @@ class LiveBytes(TorchDispatchMode):
             self._pending[account] = []
 
     def _list(self, account: str) -> None:
-        rows = [s for s in self._live.values() if account in _ACCOUNTS[s.memory]] + self._pending.pop(account)
+        rows = [s for s in self._live.values() if account in _ACCOUNTS[s.memory] and s.nbytes] + \
+            [s for s in self._pending.pop(account) if s.nbytes]
         self.peaks[account].largest = [s.alive for s in heapq.nlargest(self.keep, rows, key=lambda s: s.nbytes)]
 
     def _resized(self, storage: torch.UntypedStorage, size: int) -> None:
@@ -333,7 +336,7 @@ class LiveBytes(TorchDispatchMode):
         self._pinning = pinning or (_TORCH if by_torch else False)
         touched = set()
         try:
-            for t in _plain_tensors(tree_leaves(out)):
+            for t in plain_tensors(tree_leaves(out)):
                 if self._memory(t) is not None and t.untyped_storage()._cdata not in self._live:
                     touched.update(_ACCOUNTS[self._add(t, str(func)).memory])
         finally:
@@ -359,12 +362,21 @@ class LiveBytes(TorchDispatchMode):
         return 1.0 if t.dtype.is_floating_point else 1
 
 
-def _plain_tensors(leaves: Iterable[Any]) -> Iterator[torch.Tensor]:
+def project_file(filename: str, package: str = PACKAGE) -> Optional[str]:
+    """`filename` relative to the megalysses package's directory `package` (ending in a separator), or None
+    for a file outside it (torch's own, a test's: wherever the checkout and its virtual environment are)."""
+    if filename.startswith(package):
+        return filename[len(package):]
+    real = os.path.realpath(filename)
+    return real[len(package):] if real.startswith(package) else None
+
+
+def plain_tensors(leaves: Iterable[Any]) -> Iterator[torch.Tensor]:
     """The tensors that hold memory among `leaves`: a wrapper subclass (DTensor) holds its inner tensors'."""
     for t in leaves:
         if is_traceable_wrapper_subclass(t):
             names, _ = t.__tensor_flatten__()
-            yield from _plain_tensors(getattr(t, name) for name in names)
+            yield from plain_tensors(getattr(t, name) for name in names)
         elif isinstance(t, torch.Tensor):
             yield t
 

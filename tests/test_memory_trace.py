@@ -12,7 +12,8 @@ from megalysses.config.io import load_config
 from megalysses.kernels.triton_support import triton_importable
 from megalysses.plan import Machine
 from megalysses.plan.search import estimate_config
-from megalysses.tracker import DEVICE, HOST, PINNED, LiveBytes
+from megalysses import tracker
+from megalysses.tracker import DEVICE, HOST, PINNED, LiveBytes, project_file
 from megalysses.training.trace import model_phase, trace_run, traced_peak
 
 MiB = 2 ** 20
@@ -69,6 +70,7 @@ def test_tracker_counts_what_is_alive():
 
     with FakeTensorMode(), LiveBytes() as live:
         a = torch.empty(1024, device="meta")                        # 4 KiB
+        nothing = torch.empty(0, device="meta")                     # 0 bytes: alive, never listed
         view = a[:512]
         live.reset_peaks()
         b = torch.empty(2048, device="meta")                        # 8 KiB: the peak, 12 KiB
@@ -88,31 +90,53 @@ def test_tracker_counts_what_is_alive():
         assert bool(torch.isfinite(torch.empty((), device="meta")))
         assert torch.empty(3, device="meta").sum().item() == 1.0
         assert not bool((torch.empty(4, device="meta") < 0).any())
-        del view, p, q, r
+        del view, p, q, r, nothing
     device = live.peaks[DEVICE]                     # a and the resized c beside the workspace
     assert device.bytes == 24 * 1024 and "a kernel's workspace" in str(device.moment)
-    assert [x.bytes for x in device.largest[:3]] == [16 * 1024, 4 * 1024, 4 * 1024]
+    assert [x.bytes for x in device.largest] == [16 * 1024, 4 * 1024, 4 * 1024]
+    assert [x.shape for x in device.largest] == [(16 * 1024,), (1024,), (256,)]     # the workspace in bytes
     assert live.peaks[PINNED].bytes == 3 * 1024 and live.peaks[HOST].bytes == 3 * 1024 + 512
 
 
-def test_plan_trace_and_dry_run_trace_memory(tmp_path, capsys):
+def test_plan_trace_and_dry_run_trace_memory(tmp_path, capfd):
     """tools/plan.py --trace adds the traced peak, moment and host memory to the top layout of --json;
     pretrain.py --dry-run --gpus N --trace-memory prints the traced peak beside the model's and writes
-    memory_trace.json."""
+    memory_trace.json; torch warns of nothing on the way (its fake process group's default backend)."""
+    capsys = capfd
     from megalysses.tools import plan as plan_tool
     from megalysses.tools import pretrain
 
     assert plan_tool.main(["--config", "configs/quickstart.yaml", "--gpus", "4", "--top", "1", "--json",
                            "--trace"]) == 0
-    best = json.loads(capsys.readouterr().out)["best"]
+    out, err = capsys.readouterr()
+    assert "No backend of type" not in err
+    best = json.loads(out)["best"]
     assert best["traced_peak_gib"] > 0 and best["traced_phase"] in ("loss", "backward", "final norm", "optimizer")
     assert abs(best["peak_gib"] - best["traced_peak_gib"]) <= 0.01, best      # peak_gib is rounded to 0.01
     assert best["traced_host_gib"] >= best["traced_pinned_gib"] >= 0
+    # the traced roofline of the step beside the step-time model's, by the same categories
+    assert best["traced_step_s"] == pytest.approx(sum(best["traced_step_breakdown"].values()), rel=1e-4)
+    assert set(best["traced_step_breakdown"]) <= set(best["step_breakdown"])
+    assert best["traced_mfu"] > 0 and best["traced_launches"] > 0 and best["traced_host_syncs"] > 0
+    assert best["traced_mask_evaluations"] >= 0
     run_dir = tmp_path / "run"
     assert pretrain.main(["--config", "configs/quickstart.yaml", "--set", "data.mock=true", "--set",
                           f"logging.run_dir={run_dir}", "--dry-run", "--gpus", "4", "--trace-memory"]) == 0
     out = capsys.readouterr().out
     assert "memory trace: peak" in out and "the memory model:" in out
+    assert "step trace:" in out and "the step-time model:" in out and "kernel launches" in out
     record = json.loads((run_dir / "memory_trace.json").read_text())
     assert record["stages"][0]["device"]["gib"] > 0 and record["model"]["peak_gib"] > 0
+    assert record["step"]["traced_step_s"] > 0 and record["model"]["step_s"] > 0
     assert pretrain.main(["--config", "configs/quickstart.yaml", "--trace-memory"]) == 2
+
+
+def test_trace_names_the_code_wherever_the_checkout_is():
+    """A frame is the project's when its file is in the package's own directory: a checkout named megalysses
+    with its virtual environment inside names torch's files by their own paths, not the project's."""
+    package = "/home/u/megalysses/megalysses/"
+    assert project_file("/home/u/megalysses/.venv/lib/python3.12/site-packages/torch/_dynamo/eval_frame.py",
+                        package) is None
+    assert project_file("/home/u/megalysses/tests/test_memory_trace.py", package) is None
+    assert project_file("/home/u/megalysses/megalysses/training/step.py", package) == "training/step.py"
+    assert project_file(tracker.__file__) == "tracker.py"

@@ -15,6 +15,11 @@ custom op with fake implementations); what they cannot run, or run otherwise tha
                fp32 log-sum-exp, and in the backward (against the output and the log-sum-exp) the gradients
                and the fp32 rowsum(dO * O). Block masks are built as on CUDA (kernels/block_mask.py: from
                the documents' boundaries per block), the plain causal one for each trace (not cached).
+Each form carries its kernel's cost beside it (KernelCost: FLOPs by the (query, key) pairs its mask allows,
+bytes read and written, launches; a block mask's build in the category "masks"), handed to the traced
+roofline (megalysses/training/roofline.py) where torch has no formula of its own: COSTS for the aten ops
+(torch's varlen attention), the `roof` of gpu_kernels for the forms. A trace's batch is one document, so
+a mask allows the pairs causality leaves (a ring step's diagonal block causal, the others whole).
 A fused backward allocates workspaces inside its kernel, which the tracker counts at the kernel's op
 (WORKSPACES, LiveBytes.workspaces): the flash kernels' fp32 dq accumulator and rowsum(dO * O), and with
 fewer KV heads than query heads dK and dV at the query heads' width before they are summed per group.
@@ -23,13 +28,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import math
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
-from megalysses.kernels import attention
+from megalysses.kernels import attention, block_attention
+from megalysses.kernels import block_mask as block_masks
 
 aten = torch.ops.aten
 _HALF = (torch.float16, torch.bfloat16)
@@ -57,6 +64,56 @@ def flash_backward_workspace(q: Tensor, k: Tensor, heads_first: bool = False) ->
     return nbytes
 
 
+class KernelCost(NamedTuple):
+    """What one kernel costs: `flops` of class `kind` (attention, matmul, memory), `bytes` of device memory read
+    and written, its launches, and the mask_mod evaluations of a block mask's build."""
+
+    kind: str
+    flops: float
+    bytes: float
+    launches: int = 1
+    mask_evaluations: float = 0.0
+    name: str = ""
+
+
+def causal_pairs(s: int, window: int = 0) -> int:
+    """(query, key) pairs of a causal mask over `s` positions (with a sliding window of `window`: the keys less
+    than `window` before each query)."""
+    if not window or window >= s:
+        return s * (s + 1) // 2
+    return window * (window + 1) // 2 + (s - window) * window
+
+
+def attention_cost(heads: int, head_size: int, pairs: float, tensors: tuple, backward: bool) -> KernelCost:
+    """A fused attention kernel over `pairs` (query, key) pairs of each of `heads` query heads (the batch's
+    pairs, all its elements): 4 head_size FLOPs a pair forward (Q K^T, P V), 2.5 times that backward (the
+    scores again, dP, dS, dQ, dK, dV), as torch.utils.flop_counter counts SDPA; the bytes of `tensors`, read
+    or written once; one launch forward, three backward (the rowsum(dO * O), the kernel, dq's conversion)."""
+    flops = 4 * head_size * pairs * heads * (2.5 if backward else 1.0)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, Tensor))
+    name = "attention backward" if backward else "attention forward"
+    return KernelCost("attention", flops, nbytes, 3 if backward else 1, name=name)
+
+
+def _packed_pairs(tokens: int, causal: bool) -> int:
+    """Pairs of `tokens` packed tokens of a trace: its micro-batch's sequences (_Forms.sequences), each one
+    document (the fake batch's; cu_seqlens and the longest length are data a fake tensor has not), causal or
+    whole."""
+    n = _Forms.sequences
+    length = tokens // n
+    return n * (causal_pairs(length) if causal else length * length)
+
+
+def _varlen_cost(backward: bool) -> Any:
+    def cost(*args: Any, **kwargs: Any) -> KernelCost:
+        names = [a.name for a in (_VARLEN_BWD if backward else _VARLEN_FWD)._schema.arguments]
+        call = {**dict(zip(names, args)), **kwargs}
+        q = call["query"]
+        pairs = _packed_pairs(q.shape[0], bool(call.get("is_causal", False)))
+        return attention_cost(q.shape[1], q.shape[2], pairs, tuple(call.values()), backward)
+    return cost
+
+
 WORKSPACES = {
     aten._scaled_dot_product_flash_attention_backward.default:
         lambda dout, q, k, *args, **kwargs: flash_backward_workspace(q, k, heads_first=True),
@@ -69,6 +126,11 @@ if attention.varlen_available():
 
     WORKSPACES[torch.ops.torch_attn._varlen_attn_backward.default] = \
         lambda dout, q, k, *args, **kwargs: flash_backward_workspace(q, k)
+    _VARLEN_FWD = torch.ops.torch_attn._varlen_attn.default
+    _VARLEN_BWD = torch.ops.torch_attn._varlen_attn_backward.default
+    COSTS = {_VARLEN_FWD: _varlen_cost(False), _VARLEN_BWD: _varlen_cost(True)}
+else:
+    COSTS = {}
 
 
 # ----------------------------------------------------------------------------- sdpa, as CUDA picks it
@@ -104,10 +166,12 @@ class _FlashAttn(torch.autograd.Function):
     gradients and workspace."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, pairs: int) -> Tensor:
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
         ctx.save_for_backward(q, k, v, out, lse)
+        ctx.pairs = pairs
+        _Forms.charge(attention_cost(q.shape[-2], q.shape[-1], pairs, (q, k, v, out, lse), backward=False))
         return out
 
     @staticmethod
@@ -115,16 +179,19 @@ class _FlashAttn(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         _Forms.live.transient(flash_backward_workspace(q, k), "flash-attn backward's workspace")
-        return dq, dk, dv
+        _Forms.charge(attention_cost(q.shape[-2], q.shape[-1], ctx.pairs, (q, k, v, out, lse, dout, dq, dk, dv),
+                                     backward=True))
+        return dq, dk, dv, None
 
 
 def _flash_attn_func(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float = None, causal: bool = True) -> Tensor:
-    return _FlashAttn.apply(q, k, v)
+    pairs = q.shape[0] * (causal_pairs(q.shape[1]) if causal else q.shape[1] * k.shape[1])
+    return _FlashAttn.apply(q, k, v, pairs)
 
 
 def _flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int,
                             softmax_scale: float = None, causal: bool = True) -> Tensor:
-    return _FlashAttn.apply(q, k, v)
+    return _FlashAttn.apply(q, k, v, _packed_pairs(q.shape[0], causal))
 
 
 # ----------------------------------------------------------------------------- FlexAttention
@@ -135,10 +202,12 @@ class _Flex(torch.autograd.Function):
     fp32 rowsum(dO * O) beside dq, dk, dv."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, pairs: int) -> tuple[Tensor, Tensor]:
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
         ctx.save_for_backward(q, k, v, out, lse)
+        ctx.pairs = pairs
+        _Forms.charge(attention_cost(q.shape[1], q.shape[-1], pairs, (q, k, v, out, lse), backward=False))
         return out, lse
 
     @staticmethod
@@ -146,8 +215,10 @@ class _Flex(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         delta = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        _Forms.charge(attention_cost(q.shape[1], q.shape[-1], ctx.pairs, (q, k, v, out, lse, dout, delta, dq, dk, dv),
+                                     backward=True))
         del delta
-        return dq, dk, dv
+        return dq, dk, dv, None
 
 
 class _Aux:
@@ -158,34 +229,70 @@ class _Aux:
 def _compiled_flex() -> Any:
     def flex(q_: Tensor, k_: Tensor, v_: Tensor, block_mask: Any = None, scale: float = None,
              enable_gqa: bool = False, **lse_request: Any) -> Any:
-        out, lse = _Flex.apply(q_, k_, v_)
+        S, Sk = q_.shape[-2], k_.shape[-2]
+        pairs = S * Sk if block_mask is None else _allowed_pairs(block_mask.mask_mod, S, Sk)
+        out, lse = _Flex.apply(q_, k_, v_, q_.shape[0] * pairs)
         return (out, _Aux(lse)) if lse_request else out
     return flex
+
+
+def _build_block_mask(*args: Any, **kwargs: Any) -> Any:
+    """kernels/block_mask.py's build_block_mask, as on CUDA (from the documents' boundaries per block, never a
+    mask_mod evaluation per pair), its ops in the roofline's category "masks"."""
+    with _Forms.category("masks"):
+        return block_masks.build_block_mask(*args, **kwargs)
+
+
+def _allowed_pairs(mask_mod: Any, S: int, kv_len: int) -> int:
+    """The pairs a block mask of `mask_mod` (MaskPattern.mask_mod) allows per batch element, a trace's batch being
+    one document: causal (with its window) when it closes over a true `causal` (a diagonal block, or the whole
+    sequence), else all of them. Read from the function, as the fake document ids cannot be evaluated."""
+    free = inspect.getclosurevars(mask_mod).nonlocals
+    if free.get("causal", False) is True:
+        return causal_pairs(S, int(free.get("window", 0) or 0))
+    return S * kv_len
 
 
 # ----------------------------------------------------------------------------- installing them
 
 class _Forms:
     live: Any = None
+    roof: Any = None
+    sequences: int = 1          # sequences of a micro-batch, one document each (the trace's batch)
+
+    @classmethod
+    def charge(cls, cost: KernelCost) -> None:
+        if cls.roof is not None:
+            cls.roof.cost(cost)
+
+    @classmethod
+    def category(cls, name: str) -> contextlib.AbstractContextManager:
+        return cls.roof.category(name) if cls.roof is not None else contextlib.nullcontext()
 
 
 @contextlib.contextmanager
-def gpu_kernels(live: Any, packages: frozenset) -> Iterator[None]:
+def gpu_kernels(live: Any, packages: frozenset, roof: Any = None, sequences: int = 1) -> Iterator[None]:
     """Inside, attention runs in the forms above, its kernels' workspaces counted by `live` (the trace's
     LiveBytes), and the device checks see a CUDA GPU with `packages` (a described machine's optional
-    packages)."""
+    packages). `roof` (the trace's megalysses.training.roofline.Roofline, or None) is handed each form's
+    KernelCost (its `cost`), and the ops of a block mask's build in its category "masks" (its `category`),
+    and its `costs` are given COSTS; packed attention counts `sequences` sequences of one document each."""
     replaced = [(attention._BACKEND_FNS, "sdpa", functools.partial(attention._sdpa, sdpa=cuda_sdpa))]
     attributes = [
         (attention, "flash_attn_func", _flash_attn_func),
         (attention, "flash_attn_varlen_func", _flash_attn_varlen_func),
         (attention, "compiled_flex", _compiled_flex),
         (attention, "causal_block_mask", attention.causal_block_mask.__wrapped__),     # built for each trace
+        (attention, "build_block_mask", _build_block_mask),
+        (block_attention, "build_block_mask", _build_block_mask),
         (attention, "_installed", lambda: frozenset(packages)),
     ]
     saved = [(table, key, table[key]) for table, key, _ in replaced]
     kept = [(module, name, getattr(module, name)) for module, name, _ in attributes]
-    _Forms.live = live
+    _Forms.live, _Forms.roof, _Forms.sequences = live, roof, sequences
     live.workspaces.update(WORKSPACES)
+    if roof is not None:
+        roof.costs.update(COSTS)
     try:
         for table, key, form in replaced:
             table[key] = form
@@ -193,7 +300,7 @@ def gpu_kernels(live: Any, packages: frozenset) -> Iterator[None]:
             setattr(module, name, form)
         yield
     finally:
-        _Forms.live = None
+        _Forms.live = _Forms.roof = None
         for table, key, original in saved:
             table[key] = original
         for module, name, original in kept:

@@ -38,6 +38,10 @@ class Hardware:
     host_adam_gparams: float = 0.25       # billions of parameters per second that one GPU's share of the
                                           # host's cores updates with torch's foreach AdamW (optimizer offload)
     hbm_gbs: float = 2680.0               # device memory bandwidth (80% of 3.35 TB/s): the optimizer step
+    kernel_matmul_efficiency: float = 0.75    # sustained fraction of the peak of a matmul kernel alone (the
+                                              # traced roofline's: it times the memory-bound kernels apart)
+    launch_us: float = 4.0                # microseconds between two kernels queued back to back (the traced
+                                          # roofline's launch overhead per kernel)
     gpus_per_node: int = 8
     reserve_gib: float = 1.0              # what no allocator trace sees besides the communicators (estimates, not
                                           # measured here): the CUDA context, about 0.5 GiB on an H100 under CUDA
@@ -71,7 +75,7 @@ class Hardware:
 
 
 # what each figure must be: efficiencies are fractions of the peak, rates and bandwidths are divided by
-_FRACTION = ("matmul_efficiency", "attention_efficiency")
+_FRACTION = ("matmul_efficiency", "attention_efficiency", "kernel_matmul_efficiency")
 _POSITIVE = ("peak_tflops", "intra_node_gbs", "inter_node_gbs", "host_gbs", "host_adam_gparams", "hbm_gbs")
 
 
@@ -87,7 +91,7 @@ def hardware_problems(values: Mapping[str, Any]) -> dict[str, str]:
             out[name] = f"must be positive and finite, got {v:g}"
         elif name == "gpus_per_node" and not v >= 1:
             out[name] = f"must be at least 1, got {v}"
-        elif name == "reserve_gib" and not (v >= 0 and math.isfinite(v)):
+        elif name in ("reserve_gib", "launch_us") and not (v >= 0 and math.isfinite(v)):
             out[name] = f"must be zero or more, got {v:g}"
         elif name == "fragmentation" and not 0 <= v < 1:
             out[name] = f"must be in [0, 1) (a share of the device), got {v:g}"
@@ -123,6 +127,20 @@ class StepTime:
         return {"compute": self.compute, **{f"exposed {k}": v for k, v in self.exposed.items()},
                 "pipeline bubble": self.bubble, "optimizer": self.optimizer}
 
+    def breakdown(self, hw: "Hardware") -> dict[str, float]:
+        """The seconds of `total` in the traced roofline's categories (megalysses.training.roofline.CATEGORIES),
+        and the pipeline bubble (which a trace of one rank cannot see): compute (the matmuls, and the ring's
+        merges, memory-bound passes), attention, masks and launches (the model has no term for either),
+        communication not overlapped, host copies, optimizer."""
+        merges = "ring merges (fp32, device memory)"
+        copies = "host copies (offload)"
+        attention = self.flops["attention"] / (hw.peak_tflops * 1e12 * hw.attention_efficiency)
+        return {"compute": self.compute - attention + self.exposed.get(merges, 0.0), "attention": attention,
+                "masks": 0.0,
+                "communication": sum(v for k, v in self.exposed.items() if k not in (merges, copies)),
+                "host copies": self.exposed.get(copies, 0.0), "optimizer": self.optimizer, "launches": 0.0,
+                "pipeline bubble": self.bubble}
+
 
 @dataclass
 class _Compute:
@@ -157,16 +175,24 @@ def _compute(m: ModelConfig, layout: Layout, opts: Options, work: Workload, hw: 
     head = 2 * m.padded_vocab_size(t) / t * m.hidden_size * tokens
     # forwards recomputed in the backward: one under checkpointing, two with a stride (the group's, the block's)
     recomputes = (2 if opts.checkpoint_stride > 1 else 1) if opts.activation_checkpointing else 0
-    redo_mm = fwd_mm * recomputes
+    # the block's recomputation runs its attention projections again, and its MLP: in tiles, each tile's forward
+    # once more in its own backward besides (the tiles keep nothing); untiled, up to the last tensor the backward
+    # saved (torch.utils.checkpoint's early stop): the down projection, whose output nothing saves, does not run
+    mlp_mm, down = L * 2 * mlp * tokens, L * 2 * m.hidden_size * m.ffn_size / t * tokens
+    redo_mm = (fwd_mm - mlp_mm) * recomputes
     if tiled(opts.mlp_chunk_tokens, layout, opts, work.seq_len):
-        redo_mm += L * 2 * mlp * tokens * (1 + recomputes)
+        redo_mm += mlp_mm * (1 + recomputes)
+    else:
+        redo_mm += (mlp_mm - down) * recomputes
     if N > 1:       # each head chunk's forward runs again in its backward: QKV and output projections
         redo_mm += L * 2 * (m.hidden_size * (q + 2 * m.kv_heads * m.head_size / t) + q * m.hidden_size) * tokens
     mm = M * (3 * (fwd_mm + head) + redo_mm)
     # forward, backward (twice the forward), and under checkpointing the recomputations, unless their output is
-    # kept; head chunks recompute attention once more (per chunk, in the backward)
+    # kept; head chunks recompute attention once more (per chunk, in the backward); a ring's FlexAttention blocks
+    # run their forward again in their backward (kernels/block_attention.py: the block's own output and LSE)
     forwards = 1 + (0 if opts.keep_attention else recomputes) + (N > 1)     # of attention, per layer
-    attn = M * fwd_attn * (forwards + 2)
+    again = layout.ring > 1 and opts.attention == "flex"
+    attn = M * fwd_attn * (forwards + again + 2)
     seconds = (mm / (hw.peak_tflops * 1e12 * hw.matmul_efficiency)
                + attn / (hw.peak_tflops * 1e12 * hw.attention_efficiency))
     return _Compute(tokens, L, q, kv, recomputes, forwards, mm, attn, seconds)

@@ -32,7 +32,10 @@ offload. With --trace, one step of the top layout runs at the real shape on fake
 (megalysses/training/trace.py: rank 0 of its first and last pipeline stage, the run's own code, every tensor
 it allocates counted): the layout gains traced_peak_gib (per GPU),
 traced_moment and traced_phase (where it peaked, and the memory model's name for that moment),
-traced_host_gib (host memory per node at its high-water mark) and traced_pinned_gib (its pinned part).
+traced_host_gib (host memory per node at its high-water mark) and traced_pinned_gib (its pinned part), and
+the step's traced roofline (megalysses/training/roofline.py, per optimizer step): traced_step_s,
+traced_step_breakdown beside the model's step_breakdown (seconds by category), traced_mfu,
+traced_host_syncs, traced_launches and traced_mask_evaluations.
 Step time is megalysses.plan.step_time's model at the stated figures (defaults: H100 SXM nodes of 8;
 each is checked: efficiencies in (0, 1], the peak and bandwidths positive, at least one GPU per node), at
 the config's global batch.
@@ -240,8 +243,10 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         best = fitting[0]
         try:
-            rows[0].update(trace_fields(trace_run(best.cfg, best.run.machine, args.gpus),
+            rows[0].update(trace_fields(trace_run(best.cfg, best.run.machine, args.gpus, hw=hw),
                                         min(args.gpus, hw.gpus_per_node)))
+            rows[0]["traced_mfu"] = round(rows[0]["mfu"] * best.step.total / rows[0]["traced_step_s"], 4)
+            rows[0]["step_breakdown"] = {k: round(v, 6) for k, v in best.step.breakdown(hw).items()}
         except (ConfigError, ValueError) as e:
             print(f"error: the trace of the top layout: {e}", file=sys.stderr)
             return 1
@@ -297,7 +302,11 @@ def _traced_line(r: dict) -> str:
             f"{r['traced_peak_gib']:.2f} GiB per GPU at {r['traced_moment']} (the model: {r['peak_gib']:.2f} GiB "
             f"at {r['peak_phase']}); "
             f"host {r['traced_host_gib']:.0f} GiB per node, {r['traced_pinned_gib']:.0f} of them pinned (the "
-            f"model: {r['host_gib_per_node']:.0f})")
+            f"model: {r['host_gib_per_node']:.0f}); step {r['traced_step_s']:.4g} s, MFU {r['traced_mfu']:.1%} "
+            f"(the model: {r['step_s']:.4g} s), {r['traced_launches']:,} kernel launches, {r['traced_host_syncs']} "
+            f"host syncs, {r['traced_mask_evaluations']:.3g} mask evaluations per step; seconds traced / modelled: "
+            + ", ".join(f"{k} {v:.3g} / {r['step_breakdown'].get(k, 0.0):.3g}"
+                        for k, v in r["traced_step_breakdown"].items()))
 
 
 def _config_problem(cfg, args: argparse.Namespace) -> str:

@@ -269,12 +269,14 @@ def _trace_memory(cfg, machine: Machine, gpus: int) -> Optional[float]:
     import json
 
     from megalysses.memory import GIB
-    from megalysses.plan.search import estimate_config
-    from megalysses.training.trace import model_phase, trace_run
+    from megalysses.plan.search import estimate_config, predict
+    from megalysses.plan.step_time import Hardware
+    from megalysses.training.trace import model_phase, roofline_fields, trace_run
 
     try:
         traces = trace_run(cfg, machine, gpus)
         est = estimate_config(cfg, gpus, machine)
+        model = predict(cfg, traces[0].run, None, None, Hardware()).step
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return None
@@ -285,10 +287,17 @@ def _trace_memory(cfg, machine: Machine, gpus: int) -> Optional[float]:
           f"{model_phase(top.device.moment)}; the memory model: {est.peak_gib:.2f} GiB on stage {est.stage} at "
           f"{est.phase} ({est.peak / max(top.device.bytes, 1) - 1:+.1%}); host {top.host.bytes / GIB:.2f} GiB per "
           f"rank traced, {est.host / GIB:.2f} modelled")
+    roof, modelled = roofline_fields(traces), model.breakdown(Hardware())
+    print(f"step trace: {roof['traced_step_s']:.4g} s per optimizer step; the step-time model: {model.total:.4g} s; "
+          f"{roof['traced_launches']:,} kernel launches, {roof['traced_host_syncs']} host syncs, "
+          f"{roof['traced_mask_evaluations']:.3g} mask evaluations; seconds traced / modelled: "
+          + ", ".join(f"{k} {v:.3g} / {modelled.get(k, 0.0):.3g}" for k, v in roof["traced_step_breakdown"].items()))
     out = Path(cfg.logging.run_dir) / "memory_trace.json"
     out.write_text(json.dumps({"gpus": gpus, "machine": machine.summary(), "stages": [t.summary() for t in traces],
                                "model": {"peak_gib": est.peak_gib, "stage": est.stage, "phase": est.phase,
-                                         "host_gib": est.host / GIB}}, indent=1))
+                                         "host_gib": est.host / GIB, "step_s": model.total,
+                                         "step_breakdown": modelled},
+                               "step": roof}, indent=1))
     print(f"{out} written")
     return float(top.device.bytes)
 

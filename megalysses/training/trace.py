@@ -20,7 +20,9 @@ What a GPU has and a fake tensor has not, the trace gives a form of (`FakeGPU`):
 streams and events do nothing and its pinned buffers are host tensors counted as pinned; our Triton kernels'
 launches go nowhere (triton_support.launches_to), their outputs allocated as on a GPU; the attention kernels
 run as their GPU forms in kernels/gpu_forms.py (the kernel SDPA picks on CUDA, flash-attn, FlexAttention,
-with the workspaces they allocate inside).
+with the workspaces they allocate inside). Every op is also timed by megalysses.training.roofline on the
+streams these forms and FSDP2's device module hand out (StepTrace.roofline: seconds per optimizer step by
+category, launches, host syncs, mask evaluations).
 """
 from __future__ import annotations
 
@@ -28,8 +30,8 @@ import contextlib
 import functools
 import time
 import warnings
-from dataclasses import dataclass, replace
-from typing import Any, Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -41,7 +43,9 @@ from megalysses.grid import ParallelGrid
 from megalysses.plan import Machine, RunPlan, resolve
 from megalysses.memory import GIB
 from megalysses.memory.types import torch_pinned
+from megalysses.plan.step_time import Hardware
 from megalysses.tracker import DEVICE, HOST, PINNED, LiveBytes, Moment, Peak
+from megalysses.training.roofline import Event, Roofline, Tally
 
 GPU_SMS = {"H100": 132, "H200": 132, "A100": 108}
 
@@ -60,6 +64,8 @@ class StepTrace:
     seconds: float
     before: int = 0               # device bytes the step starts with: weights, optimizer state, its batch
     largest_allocation: int = 0   # the largest single device allocation of the step
+    roofline: Tally = field(default_factory=Tally)     # the step's seconds and counts (training/roofline.py),
+                                                       # per optimizer step
 
     def summary(self) -> dict:
         def peak(p: Peak) -> dict:
@@ -81,21 +87,13 @@ class StepTrace:
         return out
 
 
-class _Nothing:
-    """A stream or event of the trace: every call does nothing (the trace runs one op after another) and
-    returns another such object (an event recorded, a query answered: true)."""
-
-    def __getattr__(self, name: str) -> Any:
-        return lambda *args, **kwargs: _Nothing()
-
-
 class FakeGPU(accelerator.Host):
     """megalysses.accelerator's Host in a trace: the GPU is the meta device, its streams and events do nothing,
     its pinned buffers (megalysses' arenas and requests: registered host memory, exactly the bytes asked) are
     host tensors the tracker counts as pinned."""
 
-    def __init__(self, live: LiveBytes) -> None:
-        self.live = live
+    def __init__(self, live: LiveBytes, roof: Roofline) -> None:
+        self.live, self.roof = live, roof
 
     def is_gpu(self, device: torch.device) -> bool:
         return torch.device(device).type == "meta"
@@ -107,16 +105,16 @@ class FakeGPU(accelerator.Host):
             return torch.empty(shape, dtype=dtype, device="cpu")
 
     def stream(self, device: torch.device) -> Any:
-        return _Nothing() if self.is_gpu(device) else None
+        return self.roof.stream() if self.is_gpu(device) else None
 
     def current_stream(self, device: torch.device) -> Any:
-        return _Nothing() if self.is_gpu(device) else None
+        return self.roof.current if self.is_gpu(device) else None
 
     def on(self, stream: Any) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
+        return self.roof.on(stream)
 
     def event(self, stream: Any) -> Any:
-        return None if stream is None else _Nothing()
+        return None if stream is None else stream.record_event()
 
     def record_stream(self, x: torch.Tensor, stream: Any) -> None:
         pass
@@ -124,7 +122,10 @@ class FakeGPU(accelerator.Host):
 
 class _MetaDeviceHandle:
     """torch.meta while a trace runs: the device module FSDP2 asks for its mesh's device type (torch.cuda on
-    a GPU), whose streams and events do nothing."""
+    a GPU), whose streams and events are the roofline's."""
+
+    def __init__(self, roof: Roofline) -> None:
+        self.roof = roof
 
     def current_device(self) -> None:
         return None                         # torch.device("meta", None): the meta device
@@ -145,20 +146,20 @@ class _MetaDeviceHandle:
         pass
 
     def Stream(self, *args: Any, **kwargs: Any) -> Any:      # noqa: N802 (torch.cuda's name)
-        return _Nothing()
+        return self.roof.stream()
 
     def Event(self, *args: Any, **kwargs: Any) -> Any:       # noqa: N802
-        return _Nothing()
+        return Event(self.roof)
 
     def current_stream(self, device: Any = None) -> Any:
-        return _Nothing()
+        return self.roof.current
 
     def stream(self, stream: Any) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
+        return self.roof.on(stream)
 
 
 @contextlib.contextmanager
-def _fsdp_on_meta() -> Iterator[None]:
+def _fsdp_on_meta(roof: Roofline) -> Iterator[None]:
     """FSDP2 on a mesh of the meta device, as on a GPU's: its device module (torch.meta), its parameters left
     where the run builds them (on the meta device, or in host memory with parameter offload: FSDP2 moves a
     host build to the GPU and its shards back to the host, which fake tensors cannot, and which the step
@@ -180,7 +181,7 @@ def _fsdp_on_meta() -> Iterator[None]:
         self.pin_memory = self.offload_to_cpu
         shard(self, param, param.device if self.offload_to_cpu else device, *args)
 
-    torch.meta = _MetaDeviceHandle()
+    torch.meta = _MetaDeviceHandle(roof)
     FSDPParamGroup._validate_no_meta_params = lambda self: None
     _fsdp_init._move_states_to_device = lambda params, buffers, device: None
     FSDPParam._init_sharded_param = shard_where_built
@@ -198,9 +199,11 @@ def stage_rank(run: RunPlan, stage: int) -> int:
     return stage * run.dp * run.sp * run.tp
 
 
-def trace_step(cfg: Config, machine: Machine, world: int, stage: int = 0, keep: int = 12) -> StepTrace:
+def trace_step(cfg: Config, machine: Machine, world: int, stage: int = 0, keep: int = 12,
+               hw: Optional[Hardware] = None) -> StepTrace:
     """One step of the first rank of pipeline stage `stage` of a run of `cfg` on `world` ranks of `machine`,
-    traced (see the module docstring); each peak lists the `keep` largest tensors alive then."""
+    traced (see the module docstring); each peak lists the `keep` largest tensors alive then, and its
+    roofline is timed at `hw`'s figures (default: Hardware())."""
     try:
         from torch._subclasses.fake_tensor import FakeTensorMode
         from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -217,36 +220,43 @@ def trace_step(cfg: Config, machine: Machine, world: int, stage: int = 0, keep: 
     rank = stage_rank(run, stage)
     # the meta device stands for the GPU: give it a backend of its own on the fake process group
     dist.init_process_group("cpu:fake,cuda:fake,meta:fake", store=FakeStore(), rank=rank, world_size=world)
+    # a group of backends per device has no default backend, and torch warns of it as the group is destroyed
+    # ("No backend of type 0 found"): the fake one is its default
+    dist.group.WORLD._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
     start = time.perf_counter()
+    roof = Roofline(hw or Hardware())
     try:
-        with warnings.catch_warnings(), _fsdp_on_meta():    # the fake backend takes no group timeouts, and
+        with warnings.catch_warnings(), _fsdp_on_meta(roof):    # the fake backend takes no group timeouts, and
             warnings.filterwarnings("ignore", message="Set timeout is now only supported")      # says so per group
             grid = ParallelGrid.for_plan(run, cfg.parallel.timeout_seconds)
             mesh = grid.device_mesh(torch.device("meta"), kind="meta")     # made of real tensors, before the fakes
             pinned = functools.partial(torch_pinned, exact=machine.pinned_exact)    # FSDP2's, rounded as torch does
             with FakeTensorMode(allow_non_fake_inputs=True), LiveBytes(keep, torch_pinned=pinned) as live, \
-                    _gpu_forms(live, machine):
-                _step(cfg, grid, run, mesh, live)
+                    _gpu_forms(live, roof, machine, run.micro_batch_size), roof:
+                traced = _step(cfg, grid, run, mesh, live, roof)
     finally:
         dist.destroy_process_group()
     return StepTrace(run, rank, stage, live.peaks[DEVICE], live.peaks[PINNED], live.peaks[HOST],
-                     time.perf_counter() - start, live.before, live.largest_allocation)
+                     time.perf_counter() - start, live.before, live.largest_allocation,
+                     roof.result(run.micro_batches, traced))
 
 
 @contextlib.contextmanager
-def _gpu_forms(live: LiveBytes, machine: Machine) -> Iterator[None]:
+def _gpu_forms(live: LiveBytes, roof: Roofline, machine: Machine, sequences: int) -> Iterator[None]:
     from megalysses.kernels.gpu_forms import gpu_kernels
     from megalysses.kernels.triton_support import LaunchHook, launches_to
 
-    with accelerator.use(FakeGPU(live)), gpu_kernels(live, machine.packages), \
-            launches_to(LaunchHook(GPU_SMS.get(machine.gpu or "", 132), lambda *launch: None)), \
+    with accelerator.use(FakeGPU(live, roof)), gpu_kernels(live, machine.packages, roof, sequences), \
+            launches_to(LaunchHook(GPU_SMS.get(machine.gpu or "", 132), roof.triton)), \
             warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor.*|.*all_gather_into_tensor.*")
         yield
 
 
-def _step(cfg: Config, grid: ParallelGrid, run: RunPlan, mesh: Any, live: LiveBytes) -> None:
-    """Build the model and optimizer, make the optimizer's state, then one train_step, its peaks counted."""
+def _step(cfg: Config, grid: ParallelGrid, run: RunPlan, mesh: Any, live: LiveBytes, roof: Roofline) -> int:
+    """Build the model and optimizer, make the optimizer's state, then one train_step, its peaks counted and
+    its ops timed (each micro-batch a part of the roofline from its forward on, without a pipeline; with one,
+    the schedule one part). Returns how many micro-batches it ran."""
     from megalysses.training.loop import build_model_and_optimizer
     from megalysses.training.step import train_step
 
@@ -260,14 +270,24 @@ def _step(cfg: Config, grid: ParallelGrid, run: RunPlan, mesh: Any, live: LiveBy
     step = opt.step
 
     def optimizer_step(*args: Any, **kwargs: Any) -> Any:
-        with live.phase("optimizer"):
+        roof.mark("optimizer")
+        with live.phase("optimizer"), roof.optimizer():
             return step(*args, **kwargs)
 
     opt.step = optimizer_step
     live.reset_peaks()
+    roof.mark("before the micro-batches")
+    if run.pp == 1:
+        hook = model.register_forward_pre_hook(lambda *args: roof.mark("micro-batch"))
+    else:
+        roof.mark("micro-batches")
     train_step(model, opt, traced, grid, lr=cfg.optimizer.lr, grad_clip=cfg.optimizer.grad_clip,
                dtype=run.torch_dtype, nan_policy=cfg.training.nan_policy)
+    roof.finish()
+    if run.pp == 1:
+        hook.remove()
     del batch
+    return len(traced)
 
 
 def traced_micro_batches(micro_batches: int, run: RunPlan) -> int:
@@ -296,10 +316,11 @@ def fake_batch(cfg: Config, grid: ParallelGrid, run: RunPlan, device: torch.devi
     return out
 
 
-def trace_run(cfg: Config, machine: Machine, world: int, keep: int = 12) -> list[StepTrace]:
+def trace_run(cfg: Config, machine: Machine, world: int, keep: int = 12,
+              hw: Optional[Hardware] = None) -> list[StepTrace]:
     """The traced step of the first stage and, with a pipeline, of the last (the run's peak is the larger)."""
     run = resolve(replace(cfg, data=replace(cfg.data, mock=True)), machine, world)
-    return [trace_step(cfg, machine, world, s, keep) for s in sorted({0, run.pp - 1})]
+    return [trace_step(cfg, machine, world, s, keep, hw) for s in sorted({0, run.pp - 1})]
 
 
 def traced_peak(traces: list[StepTrace]) -> StepTrace:
@@ -320,14 +341,29 @@ def model_phase(moment: Moment) -> str:
 
 def trace_fields(traces: list[StepTrace], ranks_per_node: int) -> dict:
     """What tools/plan.py --trace adds to a layout: the traced device peak per GPU (the larger stage's), its
-    moment and the model's name for it, and host memory per node (all of it, and its pinned part) at their
-    high-water marks (each rank of a node as the traced one of its stage)."""
+    moment and the model's name for it, host memory per node (all of it, and its pinned part) at their
+    high-water marks (each rank of a node as the traced one of its stage), and the traced roofline
+    (roofline_fields)."""
     top = traced_peak(traces)
     host = max(t.host.bytes for t in traces) * ranks_per_node
     pinned = max(t.pinned.bytes for t in traces) * ranks_per_node
     return {"traced_peak_gib": round(top.device.bytes / GIB, 3), "traced_moment": str(top.device.moment),
             "traced_phase": model_phase(top.device.moment), "traced_stage": top.stage,
             "traced_host_gib": round(host / GIB, 2), "traced_pinned_gib": round(pinned / GIB, 2),
-            "traced_seconds": round(sum(t.seconds for t in traces), 1)}
+            "traced_seconds": round(sum(t.seconds for t in traces), 1), **roofline_fields(traces)}
+
+
+def roofline_fields(traces: list[StepTrace]) -> dict:
+    """The traced roofline of the slowest stage, per optimizer step: its seconds (traced_step_s) and their
+    breakdown by category, the host syncs, kernel launches and block-mask evaluations, device, host and
+    collective bytes (GB), and FLOPs by class."""
+    r = max(traces, key=lambda t: t.roofline.total).roofline
+    return {"traced_step_s": round(r.total, 6),
+            "traced_step_breakdown": {k: round(v, 6) for k, v in r.seconds.items()},
+            "traced_host_syncs": r.host_syncs, "traced_launches": r.launches,
+            "traced_mask_evaluations": r.mask_evaluations,
+            "traced_flops": {k: v for k, v in r.flops.items()},
+            "traced_device_gb": round(r.device_bytes / 1e9, 3), "traced_host_copies_gb": round(r.host_bytes / 1e9, 3),
+            "traced_collective_gb": {k: round(v / 1e9, 4) for k, v in r.collective_bytes.items()}}
 
 

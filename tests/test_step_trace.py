@@ -1,0 +1,148 @@
+"""The traced roofline (megalysses/training/roofline.py): each op's FLOPs, bytes, launches and host syncs on
+fake tensors whose costs are known, collectives by their group's link, the overlap that streams, events and
+asynchronous collectives arrange and no more, micro-batches scaled to the step; and the step-time model
+against a traced step at a small real shape, category by category."""
+import pytest
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from megalysses.config.io import load_config
+from megalysses.plan import Machine
+from megalysses.plan.search import predict
+from megalysses.plan.step_time import Hardware
+from megalysses.tracker import LiveBytes
+from megalysses.training.roofline import CATEGORIES, Roofline, Tally
+from megalysses.training.trace import roofline_fields, trace_run
+
+HW = Hardware()
+BF16 = torch.bfloat16
+
+
+def _device_seconds(flops: float, nbytes: float, efficiency: float = 0.0) -> float:
+    compute = flops / (HW.peak_tflops * 1e12 * efficiency) if efficiency else 0.0
+    return max(compute, nbytes / (HW.hbm_gbs * 1e9))
+
+
+def test_ops_by_their_flops_bytes_launches_and_syncs():
+    """A matmul by torch's formula at the matmul kernels' efficiency, an elementwise op by its bytes, views and
+    empty tensors free, a blocking copy to the host at the host link and a host sync, .item() a host sync; each
+    kernel one launch."""
+    m, k, n = 4096, 4096, 8192
+    with FakeTensorMode(), LiveBytes(), Roofline(HW) as roof:       # LiveBytes answers .item()
+        a = torch.empty(m, k, device="meta", dtype=BF16)
+        b = torch.empty(k, n, device="meta", dtype=BF16)
+        c = a @ b
+        d = (c * 2).view(-1)
+        host = d.to("cpu")
+        d.sum().item()
+        roof.finish()
+    r = roof.result(1, 1)
+    mm = 2 * m * k * n
+    assert r.flops["matmul"] == mm and r.flops["attention"] == 0
+    assert r.launches == 4 and r.host_syncs == 2           # mm, mul, the copy, sum; the copy and .item()
+    c_bytes = m * n * 2
+    expected = (_device_seconds(mm, (m * k + k * n) * 2 + c_bytes, HW.kernel_matmul_efficiency)
+                + _device_seconds(0, 2 * c_bytes) + _device_seconds(0, c_bytes + 2))
+    assert r.seconds["compute"] == pytest.approx(expected)
+    assert r.seconds["host copies"] == pytest.approx(c_bytes / (HW.host_gbs * 1e9)) and r.host_bytes == c_bytes
+    assert r.seconds["launches"] == pytest.approx(4 * HW.launch_us * 1e-6)
+    assert r.total == pytest.approx(sum(r.seconds[k] for k in CATEGORIES))
+    del host
+
+
+def test_collectives_by_group_and_overlap():
+    """A collective moves its ring's bytes over its group's link (inter-node when its ranks span nodes); a
+    synchronous one holds the stream, an asynchronous one only the op that reads its buffer, after the compute
+    queued between them; a side stream's copy shows only where an event makes the main stream wait for it."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=16)
+    try:
+        near, far = dist.new_group([0, 1]), dist.new_group([0, 8])
+        with FakeTensorMode(), Roofline(HW) as roof:
+            x = torch.empty(64 << 20, device="meta", dtype=BF16)                # 128 MiB
+            a = torch.empty(8192, 8192, device="meta", dtype=BF16)
+            dist.all_reduce(x, group=near)                                       # sync: all of it exposed
+            sync = roof.tally.seconds["communication"]
+            assert sync == pytest.approx(2 * 0.5 * x.nbytes / HW.link(2))
+            dist.all_reduce(x, group=far, async_op=True)                         # async, then a matmul
+            before = roof.tally.seconds["communication"]
+            a @ a
+            matmul = roof.tally.seconds["compute"] + HW.launch_us * 1e-6        # the matmul and its launch
+            x.add_(1)                                                            # reads it: waits for the rest
+            waited = roof.tally.seconds["communication"] - before
+            side = roof.stream()
+            side.wait_stream(roof.current)
+            with roof.on(side):
+                x.to("cpu", non_blocking=True)                                   # a copy on a side stream
+            done = side.record_event()
+            a @ a
+            roof.current.wait_event(done)
+            roof.finish()
+        r = roof.result(1, 1)
+        inter = 2 * 0.5 * x.nbytes / HW.link(9)
+        assert HW.link(9) < HW.link(2)
+        assert waited == pytest.approx(inter - matmul)
+        assert r.collective_bytes == {"allreduce over 2 ranks (intra-node)": x.nbytes,
+                                      "allreduce over 2 ranks (inter-node)": x.nbytes}
+        copy = x.nbytes / (HW.host_gbs * 1e9)
+        assert r.seconds["host copies"] == pytest.approx(copy - _device_seconds(2 * 8192 ** 3, 3 * a.nbytes,
+                                                                                HW.kernel_matmul_efficiency))
+        assert r.host_syncs == 0                                                 # a non-blocking copy
+    finally:
+        dist.destroy_process_group()
+
+
+def test_micro_batches_scaled_to_the_step():
+    """Three traced micro-batches of many: the first, the last and the middle one for each of the others; the
+    parts before them and the optimizer's once; a pipeline's schedule scaled by its share."""
+    roof = Roofline(HW)
+    for name, seconds in (("start", 1.0), ("micro-batch", 10.0), ("micro-batch", 20.0), ("micro-batch", 30.0),
+                          ("optimizer", 5.0)):
+        t = Tally()
+        t.seconds["compute"], t.launches = seconds, 1
+        roof.parts.append((name, t))
+    r = roof.result(8, 3)
+    assert r.seconds["compute"] == 1 + 10 + 30 + 6 * 20 + 5 and r.launches == 1 + 1 + 1 + 6 + 1
+    assert roof.result(3, 3).seconds["compute"] == 66
+    roof.parts = [("micro-batches", Tally(seconds={**dict.fromkeys(CATEGORIES, 0.0), "compute": 6.0}))]
+    assert roof.result(8, 6).seconds["compute"] == 8.0
+
+
+SMALL = ["data.mock=true", "model.vocab_size=512", "model.hidden_size=128", "model.num_layers=2", "model.num_heads=4",
+         "model.num_kv_heads=2", "model.ffn_hidden_size=320", "training.micro_batch_size=1", "data.seq_len=4096",
+         "training.dtype=bfloat16", "training.activation_checkpointing=true"]
+
+
+@pytest.mark.parametrize("world,overrides", [
+    (1, ["training.global_batch_size=5"]),
+    (1, ["training.global_batch_size=2", "training.mlp_chunk_tokens=1024"]),
+    (4, ["parallel.sp=2", "parallel.sp_ring=2", "parallel.fsdp=true", "training.global_batch_size=4"]),
+])
+def test_model_against_the_trace(world, overrides):
+    """At a small real shape (one GPU; a ring of 2 with FlexAttention and FSDP), the step-time model's FLOPs
+    against the traced step's, by torch's formulas and the kernels' own: the matmuls within 1% (a block's
+    recomputation stopping before the MLP's down projection; MLP tiles recomputing each tile once more),
+    attention by the pairs its masks allow, its backward 2.5 forwards (torch's count, the model's 2: its
+    attention efficiency is fitted to that count); each
+    category the model has a term for is in its breakdown, and those it lacks (launches, masks) are zero
+    there and not in the trace."""
+    cfg = load_config(overrides=SMALL + overrides)
+    traces = trace_run(cfg, Machine.described("H100", packages=("triton",)), world, hw=HW)
+    traced = roofline_fields(traces)
+    model = predict(cfg, traces[0].run, None, None, HW).step
+    flops = traced["traced_flops"]
+    assert flops["matmul"] == pytest.approx(model.flops["matmul"], rel=0.01), (flops, model.flops)
+    # the forward and its recomputation (checkpointing), and a ring's FlexAttention blocks once more in their
+    # backward, of attention
+    forwards = 2 + (world > 1)
+    assert flops["attention"] == pytest.approx(model.flops["attention"] * (forwards + 2.5) / (forwards + 2),
+                                               rel=0.01), (flops, model.flops)
+    breakdown = model.breakdown(HW)
+    assert set(traced["traced_step_breakdown"]) <= set(breakdown)
+    assert breakdown["launches"] == 0 < traced["traced_step_breakdown"]["launches"]
+    assert traced["traced_host_syncs"] > 0 and traced["traced_launches"] > 0
+    if world > 1:       # the ring's K/V blocks: the model's bytes
+        sent = sum(v for k, v in traced["traced_collective_gb"].items() if k.startswith("send"))
+        assert sent * 1e9 == pytest.approx(model.bytes["ring_p2p"], rel=0.05)
