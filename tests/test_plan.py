@@ -13,7 +13,7 @@ from megalysses.config.checks import check_heads, check_world_size, validate_con
 from megalysses.config.io import load_config
 from megalysses.memory import (GIB, PRECISIONS, Layout, Options, Workload, estimate, layer_params,
                                stage_params)
-from megalysses.plan.search import (candidate_configs, check_phase_time, evaluate, plan,
+from megalysses.plan.search import (Search, candidate_configs, check_phase_time, evaluate, plan,
                                      predicted_step_seconds)
 from megalysses.plan.step_time import Hardware, Overlap, step_time
 from megalysses.plan.tiles import could_fit
@@ -521,3 +521,34 @@ def test_cli_refuses_before_any_search_what_no_layout_can_run(capsys, monkeypatc
     assert not out.out and out.err.count("\n") == 1 and out.err.startswith(
         "error: --seq-len 1048576: this config cannot run at that length: data.seq_len_schedule ends at seq_len "
         "131072"), out.err
+
+
+def test_the_pruned_search_returns_the_whole_searchs_top_layouts():
+    """plan() with Search.top weighs only candidates whose step can still rank (a floor on the step time) and
+    returns the same top layouts, in the same order, as the whole search, with every one within Search.within
+    seconds (to rank the config's own layout); it tells its progress from its first candidate, layout by layout,
+    the candidates enumerated as it goes."""
+    cfg = load("configs/quickstart.yaml", **{"data.mock": "true", "data.document_mask": "false",
+                                             "training.micro_batch_size": 1, "training.global_batch_size": 4})
+    every_search = Search()
+    every, every_considered = plan(cfg, 8, 1 << 16, 3, search=every_search)
+    assert len(every) > 10
+    told = []
+    top = Search(top=3, within=every[6].step.total, progress=lambda *counts: told.append(counts))
+    fitting, considered = plan(cfg, 8, 1 << 16, 3, search=top)
+    within = [p for p in every if p.step.total <= top.within]
+    assert [p.row() for p in fitting] == [p.row() for p in (every[:3] if len(within) < 3 else within)]
+    assert considered == every_considered and top.evaluated < every_search.evaluated / 4, (top, every_search)
+    assert told[0][0] == 0 and told[-1][1] == told[-1][2] and told[-1][0] == sum(
+        1 for c in candidate_configs(cfg, 8, offload=False) if _batch_fits(c, 8))
+    unpruned = Search(top=3, prune=False)
+    assert [p.row() for p in plan(cfg, 8, 1 << 16, 3, search=unpruned)[0]] == [p.row() for p in every[:3]]
+    assert unpruned.evaluated == every_search.evaluated
+
+
+def _batch_fits(cfg, gpus: int) -> bool:
+    try:
+        check_world_size(cfg, gpus)
+    except ConfigError:
+        return False
+    return True
