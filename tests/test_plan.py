@@ -17,7 +17,7 @@ from megalysses.plan.search import (Search, candidate_configs, check_phase_time,
                                      predicted_step_seconds)
 from megalysses.plan.step_time import Hardware, Overlap, step_time
 from megalysses.plan.tiles import could_fit
-from megalysses.tools.plan import _flags, main
+from megalysses.tools.plan import Progress, _flags, main
 from megalysses.training.runtime import resolve_run
 from tests.planning import LLAMA3_8B, h100s, load
 
@@ -552,3 +552,14 @@ def _batch_fits(cfg, gpus: int) -> bool:
     except ConfigError:
         return False
     return True
+
+
+def test_the_progress_line_starts_at_the_first_candidate(capsys):
+    """tools/plan.py's progress line (not on a terminal) is printed at the first candidate, then every 10 s, and
+    at the end."""
+    progress = Progress()
+    progress(0, 3, 40, 0)
+    progress(5, 4, 40, 1)
+    progress(9, 40, 40, 2)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("planning: 0 candidate") and "(40 of 40 layouts), 2 fit" in lines[1]
