@@ -49,7 +49,7 @@ def reference_rows(folder: Optional[Path], gpus: int, top: int) -> Optional[list
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=str(ROOT / "configs" / "llama3_8b_1m.yaml"))
+    p.add_argument("--config", default="configs/llama3_8b_1m.yaml", help="relative to the repository's root")
     p.add_argument("--gpus", type=int, nargs="+", default=[8, 64, 1024, 8192])
     p.add_argument("--top", type=int, default=50, help="top layouts compared (tools/plan.py --top)")
     p.add_argument("--unpruned", action="store_true", help="also run the unpruned search and compare with it")
@@ -58,7 +58,7 @@ def main() -> int:
     add_output_args(p)
     args = p.parse_args()
     folder = output_dir(p, args)
-    cfg = load_config(args.config, [])
+    cfg = load_config(str(ROOT / args.config), [])
     print("| GPUs | layouts considered | layouts evaluated | seconds | top layouts equal to unpruned "
           "| unpruned: evaluated | unpruned: seconds |")
     print("|---:|---:|---:|---:|:---|---:|---:|")
