@@ -232,8 +232,9 @@ def run_step_seconds(cfg: Config, run: RunPlan, hw: Hardware) -> Optional[float]
 @dataclass
 class Search:
     """How plan() searches, and what it did. `progress(searched, layouts_searched, layouts, fitting)` is told
-    after every candidate (`fitting`: those found so far). With `top`, only the `top` fastest layouts that fit
-    are wanted, with every one whose step is at most `within` seconds besides (a layout to rank among them):
+    before every candidate and once at the end (`fitting`: those found so far). With `top`, only the `top`
+    fastest layouts that fit are wanted, with every one whose step is at most `within` seconds besides (a
+    layout to rank among them):
     where `prune`, a candidate whose step cannot be that quick (step_floor: its step time before the tiles and
     the offloaded bytes, which only add to it, are known) is not evaluated. plan() counts `evaluated`: the
     candidates whose memory and step time it weighed (tiles and all), the others skipped as unable to fit
