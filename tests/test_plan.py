@@ -14,11 +14,11 @@ from megalysses.config.io import load_config
 from megalysses.memory import (GIB, PRECISIONS, Layout, Options, Workload, estimate, layer_params,
                                stage_params)
 from megalysses.plan.communicators import axis_sizes, communicators
-from megalysses.plan.search import (candidate_configs, check_phase_time, evaluate, plan,
-                                     predicted_step_seconds, ranking)
+from megalysses.plan.search import (Search, candidate_configs, check_phase_time, evaluate, plan,
+                                    predicted_step_seconds, ranking)
 from megalysses.plan.step_time import Hardware, Overlap, step_time
 from megalysses.plan.tiles import could_fit
-from megalysses.tools.plan import _flags, main
+from megalysses.tools.plan import Progress, _flags, main
 from megalysses.training.runtime import resolve_run
 from tests.planning import LLAMA3_8B, h100s, load
 
@@ -543,3 +543,45 @@ def test_between_equal_layouts_fewer_communicators_first():
     assert sorted([tp2sp4, sp8], key=ranking) == [sp8, tp2sp4]
     assert sorted([sp8, layout(2, 4, step=0.9)], key=ranking)[0].step.total == 0.9
     assert sorted([sp8, layout(2, 4, peak=0.9)], key=ranking)[0].estimate.peak == 0.9
+
+
+def test_the_pruned_search_returns_the_whole_searchs_top_layouts():
+    """plan() with Search.top weighs only candidates whose step can still rank (a floor on the step time) and
+    returns the same top layouts, in the same order, as the whole search, with every one within Search.within
+    seconds (to rank the config's own layout); it tells its progress from its first candidate, layout by layout,
+    the candidates enumerated as it goes."""
+    cfg = load("configs/quickstart.yaml", **{"data.mock": "true", "data.document_mask": "false",
+                                             "training.micro_batch_size": 1, "training.global_batch_size": 4})
+    every_search = Search()
+    every, every_considered = plan(cfg, 8, 1 << 16, 3, search=every_search)
+    assert len(every) > 10
+    told = []
+    top = Search(top=3, within=every[6].step.total, progress=lambda *counts: told.append(counts))
+    fitting, considered = plan(cfg, 8, 1 << 16, 3, search=top)
+    within = [p for p in every if p.step.total <= top.within]
+    assert [p.row() for p in fitting] == [p.row() for p in (every[:3] if len(within) < 3 else within)]
+    assert considered == every_considered and top.evaluated < every_search.evaluated / 4, (top, every_search)
+    assert told[0][0] == 0 and told[-1][1] == told[-1][2] and told[-1][0] == sum(
+        1 for c in candidate_configs(cfg, 8, offload=False) if _batch_fits(c, 8))
+    unpruned = Search(top=3, prune=False)
+    assert [p.row() for p in plan(cfg, 8, 1 << 16, 3, search=unpruned)[0]] == [p.row() for p in every[:3]]
+    assert unpruned.evaluated == every_search.evaluated
+
+
+def _batch_fits(cfg, gpus: int) -> bool:
+    try:
+        check_world_size(cfg, gpus)
+    except ConfigError:
+        return False
+    return True
+
+
+def test_the_progress_line_starts_at_the_first_candidate(capsys):
+    """tools/plan.py's progress line (not on a terminal) is printed at the first candidate, then every 10 s, and
+    at the end."""
+    progress = Progress()
+    progress(0, 3, 40, 0)
+    progress(5, 4, 40, 1)
+    progress(9, 40, 40, 2)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("planning: 0 candidate") and "(40 of 40 layouts), 2 fit" in lines[1]

@@ -7,6 +7,9 @@ workload of a run as it was resolved, and its estimate.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator, Optional
+
 from megalysses.config import Config
 from megalysses.kernels.attention import varlen_native_gqa
 from megalysses.memory.estimate import estimate
@@ -61,9 +64,34 @@ def workload_of(cfg: Config, plan: RunPlan) -> Workload:
                     micro_batches=plan.micro_batches)
 
 
+_SHARED: Optional[dict] = None       # the estimates shared_estimates() keeps, by their inputs
+
+
+@contextmanager
+def shared_estimates() -> Iterator[None]:
+    """Within it, estimate_plan computes each estimate once for its inputs (the model, layout, options, precision
+    and workload) and hands the same Estimate back to every later call with equal inputs: the planner's search,
+    whose tile bounds, tile searches and final estimate of a candidate weigh many of the same runs. Read the
+    estimates it gives, do not change them."""
+    global _SHARED
+    outer, _SHARED = _SHARED, {} if _SHARED is None else _SHARED
+    try:
+        yield
+    finally:
+        _SHARED = outer
+
+
 def estimate_plan(cfg: Config, plan: RunPlan) -> Estimate:
-    """The predicted peak per rank of the run `plan` resolved `cfg` into."""
-    return estimate(cfg.model, layout_of(plan), options_of(cfg, plan), precision_of(plan), workload_of(cfg, plan))
+    """The predicted peak per rank of the run `plan` resolved `cfg` into (within shared_estimates(), once for
+    equal inputs)."""
+    inputs = (layout_of(plan), options_of(cfg, plan), precision_of(plan), workload_of(cfg, plan))
+    if _SHARED is None:
+        return estimate(cfg.model, *inputs)
+    model, est = _SHARED.get(inputs, (None, None))
+    if model is not cfg.model and model != cfg.model:
+        est = estimate(cfg.model, *inputs)
+        _SHARED[inputs] = (cfg.model, est)
+    return est
 
 
 def pinned_requests_of(cfg: Config, plan: RunPlan, stage: int) -> list[PinnedRequest]:

@@ -120,11 +120,12 @@ def _phases(cfg: Config, sequence: SequenceLayout) -> tuple[Phase, ...]:
     return tuple(train) + (Phase("eval", d.seq_len, sequence.padded_len(d.seq_len)),) + tuple(long_eval)
 
 
-def resolve(cfg: Config, machine: Machine, world_size: int, tiles: bool = True) -> RunPlan:
+def resolve(cfg: Config, machine: Machine, world_size: int, tiles: bool = True, mask_block: bool = True) -> RunPlan:
     """Every decision of a run of `cfg` on `world_size` ranks of `machine`; ConfigError names what cannot run
     there. `cfg` is assumed to have passed config.checks.validate_config at this world size. With
     tiles=False the `auto` MLP and loss tiles are left undecided, 0 in the plan's activation policy (the
-    planner bounds what they can resolve to: plan/tiles.py could_fit)."""
+    planner bounds what they can resolve to: plan/tiles.py could_fit); with mask_block=False FlexAttention's
+    block-mask block is left at 128 (flex_mask_block weighs memory alone: the planner's step-time floor)."""
     m, p, t = cfg.model, cfg.parallel, cfg.training
     ulysses, ring = check_heads(m.num_heads, m.kv_heads, p.tp, p.sp, p.sp_ring, machine.ranks_per_node)
     dtype = compute_dtype(t.dtype, machine)
@@ -166,7 +167,7 @@ def resolve(cfg: Config, machine: Machine, world_size: int, tiles: bool = True) 
         run = _auto_tiles(cfg, run)
     if t.attention_head_chunks == "auto":
         run = replace(run, activation=replace(run.activation, head_chunks=auto_head_chunks(cfg, run)))
-    if attention == "flex" and has_docs:
+    if attention == "flex" and has_docs and mask_block:
         run = replace(run, activation=replace(run.activation, mask_block=flex_mask_block(cfg, run)))
     run = replace(run, activation=replace(run.activation, loss_tile=concrete_loss_tile(cfg, run)))
     if tiles:

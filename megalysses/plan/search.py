@@ -13,6 +13,7 @@ layouts otherwise equal, the one with fewer communicators comes first.
 """
 from __future__ import annotations
 
+import bisect
 import itertools
 import os
 from dataclasses import dataclass, replace
@@ -21,7 +22,8 @@ from typing import Callable, Iterator, Optional
 from megalysses.config import Config, ConfigError, ModelConfig
 from megalysses.config.checks import check_heads, check_world_size, head_chunk_counts, validate_config
 from megalysses.memory import GIB, Estimate
-from megalysses.plan.memory import estimate_plan, options_of, precision_of, workload_of, layout_of
+from megalysses.plan.memory import (estimate_plan, layout_of, options_of, precision_of, shared_estimates,
+                                    workload_of)
 from megalysses.plan.flops import flops_per_token
 from megalysses.plan.machine import PLAIN_TORCH, Machine
 from megalysses.plan.run_plan import resolve
@@ -62,9 +64,30 @@ def candidate_configs(cfg: Config, gpus: int, offload: bool, gpus_per_node: int 
     count the split's Ulysses degree allows, not with kept attention outputs), TP sequence sharding, FSDP or
     ZeRO-1, and with host memory (`offload`) activation offload (of every block's input, or of every 2nd or
     4th block's: training.checkpoint_stride), optimizer offload (ZeRO-1) and parameter offload (FSDP).
-    Candidates whose tiles resolve alike are one run: plan() keeps the first."""
-    m, t = cfg.model, cfg.training
-    S = cfg.data.seq_len
+    Candidates whose tiles resolve alike are one run: plan() keeps the first. Generated lazily, layout by
+    layout (layouts(), then layout_options())."""
+    for layout in layouts(cfg, gpus, gpus_per_node):
+        yield from layout_options(layout, offload)
+
+
+def layouts(cfg: Config, gpus: int, gpus_per_node: int = 8) -> Iterator[Config]:
+    """`cfg` at every (tp, sp = ulysses x ring, pp, virtual stages) of candidate_configs, in its order, the
+    memory options as in `cfg`: what check_world_size judges, once for all of a layout's options."""
+    m = cfg.model
+    for tp in divisors(gpus):
+        if tp > gpus_per_node:
+            continue
+        for sp in divisors(gpus // tp):
+            for ring, pp in itertools.product(ring_degrees(m, tp, sp), divisors(gpus // (tp * sp))):
+                for v in [1] + [x for x in (2, 4) if pp > 1]:
+                    yield replace(cfg, parallel=replace(cfg.parallel, tp=tp, sp=sp, sp_ring=ring, pp=pp,
+                                                        virtual_stages=v))
+
+
+def layout_options(layout: Config, offload: bool) -> Iterator[Config]:
+    """Every memory-option combination of candidate_configs at the layout of `layout` (from layouts())."""
+    m, t, par = layout.model, layout.training, layout.parallel
+    tp, sp, ring = par.tp, par.sp, par.sp_ring
     mlp_tiles, loss_tiles = [0, "auto"], ["auto"]
     # checkpointing, activation offload, attention outputs kept, checkpoint stride (host memory binding: 1/k of
     # the block inputs offloaded)
@@ -73,29 +96,18 @@ def candidate_configs(cfg: Config, gpus: int, offload: bool, gpus_per_node: int 
     # FSDP, optimizer offload, parameter offload
     states = ((False, False, False), (True, False, False)) + \
         (((False, True, False), (True, False, True)) if offload else ())
-    for tp in divisors(gpus):
-        if tp > gpus_per_node:
+    chunk_counts = head_chunk_counts(m.num_heads, m.kv_heads, tp, sp // ring)
+    tiles = [x for x in mlp_tiles if x == "auto" or x < layout.data.seq_len // sp or x == 0]
+    options = itertools.product(activations, itertools.product(tiles, loss_tiles),
+                                (False, True) if tp > 1 else (False,), states, chunk_counts)
+    for (ckpt, offl, keep, stride), (tile, loss_tile), tsp, (fsdp, opt_off, par_off), chunks in options:
+        if keep and chunks > 1:
             continue
-        for sp in divisors(gpus // tp):
-            for ring, pp in itertools.product(ring_degrees(m, tp, sp), divisors(gpus // (tp * sp))):
-                chunk_counts = head_chunk_counts(m.num_heads, m.kv_heads, tp, sp // ring)
-                tiles = [x for x in mlp_tiles if x == "auto" or x < S // sp or x == 0]
-                options = itertools.product([1] + [x for x in (2, 4) if pp > 1], activations,
-                                            itertools.product(tiles, loss_tiles),
-                                            (False, True) if tp > 1 else (False,), states, chunk_counts)
-                for v, (ckpt, offl, keep, stride), (tile, loss_tile), tsp, (fsdp, opt_off, par_off), chunks \
-                        in options:
-                    if keep and chunks > 1:
-                        continue
-                    yield replace(
-                        cfg,
-                        parallel=replace(cfg.parallel, tp=tp, sp=sp, sp_ring=ring, pp=pp, virtual_stages=v,
-                                         tp_sequence_parallel=tsp, fsdp=fsdp),
-                        training=replace(t, activation_checkpointing=ckpt, activation_offload=offl,
-                                         recompute_attention=not keep, optimizer_offload=opt_off,
-                                         param_offload=par_off, checkpoint_stride=stride,
-                                         mlp_chunk_tokens=tile, loss_chunk_tokens=loss_tile,
-                                         attention_head_chunks=chunks))
+        yield replace(
+            layout, parallel=replace(par, tp_sequence_parallel=tsp, fsdp=fsdp),
+            training=replace(t, activation_checkpointing=ckpt, activation_offload=offl, recompute_attention=not keep,
+                             optimizer_offload=opt_off, param_offload=par_off, checkpoint_stride=stride,
+                             mlp_chunk_tokens=tile, loss_chunk_tokens=loss_tile, attention_head_chunks=chunks))
 
 
 RING_MIN_TOKENS = 256
@@ -226,54 +238,122 @@ def ranking(p: Prediction) -> tuple[float, float, int]:
     return p.step.total, p.estimate.peak, len(run_communicators(p.run))
 
 
+@dataclass
+class Search:
+    """How plan() searches, and what it did. `progress(searched, layouts_searched, layouts, fitting)` is told
+    before every candidate and once at the end (`fitting`: those found so far). With `top`, only the `top`
+    fastest layouts that fit are wanted, with every one whose step is at most `within` seconds besides (a
+    layout to rank among them):
+    where `prune`, a candidate whose step cannot be that quick (step_floor: its step time before the tiles and
+    the offloaded bytes, which only add to it, are known) is not evaluated. plan() counts `evaluated`: the
+    candidates whose memory and step time it weighed (tiles and all), the others skipped as unable to fit
+    (could_fit) or to rank."""
+
+    progress: Optional[Callable[[int, int, int, int], None]] = None
+    top: Optional[int] = None
+    within: float = 0.0
+    prune: bool = True
+    evaluated: int = 0
+
+
 def plan(cfg: Config, gpus: int, seq_len: int, gpu_memory_gib: Optional[float] = None,
          host_memory_gib: Optional[float] = None, hw: Optional[Hardware] = None,
-         packages: tuple[str, ...] = PLAIN_TORCH,
-         progress: Optional[Callable[[int, int, int], None]] = None) -> tuple[list[Prediction], int]:
+         packages: tuple[str, ...] = PLAIN_TORCH, search: Optional[Search] = None) -> tuple[list[Prediction], int]:
     """(the layouts that fit, best first, each run once; how many candidates were considered: those that
     validate), on H100s (`hw`, default Hardware()). A layout's batch arithmetic (config.checks.check_world_size)
     is checked once for all its memory options, and a candidate whose peak no tiles can bring within the
-    device's usable memory (plan/tiles.py could_fit) is not searched further: it fits at none of them.
-    `progress(searched, candidates, fitting)` is told after every candidate."""
-    hw = hw or Hardware()
+    device's usable memory (plan/tiles.py could_fit) is not searched further: it fits at none of them. With
+    search.top (Search), the list holds the search.top fastest, exactly those the whole list starts with, and
+    any that fit within search.within seconds; the candidates are enumerated as they are searched."""
+    hw, search = hw or Hardware(), search or Search()
     cfg = replace(cfg, data=replace(cfg.data, seq_len=seq_len))
     machine = described_machine(gpus, gpu_memory_gib, hw, packages)
-    budget = hw.usable_bytes(machine.memory_gib)     # at least each layout's own (its communicators and largest
-                                                     # block come off)
-    fitting, considered, runs, layouts = [], 0, set(), {}
-    candidates = list(candidate_configs(cfg, gpus, host_memory_gib is not None, hw.gpus_per_node))
-    for searched, cand in enumerate(candidates, 1):
-        if progress is not None:
-            progress(searched, len(candidates), len(fitting))
-        par = cand.parallel
-        layout = (par.tp, par.sp, par.pp, par.virtual_stages)
-        if layout not in layouts:
-            try:
-                check_world_size(cand, gpus)
-                layouts[layout] = True
-            except ConfigError:
-                layouts[layout] = False
-        if not layouts[layout]:
-            continue
+    found = _Found(search, hw.usable_bytes(machine.memory_gib))  # at least each layout's own (less its communicators
+                                                                 # and its largest block)
+    every = list(layouts(cfg, gpus, hw.gpus_per_node))
+    for done, layout in enumerate(every):
         try:
-            validate_config(cand, world_size=gpus)
+            check_world_size(layout, gpus)
         except ConfigError:
             continue
-        considered += 1
-        try:
-            untiled = resolve(cand, machine, gpus, tiles=False)
-            if not could_fit(cand, untiled, budget - communicator_bytes(untiled)):
-                continue
-            p = evaluate(cand, gpus, machine.memory_gib, host_memory_gib, hw, machine=machine)
-        except ValueError:        # one the memory model does not cover, or the run refuses (it says which): not planned
-            continue
-        if p.run in runs:         # tiles that resolve to another candidate's
-            continue
-        runs.add(p.run)
-        if p.fits:
-            fitting.append(p)
-    fitting.sort(key=ranking)
-    return fitting, considered
+        with shared_estimates():            # what one layout's candidates weigh alike, weighed once
+            for cand in layout_options(layout, host_memory_gib is not None):
+                if search.progress is not None:
+                    search.progress(found.searched, done, len(every), len(found.fitting))
+                found.searched += 1
+                try:
+                    validate_config(cand, world_size=gpus)
+                except ConfigError:
+                    continue
+                found.considered += 1
+                try:
+                    p = found.weigh(cand, machine, gpus, host_memory_gib, hw)
+                except ValueError:    # one the memory model does not cover, or the run refuses (it says which)
+                    continue
+                if p is not None:
+                    found.add(p)
+    if search.progress is not None:
+        search.progress(found.searched, len(every), len(every), len(found.fitting))
+    fitting = sorted(found.fitting, key=ranking)
+    return fitting if search.top is None else found.best(fitting), found.considered
+
+
+def step_floor(cand: Config, run: RunPlan, hw: Hardware) -> float:
+    """The least step time `cand` can have, from `run`, its plan resolved without tiles or the mask block
+    (resolve(tiles=False, mask_block=False), which the step time does not read), its head chunks concrete:
+    the step-time model's, at the MLP untiled or in tiles (an `auto` tile may resolve to either; any tile costs
+    the same), with no offloaded bytes (which add host copies)."""
+    opts = options_of(cand, run)
+    tiles = [opts.mlp_chunk_tokens] if cand.training.mlp_chunk_tokens != "auto" else [0, cand.model.hidden_size]
+    return min(step_time(cand.model, layout_of(run), replace(opts, mlp_chunk_tokens=tile), precision_of(run),
+                         workload_of(cand, run), hw, Overlap(grad_reduce=cand.parallel.overlap_grad_reduce)).total
+               for tile in tiles)
+
+
+class _Found:
+    """plan()'s search so far: the runs weighed, the layouts found to fit, and the step time a candidate must
+    not exceed to rank (with Search.top and prune)."""
+
+    def __init__(self, search: Search, budget: float) -> None:
+        self.search, self.budget = search, budget
+        self.fitting: list[Prediction] = []
+        self.runs: set = set()
+        self.steps: list[float] = []          # the fitting ones' step times, ascending (with Search.top)
+        self.searched = self.considered = 0
+
+    def bar(self) -> float:
+        """The step time above which a candidate cannot rank: the top-th fastest found so far (or within)."""
+        s = self.search
+        if s.top is None or not s.prune or len(self.steps) < s.top:
+            return float("inf")
+        return max(self.steps[s.top - 1], s.within)
+
+    def weigh(self, cand: Config, machine: Machine, gpus: int, host_memory_gib: Optional[float],
+              hw: Hardware) -> Optional[Prediction]:
+        """`cand`'s prediction, or None where it cannot fit or (pruning) cannot rank, or its run was weighed."""
+        bar = self.bar()
+        if bar < float("inf") and step_floor(cand, resolve(cand, machine, gpus, tiles=False, mask_block=False),
+                                             hw) > bar * (1 + 1e-9):
+            return None
+        untiled = resolve(cand, machine, gpus, tiles=False)
+        if not could_fit(cand, untiled, self.budget - communicator_bytes(untiled)):
+            return None
+        self.search.evaluated += 1
+        p = evaluate(cand, gpus, machine.memory_gib, host_memory_gib, hw, machine=machine)
+        if p.run in self.runs:              # tiles that resolve to another candidate's
+            return None
+        self.runs.add(p.run)
+        return p if p.fits else None
+
+    def add(self, p: Prediction) -> None:
+        self.fitting.append(p)
+        if self.search.top is not None:
+            bisect.insort(self.steps, p.step.total)
+
+    def best(self, fitting: list[Prediction]) -> list[Prediction]:
+        """The top fastest of the sorted `fitting`, and those within Search.within seconds."""
+        s = self.search
+        return [p for i, p in enumerate(fitting) if i < s.top or p.step.total <= s.within]
 
 
 def check_phase_time(cfg: Config, run: RunPlan, peak_tflops: Optional[float]) -> None:

@@ -20,7 +20,13 @@ layout rules (config.checks.validate_config). The config's own layout is evaluat
 among those that fit, and by which terms of the step time it trails the first.
 
 The table names each row's options (ckpt, act-offload, mlp-tile=16K, ...: the line under it gives the config
-key of each); the search's progress goes to stderr, so --json's stdout stays one JSON object.
+key of each); the search's progress goes to stderr from its first candidate (the candidates are enumerated as
+they are searched, layout by layout), so --json's stdout stays one JSON object. The search wants the --top
+fastest layouts and every one at least as fast as the config's own (to rank it): a candidate whose step cannot
+be that quick (a floor from the step-time model, before its tiles and offloaded bytes are known) is not weighed,
+so `fitting` (in --json, and the first line's count) counts those found, "at least" where --top of them fit,
+and `evaluated` those weighed; the rows are those a search weighing every candidate lists first
+(benchmarks/bench_search.py compares them).
 
 Memory is megalysses.memory's prediction. A layout fits when its peak is at most the usable device memory
 (--gpu-memory-gib, by default what an H100 80GB exposes, 79.6 GiB; less --reserve-gib for the CUDA context and
@@ -61,7 +67,7 @@ from megalysses.memory import GIB, KERNELS, fmt_bytes
 from megalysses.plan.communicators import run_communicators
 from megalysses.plan.described import MachineFigures, flag_lines, machine_problems
 from megalysses.plan.machine import OPTIONAL_PACKAGES, PLAIN_TORCH, Machine, device_memory_gib
-from megalysses.plan.search import Prediction, evaluate, most_gpus, plan
+from megalysses.plan.search import Prediction, Search, evaluate, most_gpus, plan
 from megalysses.plan.step_time import Hardware
 
 
@@ -130,11 +136,11 @@ def ranking(own: Prediction, fitting: list[Prediction]) -> tuple[int, str]:
         return rank, "as fast as any layout that fits"
     best, gap = fitting[0], own.step.total - fitting[0].step.total
     if gap <= 1e-3 * own.step.total:
-        return rank, (f"it ranks #{rank} of {len(fitting)}: as fast as #1 ({layout_words(best.row())}), which peaks "
+        return rank, (f"it ranks #{rank} of those that fit: as fast as #1 ({layout_words(best.row())}), which peaks "
                       f"lower ({best.row()['peak_gib']:.1f} GiB against {own.row()['peak_gib']:.1f})")
     terms = [f"{'+' if v > 0 else ''}{v:.3g} s {k}" for k, v in behind(own, best).items()
              if abs(v) >= 0.1 * abs(gap)][:3]
-    return rank, (f"it ranks #{rank} of {len(fitting)}: its step takes {own.step.total:.3g} s, {gap:.3g} s more than "
+    return rank, (f"it ranks #{rank} of those that fit: its step takes {own.step.total:.3g} s, {gap:.3g} s more than "
                   f"#1's ({layout_words(best.row())}), by " + ", ".join(terms))
 
 
@@ -230,10 +236,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 1
-    fitting, considered = ([], 0) if args.no_search else plan(
-        cfg, args.gpus, args.seq_len, args.gpu_memory_gib, args.host_memory_gib, hw, packages, progress=Progress())
     mine, own_row = own_layout(replace(cfg, data=replace(cfg.data, seq_len=args.seq_len)), args.gpus, hw,
                                Described(args.gpu_memory_gib, args.host_memory_gib, packages))
+    # the top layouts, and every one at least as fast as the config's own (to rank it): the rest is not weighed
+    search = Search(progress=Progress(), top=args.top, within=mine.step.total if mine is not None and mine.fits else 0)
+    fitting, considered = ([], 0) if args.no_search else plan(
+        cfg, args.gpus, args.seq_len, args.gpu_memory_gib, args.host_memory_gib, hw, packages, search)
     if mine is not None and mine.fits and not args.no_search:
         own_row["rank"], why = ranking(mine, fitting)
         own_row["behind_best_s"] = behind(mine, fitting[0]) if fitting else {}
@@ -254,7 +262,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(json.dumps({"config": args.config, "gpus": args.gpus, "seq_len": args.seq_len,
                           "kernels": cfg.model.kernels, "packages": list(packages),
                           "gpu_memory_gib": args.gpu_memory_gib, "host_memory_gib": args.host_memory_gib,
-                          "hardware": dataclasses.asdict(hw), "considered": considered, "fitting": len(fitting),
+                          "hardware": dataclasses.asdict(hw), "considered": considered, "evaluated": search.evaluated,
+                          "fitting": len(fitting),
                           "best": rows[0] if rows else None, "layouts": rows, "config_layout": own_row}, indent=1))
         return 0
     if args.no_search:
@@ -262,8 +271,9 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"{own_verdict(mine, own_row)}")
         return 0
     print(f"{args.config}: {args.seq_len} tokens on {args.gpus} x {args.gpu_memory_gib:g} GiB; "
-          f"{len(fitting)} of {considered} layouts fit "
-          f"(usable at most {hw.usable_bytes(args.gpu_memory_gib) / GIB:.1f} "
+          f"{len(fitting)} of {considered} layouts fit{' at least' if len(fitting) >= args.top else ''} "
+          f"({search.evaluated} weighed, the others unable to fit or to rank in the top {args.top}; "
+          f"usable at most {hw.usable_bytes(args.gpu_memory_gib) / GIB:.1f} "
           f"GiB, less each layout's largest block beyond {hw.fragmentation:g} of the device; "
           f"{hw.peak_tflops:g} TFLOP/s x {hw.matmul_efficiency:g} matmul, x {hw.attention_efficiency:g} attention; "
           f"{hw.intra_node_gbs:g} GB/s in a node of {hw.gpus_per_node}, {hw.inter_node_gbs:g} GB/s across)")
@@ -356,21 +366,22 @@ def own_layout(own, gpus: int, hw: Hardware, on: Described) -> tuple[Optional[Pr
 
 
 class Progress:
-    """The search's progress on stderr (stdout stays the table, or --json's one object): a line rewritten in
-    place on a terminal, every 10 seconds otherwise, and the total at the end."""
+    """The search's progress on stderr (stdout stays the table, or --json's one object): a line from its first
+    candidate, rewritten in place on a terminal, every 10 seconds otherwise, and the total at the end."""
 
     def __init__(self) -> None:
-        self.start = self.last = time.monotonic()
+        self.start = time.monotonic()
+        self.last: Optional[float] = None
         self.tty = sys.stderr.isatty()
 
-    def __call__(self, searched: int, candidates: int, fitting: int) -> None:
+    def __call__(self, searched: int, layouts_searched: int, layouts: int, fitting: int) -> None:
         now = time.monotonic()
-        done = searched == candidates
-        if not done and now - self.last < (0.5 if self.tty else 10.0):
+        done = layouts_searched == layouts
+        if not done and self.last is not None and now - self.last < (0.5 if self.tty else 10.0):
             return
         self.last = now
-        line = (f"planning: {searched:,} of {candidates:,} candidate layouts and options searched, {fitting} fit "
-                f"so far, {now - self.start:.0f} s")
+        line = (f"planning: {searched:,} candidate layouts and options searched ({layouts_searched:,} of {layouts:,} "
+                f"layouts), {fitting} fit so far, {now - self.start:.0f} s")
         print(("\r" + line) if self.tty else line, end="\n" if done or not self.tty else "", file=sys.stderr,
               flush=True)
 
