@@ -25,7 +25,8 @@ and the distinct keys it touched while the grid and its mesh are built, after in
 Wall times on a shared machine vary with its load: cpu_s (the process's CPU seconds over the stages) is the
 steadier figure.
 
-Prints markdown tables; --record writes them to benchmarks/results/scale.json.
+Prints markdown tables; --out-dir DIR or --record (benchmarks/results/) writes them as scale.json (scale_before.json
+with --before).
 """
 from __future__ import annotations
 
@@ -46,6 +47,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from benchmarks.harness import add_output_args, output_dir, write_bytes, write_text  # noqa: E402
 
 LAYOUT = ["parallel.tp=2", "parallel.sp=4", "parallel.pp=1", "parallel.virtual_stages=1"]
 JOB = LAYOUT + ["data.seq_len=8192", "training.global_batch_size=1024", "training.train_steps=1000",
@@ -130,9 +133,7 @@ def checkpoint_metadata(path: Path, model, world: int) -> None:
                 storage[MetadataIndex(fqn, torch.Size([r * size]))] = f"__{r}_0.distcp"
             meta[fqn] = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([size * parts]),
                                               chunks)
-    path.mkdir(parents=True, exist_ok=True)
-    with open(path / ".metadata", "wb") as f:
-        pickle.dump(Metadata(state_dict_metadata=meta, storage_data=storage), f)
+    write_bytes(path, ".metadata", pickle.dumps(Metadata(state_dict_metadata=meta, storage_data=storage)))
 
 
 def one_world(world: int, work: Path, before: bool, metadata_world: int) -> dict:
@@ -270,7 +271,7 @@ def store_rank(rank: int, world: int, port: int, before: bool, out_dir: str) -> 
     seconds = time.perf_counter() - t
     store.counting = False
     dist.barrier()
-    Path(out_dir, f"{rank}.json").write_text(json.dumps({"ops": store.ops, "keys": len(store.keys), "s": seconds}))
+    write_text(Path(out_dir), f"{rank}.json", json.dumps({"ops": store.ops, "keys": len(store.keys), "s": seconds}))
     dist.destroy_process_group()
 
 
@@ -305,8 +306,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="the largest world whose checkpoint metadata is built and read (tensors x world chunks)")
     ap.add_argument("--before", action="store_true", help="replay every rank creating every group (the old grid)")
     ap.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--record", action="store_true", help="write benchmarks/results/scale.json")
+    add_output_args(ap)
     args = ap.parse_args(argv)
+    folder = output_dir(ap, args)
     work = Path(args.work or tempfile.mkdtemp(prefix="scale-"))
     work.mkdir(parents=True, exist_ok=True)
     if args.one is not None:
@@ -334,9 +336,9 @@ def main(argv: list[str] | None = None) -> int:
                           "peak_host_mib"]))
     print()
     print(table(stores, ["world", "store_ops_per_rank", "store_keys_per_rank", "grid_s"]))
-    if args.record:
-        out = ROOT / "benchmarks" / "results" / ("scale_before.json" if args.before else "scale.json")
-        out.write_text(json.dumps({"startup": startup, "store": stores}, indent=1) + "\n")
+    if folder is not None:
+        write_text(folder, "scale_before.json" if args.before else "scale.json",
+                   json.dumps({"startup": startup, "store": stores}, indent=1) + "\n")
     return 0
 
 

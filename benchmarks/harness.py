@@ -47,10 +47,15 @@ def output_dir(p: argparse.ArgumentParser, args: argparse.Namespace, smoke: bool
 
 def write_text(folder: Path, name: str, text: str) -> Path:
     """Write `folder/name` in one step: a run stopped while writing leaves the previous file whole."""
+    return write_bytes(folder, name, text.encode())
+
+
+def write_bytes(folder: Path, name: str, data: bytes) -> Path:
+    """write_text's binary twin (a benchmark's own inputs in its work folder, e.g. a checkpoint's metadata)."""
     folder.mkdir(parents=True, exist_ok=True)
     out = folder / name
     tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(text)
+    tmp.write_bytes(data)
     os.replace(tmp, out)
     return out
 

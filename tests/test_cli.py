@@ -266,7 +266,7 @@ def test_a_described_dry_run_checks_its_machine_and_its_fit_as_the_planner_does(
     assert pretrain.main(dry + ["--gpus", "2", "--gpu", "MI300X"]) == 2
     assert capsys.readouterr().err.startswith("error: --gpu MI300X: its memory is not known here")
 
-    small = ["--gpus", "4", "--gpu-memory-gib", "2.12"]       # 0.12 GiB past the reserve, less the allowance
+    small = ["--gpus", "4", "--gpu-memory-gib", "1.68"]       # just past the reserve and the communicators
     assert plan.main(["--config", config, *small, "--no-search"]) == 0
     assert "the config's own layout does not fit (peak" in capsys.readouterr().out
     assert pretrain.main(dry + small) == 1

@@ -122,13 +122,17 @@ def _rope(hf_config: Any) -> tuple[float, RopeScalingConfig]:
     if kind == "linear":
         return float(theta), RopeScalingConfig(type="linear", factor=required("factor"))
     positions = _field(hf_config, "max_position_embeddings")
-    original = int(_field(hf_config, "original_max_position_embeddings") or
-                   spec.get("original_max_position_embeddings") or positions)
+    original = (_field(hf_config, "original_max_position_embeddings") or spec.get("original_max_position_embeddings")
+                or positions)
+    if original is None:
+        raise ValueError(f"config.json's {key} (rope_type {kind}) has no original_max_position_embeddings and "
+                         f"config.json no max_position_embeddings: add one (the context the model was trained at)")
+    original = int(original)
     if kind == "llama3":
         return float(theta), RopeScalingConfig(
             type="llama3", factor=required("factor"), low_freq_factor=required("low_freq_factor"),
             high_freq_factor=required("high_freq_factor"), original_max_position_embeddings=original)
-    factor = spec.get("factor") or positions / original
+    factor = spec.get("factor") or (required("factor") if positions is None else positions / original)
     attention = spec.get("attention_factor")
     return float(theta), RopeScalingConfig(
         type="yarn", factor=float(factor), original_max_position_embeddings=original,

@@ -170,6 +170,13 @@ CASES = [
     Case("convert/from_hf_llama3_rope_scaling_without_high_freq_factor",
          from_hf(qwen3_model(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0},
                              rope_parameters=None)), "has no high_freq_factor"),
+    Case("convert/from_hf_yarn_without_any_context",
+         from_hf(qwen3_model(rope_scaling={"rope_type": "yarn"}, rope_parameters=None, max_position_embeddings=None)),
+         "has no original_max_position_embeddings and config.json no max_position_embeddings"),
+    Case("convert/from_hf_yarn_without_factor_or_the_model_context",
+         from_hf(qwen3_model(rope_scaling={"rope_type": "yarn", "original_max_position_embeddings": 256},
+                             rope_parameters=None, max_position_embeddings=None)),
+         "rope_scaling (rope_type yarn) has no factor: add it"),
     Case("convert/init_from_hf_head_dim_not_the_weights", init_from(qwen3_model(head_dim=16)),
          "q_proj.weight has shape (96, 64) where config.json"),
 ]
