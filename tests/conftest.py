@@ -16,3 +16,15 @@ def room_for_compiled_flex():
         from megalysses.kernels.attention import reserve_compiles
         reserve_compiles(256)
     yield
+
+
+@pytest.fixture
+def world_of_one(tmp_path):
+    """A one-rank gloo group in this process: a training run without spawning ranks."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

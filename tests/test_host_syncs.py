@@ -51,18 +51,6 @@ def test_the_counter_sees_copies_to_the_host():
     assert syncs.step == 3, syncs.seen
 
 
-@pytest.fixture
-def world_of_one(tmp_path):
-    """A one-rank gloo group in this process: a training run without spawning ranks."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 class _Phases:
     """A watchdog's view of the loop: what it was doing when each synchronisation was made."""
 

@@ -4,7 +4,6 @@ import sys
 
 import pytest
 import torch
-import torch.distributed as dist
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from megalysses.config import ConfigError
@@ -20,16 +19,6 @@ from tests.fixtures import metrics as metrics_rows
 TINY = MOCK_32 + SMALL_MODEL + ["model.attention_backend=sdpa", "training.global_batch_size=4",
                                 "training.micro_batch_size=1", "training.train_steps=4", "logging.log_interval=2",
                                 "training.eval_interval=4", "training.eval_steps=1", "parallel.timeout_seconds=60"]
-
-
-@pytest.fixture
-def world_of_one(tmp_path):
-    """A one-rank gloo group in this process: a training run without spawning ranks."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _logged(run):
