@@ -5,7 +5,9 @@
 # make venv        : .venv with everything the suite needs, as `make test` makes it
 # make test-gpu    : the GPU tier (pytest -m gpu) with the machine's own python and CUDA torch
 # make gpu-check   : a GPU window's one command (benchmarks/gpu_check.py, ~7 min): the GPU tier's fast subset,
-#                    the three-way benchmark, the memory probes, a profile; results in GPU_CHECK_OUT
+#                    the three-way benchmark, the memory probes (allocated, reserved and used memory against
+#                    the model, the trace and the plan's budget; a larger GPU capped at an H100's 79.6 GiB),
+#                    a profile; results in GPU_CHECK_OUT
 # make lint        : ruff (rules in pyproject.toml) on the Python code, hadolint on the Dockerfile,
 #                    kubernetes-validate on examples/kubernetes/*.yaml
 # make docs        : regenerate docs/CONFIG.md from the config schema (a test fails while it is out of date)

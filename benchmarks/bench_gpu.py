@@ -48,10 +48,50 @@ LR, WD, BETAS, EPS, CLIP = 3e-4, 0.1, (0.9, 0.95), 1e-8, 1.0
 LLAMA_1B = dict(vocab=128256, hidden=2048, layers=16, heads=32, kv_heads=8, ffn=8192, tied=True, theta=500000.0)
 SMOKE = dict(vocab=512, hidden=64, layers=2, heads=4, kv_heads=2, ffn=160, tied=True, theta=10000.0)
 FRAMEWORKS = ("megalysses", "transformers", "liger")
+CAP_GPU = "H100"        # a larger GPU (an H200) is capped at its memory: fits and out-of-memory test the H100 budget
 # fastest first; a trainer takes the first that fits. keep_attn: checkpointing keeps the attention outputs
 # (training.recompute_attention=false), tried only where attention runs on SDPA (settings_of)
 SETTINGS = {"megalysses": [{}, {"ckpt": True, "keep_attn": True}, {"ckpt": True}, {"ckpt": True, "tiled_mlp": True}],
             "transformers": [{}, {"ckpt": True}], "liger": [{}, {"ckpt": True}]}
+
+
+# ----------------------------------------------------------------------------------------------- memory
+
+def cap_fraction(total_bytes: float, cap_gib: float) -> Optional[float]:
+    """The share of a device of `total_bytes` that is `cap_gib` (torch.cuda.set_per_process_memory_fraction's
+    argument), or None when the device holds no more than that (`cap_gib` is rounded to 0.1 GiB: an H100's
+    81,559 MiB is 79.65 GiB, and is not capped)."""
+    return cap_gib * 2**30 / total_bytes if total_bytes >= (cap_gib + 0.05) * 2**30 else None
+
+
+def cap_memory(device) -> dict:
+    """On a GPU larger than an H100 (megalysses.plan.machine.DEVICE_MEMORY_GIB), caps this process's caching
+    allocator at the H100's memory: {"cap_gib": the figure, "cap_applied": whether it was set}; None each on CPU."""
+    import torch
+
+    from megalysses.plan.machine import DEVICE_MEMORY_GIB
+
+    if device.type != "cuda":
+        return {"cap_gib": None, "cap_applied": None}
+    cap = DEVICE_MEMORY_GIB[CAP_GPU]
+    fraction = cap_fraction(torch.cuda.get_device_properties(device).total_memory, cap)
+    if fraction is not None:
+        torch.cuda.set_per_process_memory_fraction(fraction, device)
+    return {"cap_gib": cap, "cap_applied": fraction is not None}
+
+
+def allocator_figures(device) -> dict:
+    """After a step, before any empty_cache: torch.cuda.max_memory_allocated and max_memory_reserved, the device's
+    used memory (torch.cuda.mem_get_info's total less free: the CUDA context, cuBLAS workspaces, communicators
+    and every process's allocations) and its total, in GiB; None each on CPU, where none of them exists."""
+    import torch
+
+    if device.type != "cuda":
+        return dict.fromkeys(("max_allocated_gib", "max_reserved_gib", "used_gib", "device_total_gib"))
+    free, total = torch.cuda.mem_get_info(device)
+    return {"max_allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+            "max_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30,
+            "used_gib": (total - free) / 2**30, "device_total_gib": total / 2**30}
 
 
 # ----------------------------------------------------------------------------------------------- worker
@@ -81,6 +121,7 @@ def megalysses_step(shape: dict, seq: int, opts: dict, device, dtype) -> Callabl
     from megalysses.config import ConfigError
     from megalysses.config.io import load_config
     from megalysses.grid import ParallelGrid
+    from megalysses.plan.memory import estimate_plan
     from megalysses.training.loop import build_model_and_optimizer
     from megalysses.training.runtime import resolve_run
     from megalysses.training.step import train_step
@@ -111,6 +152,8 @@ def megalysses_step(shape: dict, seq: int, opts: dict, device, dtype) -> Callabl
                  "position_ids": torch.arange(seq, device=device)[None]}
         return train_step(model, opt, [batch], grid, lr=LR, grad_clip=CLIP, dtype=run.torch_dtype).loss
     step.settings = f"kernels={run.kernels}, attention={run.attention}"
+    step.predicted_gib = estimate_plan(cfg, run).peak / 2**30     # the memory model, for what the run resolved
+    step.overrides = sets + [f"model.kernels={run.kernels}"]      # the config, for a trace of it
     return step
 
 
@@ -158,7 +201,7 @@ def worker(args: argparse.Namespace) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     opts = json.loads(args.opts)
-    row = {"framework": args.framework, "seq_len": args.seq, "options": opts}
+    row = {"framework": args.framework, "seq_len": args.seq, "options": opts, **cap_memory(device)}
     try:
         if args.framework == "megalysses":
             step = megalysses_step(shape, args.seq, opts, device, dtype)
@@ -183,7 +226,10 @@ def worker(args: argparse.Namespace) -> dict:
     flops = flops_per_token(_model_config(shape), args.seq)
     row.update(fits=True, settings=step.settings, tokens_per_s=tok_s, loss=loss,
                mfu=tok_s * flops / 1e12 / peak if peak else None,
-               peak_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None)
+               peak_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+               **allocator_figures(device))
+    if args.framework == "megalysses":
+        row.update(predicted_gib=step.predicted_gib, overrides=step.overrides)
     return row
 
 

@@ -52,6 +52,7 @@ from megalysses.plan.memory import estimate_plan  # noqa: E402
 from benchmarks.harness import source_commit  # noqa: E402
 
 from benchmarks.harness import add_output_args, output_dir, run_bounded, write_text  # noqa: E402
+from benchmarks.bench_gpu import allocator_figures, cap_memory  # noqa: E402
 
 SMOKE = ["model.vocab_size=256", "model.hidden_size=64", "model.num_layers=4", "model.num_heads=4",
          "model.num_kv_heads=2", "model.ffn_hidden_size=160", "model.attention_backend=sdpa", "model.kernels=torch",
@@ -113,6 +114,7 @@ def run_length(cfg: Config, device: torch.device, steps: int = 2) -> dict:
         row["step_s"] = time.perf_counter() - start
         row["measured_gib"] = torch.cuda.max_memory_allocated(device) / GIB
         row["measured"] = "torch.cuda.max_memory_allocated"
+        row.update(allocator_figures(device))       # before any empty_cache
     else:
         state = [t for st in opt.optimizer.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
         masters = [s.master for s in getattr(opt, "slots", []) if s.master is not None]
@@ -123,6 +125,7 @@ def run_length(cfg: Config, device: torch.device, steps: int = 2) -> dict:
         row["step_s"] = time.perf_counter() - start
         row["measured_gib"] = peak.bytes / GIB
         row["measured"] = "megalysses.measure.measure_peak (CPU)"
+        row.update(allocator_figures(device))       # None each: no allocator on CPU
     offload = activation_offload(model)
     if offload is not None:
         row["host_gib"] = sum(t.numel() * t.element_size() for t in offload.host_buffers()) / GIB
@@ -140,13 +143,14 @@ def child(args: argparse.Namespace, overrides: list[str]) -> int:
     is a row too)."""
     cfg = load_config(args.config, overrides + [f"data.seq_len={args.child}"])
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cap = cap_memory(device)
     try:
-        row = run_length(cfg, device, args.steps)
+        row = {**run_length(cfg, device, args.steps), **cap}
     except torch.cuda.OutOfMemoryError as e:
         from megalysses.training.runtime import resolve_run
 
         row = {"seq_len": args.child, "error_text": f"out of memory: {str(e).splitlines()[0]}",
-               "predicted_gib": estimate_plan(cfg, resolve_run(cfg, device)).peak / GIB}
+               "predicted_gib": estimate_plan(cfg, resolve_run(cfg, device)).peak / GIB, **cap}
     print("ROW " + json.dumps(row), flush=True)
     return 0
 

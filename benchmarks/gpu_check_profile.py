@@ -25,6 +25,11 @@ CATEGORIES = (      # first match wins, on the lower-cased kernel (or, on CPU, a
                      "softmax", "entropy", "adam", "foreach", "aten::")),
 )
 TOP_KERNELS = 12
+MODEL_CATEGORY = {"GEMM": "compute", "attention": "attention", "communication": "communication",
+                  "copies and casts": "host copies"}
+"""The step-time model's and the traced roofline's category (StepTime.breakdown, roofline.CATEGORIES) that each
+profile group answers to; elementwise and the rest have none of their own (the model counts them in compute,
+the trace in compute or launches)."""
 
 
 def category(name: str) -> str:
@@ -56,6 +61,7 @@ def profile_worker(seq: int, opts: dict, smoke: bool) -> dict:
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     shape = bench_gpu.SMOKE if smoke else bench_gpu.LLAMA_1B
+    cap = bench_gpu.cap_memory(device)
     step = bench_gpu.megalysses_step(shape, seq, opts, device, torch.bfloat16 if cuda else torch.float32)
     tokens = torch.randint(0, shape["vocab"], (1, seq + 1), generator=torch.Generator().manual_seed(1)).to(device)
 
@@ -80,7 +86,8 @@ def profile_worker(seq: int, opts: dict, smoke: bool) -> dict:
         if us > 0:
             kernels.append((e.key, float(us), int(e.count)))
     return {"seq_len": seq, "options": opts, "settings": step.settings, "step_s": wall,
-            "measured": "CUDA kernels, self time" if cuda else "aten ops, self CPU time (no GPU)", **summarise(kernels)}
+            "measured": "CUDA kernels, self time" if cuda else "aten ops, self CPU time (no GPU)", **cap,
+            **summarise(kernels)}
 
 
 def profile(check, until: float) -> dict:
@@ -90,7 +97,12 @@ def profile(check, until: float) -> dict:
     done = run_bounded(worker_cmd("profile", check.smoke, "--seq", str(seq), "--opts", json.dumps(opts)),
                        until - time.monotonic())
     out = worker_result(done, f"profile worker {seq}", check)
-    return {"status": "ran", **out} if out is not None else failure(done)
+    if out is None:
+        return failure(done)
+    # the model's and the trace's seconds of the same config, from the three-way's row of it (judge_three_way)
+    same = {k: fastest.get(k) for k in ("predicted_breakdown", "traced_step_breakdown", "predicted_step_s",
+                                        "traced_step_s")} if fastest else {}
+    return {"status": "ran", **out, **same}
 
 
 def render_profile(result: dict) -> list[str]:
@@ -101,7 +113,29 @@ def render_profile(result: dict) -> list[str]:
              f"{result['step_s']:.3f} s wall, {result['total_ms']:.1f} ms of {result['measured']}."), "",
              "| group | ms | share |", "|---|---:|---:|"]
     lines += [f"| {c['category']} | {c['ms']:.1f} | {c['share']:.1%} |" for c in result["categories"]]
+    lines += beside_models(result)
     lines += ["", "| kernel | group | calls | ms | share |", "|---|---|---:|---:|---:|"]
     lines += [f"| `{k['name']}` | {k['category']} | {k['calls']} | {k['ms']:.2f} | {k['share']:.1%} |"
               for k in result["top"]]
+    return lines
+
+
+def beside_models(result: dict) -> list[str]:
+    """The profile's groups beside the step-time model's and the traced roofline's seconds of the same config
+    (ms; – where a side has no such category or no figure), then what the two put in categories the profile
+    cannot split."""
+    model, trace = result.get("predicted_breakdown") or {}, result.get("traced_step_breakdown") or {}
+    if not (model or trace):
+        return []
+
+    def ms(d: dict, key) -> str:
+        return "–" if key is None or d.get(key) is None else f"{d[key] * 1e3:.1f}"
+    lines = ["", (f"Beside the step-time model ({ms(result, 'predicted_step_s')} ms a step) and the traced roofline "
+                  f"({ms(result, 'traced_step_s')} ms), by category:"), "",
+             "| group | measured ms | model: category, ms | trace: ms |", "|---|---:|---|---:|"]
+    for c in result["categories"]:
+        key = MODEL_CATEGORY.get(c["category"])
+        lines.append(f"| {c['category']} | {c['ms']:.1f} | {key or '–'}, {ms(model, key)} | {ms(trace, key)} |")
+    for key in sorted((set(model) | set(trace)) - set(MODEL_CATEGORY.values())):
+        lines.append(f"| – | – | {key}, {ms(model, key)} | {ms(trace, key)} |")
     return lines

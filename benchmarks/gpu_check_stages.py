@@ -303,11 +303,17 @@ def three_way(check, until: float) -> dict:
                 result["rows"].append(row)
                 check.partial({**result, "status": "running"})
     result["comparison"] = compare(result["rows"], lengths)
+    from benchmarks import gpu_check_memory     # below this module: it imports this one
+    gpu_check_memory.judge_three_way(check, result["rows"], until)
     broken = [r for r in result["rows"] if r["framework"] == "megalysses" and r.get("fits") is None
               and r.get("error") != "timed out" and not str(r.get("error", "")).startswith("not run")]
     if broken:
         why = f"megalysses failed at {broken[0]['seq_len']}: {broken[0]['error']}"
         return {**result, "status": "failed", "why": why}
+    failed = [f"megalysses at {r['seq_len']:,d} ({r['for']}): {v}" for r in result["rows"]
+              for v in r.get("verdicts", [])]
+    if failed:
+        return {**result, "status": "failed", "why": "; ".join(failed)[:600]}
     return {**result, "status": "ran"}
 
 
@@ -353,6 +359,8 @@ def render_three_way(result: dict) -> list[str]:
                      f"{num(r.get('peak_gib'), '.2f')} |")
     for fw, why in result.get("not_available", {}).items():
         lines.append(f"| – | {fw} | – | not available: {why} | – | – | – |")
+    from benchmarks import gpu_check_memory
+    lines += gpu_check_memory.render_budget([r for r in result["rows"] if r["framework"] == "megalysses"])
     lines += ["", ("Targets: tokens/s at least 1.0x transformers + Liger (stretch 1.3x), peak no higher than Liger's "
               "with checkpointing on both sides, 45% MFU at 32K (stretch)."), "",
               ("| seq | tok/s vs Liger | tok/s vs transformers | peak vs Liger (ckpt) | peak vs transformers (ckpt) "
