@@ -136,10 +136,9 @@ def test_schedules():
             assert all(x == 1.0 for x in lrs[10:80]) and lrs[85] < 1.0
 
 
-def test_nonfinite_gradient_norm_changes_nothing():
-    """A non-finite norm, decided on the device: weights and moments stay as they were; once the step count is
-    set right (as the loop's read-back does), the next step is exactly a first step of a fresh optimizer. A
-    guarded finite step is bit for bit the unguarded one."""
+def _one_rank_with_first_grads() -> tuple[dict, dict, ShardedAdamW]:
+    """One rank's parameters (not tp-sharded), a copy of them, and a ZeRO-1 AdamW over them with the first
+    gradients in place."""
     params = _params()
     for p in params.values():
         p.tp_dim = None
@@ -147,6 +146,14 @@ def test_nonfinite_gradient_norm_changes_nothing():
     opt = ShardedAdamW(params.items(), None, ADAMW)
     for n, p in params.items():
         p.grad = _grads(0, 0)[n]
+    return params, before, opt
+
+
+def test_nonfinite_gradient_norm_changes_nothing():
+    """A non-finite norm, decided on the device: weights and moments stay as they were; once the step count is
+    set right (as the loop's read-back does), the next step is exactly a first step of a fresh optimizer. A
+    guarded finite step is bit for bit the unguarded one."""
+    params, before, opt = _one_rank_with_first_grads()
     params["b.weight"].grad[1, 2] = float("inf")
     norm = opt.step(max_norm=1.0)
     assert isinstance(norm, torch.Tensor) and math.isinf(norm)
@@ -169,13 +176,7 @@ def test_nonfinite_gradient_norm_changes_nothing():
 
 def test_a_nonfinite_loss_changes_nothing():
     """`ok` false (the loss was not finite): nothing is updated, whatever the norm."""
-    params = _params()
-    for p in params.values():
-        p.tp_dim = None
-    before = {n: p.detach().clone() for n, p in params.items()}
-    opt = ShardedAdamW(params.items(), None, ADAMW)
-    for n, p in params.items():
-        p.grad = _grads(0, 0)[n]
+    params, before, opt = _one_rank_with_first_grads()
     assert math.isfinite(opt.step(max_norm=1.0, ok=torch.tensor(False)))
     for n, p in params.items():
         assert torch.equal(p, before[n]), n

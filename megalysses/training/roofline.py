@@ -100,7 +100,21 @@ class Tally:
         return sum(self.seconds.values())
 
 
-class Stream:
+class _Clocked:
+    """What a trace's stream and event answer as CUDA's do where a clock has no use for it: complete at once,
+    nothing to wait for on the host, any other method doing nothing."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda *args, **kwargs: None
+
+
+class Stream(_Clocked):
     """A stream of the trace: its clock (the seconds of the work queued on it so far). Methods as CUDA's;
     the ones a clock has no use for do nothing."""
 
@@ -118,17 +132,8 @@ class Stream:
         event.record(self)
         return event
 
-    def synchronize(self) -> None:
-        pass
 
-    def query(self) -> bool:
-        return True
-
-    def __getattr__(self, name: str) -> Any:
-        return lambda *args, **kwargs: None
-
-
-class Event:
+class Event(_Clocked):
     """An event of the trace: the clock of the stream it was recorded on, then."""
 
     def __init__(self, roof: "Roofline", *args: Any, **kwargs: Any) -> None:
@@ -141,14 +146,6 @@ class Event:
     def wait(self, stream: Optional[Stream] = None) -> None:
         (stream or self.roof.current).wait_event(self)
 
-    def synchronize(self) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-    def __getattr__(self, name: str) -> Any:
-        return lambda *args, **kwargs: None
 
 
 class Roofline(TorchDispatchMode):
