@@ -106,6 +106,51 @@ def test_ctrl_c_says_what_a_restart_starts_from(tmp_path):
     assert "starts afresh" in _kept(load_config(None, TINY + [f"logging.run_dir={tmp_path}", "checkpoint.load=null"]))
 
 
+def test_ctrl_c_ends_a_rank_that_waits_inside_torch_for_a_peer_that_has_left(tmp_path):
+    """A main thread waiting inside torch (here a store rendezvous whose key never comes: a peer interrupted first
+    has left) never runs Python's SIGINT handler; the entry point's interrupt thread says the one line and ends
+    the process STUCK_SECONDS later, not at the wait's timeout."""
+    from megalysses.training.signals import STUCK_SECONDS
+
+    script = tmp_path / "stuck.py"
+    text = (
+        "import sys, threading, time\n"
+        "from datetime import timedelta\n"
+        "import torch.distributed as dist\n"
+        "from megalysses.tools.pretrain import Interruption\n"
+        "from megalysses.training.signals import StopSignals\n"
+        "store = dist.TCPStore('127.0.0.1', 0, is_master=True, timeout=timedelta(seconds=120))\n"
+        "signals = StopSignals(on_stuck=Interruption().leave)\n"
+        "def say_when_waiting():\n"      # the main thread's frame at the wait's line, then a second inside it
+        "    main = threading.main_thread().ident\n"
+        "    while sys._current_frames()[main].f_lineno != WAIT_LINE:\n"
+        "        time.sleep(0.01)\n"
+        "    time.sleep(1)\n"
+        "    print('waiting', flush=True)\n"
+        "threading.Thread(target=say_when_waiting, daemon=True).start()\n"
+        "try:\n"
+        "    store.wait(['never'])\n"
+        "except KeyboardInterrupt:\n"
+        "    print('the main thread took it')\n")
+    wait_line = text.splitlines().index("    store.wait(['never'])") + 1
+    script.write_text(text.replace("WAIT_LINE", str(wait_line)))
+    p = subprocess.Popen([sys.executable, str(script)], cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    try:
+        assert p.stdout.readline().strip() == "waiting"
+        start = time.monotonic()
+        p.send_signal(signal.SIGINT)
+        out, _ = p.communicate(timeout=60)
+        took = time.monotonic() - start
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 130, out
+    assert out.startswith("interrupted (Ctrl-C) while starting up: nothing was trained"), out
+    assert "the main thread took it" not in out, out
+    assert STUCK_SECONDS <= took < STUCK_SECONDS + 30, took
+
+
 def test_ctrl_c_in_a_terminal_ends_a_torchrun_launch_with_one_line(tmp_path):
     """A terminal sends Ctrl-C's SIGINT to its whole foreground process group: torchrun and every worker (and
     torchrun passes its own SIGINT on to them). One line says what is kept; after it comes only torchrun's own

@@ -15,6 +15,7 @@ import argparse
 import os
 import signal
 import sys
+import threading
 import traceback
 from pathlib import Path
 from typing import Optional
@@ -72,23 +73,38 @@ def main(argv: list[str] | None = None) -> int:
                           "tensors then, pinned and all host memory, beside the memory model's prediction; written "
                           "to <run_dir>/memory_trace.json")
     args = parser.parse_args(argv)
-    signals = StopSignals()        # first: a preemption signal during start-up is kept, not fatal
+    interruption = Interruption()
+    signals = StopSignals(on_stuck=interruption.leave)   # first: a preemption signal during start-up is kept
     try:
-        return _run(args, signals)
+        return _run(args, signals, interruption)
     except KeyboardInterrupt:      # before the run started
-        return _interrupted("starting up")
+        return interruption.said()
     finally:
         signals.restore()
 
 
-def _interrupted(doing: str, cfg: Optional[Config] = None) -> int:
-    """Ctrl-C: one line from the first rank saying what is kept, and later Ctrl-Cs (a launcher passes its own
-    on) ignored."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if os.environ.get("RANK", "0") == "0":
-        print(f"interrupted (Ctrl-C) while {doing}: {_kept(cfg)}; to stop after the current step with a "
-              f"checkpoint, send SIGTERM or SIGUSR1 instead", flush=True)
-    return 130
+class Interruption:
+    """What a Ctrl-C says, from what the run has come to know: its config, then what it is doing (the watchdog)."""
+
+    def __init__(self) -> None:
+        self.cfg: Optional[Config] = None
+        self.watchdog: Optional[Watchdog] = None
+
+    def said(self) -> int:
+        """One line from the first rank saying what is kept, and later Ctrl-Cs (a launcher passes its own on)
+        ignored; Ctrl-C's exit status."""
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if os.environ.get("RANK", "0") == "0":
+            doing = self.watchdog.current if self.watchdog is not None else "starting up"
+            print(f"interrupted (Ctrl-C) while {doing}: {_kept(self.cfg)}; to stop after the current step with a "
+                  f"checkpoint, send SIGTERM or SIGUSR1 instead", flush=True)
+        return 130
+
+    def leave(self) -> None:
+        """A Ctrl-C the main thread cannot take (it waits inside torch for a peer that has left): the same line,
+        and the process ends at once."""
+        os._exit(self.said())
 
 
 def _kept(cfg: Optional[Config]) -> str:
@@ -113,10 +129,10 @@ def _kept(cfg: Optional[Config]) -> str:
     return f"the last checkpoint saved is {latest} (step {step_of(latest)}), the steps after it are lost; {restart}"
 
 
-def _run(args: argparse.Namespace, signals: StopSignals) -> int:
+def _run(args: argparse.Namespace, signals: StopSignals, interruption: Interruption) -> int:
     rank0 = os.environ.get("RANK", "0") == "0"     # before the process group exists
     try:
-        cfg = load_config(args.config, args.overrides, validate=not args.print_config)
+        cfg = interruption.cfg = load_config(args.config, args.overrides, validate=not args.print_config)
     except ConfigError as e:
         if rank0:
             print(f"config error: {e}", file=sys.stderr)
@@ -149,8 +165,9 @@ def _run(args: argparse.Namespace, signals: StopSignals) -> int:
         write_error_file(message)
         return 1
     except KeyboardInterrupt:
-        return _interrupted("starting up", cfg)
-    watchdog = Watchdog.start(dist.get_rank(), dist.get_world_size(), cfg.parallel.timeout_seconds)
+        return interruption.said()
+    watchdog = interruption.watchdog = Watchdog.start(dist.get_rank(), dist.get_world_size(),
+                                                      cfg.parallel.timeout_seconds)
     try:
         grid = ParallelGrid.for_plan(run, cfg.parallel.timeout_seconds)
         summary = train(cfg, grid, device, signals=signals, watchdog=watchdog, run=run, dry_run=args.dry_run)
@@ -163,10 +180,10 @@ def _run(args: argparse.Namespace, signals: StopSignals) -> int:
             print0(f"done: step {summary['step']}, loss {summary['loss']:.4f} ({summary['stopped_by']})")
         return 0
     except KeyboardInterrupt:
-        return _interrupted(watchdog.current, cfg)
+        return interruption.said()
     except Exception as e:  # noqa: BLE001 - every error ends the job with one line, from the rank that has it
         if signals.interrupted:          # a peer interrupted first left this rank's collective
-            return _interrupted(watchdog.current, cfg)
+            return interruption.said()
         if collective_failure(e) and not isinstance(e, torch.OutOfMemoryError):
             watchdog.fail(f"a collective failed on rank {dist.get_rank()} while {watchdog.current} "
                           f"({' '.join(str(e).split())[:200]})")

@@ -208,15 +208,15 @@ def train(cfg: Config, grid: ParallelGrid, device: torch.device, signals: Option
             return {"step": progress.step, "loss": progress.loss, "stopped_by": "already_finished"}
 
     # the run's config (what tools/generate.py and the converter read) only once this one has passed every
-    # check and loaded its checkpoint: a launch that fails leaves the run as it was
+    # check, loaded its checkpoint and made the saver's process group: a launch that fails leaves the run as it was
     def start_run() -> None:
         save_config(cfg, run_dir / "config.yaml")
         write_runtime(run_dir, cfg, grid, run)
         mark_start(run_dir, progress.step, path, progress.consumed * cfg.data.seq_len,
                    {"tp": grid.tp_size, "sp": grid.sp_size, "pp": grid.pp_size, "dp": grid.dp_size})
 
-    on_rank0(start_run)
     loop = TrainingLoop(cfg, grid, device, run, model, opt, mesh, data, long_eval, progress, ckpt_dir, doing)
+    on_rank0(start_run)
     return loop(signals, watchdog)
 
 
