@@ -42,7 +42,7 @@ def _worker(rank: int, world: int, overrides: list[str], run_dir: str) -> dict:
 
     from megalysses.config.io import load_config
     from megalysses.training import loop
-    from megalysses.training.runtime import plan_and_grid
+    from megalysses.testing import plan_and_grid
 
     times: dict = {"save": [], "staging": [], "waiting": [], "steps": [], "end": 0.0, "params": 0}
     real_save, real_finish, real_step = loop.TrainingLoop.save, loop.TrainingLoop.finish_saves, loop.train_step
@@ -84,7 +84,7 @@ def _worker(rank: int, world: int, overrides: list[str], run_dir: str) -> dict:
     loop.TrainingLoop.save, loop.TrainingLoop.finish_saves, loop.train_step = save, finish, step
     cfg = load_config(overrides=overrides + [f"logging.run_dir={run_dir}"])
     run, grid = plan_and_grid(cfg, torch.device("cpu"))
-    loop.train(cfg, grid, torch.device("cpu"), run=run)
+    loop.train(cfg, run, grid, torch.device("cpu"))
     return times
 
 

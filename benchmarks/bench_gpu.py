@@ -122,8 +122,8 @@ def megalysses_step(shape: dict, seq: int, opts: dict, device, dtype) -> Callabl
     from megalysses.config.io import load_config
     from megalysses.grid import ParallelGrid
     from megalysses.plan.memory import estimate_plan
-    from megalysses.training.loop import build_model_and_optimizer
-    from megalysses.training.runtime import resolve_run
+    from megalysses.training.build import build_run
+    from megalysses.testing import resolve_run
     from megalysses.training.step import train_step
 
     sets = [f"model.vocab_size={shape['vocab']}", f"model.hidden_size={shape['hidden']}",
@@ -145,7 +145,8 @@ def megalysses_step(shape: dict, seq: int, opts: dict, device, dtype) -> Callabl
         except ConfigError:
             if kernels == "torch":
                 raise
-    model, opt = build_model_and_optimizer(cfg, grid, device, run)
+    built = build_run(cfg, run, grid, device)
+    model, opt = built.model, built.opt
 
     def step(tokens):
         batch = {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:],

@@ -78,10 +78,10 @@ def run_length(cfg: Config, device: torch.device, steps: int = 2) -> dict:
     from megalysses.grid import ParallelGrid
     from megalysses.measure import host_resident, measure_peak
     from megalysses.model.policies import activation_offload
-    from megalysses.training.loop import build_model_and_optimizer
+    from megalysses.training.build import build_run
     from megalysses.plan.flops import flops_per_token
     from megalysses.training.metrics import peak_for
-    from megalysses.training.runtime import resolve_run
+    from megalysses.testing import resolve_run
     from megalysses.training.step import train_step
 
     validate_config(cfg, world_size=1)
@@ -91,7 +91,8 @@ def run_length(cfg: Config, device: torch.device, steps: int = 2) -> dict:
                                 rank=0, world_size=1)
     grid = ParallelGrid.single()
     runtime = resolve_run(cfg, device, grid)
-    model, opt = build_model_and_optimizer(cfg, grid, device, runtime)
+    built = build_run(cfg, runtime, grid, device)
+    model, opt = built.model, built.opt
     predicted = estimate_plan(cfg, runtime)            # for the backend and kernels the run resolved
     step = dict(lr=cfg.optimizer.lr, grad_clip=cfg.optimizer.grad_clip, dtype=runtime.torch_dtype)
     S = cfg.data.seq_len
@@ -147,7 +148,7 @@ def child(args: argparse.Namespace, overrides: list[str]) -> int:
     try:
         row = {**run_length(cfg, device, args.steps), **cap}
     except torch.cuda.OutOfMemoryError as e:
-        from megalysses.training.runtime import resolve_run
+        from megalysses.testing import resolve_run
 
         row = {"seq_len": args.child, "error_text": f"out of memory: {str(e).splitlines()[0]}",
                "predicted_gib": estimate_plan(cfg, resolve_run(cfg, device)).peak / GIB, **cap}

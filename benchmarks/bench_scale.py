@@ -148,7 +148,7 @@ def one_world(world: int, work: Path, before: bool, metadata_world: int) -> dict
     from megalysses.grid import GridLayout, ParallelGrid
     from megalysses.plan import Machine, resolve
     from megalysses.training.data import TrainingData
-    from megalysses.training.loop import build_model_and_optimizer
+    from megalysses.training.build import build_run
 
     warnings.filterwarnings("ignore", message="Set timeout is now only supported")
     out, t = {"world": world}, time.perf_counter()
@@ -179,7 +179,7 @@ def one_world(world: int, work: Path, before: bool, metadata_world: int) -> dict
     data = TrainingData(cfg, grid, run, torch.device("cpu"))
     out["train_samples"] = len(data.train)
     stage("data_s")
-    model, _ = build_model_and_optimizer(cfg, grid, torch.device("meta"), run, mesh)
+    model = build_run(cfg, run, grid, torch.device("meta"), mesh=mesh).model
     stage("model_s")
     ckpt = work / f"ckpt_{world}"
     if metadata_world < 0:            # a run of its own writes the metadata, outside the measured one's memory

@@ -62,7 +62,7 @@ def resolve_auto(cfg, device: str) -> dict:
     read its answer."""
     import torch
 
-    from megalysses.training.runtime import resolve_run
+    from megalysses.testing import resolve_run
 
     run = resolve_run(cfg, torch.device(device))
     return {"dtype": run.dtype, "attention": run.attention, "why": run.attention_reason, "kernels": run.kernels}

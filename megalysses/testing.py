@@ -1,10 +1,13 @@
-"""Run a function on W CPU ranks (gloo, file:// store) and collect what each rank returns.
+"""Run a function on W CPU ranks (gloo, file:// store) and collect what each rank returns; plan a test's run on
+this machine as a process that starts one does.
 
     def check(rank, world, x):          # module-level, so the ranks can import it
         ...
         return {"loss": loss.item()}
 
     results = run_distributed(check, world=4, tmp_dir=tmp_path, args=(x,))   # list, one per rank
+
+    plan, grid = plan_and_grid(cfg, device)      # a test's run: its plan on this machine, and the grid
 
 A rank that raises fails the call with that rank's traceback; a rank that hangs is ended by the
 short collective timeout and, failing that, by the overall `timeout`.
@@ -29,6 +32,10 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from megalysses.config import Config, ConfigError
+from megalysses.grid import ParallelGrid
+from megalysses.plan import Machine, RunPlan, resolve
 
 
 class DistributedTestError(AssertionError):
@@ -124,3 +131,25 @@ def triton_interpreter_runs_our_kernels() -> bool:
     except Exception:  # noqa: BLE001 - the interpreter raises its own error types
         return False
     return bool((x == 1).all())
+
+
+def resolve_run(cfg: Config, device: torch.device, grid: Optional[ParallelGrid] = None) -> RunPlan:
+    """The plan of this run on this rank's machine (its device, packages and ranks per node) and the grid's
+    world (without a grid, one model replica: tp * sp * pp ranks); ConfigError names what cannot run here.
+    The grid must split sp as the plan does."""
+    p = cfg.parallel
+    run = resolve(cfg, Machine.current(device), grid.world if grid is not None else p.tp * p.sp * p.pp)
+    if grid is not None and (grid.ulysses_size, grid.ring_size) != (run.ulysses, run.ring):
+        raise ConfigError(f"the process grid splits sp={grid.sp_size} as ulysses {grid.ulysses_size} x ring "
+                          f"{grid.ring_size} but the config resolves to ulysses {run.ulysses} x ring {run.ring}: "
+                          f"build it with ParallelGrid.for_plan(run)")
+    return run
+
+
+def plan_and_grid(cfg: Config, device: torch.device) -> tuple[RunPlan, ParallelGrid]:
+    """The plan of a run of `cfg` on this machine over the process group's world (without one, a world of one), and
+    the grid it lays out: the two as a run builds them (tools/pretrain.py)."""
+    if not dist.is_initialized():
+        return resolve(cfg, Machine.current(device), 1), ParallelGrid.single()
+    run = resolve(cfg, Machine.current(device), dist.get_world_size())
+    return run, ParallelGrid.for_plan(run, cfg.parallel.timeout_seconds)

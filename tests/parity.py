@@ -180,26 +180,25 @@ def train_worker(rank, world, runs):
     """Train each (run_dir, overrides on TRAIN_PARITY) in turn on this world; return this rank's parameter shards
     (`rank_weights`, for `full_weights`)."""
     from megalysses.training import loop
-    from megalysses.training.runtime import plan_and_grid
+    from megalysses.testing import plan_and_grid
 
     out = []
     for run_dir, overrides in runs:
         cfg = load_config(overrides=TRAIN_PARITY + overrides + [f"logging.run_dir={run_dir}"])
         run, grid = plan_and_grid(cfg, torch.device("cpu"))
         shards = {}
-        original = loop.build_model
+        original = loop.build_run
 
-        def keep(*args, original=original, shards=shards):
-            model = original(*args)
-            shards["model"] = model
-            return model
+        def keep(*args, original=original, shards=shards, **kwargs):
+            shards["run"] = original(*args, **kwargs)
+            return shards["run"]
 
-        loop.build_model = keep
+        loop.build_run = keep
         try:
-            loop.train(cfg, grid, torch.device("cpu"), run=run)
+            loop.train(cfg, run, grid, torch.device("cpu"))
         finally:
-            loop.build_model = original
-        out.append(rank_weights(shards["model"], grid))
+            loop.build_run = original
+        out.append(rank_weights(shards["run"].model, grid))
     return out
 
 
@@ -221,9 +220,8 @@ def step_worker(rank, world, runs):
     """Build each (name, overrides) run's model and optimizer (as a run does) and take one training step on its
     grid; return {name: (loss, gradient norm)}."""
     from megalysses.config.checks import validate_config
-    from megalysses.training.data import TrainingData
-    from megalysses.training.loop import build_model_and_optimizer
-    from megalysses.training.runtime import plan_and_grid, resolve_run
+    from megalysses.training.build import Parts, build_run
+    from megalysses.testing import plan_and_grid, resolve_run
     from megalysses.training.step import train_step
 
     device, out, grids = torch.device("cpu"), {}, {}
@@ -236,8 +234,9 @@ def step_worker(rank, world, runs):
             grids[key] = plan_and_grid(cfg, device)[1]
         grid = grids[key]
         runtime = resolve_run(cfg, device, grid)
-        model, opt = build_model_and_optimizer(cfg, grid, device, runtime)
-        batch = next(TrainingData(cfg, grid, runtime, device).train_batches(0))
+        built = build_run(cfg, runtime, grid, device, Parts(data=True))
+        model, opt = built.model, built.opt
+        batch = next(built.data.train_batches(0))
         result = train_step(model, opt, batch, grid, lr=cfg.optimizer.lr, grad_clip=cfg.optimizer.grad_clip,
                             dtype=runtime.torch_dtype, nan_policy="error")
         out[name] = (result.loss, result.grad_norm)

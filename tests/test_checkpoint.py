@@ -24,9 +24,9 @@ def _steps(run_dir: Path) -> list[int]:
 def _train_scrambled_if_init(rank, world, runs):
     """train_worker, except that a run with checkpoint.init_from starts from a model whose freshly built
     weights are scrambled: unless init_from loads the source's weights, that run trains another model."""
-    from megalysses.training import loop
+    from megalysses.training import build as builder
 
-    original = loop.build_model
+    original = builder.build_model
 
     def build(cfg, *args):
         model = original(cfg, *args)
@@ -36,7 +36,7 @@ def _train_scrambled_if_init(rank, world, runs):
                     p.mul_(-0.5).add_(0.01)
         return model
 
-    loop.build_model = build
+    builder.build_model = build
     return train_worker(rank, world, runs)
 
 

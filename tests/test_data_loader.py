@@ -131,7 +131,7 @@ def test_padding_and_eod_mask_loss():
 def test_eod_mask_loss_reaches_training_and_validation_batches(flag):
     from megalysses.config.io import load_config
     from megalysses.training.data import TrainingData
-    from megalysses.training.runtime import plan_and_grid
+    from megalysses.testing import plan_and_grid
 
     cfg = load_config(overrides=MOCK_32 + ["training.global_batch_size=2", "training.eval_interval=1",
                                  f"data.eod_mask_loss={str(flag).lower()}"])
@@ -255,7 +255,7 @@ def test_a_validation_set_of_its_own(tmp_path):
     from megalysses.config.io import load_config
     from megalysses.data.indexed import DatasetError
     from megalysses.training.data import TrainingData
-    from megalysses.training.runtime import plan_and_grid
+    from megalysses.testing import plan_and_grid
 
     rng = np.random.default_rng(0)
     _dataset(tmp_path / "train", [rng.integers(0, 100, 20) for _ in range(40)] + [np.arange(120, 130)])

@@ -15,6 +15,7 @@ import torch
 from megalysses import comm
 from megalysses.config.io import load_config
 from megalysses.testing import run_distributed
+from megalysses.testing import resolve_run
 from tests.fixtures import PARITY, with_model
 
 BASE = with_model(PARITY, num_heads=4) + ["logging.log_interval=1", "training.eval_interval=2",
@@ -45,13 +46,13 @@ def _meta_default_worker(rank, world, tmp):
     losses = {}
     for name, extra in LAYOUTS.items():
         cfg = load_config(overrides=BASE + ["training.train_steps=3"] + extra + [f"logging.run_dir={tmp}/{name}"])
-        grid = ParallelGrid(tp=cfg.parallel.tp, sp=cfg.parallel.sp, pp=cfg.parallel.pp)
+        grid, cpu = ParallelGrid(tp=cfg.parallel.tp, sp=cfg.parallel.sp, pp=cfg.parallel.pp), torch.device("cpu")
         with torch.device("meta"):
             assert torch.tensor([1.0]).device.type == "meta"      # the trap is armed
-            losses[name] = loop.train(cfg, grid, torch.device("cpu"))["loss"]
+            losses[name] = loop.train(cfg, resolve_run(cfg, cpu, grid), grid, cpu)["loss"]
             if name == "dp2_save_resume":                         # resume from the step-2 checkpoint
                 cfg.training.train_steps = 3
-                losses[name] = loop.train(cfg, grid, torch.device("cpu"))["loss"]
+                losses[name] = loop.train(cfg, resolve_run(cfg, cpu, grid), grid, cpu)["loss"]
     return losses
 
 

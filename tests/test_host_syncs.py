@@ -72,12 +72,12 @@ class _Phases:
 def _loop_worker(rank, world, runs):
     import megalysses.training.loop as loop
     from megalysses.config.io import load_config
-    from megalysses.training.runtime import plan_and_grid
+    from megalysses.testing import plan_and_grid
 
-    out, build = {}, loop.build_model_and_optimizer
+    out, build = {}, loop.build_run
     for name, overrides in runs:
         cfg = load_config(overrides=overrides)
-        grid = plan_and_grid(cfg, torch.device("cpu"))[1]
+        plan, grid = plan_and_grid(cfg, torch.device("cpu"))
         built = {}
 
         def capture(*args, built=built, **kwargs):
@@ -85,16 +85,16 @@ def _loop_worker(rank, world, runs):
             return built["run"]
 
         def host(built=built, grid=grid):       # host memory on a GPU too: the rank grid, AdamW's step counts
-            return [grid.layout.ranks] + (adam_step_counts(built["run"][1]) if built else [])
+            return [grid.layout.ranks] + (adam_step_counts(built["run"].opt) if built else [])
 
         phases = _Phases()
-        loop.build_model_and_optimizer = capture
+        loop.build_run = capture
         try:
             with count_host_syncs(host) as syncs:
                 phases.syncs = syncs
-                loop.train(cfg, grid, torch.device("cpu"), watchdog=phases)
+                loop.train(cfg, plan, grid, torch.device("cpu"), watchdog=phases)
         finally:
-            loop.build_model_and_optimizer = build
+            loop.build_run = build
         out[name] = phases.by_phase()
     return out
 
@@ -132,8 +132,9 @@ def _train_with_step_3_not_finite(cfg, monkeypatch):
     returns (the loop's summary, the optimizer)."""
     import megalysses.training.loop as loop
     from megalysses.grid import ParallelGrid
+    from megalysses.testing import resolve_run
 
-    built, build, step = {}, loop.build_model_and_optimizer, loop.train_step
+    built, build, step = {}, loop.build_run, loop.train_step
     calls = []
 
     def capture(*args, **kwargs):
@@ -149,10 +150,11 @@ def _train_with_step_3_not_finite(cfg, monkeypatch):
             if hook is not None:
                 hook.remove()
 
-    monkeypatch.setattr(loop, "build_model_and_optimizer", capture)
+    monkeypatch.setattr(loop, "build_run", capture)
     monkeypatch.setattr(loop, "train_step", poisoned)
-    summary = loop.train(cfg, ParallelGrid(tp=1, sp=1, pp=1), torch.device("cpu"))
-    return summary, built["run"][1]
+    grid = ParallelGrid(tp=1, sp=1, pp=1)
+    summary = loop.train(cfg, resolve_run(cfg, torch.device("cpu"), grid), grid, torch.device("cpu"))
+    return summary, built["run"].opt
 
 
 def test_a_skipped_step_is_counted_at_the_next_logging_step(tmp_path, world_of_one, monkeypatch):

@@ -112,3 +112,34 @@ def test_no_function_over_80_lines():
             for path in sorted(ROOT.rglob("*.py")) for node in ast.walk(ast.parse(path.read_text()))
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 80]
     assert not long, long
+
+
+PLANNERS = {"resolve", "resolve_run", "plan_and_grid"}
+"""The functions that resolve a config into a RunPlan (megalysses.plan.resolve, and megalysses.testing's two that
+plan a test's run)."""
+
+
+def plan_resolutions() -> set[str]:
+    """Every `module:function` under megalysses/, megalysses/plan/ aside, that calls a planner it imported."""
+    found = set()
+    for path in ROOT.rglob("*.py"):
+        rel = path.relative_to(ROOT)
+        if rel.parts[0] == "plan":
+            continue
+        module, tree = ".".join(rel.with_suffix("").parts), ast.parse(path.read_text())
+        planners = {a.asname or a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                    and node.module in ("megalysses.plan", "megalysses.testing") for a in node.names} & PLANNERS
+        for fn in ast.walk(tree):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and fn.name not in PLANNERS and any(
+                    isinstance(c, ast.Call) and getattr(c.func, "id", None) in planners for c in ast.walk(fn)):
+                found.add(f"{module}:{fn.name}")
+    return found
+
+
+def test_the_plan_is_resolved_only_where_a_process_starts():
+    """Outside megalysses/plan/ a config is resolved into its plan once, by what starts the process: the command
+    lines (megalysses/tools/), and the dry run and the trace, which start their own process groups; everything
+    else (training, evaluation, the builder) is handed the plan."""
+    assert plan_resolutions() == {
+        "tools.pretrain:_plan", "tools.eval_long:evaluate", "tools.generate:generation_plan",
+        "tools.from_megatron:check_start", "training.dry_run:dry_run", "training.trace:trace_step"}

@@ -157,8 +157,8 @@ def _greedy_answers(cfg, samples: dict) -> dict:
     last one wrong where it is odd."""
     from megalysses.checkpoint.initial import load_initial_weights
     from megalysses.data.loader import build_micro_batch
-    from megalysses.training.loop import build_model
-    from megalysses.training.runtime import plan_and_grid
+    from megalysses.training.build import build_model
+    from megalysses.testing import plan_and_grid
 
     device = torch.device("cpu")
     run, grid = plan_and_grid(cfg, device)
@@ -186,7 +186,7 @@ def _pipeline(rank, world, tmp):
     from megalysses.tools import preprocess_data
     from megalysses.training.long_eval import LongEval, LongEvalSettings
     from megalysses.training.loop import train
-    from megalysses.training.runtime import plan_and_grid
+    from megalysses.testing import plan_and_grid
 
     with open(f"{tmp}/pk.jsonl", "w") as f:
         for record in passkey_records(passkey_documents([textwrap.__doc__, json.__doc__], LENGTH, 8, seed=0),
@@ -196,7 +196,7 @@ def _pipeline(rank, world, tmp):
                           "--tokenizer-type", "byte", "--log-interval", "0"])
     cfg = load_config(None, RUN + [f"data.paths=[{tmp}/pk_text_document]", f"logging.run_dir={tmp}/run"])
     run, grid = plan_and_grid(cfg, torch.device("cpu"))
-    train(cfg, grid, torch.device("cpu"), run=run)
+    train(cfg, run, grid, torch.device("cpu"))
     logged = metrics(tmp / "run")
     evaluator = LongEval(cfg, grid, torch.device("cpu"), run, tokenizer_from_config(cfg.data),
                          DocumentStream.validation(cfg.data))
@@ -325,7 +325,7 @@ def test_every_layout_reports_the_figures_of_one_process(single):
 
 def test_training_lengths_follow_the_curriculum(monkeypatch):
     from megalysses.training.long_eval import LongEval, TrainingLongEval
-    from megalysses.training.runtime import resolve_run
+    from megalysses.testing import resolve_run
 
     cfg = load_config(None, ["data.mock=true", "model.vocab_size=259", "data.seq_len=640",
                              "data.seq_len_schedule=[[0, 320], [3, 640]]", "long_eval.interval=2",

@@ -387,15 +387,16 @@ def measured_step_peak(overrides: list[str], world: int = 1, exclude_host: bool 
     `exclude_host`: leave out the activation offload's host copies (CPU tensors here). What an offloaded
     optimizer keeps in host memory is left out too (masters, moments, host gradients; with parameter offload
     FSDP's shards and their gradients), and so is its update, which runs on the host."""
-    from megalysses.training.loop import build_model_and_optimizer
-    from megalysses.training.runtime import plan_and_grid
+    from megalysses.training.build import build_run
+    from megalysses.testing import plan_and_grid
     from megalysses.training.step import train_step
 
     cfg = load_config(overrides=STEP + overrides)
     device = torch.device("cpu")
     p = cfg.parallel
     runtime, grid = plan_and_grid(cfg, device)
-    model, opt = build_model_and_optimizer(cfg, grid, device, runtime)
+    built = build_run(cfg, runtime, grid, device)
+    model, opt = built.model, built.opt
     g = torch.Generator().manual_seed(0)
     S_ = cfg.data.seq_len
     local = torch.from_numpy(grid.sequence_layout(p.tp_sequence_parallel).positions(S_, grid.sp_rank))

@@ -12,6 +12,7 @@ from megalysses.grid import ParallelGrid
 from megalysses.plan.flops import flops_per_token, peak_tflops
 from megalysses.training import metrics
 from megalysses.training.loop import train
+from megalysses.testing import resolve_run
 from megalysses.config.checks import check_logging_backends
 from tests.fixtures import MOCK_32, SMALL_MODEL
 from tests.fixtures import metrics as metrics_rows
@@ -37,7 +38,8 @@ def _logged(run):
 def test_tensorboard_holds_the_logged_scalars(tmp_path, world_of_one):
     run = tmp_path / "run"
     cfg = load_config(overrides=TINY + [f"logging.run_dir={run}", "logging.tensorboard=true"])
-    train(cfg, ParallelGrid(tp=1, sp=1, pp=1), torch.device("cpu"))
+    grid = ParallelGrid(tp=1, sp=1, pp=1)
+    train(cfg, resolve_run(cfg, torch.device("cpu"), grid), grid, torch.device("cpu"))
     assert len(list((run / "tensorboard").glob("events.out.tfevents.*"))) == 1
     want = _logged(run)
     assert {"loss", "lr", "grad_norm", "tokens_per_s", "val_loss"} <= want.keys()

@@ -20,7 +20,7 @@ from megalysses.model.gpt import GPTStage, init_weights
 from megalysses.model.layers import ParallelGroups
 from megalysses.model.policies import activation_offload, apply_activation_policy
 from megalysses.testing import run_distributed
-from megalysses.training.runtime import plan_and_grid
+from megalysses.testing import plan_and_grid
 from megalysses.plan import ActivationPolicy
 from tests.test_memory_model import measure_forward, measured_step_peak, small_model
 from tests.fixtures import PARITY
@@ -45,7 +45,7 @@ LAYOUTS = {   # name: overrides on 4 ranks
 def one_step(overrides: list[str], world: int) -> dict:
     """Build the model and optimizer of a run, take one training step and return its loss, the reduced
     gradients (this rank's fp32 shards, before the update) and the offloaders' statistics."""
-    from megalysses.training import loop
+    from megalysses.training.build import build_run
     from megalysses.training.data import TrainingData
     from megalysses.training.step import train_step
 
@@ -53,7 +53,8 @@ def one_step(overrides: list[str], world: int) -> dict:
     device = torch.device("cpu")
     p = cfg.parallel
     runtime, grid = plan_and_grid(cfg, device)
-    model, opt = loop.build_model_and_optimizer(cfg, grid, device, runtime)
+    built = build_run(cfg, runtime, grid, device)
+    model, opt = built.model, built.opt
     got = {}
 
     def capture(max_norm: float, ok=None, guard=True) -> torch.Tensor:        # the optimizer's step, up to the update

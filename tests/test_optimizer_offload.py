@@ -46,15 +46,16 @@ PEAKS = {   # (without, with) the offload, on 2 ranks (dp2, 2 micro-batches each
 
 def train(overrides: list[str], world: int, steps: int = 3) -> dict:
     """`steps` optimizer steps; returns losses, norms, this rank's weights and optimizer state."""
-    from megalysses.training import loop
+    from megalysses.training.build import build_run
     from megalysses.training.data import TrainingData
-    from megalysses.training.runtime import plan_and_grid
+    from megalysses.testing import plan_and_grid
     from megalysses.training.step import train_step
 
     cfg = load_config(overrides=BASE + overrides)
     device = torch.device("cpu")
     runtime, grid = plan_and_grid(cfg, device)
-    model, opt = loop.build_model_and_optimizer(cfg, grid, device, runtime)
+    built = build_run(cfg, runtime, grid, device)
+    model, opt = built.model, built.opt
     batches = TrainingData(cfg, grid, runtime, device).train_batches(0)
     losses, norms = [], []
     for _ in range(steps):
@@ -86,15 +87,16 @@ def arena_use(cfg, runtime, grid, model, opt) -> tuple[int, int] | None:
 
 def reduced_gradients(overrides: list[str], world: int) -> dict:
     """The first step's loss and reduced fp32 gradients (this rank's chunks, before clipping)."""
-    from megalysses.training import loop
+    from megalysses.training.build import build_run
     from megalysses.training.data import TrainingData
-    from megalysses.training.runtime import plan_and_grid
+    from megalysses.testing import plan_and_grid
     from megalysses.training.step import train_step
 
     cfg = load_config(overrides=BASE + overrides)
     device = torch.device("cpu")
     runtime, grid = plan_and_grid(cfg, device)
-    model, opt = loop.build_model_and_optimizer(cfg, grid, device, runtime)
+    built = build_run(cfg, runtime, grid, device)
+    model, opt = built.model, built.opt
     got = {}
 
     def capture(max_norm: float, ok=None, guard=True) -> torch.Tensor:
@@ -120,21 +122,23 @@ def host_units(model: torch.nn.Module) -> int:
 def run_loop(overrides: list[str]) -> tuple[int, dict]:
     """pretrain's loop on this world: (the last step, this rank's weights)."""
     from megalysses.training import loop
+    from megalysses.testing import resolve_run
 
     shards = {}
-    original = loop.build_model
+    original = loop.build_run
 
-    def keep(*args):
-        shards["model"] = original(*args)
-        return shards["model"]
+    def keep(*args, **kwargs):
+        shards["run"] = original(*args, **kwargs)
+        return shards["run"]
 
-    loop.build_model = keep
+    cfg, grid = load_config(overrides=BASE + overrides), ParallelGrid()
+    loop.build_run = keep
     try:
-        summary = loop.train(load_config(overrides=BASE + overrides), ParallelGrid(), torch.device("cpu"))
+        summary = loop.train(cfg, resolve_run(cfg, torch.device("cpu"), grid), grid, torch.device("cpu"))
     finally:
-        loop.build_model = original
+        loop.build_run = original
     return summary["step"], {n: (q.to_local() if hasattr(q, "to_local") else q).detach().clone()
-                             for n, q in shards["model"].named_parameters()}
+                             for n, q in shards["run"].model.named_parameters()}
 
 
 def _resumed(tmp: str, name: str, first: list[str], then: list[str]) -> tuple[int, dict]:

@@ -203,7 +203,7 @@ def test_a_step_with_nothing_to_train_on_is_told_with_the_count(tmp_path, capsys
 
     from megalysses.config.io import load_config
     from megalysses.training.data import TrainingData
-    from megalysses.training.runtime import plan_and_grid
+    from megalysses.testing import plan_and_grid
 
     prefix = write_conversations(tmp_path / "half_text_document", count=40)
     _mask_rewritten(prefix, lambda i, m: i % 2 == 0)

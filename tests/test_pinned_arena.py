@@ -55,14 +55,14 @@ def test_an_arena_is_one_request_to_the_host_and_works_on_meta_tensors():
 
 
 def test_a_run_sizes_its_arena_from_the_plan():
-    """What build_model_and_optimizer pins is one arena of the memory model's pinned requests for the rank's
+    """What build_run pins is one arena of the memory model's pinned requests for the rank's
     stage, and those are the estimate's pinned host terms."""
     from megalysses.config.io import load_config
     from megalysses.grid import ParallelGrid
     from megalysses.memory import arena_bytes
     from megalysses.plan.memory import estimate_plan, pinned_requests_of
-    from megalysses.training import loop
-    from megalysses.training.runtime import resolve_run
+    from megalysses.training.build import build_run
+    from megalysses.testing import resolve_run
 
     cfg = load_config(overrides=with_model(MOCK_32 + SMALL_MODEL, num_layers=3) + ["training.global_batch_size=2",
                                  "training.micro_batch_size=1", "training.activation_checkpointing=true",
@@ -70,7 +70,8 @@ def test_a_run_sizes_its_arena_from_the_plan():
                                  "checkpoint.async_save=false"])      # the background saver's arena: test_checkpoint
     grid, cpu = ParallelGrid.single(), torch.device("cpu")
     run = resolve_run(cfg, cpu, grid)
-    model, opt = loop.build_model_and_optimizer(cfg, grid, cpu, run)
+    built = build_run(cfg, run, grid, cpu)
+    model, opt = built.model, built.opt
     reqs = pinned_requests_of(cfg, run, 0)
     mine = {owner: [r for r in reqs if r.owner == owner] for owner in ("optimizer", "model chunk 0")}
     assert sum(map(len, mine.values())) == len(reqs)

@@ -19,7 +19,7 @@ from megalysses.plan.search import (Search, candidate_configs, check_phase_time,
 from megalysses.plan.step_time import Hardware, Overlap, step_time
 from megalysses.plan.tiles import could_fit
 from megalysses.tools.plan import Progress, _flags, main
-from megalysses.training.runtime import resolve_run
+from megalysses.testing import resolve_run
 from tests.planning import LLAMA3_8B, h100s, load
 
 FLASH = ("flash_attn", "triton")      # GPU machines with flash-attn installed

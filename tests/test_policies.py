@@ -72,8 +72,9 @@ def test_the_run_checks_the_policy_its_model_carries_out():
     holds; a plain model for the same plan is a bug it names."""
     from megalysses.config.io import load_config
     from megalysses.grid import ParallelGrid
-    from megalysses.training.loop import build_model
-    from megalysses.training.runtime import check_built, model_config, resolve_run
+    from megalysses.training.build import build_model
+    from megalysses.training.runtime import check_built, model_config
+    from megalysses.testing import resolve_run
 
     cfg = load_config(overrides=["data.mock=true", "data.seq_len=32", "model.vocab_size=128", "model.hidden_size=32",
                                  "model.num_layers=2", "model.num_heads=4", "training.global_batch_size=1",

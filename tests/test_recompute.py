@@ -16,7 +16,8 @@ from megalysses.config import ConfigError
 from megalysses.config.io import load_config
 from megalysses.model.recompute import attention_kernels
 from megalysses.testing import run_distributed
-from megalysses.training.runtime import memory_options, resolve_run
+from megalysses.training.runtime import memory_options
+from megalysses.testing import resolve_run
 from tests.test_offload import BASE
 from tests.test_offload import one_step as offload_step
 

@@ -22,7 +22,7 @@ def plain_torch(overrides: list[str], steps: int = 3) -> tuple[dict, list[float]
     summed over the step's micro-batches and divided by its count of labelled tokens."""
     from megalysses.model.gpt import GPTStage, init_weights
     from megalysses.training.data import TrainingData
-    from megalysses.training.runtime import plan_and_grid
+    from megalysses.testing import plan_and_grid
     from megalysses.training.schedule import lr_at
 
     cfg = load_config(overrides=TRAIN_PARITY + overrides)

@@ -22,7 +22,8 @@ from megalysses.parallel.sequence_layout import IGNORE_INDEX, SequenceLayout, sh
 from megalysses.plan import Machine
 from megalysses.plan.run_plan import choose_attention
 from megalysses.testing import run_distributed
-from megalysses.training.runtime import resolve_run, startup_line, write_runtime
+from megalysses.training.runtime import startup_line, write_runtime
+from megalysses.testing import resolve_run
 from tests import ring_oracle
 from tests.ring_oracle import blockwise_attention
 from tests.parity import (GQA_2_PER_RANK, MQA, ONE_HEAD, QWEN, THREE_HEADS, case, check_model_parity, check_run, logged,

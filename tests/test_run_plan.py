@@ -167,7 +167,8 @@ def _model_params(cfg):
     """The parameter tensors of the whole model of `cfg` (one stage, tp 1)."""
     from megalysses.model.gpt import GPTStage, stage_layers
     from megalysses.model.layers import ParallelGroups
-    from megalysses.training.runtime import model_config, resolve_run
+    from megalysses.training.runtime import model_config
+    from megalysses.testing import resolve_run
 
     run = resolve_run(cfg, torch.device("cpu"))
     with torch.device("meta"):

@@ -9,7 +9,8 @@ import torch
 from megalysses.config import ConfigError
 from megalysses.config.io import load_config
 from megalysses.grid import ParallelGrid
-from megalysses.training.runtime import model_config, resolve_run, startup_line, write_runtime
+from megalysses.training.runtime import model_config, startup_line, write_runtime
+from megalysses.testing import resolve_run
 
 BASE = ["data.mock=true", "data.seq_len=32", "model.hidden_size=64", "model.num_heads=4", "model.vocab_size=1000"]
 

@@ -48,7 +48,7 @@ from typing import Any, Optional
 import torch
 
 from megalysses.checkpoint.dcp_io import CheckpointError, read_meta
-from megalysses.checkpoint.initial import find_initial_checkpoint, load_initial_weights
+from megalysses.checkpoint.initial import find_initial_checkpoint
 from megalysses.checkpoint.manifest import checkpoints_in, step_of
 from megalysses.config import Config, ConfigError
 from megalysses.config.checks import validate_config
@@ -67,7 +67,7 @@ from megalysses.plan import Machine, resolve
 from megalysses.plan.machine import local_device
 from megalysses.training.long_eval import (EvalProgress, LongEval, LongEvalError, LongEvalSettings, cell_count,
                                            check_settings, sample_items, text_only)
-from megalysses.training.loop import build_model
+from megalysses.training.build import Parts, build_run
 from megalysses.training.runtime import flex_compile_budget, startup_line
 
 ERRORS = (ConfigError, LayoutError, CheckpointError, DatasetError, TokenizerError, PromptError, LongEvalError,
@@ -300,11 +300,7 @@ def evaluate(args: argparse.Namespace) -> int:
     print0(startup_line(cfg, grid, run))
     for line in plan_lines(settings, trained, dropped):
         print0(line)
-    mesh = grid.device_mesh(device)
-    model = build_model(cfg, grid, device, mesh, run)
-    print0(load_initial_weights(weights, model, cfg, grid, mesh))
-    if not run.fsdp:
-        model.to(run.torch_dtype)
+    model = build_run(cfg, run, grid, device, Parts(optimizer=False, initial=weights)).model
     evaluator = LongEval(cfg, grid, device, run, tok, haystack)
     where: list[str] = ["starting"]
     start = time.perf_counter()

@@ -170,7 +170,7 @@ def _run(args: argparse.Namespace, signals: StopSignals, interruption: Interrupt
                                                       cfg.parallel.timeout_seconds)
     try:
         grid = ParallelGrid.for_plan(run, cfg.parallel.timeout_seconds)
-        summary = train(cfg, grid, device, signals=signals, watchdog=watchdog, run=run, dry_run=args.dry_run)
+        summary = train(cfg, run, grid, device, signals=signals, watchdog=watchdog, dry_run=args.dry_run)
         if summary["stopped_by"] == "dry_run":
             print0(f"dry run: stopped before step 1; {cfg.logging.run_dir}/runtime.json written")
         elif summary["stopped_by"] == "already_finished":

@@ -43,7 +43,7 @@ def dry_run(cfg: Config, machine: Machine, world: int) -> dict:
         with warnings.catch_warnings():     # the fake backend takes no group timeouts, and says so per group
             warnings.filterwarnings("ignore", message="Set timeout is now only supported")
             grid = ParallelGrid.for_plan(run, cfg.parallel.timeout_seconds)
-            train(cfg, grid, torch.device("meta" if machine.cuda else "cpu"), run=run, dry_run=True)
+            train(cfg, run, grid, torch.device("meta" if machine.cuda else "cpu"), dry_run=True)
     finally:
         dist.destroy_process_group()
     return json.loads((Path(cfg.logging.run_dir) / "runtime.json").read_text())

@@ -13,135 +13,39 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
 
 from megalysses import accelerator
 from megalysses.checkpoint.background import BackgroundSaver
-from megalysses.checkpoint.dcp_io import load_checkpoint, save_checkpoint
-from megalysses.checkpoint.initial import is_weights_only, load_initial_weights
+from megalysses.checkpoint.dcp_io import save_checkpoint
+from megalysses.checkpoint.initial import is_weights_only
 from megalysses.checkpoint.manifest import CheckpointError, choose_checkpoint
-from megalysses.config import Config, ConfigError
+from megalysses.config import Config
 from megalysses.config.checks import check_logging_backends
 from megalysses.config.io import save_config
 from megalysses.config.batch_schedule import batch_line
 from megalysses.distributed import on_rank0, print0
 from megalysses.grid import ParallelGrid
 from megalysses.kernels.attention import reserve_compiles
-from megalysses.memory import arenas
 from megalysses.memory.host import STAGING, arena_bytes
 from megalysses.plan.memory import pinned_requests_of
-from megalysses.model.gpt import GPTStage, architecture, init_weights, stage_layers
-from megalysses.model.layers import ParallelGroups
-from megalysses.model.policies import apply_activation_policy
-from megalysses.parallel.interleaved import VirtualStages
-from megalysses.pinned_arena import PinnedArena, PinnedMemory
+from megalysses.model.gpt import architecture
 from megalysses.plan import RunPlan
 from megalysses.plan.flops import peak_tflops
 from megalysses.plan.search import check_host_memory, check_phase_time
-from megalysses.training.data import TrainingData
-from megalysses.parallel.fsdp import FSDPAdamW, shard_model
+from megalysses.training.build import Parts, Run, build_run
 from megalysses.training.long_eval import TrainingLongEval, scalars
 from megalysses.training.metrics import MetricsLogger, ReadBack, StepTally
-from megalysses.parallel.optimizer import AdamWSettings, Optimizer
-from megalysses.parallel.zero import ReduceSettings, ShardedAdamW
 from megalysses.training.profiler import StepProfiler
 from megalysses.training.rundir import check_writable, mark_start
-from megalysses.training.runtime import (check_built, flex_compile_budget, model_config, resolve_run, startup_line,
-                                         write_runtime)
+from megalysses.training.runtime import flex_compile_budget, startup_line, write_runtime
 from megalysses.training.schedule import lr_at, lr_progress
 from megalysses.training.signals import StopSignals
 from megalysses.training.step import NonFiniteLossError, evaluate, train_step
 from megalysses.training.watchdog import Watchdog
-
-def pinned_arenas(cfg: Config, run: RunPlan, grid: ParallelGrid, device: torch.device) -> dict[str, PinnedArena]:
-    """This rank's pinned host memory: what the memory model counts for its pipeline stage, an arena for each
-    owner (each model chunk's activation offloader, the optimizer; memory/host.py); empty where nothing is
-    pinned."""
-    reqs = [r for r in pinned_requests_of(cfg, run, grid.pp_rank) if r.owner != STAGING]   # the saver's (save)
-
-    def what(owner: str) -> str:
-        mine = [r for r in reqs if r.owner == owner and r.count]
-        return "; ".join(f"{name}: {sum(r.count for r in mine if r.name == name)} requests"
-                         for name in dict.fromkeys(r.name for r in mine)) or f"nothing ({owner})"
-    return {owner: PinnedArena(nbytes, device, what(owner)) for owner, nbytes in arenas(reqs).items()}
-
-
-def build_model(cfg: Config, grid: ParallelGrid, device: torch.device, mesh: DeviceMesh,
-                run: RunPlan, pinned: Optional[dict[str, PinnedArena]] = None) -> GPTStage | VirtualStages:
-    """This rank's pipeline stage (or its virtual stages) with its tp shards in fp32, initialised
-    identically at every layout (then, with parallel.fsdp, sharded over the grad group to gather in the
-    compute dtype); each chunk's activation offload takes its host buffers from its arena in `pinned`
-    (pinned_arenas), or without them from pinned requests of its own."""
-    model_cfg = model_config(cfg, run)
-    groups = ParallelGroups(tp=grid.tp_group, ulysses=grid.ulysses_group, ring=grid.ring_group,
-                            sequence_parallel=run.activation.tp_sequence_parallel)
-    v = run.virtual_stages
-    V = grid.pp_size * v
-    chunks = []
-    # allocated where the weights live: where they run, never staged through host memory, or (parameter
-    # offload) in host memory, where FSDP keeps their shards
-    where = torch.device("cpu") if run.weights == "host" else device
-    for k in range(v):   # chunk k of this rank is virtual stage k * pp + pp_rank
-        vs = k * grid.pp_size + grid.pp_rank
-        with torch.device(where):
-            chunk = GPTStage(model_cfg, groups, stage_layers(cfg.model.num_layers, V, vs), first=vs == 0,
-                             last=vs == V - 1)
-        apply_activation_policy(chunk, run.activation, (pinned or {}).get(f"model chunk {k}"))
-        if device.type != "meta":      # a meta build (a dry run for a described machine) has shapes only
-            init_weights(chunk, cfg.training.seed, grid.tp_rank, grid.tp_size)
-        if run.fsdp:
-            shard_model(chunk, mesh["grad"], run.torch_dtype, getattr(torch, run.grad_dtype),
-                        offload=run.weights == "host")
-        chunks.append(chunk)
-    return chunks[0] if v == 1 else VirtualStages(chunks)
-
-
-def build_optimizer(cfg: Config, model: GPTStage, grid: ParallelGrid, run: RunPlan,
-                    device: Optional[torch.device] = None, pinned: Optional[PinnedMemory] = None) -> Optimizer:
-    """The optimizer the plan places: FSDP2's AdamW over the sharded model, or ZeRO-1's over the grad group (its
-    state in host memory where the plan puts it there)."""
-    o = cfg.optimizer
-    # the two copies of a tied embedding (first and last stage) sum their gradients; a middle stage has neither
-    tied_across_stages = cfg.model.tie_embeddings and grid.pp_size > 1 and (grid.is_first_stage or grid.is_last_stage)
-    settings = AdamWSettings(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
-                             tp_rank=grid.tp_rank, embed_group=grid.embed_group if tied_across_stages else None,
-                             tied_head_copy=tied_across_stages and not grid.is_first_stage)
-    if run.fsdp:
-        return FSDPAdamW(model, settings, device=device)
-    reduce = ReduceSettings(bucket_elements=cfg.parallel.grad_bucket_elements, overlap=cfg.parallel.overlap_grad_reduce,
-                            offload=run.optimizer == "zero1-host", grad_dtype=getattr(torch, run.grad_dtype))
-    return ShardedAdamW(model.named_parameters(), grid.grad_group, settings, reduce, pinned)
-
-
-def build_model_and_optimizer(cfg: Config, grid: ParallelGrid, device: torch.device, run: RunPlan,
-                              mesh: Optional[DeviceMesh] = None, initial: Optional[str | Path] = None,
-                              doing: Callable[[str], None] = lambda what: None,
-                              ) -> tuple[GPTStage | VirtualStages, Optimizer]:
-    """The model and optimizer of a run, built the one way every caller builds them: the fp32 model
-    (with parallel.fsdp, sharded over `mesh`, the grid's device mesh), the `initial` weights loaded into it
-    where there are any (a converted model, checkpoint.init_from), the optimizer's fp32 masters from it,
-    then the compute weights in the run's dtype (FSDP casts when it gathers); what both pin in host memory
-    from arenas the plan sizes (pinned_arenas). `doing` is told each phase."""
-    if mesh is None and run.fsdp:
-        mesh = grid.device_mesh(device)
-    pinned = pinned_arenas(cfg, run, grid, device)
-    doing("building the model")
-    model = build_model(cfg, grid, device, mesh, run, pinned)
-    if initial is not None:
-        doing(f"loading the initial weights {initial}")
-        print0(load_initial_weights(initial, model, cfg, grid, mesh))
-    doing("building the optimizer")
-    opt = build_optimizer(cfg, model, grid, run, device, pinned.get("optimizer"))
-    if not run.fsdp:
-        with torch.no_grad():       # in place, as nn.Module.to does (which cannot swap a memory trace's fake
-            for p in model.parameters():    # parameters)
-                p.data = p.data.to(run.torch_dtype)
-    return model, opt
 
 
 def stage_line(cfg: Config, step: int) -> str:
@@ -163,71 +67,53 @@ def _prepare_dirs(cfg: Config, run_dir: Path, ckpt_dir: Path) -> None:
         check_writable(Path(cfg.logging.tensorboard_dir), "logging.tensorboard_dir")
 
 
-@dataclass
-class Progress:
-    """Where a run stands: steps done, samples consumed, optimizer steps taken (skipped steps excluded) and
-    the last finite loss."""
-
-    step: int = 0
-    consumed: int = 0
-    updates: int = 0
-    loss: float = float("nan")
-
-
-def train(cfg: Config, grid: ParallelGrid, device: torch.device, signals: Optional[StopSignals] = None,
-          watchdog: Optional[Watchdog] = None, run: Optional[RunPlan] = None, dry_run: bool = False) -> dict:
+def train(cfg: Config, plan: RunPlan, grid: ParallelGrid, device: torch.device, signals: Optional[StopSignals] = None,
+          watchdog: Optional[Watchdog] = None, dry_run: bool = False) -> dict:
     """Run training to the end (or a stop); returns a summary {step, loss, stopped_by}.
 
+    `plan` is the plan of this run on this machine, resolved where the process started; `grid` lays it out.
     `signals` carries signals received before training started (the entry point creates it first thing);
-    `watchdog` is told what the loop does; `run` is the plan of this run on this machine (resolved here
-    when not given). `dry_run`: the start-up path only, up to step 1: the model and optimizer are built
-    (on the meta device for a described machine) and checked against the plan, runtime.json is written,
-    and nothing is read or trained."""
+    `watchdog` is told what the loop does. `dry_run`: the start-up path only, up to step 1: the model and
+    optimizer are built (on the meta device for a described machine) and checked against the plan,
+    runtime.json is written, and nothing is read or trained."""
     run_dir = Path(cfg.logging.run_dir)
     ckpt_dir = Path(cfg.checkpoint.dir or run_dir / "checkpoints")
     doing = watchdog.doing if watchdog is not None else (lambda what: None)
-    run = _start_up(cfg, grid, device, run, run_dir, ckpt_dir, watchdog is not None or dry_run, doing)
+    _start_up(cfg, plan, grid, device, ckpt_dir, watchdog is not None or dry_run, doing)
     path, initial = (None, None) if dry_run else _checkpoint_to_load(cfg, ckpt_dir, doing)
     if path is None and initial is None and not dry_run:      # the others say it as they load
         print0(f"initial weights: random (seed {cfg.training.seed})")
     doing("checking the long-context evaluation")
-    long_eval = TrainingLongEval(cfg, grid, device, run) if cfg.long_eval.interval and not dry_run else None
-    mesh = grid.device_mesh(device)
-    model, opt = build_model_and_optimizer(cfg, grid, device, run, mesh, initial, doing)
-    check_built(model, grid, run)
+    long_eval = TrainingLongEval(cfg, grid, device, plan) if cfg.long_eval.interval and not dry_run else None
+    run = build_run(cfg, plan, grid, device, Parts(initial=initial, data=not dry_run, resume=path), doing,
+                    grid.device_mesh(device))
     if dry_run:
-        on_rank0(lambda: write_runtime(run_dir, cfg, grid, run))
+        on_rank0(lambda: write_runtime(run_dir, cfg, grid, plan))
         return {"step": 0, "loss": float("nan"), "stopped_by": "dry_run"}
-    doing("opening the datasets")
-    data = TrainingData(cfg, grid, run, device)
-    progress = Progress()
-    if path is not None:
-        doing(f"loading the checkpoint {path}")
-        progress = _resume(cfg, path, model, opt, grid, mesh)
-        if progress.step >= cfg.training.train_steps:
-            return {"step": progress.step, "loss": progress.loss, "stopped_by": "already_finished"}
+    progress = run.progress
+    if progress.step >= cfg.training.train_steps:
+        return {"step": progress.step, "loss": progress.loss, "stopped_by": "already_finished"}
 
     # the run's config (what tools/generate.py and the converter read) only once this one has passed every
     # check, loaded its checkpoint and made the saver's process group: a launch that fails leaves the run as it was
     def start_run() -> None:
         save_config(cfg, run_dir / "config.yaml")
-        write_runtime(run_dir, cfg, grid, run)
+        write_runtime(run_dir, cfg, grid, plan)
         mark_start(run_dir, progress.step, path, progress.consumed * cfg.data.seq_len,
                    {"tp": grid.tp_size, "sp": grid.sp_size, "pp": grid.pp_size, "dp": grid.dp_size})
 
-    loop = TrainingLoop(cfg, grid, device, run, model, opt, mesh, data, long_eval, progress, ckpt_dir, doing)
+    loop = TrainingLoop(run, long_eval, ckpt_dir, doing)
     on_rank0(start_run)
     return loop(signals, watchdog)
 
 
-def _start_up(cfg: Config, grid: ParallelGrid, device: torch.device, run: Optional[RunPlan], run_dir: Path,
-              ckpt_dir: Path, check_time: bool, doing: Callable[[str], None]) -> RunPlan:
-    """The checks before anything is built: the directories writable (rank 0), the plan (resolved here when not
-    given), the logging backends, the phase times against the watchdog (`check_time`), this node's host memory;
-    then the start-up line. Returns the plan."""
+def _start_up(cfg: Config, run: RunPlan, grid: ParallelGrid, device: torch.device, ckpt_dir: Path,
+              check_time: bool, doing: Callable[[str], None]) -> None:
+    """The checks before anything is built: the directories writable (rank 0), the grid laid out as the plan says,
+    the logging backends, the phase times against the watchdog (`check_time`), this node's host memory; then the
+    start-up line."""
     doing("checking the run directory")
-    on_rank0(lambda: _prepare_dirs(cfg, run_dir, ckpt_dir))
-    run = run or resolve_run(cfg, device, grid)
+    on_rank0(lambda: _prepare_dirs(cfg, Path(cfg.logging.run_dir), ckpt_dir))
     check_logging_backends(cfg)
     if check_time:                           # the machine's GPU's peak, or logging.peak_tflops
         check_phase_time(cfg, run, peak_tflops(cfg.logging.peak_tflops, run.machine.gpu, run.dtype))
@@ -236,7 +122,6 @@ def _start_up(cfg: Config, grid: ParallelGrid, device: torch.device, run: Option
     if run.attention == "flex" and device.type == "cuda":
         reserve_compiles(flex_compile_budget(run))
     print0(startup_line(cfg, grid, run))
-    return run
 
 
 def _checkpoint_to_load(cfg: Config, ckpt_dir: Path, doing: Callable[[str], None]
@@ -253,24 +138,6 @@ def _checkpoint_to_load(cfg: Config, ckpt_dir: Path, doing: Callable[[str], None
     return path, None if path else cfg.checkpoint.init_from
 
 
-def _resume(cfg: Config, path: Path, model: GPTStage | VirtualStages, opt: Optimizer, grid: ParallelGrid,
-            mesh: DeviceMesh) -> Progress:
-    """The checkpoint `path` loaded into the model and optimizer; where it left the run."""
-    meta = load_checkpoint(path, model, opt, grid, mesh, architecture(cfg.model, grid.tp_size))
-    step = meta["step"]
-    last = meta.get("loss")
-    progress = Progress(step, meta["consumed_samples"], meta.get("optimizer_steps", step),
-                        float("nan") if last is None else last)
-    if step >= cfg.training.train_steps:
-        return progress
-    print0(f"resumed from {path} at step {step} ({progress.consumed} samples consumed)")
-    if 0 < cfg.training.exit_at_step <= step:
-        raise ConfigError(f"the checkpoint {path} is at step {step}, already at or past "
-                          f"training.exit_at_step={cfg.training.exit_at_step}: raise exit_at_step "
-                          f"(or set it to 0) to continue this run")
-    return Progress(step, progress.consumed, progress.updates)
-
-
 def background_saver(cfg: Config, run: RunPlan, grid: ParallelGrid, device: torch.device) -> BackgroundSaver:
     """What writes this rank's checkpoints in the background (checkpoint.async_save): its staging arena as the plan
     sizes it, and its process group, made while the launcher's store is there (a stop signal from a launcher that
@@ -284,14 +151,12 @@ class TrainingLoop:
     """The steps of a built run, from `progress` to training.train_steps or a stop: each step's batch, its
     validation, long-context evaluation and checkpoint when due, and the stop every rank agrees on."""
 
-    def __init__(self, cfg: Config, grid: ParallelGrid, device: torch.device, run: RunPlan,
-                 model: GPTStage | VirtualStages, opt: Optimizer, mesh: DeviceMesh, data: TrainingData,
-                 long_eval: Optional[TrainingLongEval], progress: Progress, ckpt_dir: Path,
+    def __init__(self, run: Run, long_eval: Optional[TrainingLongEval], ckpt_dir: Path,
                  doing: Callable[[str], None]) -> None:
-        self.cfg, self.grid, self.device, self.run = cfg, grid, device, run
-        self.model, self.opt, self.mesh, self.data, self.long_eval = model, opt, mesh, data, long_eval
-        self.progress, self.ckpt_dir, self.doing = progress, ckpt_dir, doing
-        self.saver = background_saver(cfg, run, grid, device) if run.async_save else None
+        self.cfg, self.grid, self.device, self.run = run.cfg, run.grid, run.device, run.plan
+        self.model, self.opt, self.mesh, self.data, self.long_eval = run.model, run.opt, run.mesh, run.data, long_eval
+        self.progress, self.ckpt_dir, self.doing = run.progress, ckpt_dir, doing
+        self.saver = background_saver(run.cfg, run.plan, run.grid, run.device) if run.plan.async_save else None
 
     def __call__(self, signals: Optional[StopSignals], watchdog: Optional[Watchdog]) -> dict:
         cfg, p, doing = self.cfg, self.progress, self.doing

@@ -1,8 +1,6 @@
 """A run's plan on this rank's machine, told to the user: the start-up line, and <run_dir>/runtime.json
 beside config.yaml (the plan, the layout and the software the choices were made with).
 
-    run = resolve_run(cfg, device, grid)            # megalysses.plan.resolve on this machine; ConfigError
-    run, grid = plan_and_grid(cfg, device)          # the plan over the process group's world, and its grid
     model_cfg = model_config(cfg, run)              # cfg.model with the concrete attention and kernels
     print0(startup_line(cfg, grid, run))
 """
@@ -12,39 +10,15 @@ import dataclasses
 import json
 import platform
 from pathlib import Path
-from typing import Optional
 
 import torch
-import torch.distributed as dist
 
-from megalysses.config import Config, ConfigError, ModelConfig
+from megalysses.config import Config, ModelConfig
 from megalysses.grid import ParallelGrid
 from megalysses.kernels.attention import flash_attn_func
 from megalysses.kernels.triton_support import triton_importable
-from megalysses.plan import Machine, RunPlan, resolve
+from megalysses.plan import RunPlan
 from megalysses.plan.communicators import checkpoint_record
-
-
-def resolve_run(cfg: Config, device: torch.device, grid: Optional[ParallelGrid] = None) -> RunPlan:
-    """The plan of this run on this rank's machine (its device, packages and ranks per node) and the grid's
-    world (without a grid, one model replica: tp * sp * pp ranks); ConfigError names what cannot run here.
-    The grid must split sp as the plan does."""
-    p = cfg.parallel
-    run = resolve(cfg, Machine.current(device), grid.world if grid is not None else p.tp * p.sp * p.pp)
-    if grid is not None and (grid.ulysses_size, grid.ring_size) != (run.ulysses, run.ring):
-        raise ConfigError(f"the process grid splits sp={grid.sp_size} as ulysses {grid.ulysses_size} x ring "
-                          f"{grid.ring_size} but the config resolves to ulysses {run.ulysses} x ring {run.ring}: "
-                          f"build it with ParallelGrid.for_plan(run)")
-    return run
-
-
-def plan_and_grid(cfg: Config, device: torch.device) -> tuple[RunPlan, ParallelGrid]:
-    """The plan of a run of `cfg` on this machine over the process group's world (without one, a world of one), and
-    the grid it lays out: the two as a run builds them (tools/pretrain.py)."""
-    if not dist.is_initialized():
-        return resolve(cfg, Machine.current(device), 1), ParallelGrid.single()
-    run = resolve(cfg, Machine.current(device), dist.get_world_size())
-    return run, ParallelGrid.for_plan(run, cfg.parallel.timeout_seconds)
 
 
 def check_built(model: torch.nn.Module, grid: ParallelGrid, run: RunPlan) -> None:

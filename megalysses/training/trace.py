@@ -257,11 +257,12 @@ def _step(cfg: Config, grid: ParallelGrid, run: RunPlan, mesh: Any, live: LiveBy
     """Build the model and optimizer, make the optimizer's state, then one train_step, its peaks counted and
     its ops timed (each micro-batch a part of the roofline from its forward on, without a pipeline; with one,
     the schedule one part). Returns how many micro-batches it ran."""
-    from megalysses.training.loop import build_model_and_optimizer
+    from megalysses.training.build import build_run
     from megalysses.training.step import train_step
 
     device = torch.device("meta")
-    model, opt = build_model_and_optimizer(cfg, grid, device, run, mesh)
+    built = build_run(cfg, run, grid, device, mesh=mesh)
+    model, opt = built.model, built.opt
     live.name_modules(model)
     for _ in opt.checkpoint_slots():            # the AdamW state a resumed run has
         pass
@@ -319,8 +320,8 @@ def fake_batch(cfg: Config, grid: ParallelGrid, run: RunPlan, device: torch.devi
 def trace_run(cfg: Config, machine: Machine, world: int, keep: int = 12,
               hw: Optional[Hardware] = None) -> list[StepTrace]:
     """The traced step of the first stage and, with a pipeline, of the last (the run's peak is the larger)."""
-    run = resolve(replace(cfg, data=replace(cfg.data, mock=True)), machine, world)
-    return [trace_step(cfg, machine, world, s, keep, hw) for s in sorted({0, run.pp - 1})]
+    first = trace_step(cfg, machine, world, 0, keep, hw)
+    return [first] + ([trace_step(cfg, machine, world, first.run.pp - 1, keep, hw)] if first.run.pp > 1 else [])
 
 
 def traced_peak(traces: list[StepTrace]) -> StepTrace:

@@ -124,6 +124,7 @@ def _lifecycle(rank, world, root):
     from megalysses.grid import ParallelGrid
     from megalysses.checkpoint.dcp_io import CheckpointError
     from megalysses.training.loop import train
+    from megalysses.testing import resolve_run
     import torch
     import torch.distributed as dist
 
@@ -137,7 +138,7 @@ def _lifecycle(rank, world, root):
         out = io.StringIO()
         try:
             with contextlib.redirect_stdout(out):
-                train(cfg, grid, torch.device("cpu"))
+                train(cfg, resolve_run(cfg, torch.device("cpu"), grid), grid, torch.device("cpu"))
             seen[name] = ("ok", out.getvalue())
         except CheckpointError as e:
             seen[name] = ("error", str(e))

@@ -35,7 +35,7 @@ def dataset(prefix: Path, ids: list[int], dtype: type) -> str:
 def train_on(rank: int, world: int, tmp: str) -> dict:
     from megalysses.config.io import load_config
     from megalysses.data import DatasetError
-    from megalysses.training.runtime import plan_and_grid
+    from megalysses.testing import plan_and_grid
     from megalysses.training.loop import train
 
     def go(layout: str, name: str, data: str) -> object:
@@ -43,7 +43,7 @@ def train_on(rank: int, world: int, tmp: str) -> dict:
                                                          f"logging.run_dir={tmp}/run_{layout}_{name}"])
         try:
             run, grid = plan_and_grid(cfg, torch.device("cpu"))
-            return train(cfg, grid, torch.device("cpu"), run=run)["step"]
+            return train(cfg, run, grid, torch.device("cpu"))["step"]
         except DatasetError as e:
             return str(e)
 
