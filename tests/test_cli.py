@@ -185,10 +185,10 @@ def test_a_rank_that_raises_is_named_with_its_error_and_phase(tmp_path):
     (tmp_path / "sitecustomize.py").write_text(
         "import os\n"
         "if os.environ.get('RANK') == '1':\n"
-        "    import megalysses.training.loop as loop\n"
+        "    import megalysses.training.build as build\n"
         "    def planted(*args, **kwargs):\n"
         "        raise KeyError('planted')\n"
-        "    loop.build_optimizer = planted\n")
+        "    build.build_optimizer = planted\n")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            str(ROOT / "pretrain.py")] + _sets(TINY + ["parallel.sp=2", f"logging.run_dir={tmp_path / 'run'}"])
     t0 = time.monotonic()
