@@ -198,3 +198,38 @@ def test_a_run_logs_its_busy_time(tmp_path, world_of_one):
     for r in rows:
         assert r["busy_slowest_rank"] == 0 and r["busy_s_min"] == r["busy_s_median"] == r["busy_s_max"], r
         assert 0 < r["busy_s_max"] < r["step_time_s"], r
+
+
+def test_on_a_gpu_the_busy_clock_reads_only_the_events_the_device_has_passed(monkeypatch):
+    """BusyClock on CUDA (timing events, faked here): a pair whose end the device has not reached is not waited
+    for, but counted at the next take."""
+    from megalysses.training import step
+
+    times = iter([0.0, 1.0, 2.0, 4.0, 5.0, 8.0])
+    events = []
+
+    class Event:
+        def __init__(self, enable_timing: bool) -> None:
+            assert enable_timing
+            self.t, self.done = None, True
+            events.append(self)
+
+        def record(self) -> None:
+            self.t = next(times)
+
+        def query(self) -> bool:
+            return self.done
+
+        def elapsed_time(self, end: "Event") -> float:
+            assert self.done and end.done
+            return (end.t - self.t) * 1e3            # milliseconds, as torch's
+
+    monkeypatch.setattr(step.torch.cuda, "Event", Event)
+    busy = step.BusyClock(torch.device("cuda"))
+    for _ in range(3):
+        busy.start()
+        busy.stop()
+    events[-1].done = False                 # the device is still before the last stop
+    assert busy.take(3) == 1.0              # (1 - 0) + (4 - 2) over three steps, no wait
+    events[-1].done = True
+    assert busy.take(1) == 3.0              # (8 - 5), counted now
