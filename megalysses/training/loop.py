@@ -5,7 +5,8 @@ SIGUSR1 (preemption: checkpoint, then exit 0). An ordinary step reads nothing ba
 step (every logging.log_interval steps, and the last) reads its figures back once: the loss, token count and
 gradient norm, the steps since the last one whose loss or norm was not finite (skipped, or with
 training.nan_policy=abort the run stopped naming the first), and the stop flags, which every rank agrees on
-through one small all-reduce there, so no rank is left waiting in a collective. A signal or the wall-clock
+through one small all-reduce there, so no rank is left waiting in a collective; the same all-reduce brings every
+rank's busy time to rank 0, which names a straggler (training/step.py BusyClock). A signal or the wall-clock
 limit therefore stops the run at the next logging step. A save reads the figures back too (counted apart).
 With a watchdog, the loop tells it what it is doing, so that a stuck rank is named with its phase.
 """
