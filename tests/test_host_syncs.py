@@ -4,7 +4,7 @@ a save's are counted apart."""
 import pytest
 import torch
 
-from fixtures import TINY
+from fixtures import TINY, step_rows
 from megalysses import accelerator
 from megalysses.measure import adam_step_counts, count_host_syncs
 from megalysses.testing import run_distributed
@@ -125,6 +125,9 @@ def test_two_ranks_make_no_host_sync_on_an_ordinary_step(tmp_path):
     for per_rank in run_distributed(_loop_worker, 2, tmp_path, args=(runs,), timeout=300):
         for name in layouts:
             _check(per_rank[name], name)
+    for name in layouts:        # every rank's busy time came to rank 0 in that one read-back
+        rows = step_rows(tmp_path / name)
+        assert [r["step"] for r in rows] == [2, 4] and all("busy_slowest_rank" in r for r in rows), (name, rows)
 
 
 def _train_with_step_3_not_finite(cfg, monkeypatch):

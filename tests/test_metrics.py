@@ -1,5 +1,6 @@
 """Metrics sinks: TensorBoard event files carry the scalars of metrics.jsonl; a missing package is a config error."""
 import math
+import statistics
 import sys
 
 import pytest
@@ -111,3 +112,126 @@ def test_peak_tflops_by_device_name(monkeypatch):
     cuda = torch.device("cuda", 0)       # a run reads its device's name
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA H100 PCIe")
     assert metrics.peak_for(0.0, cuda, torch.bfloat16) == 756.0 and metrics.peak_for(0.0, cuda, torch.float32) is None
+
+
+def test_the_busy_clock_counts_between_blocking_collectives(monkeypatch):
+    """BusyClock on the CPU: host time from leaving a collective (start) to entering the next (stop), a step's
+    mean at a logging step; train_step stops it at its token count and, without tp and sp, starts it again until
+    its loss's all-reduce."""
+    from types import SimpleNamespace
+
+    from megalysses.training import step
+
+    clock = iter([0.0, 1.0, 2.0, 5.0, 6.0, 7.0, 8.0, 10.0])
+    monkeypatch.setattr(step.time, "perf_counter", lambda: next(clock))
+    busy = step.BusyClock(torch.device("cpu"))
+    assert busy.take(1) is None
+    busy.stop()                         # not started: nothing counted
+    for _ in range(2):
+        busy.start()
+        busy.stop()
+    assert busy.take(2) == 2.0          # (1 - 0) + (5 - 2) over two steps
+    with busy.measuring():
+        busy.start()                                        # 6
+        step._busy(False, SimpleNamespace(tp_size=2, sp_size=1))   # 7: the token count
+        step._busy(True, SimpleNamespace(tp_size=2, sp_size=1))    # with tp: not started again
+        step._busy(False, SimpleNamespace(tp_size=2, sp_size=1))
+    assert busy.take(1) == 1.0
+    step._busy(True, SimpleNamespace(tp_size=1, sp_size=1))        # no clock measuring: nothing
+    with busy.measuring():
+        step._busy(True, SimpleNamespace(tp_size=1, sp_size=1))    # 8
+        step._busy(False, SimpleNamespace(tp_size=1, sp_size=1))   # 10: the loss
+    assert busy.take(1) == 2.0
+
+
+def test_a_read_back_gathers_the_busy_times_in_its_one_all_reduce(world_of_one):
+    tally = metrics.StepTally(torch.device("cpu"))
+    figures = torch.tensor([1.5, 64.0, 0.5, 0.0], dtype=torch.float64)
+    tally.add(figures, 1)
+    back = tally.read((False, True), 0.25)
+    assert back.busy == (0.25,) and back.stop == (False, True) and (back.loss, back.tokens) == (1.5, 64.0)
+    tally.add(figures, 2)
+    assert tally.read((False, False)).busy == ()            # nothing measured
+
+
+def test_the_slowest_rank_of_its_stage_is_named_when_the_others_waited_long_enough():
+    """A rank is judged against the median of the other ranks of its pipeline stage, and named when they waited
+    for it more than logging.straggler_warn_fraction of the step time."""
+    hosts = ["a", "b", "c", "d"]
+    busy = (0.010, 0.012, 0.510, 0.011)
+    spread = metrics.Spread(busy, stage_ranks=4)
+    assert spread.fields() == {"busy_s_min": 0.010, "busy_s_median": statistics.median(busy), "busy_s_max": 0.510,
+                               "busy_slowest_rank": 2}
+    line = spread.warning(1.0, 0.2, hosts)
+    assert line.startswith("warning: rank 2 (host c) is a straggler: busy 0.510 s"), line
+    assert "the others' median 0.011 s" in line and "50% of the step time 1.000 s" in line, line
+    assert spread.warning(1.0, 0.6, hosts) is None and spread.warning(1.0, 0.0, hosts) is None
+    # two stages of two ranks: stage 1 is busier by its place in the pipeline, not slower; then its rank 3 is
+    assert metrics.Spread((0.1, 0.1, 0.6, 0.6), stage_ranks=2).warning(1.0, 0.2, hosts) is None
+    assert "rank 3 (host d)" in metrics.Spread((0.1, 0.1, 0.6, 0.9), stage_ranks=2).warning(1.0, 0.2, hosts)
+    assert metrics.Spread((0.1, 0.9), stage_ranks=1).warning(1.0, 0.2, hosts) is None    # alone in its stage
+
+
+def test_the_spread_is_logged_and_a_straggler_warned_after_the_first_logged_step(tmp_path, monkeypatch, capsys):
+    cfg = load_config(overrides=TINY + [f"logging.run_dir={tmp_path}/run"])
+    clock = iter([0.0, 1.0, 2.0])
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: next(clock))
+    logger = metrics.MetricsLogger(cfg, tmp_path / "run", 2, torch.device("cpu"), total_steps=4)
+    logger.hosts = ["a", "b"]
+    for step in range(1, 5):
+        if logger.due(step):
+            logger.note_busy((0.05, 0.45))
+        logger.step(step, 1.0, 1e-3, 0.5, 64, 32)
+    logger.close()
+    rows = metrics_rows(tmp_path / "run")
+    assert [(r["step"], r["busy_slowest_rank"], r["busy_s_max"], r["busy_s_min"]) for r in rows] == [
+        (2, 1, 0.45, 0.05), (4, 1, 0.45, 0.05)]
+    warned = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning:")]
+    assert len(warned) == 1 and warned[0].startswith("warning: rank 1 (host b) is a straggler"), warned
+    assert "80% of the step time 0.500 s" in warned[0], warned      # waited 0.4 s of a 0.5 s step
+
+
+def test_a_run_logs_its_busy_time(tmp_path, world_of_one):
+    run = tmp_path / "run"
+    train(load_config(overrides=TINY + [f"logging.run_dir={run}"]), ParallelGrid(tp=1, sp=1, pp=1),
+          torch.device("cpu"))
+    rows = [r for r in metrics_rows(run) if "loss" in r]
+    assert [r["step"] for r in rows] == [2, 4]
+    for r in rows:
+        assert r["busy_slowest_rank"] == 0 and r["busy_s_min"] == r["busy_s_median"] == r["busy_s_max"], r
+        assert 0 < r["busy_s_max"] < r["step_time_s"], r
+
+
+def test_on_a_gpu_the_busy_clock_reads_only_the_events_the_device_has_passed(monkeypatch):
+    """BusyClock on CUDA (timing events, faked here): a pair whose end the device has not reached is not waited
+    for, but counted at the next take."""
+    from megalysses.training import step
+
+    times = iter([0.0, 1.0, 2.0, 4.0, 5.0, 8.0])
+    events = []
+
+    class Event:
+        def __init__(self, enable_timing: bool) -> None:
+            assert enable_timing
+            self.t, self.done = None, True
+            events.append(self)
+
+        def record(self) -> None:
+            self.t = next(times)
+
+        def query(self) -> bool:
+            return self.done
+
+        def elapsed_time(self, end: "Event") -> float:
+            assert self.done and end.done
+            return (end.t - self.t) * 1e3            # milliseconds, as torch's
+
+    monkeypatch.setattr(step.torch.cuda, "Event", Event)
+    busy = step.BusyClock(torch.device("cuda"))
+    for _ in range(3):
+        busy.start()
+        busy.stop()
+    events[-1].done = False                 # the device is still before the last stop
+    assert busy.take(3) == 1.0              # (1 - 0) + (4 - 2) over three steps, no wait
+    events[-1].done = True
+    assert busy.take(1) == 3.0              # (8 - 5), counted now

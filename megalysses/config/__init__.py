@@ -455,6 +455,13 @@ class LoggingConfig:
     peak_tflops: float = 0.0
     """Peak dense TFLOP/s of one device for MFU (0 = the bf16 peak guessed from the GPU name, for bf16
     runs; no MFU otherwise)."""
+    straggler_warn_fraction: float = 0.2
+    """Name a straggler: each rank measures its busy time, the time it works before each blocking collective of a
+    step that every rank leaves together (the ranks it keeps waiting are idle there; training/step.py BusyClock),
+    and every logging step brings these to rank 0; metrics.jsonl carries their spread over the ranks
+    (busy_s_min, busy_s_median, busy_s_max: seconds a step) and busy_slowest_rank. When the slowest rank's busy
+    time exceeds the median of the other ranks of its pipeline stage by more than this fraction of the step time
+    (they waited that long for it), a warning names it with its host (0 = never warn)."""
 
 
 LongEvalTask = Literal["passkey", "niah", "niah-multikey", "position-loss"]

@@ -182,6 +182,7 @@ _RANGES = [
     ("training", "attention_head_chunks", 1, None),
     ("training", "checkpoint_stride", 1, None),
     ("logging", "log_interval", 1, None), ("logging", "peak_tflops", 0.0, None),
+    ("logging", "straggler_warn_fraction", 0.0, None),
     ("profile", "start_step", 1, None), ("profile", "end_step", 1, None),
     ("parallel", "timeout_seconds", 1.0, None),
     ("parallel", "tp", 1, None), ("parallel", "sp", 1, None), ("parallel", "sp_ring", 0, None),

@@ -5,7 +5,8 @@ SIGUSR1 (preemption: checkpoint, then exit 0). An ordinary step reads nothing ba
 step (every logging.log_interval steps, and the last) reads its figures back once: the loss, token count and
 gradient norm, the steps since the last one whose loss or norm was not finite (skipped, or with
 training.nan_policy=abort the run stopped naming the first), and the stop flags, which every rank agrees on
-through one small all-reduce there, so no rank is left waiting in a collective. A signal or the wall-clock
+through one small all-reduce there, so no rank is left waiting in a collective; the same all-reduce brings every
+rank's busy time to rank 0, which names a straggler (training/step.py BusyClock). A signal or the wall-clock
 limit therefore stops the run at the next logging step. A save reads the figures back too (counted apart).
 With a watchdog, the loop tells it what it is doing, so that a stuck rank is named with its phase.
 """
@@ -38,13 +39,13 @@ from megalysses.plan.flops import peak_tflops
 from megalysses.plan.search import check_host_memory, check_phase_time
 from megalysses.training.build import Parts, Run, build_run
 from megalysses.training.long_eval import TrainingLongEval, scalars
-from megalysses.training.metrics import MetricsLogger, ReadBack, StepTally
+from megalysses.training.metrics import MetricsLogger, ReadBack, StepTally, rank_hosts
 from megalysses.training.profiler import StepProfiler
 from megalysses.training.rundir import check_writable, mark_start
 from megalysses.training.runtime import flex_compile_budget, startup_line, write_runtime
 from megalysses.training.schedule import lr_at, lr_progress
 from megalysses.training.signals import StopSignals
-from megalysses.training.step import NonFiniteLossError, evaluate, train_step
+from megalysses.training.step import BusyClock, NonFiniteLossError, evaluate, train_step
 from megalysses.training.watchdog import Watchdog
 
 
@@ -162,6 +163,8 @@ class TrainingLoop:
         cfg, p, doing = self.cfg, self.progress, self.doing
         run_dir, total = Path(cfg.logging.run_dir), cfg.training.train_steps
         self.logger = MetricsLogger(cfg, run_dir, self.grid.world, self.device, total, self.run.torch_dtype)
+        self.logger.hosts, self.busy = rank_hosts(), BusyClock(self.device)
+        self.logger.stage_ranks = self.grid.world // self.grid.pp_size
         profiler = StepProfiler(cfg.profile, self.grid.rank, run_dir, self.device, watchdog)
         flags = signals or StopSignals()
         start = time.monotonic()
@@ -185,10 +188,11 @@ class TrainingLoop:
                     if self.data.batch_sizes.ramped:
                         print0(batch_line(p.step, samples, self.data.batch_sizes, self.run.samples_per_micro_batch))
                 doing(f"training step {p.step + 1}")
-                with profiler.step(p.step + 1):
+                with profiler.step(p.step + 1), self.busy.measuring():
                     result = train_step(self.model, self.opt, batch, self.grid, lr=lr,
                                         grad_clip=cfg.optimizer.grad_clip, dtype=self.run.torch_dtype,
                                         nan_policy=cfg.training.nan_policy)
+                    self.busy.start()            # its last collective left, with every rank
                 p.step += 1
                 p.consumed += samples
                 self.tally.add(result.figures, p.step)
@@ -226,11 +230,13 @@ class TrainingLoop:
         whether a checkpoint was saved."""
         cfg, step = self.cfg, self.progress.step
         t0 = time.perf_counter()
+        evaluated = bool(cfg.training.eval_interval) and step % cfg.training.eval_interval == 0
         with accelerator.host_wait("evaluation"):
-            if cfg.training.eval_interval and step % cfg.training.eval_interval == 0:
+            if evaluated:
                 self.doing(f"validating at step {step}")
                 self.logger.eval(step, evaluate(self.model, self.data.valid_batches(), self.grid, self.run.torch_dtype))
             if self.long_eval is not None and self.long_eval.due(step):
+                evaluated = True
                 self.logger.long_eval(step, scalars(self.long_eval(self.model, step, self.doing)))
         saved = bool(cfg.checkpoint.save_interval) and step % cfg.checkpoint.save_interval == 0
         if saved:
@@ -238,6 +244,8 @@ class TrainingLoop:
             with accelerator.host_wait("save"):
                 self.save()
         self.logger.exclude(time.perf_counter() - t0)   # tokens/s measures training steps only
+        if evaluated or saved:
+            self.busy.start()               # nor is it a rank's busy time (BusyClock)
         return saved
 
     def _read_back(self) -> ReadBack:
@@ -248,7 +256,9 @@ class TrainingLoop:
         flags, start = self.wall
         over_time = t.max_wall_minutes > 0 and time.monotonic() - start > 60 * t.max_wall_minutes
         self.doing(f"waiting for every rank to finish step {p.step}")
-        back = self.tally.read((flags.signalled, over_time))
+        back = self.tally.read((flags.signalled, over_time), self.busy.take(p.step - self.read_at))
+        self.busy.start()                   # the read-back's all-reduce is left with every rank too
+        self.logger.note_busy(back.busy)
         p.updates += p.step - self.read_at - back.not_finite
         self.read_at = p.step
         p.loss = back.last_finite_loss if math.isfinite(back.last_finite_loss) else p.loss   # the last finite loss

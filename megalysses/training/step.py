@@ -8,11 +8,23 @@ weighted sum divided by the global sum of the weights: the mean over documents o
 A training step reads nothing back to the host: the token count, the loss scale, the loss, the gradient norm,
 the clipping and a non-finite step's skip stay on the device, in StepResult's one tensor, which the loop reads
 on its logging steps (training/loop.py). An evaluation reads its loss back.
+
+Each rank also measures its busy time (BusyClock, as the loop sets it going): the time it works between blocking
+collectives that every rank of the gradient group leaves together, the ones where the ranks it keeps waiting wait
+for it. A step first blocks at the global token count's all-reduce; then, in a layout with neither tp nor sp, at
+the loss's all-reduce after the forward and the backward. With tp or sp the ranks of a tp x sp group block
+inside the forward and the backward at every layer, so only the time before the token count is counted there.
+Where other collectives block inside the forward and the backward (FSDP's gathers, a pipeline's sends and
+receives, ZeRO's bucket reductions on gloo), the ranks that wait in them count that wait as busy: it narrows
+the gap a straggler is found by (and with a pipeline, the rank named may be one of the straggler's pipeline).
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import time
 from dataclasses import dataclass
+from typing import Iterator, Optional
 
 import torch
 from torch import Tensor
@@ -44,6 +56,82 @@ class StepResult:
     @property
     def skipped(self) -> bool:
         return bool(self.figures[3])
+
+
+class BusyClock:
+    """This rank's busy time: the seconds it works between leaving a blocking collective every rank of the
+    gradient group takes part in (`start`: the previous step returned, the logging step's read-back, the token
+    count) and entering the next (`stop`: the token count, the loss). Every rank leaves such a collective
+    together, so the rank that arrives last at the next one, the straggler, counts the most (the others wait
+    for it there, uncounted). The loop starts it after its own evaluation and checkpoints too, leaving them out
+    as tokens/s does.
+
+    On the CPU it is host time (time.perf_counter: a gloo collective blocks the host). On a GPU the host runs
+    ahead of the device, so it is device time instead: a pair of CUDA timing events recorded on the current
+    stream at `start` and `stop`, read at the next logging step (Event.query, elapsed_time: no wait); a pair the
+    device has not finished by then is counted at the logging step after. Neither adds a host synchronisation."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.since: Optional[float | torch.cuda.Event] = None
+        self.seconds = 0.0
+        self.pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def _mark(self) -> float | torch.cuda.Event:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def start(self) -> None:
+        """This rank has left a collective with every rank: its busy time runs (again)."""
+        self.since = self._mark()
+
+    def stop(self) -> None:
+        """This rank enters a blocking collective: the busy time since `start` is counted (none without one)."""
+        if self.since is None:
+            return
+        end = self._mark()
+        if self.cuda:
+            self.pending.append((self.since, end))
+        else:
+            self.seconds += end - self.since
+        self.since = None
+
+    def take(self, steps: int) -> Optional[float]:
+        """The busy seconds counted since the last take, a step of `steps` (None: none counted)."""
+        waiting = []
+        for start, end in self.pending:
+            if end.query():
+                self.seconds += start.elapsed_time(end) / 1e3
+            else:
+                waiting.append((start, end))
+        self.pending = waiting
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds / steps if seconds and steps else None
+
+    @contextlib.contextmanager
+    def measuring(self) -> Iterator[None]:
+        """train_step inside starts and stops this clock at its blocking collectives."""
+        _clocks.append(self)
+        try:
+            yield
+        finally:
+            _clocks.remove(self)
+
+
+_clocks: list[BusyClock] = []
+
+
+def _busy(working: bool, grid: ParallelGrid) -> None:
+    """Start (`working`) or stop the BusyClock measuring this step, if any; a step of a layout with tp or sp
+    stops it at the token count for good (its ranks block inside the forward and the backward)."""
+    for clock in _clocks:
+        if not working:
+            clock.stop()
+        elif grid.tp_size == 1 and grid.sp_size == 1:
+            clock.start()
 
 
 class NonFiniteLossError(RuntimeError):
@@ -88,7 +176,9 @@ def train_step(model: torch.nn.Module, opt: Optimizer, microbatches: list[Batch]
     updates nothing (decided on the device) unless `nan_policy` is "abort": then the loop stops at its next
     read-back, before anything is saved."""
     device = microbatches[0]["labels"].device
+    _busy(False, grid)
     count = global_token_count(microbatches, grid)
+    _busy(True, grid)
     scale = count.clamp(min=1.0).reciprocal().float()      # what 1.0 / max(count, 1) rounds to in fp32
     model.train()
     opt.begin_step(len(microbatches))
@@ -103,6 +193,7 @@ def train_step(model: torch.nn.Module, opt: Optimizer, microbatches: list[Batch]
             model, microbatches, scale, pp_rank=grid.pp_rank, pp_size=grid.pp_size,
             rank_of_stage=grid.stage_rank, device=device, dtype=dtype,
             hidden_shape=_hidden_shape(model, microbatches[0], grid))
+    _busy(False, grid)
     loss = _global_loss(total, grid, device)
     finite = torch.isfinite(loss)
     opt.set_lr(lr)
