@@ -193,8 +193,9 @@ def test_the_spread_is_logged_and_a_straggler_warned_after_the_first_logged_step
 
 def test_a_run_logs_its_busy_time(tmp_path, world_of_one):
     run = tmp_path / "run"
-    train(load_config(overrides=TINY + [f"logging.run_dir={run}"]), ParallelGrid(tp=1, sp=1, pp=1),
-          torch.device("cpu"))
+    cfg, grid, cpu = load_config(overrides=TINY + [f"logging.run_dir={run}"]), ParallelGrid(tp=1, sp=1, pp=1), \
+        torch.device("cpu")
+    train(cfg, resolve_run(cfg, cpu, grid), grid, cpu)
     rows = [r for r in metrics_rows(run) if "loss" in r]
     assert [r["step"] for r in rows] == [2, 4]
     for r in rows:
