@@ -32,7 +32,7 @@ from megalysses.config.batch_schedule import batch_line
 from megalysses.distributed import on_rank0, print0
 from megalysses.grid import ParallelGrid
 from megalysses.kernels.attention import reserve_compiles
-from megalysses.memory import arenas
+from megalysses.memory import GIB, arenas
 from megalysses.memory.host import STAGING, arena_bytes
 from megalysses.plan.memory import pinned_requests_of
 from megalysses.model.gpt import GPTStage, architecture, init_weights, stage_layers
@@ -92,7 +92,7 @@ def build_model(cfg: Config, grid: ParallelGrid, device: torch.device, mesh: Dev
             chunk = GPTStage(model_cfg, groups, stage_layers(cfg.model.num_layers, V, vs), first=vs == 0,
                              last=vs == V - 1)
         apply_activation_policy(chunk, run.activation, (pinned or {}).get(f"model chunk {k}"))
-        if device.type != "meta":      # a meta build (a dry run for a described machine) has shapes only
+        if accelerator.current().holds_values(device):     # not a dry run's shapes, a trace's fake tensors
             init_weights(chunk, cfg.training.seed, grid.tp_rank, grid.tp_size)
         if run.fsdp:
             shard_model(chunk, mesh["grad"], run.torch_dtype, getattr(torch, run.grad_dtype),
@@ -138,9 +138,9 @@ def build_model_and_optimizer(cfg: Config, grid: ParallelGrid, device: torch.dev
     doing("building the optimizer")
     opt = build_optimizer(cfg, model, grid, run, device, pinned.get("optimizer"))
     if not run.fsdp:
-        with torch.no_grad():       # in place, as nn.Module.to does (which cannot swap a memory trace's fake
-            for p in model.parameters():    # parameters)
-                p.data = p.data.to(run.torch_dtype)
+        with torch.no_grad():       # each parameter's data, in place: the Parameter objects stay the ones the
+            for p in model.parameters():    # optimizer holds, whatever tensors they hold (nn.Module.to tries
+                p.data = p.data.to(run.torch_dtype)     # to swap the objects where it cannot assign in place)
     return model, opt
 
 
@@ -231,8 +231,8 @@ def _start_up(cfg: Config, grid: ParallelGrid, device: torch.device, run: Option
     check_logging_backends(cfg)
     if check_time:                           # the machine's GPU's peak, or logging.peak_tflops
         check_phase_time(cfg, run, peak_tflops(cfg.logging.peak_tflops, run.machine.gpu, run.dtype))
-    if device.type != "meta":                # this node (not a described one) holds what the host terms need
-        check_host_memory(cfg, run)
+    if run.machine.host_memory_gib is not None:    # the node's, where the plan's machine knows it (a described one not)
+        check_host_memory(cfg, run, run.machine.host_memory_gib * GIB)
     if run.attention == "flex" and device.type == "cuda":
         reserve_compiles(flex_compile_budget(run))
     print0(startup_line(cfg, grid, run))

@@ -90,13 +90,16 @@ class StepTrace:
 class FakeGPU(accelerator.Host):
     """megalysses.accelerator's Host in a trace: the GPU is the meta device, its streams and events do nothing,
     its pinned buffers (megalysses' arenas and requests: registered host memory, exactly the bytes asked) are
-    host tensors the tracker counts as pinned."""
+    host tensors the tracker counts as pinned; no tensor holds values."""
 
     def __init__(self, live: LiveBytes, roof: Roofline) -> None:
         self.live, self.roof = live, roof
 
     def is_gpu(self, device: torch.device) -> bool:
         return torch.device(device).type == "meta"
+
+    def holds_values(self, device: torch.device) -> bool:
+        return False                        # fake tensors hold none
 
     def pinned_empty(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         if not self.is_gpu(device):
