@@ -147,3 +147,27 @@ def test_the_fsdp_adapter_refuses_another_torch(monkeypatch):
         trace_step(load_config(overrides=SMALL + ["parallel.fsdp=true"]), H100, 1)
     assert not dist.is_initialized() and _internals() == before and not hasattr(torch, "meta")
     assert trace_step(load_config(overrides=SMALL), H100, 1).device.bytes > 0
+
+
+def test_start_up_checks_the_host_memory_of_the_plans_machine(tmp_path):
+    """The loop checks the host memory the plan's machine states (this node's, where it knows it): a node too
+    small for the offloaded optimizer state is refused before step 1; a machine whose memory is not known (a
+    described one) is not judged."""
+    from dataclasses import replace
+
+    from fixtures import TINY
+    from megalysses.grid import ParallelGrid
+    from megalysses.plan import resolve
+    from megalysses.training.loop import train
+
+    cfg = load_config(overrides=TINY + ["training.optimizer_offload=true", f"logging.run_dir={tmp_path}"])
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        grid, node = ParallelGrid(), Machine.current("cpu")
+        small = resolve(cfg, replace(node, host_memory_gib=1e-6), 1)
+        with pytest.raises(ConfigError, match="GiB of host memory per node"):
+            train(cfg, grid, torch.device("cpu"), run=small, dry_run=True)
+        unknown = resolve(cfg, replace(node, host_memory_gib=None), 1)
+        assert train(cfg, grid, torch.device("cpu"), run=unknown, dry_run=True)["stopped_by"] == "dry_run"
+    finally:
+        dist.destroy_process_group()
