@@ -25,6 +25,7 @@ from typing import Any, Iterator
 import torch
 
 from megalysses.config import ConfigError
+from megalysses.training.roofline import Event, Roofline
 
 CHECKED_TORCH = ((2, 11), (2, 13), (2, 14))
 """The torch releases (major, minor) whose FSDP2 internals fsdp_internals was checked against."""
@@ -48,9 +49,9 @@ def check_torch() -> None:
 
 class MetaDeviceModule:
     """torch.meta while a trace runs: the device module FSDP2 asks for its mesh's device type (torch.cuda on a
-    GPU), whose streams and events are those of `roof` (a training.roofline.Roofline)."""
+    GPU), whose streams and events are those of `roof`."""
 
-    def __init__(self, roof: Any) -> None:
+    def __init__(self, roof: Roofline) -> None:
         self.roof = roof
 
     def current_device(self) -> None:
@@ -75,7 +76,6 @@ class MetaDeviceModule:
         return self.roof.stream()
 
     def Event(self, *args: Any, **kwargs: Any) -> Any:       # noqa: N802
-        from megalysses.training.roofline import Event
         return Event(self.roof)
 
     def current_stream(self, device: Any = None) -> Any:
@@ -86,7 +86,7 @@ class MetaDeviceModule:
 
 
 @contextlib.contextmanager
-def meta_device_module(roof: Any) -> Iterator[None]:
+def meta_device_module(roof: Roofline) -> Iterator[None]:
     """torch.meta is a MetaDeviceModule of `roof` while the block runs."""
     torch.meta = MetaDeviceModule(roof)
     try:
