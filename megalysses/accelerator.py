@@ -23,6 +23,9 @@ The Host interface, what a replacement implements (class Host is the real one):
     event(stream) -> event | None                  an event recorded on `stream` now (None for None)
     is_gpu(device) -> bool                         whether `device` is the GPU: CUDA (a trace: the device that
                                                    stands for it); `on_gpu(x)` asks the Host in use
+    holds_values(device) -> bool                   whether tensors made on `device` hold values to initialise:
+                                                   not on the meta device (a dry run's shapes and dtypes), not
+                                                   in a trace (fake tensors)
     record_stream(x, stream)                       x's memory is not reused before the work queued on `stream`
                                                    so far has run (x.record_stream)
 Callers keep CUDA's semantics: wait_stream, wait_event, query and synchronize on what these return, only where
@@ -170,6 +173,9 @@ class Host:
 
     def is_gpu(self, device: torch.device) -> bool:
         return torch.device(device).type == "cuda"
+
+    def holds_values(self, device: torch.device) -> bool:
+        return torch.device(device).type != "meta"
 
     def record_stream(self, x: Tensor, stream: Any) -> None:
         x.record_stream(stream)

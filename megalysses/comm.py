@@ -18,13 +18,15 @@ Ring attention (no autograd; ring attention's own autograd.Function drives the b
 Plain collectives for the trainer (no autograd): all_reduce_, reduce_scatter_into, all_gather_into.
 
 A group of None stands for a group of one (never the default world group; `world()` names that one).
-Every tensor handed to a collective here is checked first: one on the meta device, or one that is not
-on CUDA for an NCCL group, raises at once with a message naming the collective, instead of NCCL's
-"No backend type associated with device type cpu" (or, for meta tensors on gloo, silently nothing). A
-memory trace's fake backend (megalysses/training/trace.py), which has one for the meta device, takes them.
+Every tensor handed to a collective here is checked first: one on a device the group has no backend for
+(a CPU tensor on an NCCL group, a meta tensor on gloo or NCCL) raises at once with a message naming the
+collective, instead of NCCL's "No backend type associated with device type cpu" (or, for meta tensors on
+gloo, silently nothing). The group's backend says which devices it takes (torch's BackendConfig of it: gloo
+CPU and CUDA, NCCL CUDA, a backend given per device those it names).
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence
 
 import torch
@@ -53,15 +55,20 @@ def world() -> Group:
 
 
 def check_device(op: str, group: Group, *tensors: Tensor) -> None:
-    """Raise if a tensor cannot take part in a collective of `group`: on the meta device, or not on
-    CUDA for an NCCL group."""
+    """Raise if a tensor cannot take part in a collective of `group`: on a device its backend has none for."""
     backend = dist.get_backend(group)
-    meta_ok = "meta:" in backend            # a memory trace's fake backend, on which meta tensors stand for the GPU
+    devices = _backend_devices(backend)
     for t in tensors:
-        if (t.device.type == "meta" and not meta_ok) or (backend == "nccl" and t.device.type != "cuda"):
+        if t.device.type not in devices:
             raise RuntimeError(f"{op}: a tensor on {t.device} was handed to a {backend} collective; every "
                                f"tensor that reaches a collective must be on the run's device (create it with "
                                f"device=...)")
+
+
+@functools.lru_cache(maxsize=None)
+def _backend_devices(backend: str) -> frozenset[str]:
+    """The device types a group of `backend` (dist.get_backend's name) has a backend for."""
+    return frozenset(dist.BackendConfig(dist.Backend(backend)).get_device_backend_map())
 
 
 def all_reduce_(x: Tensor, group: Group, op: str = "sum", async_op: bool = False) -> Optional[dist.Work]:

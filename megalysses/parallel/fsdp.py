@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from megalysses import comm
+from megalysses import accelerator, comm
 from megalysses.config import ConfigError
 from megalysses.parallel.optimizer import AdamWBase, AdamWSettings, adam_state
 
@@ -53,7 +53,8 @@ def shard_model(model: nn.Module, grad_mesh: DeviceMesh, compute_dtype: torch.dt
     tp_dims = {name: getattr(p, "tp_dim", None) for name, p in model.named_parameters()}
     policy = MixedPrecisionPolicy(param_dtype=None if compute_dtype == torch.float32 else compute_dtype,
                                   reduce_dtype=grad_dtype)
-    where = CPUOffloadPolicy(pin_memory=grad_mesh.device_type == "cuda") if offload else OffloadPolicy()
+    pinned = accelerator.on_gpu(torch.device(grad_mesh.device_type))    # the shards pinned for copies with the GPU
+    where = CPUOffloadPolicy(pin_memory=pinned) if offload else OffloadPolicy()
     blocks = list(model.layers.values())
     for block in blocks:
         fully_shard(block, mesh=grad_mesh, mp_policy=policy, offload_policy=where)

@@ -39,7 +39,7 @@ from typing import Iterable, Iterator, Optional
 import torch
 from torch import Tensor, nn
 
-from megalysses import accelerator, comm
+from megalysses import comm
 from megalysses.comm import Group
 from megalysses.pinned_arena import PinnedMemory, PinnedRequests
 from megalysses.parallel.grad_reduce import BUCKET_ELEMENTS, GradientReducer, ReduceSettings, Slot, chunk_rows
@@ -85,9 +85,9 @@ class ShardedAdamW(AdamWBase):
 
     def _state_tensor(self, chunk: Tensor) -> Tensor:
         """An fp32 copy of a parameter chunk where the optimizer state lives: beside it, or (offload) in
-        host memory, pinned when the parameter is on a GPU."""
-        # (meta: a dry run's shapes, nothing to copy; in a memory trace the meta device is the GPU)
-        if not self.offload or (chunk.is_meta and not accelerator.on_gpu(chunk)):
+        host memory, pinned when the parameter is on a GPU (megalysses.accelerator's Host says what that
+        memory is: a meta tensor for a meta parameter, a dry run's)."""
+        if not self.offload:
             return chunk.float().clone()
         return self.pinned.empty(tuple(chunk.shape), torch.float32).copy_(chunk)
 

@@ -21,6 +21,7 @@ from typing import Callable, Optional
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from megalysses import accelerator
 from megalysses.checkpoint.dcp_io import load_checkpoint
 from megalysses.checkpoint.initial import load_initial_weights
 from megalysses.config import Config, ConfigError
@@ -76,7 +77,7 @@ def build_model(cfg: Config, grid: ParallelGrid, device: torch.device, mesh: Dev
             chunk = GPTStage(model_cfg, groups, stage_layers(cfg.model.num_layers, V, vs), first=vs == 0,
                              last=vs == V - 1)
         apply_activation_policy(chunk, run.activation, (pinned or {}).get(f"model chunk {k}"))
-        if device.type != "meta":      # a meta build (a dry run for a described machine) has shapes only
+        if accelerator.current().holds_values(device):     # not a dry run's shapes, a trace's fake tensors
             init_weights(chunk, cfg.training.seed, grid.tp_rank, grid.tp_size)
         if run.fsdp:
             shard_model(chunk, mesh["grad"], run.torch_dtype, getattr(torch, run.grad_dtype),
@@ -180,9 +181,9 @@ def build_run(cfg: Config, plan: RunPlan, grid: ParallelGrid, device: torch.devi
         doing("building the optimizer")
         opt = build_optimizer(cfg, model, grid, plan, device, pinned.get("optimizer"))
     if not plan.fsdp:
-        with torch.no_grad():       # in place, as nn.Module.to does (which cannot swap a memory trace's fake
-            for p in model.parameters():    # parameters)
-                p.data = p.data.to(plan.torch_dtype)
+        with torch.no_grad():       # each parameter's data, in place: the Parameter objects stay the ones the
+            for p in model.parameters():    # optimizer holds, whatever tensors they hold (nn.Module.to tries
+                p.data = p.data.to(plan.torch_dtype)    # to swap the objects where it cannot assign in place)
     check_built(model, grid, plan)
     run = Run(cfg, plan, grid, device, mesh, model, opt, pinned=pinned)
     if parts.data:

@@ -31,6 +31,7 @@ from megalysses.config.batch_schedule import batch_line
 from megalysses.distributed import on_rank0, print0
 from megalysses.grid import ParallelGrid
 from megalysses.kernels.attention import reserve_compiles
+from megalysses.memory import GIB
 from megalysses.memory.host import STAGING, arena_bytes
 from megalysses.plan.memory import pinned_requests_of
 from megalysses.model.gpt import architecture
@@ -118,8 +119,8 @@ def _start_up(cfg: Config, run: RunPlan, grid: ParallelGrid, device: torch.devic
     check_logging_backends(cfg)
     if check_time:                           # the machine's GPU's peak, or logging.peak_tflops
         check_phase_time(cfg, run, peak_tflops(cfg.logging.peak_tflops, run.machine.gpu, run.dtype))
-    if device.type != "meta":                # this node (not a described one) holds what the host terms need
-        check_host_memory(cfg, run)
+    if run.machine.host_memory_gib is not None:    # the node's, where the plan's machine knows it (a described one not)
+        check_host_memory(cfg, run, run.machine.host_memory_gib * GIB)
     if run.attention == "flex" and device.type == "cuda":
         reserve_compiles(flex_compile_budget(run))
     print0(startup_line(cfg, grid, run))

@@ -16,13 +16,17 @@ tensor is a fake tensor (torch's FakeTensorMode: shapes, dtypes and devices, no 
 for the GPU, the CPU for host memory. megalysses.tracker.LiveBytes counts the live bytes of each after every
 op (the peak over the step, over the weights and state made before it).
 
-What a GPU has and a fake tensor has not, the trace gives a form of (`FakeGPU`): megalysses.accelerator's
-streams and events do nothing and its pinned buffers are host tensors counted as pinned; our Triton kernels'
-launches go nowhere (triton_support.launches_to), their outputs allocated as on a GPU; the attention kernels
-run as their GPU forms in kernels/gpu_forms.py (the kernel SDPA picks on CUDA, flash-attn, FlexAttention,
-with the workspaces they allocate inside). Every op is also timed by megalysses.training.roofline on the
-streams these forms and FSDP2's device module hand out (StepTrace.roofline: seconds per optimizer step by
-category, launches, host syncs, mask evaluations).
+What a GPU has and a fake tensor has not, the trace gives a form of, each through the interface the run's code
+already asks, so that nothing it runs asks whether it is traced: megalysses.accelerator's Host (`FakeGPU`: the
+GPU is the meta device, its streams and events do nothing, its pinned buffers are host tensors counted as
+pinned, no tensor holds values to initialise); the collectives through a backend of the fake process group for
+the meta device (megalysses.comm takes the devices a group's backend has); our Triton kernels' launches go
+nowhere (triton_support.launches_to), their outputs allocated as on a GPU; the attention kernels run as their
+GPU forms in kernels/gpu_forms.py (the kernel SDPA picks on CUDA, flash-attn, FlexAttention, with the
+workspaces they allocate inside). FSDP2 runs on the meta device through training/fsdp_meta.py: its device
+module, and the three private internals it patches, on the torch releases they were checked on. Every op is
+also timed by megalysses.training.roofline on the streams these forms and FSDP2's device module hand out
+(StepTrace.roofline: seconds per optimizer step by category, launches, host syncs, mask evaluations).
 """
 from __future__ import annotations
 
@@ -45,7 +49,8 @@ from megalysses.memory import GIB
 from megalysses.memory.types import torch_pinned
 from megalysses.plan.step_time import Hardware
 from megalysses.tracker import DEVICE, HOST, PINNED, LiveBytes, Moment, Peak
-from megalysses.training.roofline import Event, Roofline, Tally
+from megalysses.training.fsdp_meta import fsdp_internals, meta_device_module
+from megalysses.training.roofline import Roofline, Tally
 
 GPU_SMS = {"H100": 132, "H200": 132, "A100": 108}
 
@@ -90,13 +95,16 @@ class StepTrace:
 class FakeGPU(accelerator.Host):
     """megalysses.accelerator's Host in a trace: the GPU is the meta device, its streams and events do nothing,
     its pinned buffers (megalysses' arenas and requests: registered host memory, exactly the bytes asked) are
-    host tensors the tracker counts as pinned."""
+    host tensors the tracker counts as pinned; no tensor holds values."""
 
     def __init__(self, live: LiveBytes, roof: Roofline) -> None:
         self.live, self.roof = live, roof
 
     def is_gpu(self, device: torch.device) -> bool:
         return torch.device(device).type == "meta"
+
+    def holds_values(self, device: torch.device) -> bool:
+        return False                        # fake tensors hold none
 
     def pinned_empty(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         if not self.is_gpu(device):
@@ -118,80 +126,6 @@ class FakeGPU(accelerator.Host):
 
     def record_stream(self, x: torch.Tensor, stream: Any) -> None:
         pass
-
-
-class _MetaDeviceHandle:
-    """torch.meta while a trace runs: the device module FSDP2 asks for its mesh's device type (torch.cuda on
-    a GPU), whose streams and events are the roofline's."""
-
-    def __init__(self, roof: Roofline) -> None:
-        self.roof = roof
-
-    def current_device(self) -> None:
-        return None                         # torch.device("meta", None): the meta device
-
-    def device_count(self) -> int:
-        return 1
-
-    def is_available(self) -> bool:
-        return True
-
-    def is_initialized(self) -> bool:
-        return True
-
-    def set_device(self, device: Any) -> None:
-        pass
-
-    def synchronize(self, device: Any = None) -> None:
-        pass
-
-    def Stream(self, *args: Any, **kwargs: Any) -> Any:      # noqa: N802 (torch.cuda's name)
-        return self.roof.stream()
-
-    def Event(self, *args: Any, **kwargs: Any) -> Any:       # noqa: N802
-        return Event(self.roof)
-
-    def current_stream(self, device: Any = None) -> Any:
-        return self.roof.current
-
-    def stream(self, stream: Any) -> contextlib.AbstractContextManager:
-        return self.roof.on(stream)
-
-
-@contextlib.contextmanager
-def _fsdp_on_meta(roof: Roofline) -> Iterator[None]:
-    """FSDP2 on a mesh of the meta device, as on a GPU's: its device module (torch.meta), its parameters left
-    where the run builds them (on the meta device, or in host memory with parameter offload: FSDP2 moves a
-    host build to the GPU and its shards back to the host, which fake tensors cannot, and which the step
-    does not see), and no refusal of parameters on the meta device, which here stand for the GPU's."""
-    try:
-        from torch.distributed.fsdp._fully_shard import _fsdp_init
-        from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
-        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
-        refuse, move = FSDPParamGroup._validate_no_meta_params, _fsdp_init._move_states_to_device
-        shard = FSDPParam._init_sharded_param
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(f"a memory trace of parallel.fsdp runs FSDP2 on the meta device, through torch "
-                          f"internals that torch {torch.__version__} does not have ({e})") from None
-
-    def shard_where_built(self: Any, param: torch.Tensor, device: torch.device, *args: Any) -> None:
-        # a host build stays there: FSDP2 shards it where it is (the device is only checked there); its shards
-        # and their gradients are pinned on a GPU (the trace counts the shards pinned, and FSDP2 copies the
-        # gradients out with non-blocking copies, which land in pinned memory)
-        self.pin_memory = self.offload_to_cpu
-        shard(self, param, param.device if self.offload_to_cpu else device, *args)
-
-    torch.meta = _MetaDeviceHandle(roof)
-    FSDPParamGroup._validate_no_meta_params = lambda self: None
-    _fsdp_init._move_states_to_device = lambda params, buffers, device: None
-    FSDPParam._init_sharded_param = shard_where_built
-    try:
-        yield
-    finally:
-        del torch.meta
-        FSDPParamGroup._validate_no_meta_params = refuse
-        _fsdp_init._move_states_to_device = move
-        FSDPParam._init_sharded_param = shard
 
 
 def stage_rank(run: RunPlan, stage: int) -> int:
@@ -225,9 +159,11 @@ def trace_step(cfg: Config, machine: Machine, world: int, stage: int = 0, keep: 
     dist.group.WORLD._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
     start = time.perf_counter()
     roof = Roofline(hw or Hardware())
+    fsdp = fsdp_internals() if run.fsdp else contextlib.nullcontext()     # FSDP2 on the meta device
     try:
-        with warnings.catch_warnings(), _fsdp_on_meta(roof):    # the fake backend takes no group timeouts, and
-            warnings.filterwarnings("ignore", message="Set timeout is now only supported")      # says so per group
+        with warnings.catch_warnings(), meta_device_module(roof), fsdp:
+            # the fake backend takes no group timeouts, and says so per group
+            warnings.filterwarnings("ignore", message="Set timeout is now only supported")
             grid = ParallelGrid.for_plan(run, cfg.parallel.timeout_seconds)
             mesh = grid.device_mesh(torch.device("meta"), kind="meta")     # made of real tensors, before the fakes
             pinned = functools.partial(torch_pinned, exact=machine.pinned_exact)    # FSDP2's, rounded as torch does
