@@ -157,8 +157,8 @@ def test_varlen_workspace_per_document():
         top = traced_peak(trace_run(cfg, H100, 1))
         assert top.run.attention == "varlen"
         est = estimate_config(cfg, 1, H100)
-        where = f"{per_million} a million: traced {top.device.bytes / MiB:.2f} MiB at {top.device.moment}, " \
-                f"modelled {est.peak / MiB:.2f}"
+        where = (f"{per_million} a million: traced {top.device.bytes / MiB:.2f} MiB at {top.device.moment}, "
+                 f"modelled {est.peak / MiB:.2f}")
         assert abs(est.peak / top.device.bytes - 1) <= 0.03, where
         at_moment = est.phases.get((top.stage, model_phase(top.device.moment)))
         assert at_moment is not None and abs(at_moment / top.device.bytes - 1) <= 0.03, (where, est.phases)
