@@ -1,7 +1,9 @@
 """The memory model against the memory trace at the real shapes: every shipped config at its GPU count, and the
 long-sequence cases at the layout the planner ranks first (Llama-3.1-8B at 1M tokens on one H100, 6M on eight
 and 24M on 32, with 1,769 GiB of host memory per node; Llama-3.2-1B at 1M on one H100 with 120 GiB; Triton
-kernels, global batch 1; the one-GPU 1B shape at 16K and 32K), each one training step traced on fake tensors
+kernels, global batch 1; the one-GPU 1B shape at 16K and 32K; the packed documents data.documents_per_million
+states, 1,000 a million, and the worst case the corpus tools allow, one every 2 tokens, at 1M on one GPU for the
+8B and at 16K and 32K for the 1B), each one training step traced on fake tensors
 (megalysses/training/trace.py: rank 0 of its first and last pipeline stage, the run's own code at the real
 shape, no GPU needed), and its traced roofline (training/roofline.py) against the step-time model: a second
 table of seconds per optimizer step by category, traced / modelled, with the kernel launches, host syncs
@@ -43,16 +45,24 @@ from megalysses.training.trace import model_phase, roofline_fields, trace_run, t
 
 SHIPPED = {"quickstart": 4, "gpt_1b_32k": 8, "gpt_1b_8gpu": 8, "gpt_1b_1m_offload": 1, "llama3_8b_128k": 32,
            "llama3_8b_1m": 64, "llama3_8b_chat_128k": 8}
-LONG = {   # name: (config, GPUs, tokens, host GiB per node)
+WORST = 500_000     # documents a million tokens: a one-token text and its EOD each (tools/preprocess_data.py
+                    # --append-eod), the most the corpus tools write; the other cases at data.documents_per_million's
+                    # default, 1,000
+LONG = {   # name: (config, GPUs, tokens, host GiB per node[, documents a million tokens])
     "8b-1m-1": ("llama3_8b_1m", 1, 1 << 20, 1769), "8b-6m-8": ("llama3_8b_1m", 8, 6 << 20, 1769),
     "8b-24m-32": ("llama3_8b_1m", 32, 24 << 20, 1769), "1b-1m-1": ("gpt_1b_1m_offload", 1, 1 << 20, 120),
-    "1b-16k-1": ("gpt_1b_1m_offload", 1, 16 << 10, 120), "1b-32k-1": ("gpt_1b_1m_offload", 1, 32 << 10, 120)}
+    "1b-16k-1": ("gpt_1b_1m_offload", 1, 16 << 10, 120), "1b-32k-1": ("gpt_1b_1m_offload", 1, 32 << 10, 120),
+    "8b-1m-1-worst": ("llama3_8b_1m", 1, 1 << 20, 1769, WORST),
+    "1b-16k-1-worst": ("gpt_1b_1m_offload", 1, 16 << 10, 120, WORST),
+    "1b-32k-1-worst": ("gpt_1b_1m_offload", 1, 32 << 10, 120, WORST)}
 TOLERANCE = 0.03
 
 
 def long_config(name: str):
-    config, _, _, _ = LONG[name]
+    config, *_ = LONG[name]
     over = ["data.mock=true", "data.paths=[]", "training.global_batch_size=1", "model.kernels=triton"]
+    if len(LONG[name]) > 4:
+        over.append(f"data.documents_per_million={LONG[name][4]}")
     if config.startswith("llama3_8b"):
         over += ["parallel.pp=1", "parallel.virtual_stages=1"]
     return load_config(ROOT / "configs" / f"{config}.yaml", over)
@@ -64,7 +74,7 @@ def prediction(name: str, hw: Hardware, memory: float):
     if name in SHIPPED:
         cfg = load_config(ROOT / "configs" / f"{name}.yaml", ["data.mock=true", "data.paths=[]"])
         return cfg, SHIPPED[name], None, evaluate(cfg, SHIPPED[name], memory, None, hw)
-    _, gpus, tokens, host = LONG[name]
+    _, gpus, tokens, host, *_ = LONG[name]
     fitting, _ = plan(long_config(name), gpus, tokens, memory, host_memory_gib=host, hw=hw)
     return None, gpus, host, (fitting[0] if fitting else None)
 
@@ -74,7 +84,7 @@ def measure(name: str, hw: Hardware, memory: float) -> dict:
     cfg, gpus, host_budget, p = prediction(name, hw, memory)
     row = {"case": name, "gpus": gpus}
     if p is None:
-        _, _, tokens, _ = LONG[name]
+        tokens = LONG[name][2]
         return {**row, "seq_len": tokens, "fits": False, "why": "no layout fits (the memory model's planner)"}
     cfg, est = p.cfg, p.estimate
     traces = trace_run(cfg, p.run.machine, gpus, hw=hw)

@@ -51,6 +51,30 @@ def test_the_counter_sees_copies_to_the_host():
     assert syncs.step == 3, syncs.seen
 
 
+def test_varlen_attention_reads_nothing_back_with_the_loaders_documents():
+    """The loader computes the documents' cumulative lengths and each row's longest on the host (here with the
+    padding of an sp=4 layout, a document of its own): varlen attention's mask takes them as they are, no read of
+    the device, and they equal what the device would compute from the ids (reading its longest length back)."""
+    import numpy as np
+    from megalysses.data.loader import HOST_KEYS, build_micro_batch
+    from megalysses.kernels.attention import Documents, documents_of, prepare_attention_mask
+
+    eod = 0
+    samples = [np.array([5, 6, 0, 7, 0, 0, 8, 9, 9, 9, 0]), np.array([1] * 11), np.array([2, 0, 3])]
+    mb = build_micro_batch(samples, 10, 0, 4, eod, reset_position_ids=True, document_mask=True)
+    docs = documents_of(mb)
+    assert isinstance(docs, Documents) and HOST_KEYS == ("longest_document",)
+    with count_host_syncs(lambda: [docs.longest]) as syncs:
+        cu, longest = prepare_attention_mask(docs, "varlen", check=False).varlen()
+    assert syncs.step == 0, syncs.seen
+    with count_host_syncs() as read:
+        want_cu, want_longest = prepare_attention_mask(mb["doc_ids"], "varlen", check=False).varlen()
+    assert read.step == 1, read.seen          # the longest length read back (and nonzero's wait, on a GPU)
+    assert torch.equal(cu, want_cu) and longest == want_longest == 10
+    assert mb["longest_document"].tolist() == [4, 10, 7]     # rows of 12: [3 2 1 4 2], [10 2], [2 1 7 2]
+    assert documents_of({k: v for k, v in mb.items() if k != "cu_seqlens"}) is mb["doc_ids"]
+
+
 class _Phases:
     """A watchdog's view of the loop: what it was doing when each synchronisation was made."""
 

@@ -142,8 +142,8 @@ def test_model_against_the_trace(world, overrides):
     breakdown = model.breakdown(HW)
     assert set(traced["traced_step_breakdown"]) <= set(breakdown)
     assert breakdown["launches"] == 0 < traced["traced_step_breakdown"]["launches"]
-    # no host sync in a step, but varlen attention's longest document, read back once a micro-batch
-    assert (traced["traced_host_syncs"] > 0) == (traces[0].run.attention == "varlen"), traced["traced_host_syncs"]
+    # no host sync in a step: varlen attention's documents come from the loader, their longest in host memory
+    assert traced["traced_host_syncs"] == 0, (traces[0].run.attention, traced["traced_host_syncs"])
     assert traced["traced_launches"] > 0
     if world > 1:       # the ring's K/V blocks: the model's bytes
         sent = sum(v for k, v in traced["traced_collective_gb"].items() if k.startswith("send"))

@@ -237,6 +237,12 @@ class DataConfig:
     then starts prompts with it too (default: none besides what the tokenizer itself adds)."""
     document_mask: bool = True
     """Attention does not cross the EOD boundaries of packed documents."""
+    documents_per_million: float = 1000.0
+    """Packed documents per million tokens that the memory plan counts with document_mask (flash-attn's
+    variable-length backward, which the varlen and flash backends run, keeps 128 rows of fp32 workspace per
+    document): a sequence of S tokens counts 1 + S x this / 10^6 documents. State the corpus's figure (the
+    number of documents tools/preprocess_data.py reports, per million of its tokens); the default is a mean
+    document of 1,000 tokens. The worst case the corpus tools allow is a one-token text and its EOD: 500,000."""
     reset_position_ids: bool = True
     """Position ids restart at 0 after every EOD."""
     eod_mask_loss: bool = False

@@ -382,6 +382,9 @@ def _check_data(d: DataConfig) -> None:
             parse_blend(d.valid_paths)
     except ValueError as e:
         raise ConfigError(f"data.valid_paths: {e}") from None
+    if not 0 <= d.documents_per_million <= 1e6:
+        raise ConfigError(f"data.documents_per_million={d.documents_per_million} is outside [0, 1000000]: give the "
+                          f"corpus's documents per million tokens (at most one document a token)")
 
 
 def _check_tokenizer(d: DataConfig) -> None:

@@ -7,6 +7,11 @@
         batch["labels"]        # (B, S/sp) int64   next token, -100 where there is none (padding)
         batch["position_ids"]  # (B, S/sp) int64   global positions (or per-document, see below)
         batch["doc_ids"]       # (B, S)    int32   document id of every position of the FULL sequence
+        batch["cu_seqlens"]    # (D + 1,)  int32   the D documents' cumulative lengths over the flattened batch
+        batch["longest_document"]  # (B,)  int32   each row's longest document: stays in host memory (HOST_KEYS)
+
+The document boundaries are known here, on the host: variable-length attention takes them as they are
+(kernels/attention.py Documents) and reads nothing back from the device.
 
 Global order. The stream is consumed in chunks of micro_batch_size * dp_size samples; in chunk c,
 dp rank r takes samples c * mbs * dp + r * mbs + [0, mbs), i.e. sample g goes to dp rank
@@ -45,6 +50,7 @@ from megalysses.data.packing import PackedRow, cut_window, sample_rows
 from megalysses.parallel.sequence_layout import SequenceLayout, shard_sample
 
 IGNORE_INDEX = -100
+HOST_KEYS = ("longest_document",)     # a micro-batch's tensors that stay in host memory when the rest go to the GPU
 
 
 def build_micro_batch(samples: Sequence[np.ndarray | PackedRow], seq_len: int, sp_rank: int, sp_size: int,
@@ -85,7 +91,23 @@ def build_micro_batch(samples: Sequence[np.ndarray | PackedRow], seq_len: int, s
     weights = _document_weights(trained, doc_ids) if loss_average == "document" else None
     shard = shard_sample(layout, sp_rank, inputs, labels, np.asarray(pos), doc_ids if document_mask else None, pad,
                          weights)
+    if document_mask:
+        shard.update(_document_bounds(shard["doc_ids"]))
     return {k: torch.from_numpy(v) for k, v in shard.items()}
+
+
+def _document_bounds(doc_ids: np.ndarray) -> dict[str, np.ndarray]:
+    """The documents of the (padded) doc ids (B, S), as variable-length attention takes them: their cumulative
+    lengths over the flattened batch (kernels/attention.py doc_ids_to_cu_seqlens's) and each row's longest."""
+    starts = np.ones(doc_ids.shape, dtype=bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    first = np.flatnonzero(starts)
+    cu = np.append(first, doc_ids.size).astype(np.int32)
+    ends = np.append(first[1:], doc_ids.size)
+    row = first // doc_ids.shape[1]
+    longest = np.zeros(len(doc_ids), dtype=np.int32)
+    np.maximum.at(longest, row, (ends - first).astype(np.int32))
+    return {"cu_seqlens": cu, "longest_document": longest}
 
 
 def _fill_window(sample: np.ndarray, tokens: np.ndarray, trained: np.ndarray, starts: np.ndarray, eod_id: int,

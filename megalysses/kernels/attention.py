@@ -13,7 +13,7 @@ Backends:
     flex       FlexAttention with a BlockMask (compiled on CUDA; eager on CPU, forward only there:
                torch has no FlexAttention backward on CPU).
     flash      flash-attn (CUDA, fp16/bf16): flash_attn_func, or flash_attn_varlen_func on the
-               packed documents (cu_seqlens from doc_ids).
+               packed documents (cu_seqlens: the data loader's, Documents, else from doc_ids).
     varlen     torch's variable-length attention (torch.nn.attention.varlen.varlen_attn, its flash kernel;
                CUDA, fp16/bf16): the packed documents as cumulative lengths, O(S) memory for the mask where
                FlexAttention's block mask is O((S/block)^2). torch raises on CPU.
@@ -36,7 +36,8 @@ import importlib.util
 import inspect
 import math
 import warnings
-from typing import Any, Callable, Optional, Union
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -110,14 +111,25 @@ def _power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
+@dataclass(frozen=True)
+class AttentionNeeds:
+    """What a call of attention asks of its backend: a backward (`training`), packed-document masks
+    (`has_docs`), the blocks of ring attention (`ring`: each block's log-sum-exp and a backward against the
+    merged one, kernels/block_attention.py), a sliding window (`window`: every backend masks it but SDPA's
+    kernel for ring blocks on CUDA)."""
+
+    training: bool = True
+    has_docs: bool = False
+    ring: bool = False
+    window: bool = False
+
+
 def unsupported_reason(backend: str, device: DeviceLike, dtype: torch.dtype, head_dim: Optional[int] = None,
-                       training: bool = True, has_docs: bool = False, ring: bool = False,
-                       packages: Optional[frozenset] = None, window: bool = False) -> Optional[str]:
+                       needs: AttentionNeeds = AttentionNeeds(), packages: Optional[frozenset] = None) -> Optional[str]:
     """Why `backend` (a concrete name) cannot run attention of this head dim and dtype on `device` with
-    `packages` (see available_backends), with a backward when `training`; None when it can. head_dim None
-    skips the shape rules. ring: the blocks of ring attention, which need each block's log-sum-exp and a
-    backward against the merged one (kernels/block_attention.py); has_docs: with packed-document masks;
-    window: with a sliding window (every backend masks it but SDPA's kernel for ring blocks on CUDA)."""
+    `packages` (see available_backends), as `needs` asks; None when it can. head_dim None skips the shape
+    rules."""
+    training, has_docs, ring, window = needs.training, needs.has_docs, needs.ring, needs.window
     if backend not in BACKENDS:
         return f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}"
     device = torch.device(device)
@@ -181,18 +193,45 @@ def doc_ids_to_cu_seqlens(doc_ids: Tensor) -> Tensor:
     return torch.cat([offsets, end]).to(torch.int32)
 
 
+@dataclass(frozen=True)
+class Documents:
+    """The packed documents of a micro-batch with the boundaries the data loader computed on the host
+    (megalysses/data/loader.py), so that a variable-length kernel reads nothing back from the device: the
+    document id of every position, the cumulative lengths over the flattened batch (doc_ids_to_cu_seqlens's,
+    where `ids` are) and each row's longest document (in host memory: the kernel's max_seqlen)."""
+
+    ids: Tensor                   # (B, S) int
+    cu_seqlens: Tensor            # int32 (num_docs + 1,)
+    longest: Tensor               # (B,) int, in host memory
+
+
+def documents_of(batch: Mapping[str, Tensor]) -> Optional[Tensor | Documents]:
+    """What a micro-batch gives the model as its doc_ids: its Documents when the loader gave their boundaries
+    (cu_seqlens, longest_document), else its doc_ids alone (None without packed-document masks)."""
+    if "doc_ids" not in batch or "cu_seqlens" not in batch:
+        return batch.get("doc_ids")
+    return Documents(batch["doc_ids"], batch["cu_seqlens"], batch["longest_document"])
+
+
+def document_ids(doc_ids: Optional[Tensor | Documents]) -> Optional[Tensor]:
+    """The (B, S) document ids of a model's doc_ids argument (a tensor, or Documents)."""
+    return doc_ids.ids if isinstance(doc_ids, Documents) else doc_ids
+
+
 class AttentionMask:
     """The packed-document causal mask of one step, in whichever form each backend wants.
 
     Built once per step by `prepare_attention_mask` and handed to every layer; each form (dense boolean
     mask, FlexAttention BlockMask of `block`-token blocks, cumulative lengths) is computed on first use and
     then reused. The BlockMask holds four int32 (S/block)^2 index tensors: the run plan's block keeps them
-    small beside the peak (plan/run_plan.py mask_block)."""
+    small beside the peak (plan/run_plan.py mask_block). `documents`, when given (the loader's boundaries
+    of these doc_ids), is the cumulative lengths' form as it is, read back from the device never."""
 
-    def __init__(self, doc_ids: Tensor, block: int = 128) -> None:
+    def __init__(self, doc_ids: Tensor, block: int = 128, documents: Optional[Documents] = None) -> None:
         self.doc_ids = doc_ids                                            # (B, S) int
         self.block = block
         self._forms: dict[str, Any] = {}
+        self._documents = documents
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -222,8 +261,11 @@ class AttentionMask:
         return self._cached(("block_mask", window) if window else "block_mask", build)
 
     def varlen(self) -> tuple[Tensor, int]:
-        """(cu_seqlens int32 (num_docs + 1,), max document length) over the flattened batch."""
+        """(cu_seqlens int32 (num_docs + 1,), max document length) over the flattened batch: the loader's, or
+        computed from the ids (nonzero and the longest length read back: two waits for the device)."""
         def build() -> tuple[Tensor, int]:
+            if self._documents is not None:       # the longest length in host memory: no wait
+                return self._documents.cu_seqlens.to(self.doc_ids.device), max(self._documents.longest.tolist())
             cu = doc_ids_to_cu_seqlens(self.doc_ids)
             return cu, int((cu[1:] - cu[:-1]).max())
         return self._cached("varlen", build)
@@ -237,12 +279,13 @@ class AttentionMask:
         return self
 
 
-def prepare_attention_mask(doc_ids: Optional[Tensor], backend: str, seq_len: Optional[int] = None,
+def prepare_attention_mask(doc_ids: Optional[Tensor | Documents], backend: str, seq_len: Optional[int] = None,
                            device: Optional[DeviceLike] = None, window: int = 0, block: int = 128,
                            check: bool = True) -> Optional[AttentionMask]:
     """The document mask for one step, to pass as `mask=` to every layer's `core_attention`.
 
-    doc_ids: (B, S) ints, non-decreasing per row, or None (plain causal: returns None). seq_len, when
+    doc_ids: (B, S) ints, non-decreasing per row, or None (plain causal: returns None), or the loader's
+    Documents (their cumulative lengths and longest length used as they are: no read back). seq_len, when
     given, is checked against S; device, when given, is where the mask lives (default: doc_ids'); block:
     FlexAttention's block-mask block size. The form that `backend` (the run's concrete backend) uses with
     the layers' sliding `window` is built now; any other on first use. `check`: refuse doc ids that decrease
@@ -250,6 +293,8 @@ def prepare_attention_mask(doc_ids: Optional[Tensor], backend: str, seq_len: Opt
     cumulative sums, so that a training step does not wait for it."""
     if doc_ids is None:
         return None
+    documents = doc_ids if isinstance(doc_ids, Documents) else None
+    doc_ids = document_ids(doc_ids)
     if doc_ids.dim() != 2 or doc_ids.dtype.is_floating_point or doc_ids.dtype == torch.bool:
         raise ValueError(f"doc_ids must be a (B, S) integer tensor, got {tuple(doc_ids.shape)} {doc_ids.dtype}")
     if seq_len is not None and doc_ids.shape[1] != seq_len:
@@ -258,7 +303,7 @@ def prepare_attention_mask(doc_ids: Optional[Tensor], backend: str, seq_len: Opt
         doc_ids = doc_ids.to(device)
     if check and doc_ids.shape[1] > 1 and bool((doc_ids[:, 1:] < doc_ids[:, :-1]).any()):
         raise ValueError("doc_ids must be non-decreasing along each row (one id per packed document)")
-    return AttentionMask(doc_ids, block).build_for(backend, window)
+    return AttentionMask(doc_ids, block, documents).build_for(backend, window)
 
 
 def core_attention(q: Tensor, k: Tensor, v: Tensor, doc_ids: Optional[Tensor] = None, backend: str = "sdpa",
@@ -298,7 +343,7 @@ def check_backend(backend: str, q: Tensor, has_docs: bool, ring: bool = False, w
                          f"{', '.join(BACKENDS)} (megalysses.plan.resolve decides what auto is)")
     training = torch.is_grad_enabled() and q.requires_grad
     device = torch.device("cuda") if accelerator.on_gpu(q) else q.device
-    why = unsupported_reason(backend, device, q.dtype, q.shape[-1], training, has_docs, ring, window=window)
+    why = unsupported_reason(backend, device, q.dtype, q.shape[-1], AttentionNeeds(training, has_docs, ring, window))
     if why is not None:
         raise RuntimeError(f"attention backend {backend!r} {why}")
 

@@ -18,11 +18,14 @@ custom op with fake implementations); what they cannot run, or run otherwise tha
 Each form carries its kernel's cost beside it (KernelCost: FLOPs by the (query, key) pairs its mask allows,
 bytes read and written, launches; a block mask's build in the category "masks"), handed to the traced
 roofline (megalysses/training/roofline.py) where torch has no formula of its own: COSTS for the aten ops
-(torch's varlen attention), the `roof` of gpu_kernels for the forms. A trace's batch is one document, so
-a mask allows the pairs causality leaves (a ring step's diagonal block causal, the others whole).
+(torch's varlen attention), the `roof` of gpu_kernels for the forms. A trace's document ids hold no data, so
+a mask allows the pairs causality leaves, as for one document (a ring step's diagonal block causal, the others
+whole): the most its documents can allow.
 A fused backward allocates workspaces inside its kernel, which the tracker counts at the kernel's op
 (WORKSPACES, LiveBytes.workspaces): the flash kernels' fp32 dq accumulator and rowsum(dO * O), and with
-fewer KV heads than query heads dK and dV at the query heads' width before they are summed per group.
+fewer KV heads than query heads dK and dV at the query heads' width before they are summed per group. A
+variable-length kernel's have 128 rows more per sequence of its cumulative lengths (flash_backward_workspace),
+whose length a trace's batch gives: the documents the plan counts (training/trace.py fake_batch).
 """
 from __future__ import annotations
 
@@ -46,21 +49,24 @@ def _rounded(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def flash_backward_workspace(q: Tensor, k: Tensor, heads_first: bool = False) -> int:
-    """Bytes a flash backward allocates inside (FlashAttention-2's mha_bwd, torch's flash kernels, varlen):
-    the fp32 dq accumulator (B, S rounded to 128, Hq, D rounded to 8) and rowsum(dO * O) (B, Hq, S rounded
-    to 128); with fewer KV heads, dK and dV at the query heads' width. q, k: (B, S, H, D), (T, H, D) for
-    packed sequences, or (B, H, S, D) with `heads_first`."""
-    if q.dim() == 3:
-        q, k = q.unsqueeze(0), k.unsqueeze(0)
+def flash_backward_workspace(q: Tensor, k: Tensor, heads_first: bool = False, sequences: int = 1) -> int:
+    """Bytes a flash backward allocates inside (FlashAttention-2's mha_bwd and mha_varlen_bwd, torch's flash
+    kernels, varlen): the fp32 dq accumulator and rowsum(dO * O) (softmax_d), and with fewer KV heads, dK and dV
+    at the query heads' width. q, k: (B, S, H, D), (B, H, S, D) with `heads_first`, or (T, H, D) packed over
+    `sequences` sequences (the cumulative lengths' count). Rows of the accumulators: each sequence's S rounded
+    up to 128 (mha_bwd), or T + 128 x sequences packed (mha_varlen_bwd places each sequence 128 rows after the
+    last, so that the atomic adds of a 128-row block past its end stay clear of the next). Bytes:
+    4 x rows x Hq x (D rounded to 8 + 1), + 2 x Sk x Hq x D in q's dtype with grouped KV heads."""
     if heads_first:
         q, k = q.transpose(1, 2), k.transpose(1, 2)
-    B, S, H, D = q.shape
-    Sk, Hk = k.shape[1], k.shape[2]
-    sr = _rounded(S, 128)
-    nbytes = 4 * B * sr * H * _rounded(D, 8) + 4 * B * H * sr
+    if q.dim() == 3:
+        rows, (H, D), kv_rows, Hk = q.shape[0] + 128 * sequences, q.shape[1:], k.shape[0], k.shape[1]
+    else:
+        B, S, H, D = q.shape
+        rows, kv_rows, Hk = B * _rounded(S, 128), B * k.shape[1], k.shape[2]
+    nbytes = 4 * rows * H * _rounded(D, 8) + 4 * H * rows
     if Hk != H:
-        nbytes += 2 * B * Sk * H * D * q.element_size()
+        nbytes += 2 * kv_rows * H * D * q.element_size()
     return nbytes
 
 
@@ -96,9 +102,9 @@ def attention_cost(heads: int, head_size: int, pairs: float, tensors: tuple, bac
 
 
 def _packed_pairs(tokens: int, causal: bool) -> int:
-    """Pairs of `tokens` packed tokens of a trace: its micro-batch's sequences (_Forms.sequences), each one
-    document (the fake batch's; cu_seqlens and the longest length are data a fake tensor has not), causal or
-    whole."""
+    """Pairs of `tokens` packed tokens of a trace: its micro-batch's sequences (_Forms.sequences), each counted
+    as one document, causal or whole: the most pairs its documents can allow (the fake batch's cumulative
+    lengths give the count of its documents, whose workspaces the backward allocates, not their lengths)."""
     n = _Forms.sequences
     length = tokens // n
     return n * (causal_pairs(length) if causal else length * length)
@@ -125,7 +131,8 @@ if attention.varlen_available():
     import torch.nn.attention.varlen     # noqa: F401 (registers torch_attn's ops)
 
     WORKSPACES[torch.ops.torch_attn._varlen_attn_backward.default] = \
-        lambda dout, q, k, *args, **kwargs: flash_backward_workspace(q, k)
+        lambda dout, q, k, v, out, lse, cu_q, *args, **kwargs: flash_backward_workspace(
+            q, k, sequences=cu_q.numel() - 1)
     _VARLEN_FWD = torch.ops.torch_attn._varlen_attn.default
     _VARLEN_BWD = torch.ops.torch_attn._varlen_attn_backward.default
     COSTS = {_VARLEN_FWD: _varlen_cost(False), _VARLEN_BWD: _varlen_cost(True)}
@@ -166,11 +173,11 @@ class _FlashAttn(torch.autograd.Function):
     gradients and workspace."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, pairs: int) -> Tensor:
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, pairs: int, sequences: int) -> Tensor:
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.pairs = pairs
+        ctx.pairs, ctx.sequences = pairs, sequences
         _Forms.charge(attention_cost(q.shape[-2], q.shape[-1], pairs, (q, k, v, out, lse), backward=False))
         return out
 
@@ -178,20 +185,24 @@ class _FlashAttn(torch.autograd.Function):
     def backward(ctx, dout: Tensor):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        _Forms.live.transient(flash_backward_workspace(q, k), "flash-attn backward's workspace")
+        workspace = flash_backward_workspace(q, k, sequences=ctx.sequences)
+        _Forms.live.transient(workspace, "flash-attn backward's workspace")
         _Forms.charge(attention_cost(q.shape[-2], q.shape[-1], ctx.pairs, (q, k, v, out, lse, dout, dq, dk, dv),
                                      backward=True))
-        return dq, dk, dv, None
+        return dq, dk, dv, None, None
 
 
 def _flash_attn_func(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float = None, causal: bool = True) -> Tensor:
     pairs = q.shape[0] * (causal_pairs(q.shape[1]) if causal else q.shape[1] * k.shape[1])
-    return _FlashAttn.apply(q, k, v, pairs)
+    return _FlashAttn.apply(q, k, v, pairs, 1)
 
 
 def _flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int,
-                            softmax_scale: float = None, causal: bool = True) -> Tensor:
-    return _FlashAttn.apply(q, k, v, _packed_pairs(q.shape[0], causal))
+                            **options: Any) -> Tensor:
+    """flash_attn_varlen_func over the packed sequences of cu_q (its softmax_scale and window_size change no
+    allocation; causal as flash-attn's default, off unless given)."""
+    pairs = _packed_pairs(q.shape[0], bool(options.get("causal", False)))
+    return _FlashAttn.apply(q, k, v, pairs, cu_q.numel() - 1)
 
 
 # ----------------------------------------------------------------------------- FlexAttention

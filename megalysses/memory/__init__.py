@@ -52,8 +52,10 @@ Megatron's warm-up count + 1 model chunks):
     backward    one layer's backward (the first one, with every layer's activations, or the last one,
                 with every layer's gradients): its recomputed activations under checkpointing, the
                 residual-stream gradients, then the largest of the attention kernel's buffers (or ring
-                attention's), the QKV gradient assembly, the all-to-all's, the MLP's (with head chunks:
-                one chunk's, and a chunk's forward and the summing of the chunks' QKV input gradients)
+                attention's; a variable-length kernel's fp32 workspaces with 128 rows more per document,
+                Options.varlen_sequences, data.documents_per_million), the QKV gradient assembly, the
+                all-to-all's, the MLP's (with head chunks: one chunk's, and a chunk's forward and the summing
+                of the chunks' QKV input gradients)
     optimizer   the AdamW step: reduced fp32 gradient shards and the sqrt of v (activations are gone)
 Optimizer offload (ZeRO-1) keeps masters, moments and the reduced gradients in host memory and updates
 there; the gradients stream out during the backward, so the device holds those waiting for their bucket

@@ -82,7 +82,8 @@ def largest_block(m: ModelConfig, layout: Layout, opts: Options, prec: Precision
               "the embedding's weight gradient": vocab * d["h"] * prec.weight,
               "a gradient bucket": 0.0 if opts.fsdp else opts.bucket_bytes}
     if opts.dq_accumulator or d["ring"] > 1:
-        blocks["the fp32 dq of attention's backward"] = tokens * d["q"] * 4
+        rows = 1 + 128 * opts.varlen_sequences / work.seq_len      # a varlen kernel's 128 more rows per sequence
+        blocks["the fp32 dq of attention's backward"] = tokens * d["q"] * 4 * rows
     if d["ring"] > 1:
         blocks["the fp32 dK/dV accumulator travelling the ring"] = tokens * 2 * d["kv"] * 4
     if last:

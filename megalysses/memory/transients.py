@@ -40,7 +40,7 @@ def backward_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precisio
     before_core, at_core, chunk_name, summed = _attention_alive(m, layout, opts, prec, seq_len, attn_terms)
     if N > 1:
         d = dims(m, layout, opts, N)
-    core, core_name = _core_backward(d, opts, a)
+    core, core_name = _core_backward(d, opts, a, seq_len)
     core, core_name = core + summed, core_name + chunk_name
     mlp_tiled = tiled(opts.mlp_chunk_tokens, layout, opts, seq_len)
     mlp, mlp_name = _mlp_backward(m, layout, opts, prec, tokens, h, r, f) if mlp_tiled else \
@@ -99,17 +99,20 @@ def _attention_alive(m: ModelConfig, layout: Layout, opts: Options, prec: Precis
     return before_core, at_core, f" (one of {N} head chunks, the QKV input's gradient summed)", h * a
 
 
-def _core_backward(d: dict, opts: Options, a: int) -> tuple[float, str]:
+def _core_backward(d: dict, opts: Options, a: int, seq_len: int) -> tuple[float, str]:
     """The attention kernel's backward buffers per token (or ring attention's), and their name."""
     q, kv = d["q"], d["kv"]
     # the kernel's dk, dv: at the query heads' width when K/V were repeated to them before it; a flash kernel
     # (FlashAttention-2's backward, torch's flash kernels) reading fewer KV heads as they are writes them at
     # that width inside too (dk_expanded, dv_expanded) before summing each group into dk, dv
     kv_grads = q if d["expand"] else kv
-    accumulator = 4 * q if opts.dq_accumulator else 0
+    # a variable-length kernel's fp32 workspaces have 128 rows more per sequence of its cumulative lengths
+    # (flash-attn's mha_varlen_bwd: dq_accum and softmax_d of total_q + 128 x sequences rows)
+    rows = 1 + 128 * opts.varlen_sequences / seq_len if seq_len else 1
+    accumulator = 4 * q * rows if opts.dq_accumulator else 0
     inside = 2 * q * a if opts.dq_accumulator and not d["expand"] and q != kv else 0
     # the fp32 rowsum(dO * O) per query head (a flash kernel's softmax_d, FlexAttention's delta)
-    rowsum = 4 * d["hq"] if opts.dq_accumulator or opts.attention == "flex" else 0
+    rowsum = 4 * d["hq"] * rows if opts.dq_accumulator or opts.attention == "flex" else 0
     if d["ring"] > 1:
         return _ring_backward(q, kv, a, d["ring"], opts, accumulator,
                               recomputed=opts.activation_checkpointing or opts.head_chunks > 1)

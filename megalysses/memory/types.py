@@ -104,6 +104,8 @@ class Options:
     native_gqa: bool = True            # the kernel reads grouped KV heads as they are (no repeat to Hq)
     dq_accumulator: bool = True        # the backward accumulates dq in fp32 (flash-attn, SDPA's CUDA kernels)
     documents: bool = False            # packed-document masks (sdpa then builds a dense S x S mask)
+    varlen_sequences: int = 0          # sequences per row in a variable-length kernel's cumulative lengths (its
+                                       # documents; flash-attn's varlen backward keeps 128 rows more for each)
     offload_prefetch: int = 1          # offloaded layers copied back ahead of the one in backward
     bucket_bytes: float = 32_000_000 * 4       # one gradient bucket (ZeRO-1: parallel.grad_bucket_elements fp32)
     overlap_grad_reduce: bool = True   # ZeRO-1 reduces buckets during the backward (parallel.overlap_grad_reduce)

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from megalysses import comm
 from megalysses.config import ModelConfig
+from megalysses.kernels.attention import Documents
 from megalysses.kernels.rope import rope_cos_sin
 from megalysses.model.kv_cache import KVCache
 from megalysses.model.layers import Block, Norm, ParallelGroups
@@ -93,12 +94,13 @@ class GPTStage(nn.Module):
         """First vocabulary row of this tp rank's shard of the (padded) embedding / LM head."""
         return comm.group_rank(self.groups.tp) * self.vocab_padded // self.groups.tp_size
 
-    def forward(self, inputs: Tensor, position_ids: Tensor, doc_ids: Optional[Tensor] = None,
+    def forward(self, inputs: Tensor, position_ids: Tensor, doc_ids: Optional[Tensor | Documents] = None,
                 labels: Optional[Tensor] = None, cache: Optional[KVCache] = None,
                 loss_weights: Optional[Tensor] = None, scores: bool = False) -> Tensor | tuple[Tensor, Tensor]:
         """inputs: token ids (B, S/sp) on the first stage, else the hidden states from the previous stage.
         position_ids: (B, S/sp) global positions of this sp rank's tokens (SequenceLayout.positions);
-        doc_ids: (B, S) full-sequence document index for packed-document masks (None = plain causal).
+        doc_ids: (B, S) full-sequence document index for packed-document masks (None = plain causal), or the
+        data loader's Documents of them (kernels/attention.py: their boundaries, computed on the host).
 
         Returns the hidden states (B, s, h) on a non-last stage; on the last, the local sum of token
         losses (fp32 scalar) when labels are given (each times its loss_weights, when given; with `scores`, per

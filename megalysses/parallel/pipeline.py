@@ -15,6 +15,7 @@ from torch import Tensor
 from torch.autograd import Variable
 
 from megalysses.comm import send_recv
+from megalysses.kernels.attention import documents_of
 
 Batch = dict[str, Tensor]
 
@@ -23,7 +24,7 @@ def stage_forward(stage: torch.nn.Module, mb: Batch, x: Optional[Tensor], scale:
                   scores: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """The scaled loss (fp32) on the last stage (with `scores`, each token's loss and greedy hit instead:
     GPTStage.forward); elsewhere the hidden states, in the compute dtype (the dtype of the pipeline buffers)."""
-    out = stage(mb["input_ids"] if stage.first else x, mb["position_ids"], doc_ids=mb.get("doc_ids"),
+    out = stage(mb["input_ids"] if stage.first else x, mb["position_ids"], doc_ids=documents_of(mb),
                 labels=mb["labels"] if stage.last else None,
                 loss_weights=mb.get("loss_weights") if stage.last else None, scores=scores and stage.last)
     return out * scale if stage.last and not scores else out

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from megalysses import comm
 from megalysses.comm import Group
-from megalysses.kernels.attention import prepare_attention_mask
+from megalysses.kernels.attention import Documents, document_ids, prepare_attention_mask
 from megalysses.parallel.ring import RingMask
 
 
@@ -34,20 +34,20 @@ def kv_replication(kv_heads: int, sp: int) -> int:
     return sp // kv_heads
 
 
-def prepare_sequence_mask(doc_ids: Optional[Tensor], backend: str, ulysses_group: Group, ring_group: Group,
+def prepare_sequence_mask(doc_ids: Optional[Tensor | Documents], backend: str, ulysses_group: Group, ring_group: Group,
                           local_len: int, window: int = 0, block: int = 128) -> Any:
     """The attention mask of one step, shared by every layer: without a ring the full-sequence mask of
     core attention (None for plain causal attention); with one, the ring rank's RingMask.
-    doc_ids: (B, S) over the full (padded) sequence; local_len: the tokens of one sp rank, S/sp; window:
-    the layers' sliding window (its form of the mask is built now); block: FlexAttention's block-mask
-    block size (the run plan's ActivationPolicy.mask_block)."""
+    doc_ids: (B, S) over the full (padded) sequence, or the loader's Documents of them; local_len: the tokens
+    of one sp rank, S/sp; window: the layers' sliding window (its form of the mask is built now); block:
+    FlexAttention's block-mask block size (the run plan's ActivationPolicy.mask_block)."""
     ring = comm.group_size(ring_group)
     if ring == 1:
         # the loader's doc ids (cumulative sums) are non-decreasing: not checked, which would wait for the device
         return (prepare_attention_mask(doc_ids, backend, window=window, block=block, check=False)
                 if doc_ids is not None else None)
     seq_len = local_len * comm.group_size(ulysses_group) * ring
-    return RingMask(doc_ids, comm.group_rank(ring_group), ring, seq_len, block=block)
+    return RingMask(document_ids(doc_ids), comm.group_rank(ring_group), ring, seq_len, block=block)
 
 
 def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group: Group,

@@ -7,6 +7,7 @@ workload of a run as it was resolved, and its estimate.
 """
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 from typing import Iterator, Optional
 
@@ -37,6 +38,26 @@ def attention_buffers(plan: RunPlan, documents: bool) -> tuple[bool, bool]:
     return native, backend in ("flash", "varlen") or cuda_sdpa
 
 
+def documents_per_sequence(cfg: Config, seq_len: int) -> int:
+    """The packed documents the plan counts in a sequence of `seq_len` tokens: 1 + seq_len x
+    data.documents_per_million / 10^6, rounded up (with data.document_mask; else the sequence is one)."""
+    if not cfg.data.document_mask:
+        return 1
+    return 1 + math.ceil(seq_len * cfg.data.documents_per_million / 1e6)
+
+
+def varlen_sequences(cfg: Config, plan: RunPlan) -> int:
+    """The sequences per row of a micro-batch in the cumulative lengths of the plan's variable-length attention
+    kernel (flash-attn's varlen backward keeps 128 fp32 rows more of its dq accumulator and rowsum(dO * O) for
+    each): a sequence's documents with packed-document masks; each row one sequence for varlen without them
+    (flash then runs its fixed-length kernel); none with a ring, whose blocks run other kernels."""
+    if plan.ring > 1 or plan.attention not in ("flash", "varlen"):
+        return 0
+    if cfg.data.document_mask:
+        return documents_per_sequence(cfg, plan.padded_seq_len)
+    return 1 if plan.attention == "varlen" else 0
+
+
 def layout_of(plan: RunPlan) -> Layout:
     return Layout(tp=plan.tp, sp=plan.sp, pp=plan.pp, dp=plan.dp, virtual_stages=plan.virtual_stages, ring=plan.ring)
 
@@ -51,7 +72,8 @@ def options_of(cfg: Config, plan: RunPlan) -> Options:
                    fsdp=plan.fsdp, optimizer_offload=plan.optimizer == "zero1-host",
                    param_offload=plan.weights == "host",
                    kernels=plan.kernels, attention=plan.attention, native_gqa=native, dq_accumulator=accumulator,
-                   documents=cfg.data.document_mask, bucket_bytes=0 if plan.fsdp else p.grad_bucket_elements * 4,
+                   documents=cfg.data.document_mask, varlen_sequences=varlen_sequences(cfg, plan),
+                   bucket_bytes=0 if plan.fsdp else p.grad_bucket_elements * 4,
                    overlap_grad_reduce=p.overlap_grad_reduce, pinned_rounding=not plan.machine.pinned_exact,
                    async_save=plan.async_save,
                    mask_block=a.mask_block)

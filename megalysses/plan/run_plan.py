@@ -30,7 +30,7 @@ from typing import Optional
 
 from megalysses.config import Config, ConfigError
 from megalysses.config.checks import check_head_chunks, check_heads, check_kept_attention, head_chunk_counts
-from megalysses.kernels.attention import unsupported_reason
+from megalysses.kernels.attention import AttentionNeeds, unsupported_reason
 from megalysses.kernels.linear_cross_entropy import default_chunk_tokens
 from megalysses.memory.types import fmt_bytes
 from megalysses.parallel.sequence_layout import SequenceLayout
@@ -66,8 +66,8 @@ def choose_attention(requested: str, machine: Machine, dtype: str, head_dim: Opt
     tdtype = getattr(torch, dtype)
 
     def why_not(name: str) -> Optional[str]:
-        return unsupported_reason(name, machine.device, tdtype, head_dim, training, has_docs, ring, machine.packages,
-                                  window=window)
+        return unsupported_reason(name, machine.device, tdtype, head_dim,
+                                  AttentionNeeds(training, has_docs, ring, window), machine.packages)
 
     if requested != "auto":
         why = why_not(requested)

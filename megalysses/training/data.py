@@ -20,6 +20,7 @@ import torch
 from megalysses.config import Config
 from megalysses.data import DatasetError, MockGPTDataset, build_gpt_datasets, iterate_micro_batches
 from megalysses.data.indexed import IndexedDataset
+from megalysses.data.loader import HOST_KEYS
 from megalysses.data.packing import Packing, describe
 from megalysses.data.tokenizer import NullTokenizer, tokenizer_from_config
 from megalysses.data.tokenizer_identity import identity_mismatch, read_identity, tokenizer_identity
@@ -115,7 +116,7 @@ class TrainingData:
                                         layout=run.sequence,
                                         length_at=phase_at,
                                         loss_average=d.loss_average):
-            yield {k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
+            yield {k: v if k in HOST_KEYS else v.to(self.device, non_blocking=True) for k, v in mb.items()}
 
     def train_batches(self, consumed_samples: int) -> Iterator[list[Batch]]:
         """One list of micro-batches per optimizer step, from `consumed_samples` (global) on: as many as the step's

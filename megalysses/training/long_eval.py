@@ -27,7 +27,7 @@ import torch
 
 from megalysses import comm
 from megalysses.config import Config
-from megalysses.data.loader import build_micro_batch
+from megalysses.data.loader import HOST_KEYS, build_micro_batch
 from megalysses.evaluation.haystack import DocumentStream, HaystackError
 from megalysses.evaluation.tasks import (ACCURACY_TASKS, TASKS, Prompts, Sample, bucket_bounds, bucket_of, compose,
                                          minimum_length, position_sample, repeated_filler, task_prompt)
@@ -228,7 +228,7 @@ class LongEval:
         local = torch.from_numpy(np.ascontiguousarray(full[:, layout.positions(full.shape[1], g.sp_rank)]))
         local[mb["labels"] == -100] = -1
         mb["labels"][local < 0] = -100
-        return {k: v.to(self.device) for k, v in mb.items()}, local.to(self.device)
+        return {k: v if k in HOST_KEYS else v.to(self.device) for k, v in mb.items()}, local.to(self.device)
 
     def _forward(self, model: torch.nn.Module, mb: Batch) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         """One micro-batch forward only through the pipeline; (losses, hits) of its local tokens on the last

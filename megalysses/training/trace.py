@@ -45,6 +45,7 @@ from megalysses.config import Config, ConfigError
 from megalysses.config.checks import validate_config
 from megalysses.grid import ParallelGrid
 from megalysses.plan import Machine, RunPlan, resolve
+from megalysses.plan.memory import documents_per_sequence
 from megalysses.memory import GIB
 from megalysses.memory.types import torch_pinned
 from megalysses.plan.step_time import Hardware
@@ -239,8 +240,10 @@ def traced_micro_batches(micro_batches: int, run: RunPlan) -> int:
 
 def fake_batch(cfg: Config, grid: ParallelGrid, run: RunPlan, device: torch.device) -> list[dict]:
     """This rank's micro-batches of one global batch at the run's longest (padded) length, as the data loader
-    hands them over: token ids, labels and positions of its S/sp tokens, and the document ids of the whole
-    sequence with packed-document masks."""
+    hands them over: token ids, labels and positions of its S/sp tokens, and with packed-document masks the
+    document ids of the whole sequence, with the boundaries of as many documents a sequence as the plan counts
+    (plan/memory.py documents_per_sequence: their cumulative lengths on the device, whose length the varlen
+    kernels' workspaces follow, and each row's longest in host memory)."""
     B, S = run.micro_batch_size, run.padded_seq_len
     local = S // grid.sp_size
     out = []
@@ -249,6 +252,8 @@ def fake_batch(cfg: Config, grid: ParallelGrid, run: RunPlan, device: torch.devi
               for k in ("input_ids", "labels", "position_ids")}
         if cfg.data.document_mask:
             mb["doc_ids"] = torch.zeros(B, S, dtype=torch.long, device=device)
+            mb["cu_seqlens"] = torch.zeros(B * documents_per_sequence(cfg, S) + 1, dtype=torch.int32, device=device)
+            mb["longest_document"] = torch.full((B,), S, dtype=torch.int32)
         out.append(mb)
     return out
 

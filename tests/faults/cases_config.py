@@ -138,6 +138,7 @@ RANGES = [
         ("optimizer.min_lr", "-1e-05"), ("optimizer.weight_decay", "-0.1"), ("logging.peak_tflops", "-5.0"),
         ("optimizer.decay_steps", "-1"), ("optimizer.wsd_decay_steps", "-2"), ("optimizer.warmup_init", "-0.5"),
         ("training.exit_interval", "-1"), ("training.attention_head_chunks", "0"),
+        ("data.documents_per_million", "-1.0"), ("data.documents_per_million", "2000000.0"),
     ]
 ]
 
