@@ -27,7 +27,7 @@ import torch
 
 from megalysses import comm
 from megalysses.config import Config
-from megalysses.data.loader import build_micro_batch
+from megalysses.data.loader import BatchFormat, build_micro_batch
 from megalysses.evaluation.haystack import DocumentStream, HaystackError
 from megalysses.evaluation.tasks import (ACCURACY_TASKS, TASKS, Prompts, Sample, bucket_bounds, bucket_of, compose,
                                          minimum_length, position_sample, repeated_filler, task_prompt)
@@ -219,8 +219,8 @@ class LongEval:
         d, g = self.cfg.data, self.grid
         tokens = [x.tokens if x is not None else np.zeros(length + 1, dtype=np.int64) for x in samples]
         layout = self.plan.sequence
-        mb = build_micro_batch(tokens, length, g.sp_rank, g.sp_size, self.eod, d.reset_position_ids, d.document_mask,
-                               d.eod_mask_loss, layout=layout)
+        fmt = BatchFormat(self.eod, d.reset_position_ids, d.document_mask, d.eod_mask_loss)
+        mb = build_micro_batch(tokens, length, g.sp_rank, g.sp_size, fmt, layout=layout)
         full = np.full((len(samples), layout.padded_len(length)), -1, dtype=np.int64)
         for b, x in enumerate(samples):
             if x is not None:
