@@ -11,7 +11,8 @@ import torch
 from torch import Tensor
 
 from megalysses.kernels.attention import check_backend
-from megalysses.parallel.ring import RingMask, backward_block, forward_blocks, ring_schedule
+from megalysses.kernels.block_attention import MergedRows
+from megalysses.parallel.ring import BlockKernel, RingMask, backward_block, forward_blocks, ring_schedule
 from megalysses.parallel.sequence_layout import SequenceLayout
 
 
@@ -20,19 +21,19 @@ class _Blockwise(torch.autograd.Function):
     same blocks, kernels and merge as `_RingAttention`. Forward and backward as there."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, masks: list, backend: str, scale: float, window: int) -> Tensor:
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, masks: list, kernel: BlockKernel) -> Tensor:
         r = len(masks)
         qs, kvs = q.chunk(r, dim=1), torch.stack([k, v]).chunk(r, dim=2)
         outs, lses, auxes = [], [], []
         for i, mask in enumerate(masks):
             schedule = ring_schedule(i, r)
-            out, lse, aux = forward_blocks(qs[i], ((j, kvs[j]) for j in schedule), mask, backend, scale, window)
+            out, lse, aux = forward_blocks(qs[i], ((j, kvs[j]) for j in schedule), mask, kernel)
             outs.append(out.to(q.dtype))
             lses.append(lse)
             auxes.append(aux)
         out = torch.cat(outs, dim=1)
         ctx.save_for_backward(q, k, v, out, *lses)
-        ctx.masks, ctx.backend, ctx.scale, ctx.auxes, ctx.window = masks, backend, scale, auxes, window
+        ctx.masks, ctx.kernel, ctx.auxes = masks, kernel, auxes
         return out
 
     @staticmethod
@@ -45,12 +46,12 @@ class _Blockwise(torch.autograd.Function):
         dkvs = [torch.zeros(x.shape, dtype=torch.float32, device=q.device) for x in kvs]
         for i, mask in enumerate(ctx.masks):
             for j in ring_schedule(i, r):
-                cols, gk, gv = backward_block(dqs[i], douts[i], qs[i], kvs[j], outs[i], lses[i], mask, j,
-                                               ctx.backend, ctx.scale, ctx.auxes[i], ctx.window)
+                cols, gk, gv = backward_block(dqs[i], qs[i], kvs[j], MergedRows(outs[i], lses[i], douts[i]), mask, j,
+                                              ctx.kernel, ctx.auxes[i])
                 dkvs[j][0][:, cols] += gk
                 dkvs[j][1][:, cols] += gv
         dkv = torch.cat(dkvs, dim=2)
-        return torch.cat(dqs, dim=1).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+        return torch.cat(dqs, dim=1).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
 
 
 def blockwise_attention(q: Tensor, k: Tensor, v: Tensor, ring_size: int, doc_ids: Optional[Tensor] = None,
@@ -66,7 +67,7 @@ def blockwise_attention(q: Tensor, k: Tensor, v: Tensor, ring_size: int, doc_ids
     zq, zk, zv = (t.index_select(1, order) for t in (q, k, v))
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     check_backend(backend, q, doc_ids is not None, ring=True, window=window > 0)
-    out = _Blockwise.apply(zq, zk, zv, masks, backend, scale, window)
+    out = _Blockwise.apply(zq, zk, zv, masks, BlockKernel(backend, scale, window))
     return torch.empty_like(out).index_copy(1, order, out)
 
 

@@ -146,7 +146,7 @@ def test_a_ring_step_builds_each_mask_once_for_its_layers_and_head_chunks(monkey
     """The layers and head chunks of a step run the ring's blocks again and again with the step's RingMask: each
     pair of blocks' mask is built the first time only."""
     from megalysses.kernels import block_attention
-    from megalysses.parallel.ring import forward_blocks, ring_schedule
+    from megalysses.parallel.ring import BlockKernel, forward_blocks, ring_schedule
 
     built, real = [], block_attention.build_block_mask
     monkeypatch.setattr(block_attention, "build_block_mask", lambda *args: built.append(args) or real(*args))
@@ -157,5 +157,5 @@ def test_a_ring_step_builds_each_mask_once_for_its_layers_and_head_chunks(monkey
     q, kv = torch.randn(1, S // ring, 2, 16), torch.randn(2, 1, S // ring, 1, 16)
     with torch.no_grad():
         for _ in range(3):                                                # layers, or head chunks
-            forward_blocks(q, [(j, kv) for j in ring_schedule(rank, ring)], mask, "flex", 0.25)
+            forward_blocks(q, [(j, kv) for j in ring_schedule(rank, ring)], mask, BlockKernel("flex", 0.25))
     assert len(built) == ring

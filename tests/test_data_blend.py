@@ -94,7 +94,7 @@ def test_blended_dataset(tmp_path):
 def test_unweighted_blend_by_size(tmp_path):
     """data.blend_by_size: an unweighted list weighs each dataset by the samples one epoch of its split holds, as
     Megatron-LM blends an unweighted --data-path; without it, equal weights; a weighted list keeps its weights."""
-    from megalysses.data.build import build_gpt_datasets, epoch_samples
+    from megalysses.data.build import DatasetOptions, build_gpt_datasets, epoch_samples
     from megalysses.data.gpt_dataset import split_ranges
     from test_data_gpt import make_dataset
 
@@ -105,8 +105,8 @@ def test_unweighted_blend_by_size(tmp_path):
     assert sizes == [(36 * 50 - 1) // seq, (81 * 70 - 1) // seq]
 
     def shares(spec, by_size):
-        train = build_gpt_datasets(spec, "90,10,0", seq, 1, (300, None, None), str(tmp_path / "cache"),
-                                   by_size=by_size)[0]
+        train = build_gpt_datasets(spec, "90,10,0", seq, 1, (300, None, None),
+                                   DatasetOptions(str(tmp_path / "cache"), by_size=by_size))[0]
         return np.bincount(train.dataset_index, minlength=2) / 300
 
     assert shares(paths, True) == pytest.approx(np.array(sizes) / sum(sizes), abs=1 / 300)

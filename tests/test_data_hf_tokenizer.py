@@ -6,8 +6,8 @@ import pytest
 
 from megalysses.config import ConfigError
 from megalysses.config.io import load_config
-from megalysses.data.tokenizer import (HFTokenizer, NullTokenizer, TokenizerError, build_tokenizer, canonical_kind,
-                                       tokenizer_from_config)
+from megalysses.data.tokenizer import (HFTokenizer, NullTokenizer, SpecialTokens, TokenizerError, build_tokenizer,
+                                       canonical_kind, tokenizer_from_config)
 
 
 def word_tokenizer(path, words, post_bos=None):
@@ -58,13 +58,13 @@ def test_eod_and_bos_overrides_and_missing_eos(tmp_path):
     with pytest.raises(TokenizerError, match="which token ends a document"):
         build_tokenizer("huggingface", str(folder))
     assert build_tokenizer("huggingface", str(folder), need_eod=False).eod_id is None
-    tok = build_tokenizer("huggingface", str(folder), eod="[SEP]", bos="1")
+    tok = build_tokenizer("huggingface", str(folder), special=SpecialTokens(eod="[SEP]", bos="1"))
     assert (tok.eod_id, tok.bos_id, tok.pad_id) == (3, 1, 3)
-    assert build_tokenizer("byte", eod=0).eod_id == 0
+    assert build_tokenizer("byte", special=SpecialTokens(eod=0)).eod_id == 0
     with pytest.raises(TokenizerError, match="no such token"):
-        build_tokenizer("huggingface", str(folder), eod="<eos>")
+        build_tokenizer("huggingface", str(folder), special=SpecialTokens(eod="<eos>"))
     with pytest.raises(TokenizerError, match="outside"):
-        build_tokenizer("byte", eod="259")
+        build_tokenizer("byte", special=SpecialTokens(eod="259"))
 
 
 def test_true_vocab_size_counts_added_tokens(tmp_path):
@@ -73,7 +73,7 @@ def test_true_vocab_size_counts_added_tokens(tmp_path):
     tok = HFTokenizer(str(folder), add_special_tokens=True)
     tok.tok.add_special_tokens([AddedToken("<|eot|>", special=True)])
     tok.tok.save(str(folder / "tokenizer.json"))
-    tok = build_tokenizer("huggingface", str(folder), eod="<|eot|>")
+    tok = build_tokenizer("huggingface", str(folder), special=SpecialTokens(eod="<|eot|>"))
     assert tok.vocab_size == 4 and tok.eod_id == 3 and tok.special_tokens == {"<|eot|>": 3}
     assert tok.encode("a <|eot|> b", parse_special=True) == [1, 3, 2]
     assert tok.encode("a <|eot|> b") == [1, 0, 0, 0, 2]          # text as text: its spelling, never the EOD id

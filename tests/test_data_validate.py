@@ -7,7 +7,7 @@ import pytest
 
 from megalysses.data import validate
 from megalysses.data.indexed import DatasetError, IndexedDataset, IndexedDatasetBuilder
-from megalysses.data.loader import iterate_micro_batches
+from megalysses.data.loader import BatchFormat, LoaderRank, iterate_micro_batches
 from megalysses.data.validate import check_token_ids, token_range
 
 
@@ -70,13 +70,13 @@ def test_loader_guard_stops_out_of_range_samples():
         def __getitem__(self, g):
             return np.full(9, 1000 if g == 2 else 7)
 
-    batches = iterate_micro_batches(Stream(), 1, 0, 1, 0, 1, 0, eod_id=7, reset_position_ids=True,
-                                    document_mask=True, vocab_size=1000)
+    fmt = BatchFormat(eod_id=7, reset_position_ids=True, document_mask=True)
+    batches = iterate_micro_batches(Stream(), 1, LoaderRank(), 0, fmt, vocab_size=1000)
     assert next(batches)["input_ids"].max() == 7
     next(batches)
     with pytest.raises(DatasetError, match="sample 2 of the stream holds token id 1000"):
         next(batches)
-    assert len(list(iterate_micro_batches(Stream(), 1, 0, 1, 0, 1, 0, 7, True, True))) == 4   # no guard asked
+    assert len(list(iterate_micro_batches(Stream(), 1, LoaderRank(), 0, fmt))) == 4   # no guard asked
 
 
 def test_index_checks_find_the_first_bad_entry(tmp_path):

@@ -308,6 +308,19 @@ def test_the_script_reads_as_bash_runs_it(files, tmp_path, script, args):
     assert {LLAMA3: "--fp8-format", GPT3: "--fp16", PASS_ON: "a b"}[script] in expected
 
 
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash as the reference")
+def test_an_empty_expansion_leaves_the_next_one_split(tmp_path):
+    """An unquoted expansion whose value splits into no word (empty, or whitespace) does not stop the next one in
+    the same word from splitting, as in bash."""
+    script = 'E=""\nS=" "\nB="x y"\ntorchrun pretrain_gpt.py --data-path $E$B a$S$B --lr 1\n'
+    path = tmp_path / "train.sh"
+    path.write_text("torchrun() { while [ \"$1\" != pretrain_gpt.py ]; do shift; done; shift; "
+                    "printf '%s\\0' \"$@\"; exit 0; }\n" + script)
+    out = subprocess.run(["bash", str(path)], capture_output=True, check=True).stdout.decode().split("\0")[:-1]
+    assert out == ["--data-path", "x", "y", "a", "x", "y", "--lr", "1"]
+    assert script_arguments(script, []) == out
+
+
 def test_llama3_style_script(files, tmp_path, capsys):
     out = tmp_path / "llama3.yaml"
     script = tmp_path / "train.sh"

@@ -1,7 +1,8 @@
 """The packages only look up the README's map: the "Layout of the code" list is read here, and every import of
 every module under megalysses/ (imports inside functions included) points at its own line or a line above it;
 every module is on the map, a line names one package or at most three modules, and no two modules import each
-other, directly or round a longer circle. And no function under megalysses/ is over 80 lines."""
+other, directly or round a longer circle. And no function under megalysses/ is over 80 lines, takes more than 8
+parameters or nests its control flow more than 4 deep."""
 import ast
 import re
 from pathlib import Path
@@ -143,3 +144,110 @@ def test_the_plan_is_resolved_only_where_a_process_starts():
     assert plan_resolutions() == {
         "tools.pretrain:_plan", "tools.eval_long:evaluate", "tools.generate:generation_plan",
         "tools.from_megatron:check_start", "training.dry_run:dry_run", "training.trace:trace_step"}
+
+
+MAX_PARAMETERS = 8
+MAX_NESTING = 4
+FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef)
+BLOCKS = (ast.If, ast.For, ast.AsyncFor, ast.While, ast.With, ast.AsyncWith, ast.Try, ast.Match)
+
+
+def functions(tree: ast.AST) -> list[ast.FunctionDef]:
+    """Every function and method of a module, nested ones included, in line order."""
+    return sorted((node for node in ast.walk(tree) if isinstance(node, FUNCTIONS)), key=lambda fn: fn.lineno)
+
+
+def parameter_count(fn: ast.FunctionDef) -> int:
+    """The parameters a caller passes: self and cls left out, *args and **kwargs one each."""
+    a = fn.args
+    names = [p.arg for p in a.posonlyargs + a.args + a.kwonlyargs]
+    own = 1 if a.posonlyargs + a.args and names[0] in ("self", "cls") else 0
+    return len(names) - own + (a.vararg is not None) + (a.kwarg is not None)
+
+
+def triton_kernel(fn: ast.FunctionDef) -> bool:
+    return any(ast.unparse(d).split("(")[0] in ("triton.jit", "jit") for d in fn.decorator_list)
+
+
+def nesting(nodes: list[ast.AST], depth: int = 0) -> int:
+    """The deepest control-flow nesting under `nodes` (if, for, while, with, try, match; an elif chain is one
+    level; a nested function or class counts on its own)."""
+    deepest = depth
+    for node in nodes:
+        if isinstance(node, FUNCTIONS + (ast.ClassDef, ast.Lambda)):
+            continue
+        if isinstance(node, ast.If):
+            chain = node.orelse if len(node.orelse) == 1 and isinstance(node.orelse[0], ast.If) else []
+            deepest = max(deepest, nesting(node.body, depth + 1), nesting(chain, depth),
+                          nesting([] if chain else node.orelse, depth + 1))
+        else:
+            deepest = max(deepest, nesting(list(ast.iter_child_nodes(node)), depth + isinstance(node, BLOCKS)))
+    return deepest
+
+
+def signature_problems(path: Path, source: str) -> list[str]:
+    """Every function of `source` over MAX_PARAMETERS parameters (Triton kernels aside) or
+    nesting deeper than MAX_NESTING."""
+    where = path.relative_to(REPO).as_posix() if path.is_relative_to(REPO) else str(path)
+    found = []
+    for fn in functions(ast.parse(source)):
+        n = parameter_count(fn)
+        if n > MAX_PARAMETERS and not triton_kernel(fn):
+            found.append(f"{where}:{fn.lineno} {fn.name}: {n} parameters")
+        depth = nesting(fn.body)
+        if depth > MAX_NESTING:
+            found.append(f"{where}:{fn.lineno} {fn.name}: nested {depth} deep")
+    return found
+
+
+def test_short_signatures_and_shallow_nesting():
+    """No function in megalysses/ over 8 parameters (what travels together travels as one dataclass; @triton.jit
+    kernels aside) or nesting control flow more than 4 deep."""
+    bad = [p for path in sorted(ROOT.rglob("*.py")) for p in signature_problems(path, path.read_text())]
+    assert not bad, bad
+
+
+def test_the_signature_check_sees_long_lists_and_deep_nesting():
+    source = """
+class C:
+    def method(self, a, b, c, d, e, f, g, h): ...
+    def wide(self, a, b, c, d, e, f, g, *rest, **named): ...
+    @staticmethod
+    def forward(ctx, a, b, c, d, e, f, g, h): ...
+
+@triton.jit
+def kernel(a, b, c, d, e, f, g, h, i): ...
+
+def chained(x):
+    for a in x:
+        while a:
+            with a:
+                if a == 1:
+                    pass
+                elif a == 2:
+                    pass
+                elif a == 3:
+                    pass
+                else:
+                    pass
+
+def deep(x):
+    for a in x:
+        while a:
+            with a:
+                try:
+                    if a:
+                        pass
+                except ValueError:
+                    pass
+
+def outer(x):
+    for a in x:
+        def inner():
+            for b in a:
+                if b:
+                    while b:
+                        pass
+"""
+    assert signature_problems(Path("f.py"), source) == ["f.py:4 wide: 9 parameters", "f.py:6 forward: 9 parameters",
+                                                        "f.py:24 deep: nested 5 deep"]

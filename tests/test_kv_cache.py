@@ -63,7 +63,7 @@ def test_greedy_generation_equals_transformers():
     """Batched, left-padded greedy decoding with the cache picks the tokens transformers' generate picks."""
     transformers = pytest.importorskip("transformers")
     from megalysses.model.hf import from_hf_state_dict, model_config_from_hf
-    from megalysses.tools.generate import generate
+    from megalysses.tools.generate import Sampling, generate
 
     torch.manual_seed(0)
     hf_cfg = transformers.LlamaConfig(vocab_size=90, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -73,8 +73,8 @@ def test_greedy_generation_equals_transformers():
     ours = GPTStage(cfg).eval()
     ours.load_state_dict(from_hf_state_dict(hf.state_dict(), cfg))
     prompts = [[5, 17, 3, 60, 2], [40, 41]]
-    got = generate(ours, prompts, 6, temperature=0.0, top_k=0, top_p=1.0, eod=None, vocab=90,
-                   generator=torch.Generator(), device=torch.device("cpu"), dtype=torch.float32)
+    got = generate(ours, prompts, 6, Sampling(temperature=0.0, top_k=0, top_p=1.0, generator=torch.Generator()),
+                   eod=None, vocab=90, device=torch.device("cpu"), dtype=torch.float32)
     for prompt, row in zip(prompts, got):
         want = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, pad_token_id=0)[0].tolist()
         assert row == want

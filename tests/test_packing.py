@@ -7,11 +7,12 @@ import pytest
 
 from chat_data import write_conversations
 from megalysses.data.blend import BlendedDataset
-from megalysses.data.build import build_gpt_datasets
+from megalysses.data.build import DatasetOptions, build_gpt_datasets
 from megalysses.data.gpt_dataset import GPTDataset
 from megalysses.data.indexed import DatasetError, IndexedDataset, loss_mask_prefix
-from megalysses.data.loader import IGNORE_INDEX, build_micro_batch, iterate_micro_batches
-from megalysses.data.packing import Packing, PackedConversations, PackedRow, first_fit, open_loss_mask
+from megalysses.data.loader import IGNORE_INDEX, BatchFormat, LoaderRank, build_micro_batch, iterate_micro_batches
+from megalysses.data.packing import (MaskedDataset, Packing, PackedConversations, PackedRow, first_fit,
+                                     open_loss_mask)
 from megalysses.parallel.sequence_layout import SequenceLayout
 
 
@@ -44,7 +45,7 @@ def packed(chats, tmp_path=None, **kw):
     ds, mask = chats
     args = dict(seq_len=32, seed=3, num_samples=None, cache_dir=str(tmp_path) if tmp_path else None)
     args.update({k: kw.pop(k) for k in list(kw) if k in args})
-    return PackedConversations(ds, mask, (0, len(ds)), packing=Packing(**kw), **args)
+    return PackedConversations(MaskedDataset(ds, mask), (0, len(ds)), packing=Packing(**kw), **args)
 
 
 @pytest.mark.parametrize("mode", ["ffd", "none"])
@@ -112,8 +113,8 @@ def test_blend_of_conversations_and_plain_documents(chats, tmp_path):
         builder.add_document(np.append(rng.integers(0, 100, 20), 127))
     builder.finalize(tmp_path / "plain_text_document.idx")
     train, _, _ = build_gpt_datasets(["0.5", ds.prefix, "0.5", str(tmp_path / "plain_text_document")], "1,0,0", 32,
-                                     seed=1, num_samples=(20, None, None), cache_dir=str(tmp_path / "cache"),
-                                     packing=Packing(lengths=(16, 32)))
+                                     seed=1, num_samples=(20, None, None),
+                                     options=DatasetOptions(str(tmp_path / "cache"), packing=Packing(lengths=(16, 32))))
     assert isinstance(train, BlendedDataset)
     kinds = {type(d) for d in train.datasets}
     assert kinds == {PackedConversations, GPTDataset}
@@ -121,15 +122,15 @@ def test_blend_of_conversations_and_plain_documents(chats, tmp_path):
         rows = train.rows(i, 16)
         assert len(rows) == 2
         assert all(isinstance(r, PackedRow) for r in rows) or all(len(r) == 17 for r in rows)
-    batches = list(iterate_micro_batches(train, 2, 0, 1, 0, 1, 0, eod_id=127, reset_position_ids=True,
-                                         document_mask=True, length_at=lambda g: 16 if g < 10 else 32))
+    fmt = BatchFormat(eod_id=127, reset_position_ids=True, document_mask=True)
+    batches = list(iterate_micro_batches(train, 2, LoaderRank(), 0, fmt, length_at=lambda g: 16 if g < 10 else 32))
     assert [tuple(b["input_ids"].shape) for b in batches] == [(4, 16)] * 5 + [(2, 32)] * 5
     assert train.labels_of(np.arange(20), 16) is None                # windows: every label trains
+    options = DatasetOptions(str(tmp_path / "cache2"), packing=Packing(lengths=(16, 32)))
     twice, _, _ = build_gpt_datasets(["0.5", ds.prefix, "0.5", ds.prefix], "1,0,0", 32, seed=1,
-                                     num_samples=(20, None, None), cache_dir=str(tmp_path / "cache2"),
-                                     packing=Packing(lengths=(16, 32)))
+                                     num_samples=(20, None, None), options=options)
     for length in (16, 32):
-        held = [int((build_micro_batch(twice.rows(i, length), length, 0, 1, 127, True, True)["labels"]
+        held = [int((build_micro_batch(twice.rows(i, length), length, 0, 1, fmt)["labels"]
                      != IGNORE_INDEX).sum()) for i in range(20)]
         assert twice.labels_of(np.arange(20), length) == sum(held) and twice.labels_of(np.array([3]), length) == held[3]
 
@@ -137,23 +138,23 @@ def test_blend_of_conversations_and_plain_documents(chats, tmp_path):
 def test_a_micro_batch_keeps_conversations_apart():
     row = PackedRow(np.array([5, 6, 7, 8, 9, 10, 11]), np.array([0, 0, 1, 1, 0, 1, 1], bool), np.array([4, 3]))
     window = np.array([1, 2, 99, 3, 4, 5, 6, 7, 8])          # a window of plain documents, 99 = EOD
-    full = build_micro_batch([row, window], 8, 0, 1, eod_id=99, reset_position_ids=True, document_mask=True,
-                             pad_id=0)
+    full = build_micro_batch([row, window], 8, 0, 1, BatchFormat(eod_id=99, reset_position_ids=True,
+                                                                 document_mask=True, pad_id=0))
     m = IGNORE_INDEX
     assert full["input_ids"].tolist() == [[5, 6, 7, 8, 9, 10, 11, 0], [1, 2, 99, 3, 4, 5, 6, 7]]
     # a label trains where its token carries the loss, inside its conversation; never across one, nor padding
     assert full["labels"].tolist() == [[m, 7, 8, m, 10, 11, m, m], [2, 99, 3, 4, 5, 6, 7, 8]]
     assert full["doc_ids"].tolist() == [[0, 0, 0, 0, 1, 1, 1, 2], [0, 0, 0, 1, 1, 1, 1, 1]]
     assert full["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2, 0], [0, 1, 2, 0, 1, 2, 3, 4]]
-    weighted = build_micro_batch([row, window], 8, 0, 1, 99, True, True, pad_id=0, loss_average="document")
+    by_document = BatchFormat(99, True, True, pad_id=0, loss_average="document")
+    weighted = build_micro_batch([row, window], 8, 0, 1, by_document)
     w = weighted["loss_weights"]
     assert w[0].tolist() == [0, 0.5, 0.5, 0, 0.5, 0.5, 0, 0]
     assert w[1].tolist() == pytest.approx([1 / 3] * 3 + [0.2] * 5)
     # sharded over a ring of 2 (zigzag) and Ulysses: each rank's positions of the same arrays
     layout = SequenceLayout(sp=4, ring=2)
     for r in range(4):
-        part = build_micro_batch([row, window], 8, r, 4, 99, True, True, pad_id=0, layout=layout,
-                                 loss_average="document")
+        part = build_micro_batch([row, window], 8, r, 4, by_document, layout=layout)
         keep = layout.positions(8, r)
         for key in ("input_ids", "labels", "position_ids", "loss_weights"):
             assert part[key].tolist() == weighted[key][:, keep].tolist(), key
@@ -178,7 +179,7 @@ def test_the_labels_that_train_are_counted_from_the_index_as_the_micro_batches_h
     p = packed(chats, tmp_path, too_long=too_long, lengths=(8, 16, 32), num_samples=12)
     for length in (8, 16, 32):
         for i in range(len(p)):
-            batch = build_micro_batch(p.rows(i, length), length, 0, 1, 127, True, True)
+            batch = build_micro_batch(p.rows(i, length), length, 0, 1, BatchFormat(127, True, True))
             assert p.labels_of(np.array([i]), length) == int((batch["labels"] != IGNORE_INDEX).sum())
         assert p.labels_of(np.arange(3), length) == sum(p.labels_of(np.array([i]), length) for i in range(3))
 
@@ -188,12 +189,12 @@ def test_conversations_with_nothing_to_train_on_are_refused(tmp_path):
     _mask_rewritten(zeros, lambda i, m: False)
     ds = IndexedDataset(zeros)
     with pytest.raises(DatasetError, match="no token of its conversations carries the loss: .* marks none"):
-        PackedConversations(ds, open_loss_mask(ds, loss_mask_prefix(zeros)), (0, len(ds)), 32, seed=1)
+        PackedConversations(MaskedDataset(ds, open_loss_mask(ds, loss_mask_prefix(zeros))), (0, len(ds)), 32, seed=1)
     late = write_conversations(tmp_path / "late_text_document", count=20, shortest=20, longest=40)
     _mask_rewritten(late, lambda i, m: np.arange(len(m)) >= 12)       # every answer past the first 12 tokens
     ds = IndexedDataset(late)
     with pytest.raises(DatasetError, match="in the first 8 tokens of each .data.too_long=truncate"):
-        PackedConversations(ds, open_loss_mask(ds, loss_mask_prefix(late)), (0, len(ds)), 32, seed=1,
+        PackedConversations(MaskedDataset(ds, open_loss_mask(ds, loss_mask_prefix(late))), (0, len(ds)), 32, seed=1,
                             packing=Packing(too_long="truncate", lengths=(8, 32)))
 
 

@@ -30,10 +30,12 @@ class Flag:
     values: tuple[tuple[str, str], ...] = ()    # (value, what that value is here) where the meaning depends on it
 
 
-def _f(flag: str, kind: str, keys: str = "", status: str = "same", note: str = "", default: Any = None,
-       choices: tuple[str, ...] = (), names: tuple[str, ...] = (), values: tuple[tuple[str, str], ...] = ()) -> Flag:
-    return Flag(flag, kind, tuple(k for k in keys.split() if k), status, note,
-                False if kind == "flag" else True if kind == "noflag" else default, choices, names, values)
+def _f(flag: str, kind: str, keys: str = "", **fields: Any) -> Flag:
+    """A row of the table: `keys` as one space-separated string, the other fields as Flag's; a flag's default is
+    False (a noflag's True), whatever is given."""
+    if kind in ("flag", "noflag"):
+        fields["default"] = kind == "noflag"
+    return Flag(flag, kind, tuple(keys.split()), **fields)
 
 
 _PERF = "speed or memory only: what is trained does not change"

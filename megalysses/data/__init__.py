@@ -5,7 +5,7 @@ The loader (which imports torch) is loaded on first use, so the numpy-only tools
 from typing import Any
 
 from megalysses.data.blend import BlendedDataset, blend_indices, parse_blend
-from megalysses.data.build import build_gpt_datasets
+from megalysses.data.build import DatasetOptions, build_gpt_datasets
 from megalysses.data.gpt_dataset import GPTDataset, MockGPTDataset, build_gpt_indices, split_ranges
 from megalysses.data.indexed import (DatasetError, IndexedDataset, IndexedDatasetBuilder, merge_datasets,
                                      optimal_dtype)
@@ -14,7 +14,7 @@ from megalysses.data.tokenizer import (ByteTokenizer, GPT2BPETokenizer, HFTokeni
                                        tokenizer_from_config)
 from megalysses.data.validate import check_token_ids
 
-_LOADER_NAMES = ("IGNORE_INDEX", "build_micro_batch", "iterate_micro_batches")
+_LOADER_NAMES = ("IGNORE_INDEX", "BatchFormat", "LoaderRank", "build_micro_batch", "iterate_micro_batches")
 
 
 def __getattr__(name: str) -> Any:
@@ -26,9 +26,10 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "BlendedDataset", "ByteTokenizer", "DatasetError", "GPT2BPETokenizer", "GPTDataset", "HFTokenizer",
-    "IGNORE_INDEX", "IndexedDataset", "IndexedDatasetBuilder", "MockGPTDataset", "NullTokenizer",
-    "SentencePieceTokenizer", "Tokenizer", "TokenizerError", "blend_indices", "build_gpt_datasets",
-    "build_gpt_indices", "build_micro_batch", "build_tokenizer", "check_token_ids", "iterate_micro_batches",
-    "merge_datasets", "optimal_dtype", "parse_blend", "split_ranges", "tokenizer_from_config",
+    "BatchFormat", "BlendedDataset", "ByteTokenizer", "DatasetError", "DatasetOptions", "GPT2BPETokenizer",
+    "GPTDataset", "HFTokenizer", "IGNORE_INDEX", "IndexedDataset", "IndexedDatasetBuilder", "LoaderRank",
+    "MockGPTDataset", "NullTokenizer", "SentencePieceTokenizer", "Tokenizer", "TokenizerError", "blend_indices",
+    "build_gpt_datasets", "build_gpt_indices", "build_micro_batch", "build_tokenizer", "check_token_ids",
+    "iterate_micro_batches", "merge_datasets", "optimal_dtype", "parse_blend", "split_ranges",
+    "tokenizer_from_config",
 ]

@@ -7,7 +7,7 @@
 Each prefix is split over its documents by the ratio string; each split of each prefix is a
 GPTDataset, or, for a dataset with a loss mask beside it (`{prefix}_loss_mask`, tools/preprocess_data.py
 --chat), PackedConversations (packing.py); several prefixes are blended with BlendedDataset. Indices are
-cached in `cache_dir`, by default `index_cache/` beside each dataset.
+cached in `options.cache_dir`, by default `index_cache/` beside each dataset.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from typing import Callable, Optional, Sequence
 from megalysses.data.blend import BlendedDataset, is_weighted, parse_blend, required_samples
 from megalysses.data.gpt_dataset import GPTDataset, split_ranges
 from megalysses.data.indexed import DatasetError, IndexedDataset, bin_path, idx_path, loss_mask_prefix
-from megalysses.data.packing import Packing, PackedConversations, open_loss_mask
+from megalysses.data.packing import MaskedDataset, Packing, PackedConversations, open_loss_mask
 
 log = logging.getLogger(__name__)
 SPLIT_NAMES = ("train", "valid", "test")
@@ -46,24 +46,34 @@ def loss_mask_of(ds: IndexedDataset) -> Optional[IndexedDataset]:
     return open_loss_mask(ds, prefix)
 
 
+@dataclasses.dataclass(frozen=True)
+class DatasetOptions:
+    """How build_gpt_datasets reads its datasets, the same for every split it is asked for."""
+
+    cache_dir: Optional[str] = None      # where the indices are cached (default: index_cache/ beside each dataset)
+    # called as validate(indexed, cache_dir) on every dataset once it is open (the trainer checks the token ids
+    # against the vocabulary there)
+    validate: Optional[Callable[[IndexedDataset, str], None]] = None
+    # an unweighted list of several prefixes blended as Megatron-LM blends an unweighted --data-path: each
+    # dataset weighs the samples one epoch of its share of the split holds (else equal weights)
+    by_size: bool = False
+    # packs the conversations of datasets with a loss mask; its lengths (a curriculum's) apply to the train
+    # split, the others read at seq_len
+    packing: Packing = Packing()
+
+
 def build_gpt_datasets(paths: Sequence[str], split: str, seq_len: int, seed: int,
-                       num_samples: Sequence[Optional[int]], cache_dir: Optional[str] = None,
-                       validate: Optional[Callable[[IndexedDataset, str], None]] = None, need_train: bool = True,
-                       by_size: bool = False, packing: Optional[Packing] = None,
-                       ) -> list[GPTDataset | PackedConversations | BlendedDataset | None]:
+                       num_samples: Sequence[Optional[int]], options: DatasetOptions = DatasetOptions(),
+                       need_train: bool = True) -> list[GPTDataset | PackedConversations | BlendedDataset | None]:
     """[train, valid, test]; num_samples[i] is the samples that split must provide (None = one epoch).
 
-    An unweighted list of several prefixes is blended with equal weights, or with `by_size` as Megatron-LM blends
-    an unweighted --data-path: each dataset weighs the samples one epoch of its share of the split holds.
-
-    `validate(indexed, cache_dir)` is called on every dataset once it is open (the trainer checks the
-    token ids against the vocabulary there). An empty dataset, or a split that gives the train set no
-    documents, raises DatasetError. A valid/test split with no documents is None; one too small for one
-    sample is None (logged); a train split too small raises ValueError. need_train=False: the datasets are
-    read for another split alone (a validation set of its own). `packing` packs the conversations of datasets
-    with a loss mask; its lengths (a curriculum's) apply to the train split, the others read at seq_len.
+    An unweighted list of several prefixes is blended with equal weights, or as `options.by_size` says.
+    An empty dataset, or a split that gives the train set no documents, raises DatasetError. A valid/test
+    split with no documents is None; one too small for one sample is None (logged); a train split too small
+    raises ValueError. need_train=False: the datasets are read for another split alone (a validation set of
+    its own).
     """
-    packing = packing or Packing()
+    cache_dir, validate, packing = options.cache_dir, options.validate, options.packing
     prefixes, weights = parse_blend(paths)
     indexed = [IndexedDataset(p) for p in prefixes]
     masks = [loss_mask_of(ds) for ds in indexed]
@@ -79,7 +89,7 @@ def build_gpt_datasets(paths: Sequence[str], split: str, seq_len: int, seed: int
         raise DatasetError(f"split '{split}' gives the training set no sequences ({counts}): give the first "
                            f"(train) ratio a share large enough for at least one sequence, e.g. '969,30,1'")
     out: list[GPTDataset | BlendedDataset | None] = []
-    sized = by_size and not is_weighted(paths) and len(indexed) > 1
+    sized = options.by_size and not is_weighted(paths) and len(indexed) > 1
     for s, name in enumerate(SPLIT_NAMES):
         split_weights = [epoch_samples(ds, rng[s], seq_len) for ds, rng in zip(indexed, ranges)] if sized else weights
         members = [(ds, rng[s], w, mask) for ds, rng, w, mask in zip(indexed, ranges, split_weights, masks)
@@ -94,7 +104,8 @@ def build_gpt_datasets(paths: Sequence[str], split: str, seq_len: int, seed: int
             cache = cache_dir or default_cache_dir(ds.prefix)
             try:
                 datasets.append(GPTDataset(ds, docs, seq_len, seed, k, cache, name) if mask is None else
-                                PackedConversations(ds, mask, docs, seq_len, seed, k, cache, name, split_packing))
+                                PackedConversations(MaskedDataset(ds, mask), docs, seq_len, seed, k, cache, name,
+                                                    split_packing))
                 member_weights.append(w / total)
             except DatasetError:
                 raise

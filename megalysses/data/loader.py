@@ -1,8 +1,9 @@
 """Micro-batches for one rank of the (dp, sp) grid, straight from the sample stream.
 
-    for batch in iterate_micro_batches(train, micro_batch_size=2, dp_rank=1, dp_size=4, sp_rank=0,
-                                       sp_size=2, consumed_samples=step * global_batch_size,
-                                       eod_id=tok.eod_id, reset_position_ids=True, document_mask=True):
+    fmt = BatchFormat(eod_id=tok.eod_id, reset_position_ids=True, document_mask=True)
+    rank = LoaderRank(dp_rank=1, dp_size=4, sp_rank=0, sp_size=2)
+    for batch in iterate_micro_batches(train, micro_batch_size=2, rank=rank,
+                                       consumed_samples=step * global_batch_size, fmt=fmt):
         batch["input_ids"]     # (B, S/sp) int64   this rank's contiguous slice of each sample
         batch["labels"]        # (B, S/sp) int64   next token, -100 where there is none (padding)
         batch["position_ids"]  # (B, S/sp) int64   global positions (or per-document, see below)
@@ -40,6 +41,7 @@ of its document), and the loss divides by their global sum, the number of docume
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
@@ -53,26 +55,49 @@ IGNORE_INDEX = -100
 HOST_KEYS = ("longest_document",)     # a micro-batch's tensors that stay in host memory when the rest go to the GPU
 
 
+@dataclass(frozen=True)
+class BatchFormat:
+    """How samples become a micro-batch's tensors, the same on every rank (the data section's settings)."""
+
+    eod_id: int                         # the token that ends a document; a new one starts after it
+    reset_position_ids: bool            # positions restart at each document
+    document_mask: bool                 # the batch carries doc_ids (attention stays within a document)
+    eod_mask_loss: bool = False         # mask the label predicted from each EOD of a window
+    pad_id: Optional[int] = None        # what short samples are padded with (default eod_id)
+    loss_average: str = "token"         # "document": loss_weights give each document the same weight
+
+
+@dataclass(frozen=True)
+class LoaderRank:
+    """Which micro-batches, and which positions of them, one rank of the (dp, sp) grid reads: the degrees and
+    the sequence layout are the run plan's (RunPlan.dp, sp, sequence), the ranks the grid's."""
+
+    dp_rank: int = 0
+    dp_size: int = 1
+    sp_rank: int = 0
+    sp_size: int = 1
+    layout: Optional[SequenceLayout] = None     # as for build_micro_batch
+
+
 def build_micro_batch(samples: Sequence[np.ndarray | PackedRow], seq_len: int, sp_rank: int, sp_size: int,
-                      eod_id: int, reset_position_ids: bool, document_mask: bool, eod_mask_loss: bool = False,
-                      pad_id: Optional[int] = None, layout: Optional[SequenceLayout] = None,
-                      loss_average: str = "token") -> dict[str, torch.Tensor]:
+                      fmt: BatchFormat, layout: Optional[SequenceLayout] = None) -> dict[str, torch.Tensor]:
     """Turn samples into this sp rank's tensors: windows of (up to) seq_len + 1 tokens, or PackedRows of up
     to seq_len tokens (whole documents whose labels carry the loss where the row's loss mask says).
 
-    Shorter samples are padded with pad_id (default eod_id) and their missing labels are -100;
-    eod_mask_loss also masks the label predicted from each EOD of a window (the first token of the next
+    Shorter samples are padded with fmt.pad_id (default eod_id) and their missing labels are -100;
+    fmt.eod_mask_loss also masks the label predicted from each EOD of a window (the first token of the next
     document). layout (default: Ulysses over sp_size ranks) says which positions this rank keeps and the
     multiple the sequence is padded to. loss_average "document" adds `loss_weights`: 1 / (the labels of its
     document) on each label, so that each document weighs the same in the loss.
     """
+    eod_id, eod_mask_loss = fmt.eod_id, fmt.eod_mask_loss
     layout = SequenceLayout(sp=sp_size) if layout is None else layout
     if layout.sp != sp_size:
         raise ValueError(f"the sequence layout is for sp={layout.sp}, not sp_size={sp_size}")
     if not 0 <= sp_rank < sp_size:
         raise ValueError(f"sp_rank={sp_rank} outside [0, {sp_size})")
     batch = len(samples)
-    pad = eod_id if pad_id is None else pad_id
+    pad = eod_id if fmt.pad_id is None else fmt.pad_id
     tokens = np.full((batch, seq_len + 1), pad, dtype=np.int64)
     trained = np.zeros((batch, seq_len), dtype=bool)     # label t (token t + 1) carries the loss
     starts = np.zeros((batch, seq_len), dtype=bool)      # a document starts at position t
@@ -82,16 +107,16 @@ def build_micro_batch(samples: Sequence[np.ndarray | PackedRow], seq_len: int, s
     positions = np.arange(seq_len)
     inputs, labels = tokens[:, :-1], np.where(trained, tokens[:, 1:], IGNORE_INDEX)
     starts[:, 0] = True
-    if reset_position_ids:
+    if fmt.reset_position_ids:
         doc_start = np.maximum.accumulate(np.where(starts, positions[None, :], 0), axis=1)
         pos = positions[None, :] - doc_start
     else:
         pos = np.broadcast_to(positions, (batch, seq_len))
     doc_ids = np.cumsum(starts, axis=1, dtype=np.int32) - 1
-    weights = _document_weights(trained, doc_ids) if loss_average == "document" else None
-    shard = shard_sample(layout, sp_rank, inputs, labels, np.asarray(pos), doc_ids if document_mask else None, pad,
-                         weights)
-    if document_mask:
+    weights = _document_weights(trained, doc_ids) if fmt.loss_average == "document" else None
+    shard = shard_sample(layout, sp_rank, inputs, labels, np.asarray(pos), doc_ids if fmt.document_mask else None,
+                         pad, weights)
+    if fmt.document_mask:
         shard.update(_document_bounds(shard["doc_ids"]))
     return {k: torch.from_numpy(v) for k, v in shard.items()}
 
@@ -175,20 +200,17 @@ def rank_sample_ids(chunk: int, micro_batch_size: int, dp_rank: int, dp_size: in
     return range(first, first + micro_batch_size)
 
 
-def iterate_micro_batches(dataset: Any, micro_batch_size: int, dp_rank: int, dp_size: int, sp_rank: int,
-                          sp_size: int, consumed_samples: int, eod_id: int, reset_position_ids: bool,
-                          document_mask: bool, seq_len: Optional[int] = None, eod_mask_loss: bool = False,
-                          pad_id: Optional[int] = None, vocab_size: Optional[int] = None,
-                          layout: Optional[SequenceLayout] = None,
-                          length_at: Optional[Callable[[int], int]] = None,
-                          loss_average: str = "token") -> Iterator[dict[str, torch.Tensor]]:
+def iterate_micro_batches(dataset: Any, micro_batch_size: int, rank: LoaderRank, consumed_samples: int,
+                          fmt: BatchFormat, seq_len: Optional[int] = None, vocab_size: Optional[int] = None,
+                          length_at: Optional[Callable[[int], int]] = None) -> Iterator[dict[str, torch.Tensor]]:
     """Yield this rank's micro-batches from `consumed_samples` on, until the dataset cannot fill a
     whole chunk of micro_batch_size * dp_size samples. `dataset[g]` is sample g of the stream (seq_len
-    + 1 tokens); seq_len defaults to `dataset.seq_len`; layout as for build_micro_batch. With vocab_size,
-    a sample holding a token id outside [0, vocab_size) raises DatasetError instead of reaching the model.
+    + 1 tokens); seq_len defaults to `dataset.seq_len`. With vocab_size, a sample holding a token id
+    outside [0, vocab_size) raises DatasetError instead of reaching the model.
     With `length_at`, the chunk of samples from stream index g on trains at length length_at(g), a divisor
     of seq_len: its samples are cut into pieces of that length (cut_samples), or, from a dataset of packed
     conversations, read at that length (packing.sample_rows)."""
+    dp_rank, dp_size = rank.dp_rank, rank.dp_size
     if micro_batch_size < 1 or not 0 <= dp_rank < dp_size:
         raise ValueError(f"bad data-parallel position: micro_batch_size={micro_batch_size}, "
                          f"dp_rank={dp_rank}, dp_size={dp_size}")
@@ -208,6 +230,6 @@ def iterate_micro_batches(dataset: Any, micro_batch_size: int, dp_rank: int, dp_
         if vocab_size is not None:
             check_sample_ids([np.concatenate([getattr(r, "tokens", r) for r in sample]) for sample in rows], ids,
                              vocab_size)
-        yield build_micro_batch([r for sample in rows for r in sample], length, sp_rank, sp_size, eod_id,
-                                reset_position_ids, document_mask, eod_mask_loss, pad_id, layout, loss_average)
+        yield build_micro_batch([r for sample in rows for r in sample], length, rank.sp_rank, rank.sp_size, fmt,
+                                rank.layout)
         c += 1

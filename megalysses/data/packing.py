@@ -1,7 +1,7 @@
 """Conversations packed whole into sequences: the samples of a dataset that has a loss mask.
 
     ds, mask = IndexedDataset("data/chat_text_document"), IndexedDataset("data/chat_text_document_loss_mask")
-    packed = PackedConversations(ds, mask, (0, len(ds)), seq_len=8192, seed=1234, num_samples=1000,
+    packed = PackedConversations(MaskedDataset(ds, mask), (0, len(ds)), seq_len=8192, seed=1234, num_samples=1000,
                                  packing=Packing("ffd", "drop", lengths=(2048, 8192)))
     packed.rows(0, 2048)      # sample 0 at length 2048: 4 PackedRows of up to 2048 tokens
     packed.summary()          # per length: conversations, sequences, fill, what was too long
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -38,6 +38,13 @@ class Packing:
     mode: str = "ffd"                    # "ffd" (first-fit decreasing) or "none" (one conversation per sequence)
     too_long: str = "drop"               # a conversation longer than the sequence: "drop", "truncate" or "error"
     lengths: tuple[int, ...] = field(default=())   # the lengths samples are read at (curriculum phases)
+
+
+class MaskedDataset(NamedTuple):
+    """A dataset of conversations and its loss mask beside it (open_loss_mask): one 0/1 byte per token."""
+
+    indexed: IndexedDataset
+    mask: IndexedDataset
 
 
 @dataclass
@@ -103,14 +110,15 @@ def pack_epoch(order: np.ndarray, lengths: np.ndarray, capacity: int, mode: str,
 
 
 class PackedConversations:
-    """Samples of seq_len tokens of whole conversations from sequences [start, end) of `indexed`, whose loss
-    mask is `mask`, readable at each of packing.lengths (default: seq_len alone)."""
+    """Samples of seq_len tokens of whole conversations from sequences [start, end) of `data.indexed`, whose
+    loss mask is `data.mask`, readable at each of packing.lengths (default: seq_len alone)."""
 
     packed = True
 
-    def __init__(self, indexed: IndexedDataset, mask: IndexedDataset, documents: tuple[int, int], seq_len: int,
-                 seed: int, num_samples: Optional[int] = None, cache_dir: Optional[str] = None,
-                 name: str = "train", packing: Optional[Packing] = None) -> None:
+    def __init__(self, data: MaskedDataset, documents: tuple[int, int], seq_len: int, seed: int,
+                 num_samples: Optional[int] = None, cache_dir: Optional[str] = None, name: str = "train",
+                 packing: Optional[Packing] = None) -> None:
+        indexed, mask = data
         start, end = documents
         packing = packing or Packing()
         if not 0 <= start < end <= len(indexed):

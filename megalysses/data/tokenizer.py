@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping, Optional, Protocol, Sequence, runtime_checkable
@@ -390,14 +391,23 @@ def _special_id(tok: Any, value: str | int, what: str) -> int:
     return i
 
 
+@dataclass(frozen=True)
+class SpecialTokens:
+    """The end-of-document and beginning-of-sequence tokens a run names in place of the tokenizer's own: a token
+    or an id each, None keeping the tokenizer's (data.eod, data.bos; preprocessing's --eod, --bos)."""
+
+    eod: Optional[str | int] = None
+    bos: Optional[str | int] = None
+
+
 def build_tokenizer(kind: str, model_path: Optional[str] = None, *, vocab_file: Optional[str] = None,
                     merge_file: Optional[str] = None, vocab_size: Optional[int] = None,
-                    eod: Optional[str | int] = None, bos: Optional[str | int] = None,
-                    add_special_tokens: bool = True, need_eod: bool = True) -> Any:
+                    special: SpecialTokens = SpecialTokens(), add_special_tokens: bool = True,
+                    need_eod: bool = True) -> Any:
     """A tokenizer of `kind` (see KINDS; Megatron-LM names accepted). `model_path` is the sentencepiece
     .model or the tokenizer.json (or its folder); gpt2bpe takes vocab_file and merge_file, null takes
-    vocab_size. `eod` / `bos` (a token or an id) replace the tokenizer's own. With need_eod a tokenizer
-    that cannot tell its end-of-document token is refused. Raises TokenizerError."""
+    vocab_size. `special` replaces the tokenizer's own EOD / BOS. With need_eod a tokenizer that cannot tell
+    its end-of-document token is refused. Raises TokenizerError."""
     kind = canonical_kind(kind)
     if kind == "byte":
         tok: Any = ByteTokenizer()
@@ -413,10 +423,10 @@ def build_tokenizer(kind: str, model_path: Optional[str] = None, *, vocab_file: 
         tok = GPT2BPETokenizer(vocab_file, merge_file)
     else:
         tok = NullTokenizer(vocab_size)
-    if eod is not None:
-        tok.eod_id = _special_id(tok, eod, "EOD token")
-    if bos is not None:
-        tok.bos_id = _special_id(tok, bos, "BOS token")
+    if special.eod is not None:
+        tok.eod_id = _special_id(tok, special.eod, "EOD token")
+    if special.bos is not None:
+        tok.bos_id = _special_id(tok, special.bos, "BOS token")
     if need_eod and (tok.eod_id is None or tok.eod_id < 0):
         raise TokenizerError(f"{getattr(tok, 'path', kind)}: cannot tell which token ends a document (no EOS in "
                              f"the tokenizer or the files beside it): name it with --eod TOKEN (preprocessing) or "
@@ -430,4 +440,5 @@ def tokenizer_from_config(data: Any, model_vocab_size: Optional[int] = None) -> 
     """The tokenizer a DataConfig names (data.tokenizer, tokenizer_model, vocab_file, merge_file, eod, bos);
     the null tokenizer's vocabulary is the model's."""
     return build_tokenizer(data.tokenizer, data.tokenizer_model, vocab_file=data.vocab_file,
-                           merge_file=data.merge_file, vocab_size=model_vocab_size, eod=data.eod, bos=data.bos)
+                           merge_file=data.merge_file, vocab_size=model_vocab_size,
+                           special=SpecialTokens(data.eod, data.bos))

@@ -3,7 +3,7 @@ every query row, and the backward against the MERGED output and LSE of all block
 
     out, lse, aux = block_attention(q, k, v, block, backend, scale)       # lse (B, H, Sq) fp32
     ... merge the blocks of a row: LSE = logaddexp(lse_1, lse_2, ...), O = sum_j exp(lse_j - LSE) O_j
-    dq, dk, dv = block_attention_backward(dout, q, k, v, O, LSE, block, backend, scale, aux)
+    dq, dk, dv = block_attention_backward(q, k, v, MergedRows(O, LSE, dout), block, backend, scale, aux)
 
 With the merged O and LSE, P = exp(S - LSE) is this block's share of the full softmax, so the backward
 of a block needs nothing from the other blocks: dV = P^T dO, dS = P * (dO V^T - rowsum(dO * O)),
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -34,6 +34,19 @@ from megalysses.kernels.attention import flex_module
 from megalysses.kernels.block_mask import MaskPattern, build_block_mask
 
 aten = torch.ops.aten
+
+
+class MergedRows(NamedTuple):
+    """What every block's backward reads of the query rows: their output and LSE merged over all blocks
+    (the full softmax's), and the gradient of that output."""
+
+    out: Tensor         # (B, Sq, Hq, D)
+    lse: Tensor         # (B, Hq, Sq) fp32
+    dout: Tensor        # (B, Sq, Hq, D)
+
+    def rows(self, rows: slice) -> "MergedRows":
+        """The same of the query rows `rows` alone."""
+        return MergedRows(self.out[:, rows], self.lse[:, :, rows], self.dout[:, rows])
 
 
 class AttentionBlock:
@@ -154,7 +167,8 @@ def _reference_forward(q, k, v, block, scale):
     return _heads_first(out), lse, None
 
 
-def _reference_backward(dout, q, k, v, out, lse, block, scale, aux):
+def _reference_backward(q, k, v, merged, block, scale, aux):
+    out, lse, dout = merged
     k_, v_, rep = _expand_kv(q, k, v)
     probs = (_ref_scores(q, k_, block, scale) - _finite(lse.float())[..., None]).exp()   # (B, H, Sq, Sk)
     do, o = _heads_first(dout).float(), _heads_first(out).float()
@@ -192,7 +206,8 @@ def _sdpa_forward(q, k, v, block, scale):
     return _heads_first(out), lse, None
 
 
-def _sdpa_backward(dout, q, k, v, out, lse, block, scale, aux):
+def _sdpa_backward(q, k, v, merged, block, scale, aux):
+    out, lse, dout = merged
     k_, v_, rep = _expand_kv(q, k, v)
     dout, out = dout.to(q.dtype).contiguous(), out.to(q.dtype)          # the kernels want a unit last stride
     args = [_heads_first(t) for t in (dout, q, k_, v_, out)] + [lse.float().contiguous()]
@@ -235,9 +250,10 @@ def _flex_forward(q, k, v, block, scale):
     return _heads_first(out), lse.float(), None
 
 
-def _flex_backward(dout, q, k, v, out, lse, block, scale, aux):
+def _flex_backward(q, k, v, merged, block, scale, aux):
     """Re-run the block's forward (o_j, lse_j) and differentiate through both: with w = exp(lse_j - LSE),
     the merged O = sum_j w_j o_j gives dL/do_j = w dO and dL/dlse_j = w (rowsum(dO o_j) - rowsum(dO O))."""
+    out, lse, dout = merged
     mask = block.flex_mask(q.shape[1], k.shape[1], q.device)
     with torch.enable_grad():
         q_, k_, v_ = (_heads_first(t).detach().requires_grad_() for t in (q, k, v))
@@ -262,12 +278,11 @@ def block_attention(q: Tensor, k: Tensor, v: Tensor, block: AttentionBlock, back
     return _FORWARD[backend](q, k, v, block, scale)
 
 
-def block_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                             block: AttentionBlock, backend: str, scale: float,
-                             aux: Any = None) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) of one block, given the upstream gradient dout and the MERGED out and lse of the
-    rows (the blocks' combined softmax); shapes as q, k, v."""
-    return _BACKWARD[backend](dout, q, k, v, out, lse, block, scale, aux)
+def block_attention_backward(q: Tensor, k: Tensor, v: Tensor, merged: MergedRows, block: AttentionBlock,
+                             backend: str, scale: float, aux: Any = None) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of one block, given the MERGED out and lse of the rows (the blocks' combined softmax) and
+    the upstream gradient of that out; shapes as q, k, v."""
+    return _BACKWARD[backend](q, k, v, merged, block, scale, aux)
 
 
 def merge_block(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> None:

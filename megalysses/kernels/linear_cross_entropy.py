@@ -17,6 +17,8 @@ The reference is logits = x @ W^T followed by tensor_parallel.vocab_parallel_cro
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -31,11 +33,23 @@ def default_chunk_tokens(vocab_local: int, budget_bytes: int = 1 << 29) -> int:
     return max(128, budget_bytes // (8 * max(vocab_local, 1)))
 
 
-def _tile(x: Tensor, weight: Tensor, labels: Tensor, group: Group, vocab_start: int, vocab_size: int,
-          with_grad: bool, weights: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+@dataclass(frozen=True)
+class VocabShard:
+    """The settings of the head's tiles that are not tensors: the tp group the vocabulary is split over, this
+    rank's first row and the true vocabulary size (rows from it on are padding), and the tokens per tile."""
+
+    group: Group
+    vocab_start: int
+    vocab_size: int
+    chunk: int
+
+
+def _tile(x: Tensor, weight: Tensor, labels: Tensor, shard: VocabShard, with_grad: bool,
+          weights: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
     """Losses (n,) fp32, whether each label is the argmax of its row (n,) bool, and, with_grad, d loss / d logits
     (n, V/tp) in x's dtype for one tile; each token's loss (and its gradient) times its weight, when weights (n,)
     are given. The label's shifted logit is 0 exactly when it is the row's maximum."""
+    group, vocab_start, vocab_size = shard.group, shard.vocab_start, shard.vocab_size
     logits = (x @ weight.t()).float()                                        # (n, V/tp)
     vlocal = logits.shape[-1]
     if vocab_start + vlocal > vocab_size:                                    # padded rows on this rank
@@ -72,16 +86,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
     Backward: the stored gradients times the incoming scalar gradient."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, labels: Tensor, group: Group, vocab_start: int, vocab_size: int,
-                chunk: int, weights: Tensor | None = None) -> Tensor:
+    def forward(ctx, x: Tensor, weight: Tensor, labels: Tensor, shard: VocabShard,
+                weights: Tensor | None = None) -> Tensor:
         with_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        chunk = shard.chunk
         n = x.shape[0]
         total = torch.zeros((), dtype=torch.float32, device=x.device)
         grad_x = torch.empty_like(x) if with_grad else None
         grad_w = None
         for lo in range(0, n, chunk):
             xs = x[lo:lo + chunk]
-            loss, _, dlogits = _tile(xs, weight, labels[lo:lo + chunk], group, vocab_start, vocab_size, with_grad,
+            loss, _, dlogits = _tile(xs, weight, labels[lo:lo + chunk], shard, with_grad,
                                      None if weights is None else weights[lo:lo + chunk])
             total += loss.sum()
             if with_grad:
@@ -98,7 +113,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g: Tensor):
         grad_x, grad_w = ctx.saved_tensors
-        return grad_x * g.to(grad_x.dtype), grad_w * g.to(grad_w.dtype), None, None, None, None, None, None
+        return grad_x * g.to(grad_x.dtype), grad_w * g.to(grad_w.dtype), None, None, None
 
 
 def linear_cross_entropy(x: Tensor, weight: Tensor, labels: Tensor, group: Group = None, vocab_start: int = 0,
@@ -116,8 +131,9 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, labels: Tensor, group: Group
         raise ValueError(f"loss weights {tuple(weights.shape)} do not match the labels {tuple(labels.shape)}")
     vocab_size = weight.shape[0] * comm.group_size(group) if vocab_size is None else vocab_size
     chunk = chunk_tokens or default_chunk_tokens(weight.shape[0])
-    return _LinearCrossEntropy.apply(x.reshape(-1, h), weight, labels.reshape(-1), group, vocab_start, vocab_size,
-                                     chunk, None if weights is None else weights.reshape(-1))
+    return _LinearCrossEntropy.apply(x.reshape(-1, h), weight, labels.reshape(-1),
+                                     VocabShard(group, vocab_start, vocab_size, chunk),
+                                     None if weights is None else weights.reshape(-1))
 
 
 @torch.no_grad()
@@ -136,6 +152,6 @@ def token_scores(x: Tensor, weight: Tensor, labels: Tensor, group: Group = None,
     chunk = chunk_tokens or default_chunk_tokens(weight.shape[0])
     for lo in range(0, len(rows), chunk):
         sel = rows[lo:lo + chunk]
-        loss, hit, _ = _tile(x2[sel], weight, labels1[sel], group, vocab_start, vocab_size, False)
+        loss, hit, _ = _tile(x2[sel], weight, labels1[sel], VocabShard(group, vocab_start, vocab_size, chunk), False)
         losses[sel], top[sel] = loss, hit
     return losses.view(labels.shape), top.view(labels.shape)

@@ -2,6 +2,8 @@
 the bytes one micro-batch retains on a rank of a stage."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from typing import Any, Optional
 
 from megalysses.config import ModelConfig
@@ -212,11 +214,22 @@ def stage_layers(m: ModelConfig, layout: Layout) -> int:
     return m.num_layers // layout.pp
 
 
+@dataclass(frozen=True)
+class StagePart:
+    """Which part of the model a rank's stage holds (`layers`: default the layout's share), and the sequences of
+    a micro-batch."""
+
+    micro_batch_size: int = 1
+    first: bool = True
+    last: bool = True
+    layers: Optional[int] = None
+
+
 def retained_activation_bytes(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, seq_len: int,
-                              micro_batch_size: int = 1, first: bool = True, last: bool = True,
-                              layers: Optional[int] = None) -> float:
+                              part: StagePart = StagePart()) -> float:
     """Bytes one micro-batch's forward leaves for its backward on one rank of a stage (what the CPU test
     measures): layers x the per-layer terms + the stage's own terms (+ the head weight's gradient)."""
+    micro_batch_size, first, last, layers = part.micro_batch_size, part.first, part.last, part.layers
     n = stage_layers(m, layout) if layers is None else layers
     tokens = micro_batch_size * seq_len / layout.sp
     per_layer = bytes_per_token(layer_terms(m, layout, opts, prec, seq_len))

@@ -2,6 +2,7 @@
 that fits a budget."""
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional
 
 from megalysses.config import ModelConfig
@@ -92,8 +93,7 @@ class _Stage:
 
     def grads_after(self, done: int) -> list[Term]:
         """The gradients after `done` blocks of the backward."""
-        return backward_gradients(self.m, self.layout, self.opts, self.prec, self.first, self.last, self.M,
-                                  self.grads, done, self.n_layers, self.streamed, self.accumulated)
+        return backward_gradients(self.m, self.layout, self.opts, self.prec, self.stage, self.M, self.grads, done)
 
     def layer_backward(self, done: int) -> list[Term]:
         """The layer's backward after `done` blocks, its own new weight gradients weighed: in .grad (one
@@ -179,18 +179,21 @@ def _device(terms: list[Term]) -> float:
     return sum(t.bytes for t in terms if not t.host)
 
 
+ONE_MICRO_BATCH = Workload(1 << 34)       # longest_sequence's default: one sample a step, at most 2**34 tokens
+
+
 def longest_sequence(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, budget: float,
-                     micro_batch_size: int = 1, micro_batches: int = 1, multiple: int = 1,
-                     limit: int = 1 << 34, max_elements: Optional[int] = None) -> int:
-    """The longest sequence (a multiple of `multiple`) whose predicted peak fits in `budget` bytes; 0 if
-    none. `max_elements`: kernels that index with 32-bit offsets fail on a (tokens x hidden) activation
-    of more elements than this, whatever the memory (2**31 for such kernels)."""
+                     work: Workload = ONE_MICRO_BATCH, multiple: int = 1, max_elements: Optional[int] = None) -> int:
+    """The longest sequence (a multiple of `multiple`, at most work.seq_len) whose predicted peak fits in
+    `budget` bytes at work's micro-batch size and count; 0 if none. `max_elements`: kernels that index with
+    32-bit offsets fail on a (tokens x hidden) activation of more elements than this, whatever the memory
+    (2**31 for such kernels)."""
+    limit, micro_batch_size = work.seq_len, work.micro_batch_size
     if max_elements is not None:
         limit = min(limit, max_elements * layout.sp // (micro_batch_size * m.hidden_size))
 
     def fits(units: int) -> bool:
-        work = Workload(units * multiple, micro_batch_size, micro_batches)
-        return estimate(m, layout, opts, prec, work).peak <= budget
+        return estimate(m, layout, opts, prec, replace(work, seq_len=units * multiple)).peak <= budget
 
     hi = limit // multiple
     if hi < 1 or not fits(1):

@@ -21,7 +21,7 @@ from typing import Optional
 
 from megalysses.config import ModelConfig
 from megalysses.memory.activations import stage_layers
-from megalysses.memory.states import head_norm_params, layer_params, stage_params
+from megalysses.memory.states import earlier_backward, head_norm_params, layer_params, stage_params, streams_gradients
 from megalysses.memory.types import Layout, Options, Precision, Term
 
 
@@ -68,12 +68,14 @@ def waiting_for_bucket(m: ModelConfig, layout: Layout, opts: Options, last: bool
     return ready - closed
 
 
-def backward_gradients(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, first: bool, last: bool,
-                       M: int, grads: list[Term], done: int, n_layers: int, streamed: bool,
-                       accumulated: bool = True) -> list[Term]:
-    """The gradient terms on the device after `done` blocks of the stage's backward (see the module
-    docstring); `grads` are the step's (state_terms); `accumulated`: an earlier micro-batch's backward has
-    left its gradients (states.earlier_backward), else this is the step's first backward."""
+def backward_gradients(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, stage: int, M: int,
+                       grads: list[Term], done: int) -> list[Term]:
+    """The gradient terms on the device after `done` blocks of pipeline stage `stage`'s backward (see the module
+    docstring), with M micro-batches a step; `grads` are the step's (state_terms). The micro-batch is the step's
+    first backward on the stage unless an earlier one has left its gradients (states.earlier_backward)."""
+    first, last = stage == 0, stage == layout.pp - 1
+    n_layers, streamed = stage_layers(m, layout), streams_gradients(opts)
+    accumulated = earlier_backward(layout, stage, M)
     blocks, other = stage_params(m, layout, first, last)
     per_block = blocks / max(n_layers, 1)
     root = other - embedding_params(m, layout, first, last)        # the head and the final norm

@@ -34,7 +34,7 @@ from megalysses.model.gpt import GPTStage, RunBlocks
 from megalysses.model.kv_cache import KVCache, LayerKV
 from megalysses.model.layers import AttentionHalf, Block, MLPHalf
 from megalysses.model.recompute import KeptAttention
-from megalysses.model.tiled import HeadChunks, MLPTiles, attention_params, mlp_params
+from megalysses.model.tiled import HeadChunking, HeadChunks, MLPTiles, attention_params, mlp_params
 from megalysses.parallel.offload import ActivationOffload
 from megalysses.pinned_arena import PinnedMemory
 from megalysses.plan.types import ActivationPolicy
@@ -112,7 +112,8 @@ class HeadChunkedAttention(AttentionHalf):
         if cache is not None:
             return super().run(block, x, cos, sin, mask, cache)
         attn, norm = block.attn, block.attn_norm
-        acc = HeadChunks.apply(attn, norm, self.chunks, x, cos, sin, mask, *attention_params(attn, norm))
+        acc = HeadChunks.apply(HeadChunking(attn, norm, self.chunks), x, cos, sin, mask,
+                               *attention_params(attn, norm))
         return attn.reduce(acc)                                                  # (B, s, h)
 
 

@@ -1,6 +1,6 @@
 """A block's two halves over pieces, each keeping one (tokens x hidden) tensor for its backward.
 
-    acc = HeadChunks.apply(attn, norm, chunks, x, cos, sin, mask, *attention_params(attn, norm))
+    acc = HeadChunks.apply(HeadChunking(attn, norm, chunks), x, cos, sin, mask, *attention_params(attn, norm))
     out = MLPTiles.apply(block, h, tile, *mlp_params(block))    # h + mlp(mlp_norm(h)), tile by tile
 
 HeadChunks keeps only the block input x; acc is the sum over head chunks of o_proj(attn(norm(x))). Its
@@ -23,6 +23,7 @@ rank has the same pieces, so the collectives inside pair up piece by piece.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,24 +33,33 @@ from torch import Tensor, nn
 from megalysses.kernels.norms import norm_tile_rows, tiled_backward
 
 
+@dataclass(frozen=True, eq=False)
+class HeadChunking:
+    """What HeadChunks runs: a layer's Attention, its input norm, and the number of groups of heads."""
+
+    attn: nn.Module
+    norm: nn.Module
+    chunks: int
+
+
 class HeadChunks(torch.autograd.Function):
     """The attention half's o_proj partial sum over head chunks (before the tp reduction and o_proj's bias),
-    keeping only x; `attn` is the layer's Attention, `norm` its input norm, `chunks` how many groups of heads
-    (whole KV groups: Attention.check_head_chunks), `params` theirs (attention_params), whose gradients the
-    backward returns (each reaches its .grad once per backward, as autograd's own)."""
+    keeping only x; `heads` holds the layer's Attention, its input norm and how many groups of heads (whole KV
+    groups: Attention.check_head_chunks), `params` theirs (attention_params), whose gradients the backward
+    returns (each reaches its .grad once per backward, as autograd's own)."""
 
     @staticmethod
-    def forward(ctx, attn: nn.Module, norm: nn.Module, chunks: int, x: Tensor, cos: Tensor, sin: Tensor, mask: Any,
-                *params: Tensor) -> Tensor:
-        ctx.attn, ctx.norm, ctx.chunks, ctx.mask = attn, norm, chunks, mask
+    def forward(ctx, heads: HeadChunking, x: Tensor, cos: Tensor, sin: Tensor, mask: Any, *params: Tensor) -> Tensor:
+        ctx.heads, ctx.mask = heads, mask
         ctx.save_for_backward(x, cos, sin)
-        return chunks_forward(attn, norm, chunks, x, cos, sin, mask)
+        return chunks_forward(heads.attn, heads.norm, heads.chunks, x, cos, sin, mask)
 
     @staticmethod
     def backward(ctx, d_acc: Tensor):
         x, cos, sin = ctx.saved_tensors
-        dx, grads = chunks_backward(ctx.attn, ctx.norm, ctx.chunks, x, cos, sin, ctx.mask, d_acc)
-        return (None, None, None, dx, None, None, None, *grads)
+        heads = ctx.heads
+        dx, grads = chunks_backward(heads.attn, heads.norm, heads.chunks, x, cos, sin, ctx.mask, d_acc)
+        return (None, dx, None, None, None, *grads)
 
 
 def attention_params(attn: nn.Module, norm: nn.Module) -> list[Tensor]:

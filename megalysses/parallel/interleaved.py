@@ -15,13 +15,13 @@ batch, so no ordering between separate sends and receives can deadlock, on gloo 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor, nn
 
 from megalysses.comm import send_recv
-from megalysses.parallel.pipeline import Batch, release_output, stage_backward, stage_forward
+from megalysses.parallel.pipeline import Batch, Pipe, release_output, stage_backward, stage_forward
 
 
 @dataclass(frozen=True)
@@ -97,16 +97,29 @@ def slot_schedule(P: int, v: int, M: int, forward_only: bool = False) -> list[li
     return slots
 
 
-def run_interleaved(model: VirtualStages, microbatches: list[Batch], scale: float | Tensor, *, pp_rank: int,
-                    pp_size: int, rank_of_stage: Callable[[int], int], hidden_shape: tuple[int, ...],
-                    device: torch.device, dtype: torch.dtype, forward_only: bool = False,
-                    scores: Optional[list] = None) -> Tensor:
+def _incoming(row: list[Optional[Action]], pipe: Pipe, V: int) -> list[tuple[str, int, int, int]]:
+    """What the neighbours produce in this slot and this rank needs, in rank order: (kind, micro-batch, the
+    chunk of this rank it is for, the stage rank sending it); "F" an activation, "B" an output gradient."""
+    P, r, wanted = pipe.pp_size, pipe.pp_rank, []
+    for src, b in enumerate(row):
+        if b is None or src == r:
+            continue
+        vs = b.chunk * P + src
+        if b.kind == "F" and vs < V - 1 and (vs + 1) % P == r:
+            wanted.append(("F", b.mb, (vs + 1) // P, src))
+        elif b.kind == "B" and vs > 0 and (vs - 1) % P == r:
+            wanted.append(("B", b.mb, (vs - 1) // P, src))
+    return wanted
+
+
+def run_interleaved(model: VirtualStages, microbatches: list[Batch], scale: float | Tensor, pipe: Pipe,
+                    forward_only: bool = False, scores: Optional[list] = None) -> Tensor:
     """One step (or, forward_only, one validation pass) on this rank. Returns the summed scaled loss
     (non-zero only on the rank holding the last virtual stage). With `scores` (a list; forward_only), that rank
     appends each micro-batch's per-token (losses, greedy hits) to it instead, in micro-batch order."""
-    P, v, M, r = pp_size, len(model.chunks), len(microbatches), pp_rank
+    P, v, M, r = pipe.pp_size, len(model.chunks), len(microbatches), pipe.pp_rank
     V = P * v
-    total = torch.zeros((), dtype=torch.float32, device=device)
+    total = torch.zeros((), dtype=torch.float32, device=pipe.device)
     inputs: dict[tuple[int, int], Tensor] = {}      # (mb, chunk) -> received activation
     grads: dict[tuple[int, int], Tensor] = {}       # (mb, chunk) -> received output gradient
     saved: dict[tuple[int, int], tuple[Optional[Tensor], Tensor]] = {}
@@ -114,39 +127,32 @@ def run_interleaved(model: VirtualStages, microbatches: list[Batch], scale: floa
     for row in slot_schedule(P, v, M, forward_only):
         sends, recvs, released, received_inputs = [], [], [], []
         a = row[r]
-        if a is not None:
-            vs, chunk = a.chunk * P + r, model.chunks[a.chunk]
-            if a.kind == "F":
-                x = inputs.pop((a.mb, a.chunk)) if vs > 0 else None
-                out = stage_forward(chunk, microbatches[a.mb], x, scale, scores is not None)
-                if vs == V - 1 and scores is not None:
-                    scores.append(out)
-                elif vs == V - 1:
-                    total += out.detach()
-                else:
-                    sends.append((out, rank_of_stage((vs + 1) % P)))
-                    released.append(out)
-                if not forward_only:
-                    saved[(a.mb, a.chunk)] = (x, out)
+        vs = None if a is None else a.chunk * P + r
+        if a is not None and a.kind == "F":
+            x = inputs.pop((a.mb, a.chunk)) if vs > 0 else None
+            out = stage_forward(model.chunks[a.chunk], microbatches[a.mb], x, scale, scores is not None)
+            if vs == V - 1 and scores is not None:
+                scores.append(out)
+            elif vs == V - 1:
+                total += out.detach()
             else:
-                x, out = saved.pop((a.mb, a.chunk))
-                stage_backward(out, None if vs == V - 1 else grads.pop((a.mb, a.chunk)))
-                if vs > 0:
-                    sends.append((x.grad, rank_of_stage((vs - 1) % P)))
-        # what the neighbours produced in this slot and this rank needs
-        for src, b in enumerate(row):
-            if b is None or src == r:
-                continue
-            vs = b.chunk * P + src
-            if b.kind == "F" and vs < V - 1 and (vs + 1) % P == r:
-                buf = torch.empty(hidden_shape, dtype=dtype, device=device)
-                recvs.append((buf, rank_of_stage(src)))
-                inputs[(b.mb, (vs + 1) // P)] = buf
+                sends.append((out, pipe.rank_of_stage((vs + 1) % P)))
+                released.append(out)
+            if not forward_only:
+                saved[(a.mb, a.chunk)] = (x, out)
+        elif a is not None:
+            x, out = saved.pop((a.mb, a.chunk))
+            stage_backward(out, None if vs == V - 1 else grads.pop((a.mb, a.chunk)))
+            if vs > 0:
+                sends.append((x.grad, pipe.rank_of_stage((vs - 1) % P)))
+        for kind, mb, chunk, src in _incoming(row, pipe, V):
+            buf = pipe.buffer()
+            recvs.append((buf, pipe.rank_of_stage(src)))
+            if kind == "F":
+                inputs[(mb, chunk)] = buf
                 received_inputs.append(buf)
-            elif b.kind == "B" and vs > 0 and (vs - 1) % P == r:
-                buf = torch.empty(hidden_shape, dtype=dtype, device=device)
-                recvs.append((buf, rank_of_stage(src)))
-                grads[(b.mb, (vs - 1) // P)] = buf
+            else:
+                grads[(mb, chunk)] = buf
         if sends or recvs:
             send_recv(sends=sends, recvs=recvs)
         if not forward_only:

@@ -8,6 +8,7 @@ storage is released (the autograd graph behind it stays until the backward).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -18,6 +19,23 @@ from megalysses.comm import send_recv
 from megalysses.kernels.attention import documents_of
 
 Batch = dict[str, Tensor]
+
+
+@dataclass(frozen=True)
+class Pipe:
+    """This rank's place in the pipeline and what travels between its stages: stage pp_rank of pp_size (the grid's),
+    the global rank holding each stage, and the shape, dtype and device of the activation buffers."""
+
+    pp_rank: int
+    pp_size: int
+    rank_of_stage: Callable[[int], int]
+    hidden_shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+    def buffer(self) -> Tensor:
+        """An empty activation (or activation gradient) buffer to receive into."""
+        return torch.empty(self.hidden_shape, dtype=self.dtype, device=self.device)
 
 
 def stage_forward(stage: torch.nn.Module, mb: Batch, x: Optional[Tensor], scale: float | Tensor,
@@ -54,20 +72,18 @@ def stage_backward(out: Tensor, grad: Optional[Tensor]) -> None:
         Variable._execution_engine.run_backward((out,), (grad,), False, False, (), True, True)
 
 
-def forward_backward_1f1b(stage: torch.nn.Module, microbatches: list[Batch], scale: float | Tensor, *, pp_rank: int,
-                          pp_size: int, rank_of_stage: Callable[[int], int], hidden_shape: tuple[int, ...],
-                          dtype: torch.dtype, device: torch.device) -> Tensor:
+def forward_backward_1f1b(stage: torch.nn.Module, microbatches: list[Batch], scale: float | Tensor,
+                          pipe: Pipe) -> Tensor:
     """One step of 1F1B on this stage. Returns the summed scaled loss (non-zero on the last stage only)."""
+    pp_rank, pp_size, rank_of_stage = pipe.pp_rank, pipe.pp_size, pipe.rank_of_stage
     first, last = pp_rank == 0, pp_rank == pp_size - 1
     prev = None if first else rank_of_stage(pp_rank - 1)
     nxt = None if last else rank_of_stage(pp_rank + 1)
     M = len(microbatches)
     warmup = min(pp_size - pp_rank - 1, M)
-    total = torch.zeros((), dtype=torch.float32, device=device)
+    total = torch.zeros((), dtype=torch.float32, device=pipe.device)
     pending: list[tuple[Optional[Tensor], Tensor]] = []
-
-    def buf() -> Tensor:
-        return torch.empty(hidden_shape, dtype=dtype, device=device)
+    buf = pipe.buffer
 
     def recv_forward() -> Optional[Tensor]:
         if first:
@@ -124,19 +140,19 @@ def forward_backward_1f1b(stage: torch.nn.Module, microbatches: list[Batch], sca
     return total
 
 
-def forward_only(stage: torch.nn.Module, microbatches: list[Batch], scale: float, *, pp_rank: int, pp_size: int,
-                 rank_of_stage: Callable[[int], int], hidden_shape: tuple[int, ...], dtype: torch.dtype,
-                 device: torch.device, scores: Optional[list] = None) -> Tensor:
+def forward_only(stage: torch.nn.Module, microbatches: list[Batch], scale: float, pipe: Pipe,
+                 scores: Optional[list] = None) -> Tensor:
     """Forward only (validation), micro-batch by micro-batch through the pipeline; the summed scaled loss on
     the last stage (zero elsewhere). With `scores` (a list), the last stage appends each micro-batch's per-token
     (losses, greedy hits) to it instead."""
-    total = torch.zeros((), dtype=torch.float32, device=device)
+    total = torch.zeros((), dtype=torch.float32, device=pipe.device)
+    pp_rank, pp_size, rank_of_stage = pipe.pp_rank, pipe.pp_size, pipe.rank_of_stage
     prev = rank_of_stage(pp_rank - 1) if pp_rank > 0 else None
     nxt = rank_of_stage(pp_rank + 1) if pp_rank < pp_size - 1 else None
     for mb in microbatches:
         x = None
         if prev is not None:
-            x = torch.empty(hidden_shape, dtype=dtype, device=device)
+            x = pipe.buffer()
             send_recv(recvs=[(x, prev)])
         out = stage_forward(stage, mb, x, scale, scores is not None)
         if nxt is not None:

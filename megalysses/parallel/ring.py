@@ -29,6 +29,7 @@ hops). Only q, k, v, the output and the LSE of the local block are kept for the 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Iterable, Iterator, Optional
 
 import torch
@@ -37,7 +38,8 @@ from torch import Tensor
 from megalysses import comm
 from megalysses.comm import Group
 from megalysses.kernels.attention import check_backend
-from megalysses.kernels.block_attention import AttentionBlock, block_attention, block_attention_backward, merge_block
+from megalysses.kernels.block_attention import (AttentionBlock, MergedRows, block_attention, block_attention_backward,
+                                                merge_block)
 from megalysses.parallel.sequence_layout import SequenceLayout
 
 
@@ -97,6 +99,16 @@ class RingMask:
         return self._blocks[(j, window)]
 
 
+@dataclass(frozen=True)
+class BlockKernel:
+    """How every block of the ring is attended: the concrete LSE backend (the plan's; block_attention.LSE_BACKENDS),
+    the softmax scale and the sliding window in positions (0: none)."""
+
+    backend: str
+    scale: float
+    window: int = 0
+
+
 def ring_schedule(rank: int, size: int) -> list[int]:
     """The ring rank whose block this rank holds at each step: its own, then i-1, i-2, ..."""
     return [(rank - t) % size for t in range(size)]
@@ -113,8 +125,8 @@ def _rotate(kv: Tensor, group: Group) -> Iterator[Tensor]:
             (kv,) = pending.wait()
 
 
-def forward_blocks(q: Tensor, blocks: Iterable[tuple[int, Tensor]], mask: RingMask, backend: str,
-                    scale: float, window: int = 0) -> tuple[Tensor, Tensor, object]:
+def forward_blocks(q: Tensor, blocks: Iterable[tuple[int, Tensor]], mask: RingMask,
+                   kernel: BlockKernel) -> tuple[Tensor, Tensor, object]:
     """Attend q (B, S/r, Hq, D) to every (j, kv (2, B, S/r, Hkv, D)) in turn and merge: fp32 out and
     lse (B, Hq, S/r), plus the first block's aux (kernel state the backward hands back)."""
     B, s, H, D = q.shape
@@ -123,20 +135,21 @@ def forward_blocks(q: Tensor, blocks: Iterable[tuple[int, Tensor]], mask: RingMa
     aux = None
     for j, kv in blocks:
         rows, cols = mask.rows(j), mask.cols(j)
-        o, block_lse, block_aux = block_attention(q[:, rows], kv[0][:, cols], kv[1][:, cols], mask.block(j, window),
-                                                  backend, scale)
+        o, block_lse, block_aux = block_attention(q[:, rows], kv[0][:, cols], kv[1][:, cols],
+                                                  mask.block(j, kernel.window), kernel.backend, kernel.scale)
         merge_block(out[:, rows], lse[:, :, rows], o, block_lse)
         aux = block_aux if aux is None else aux
     return out, lse, aux
 
 
-def backward_block(dq: Tensor, dout: Tensor, q: Tensor, kv: Tensor, out: Tensor, lse: Tensor, mask: RingMask,
-                    j: int, backend: str, scale: float, aux: object, window: int = 0) -> tuple[slice, Tensor, Tensor]:
+def backward_block(dq: Tensor, q: Tensor, kv: Tensor, merged: MergedRows, mask: RingMask, j: int,
+                   kernel: BlockKernel, aux: object) -> tuple[slice, Tensor, Tensor]:
     """Add this rank's dQ against block j into dq (fp32) and return its part of block j's dK and dV: the
-    key columns it covers, and their gradients."""
+    key columns it covers, and their gradients. `merged`: this rank's output and LSE over every block, and
+    the output's gradient."""
     rows, cols = mask.rows(j), mask.cols(j)
-    gq, gk, gv = block_attention_backward(dout[:, rows], q[:, rows], kv[0][:, cols], kv[1][:, cols], out[:, rows],
-                                          lse[:, :, rows], mask.block(j, window), backend, scale, aux)
+    gq, gk, gv = block_attention_backward(q[:, rows], kv[0][:, cols], kv[1][:, cols], merged.rows(rows),
+                                          mask.block(j, kernel.window), kernel.backend, kernel.scale, aux)
     dq[:, rows] += gq.float()
     return cols, gk, gv
 
@@ -147,29 +160,27 @@ class _RingAttention(torch.autograd.Function):
     here, and each block's dK/dV accumulator travels with it, one more hop bringing it home."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, group: Group, mask: RingMask, backend: str,
-                scale: float, window: int) -> Tensor:
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, group: Group, mask: RingMask, kernel: BlockKernel) -> Tensor:
         kv = torch.stack([k, v])                                          # (2, B, S/r, Hkv, D): one message
         schedule = ring_schedule(mask.rank, mask.size)
-        out, lse, aux = forward_blocks(q, zip(schedule, _rotate(kv, group)), mask, backend, scale, window)
+        out, lse, aux = forward_blocks(q, zip(schedule, _rotate(kv, group)), mask, kernel)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, kv, out, lse)
-        ctx.group, ctx.mask, ctx.backend, ctx.scale, ctx.aux = group, mask, backend, scale, aux
-        ctx.window = window
+        ctx.group, ctx.mask, ctx.kernel, ctx.aux = group, mask, kernel, aux
         return out
 
     @staticmethod
     def backward(ctx, dout: Tensor):
         q, kv, out, lse = ctx.saved_tensors
         group, mask = ctx.group, ctx.mask
+        merged = MergedRows(out, lse, dout)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dkv = None          # the accumulator of the block held at the previous step
         schedule = ring_schedule(mask.rank, mask.size)
         for t, j in enumerate(schedule):
             sends = ([kv] if t + 1 < mask.size else []) + ([dkv] if dkv is not None else [])
             pending = comm.ring_exchange(sends, group) if sends else None
-            cols, gk, gv = backward_block(dq, dout, q, kv, out, lse, mask, j, ctx.backend, ctx.scale, ctx.aux,
-                                          ctx.window)
+            cols, gk, gv = backward_block(dq, q, kv, merged, mask, j, ctx.kernel, ctx.aux)
             received = pending.wait() if pending is not None else []
             if t + 1 < mask.size:
                 kv = received.pop(0)
@@ -178,7 +189,7 @@ class _RingAttention(torch.autograd.Function):
             dkv[0][:, cols] += gk
             dkv[1][:, cols] += gv
         (home,) = comm.ring_exchange([dkv], group).wait()                 # this rank's block, complete
-        return dq.to(q.dtype), home[0].to(kv.dtype), home[1].to(kv.dtype), None, None, None, None, None
+        return dq.to(q.dtype), home[0].to(kv.dtype), home[1].to(kv.dtype), None, None, None
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: Group, mask: RingMask, backend: str,
@@ -197,4 +208,4 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: Group, mask: RingMask
                          f"over {mask.size} ranks hold {mask.seq_len // mask.size}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     check_backend(backend, q, mask.doc_ids is not None, ring=True, window=window > 0)
-    return _RingAttention.apply(q, k, v, group, mask, backend, scale, window)
+    return _RingAttention.apply(q, k, v, group, mask, BlockKernel(backend, scale, window))

@@ -198,10 +198,23 @@ def _compute(m: ModelConfig, layout: Layout, opts: Options, work: Workload, hw: 
     return _Compute(tokens, L, q, kv, recomputes, forwards, mm, attn, seconds)
 
 
-def _model_parallel_comm(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, work: Workload,
-                         hw: Hardware, overlap: Overlap, c: _Compute, nbytes: dict, exposed: dict) -> None:
+@dataclass(frozen=True)
+class _Step:
+    """What step_time is asked about, handed as one to the terms it adds up."""
+
+    m: ModelConfig
+    layout: Layout
+    opts: Options
+    prec: Precision
+    work: Workload
+    hw: Hardware
+    overlap: Overlap
+
+
+def _model_parallel_comm(s: _Step, c: _Compute, nbytes: dict, exposed: dict) -> None:
     """The Ulysses all-to-alls, the ring's hops and merges, the tensor-parallel collectives and the pipeline's
     p2p: their bytes into `nbytes`, their seconds not hidden under compute into `exposed`."""
+    m, layout, opts, prec, work, hw, overlap = s.m, s.layout, s.opts, s.prec, s.work, s.hw, s.overlap
     t, P, M, u, ring = layout.tp, layout.sp, work.micro_batches, layout.ulysses, layout.ring
     tokens, L, q, kv, a = c.tokens, c.layers, c.q, c.kv, prec.act
     passes = 2 + c.recomputes                                            # forward, backward (+ recomputes)
@@ -238,10 +251,11 @@ def _model_parallel_comm(m: ModelConfig, layout: Layout, opts: Options, prec: Pr
         exposed["pipeline p2p"] = 0.0 if overlap.p2p else p2p / hw.link(layout.world)
 
 
-def _data_parallel_comm(layout: Layout, opts: Options, prec: Precision, M: int, n: float, hw: Hardware,
-                        overlap: Overlap, compute: float, nbytes: dict, exposed: dict) -> None:
+def _data_parallel_comm(s: _Step, n: float, compute: float, nbytes: dict, exposed: dict) -> None:
     """FSDP's gathers and reduce-scatters, or ZeRO-1's gradient reduce-scatter and parameter all-gather, over the
-    dp x sp ranks that hold the same weights: bytes into `nbytes`, what compute does not hide into `exposed`."""
+    dp x sp ranks that hold the same weights (`n` parameters, `compute` seconds to hide under): bytes into
+    `nbytes`, what compute does not hide into `exposed`."""
+    layout, opts, prec, M, hw, overlap = s.layout, s.opts, s.prec, s.work.micro_batches, s.hw, s.overlap
     G = layout.dp * layout.sp
     if G <= 1:
         return
@@ -265,11 +279,11 @@ def _data_parallel_comm(layout: Layout, opts: Options, prec: Precision, M: int, 
         exposed["parameter all-gather"] = 0.0 if overlap.param_gather else gather / hw.link(span_grad)
 
 
-def _host_and_optimizer(layout: Layout, opts: Options, prec: Precision, M: int, n: float, hw: Hardware,
-                        compute: float, retained: float, nbytes: dict, exposed: dict) -> float:
+def _host_and_optimizer(s: _Step, n: float, compute: float, retained: float, nbytes: dict, exposed: dict) -> float:
     """The host copies of the offloads (bytes into `nbytes`, what compute does not hide into `exposed`), and
     the optimizer step's seconds: on the device, or on the host's cores with the optimizer or the parameters
     offloaded."""
+    layout, opts, prec, M, hw = s.layout, s.opts, s.prec, s.work.micro_batches, s.hw
     G = layout.dp * layout.sp
     copies = 0.0                     # host <-> device bytes per step beyond the optimizer's own
     if opts.activation_offload:
@@ -298,10 +312,11 @@ def step_time(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, wo
     c = _compute(m, layout, opts, work, hw)
     nbytes: dict[str, float] = {"all_to_all": 0.0, "all_reduce": 0.0, "p2p": 0.0, "ring_p2p": 0.0, "host": 0.0}
     exposed: dict[str, float] = {}
-    _model_parallel_comm(m, layout, opts, prec, work, hw, overlap, c, nbytes, exposed)
+    step = _Step(m, layout, opts, prec, work, hw, overlap)
+    _model_parallel_comm(step, c, nbytes, exposed)
     n = max(sum(stage_params(m, layout, s == 0, s == layout.pp - 1)) for s in (0, layout.pp - 1))
-    _data_parallel_comm(layout, opts, prec, M, n, hw, overlap, c.seconds, nbytes, exposed)
-    optimizer = _host_and_optimizer(layout, opts, prec, M, n, hw, c.seconds, retained, nbytes, exposed)
+    _data_parallel_comm(step, n, c.seconds, nbytes, exposed)
+    optimizer = _host_and_optimizer(step, n, c.seconds, retained, nbytes, exposed)
     comm_mb = sum(exposed.get(k, 0.0) for k in ("Ulysses all-to-all", "ring p2p", "tensor-parallel collectives",
                                                  "pipeline p2p")) / M
     bubble = (layout.pp - 1) / layout.virtual_stages * (c.seconds / M + comm_mb)

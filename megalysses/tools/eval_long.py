@@ -54,7 +54,7 @@ from megalysses.config import Config, ConfigError
 from megalysses.config.checks import validate_config
 from megalysses.config.io import apply_override, config_from_dict, config_to_dict, load_config, read_yaml
 from megalysses.data import DatasetError
-from megalysses.data.tokenizer import TokenizerError, build_tokenizer, tokenizer_from_config
+from megalysses.data.tokenizer import SpecialTokens, TokenizerError, build_tokenizer, tokenizer_from_config
 from megalysses.distributed import destroy_distributed, init_distributed, is_rank0, print0
 from megalysses.evaluation.haystack import DocumentStream, HaystackError
 from megalysses.evaluation.report import MARKDOWN_NAME, draw, markdown, write_results
@@ -154,7 +154,7 @@ def _hf_config(args: argparse.Namespace) -> tuple[Config, Any]:
     mock = [] if isinstance(data, dict) and data.get("paths") else ["data.mock=true"]    # no data: --haystack
     cfg = load_config(args.config, mock + ["data.tokenizer=huggingface", f"data.tokenizer_model={folder}"])
     cfg.model = dataclasses.replace(model, attention_backend=cfg.model.attention_backend, kernels=cfg.model.kernels)
-    tok = build_tokenizer("huggingface", str(folder), eod=cfg.data.eod, bos=cfg.data.bos)
+    tok = build_tokenizer("huggingface", str(folder), special=SpecialTokens(cfg.data.eod, cfg.data.bos))
     return cfg, tok
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -54,11 +55,22 @@ def _filter(logits: Tensor, top_k: int, top_p: float) -> Tensor:
     return logits
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How each next token is chosen: temperature (0 = greedy), then the top-k (0: no cut) and top-p (nucleus,
+    1: no cut) cuts, drawn with `generator`."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    generator: torch.Generator
+
+
 @torch.no_grad()
-def generate(model: GPTStage, prompts: list[list[int]], max_new: int, *, temperature: float, top_k: int,
-             top_p: float, eod: Optional[int], vocab: int, generator: torch.Generator, device: torch.device,
-             dtype: torch.dtype) -> list[list[int]]:
+def generate(model: GPTStage, prompts: list[list[int]], max_new: int, sampling: Sampling, *, eod: Optional[int],
+             vocab: int, device: torch.device, dtype: torch.dtype) -> list[list[int]]:
     """Each prompt followed by its sampled continuation (up to, not including, eod)."""
+    temperature = sampling.temperature
     B, P = len(prompts), max(len(p) for p in prompts)
     ids = torch.zeros(B, P, dtype=torch.long)
     valid = torch.zeros(B, P, dtype=torch.bool)
@@ -76,8 +88,8 @@ def generate(model: GPTStage, prompts: list[list[int]], max_new: int, *, tempera
         if temperature <= 0:
             nxt = scores.argmax(-1)
         else:
-            probs = _filter(scores / temperature, top_k, top_p).softmax(-1)
-            nxt = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(device)
+            probs = _filter(scores / temperature, sampling.top_k, sampling.top_p).softmax(-1)
+            nxt = torch.multinomial(probs.cpu(), 1, generator=sampling.generator).squeeze(-1).to(device)
         if eod is not None:
             done |= nxt == eod
         for b in (~done).nonzero().flatten().tolist():
@@ -223,10 +235,9 @@ def main(argv: list[str] | None = None) -> int:
               f"the {trained} the model was trained at: text beyond that length is unreliable", file=sys.stderr)
     device, dtype = local_device(), run.torch_dtype
     model = model.to(device, dtype).eval()
-    gen = torch.Generator().manual_seed(args.seed)
-    outs = generate(model, prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                    top_p=args.top_p, eod=tok.eod_id, vocab=tok.vocab_size, generator=gen, device=device,
-                    dtype=dtype)
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, torch.Generator().manual_seed(args.seed))
+    outs = generate(model, prompts, args.max_new_tokens, sampling, eod=tok.eod_id, vocab=tok.vocab_size,
+                    device=device, dtype=dtype)
     print(f"--- sampled from {where} ---")
     print("\n---\n".join(tok.decode(ids) for ids in outs))
     return 0

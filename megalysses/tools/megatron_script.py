@@ -210,17 +210,24 @@ class _Shell:
                     fields[-1][0] += " ".join(values) if not split else values[0] if values else ""
                     fields.extend([v, True] for v in (values[1:] if split else []))
                 else:
-                    for n, v in enumerate(values):
-                        split = v.split()
-                        if (n or v[:1].isspace()) and fields[-1][0] and split:
-                            fields.append(["", False])
-                        if split:
-                            fields[-1][0] += split[0]
-                            fields.extend([w, False] for w in split[1:])
-                        if v[-1:].isspace() and fields[-1][0]:
-                            fields.append(["", False])
+                    _split_onto(fields, values)
                 i = k
         return [text for text, quoted in fields if text or quoted]
+
+
+def _split_onto(fields: list[list], values: list[str]) -> None:
+    """An unquoted expansion's values added to the fields ([text, holds something quoted]) with word splitting:
+    each value's words at whitespace, a new field where a value after the first, or one starting with
+    whitespace, begins, and where one ending with whitespace ends."""
+    for n, v in enumerate(values):
+        words = v.split()
+        if (n or v[:1].isspace()) and fields[-1][0] and words:
+            fields.append(["", False])
+        if words:
+            fields[-1][0] += words[0]
+            fields.extend([w, False] for w in words[1:])
+        if v[-1:].isspace() and fields[-1][0]:
+            fields.append(["", False])
 
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,

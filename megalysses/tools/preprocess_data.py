@@ -63,7 +63,7 @@ from megalysses.data.chat_template import TemplateError
 from megalysses.data.columnar import chat_columns, check_columns, read_records
 from megalysses.data.progress import Progress
 from megalysses.data.text_input import InputError, Position, check_jsonl, corpus_inputs, read_file, read_lines
-from megalysses.data.tokenizer import ByteTokenizer, TokenizerError, build_tokenizer
+from megalysses.data.tokenizer import ByteTokenizer, SpecialTokens, TokenizerError, build_tokenizer
 from megalysses.data.tokenizer_identity import sidecar_path, tokenizer_identity, write_identity
 from megalysses.tools import preprocess_chat
 
@@ -89,7 +89,7 @@ _REFUSED = {
 
 def _tokenizer(t: dict[str, Any]) -> Any:
     return build_tokenizer(t["type"], t["model"], vocab_file=t["vocab_file"], merge_file=t["merge_file"],
-                           vocab_size=t["vocab_size"], eod=t["eod"], bos=t["bos"],
+                           vocab_size=t["vocab_size"], special=SpecialTokens(t["eod"], t["bos"]),
                            add_special_tokens=t["special"], need_eod=t["append_eod"] or t["chat"] is not None)
 
 

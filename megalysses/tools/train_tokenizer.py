@@ -27,6 +27,7 @@ import json
 import os
 import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -95,33 +96,44 @@ class Documents:
         """The non-empty texts, in input order."""
         for path, kind in self.inputs:
             if kind == "text":
-                try:
-                    text = read_file(path, self.position).decode("utf-8")
-                except UnicodeDecodeError:
-                    self.skipped += 1
-                    continue
-                if text:
-                    yield text
-                continue
-            if kind == "jsonl":
-                for line in read_lines(path, self.position):
-                    try:
-                        value = json.loads(line).get(self.json_key)
-                    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError):
-                        value = None
-                    if isinstance(value, str):
-                        if value:
-                            yield value
-                    elif line.strip():
-                        self.skipped += 1
-                continue
-            for record in read_records(path, kind, [self.json_key], self.position):
-                value = record[self.json_key]
-                if isinstance(value, str):
-                    if value:
-                        yield value
-                else:
-                    self.skipped += 1
+                yield from self._text_file(path)
+            elif kind == "jsonl":
+                yield from self._jsonl_texts(path)
+            else:
+                yield from self._record_texts(path, kind)
+
+    def _text_file(self, path: str) -> Iterator[str]:
+        """A text file as one document; one that is not UTF-8 is skipped (and counted)."""
+        try:
+            text = read_file(path, self.position).decode("utf-8")
+        except UnicodeDecodeError:
+            self.skipped += 1
+            return
+        if text:
+            yield text
+
+    def _jsonl_texts(self, path: str) -> Iterator[str]:
+        """The json_key strings of a JSON Lines file; a non-blank line without one is skipped (and counted)."""
+        for line in read_lines(path, self.position):
+            try:
+                value = json.loads(line).get(self.json_key)
+            except (UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+                value = None
+            if isinstance(value, str):
+                if value:
+                    yield value
+            elif line.strip():
+                self.skipped += 1
+
+    def _record_texts(self, path: str, kind: str) -> Iterator[str]:
+        """The json_key column of a Parquet / Arrow input; a row whose value is not a string is skipped (and
+        counted)."""
+        for record in read_records(path, kind, [self.json_key], self.position):
+            value = record[self.json_key]
+            if not isinstance(value, str):
+                self.skipped += 1
+            elif value:
+                yield value
 
 
 def line_chunks(documents: Iterator[str], chunk_chars: int) -> Iterator[str]:
@@ -147,24 +159,36 @@ def _trainer_message(err: Exception) -> str:
     return text or str(err).strip() or type(err).__name__
 
 
-def train(inputs: list[str], model_prefix: str, vocab_size: int, json_key: str = "text", byte_fallback: bool = False,
-          special_tokens: Optional[list[str]] = None, model_type: str = "bpe", character_coverage: float = 0.9999,
-          max_sentences: int = 1_000_000, chunk_chars: int = 2000, num_threads: Optional[int] = None,
-          log_interval: int = 0) -> str:
+@dataclass(frozen=True)
+class TrainerOptions:
+    """What sentencepiece's trainer is told besides the vocabulary size (the command line's options)."""
+
+    byte_fallback: bool = False             # characters outside the vocabulary become byte pieces, not <unk>
+    special_tokens: tuple[str, ...] = ()    # extra pieces never split, ids 4, 5, ...
+    model_type: str = "bpe"                 # or "unigram"
+    character_coverage: float = 0.9999
+    max_sentences: int = 1_000_000          # chunks sampled for training (0 = all)
+    chunk_chars: int = 2000                 # documents are fed in chunks of whole lines of about this many characters
+    num_threads: Optional[int] = None       # default: every core
+
+
+def train(inputs: list[str], model_prefix: str, vocab_size: int, json_key: str = "text",
+          options: TrainerOptions = TrainerOptions(), log_interval: int = 0) -> str:
     """Train and write `{model_prefix}.model` / `.vocab`; returns the .model path. `inputs` are files, globs
     or folders. Raises InputError for an input without text and ValueError (the trainer's own words) for
     what sentencepiece refuses."""
     documents = Documents(resolve_inputs(inputs, json_key), json_key, log_interval)
     model = io.BytesIO()
+    o = options
     try:
         spm.SentencePieceTrainer.train(
-            sentence_iterator=line_chunks(iter(documents), chunk_chars), model_writer=model,
-            vocab_size=vocab_size, model_type=model_type, byte_fallback=byte_fallback,
-            user_defined_symbols=list(special_tokens or []), unk_id=0, bos_id=1, eos_id=2, pad_id=3,
+            sentence_iterator=line_chunks(iter(documents), o.chunk_chars), model_writer=model,
+            vocab_size=vocab_size, model_type=o.model_type, byte_fallback=o.byte_fallback,
+            user_defined_symbols=list(o.special_tokens), unk_id=0, bos_id=1, eos_id=2, pad_id=3,
             normalization_rule_name="identity", remove_extra_whitespaces=False, add_dummy_prefix=False,
-            allow_whitespace_only_pieces=True, split_digits=True, character_coverage=character_coverage,
-            input_sentence_size=max_sentences, shuffle_input_sentence=True, max_sentence_length=8 * chunk_chars,
-            num_threads=num_threads or os.cpu_count() or 1, minloglevel=2)
+            allow_whitespace_only_pieces=True, split_digits=True, character_coverage=o.character_coverage,
+            input_sentence_size=o.max_sentences, shuffle_input_sentence=True, max_sentence_length=8 * o.chunk_chars,
+            num_threads=o.num_threads or os.cpu_count() or 1, minloglevel=2)
     except RuntimeError as err:
         if documents.error is not None:
             raise documents.error from None
@@ -228,9 +252,9 @@ def main(argv: Optional[list[str]] = None) -> str:
     args = p.parse_args(argv)
     _check_args(p, args)
     try:
-        path = train(args.input, args.model_prefix, args.vocab_size, args.json_key, args.byte_fallback,
-                     args.special_tokens, args.model_type, args.character_coverage, args.max_sentences,
-                     num_threads=args.num_threads, log_interval=args.log_interval)
+        options = TrainerOptions(args.byte_fallback, tuple(args.special_tokens), args.model_type,
+                                 args.character_coverage, args.max_sentences, num_threads=args.num_threads)
+        path = train(args.input, args.model_prefix, args.vocab_size, args.json_key, options, args.log_interval)
     except (ValueError, OSError) as e:
         raise SystemExit(f"error: {e}") from None
     print(f"wrote {path} and {args.model_prefix}.vocab (vocab size {args.vocab_size})", file=sys.stderr)

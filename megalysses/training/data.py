@@ -18,7 +18,8 @@ import numpy as np
 import torch
 
 from megalysses.config import Config
-from megalysses.data import DatasetError, MockGPTDataset, build_gpt_datasets, iterate_micro_batches
+from megalysses.data import (BatchFormat, DatasetError, DatasetOptions, LoaderRank, MockGPTDataset,
+                             build_gpt_datasets, iterate_micro_batches)
 from megalysses.data.indexed import IndexedDataset
 from megalysses.data.loader import HOST_KEYS
 from megalysses.data.packing import Packing, describe
@@ -85,23 +86,21 @@ class TrainingData:
                             "data.tokenizer_model) to the one tools/preprocess_data.py used")
 
         lengths = tuple(sorted({length for _, length in d.seq_len_schedule} | {d.seq_len}))
-        packing = Packing(d.pack, d.too_long, lengths)
+        options = DatasetOptions(d.cache_dir, validate, d.blend_by_size, Packing(d.pack, d.too_long, lengths))
         evals = t.train_steps // t.eval_interval + 1 if t.eval_interval else 0
         valid_samples = t.eval_steps * t.global_batch_size if evals else None
         train_samples = t.train_steps * t.global_batch_size
         if d.valid_paths:                # a validation set of its own: each set is read whole
             self.train = build_gpt_datasets(d.paths, "1,0,0", d.seq_len, t.seed, (train_samples, None, None),
-                                            d.cache_dir, validate, by_size=d.blend_by_size, packing=packing)[0]
+                                            options)[0]
             self.valid = build_gpt_datasets(d.valid_paths, "0,1,0", d.seq_len, t.seed, (None, valid_samples, None),
-                                            d.cache_dir, validate, need_train=False, by_size=d.blend_by_size,
-                                            packing=packing)[1]
+                                            options, need_train=False)[1]
             if t.eval_interval and self.valid is None:
                 raise DatasetError(f"data.valid_paths holds too few tokens for one sample of data.seq_len={d.seq_len}: "
                                    f"give it more data, or set training.eval_interval=0")
             return
         self.train, self.valid, _ = build_gpt_datasets(
-            d.paths, d.split, d.seq_len, t.seed, (train_samples, valid_samples, None), d.cache_dir, validate,
-            by_size=d.blend_by_size, packing=packing)
+            d.paths, d.split, d.seq_len, t.seed, (train_samples, valid_samples, None), options)
         if t.eval_interval and self.valid is None:
             raise DatasetError(f"training.eval_interval={t.eval_interval} but the split '{d.split}' leaves no "
                                f"validation data: give the valid split a share, give data.valid_paths, or set "
@@ -110,12 +109,11 @@ class TrainingData:
     def _micro_batches(self, dataset, consumed: int, curriculum: bool) -> Iterator[Batch]:
         d, g, run, step_of = self.cfg.data, self.grid, self.run, self.batch_sizes.step_of
         phase_at = (lambda first: run.train_phase(step_of(first)).seq_len) if curriculum else None
-        for mb in iterate_micro_batches(dataset, run.micro_batch_size, g.dp_rank, run.dp, g.sp_rank, run.sp, consumed,
-                                        self.eod_id, d.reset_position_ids, d.document_mask, seq_len=d.seq_len,
-                                        eod_mask_loss=d.eod_mask_loss, vocab_size=self.cfg.model.vocab_size,
-                                        layout=run.sequence,
-                                        length_at=phase_at,
-                                        loss_average=d.loss_average):
+        rank = LoaderRank(g.dp_rank, run.dp, g.sp_rank, run.sp, run.sequence)
+        fmt = BatchFormat(self.eod_id, d.reset_position_ids, d.document_mask, d.eod_mask_loss,
+                          loss_average=d.loss_average)
+        for mb in iterate_micro_batches(dataset, run.micro_batch_size, rank, consumed, fmt, seq_len=d.seq_len,
+                                        vocab_size=self.cfg.model.vocab_size, length_at=phase_at):
             yield {k: v if k in HOST_KEYS else v.to(self.device, non_blocking=True) for k, v in mb.items()}
 
     def train_batches(self, consumed_samples: int) -> Iterator[list[Batch]]:

@@ -27,13 +27,13 @@ import torch
 
 from megalysses import comm
 from megalysses.config import Config
-from megalysses.data.loader import HOST_KEYS, build_micro_batch
+from megalysses.data.loader import HOST_KEYS, BatchFormat, build_micro_batch
 from megalysses.evaluation.haystack import DocumentStream, HaystackError
 from megalysses.evaluation.tasks import (ACCURACY_TASKS, TASKS, Prompts, Sample, bucket_bounds, bucket_of, compose,
                                          minimum_length, position_sample, repeated_filler, task_prompt)
 from megalysses.grid import ParallelGrid
 from megalysses.parallel.interleaved import VirtualStages, run_interleaved
-from megalysses.parallel.pipeline import Batch, forward_only
+from megalysses.parallel.pipeline import Batch, Pipe, forward_only
 from megalysses.plan import RunPlan
 from megalysses.parallel.fsdp import reshard
 
@@ -219,8 +219,8 @@ class LongEval:
         d, g = self.cfg.data, self.grid
         tokens = [x.tokens if x is not None else np.zeros(length + 1, dtype=np.int64) for x in samples]
         layout = self.plan.sequence
-        mb = build_micro_batch(tokens, length, g.sp_rank, g.sp_size, self.eod, d.reset_position_ids, d.document_mask,
-                               d.eod_mask_loss, layout=layout)
+        fmt = BatchFormat(self.eod, d.reset_position_ids, d.document_mask, d.eod_mask_loss)
+        mb = build_micro_batch(tokens, length, g.sp_rank, g.sp_size, fmt, layout=layout)
         full = np.full((len(samples), layout.padded_len(length)), -1, dtype=np.int64)
         for b, x in enumerate(samples):
             if x is not None:
@@ -237,13 +237,12 @@ class LongEval:
         b, s = mb["position_ids"].shape
         shape = (b, s // g.tp_size if model.groups.sequence_parallel else s, model.cfg.hidden_size)
         out: list = []
-        common = dict(pp_rank=g.pp_rank, pp_size=g.pp_size, rank_of_stage=g.stage_rank, hidden_shape=shape,
-                      dtype=self.plan.torch_dtype, device=self.device, scores=out)
+        pipe = Pipe(g.pp_rank, g.pp_size, g.stage_rank, shape, self.plan.torch_dtype, self.device)
         with torch.no_grad():
             if isinstance(model, VirtualStages):
-                run_interleaved(model, [mb], 1.0, forward_only=True, **common)
+                run_interleaved(model, [mb], 1.0, pipe, forward_only=True, scores=out)
             else:
-                forward_only(model, [mb], 1.0, **common)
+                forward_only(model, [mb], 1.0, pipe, scores=out)
         return out[0] if out else None
 
 

@@ -32,7 +32,7 @@ from torch import Tensor
 from megalysses import comm
 from megalysses.grid import ParallelGrid
 from megalysses.parallel.interleaved import VirtualStages, run_interleaved
-from megalysses.parallel.pipeline import Batch, forward_backward_1f1b, forward_backward_local, forward_only
+from megalysses.parallel.pipeline import Batch, Pipe, forward_backward_1f1b, forward_backward_local, forward_only
 from megalysses.parallel.fsdp import reshard
 from megalysses.parallel.optimizer import Optimizer
 
@@ -164,10 +164,11 @@ def _global_loss(total: Tensor, grid: ParallelGrid, device: torch.device) -> Ten
     return t
 
 
-def _hidden_shape(model: torch.nn.Module, mb: Batch, grid: ParallelGrid) -> tuple[int, int, int]:
-    """Shape of the activations passed between pipeline stages: (B, S/sp or S/(sp*tp), h)."""
+def _pipe(model: torch.nn.Module, mb: Batch, grid: ParallelGrid, dtype: torch.dtype) -> Pipe:
+    """This rank's pipeline, its activations shaped (B, S/sp or S/(sp*tp), h) in `dtype` on mb's device."""
     b, s = mb["position_ids"].shape
-    return (b, s // grid.tp_size if model.groups.sequence_parallel else s, model.cfg.hidden_size)
+    shape = (b, s // grid.tp_size if model.groups.sequence_parallel else s, model.cfg.hidden_size)
+    return Pipe(grid.pp_rank, grid.pp_size, grid.stage_rank, shape, dtype, mb["labels"].device)
 
 
 def train_step(model: torch.nn.Module, opt: Optimizer, microbatches: list[Batch], grid: ParallelGrid, *,
@@ -185,14 +186,9 @@ def train_step(model: torch.nn.Module, opt: Optimizer, microbatches: list[Batch]
     if grid.pp_size == 1:
         total = forward_backward_local(model, microbatches, scale)
     elif isinstance(model, VirtualStages):
-        total = run_interleaved(model, microbatches, scale, pp_rank=grid.pp_rank, pp_size=grid.pp_size,
-                                rank_of_stage=grid.stage_rank, device=device, dtype=dtype,
-                                hidden_shape=_hidden_shape(model, microbatches[0], grid))
+        total = run_interleaved(model, microbatches, scale, _pipe(model, microbatches[0], grid, dtype))
     else:
-        total = forward_backward_1f1b(
-            model, microbatches, scale, pp_rank=grid.pp_rank, pp_size=grid.pp_size,
-            rank_of_stage=grid.stage_rank, device=device, dtype=dtype,
-            hidden_shape=_hidden_shape(model, microbatches[0], grid))
+        total = forward_backward_1f1b(model, microbatches, scale, _pipe(model, microbatches[0], grid, dtype))
     _busy(False, grid)
     loss = _global_loss(total, grid, device)
     finite = torch.isfinite(loss)
@@ -211,13 +207,10 @@ def evaluate(model: torch.nn.Module, microbatches: list[Batch], grid: ParallelGr
     scale = 1.0 / max(count.item(), 1.0)
     model.eval()
     if isinstance(model, VirtualStages):
-        total = run_interleaved(model, microbatches, scale, pp_rank=grid.pp_rank, pp_size=grid.pp_size,
-                                rank_of_stage=grid.stage_rank, device=device, dtype=dtype, forward_only=True,
-                                hidden_shape=_hidden_shape(model, microbatches[0], grid))
+        total = run_interleaved(model, microbatches, scale, _pipe(model, microbatches[0], grid, dtype),
+                                forward_only=True)
     else:
-        total = forward_only(model, microbatches, scale, pp_rank=grid.pp_rank, pp_size=grid.pp_size,
-                             rank_of_stage=grid.stage_rank, hidden_shape=_hidden_shape(model, microbatches[0], grid),
-                             dtype=dtype, device=device)
+        total = forward_only(model, microbatches, scale, _pipe(model, microbatches[0], grid, dtype))
     reshard(model)
     model.train()
     return _global_loss(total, grid, device).item()

@@ -169,10 +169,9 @@ class Watchdog:
                 else:
                     if store.check(["abort"]):
                         self._quit()
-                    if self.world > 1 and store.check([f"hb/{neighbour}"]):
-                        rec = json.loads(store.get(f"hb/{neighbour}"))
-                        if rec["beat"] != seen or rec.get("leaving"):    # alive, or finished on purpose
-                            seen, changed = rec["beat"], now
+                    rec = self._heartbeat_of(store, neighbour)
+                    if rec is not None and (rec["beat"] != seen or rec.get("leaving")):  # alive, or finished on purpose
+                        seen, changed = rec["beat"], now
                 store_down = None
             except Exception as e:  # noqa: BLE001 - the store (on the first node's launcher) is unreachable
                 store_down = store_down or now
@@ -186,6 +185,12 @@ class Watchdog:
                 self.fail(f"rank {self.rank} has spent {now - since:.0f} s {what}")
             if self.world > 1 and now - changed > limit:
                 self.fail(f"rank {neighbour} stopped responding (no heartbeat for {now - changed:.0f} s)")
+
+    def _heartbeat_of(self, store: dist.Store, rank: int) -> Optional[dict]:
+        """The heartbeat record rank `rank` last published, or None (none yet, or this is the job's one rank)."""
+        if self.world > 1 and store.check([f"hb/{rank}"]):
+            return json.loads(store.get(f"hb/{rank}"))
+        return None
 
     def _publish(self) -> None:
         try:

@@ -88,12 +88,12 @@ def with_ids(ids: list[int], dtype: type = np.uint16) -> Callable[[Path], str]:
 
 def sp_model(tmp: Path) -> str:
     """A small sentencepiece model of 300 pieces."""
-    from megalysses.tools.train_tokenizer import train
+    from megalysses.tools.train_tokenizer import TrainerOptions, train
     corpus = tmp / "corpus.jsonl"
     words = ["alpha", "beta", "gamma", "delta", "token", "stream", "model", "data"]
     corpus.write_text("".join(json.dumps({"text": " ".join(words[(i + k) % 8] for k in range(12)) + f" {i}"}) + "\n"
                               for i in range(60)))
-    return train([str(corpus)], str(tmp / "sp"), 300, byte_fallback=True, num_threads=1)
+    return train([str(corpus)], str(tmp / "sp"), 300, options=TrainerOptions(byte_fallback=True, num_threads=1))
 
 
 def blend(*items: str) -> Callable[[Path], str]:
