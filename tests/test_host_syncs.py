@@ -56,12 +56,12 @@ def test_varlen_attention_reads_nothing_back_with_the_loaders_documents():
     padding of an sp=4 layout, a document of its own): varlen attention's mask takes them as they are, no read of
     the device, and they equal what the device would compute from the ids (reading its longest length back)."""
     import numpy as np
-    from megalysses.data.loader import HOST_KEYS, build_micro_batch
+    from megalysses.data.loader import HOST_KEYS, BatchFormat, build_micro_batch
     from megalysses.kernels.attention import Documents, documents_of, prepare_attention_mask
 
     eod = 0
     samples = [np.array([5, 6, 0, 7, 0, 0, 8, 9, 9, 9, 0]), np.array([1] * 11), np.array([2, 0, 3])]
-    mb = build_micro_batch(samples, 10, 0, 4, eod, reset_position_ids=True, document_mask=True)
+    mb = build_micro_batch(samples, 10, 0, 4, BatchFormat(eod, reset_position_ids=True, document_mask=True))
     docs = documents_of(mb)
     assert isinstance(docs, Documents) and HOST_KEYS == ("longest_document",)
     with count_host_syncs(lambda: [docs.longest]) as syncs:
