@@ -190,15 +190,17 @@ def test_a_rank_that_raises_is_named_with_its_error_and_phase(tmp_path):
         "        raise KeyError('planted')\n"
         "    build.build_optimizer = planted\n")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(ROOT / "pretrain.py")] + _sets(TINY + ["parallel.sp=2", f"logging.run_dir={tmp_path / 'run'}"])
+           str(ROOT / "pretrain.py")] + _sets(TINY + ["parallel.sp=2", "parallel.timeout_seconds=120",
+                                                      f"logging.run_dir={tmp_path / 'run'}"])
     t0 = time.monotonic()
     r = subprocess.run(cmd, cwd=ROOT, env={**_env(), "PYTHONPATH": str(tmp_path)}, stdout=subprocess.PIPE,
-                       stderr=subprocess.STDOUT, text=True, timeout=120)
+                       stderr=subprocess.STDOUT, text=True, timeout=240)
     took = time.monotonic() - t0
     assert r.returncode != 0
     errs = error_lines(r.stdout)
     assert errs == ["error: rank 1 failed while building the optimizer: KeyError: 'planted'"], r.stdout
-    assert "stopped responding" not in r.stdout and took < 30, (took, r.stdout)   # not the 30 s timeout
+    # ended by the error, not by the 120 s timeout (a start-up on a loaded machine takes a good part of a minute)
+    assert "stopped responding" not in r.stdout and took < 100, (took, r.stdout)
     assert any(errs[0] in line for line in r.stdout.splitlines()[-15:]), r.stdout
 
 
