@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.fixtures import step_rows
-from tests.test_first_hour import ROOT, commands, readme_block, run
+from tests.test_first_hour import ROOT, readme_block, run, scaled_commands
 
 transformers = pytest.importorskip("transformers")
 MARKER = "<!-- context-extension"
@@ -41,13 +41,7 @@ def qwen_folder(folder: Path) -> None:
 def test_the_context_extension_runs_as_written(tmp_path, monkeypatch, capsys):
     from megalysses.tools import preprocess_data
 
-    block = readme_block(MARKER)
-    for size, tiny in SIZES.items():
-        assert block.count(size) == 1, f"the context extension no longer says {size!r}: update SIZES"
-        block = block.replace(size, tiny)
-    steps = commands(block)
-    train = next(argv for argv, _ in steps if argv[0] == "torchrun")
-    train.extend(a for o in EXTRA for a in ("--set", o))
+    steps = scaled_commands(readme_block(MARKER), SIZES, EXTRA, "the context extension")
     qwen_folder(tmp_path / "models" / "Qwen2.5-7B")
     rng = torch.Generator().manual_seed(0)
     lines = [" ".join(WORDS[3 + i] for i in torch.randint(0, len(WORDS) - 3, (90,), generator=rng).tolist())

@@ -68,6 +68,19 @@ def commands(block: str) -> list[tuple[list[str], str]]:
     return out
 
 
+def scaled_commands(block: str, sizes: dict[str, str], overrides: list[str], what: str
+                    ) -> list[tuple[list[str], str]]:
+    """The commands of `block` with each of `sizes` (said once in it, or `what` no longer says it) replaced by
+    its tiny stand-in, and the first torchrun launch given `overrides` as --set."""
+    for size, tiny in sizes.items():
+        assert block.count(size) == 1, f"{what} no longer says {size!r}: update SIZES"
+        block = block.replace(size, tiny)
+    steps = commands(block)
+    launch = next(argv for argv, _ in steps if argv[0] == "torchrun")
+    launch.extend(a for o in overrides for a in ("--set", o))
+    return steps
+
+
 def _pretrain(rank: int, world: int, cwd: str, argv: list[str]) -> int:
     from megalysses.tools import pretrain
 
@@ -96,13 +109,7 @@ def run(argv: list[str], stdin: str, cwd: Path) -> str:
 
 
 def test_the_first_hour_runs_as_written(tmp_path, monkeypatch, capsys):
-    block = first_hour_block()
-    for size, tiny in SIZES.items():
-        assert block.count(size) == 1, f"the first hour no longer says {size!r}: update SIZES"
-        block = block.replace(size, tiny)
-    steps = commands(block)
-    first = next(i for i, (argv, _) in enumerate(steps) if argv[0] == "torchrun")
-    steps[first][0].extend(a for o in TINY_MODEL for a in ("--set", o))
+    steps = scaled_commands(first_hour_block(), SIZES, TINY_MODEL, "the first hour")
     # a JSON Lines corpus of one's own: Python's json package, a document per block of its files
     library = Path(sysconfig.get_paths()["stdlib"]) / "json"
     documents = [b for f in sorted(library.glob("*.py")) for b in f.read_text().split("\n\n") if b.strip()]

@@ -16,7 +16,7 @@ import pytest
 from chat_data import CONVERSATIONS, write_jsonl
 from test_chat_recipe import hf_loss, model_dir  # noqa: F401 - model_dir is a fixture used here
 from tests.fixtures import step_rows
-from tests.test_first_hour import ROOT, commands, readme_block, run
+from tests.test_first_hour import ROOT, readme_block, run, scaled_commands
 
 transformers = pytest.importorskip("transformers")
 MARKER = "<!-- fine-tuning"
@@ -29,13 +29,7 @@ TINY = ["parallel.sp=2", "parallel.timeout_seconds=60", "data.seq_len=512",
 
 
 def test_the_fine_tuning_recipe_runs_as_written(model_dir, tmp_path, monkeypatch, capsys):  # noqa: F811
-    block = readme_block(MARKER)
-    for size, tiny in SIZES.items():
-        assert block.count(size) == 1, f"the fine-tuning recipe no longer says {size!r}: update SIZES"
-        block = block.replace(size, tiny)
-    steps = commands(block)
-    train = next(i for i, (argv, _) in enumerate(steps) if argv[0] == "torchrun")
-    steps[train][0].extend(a for o in TINY for a in ("--set", o))
+    steps = scaled_commands(readme_block(MARKER), SIZES, TINY, "the fine-tuning recipe")
     shutil.copytree(model_dir, tmp_path / "models" / "Llama-3.1-8B-Instruct")
     (tmp_path / "data").mkdir()
     write_jsonl(tmp_path / "data" / "chats.jsonl", CONVERSATIONS)
