@@ -111,9 +111,9 @@ def train(cfg: Config, plan: RunPlan, grid: ParallelGrid, device: torch.device, 
 
 def _start_up(cfg: Config, run: RunPlan, grid: ParallelGrid, device: torch.device, ckpt_dir: Path,
               check_time: bool, doing: Callable[[str], None]) -> None:
-    """The checks before anything is built: the directories writable (rank 0), the grid laid out as the plan says,
-    the logging backends, the phase times against the watchdog (`check_time`), this node's host memory; then the
-    start-up line."""
+    """The checks before anything is built: the directories writable (rank 0), the logging backends, the phase
+    times against the watchdog (`check_time`), this node's host memory; then the start-up line. (That the grid
+    splits sp as the plan does is checked with the built model: build_run's check_built.)"""
     doing("checking the run directory")
     on_rank0(lambda: _prepare_dirs(cfg, Path(cfg.logging.run_dir), ckpt_dir))
     check_logging_backends(cfg)
