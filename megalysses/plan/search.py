@@ -207,7 +207,7 @@ def predict(cfg: Config, run: RunPlan, gpu_memory_gib: Optional[float], host_mem
     per_node = est.host * min(run.world, hw.gpus_per_node)
     why, usable = [], hw.usable_bytes(gpu_memory_gib, est.largest.bytes, communicator_bytes(run))
     if est.peak > usable:
-        why.append(f"peak {est.peak / GIB:.1f} GiB > usable {usable / GIB:.1f} GiB")
+        why.append(f"peak {est.peak / GIB:.2f} GiB > usable {usable / GIB:.2f} GiB")
     if per_node > 0 and (host_memory_gib is None or per_node > host_memory_gib * GIB):
         why.append(f"host {per_node / GIB:.0f} GiB per node > --host-memory-gib {host_memory_gib}")
     return Prediction(cfg, run, est, step, not why, per_node, hw, usable, "; ".join(why))
