@@ -65,6 +65,12 @@ def check_device(op: str, group: Group, *tensors: Tensor) -> None:
                                f"device=...)")
 
 
+def collective_device_type(device: torch.device, group: Group = None) -> str:
+    """The device type `group`'s collectives (default: the world's) take for tensors on `device`: its own where the
+    group's backend has one for it, else the host's (a build of shapes on a device no backend has: the dry run's)."""
+    return device.type if device.type in _backend_devices(dist.get_backend(group)) else "cpu"
+
+
 @functools.lru_cache(maxsize=None)
 def _backend_devices(backend: str) -> frozenset[str]:
     """The device types a group of `backend` (dist.get_backend's name) has a backend for."""

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from megalysses.comm import collective_device_type
 from megalysses.parallel.sequence_layout import SequenceLayout
 from megalysses.plan import RunPlan
 from megalysses.plan.communicators import (FINE_AXES, GROUP_AXES, KINDS, MESH_KINDS, Communicator, axis_sizes,
@@ -295,16 +296,16 @@ class ParallelGrid:
         """The first and last stage's group (tied embeddings); None on a middle stage, which holds neither."""
         return self._groups.get("embed")
 
-    def device_mesh(self, device: torch.device, kind: Optional[str] = None) -> DeviceMesh:
+    def device_mesh(self, device: torch.device) -> DeviceMesh:
         """The (pp, tp, grad) device mesh of the grid (grad = dp x sp in grid order), made of the grid's own process
         groups (no communicator of its own): checkpoints place every tensor on its stage's (tp, grad) sub-mesh, FSDP
-        shards over grad. `kind`: the mesh's device type (default: the device's; host ranks for a meta build, a dry
-        run, except a memory trace's, whose meta device stands for the GPU)."""
+        shards over grad. Its device type is the one the groups' backend takes for `device`'s tensors
+        (comm.collective_device_type: the host's for a build of shapes alone, a dry run's)."""
         L = self.layout
         ranks = L.ranks.permute(0, 3, 1, 2).reshape(L.pp, L.tp, L.dp * L.sp)
         # fresh row-major strides: torch 2.11 takes the mesh layout from them, and a size-1 dim of the
         # permuted view keeps a stride that makes mesh["tp", "grad"] fail as out of order
-        kind = kind or ("cpu" if device.type == "meta" else device.type)
+        kind = collective_device_type(device)
         groups = [self._groups[k] for k in MESH_KINDS]
         return DeviceMesh.from_group(groups, kind, mesh=ranks.flatten().view(ranks.shape),
                                      mesh_dim_names=("pp", "tp", "grad"))

@@ -145,17 +145,19 @@ def test_the_memory_model_counts_the_masks_a_ring_keeps():
 def test_a_ring_step_builds_each_mask_once_for_its_layers_and_head_chunks(monkeypatch):
     """The layers and head chunks of a step run the ring's blocks again and again with the step's RingMask: each
     pair of blocks' mask is built the first time only."""
-    from megalysses.kernels import block_attention
+    from dataclasses import replace
+
+    from megalysses.kernels import attention, block_attention
     from megalysses.parallel.ring import BlockKernel, forward_blocks, ring_schedule
 
-    built, real = [], block_attention.build_block_mask
-    monkeypatch.setattr(block_attention, "build_block_mask", lambda *args: built.append(args) or real(*args))
+    built, real = [], attention.kernels().build_block_mask
+    counting = replace(attention.kernels(), build_block_mask=lambda *args: built.append(args) or real(*args))
     monkeypatch.setattr(block_attention, "_flex_call", lambda q_, k_, v_, block_mask, scale:    # the kernel aside
                         (torch.zeros_like(q_), torch.zeros(q_.shape[:-1])))
     S, ring, rank, cpu = 1024, 4, 1, torch.device("cpu")
     mask = RingMask(packed_docs(1, S, 200), rank, ring, S, cpu)
     q, kv = torch.randn(1, S // ring, 2, 16), torch.randn(2, 1, S // ring, 1, 16)
-    with torch.no_grad():
+    with torch.no_grad(), attention.use_kernels(counting):
         for _ in range(3):                                                # layers, or head chunks
             forward_blocks(q, [(j, kv) for j in ring_schedule(rank, ring)], mask, BlockKernel("flex", 0.25))
     assert len(built) == ring

@@ -89,3 +89,41 @@ def test_top_p_keeps_the_smallest_set_reaching_the_mass():
     assert kept.tolist() == [True, True, False, False]
     assert (_filter(logits, 0, 1.0) > float("-inf")).all()
     assert (_filter(logits, 1, 1.0)[0] > float("-inf")).tolist() == [True, False, False, False]
+
+
+def test_generation_builds_through_the_run_builder_under_a_forward_only_plan(tmp_path):
+    """A run trained at a layout one process cannot hold, with every memory option, is sampled from by one process
+    whose plan keeps nothing for a backward: the run builder makes the model on this machine's device, plain,
+    in the plan's dtype, holding the weights its source read in."""
+    from fixtures import TINY
+    from megalysses.config.io import load_config, save_config
+    from megalysses.model.policies import applied_policy
+    from megalysses.plan.machine import local_device
+    from megalysses.tools import generate
+
+    options = ["model.num_layers=4", "model.vocab_size=300", "parallel.tp=2", "parallel.pp=2",
+               "parallel.virtual_stages=2", "parallel.fsdp=true", "training.param_offload=true",
+               "training.activation_checkpointing=true", "training.checkpoint_stride=2",
+               "training.activation_offload=true", "training.mlp_chunk_tokens=8", "training.attention_head_chunks=2",
+               "training.global_batch_size=4"]
+    save_config(load_config(overrides=TINY + options), tmp_path / "config.yaml")
+    cfg, tok = generate.load_run(tmp_path)
+    plan = generate.generation_plan(cfg)
+    assert (plan.world, plan.tp, plan.sp, plan.pp, plan.virtual_stages, plan.fsdp) == (1, 1, 1, 1, 1, False)
+    assert plan.weights == plan.gradients == "device" and plan.optimizer == "zero1"
+    forward_only = replace(plan.activation, checkpointing=False, keep_attention=False, offload=False,
+                           checkpoint_stride=1, mlp_chunk_tokens=0, head_chunks=1)
+    assert plan.activation == forward_only
+
+    def weights(model, grid, mesh):        # what a source reads in: the builder's fp32 model, filled
+        with torch.no_grad():
+            for i, p in enumerate(model.parameters()):
+                assert p.dtype == torch.float32
+                p.fill_(i / 100)
+
+    run = generate.build(generate.Source(cfg, weights, tok, None, str(tmp_path), cfg.data.seq_len))
+    assert run.opt is None and run.data is None and not run.model.training
+    assert applied_policy(run.model) == replace(forward_only, loss_chunk_tokens=forward_only.loss_tile)
+    for i, p in enumerate(run.model.parameters()):
+        assert p.device.type == local_device().type and p.dtype == plan.torch_dtype
+        assert (p == torch.tensor(i / 100, dtype=plan.torch_dtype)).all()

@@ -1,9 +1,11 @@
 """The memory trace reaches the run's code through interfaces only. No production module of the step, the loop,
-parallel/ or comm asks whether it runs on the meta device or the trace's fake backend (a structural check of
-their code, shown to catch such a branch); what they ask instead: megalysses.accelerator's Host (whether a
-device's tensors hold values, whether it is the GPU) and a group's backend (the devices it takes). What the trace
-does to FSDP2's private internals lives in training/fsdp_meta.py, patched on the torch releases it was checked
-on and refused, in one line naming the release, on another."""
+the builder, parallel/, comm, the grid or kernels/ asks whether it runs on the meta device or the trace's fake
+backend (a structural check of their code, shown to catch such a branch); what they ask instead:
+megalysses.accelerator's Host (whether a device's tensors hold values, whether it is the GPU), a group's backend
+(the devices it takes, the device mesh's among them) and kernels/attention.py's GPUKernels (the GPU's attention
+kernels, which the trace's forms replace without setting any module's attributes). What the trace does to
+FSDP2's private internals lives in training/fsdp_meta.py, patched on the torch releases it was checked on and
+refused, in one line naming the release, on another."""
 import ast
 from pathlib import Path
 
@@ -20,10 +22,14 @@ from megalysses.training.trace import trace_step
 
 REPO = Path(__file__).resolve().parent.parent
 PRODUCTION = sorted([REPO / "megalysses/training/loop.py", REPO / "megalysses/training/build.py",
-                     REPO / "megalysses/training/step.py",
-                     REPO / "megalysses/comm.py", *(REPO / "megalysses/parallel").glob("*.py")])
+                     REPO / "megalysses/training/step.py", REPO / "megalysses/comm.py", REPO / "megalysses/grid.py",
+                     *(REPO / "megalysses/parallel").glob("*.py"),
+                     *(p for p in (REPO / "megalysses/kernels").glob("*.py") if p.name != "gpu_forms.py")])
 TRACE_MODULES = ("megalysses.training.trace", "megalysses.training.roofline", "megalysses.training.fsdp_meta",
-                 "megalysses.tracker")
+                 "megalysses.tracker", "megalysses.kernels.gpu_forms")
+TRACE_FILES = [REPO / "megalysses/training/trace.py", REPO / "megalysses/training/roofline.py",
+               REPO / "megalysses/kernels/gpu_forms.py"]
+"""The trace's own modules but the FSDP2 adapter (fsdp_meta.py) and the tracker's storage hook (tracker.py)."""
 SMALL = ["data.mock=true", "model.vocab_size=512", "model.hidden_size=128", "model.num_layers=2", "model.num_heads=4",
          "model.num_kv_heads=2", "model.ffn_hidden_size=320", "training.micro_batch_size=1", "data.seq_len=1024",
          "training.global_batch_size=1", "training.dtype=bfloat16"]
@@ -80,6 +86,69 @@ def f(t, device, backend):
         "line 8: .is_meta", "line 8: 'meta'", "line 8: 'meta:'", "line 8: 'fake'", "line 9: FakeTensor"])
 
 
+def module_swaps(source: str) -> list[str]:
+    """Where `source` sets what another module holds: a setattr call, an assignment to an attribute or an item of
+    an imported name (`attention.flash_attn_func = ...`, `attention._BACKEND_FNS["sdpa"] = ...`)."""
+    tree = ast.parse(source)
+    imported = {(a.asname or a.name).split(".")[0] for node in ast.walk(tree)
+                if isinstance(node, (ast.Import, ast.ImportFrom)) for a in node.names}
+
+    def root(node: ast.AST) -> str:
+        while isinstance(node, (ast.Attribute, ast.Subscript)):
+            node = node.value
+        return getattr(node, "id", "")
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr":
+            found.append(f"line {node.lineno}: setattr({ast.unparse(node.args[0]) if node.args else ''}, ...)")
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+        found += [f"line {node.lineno}: {ast.unparse(t)} = ..." for t in targets
+                  if isinstance(t, (ast.Attribute, ast.Subscript)) and root(t) in imported]
+    return sorted(found)
+
+
+def test_the_trace_swaps_no_module_attributes():
+    """The trace puts its forms in place through the interfaces the run's code asks (the accelerator's `use`,
+    kernels/attention.py's `use_kernels`, the Triton launcher's hook), never by setting what a module holds."""
+    found = {str(p.relative_to(REPO)): module_swaps(p.read_text()) for p in TRACE_FILES}
+    assert all(p.is_file() for p in TRACE_FILES) and not {p: f for p, f in found.items() if f}, found
+
+
+def test_the_check_sees_a_module_attribute_set():
+    planted = """
+from megalysses.kernels import attention
+import torch.nn.functional as F
+
+def swap(opt, forms):
+    saved = attention._BACKEND_FNS["sdpa"]
+    attention._BACKEND_FNS["sdpa"] = forms.sdpa
+    F.scaled_dot_product_attention = forms.sdpa
+    for module, name, form in forms.attributes:
+        setattr(module, name, form)
+    opt.step = forms.step
+    local = {}
+    local["x"] = saved
+"""
+    assert module_swaps(planted) == sorted([
+        "line 7: attention._BACKEND_FNS['sdpa'] = ...", "line 8: F.scaled_dot_product_attention = ...",
+        "line 10: setattr(module, ...)"])
+
+
+def test_the_trace_puts_its_kernel_forms_in_place_and_back():
+    """Inside gpu_kernels the attention backends call the GPU forms and see the described machine's packages
+    (flash-attn's backends exist on CUDA); after it, the real kernels again."""
+    from megalysses.kernels import attention, gpu_forms
+    from megalysses.tracker import LiveBytes
+
+    real = attention.kernels()
+    with gpu_forms.gpu_kernels(LiveBytes(), frozenset({"flash_attn"})):
+        forms = attention.kernels()
+        assert forms.sdpa is gpu_forms.cuda_sdpa and forms.installed() == {"flash_attn"}
+        assert "flash" in attention.available_backends("cuda") and "flex" not in attention.available_backends("cuda")
+    assert attention.kernels() is real and real.sdpa is torch.nn.functional.scaled_dot_product_attention
+
+
 def test_the_host_says_whether_a_device_holds_values():
     """The loop initialises weights where the Host says tensors hold values: a real device's, not the meta
     device's (a dry run's), nothing in a trace (fake tensors); the trace's GPU is the meta device."""
@@ -98,12 +167,16 @@ def test_the_host_says_whether_a_device_holds_values():
 @pytest.mark.parametrize("backend, meta_taken", [("cpu:fake,cuda:fake,meta:fake", True), ("fake", False)])
 def test_collectives_take_the_devices_of_the_groups_backend(backend, meta_taken):
     """A collective's tensors are checked against the devices the group's backend has: the trace's, which
-    has one for the meta device, takes a meta tensor; the dry run's plain fake backend, like gloo, refuses it."""
+    has one for the meta device, takes a meta tensor; the dry run's plain fake backend, like gloo, refuses it.
+    A device mesh takes the same devices: the meta device's own for the trace, the host's for a dry run."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group(backend, store=FakeStore(), rank=0, world_size=2)
     try:
         comm.check_device("all_reduce", None, torch.ones(1))
+        meta = torch.device("meta")
+        assert comm.collective_device_type(meta) == ("meta" if meta_taken else "cpu")
+        assert comm.collective_device_type(torch.device("cpu")) == "cpu"
         if meta_taken:
             comm.check_device("all_reduce", None, torch.ones(1, device="meta"))
         else:

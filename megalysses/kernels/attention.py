@@ -24,12 +24,18 @@ decided once, by megalysses.plan.resolve, and every function here takes that con
 Ring attention runs attention block by block and merges the blocks with their log-sum-exp; those
 block kernels live in block_attention.py (unsupported_reason(..., ring=True) says which can run).
 
+The kernels a GPU runs (SDPA's, flash-attn's, compiled FlexAttention and its block masks) and the optional
+packages there are reached through one object, `kernels()` (GPUKernels), as megalysses.accelerator's Host is
+for streams and pinned memory: a memory trace puts the forms of kernels/gpu_forms.py in its place
+(`use_kernels`), and nothing here asks whether it is traced.
+
 Document masks: doc_ids (B, S) ints, non-decreasing along each row; position i attends j iff j <= i
 and doc_ids[b, i] == doc_ids[b, j]. A sliding window of W (window=W, model.sliding_window) also needs
 i - j < W: each position attends to itself and the W - 1 before it, as Hugging Face's sliding_window.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.util
@@ -37,7 +43,7 @@ import inspect
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Any, Callable, Iterator, Mapping, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -95,7 +101,7 @@ def available_backends(device: DeviceLike = "cpu", packages: Optional[frozenset]
     """Backends that exist for `device` with `packages` (a machine's optional packages, "flex" and "flash_attn"
     among them; default: this environment's); whether one can run a given shape is `unsupported_reason`'s
     question. flex on CPU is forward-only (torch has no FlexAttention backward there); flash needs CUDA."""
-    packages = _installed() if packages is None else packages
+    packages = kernels().installed() if packages is None else packages
     on_cuda = torch.device(device).type == "cuda"
     names = ["reference", "sdpa"]
     if "flex" in packages:
@@ -155,7 +161,7 @@ def unsupported_reason(backend: str, device: DeviceLike, dtype: torch.dtype, hea
             return f"needs float16 or bfloat16 inputs, got {dtype}; use 'sdpa' or 'flex' for {dtype}"
         if head_dim is not None and (head_dim % 8 or head_dim > 256):
             return f"needs a head dim that is a multiple of 8 and at most 256, got {head_dim}"
-        if window and flash_attn_func is not None and not _FLASH_WINDOW:      # (described machines: a recent one)
+        if window and kernels().flash_attn_func is not None and not _FLASH_WINDOW:   # (described machines: recent)
             return "masks no sliding window in this flash-attn release (window_size came in 2.3); use auto or flex"
     if backend == "varlen":
         if ring:
@@ -257,7 +263,7 @@ class AttentionMask:
         def build() -> Any:
             docs = self.doc_ids
             pattern = MaskPattern(causal=True, q_docs=docs, k_docs=docs, window=window)
-            return build_block_mask(pattern, docs.shape[1], docs.shape[1], self.block, docs.device)
+            return kernels().build_block_mask(pattern, docs.shape[1], docs.shape[1], self.block, docs.device)
         return self._cached(("block_mask", window) if window else "block_mask", build)
 
     def varlen(self) -> tuple[Tensor, int]:
@@ -392,8 +398,7 @@ def _reference(q: Tensor, k: Tensor, v: Tensor, mask: Optional[AttentionMask], s
 _SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
 
-def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Optional[AttentionMask], scale: float, window: int,
-          sdpa: Callable[..., Tensor] = F.scaled_dot_product_attention) -> Tensor:
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Optional[AttentionMask], scale: float, window: int) -> Tensor:
     rep = q.shape[2] // k.shape[2]
     attn_mask = mask.dense(window) if mask is not None else None          # (B, 1, S, S) bool
     if attn_mask is None and window:
@@ -405,14 +410,14 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Optional[AttentionMask], scale:
         k, v = _repeat_kv(k, rep), _repeat_kv(v, rep)
     q_, k_, v_ = (t.transpose(1, 2) for t in (q, k, v))                   # (B, H, S, D)
     kwargs = {"enable_gqa": True} if native_gqa else {}
-    out = sdpa(q_, k_, v_, attn_mask=attn_mask, is_causal=attn_mask is None, scale=scale, **kwargs)
+    out = kernels().sdpa(q_, k_, v_, attn_mask=attn_mask, is_causal=attn_mask is None, scale=scale, **kwargs)
     return out.transpose(1, 2)                                            # (B, S, Hq, D)
 
 
 @functools.lru_cache(maxsize=8)
 def causal_block_mask(S: int, device: torch.device, window: int = 0) -> Any:
     """The plain causal (sliding-window) BlockMask of S positions in 128-token blocks (cached)."""
-    return build_block_mask(MaskPattern(causal=True, window=window), S, S, device=device)
+    return kernels().build_block_mask(MaskPattern(causal=True, window=window), S, S, device=device)
 
 
 @functools.lru_cache(maxsize=1)
@@ -440,11 +445,12 @@ def _flex(q: Tensor, k: Tensor, v: Tensor, mask: Optional[AttentionMask], scale:
     gpu = accelerator.on_gpu(q)
     if not gpu:         # forward only (the plan refuses training): torch refuses inputs requiring grad
         q, k, v = q.detach(), k.detach(), v.detach()
-    block_mask = mask.block_mask(window) if mask is not None else causal_block_mask(q.shape[1], q.device, window)
+    block_mask = mask.block_mask(window) if mask is not None else \
+        kernels().causal_block_mask(q.shape[1], q.device, window)
     q_, k_, v_ = (t.transpose(1, 2) for t in (q, k, v))                   # (B, H, S, D)
     gqa = q.shape[2] != k.shape[2]
     if gpu:
-        out = compiled_flex()(q_, k_, v_, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+        out = kernels().compiled_flex()(q_, k_, v_, block_mask=block_mask, scale=scale, enable_gqa=gqa)
     else:
         with warnings.catch_warnings():   # eager on CPU is for tests; torch warns that it is unfused
             warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
@@ -455,12 +461,12 @@ def _flex(q: Tensor, k: Tensor, v: Tensor, mask: Optional[AttentionMask], scale:
 def _flash(q: Tensor, k: Tensor, v: Tensor, mask: Optional[AttentionMask], scale: float, window: int) -> Tensor:
     sliding = {"window_size": (window - 1, 0)} if window else {}         # keys i - (window - 1) .. i
     if mask is None:
-        return flash_attn_func(q, k, v, softmax_scale=scale, causal=True, **sliding)  # GQA native
+        return kernels().flash_attn_func(q, k, v, softmax_scale=scale, causal=True, **sliding)  # GQA native
     B, S, Hq, D = q.shape
     cu_seqlens, max_len = mask.varlen()
-    out = flash_attn_varlen_func(q.reshape(B * S, Hq, D), k.reshape(B * S, -1, D), v.reshape(B * S, -1, D),
-                                 cu_seqlens, cu_seqlens, max_len, max_len, softmax_scale=scale, causal=True,
-                                 **sliding)
+    out = kernels().flash_attn_varlen_func(q.reshape(B * S, Hq, D), k.reshape(B * S, -1, D),
+                                           v.reshape(B * S, -1, D), cu_seqlens, cu_seqlens, max_len, max_len,
+                                           softmax_scale=scale, causal=True, **sliding)
     return out.view(B, S, Hq, D)
 
 
@@ -503,3 +509,44 @@ def _varlen(q: Tensor, k: Tensor, v: Tensor, mask: Optional[AttentionMask], scal
 
 _BACKEND_FNS: dict[str, Callable[..., Tensor]] = {"reference": _reference, "sdpa": _sdpa, "flex": _flex,
                                                   "flash": _flash, "varlen": _varlen}
+
+
+@dataclass(frozen=True)
+class GPUKernels:
+    """The kernels attention runs on a GPU, and the optional packages there: what `kernels()` gives the backends
+    above (class defaults: the real ones), what a memory trace replaces (kernels/gpu_forms.py, with
+    `use_kernels`).
+
+        sdpa(q, k, v, attn_mask=, is_causal=, scale=[, enable_gqa=]) -> out    the sdpa backend's kernel
+        flash_attn_func, flash_attn_varlen_func                                 flash-attn's (None: not installed)
+        compiled_flex() -> flex_attention                                       FlexAttention compiled for the GPU
+        causal_block_mask(S, device, window) -> BlockMask                       the plain causal one
+        build_block_mask(pattern, sq, sk, block, device) -> BlockMask           kernels/block_mask.py's
+        installed() -> frozenset                                                the optional packages there
+    """
+
+    sdpa: Callable[..., Tensor] = F.scaled_dot_product_attention
+    flash_attn_func: Optional[Callable[..., Tensor]] = flash_attn_func
+    flash_attn_varlen_func: Optional[Callable[..., Tensor]] = flash_attn_varlen_func
+    compiled_flex: Callable[[], Callable] = compiled_flex
+    causal_block_mask: Callable[..., Any] = causal_block_mask
+    build_block_mask: Callable[..., Any] = build_block_mask
+    installed: Callable[[], frozenset] = _installed
+
+
+_active: list[GPUKernels] = [GPUKernels()]
+
+
+def kernels() -> GPUKernels:
+    """The GPU kernels in use: the real ones unless `use_kernels` put others in their place."""
+    return _active[-1]
+
+
+@contextlib.contextmanager
+def use_kernels(replacement: GPUKernels) -> Iterator[GPUKernels]:
+    """Run the block with `replacement` in place of the GPU kernels in use (a trace's forms), then restore them."""
+    _active.append(replacement)
+    try:
+        yield replacement
+    finally:
+        _active.remove(replacement)

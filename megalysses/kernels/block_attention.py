@@ -31,7 +31,7 @@ from torch import Tensor
 from megalysses import accelerator
 from megalysses.kernels import attention
 from megalysses.kernels.attention import flex_module
-from megalysses.kernels.block_mask import MaskPattern, build_block_mask
+from megalysses.kernels.block_mask import MaskPattern
 
 aten = torch.ops.aten
 
@@ -121,9 +121,10 @@ class AttentionBlock:
         documents' boundaries and positions per block (kernels/block_mask.py, never per pair of tokens) on first
         use and kept, so the head chunks, the layers and the backward of a step share it."""
         if not self.masked:
-            return attention.causal_block_mask(sq, device) if self.causal else None
+            return attention.kernels().causal_block_mask(sq, device) if self.causal else None
         pattern = MaskPattern(self.causal, self.q_docs, self.k_docs, self.window, self.q_pos, self.k_pos)
-        return self._cached(("flex", sq, sk), lambda: build_block_mask(pattern, sq, sk, self.block, device))
+        return self._cached(("flex", sq, sk),
+                            lambda: attention.kernels().build_block_mask(pattern, sq, sk, self.block, device))
 
 
 def _heads_first(x: Tensor) -> Tensor:
@@ -234,7 +235,7 @@ def _lse_kwargs() -> dict:
 def _flex_call(q_: Tensor, k_: Tensor, v_: Tensor, block_mask: Any, scale: float) -> tuple[Tensor, Tensor]:
     kwargs = dict(block_mask=block_mask, scale=scale, enable_gqa=q_.shape[1] != k_.shape[1], **_lse_kwargs())
     if accelerator.on_gpu(q_):
-        out, extra = attention.compiled_flex()(q_, k_, v_, **kwargs)
+        out, extra = attention.kernels().compiled_flex()(q_, k_, v_, **kwargs)
     else:
         with warnings.catch_warnings():   # eager on CPU (forward only) is for tests
             warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")

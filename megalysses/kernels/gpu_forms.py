@@ -30,7 +30,6 @@ whose length a trace's batch gives: the documents the plan counts (training/trac
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import math
 from typing import Any, Iterator, NamedTuple, Optional
@@ -38,7 +37,7 @@ from typing import Any, Iterator, NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from megalysses.kernels import attention, block_attention
+from megalysses.kernels import attention
 from megalysses.kernels import block_mask as block_masks
 
 aten = torch.ops.aten
@@ -283,36 +282,22 @@ class _Forms:
 
 @contextlib.contextmanager
 def gpu_kernels(live: Any, packages: frozenset, roof: Any = None, sequences: int = 1) -> Iterator[None]:
-    """Inside, attention runs in the forms above, its kernels' workspaces counted by `live` (the trace's
-    LiveBytes), and the device checks see a CUDA GPU with `packages` (a described machine's optional
-    packages). `roof` (the trace's megalysses.training.roofline.Roofline, or None) is handed each form's
-    KernelCost (its `cost`), and the ops of a block mask's build in its category "masks" (its `category`),
-    and its `costs` are given COSTS; packed attention counts `sequences` sequences of one document each."""
-    replaced = [(attention._BACKEND_FNS, "sdpa", functools.partial(attention._sdpa, sdpa=cuda_sdpa))]
-    attributes = [
-        (attention, "flash_attn_func", _flash_attn_func),
-        (attention, "flash_attn_varlen_func", _flash_attn_varlen_func),
-        (attention, "compiled_flex", _compiled_flex),
-        (attention, "causal_block_mask", attention.causal_block_mask.__wrapped__),     # built for each trace
-        (attention, "build_block_mask", _build_block_mask),
-        (block_attention, "build_block_mask", _build_block_mask),
-        (attention, "_installed", lambda: frozenset(packages)),
-    ]
-    saved = [(table, key, table[key]) for table, key, _ in replaced]
-    kept = [(module, name, getattr(module, name)) for module, name, _ in attributes]
+    """Inside, attention runs in the forms above (kernels/attention.py's GPUKernels, put in place with its
+    use_kernels), its kernels' workspaces counted by `live` (the trace's LiveBytes), and the device checks see a
+    CUDA GPU with `packages` (a described machine's optional packages). `roof` (the trace's
+    megalysses.training.roofline.Roofline, or None) is handed each form's KernelCost (its `cost`), and the ops of a
+    block mask's build in its category "masks" (its `category`), and its `costs` are given COSTS; packed attention
+    counts `sequences` sequences of one document each."""
+    forms = attention.GPUKernels(
+        sdpa=cuda_sdpa, flash_attn_func=_flash_attn_func, flash_attn_varlen_func=_flash_attn_varlen_func,
+        compiled_flex=_compiled_flex, build_block_mask=_build_block_mask, installed=lambda: frozenset(packages),
+        causal_block_mask=attention.causal_block_mask.__wrapped__)        # built for each trace (not cached)
     _Forms.live, _Forms.roof, _Forms.sequences = live, roof, sequences
     live.workspaces.update(WORKSPACES)
     if roof is not None:
         roof.costs.update(COSTS)
     try:
-        for table, key, form in replaced:
-            table[key] = form
-        for module, name, form in attributes:
-            setattr(module, name, form)
-        yield
+        with attention.use_kernels(forms):
+            yield
     finally:
         _Forms.live = _Forms.roof = None
-        for table, key, original in saved:
-            table[key] = original
-        for module, name, original in kept:
-            setattr(module, name, original)

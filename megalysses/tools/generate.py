@@ -5,13 +5,15 @@ Qwen3, Mistral), in one process.
     python tools/generate.py --hf models/Llama-3.2-1B --prompt "Paris is" --prompt "Once upon" --top-p 0.9
 
 --run reads <run>/config.yaml and the newest checkpoint under <run>/checkpoints (or --checkpoint) and
-loads the model weights into a single process (DCP reshards them); the prompts are encoded with the
+loads the weights the run computed with into one process (DCP reshards them); the prompts are encoded with the
 run's tokenizer (data.tokenizer: byte, sentencepiece, a Hugging Face tokenizer.json, ...) as its
 training documents were, except that a special token a prompt spells is that token (as transformers
 encodes prompts: chat markup typed into a prompt is the markup). --hf reads config.json, the safetensors
 and tokenizer.json of a Hugging Face model directory. All prompts are sampled together, left-padded, with
 a KV cache (the prompt once, then one token per step); each stops at the end-of-document token or after
---max-new-tokens. Sampling: temperature (0 = greedy), then top-k and top-p (nucleus) cuts.
+--max-new-tokens. Sampling: temperature (0 = greedy), then top-k and top-p (nucleus) cuts. The model is built
+by the run builder (megalysses/training/build.py) on the device it runs on (this machine's GPU if it has one),
+under a forward-only plan: nothing kept for a backward, no tiles, every weight on the device.
 """
 from __future__ import annotations
 
@@ -27,17 +29,17 @@ import torch
 from torch import Tensor
 
 from megalysses.config import Config, ConfigError
-from megalysses.config.io import load_config
+from megalysses.config.io import apply_override, config_from_dict, config_to_dict, load_config
 from megalysses.data.tokenizer import TokenizerError, build_tokenizer, tokenizer_from_config
 from megalysses.distributed import destroy_distributed, init_distributed
 from megalysses.grid import ParallelGrid
-from megalysses.model.gpt import GPTStage, architecture, init_weights
+from megalysses.model.gpt import GPTStage, architecture
 from megalysses.model.hf import model_config_from_hf, our_tensor
 from megalysses.model.hf_io import HFFormatError, open_hf_dir
 from megalysses.model.kv_cache import KVCache
 from megalysses.plan import Machine, RunPlan, resolve
 from megalysses.plan.machine import local_device
-from megalysses.training.runtime import model_config
+from megalysses.training.build import Parts, Run, WeightsLoader, build_run
 from megalysses.checkpoint.dcp_io import (
     CheckpointError, check_model_shape, load_model_weights, resolve_checkpoint)
 
@@ -123,12 +125,24 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--prompt is empty: give at least one character to continue from")
 
 
-GENERATION = ["parallel.tp=1", "parallel.sp=1", "parallel.sp_ring=0", "parallel.pp=1", "parallel.backend=auto",
-              "parallel.tp_sequence_parallel=false", "parallel.fsdp=false", "model.attention_backend=auto",
-              "model.kernels=torch", "training.dtype=auto"]
+GENERATION = ["parallel.tp=1", "parallel.sp=1", "parallel.sp_ring=0", "parallel.pp=1", "parallel.virtual_stages=1",
+              "parallel.backend=auto", "parallel.tp_sequence_parallel=false", "parallel.fsdp=false",
+              "model.attention_backend=auto", "model.kernels=torch", "training.dtype=auto",
+              "training.activation_checkpointing=false", "training.recompute_attention=true",
+              "training.activation_offload=false", "training.checkpoint_stride=1", "training.mlp_chunk_tokens=0",
+              "training.attention_head_chunks=1", "training.optimizer_offload=false", "training.param_offload=false"]
 """What generation changes in a run's config: one process on this machine (its GPU if it has one), whose plan
 decides the attention backend (the KV cache attends whatever it is) and the dtype (the machine's: bf16 on a GPU,
-fp32 on the CPU); the torch references, which run anywhere, as the kernels."""
+fp32 on the CPU); the torch references, which run anywhere, as the kernels; and a forward-only plan: nothing kept
+for a backward (no checkpointing, nor its offload), no tiles or head chunks, every weight on the device."""
+
+
+def generation_config(cfg: Config) -> Config:
+    """`cfg` as one process generates with it (GENERATION)."""
+    data = config_to_dict(cfg)
+    for override in GENERATION:
+        apply_override(data, override)
+    return config_from_dict(data)
 
 
 def load_run(run: Path) -> tuple[Config, Any]:
@@ -167,41 +181,61 @@ def generation_plan(cfg: Config) -> RunPlan:
         raise ValueError(f"cannot generate here: {e}") from None
 
 
-def _from_run(args: argparse.Namespace) -> tuple[GPTStage, RunPlan, Any, Optional[str], str, Optional[int]]:
-    """(model, its plan, tokenizer, bos, where, the length it trained at) from a run directory."""
+@dataclass(frozen=True)
+class Source:
+    """What is sampled from: the config generation runs (GENERATION applied), what reads its weights into the built
+    model, its tokenizer and the bos token prompts begin with, where it is (said above the samples) and the length
+    it trained at (None: unknown)."""
+
+    cfg: Config
+    weights: WeightsLoader
+    tok: Any
+    bos: Optional[str]
+    where: str
+    trained: Optional[int]
+
+
+def _from_run(args: argparse.Namespace) -> Source:
+    """A run directory: its config, its checkpoint's compute weights (the model its training ran)."""
     cfg, tok = load_run(Path(args.run))
-    source = args.checkpoint or cfg.checkpoint.dir or Path(args.run) / "checkpoints"
-    path = resolve_checkpoint(source)
+    saved = args.checkpoint or cfg.checkpoint.dir or Path(args.run) / "checkpoints"
+    path = resolve_checkpoint(saved)
     if path is None:
-        raise CheckpointError(f"no checkpoint under {source}")
+        raise CheckpointError(f"no checkpoint under {saved}")
     check_model_shape(path, architecture(cfg.model))
-    run = generation_plan(cfg)
-    device = init_distributed("gloo", 60.0)         # the weights are read into this process's CPU memory
-    try:
-        grid = ParallelGrid()
-        model = GPTStage(model_config(cfg, run))
-        init_weights(model, cfg.training.seed)
-        load_model_weights(path, model, grid, grid.device_mesh(device))
-    finally:
-        destroy_distributed()
-    return model, run, tok, cfg.data.bos, str(path), cfg.data.seq_len
+    return Source(cfg, lambda model, grid, mesh: load_model_weights(path, model, grid, mesh), tok, cfg.data.bos,
+                  str(path), cfg.data.seq_len)
 
 
-def _from_hf(folder: str) -> tuple[GPTStage, RunPlan, Any, Optional[str], str, Optional[int]]:
-    """(model, its plan, tokenizer, bos, where, its max_position_embeddings) from a Hugging Face model directory."""
+def _from_hf(folder: str) -> Source:
+    """A Hugging Face model directory: its architecture, its tensors converted to ours, its max_position_embeddings."""
     try:
         config, tensors = open_hf_dir(folder)
-        cfg = Config(model=model_config_from_hf(config))
+        cfg = generation_config(Config(model=model_config_from_hf(config)))
     except (HFFormatError, KeyError, TypeError, ValueError) as e:
         raise ValueError(f"--hf {folder}: {e}") from None
     try:
         tok = build_tokenizer("huggingface", folder)
     except TokenizerError as e:
         raise ValueError(f"--hf {folder}: its tokenizer: {e}") from None
-    run = generation_plan(cfg)
-    model = GPTStage(model_config(cfg, run))
-    model.load_state_dict({n: our_tensor(n, model.cfg, tensors.get).float() for n, _ in model.named_parameters()})
-    return model, run, tok, None, folder, config.get("max_position_embeddings")
+
+    def weights(model: GPTStage, grid: ParallelGrid, mesh: Any) -> None:
+        model.load_state_dict({n: our_tensor(n, model.cfg, tensors.get).float() for n, _ in model.named_parameters()})
+    return Source(cfg, weights, tok, None, folder, config.get("max_position_embeddings"))
+
+
+def build(source: Source) -> Run:
+    """The run of `source` as one process samples from it: built by the run builder under the generation plan, on
+    this process's device (its GPU if it has one), its weights read into it there; the model in eval mode."""
+    plan = generation_plan(source.cfg)
+    device = init_distributed(plan.collective, 60.0)         # a checkpoint's read reshards over a world of one
+    try:
+        run = build_run(source.cfg, plan, ParallelGrid.for_plan(plan), device,
+                        Parts(optimizer=False, weights=source.weights))
+    finally:
+        destroy_distributed()
+    run.model.eval()
+    return run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -221,11 +255,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     _check_args(p, args)
     try:
-        model, run, tok, bos, where, trained = _from_hf(args.hf) if args.hf else _from_run(args)
-        prompts = [prompt_ids(tok, text, bos) for text in args.prompt]
+        source = _from_hf(args.hf) if args.hf else _from_run(args)
+        tok, trained = source.tok, source.trained
+        prompts = [prompt_ids(tok, text, source.bos) for text in args.prompt]
         empty = [text for text, ids in zip(args.prompt, prompts) if not ids]
         if empty:
             raise ValueError(f"--prompt {empty[0]!r} encodes to no tokens: give some text")
+        run = build(source)
     except (ValueError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -233,12 +269,10 @@ def main(argv: list[str] | None = None) -> int:
     if trained and longest > trained:
         print(f"warning: the longest prompt and --max-new-tokens {args.max_new_tokens} come to {longest} tokens, past "
               f"the {trained} the model was trained at: text beyond that length is unreliable", file=sys.stderr)
-    device, dtype = local_device(), run.torch_dtype
-    model = model.to(device, dtype).eval()
     sampling = Sampling(args.temperature, args.top_k, args.top_p, torch.Generator().manual_seed(args.seed))
-    outs = generate(model, prompts, args.max_new_tokens, sampling, eod=tok.eod_id, vocab=tok.vocab_size,
-                    device=device, dtype=dtype)
-    print(f"--- sampled from {where} ---")
+    outs = generate(run.model, prompts, args.max_new_tokens, sampling, eod=tok.eod_id, vocab=tok.vocab_size,
+                    device=run.device, dtype=run.plan.torch_dtype)
+    print(f"--- sampled from {source.where} ---")
     print("\n---\n".join(tok.decode(ids) for ids in outs))
     return 0
 

@@ -8,9 +8,10 @@ checkpoint state of a run of `cfg` under its plan, on its grid and device.
 
 Training (and its dry run), the long-context evaluation, generation, the memory and step traces, the
 benchmarks and the tests all build here, in this order: the pinned arenas the plan sizes, the fp32 model (with
-FSDP sharded over the grid's mesh), the initial weights loaded into it where there are any, the optimizer's
-fp32 masters from it, the compute weights in the plan's dtype (FSDP casts as it gathers), the check that the
-built model is the planned one, the training data, and the checkpoint resumed. Nothing here resolves a plan.
+FSDP sharded over the grid's mesh) where its weights live, the initial weights (or the caller's own: Parts)
+loaded into it where there are any, the optimizer's fp32 masters from it, the compute weights in the plan's
+dtype (FSDP casts as it gathers), the check that the built model is the planned one, the training data, and the
+checkpoint resumed. Nothing here resolves a plan.
 """
 from __future__ import annotations
 
@@ -132,15 +133,21 @@ def _resume(cfg: Config, path: Path, model: GPTStage | VirtualStages, opt: Optim
     return Progress(step, progress.consumed, progress.updates)
 
 
+WeightsLoader = Callable[[GPTStage | VirtualStages, ParallelGrid, Optional[DeviceMesh]], None]
+"""Reads a caller's own weights into the built fp32 model (its stages, the grid, the grid's device mesh)."""
+
+
 @dataclass(frozen=True)
 class Parts:
     """What a build holds beside the model. `optimizer`: the optimizer and the arenas it pins (a run that only
     evaluates or generates has neither, and its model's offloaders take pinned memory of their own); `initial`:
-    weights to start from (a converted model, checkpoint.init_from); `data`: the training data; `resume`: a
-    checkpoint of this run to load (needs the optimizer)."""
+    weights to start from (a converted model, checkpoint.init_from); `weights`: instead, weights the caller reads
+    in itself (generation: a run's compute weights, a Hugging Face model's tensors), quietly, at the same point;
+    `data`: the training data; `resume`: a checkpoint of this run to load (needs the optimizer)."""
 
     optimizer: bool = True
     initial: Optional[str | Path] = None
+    weights: Optional[WeightsLoader] = None
     data: bool = False
     resume: Optional[Path] = None
 
@@ -168,7 +175,10 @@ def build_run(cfg: Config, plan: RunPlan, grid: ParallelGrid, device: torch.devi
     FSDP or the weights loaded need it)."""
     if parts.resume is not None and not parts.optimizer:
         raise ValueError("resuming a checkpoint loads the optimizer's state: build the optimizer too")
-    if mesh is None and (plan.fsdp or parts.initial is not None or parts.resume is not None):
+    if parts.initial is not None and parts.weights is not None:
+        raise ValueError("the initial weights and the caller's weights both fill the model: give one of them")
+    loads = parts.initial is not None or parts.weights is not None or parts.resume is not None
+    if mesh is None and (plan.fsdp or loads):
         mesh = grid.device_mesh(device)
     pinned = pinned_arenas(cfg, plan, grid, device) if parts.optimizer else {}
     doing("building the model")
@@ -176,6 +186,9 @@ def build_run(cfg: Config, plan: RunPlan, grid: ParallelGrid, device: torch.devi
     if parts.initial is not None:
         doing(f"loading the initial weights {parts.initial}")
         print0(load_initial_weights(parts.initial, model, cfg, grid, mesh))
+    if parts.weights is not None:
+        doing("reading the weights in")
+        parts.weights(model, grid, mesh)
     opt = None
     if parts.optimizer:
         doing("building the optimizer")

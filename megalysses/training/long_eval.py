@@ -33,9 +33,10 @@ from megalysses.evaluation.tasks import (ACCURACY_TASKS, TASKS, Prompts, Sample,
                                          minimum_length, position_sample, repeated_filler, task_prompt)
 from megalysses.grid import ParallelGrid
 from megalysses.parallel.interleaved import VirtualStages, run_interleaved
-from megalysses.parallel.pipeline import Batch, Pipe, forward_only
+from megalysses.parallel.pipeline import Batch, forward_only
 from megalysses.plan import RunPlan
 from megalysses.parallel.fsdp import reshard
+from megalysses.training.step import pipe_of
 
 HAYSTACK_TASKS = ("niah", "niah-multikey", "position-loss")
 
@@ -233,11 +234,8 @@ class LongEval:
     def _forward(self, model: torch.nn.Module, mb: Batch) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         """One micro-batch forward only through the pipeline; (losses, hits) of its local tokens on the last
         stage, None elsewhere."""
-        g = self.grid
-        b, s = mb["position_ids"].shape
-        shape = (b, s // g.tp_size if model.groups.sequence_parallel else s, model.cfg.hidden_size)
         out: list = []
-        pipe = Pipe(g.pp_rank, g.pp_size, g.stage_rank, shape, self.plan.torch_dtype, self.device)
+        pipe = pipe_of(model, mb, self.grid, self.plan.torch_dtype)
         with torch.no_grad():
             if isinstance(model, VirtualStages):
                 run_interleaved(model, [mb], 1.0, pipe, forward_only=True, scores=out)

@@ -164,8 +164,10 @@ def _global_loss(total: Tensor, grid: ParallelGrid, device: torch.device) -> Ten
     return t
 
 
-def _pipe(model: torch.nn.Module, mb: Batch, grid: ParallelGrid, dtype: torch.dtype) -> Pipe:
-    """This rank's pipeline, its activations shaped (B, S/sp or S/(sp*tp), h) in `dtype` on mb's device."""
+def pipe_of(model: torch.nn.Module, mb: Batch, grid: ParallelGrid, dtype: torch.dtype) -> Pipe:
+    """This rank's pipeline for micro-batches shaped as `mb`, its activations (B, S/sp, h), or (B, S/(sp*tp), h)
+    with TP sequence sharding, in `dtype` on mb's device (the training step's, validation's, the long-context
+    evaluation's)."""
     b, s = mb["position_ids"].shape
     shape = (b, s // grid.tp_size if model.groups.sequence_parallel else s, model.cfg.hidden_size)
     return Pipe(grid.pp_rank, grid.pp_size, grid.stage_rank, shape, dtype, mb["labels"].device)
@@ -186,9 +188,9 @@ def train_step(model: torch.nn.Module, opt: Optimizer, microbatches: list[Batch]
     if grid.pp_size == 1:
         total = forward_backward_local(model, microbatches, scale)
     elif isinstance(model, VirtualStages):
-        total = run_interleaved(model, microbatches, scale, _pipe(model, microbatches[0], grid, dtype))
+        total = run_interleaved(model, microbatches, scale, pipe_of(model, microbatches[0], grid, dtype))
     else:
-        total = forward_backward_1f1b(model, microbatches, scale, _pipe(model, microbatches[0], grid, dtype))
+        total = forward_backward_1f1b(model, microbatches, scale, pipe_of(model, microbatches[0], grid, dtype))
     _busy(False, grid)
     loss = _global_loss(total, grid, device)
     finite = torch.isfinite(loss)
@@ -207,10 +209,10 @@ def evaluate(model: torch.nn.Module, microbatches: list[Batch], grid: ParallelGr
     scale = 1.0 / max(count.item(), 1.0)
     model.eval()
     if isinstance(model, VirtualStages):
-        total = run_interleaved(model, microbatches, scale, _pipe(model, microbatches[0], grid, dtype),
+        total = run_interleaved(model, microbatches, scale, pipe_of(model, microbatches[0], grid, dtype),
                                 forward_only=True)
     else:
-        total = forward_only(model, microbatches, scale, _pipe(model, microbatches[0], grid, dtype))
+        total = forward_only(model, microbatches, scale, pipe_of(model, microbatches[0], grid, dtype))
     reshard(model)
     model.train()
     return _global_loss(total, grid, device).item()

@@ -166,7 +166,7 @@ def trace_step(cfg: Config, machine: Machine, world: int, stage: int = 0, keep: 
             # the fake backend takes no group timeouts, and says so per group
             warnings.filterwarnings("ignore", message="Set timeout is now only supported")
             grid = ParallelGrid.for_plan(run, cfg.parallel.timeout_seconds)
-            mesh = grid.device_mesh(torch.device("meta"), kind="meta")     # made of real tensors, before the fakes
+            mesh = grid.device_mesh(torch.device("meta"))     # made of real tensors, before the fakes
             pinned = functools.partial(torch_pinned, exact=machine.pinned_exact)    # FSDP2's, rounded as torch does
             with FakeTensorMode(allow_non_fake_inputs=True), LiveBytes(keep, torch_pinned=pinned) as live, \
                     _gpu_forms(live, roof, machine, run.micro_batch_size), roof:
