@@ -344,3 +344,19 @@ def test_training_lengths_follow_the_curriculum(monkeypatch):
                                    "data.seq_len_schedule=[[0, 160], [3, 640]]", "long_eval.interval=2",
                                    "long_eval.tasks=[passkey]"])
         TrainingLongEval(short, None, torch.device("cpu"), resolve_run(short, torch.device("cpu")))
+
+
+def test_an_evaluation_plans_no_checkpoint_saves():
+    """An evaluation writes no checkpoint: its plan saves none in the background (no saver's communicator, no
+    staging memory, nothing said of them at start-up), whatever the run's config asked; its batch fits the world."""
+    from megalysses.plan import Machine, resolve
+    from megalysses.tools.eval_long import _fit_layout
+    from megalysses.training.runtime import memory_options
+
+    cfg = load_config(None, ["checkpoint.async_save=true", "training.global_batch_size=8", "model.num_layers=2",
+                             "model.hidden_size=64", "model.num_heads=4", "model.num_kv_heads=4", "data.mock=true"])
+    assert resolve(cfg, Machine.current(torch.device("cpu")), 2).async_save
+    cfg, _ = _fit_layout(cfg, 2, [])
+    plan = resolve(cfg, Machine.current(torch.device("cpu")), 2)
+    assert not plan.async_save and cfg.training.global_batch_size == 2 * cfg.training.micro_batch_size
+    assert not any("checkpoints" in o for o in memory_options(cfg, plan))

@@ -160,7 +160,8 @@ def _hf_config(args: argparse.Namespace) -> tuple[Config, Any]:
 
 def _fit_layout(cfg: Config, world: int, overrides: list[str]) -> tuple[Config, Optional[str]]:
     """The run's layout where `world` holds whole copies of it, else sp over every rank (and a line saying so);
-    then --set; the batch settings made to fit the world (they do not apply to an evaluation)."""
+    then --set; the batch settings made to fit the world and no checkpoint saves planned (neither applies to an
+    evaluation)."""
     data = config_to_dict(cfg)
     p = cfg.parallel
     note = None
@@ -176,6 +177,7 @@ def _fit_layout(cfg: Config, world: int, overrides: list[str]) -> tuple[Config, 
     dp = max(world // (par.tp * par.sp * par.pp), 1)
     t.rampup_batch_size, t.batch_size_schedule = [], []
     t.global_batch_size = t.micro_batch_size * dp * (par.pp if par.virtual_stages > 1 else 1)
+    cfg.checkpoint.async_save = False
     validate_config(cfg, world_size=world)
     return cfg, note
 
