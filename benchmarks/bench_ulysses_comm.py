@@ -42,6 +42,7 @@ from benchmarks.harness import add_output_args, output_dir, write_text  # noqa: 
 from megalysses.config import ConfigError, ModelConfig  # noqa: E402
 from megalysses.config.checks import check_heads  # noqa: E402
 from megalysses.grid import ParallelGrid  # noqa: E402
+from megalysses.degrees import Degrees  # noqa: E402
 from megalysses.kernels.rope import rope_cos_sin  # noqa: E402
 from megalysses.model.layers import Attention, ParallelGroups  # noqa: E402
 from megalysses.parallel.sequence_layout import SequenceLayout  # noqa: E402
@@ -99,7 +100,7 @@ def factorisations(shape: dict, sp: int) -> list[tuple[int, int]]:
 def count_layer(rank: int, world: int, shape: dict, ring: int) -> dict:
     """Bytes this rank sends for one attention layer, forward and backward, at sp = world = (world/ring) x ring."""
     torch.manual_seed(rank)
-    grid = ParallelGrid(sp=world, ring=ring)
+    grid = ParallelGrid(Degrees(sp=world, ring=ring))
     cfg = ModelConfig(hidden_size=shape["hidden"], num_heads=shape["heads"], num_kv_heads=shape["kv_heads"],
                       attention_backend="sdpa")
     attn = Attention(cfg, ParallelGroups(ulysses=grid.ulysses_group, ring=grid.ring_group))

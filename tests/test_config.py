@@ -132,7 +132,7 @@ def test_sp_is_ulysses_times_ring_and_any_length_is_valid():
         cfg = load_config(overrides=["data.mock=true"] + overrides)
         p = cfg.parallel
         run = resolve(cfg, Machine.described(None, ranks_per_node=0), p.tp * p.sp)
-        assert run.ulysses * run.ring == p.sp
+        assert run.degrees.ulysses * run.degrees.ring == p.sp
 
 
 def test_ulysses_degree_follows_the_launchers_node_size(monkeypatch):
@@ -145,7 +145,7 @@ def test_ulysses_degree_follows_the_launchers_node_size(monkeypatch):
 
     def split(machine):
         run = resolve(cfg, machine, 16)
-        return run.ulysses, run.ring
+        return run.degrees.ulysses, run.degrees.ring
 
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     assert split(Machine.current()) == (16, 1)

@@ -179,7 +179,7 @@ def _train_with_step_3_not_finite(cfg, monkeypatch):
 
     monkeypatch.setattr(loop, "build_run", capture)
     monkeypatch.setattr(loop, "train_step", poisoned)
-    grid = ParallelGrid(tp=1, sp=1, pp=1)
+    grid = ParallelGrid()
     summary = loop.train(cfg, resolve_run(cfg, torch.device("cpu"), grid), grid, torch.device("cpu"))
     return summary, built["run"].opt
 

@@ -15,6 +15,7 @@ import torch
 from megalysses.config import ConfigError
 from megalysses.config.io import load_config
 from megalysses.grid import ParallelGrid
+from megalysses.degrees import Degrees
 from megalysses.kernels import attention, block_attention as blocks
 from megalysses.kernels.attention import core_attention
 from megalysses.kernels.block_attention import AttentionBlock, merge_block
@@ -210,7 +211,7 @@ def test_run_plan_prints_and_records_the_factorisation(tmp_path):
     cfg = load_config(overrides=["data.mock=true", "data.seq_len=250", "model.hidden_size=64", "model.num_heads=2",
                                  "model.num_kv_heads=1", "parallel.sp=4"])
     rt = resolve_run(cfg, torch.device("cpu"))
-    assert (rt.ulysses, rt.ring, rt.padded_seq_len, rt.attention) == (2, 2, 252, "sdpa")
+    assert (rt.degrees.ulysses, rt.degrees.ring, rt.padded_seq_len, rt.attention) == (2, 2, 252, "sdpa")
     grid = ParallelGrid.single()
     with pytest.raises(ConfigError, match="ulysses 1 x ring 1 but the config resolves to ulysses 2 x ring 2"):
         resolve_run(cfg, torch.device("cpu"), grid)
@@ -235,7 +236,7 @@ def _ring_worker(rank, world, shape, parity_cases):
     out = {}
     # sp = 8 as ring 8, ulysses 2 x ring 4 and ulysses 4 x ring 2 (the all-to-all around the ring)
     for ring in (8, 4, 2):
-        grid = ParallelGrid(sp=world, ring=ring)
+        grid = ParallelGrid(Degrees(sp=world, ring=ring))
         layout = grid.sequence_layout(False)
         for backend, dtype in (("reference", torch.float32), ("sdpa", torch.float32), ("sdpa", torch.bfloat16)):
             for docs in (None, doc_ids()):
@@ -256,7 +257,7 @@ def _ring_worker(rank, world, shape, parity_cases):
                 out[(ring, backend, str(dtype), docs is not None)] = ok
 
     # every exchange is posted before the block it overlaps is computed, forward and backward
-    grid = ParallelGrid(sp=world, ring=world)
+    grid = ParallelGrid(Degrees(sp=world, ring=world))
     events = []
     real_exchange, real_forward, real_backward = (ring_module.comm.ring_exchange, ring_module.block_attention,
                                                   ring_module.block_attention_backward)

@@ -92,7 +92,7 @@ def test_the_plan_records_what_the_loop_loader_and_model_read():
             "training.global_batch_size=8", "training.micro_batch_size=2"]
     cfg = load_config(overrides=base)
     run = resolve(cfg, Machine.current("cpu"), 8)
-    assert (run.dp, run.micro_batch_size, run.micro_batches, run.samples_per_micro_batch) == (2, 2, 2, 4)
+    assert (run.degrees.dp, run.micro_batch_size, run.micro_batches, run.samples_per_micro_batch) == (2, 2, 2, 4)
     assert run.micro_batches_of(12) == 3
     assert run.sequence == SequenceLayout(sp=2, ring=1, tp_shard=2)
     assert [(p.seq_len, p.padded_len) for p in run.phases] == [(125, 128), (250, 252), (250, 252)]

@@ -10,10 +10,11 @@ from megalysses.kernels.norms import norm_tile_rows
 from megalysses.memory.activations import (attention_half_terms, attention_terms, bytes_per_token, dims,
                                            kept_attention_terms, mlp_half_terms, tiled)
 from megalysses.memory.states import head_norm_params, mlp_params, norm_params
-from megalysses.memory.types import GIB, KERNELS, Layout, Options, Precision, Term
+from megalysses.degrees import Degrees
+from megalysses.memory.types import GIB, KERNELS, Options, Precision, Term
 
 
-def backward_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, tokens: float,
+def backward_terms(m: ModelConfig, layout: Degrees, opts: Options, prec: Precision, tokens: float,
                    seq_len: int, grad_bytes: Optional[Callable[[float], float]] = None) -> list[Term]:
     """One layer's backward on one rank, on top of what the other layers keep: its own activations
     (retained or recomputed) and the gradients being computed, at the worst of its moments as the
@@ -76,7 +77,7 @@ def backward_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precisio
     return _worst_moment_terms(moments, opts, tokens, h / r, a, bytes_per_token(full))
 
 
-def _attention_alive(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, seq_len: int,
+def _attention_alive(m: ModelConfig, layout: Degrees, opts: Options, prec: Precision, seq_len: int,
                      attn_terms: list) -> tuple[float, float, str, float]:
     """Bytes per token alive before the attention kernel's backward and at it, the head chunks' name for the
     moments, and the QKV input's gradient the chunks sum into (0 without head chunks)."""
@@ -121,7 +122,7 @@ def _core_backward(d: dict, opts: Options, a: int, seq_len: int) -> tuple[float,
                   + (", fp32 dq accumulator" if accumulator else "") + (", fp32 rowsum(dO O)" if rowsum else ""))
 
 
-def _mlp_backward(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, tokens: float,
+def _mlp_backward(m: ModelConfig, layout: Degrees, opts: Options, prec: Precision, tokens: float,
                   h: float, r: int, f: float) -> tuple[float, str]:
     """With MLP tiles: a tile's backward (model/tiled.py MLPTiles) at the worst of its MLP's (the norm output,
     gathered over tp, the gate-up output, silu, the down input and their gradients, the tile's output) and its
@@ -185,7 +186,7 @@ def _kind(moment: str) -> str:
     return "attention"          # the attention kernel's, or ring attention's, backward
 
 
-def own_weight_grads(m: ModelConfig, layout: Layout, opts: Options, mlp_tiled: bool) -> dict:
+def own_weight_grads(m: ModelConfig, layout: Degrees, opts: Options, mlp_tiled: bool) -> dict:
     """How many of the layer's own weight-gradient elements exist at each moment of its backward (keyed by
     _kind: MLP, MLP norm, attention, QKV, attention norm, head, all-to-all); the caller weighs them in bytes
     (in .grad, fp32 main_grad, reduced chunks, ...): down_proj's with the down input's gradient, the whole
@@ -258,13 +259,13 @@ def _ring_backward(q: float, kv: float, a: int, ring: int, opts: Options, accumu
     return base + moments[worst], f"ring attention's backward ({worst}): fp32 dq and dK/dV, dout, K/V blocks"
 
 
-def loss_tile_tokens(m: ModelConfig, layout: Layout, opts: Options, tokens: float) -> float:
+def loss_tile_tokens(m: ModelConfig, layout: Degrees, opts: Options, tokens: float) -> float:
     """Tokens per LM head + loss tile (kernels/linear_cross_entropy.py default_chunk_tokens)."""
     chunk = opts.loss_chunk_tokens or default_chunk_tokens(m.padded_vocab_size(layout.tp) // layout.tp)
     return min(chunk, tokens)
 
 
-def loss_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, tokens: float) -> list[Term]:
+def loss_terms(m: ModelConfig, layout: Degrees, opts: Options, prec: Precision, tokens: float) -> list[Term]:
     """The LM head + loss forward, beyond what it keeps (stage_terms): its input, and the worst of its moments
     (kernels/linear_cross_entropy.py). One tile: the fp32 logits and the gradient's compute-dtype copy. More:
     either a tile's logits made fp32 (beside the matmul's output in the compute dtype) while the previous tile's

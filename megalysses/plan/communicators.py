@@ -153,7 +153,8 @@ def checkpoint_record(world: int) -> dict:
 
 def run_communicators(run) -> list[Communicator]:
     """The communicators of the busiest rank of a RunPlan (the first pipeline stage's: it has the embed group)."""
-    return communicators(axis_sizes(run.tp, run.ulysses, run.ring, run.dp, run.pp), run.grad_overlap)
+    d = run.degrees
+    return communicators(axis_sizes(d.tp, d.ulysses, d.ring, d.dp, d.pp), run.grad_overlap)
 
 
 def communicator_bytes(run) -> int:

@@ -1,7 +1,7 @@
 """Resolve a run once: a Config and a Machine become a RunPlan, every `auto` decided.
 
     plan = resolve(cfg, Machine.current(device), world_size)      # ConfigError: what cannot run there, and why
-    plan.dtype, plan.attention, plan.kernels, plan.ulysses, plan.ring, plan.phases, ...
+    plan.dtype, plan.attention, plan.kernels, plan.degrees, plan.phases, ...
 
 The decisions that depend on the machine or the layout are made here and nowhere else: the compute
 dtype, sp = ulysses x ring, the attention backend of core attention and of the ring's blocks, the kernel
@@ -30,6 +30,7 @@ from typing import Optional
 
 from megalysses.config import Config, ConfigError
 from megalysses.config.checks import check_head_chunks, check_heads, check_kept_attention, head_chunk_counts
+from megalysses.degrees import Degrees
 from megalysses.kernels.attention import AttentionNeeds, unsupported_reason
 from megalysses.kernels.linear_cross_entropy import default_chunk_tokens
 from megalysses.memory.types import fmt_bytes
@@ -151,8 +152,8 @@ def resolve(cfg: Config, machine: Machine, world_size: int, tiles: bool = True, 
         check_head_chunks(m.num_heads, m.kv_heads, p.tp, ulysses, ring, t.attention_head_chunks)
         activation = replace(activation, head_chunks=t.attention_head_chunks)
     dp = max(world_size // (p.tp * p.sp * p.pp), 1)
-    run = RunPlan(machine=machine, world=world_size, tp=p.tp, sp=p.sp, pp=p.pp, dp=dp,
-                  virtual_stages=p.virtual_stages, ulysses=ulysses, ring=ring, dtype=dtype, master_dtype="float32",
+    degrees = Degrees(tp=p.tp, sp=p.sp, pp=p.pp, dp=dp, virtual_stages=p.virtual_stages, ring=ring)
+    run = RunPlan(machine=machine, degrees=degrees, dtype=dtype, master_dtype="float32",
                   attention=attention, attention_reason=reason, attention_window=m.sliding_window,
                   kernels=choose_kernels(m.kernels, machine), collective=collective_backend(p.backend, machine),
                   phases=_phases(cfg, sequence), sequence=sequence, activation=activation,
@@ -213,7 +214,7 @@ def choose_async_save(cfg: Config, run: RunPlan) -> tuple[bool, str]:
 def concrete_loss_tile(cfg: Config, run: RunPlan) -> int:
     """The LM head + loss tile the model runs: the one asked for (or `auto`'s), else the kernel's default for a
     rank's rows of the padded vocabulary."""
-    vocab_local = cfg.model.padded_vocab_size(run.tp) // run.tp
+    vocab_local = cfg.model.padded_vocab_size(run.degrees.tp) // run.degrees.tp
     return run.activation.loss_chunk_tokens or default_chunk_tokens(vocab_local)
 
 
@@ -227,7 +228,7 @@ def flex_mask_block(cfg: Config, run: RunPlan) -> int:
     mask spans. 128 where the memory model does not cover the run."""
     from megalysses.plan.memory import estimate_plan      # the memory model reads RunPlans: import late
 
-    span = run.padded_seq_len // run.ring
+    span = run.padded_seq_len // run.degrees.ring
     block = 128
     while True:
         try:
@@ -268,7 +269,7 @@ def auto_head_chunks(cfg: Config, run: RunPlan) -> int:
 
     m, hw = cfg.model, Hardware()
     peaks = []
-    for n in head_chunk_counts(m.num_heads, m.kv_heads, run.tp, run.ulysses):
+    for n in head_chunk_counts(m.num_heads, m.kv_heads, run.degrees.tp, run.degrees.ulysses):
         try:
             est = estimate_plan(cfg, replace(run, activation=replace(run.activation, head_chunks=n)))
         except ValueError:

@@ -22,7 +22,7 @@ from typing import Callable, Iterator, Optional
 from megalysses.config import Config, ConfigError, ModelConfig
 from megalysses.config.checks import check_heads, check_world_size, head_chunk_counts, validate_config
 from megalysses.memory import GIB, Estimate
-from megalysses.plan.memory import (estimate_plan, layout_of, options_of, precision_of, shared_estimates,
+from megalysses.plan.memory import (estimate_plan, options_of, precision_of, shared_estimates,
                                     workload_of)
 from megalysses.plan.flops import flops_per_token
 from megalysses.plan.machine import PLAIN_TORCH, Machine
@@ -202,9 +202,9 @@ def predict(cfg: Config, run: RunPlan, gpu_memory_gib: Optional[float], host_mem
     gpu_memory_gib = run.machine.memory_gib if gpu_memory_gib is None else gpu_memory_gib
     est = estimate_plan(cfg, run)
     offloaded = sum(t.bytes for t in est.terms if t.host and t.name.startswith("offloaded"))
-    step = step_time(cfg.model, layout_of(run), options_of(cfg, run), precision_of(run), workload_of(cfg, run), hw,
+    step = step_time(cfg.model, run.degrees, options_of(cfg, run), precision_of(run), workload_of(cfg, run), hw,
                      Overlap(grad_reduce=cfg.parallel.overlap_grad_reduce), retained=offloaded)
-    per_node = est.host * min(run.world, hw.gpus_per_node)
+    per_node = est.host * min(run.degrees.world, hw.gpus_per_node)
     why, usable = [], hw.usable_bytes(gpu_memory_gib, est.largest.bytes, communicator_bytes(run))
     if est.peak > usable:
         why.append(f"peak {est.peak / GIB:.1f} GiB > usable {usable / GIB:.1f} GiB")
@@ -305,7 +305,7 @@ def step_floor(cand: Config, run: RunPlan, hw: Hardware) -> float:
     the same), with no offloaded bytes (which add host copies)."""
     opts = options_of(cand, run)
     tiles = [opts.mlp_chunk_tokens] if cand.training.mlp_chunk_tokens != "auto" else [0, cand.model.hidden_size]
-    return min(step_time(cand.model, layout_of(run), replace(opts, mlp_chunk_tokens=tile), precision_of(run),
+    return min(step_time(cand.model, run.degrees, replace(opts, mlp_chunk_tokens=tile), precision_of(run),
                          workload_of(cand, run), hw, Overlap(grad_reduce=cand.parallel.overlap_grad_reduce)).total
                for tile in tiles)
 

@@ -18,7 +18,8 @@ from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
 from megalysses.config import ModelConfig
-from megalysses.memory import GIB, Layout, Options, Precision, Workload, head_norm_params, kv_replication, \
+from megalysses.degrees import Degrees
+from megalysses.memory import GIB, Options, Precision, Workload, head_norm_params, kv_replication, \
     layer_params, stage_layers, stage_params, tiled
 from megalysses.plan.flops import attended_keys
 
@@ -157,7 +158,7 @@ class _Compute:
     seconds: float          # both at the hardware's efficiencies
 
 
-def _compute(m: ModelConfig, layout: Layout, opts: Options, work: Workload, hw: Hardware) -> _Compute:
+def _compute(m: ModelConfig, layout: Degrees, opts: Options, work: Workload, hw: Hardware) -> _Compute:
     t, P, M = layout.tp, layout.sp, work.micro_batches
     tokens = work.micro_batch_size * work.seq_len / P                 # per micro-batch per rank
     L = stage_layers(m, layout)
@@ -203,7 +204,7 @@ class _Step:
     """What step_time is asked about, handed as one to the terms it adds up."""
 
     m: ModelConfig
-    layout: Layout
+    layout: Degrees
     opts: Options
     prec: Precision
     work: Workload
@@ -304,7 +305,7 @@ def _host_and_optimizer(s: _Step, n: float, compute: float, retained: float, nby
     return n / G * (prec.master + prec.moments + 4) * 3 / (hw.hbm_gbs * 1e9)
 
 
-def step_time(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, work: Workload, hw: Hardware,
+def step_time(m: ModelConfig, layout: Degrees, opts: Options, prec: Precision, work: Workload, hw: Hardware,
               overlap: Overlap = Overlap(), retained: float = 0.0) -> StepTime:
     """Predicted seconds per optimizer step on the busiest rank. `retained`: activation bytes per step
     that activation offload copies out and back."""

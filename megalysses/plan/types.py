@@ -3,9 +3,10 @@ phases and its activation policy. megalysses.plan.resolve makes them; the model,
 the cost models read them."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Optional
 
+from megalysses.degrees import Degrees
 from megalysses.parallel.sequence_layout import SequenceLayout
 from megalysses.plan.machine import Machine
 
@@ -55,14 +56,7 @@ class RunPlan:
     """Every decision of a run of one config on one machine."""
 
     machine: Machine
-    world: int
-    tp: int
-    sp: int
-    pp: int
-    dp: int
-    virtual_stages: int
-    ulysses: int
-    ring: int
+    degrees: Degrees                # tp, sp = ulysses x ring, pp, dp, virtual stages: the run's one copy of them
     dtype: str                      # compute dtype: "float32" or "bfloat16" (weights, activations, kernels)
     master_dtype: str               # the optimizer's masters and moments: always "float32"
     attention: str                  # core attention (reference, sdpa, flex or flash), or with a ring (ring > 1)
@@ -109,7 +103,7 @@ class RunPlan:
     @property
     def samples_per_micro_batch(self) -> int:
         """Samples of one micro-batch over the dp ranks."""
-        return self.micro_batch_size * self.dp
+        return self.micro_batch_size * self.degrees.dp
 
     def micro_batches_of(self, batch: int) -> int:
         """Micro-batches of a step of `batch` global samples (a batch of a ramp)."""
@@ -123,8 +117,10 @@ class RunPlan:
 
     def record(self) -> dict:
         """The plan as plain data (runtime.json, tools/plan.py --json)."""
-        out = asdict(self)
-        out["machine"] = self.machine.summary()
+        out = {"machine": self.machine.summary(), **self.degrees.record()}     # the degrees as flat keys
+        out.update((f.name, getattr(self, f.name)) for f in fields(self) if f.name not in ("machine", "degrees"))
+        out["sequence"] = asdict(self.sequence)
+        out["activation"] = asdict(self.activation)
         out["phases"] = [asdict(p) for p in self.phases]
         out["padded_seq_len"] = self.padded_seq_len
         return out

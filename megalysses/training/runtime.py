@@ -32,7 +32,7 @@ def check_built(model: torch.nn.Module, grid: ParallelGrid, run: RunPlan) -> Non
     from megalysses.model.policies import applied_policy
 
     wrong = []
-    if (grid.ulysses_size, grid.ring_size) != (run.ulysses, run.ring):
+    if (grid.ulysses_size, grid.ring_size) != (run.degrees.ulysses, run.degrees.ring):
         wrong.append(f"grid ulysses x ring {grid.ulysses_size} x {grid.ring_size}")
     for name, m in model.named_modules():
         if isinstance(m, Attention) and (m.backend, m.window) != (run.attention, run.attention_window):
@@ -53,7 +53,8 @@ def check_built(model: torch.nn.Module, grid: ParallelGrid, run: RunPlan) -> Non
             wrong.append(f"weights in {sorted(dtypes)}")
     if wrong:
         raise RuntimeError(f"the built run differs from its plan ({', '.join(wrong)}): planned {run.attention} "
-                           f"attention, {run.kernels} kernels, {run.dtype}, ulysses {run.ulysses} x ring {run.ring}")
+                           f"attention, {run.kernels} kernels, {run.dtype}, ulysses {run.degrees.ulysses} x ring "
+                           f"{run.degrees.ring}")
 
 
 def model_config(cfg: Config, run: RunPlan) -> ModelConfig:
@@ -71,7 +72,7 @@ def flex_compile_budget(run: RunPlan) -> int:
     (validation); with a ring it has three block shapes (the diagonal block, the first half of the keys, the
     second half of the queries), each compiled for the forward and for the backward's recomputation with grad."""
     lengths = {p.padded_len for p in run.phases}
-    return DYNAMO_DEFAULT_LIMIT + (6 if run.ring > 1 else 2) * len(lengths)
+    return DYNAMO_DEFAULT_LIMIT + (6 if run.degrees.ring > 1 else 2) * len(lengths)
 
 
 def memory_options(cfg: Config, run: RunPlan) -> list[str]:
@@ -95,8 +96,8 @@ def memory_options(cfg: Config, run: RunPlan) -> list[str]:
         opts.append(f"tiled loss ({a.loss_chunk_tokens} tokens)")
     if a.tp_sequence_parallel:
         opts.append("TP sequence sharding")
-    if run.virtual_stages > 1:
-        opts.append(f"interleaved pipeline (v={run.virtual_stages})")
+    if run.degrees.virtual_stages > 1:
+        opts.append(f"interleaved pipeline (v={run.degrees.virtual_stages})")
     if run.async_save:
         opts.append("checkpoints written in the background")
     elif cfg.checkpoint.async_save == "auto" and run.async_save_reason:
@@ -107,7 +108,7 @@ def memory_options(cfg: Config, run: RunPlan) -> list[str]:
 def sequence_summary(cfg: Config, run: RunPlan) -> str:
     """How the sequence is split: 'sp = ulysses 2 x ring 2, seq_len 250 padded to 252', and the curriculum:
     'seq_len 250 (padded to 252) -> 1000 at step 101'."""
-    text = f"sp = ulysses {run.ulysses} x ring {run.ring}"
+    text = f"sp = ulysses {run.degrees.ulysses} x ring {run.degrees.ring}"
     schedule = cfg.data.seq_len_schedule
     train = [p for p in run.phases if p.name not in ("eval", "long_eval")]
     if schedule:

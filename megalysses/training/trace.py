@@ -131,7 +131,7 @@ class FakeGPU(accelerator.Host):
 
 def stage_rank(run: RunPlan, stage: int) -> int:
     """World rank of the first rank (dp, sp, tp all 0) of pipeline stage `stage`."""
-    return stage * run.dp * run.sp * run.tp
+    return stage * run.degrees.dp * run.degrees.sp * run.degrees.tp
 
 
 def trace_step(cfg: Config, machine: Machine, world: int, stage: int = 0, keep: int = 12,
@@ -150,8 +150,8 @@ def trace_step(cfg: Config, machine: Machine, world: int, stage: int = 0, keep: 
     cfg = replace(cfg, data=replace(cfg.data, mock=True))
     validate_config(cfg, world_size=world)
     run = resolve(cfg, machine, world)
-    if not 0 <= stage < run.pp:
-        raise ValueError(f"the run has {run.pp} pipeline stages: no stage {stage}")
+    if not 0 <= stage < run.degrees.pp:
+        raise ValueError(f"the run has {run.degrees.pp} pipeline stages: no stage {stage}")
     rank = stage_rank(run, stage)
     # the meta device stands for the GPU: give it a backend of its own on the fake process group
     dist.init_process_group("cpu:fake,cuda:fake,meta:fake", store=FakeStore(), rank=rank, world_size=world)
@@ -215,14 +215,14 @@ def _step(cfg: Config, grid: ParallelGrid, run: RunPlan, mesh: Any, live: LiveBy
     opt.step = optimizer_step
     live.reset_peaks()
     roof.mark("before the micro-batches")
-    if run.pp == 1:
+    if run.degrees.pp == 1:
         hook = model.register_forward_pre_hook(lambda *args: roof.mark("micro-batch"))
     else:
         roof.mark("micro-batches")
     train_step(model, opt, traced, grid, lr=cfg.optimizer.lr, grad_clip=cfg.optimizer.grad_clip,
                dtype=run.torch_dtype, nan_policy=cfg.training.nan_policy)
     roof.finish()
-    if run.pp == 1:
+    if run.degrees.pp == 1:
         hook.remove()
     del batch
     return len(traced)
@@ -234,7 +234,7 @@ def traced_micro_batches(micro_batches: int, run: RunPlan) -> int:
     (the gradients of those before) and the last (the buckets reduced during its backward); with one, as many
     as fill the schedule's warm-up and reach its steady state twice (1F1B: pp; interleaved: 2 pp per model
     chunk), and the last."""
-    needed = 3 if run.pp == 1 else 2 * run.pp * run.virtual_stages + 2
+    needed = 3 if run.degrees.pp == 1 else 2 * run.degrees.pp * run.degrees.virtual_stages + 2
     return min(micro_batches, needed)
 
 
@@ -262,7 +262,8 @@ def trace_run(cfg: Config, machine: Machine, world: int, keep: int = 12,
               hw: Optional[Hardware] = None) -> list[StepTrace]:
     """The traced step of the first stage and, with a pipeline, of the last (the run's peak is the larger)."""
     first = trace_step(cfg, machine, world, 0, keep, hw)
-    return [first] + ([trace_step(cfg, machine, world, first.run.pp - 1, keep, hw)] if first.run.pp > 1 else [])
+    pp = first.run.degrees.pp
+    return [first] + ([trace_step(cfg, machine, world, pp - 1, keep, hw)] if pp > 1 else [])
 
 
 def traced_peak(traces: list[StepTrace]) -> StepTrace:
