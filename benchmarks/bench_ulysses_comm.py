@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = []
     for sp in args.sp:
         splits = factorisations(shape, sp)
-        multiple = math.lcm(*(SequenceLayout(sp, r).multiple for _, r in splits))
+        multiple = math.lcm(*(SequenceLayout(Degrees(sp=sp, ring=r)).multiple for _, r in splits))
         if args.seq_len % multiple:
             raise SystemExit(f"error: --seq-len {args.seq_len} is not a multiple of {multiple}: every split of sp={sp} "
                              f"must run unpadded for the closed forms to apply")

@@ -293,8 +293,7 @@ class ParallelGrid:
 
     def sequence_layout(self, tp_sequence_parallel: bool) -> SequenceLayout:
         """Which positions of a sample each sp rank holds, and the multiple samples are padded to."""
-        return SequenceLayout(sp=self.sp_size, ring=self.ring_size,
-                              tp_shard=self.tp_size if tp_sequence_parallel else 1)
+        return SequenceLayout(self.degrees, tp_sequence_parallel)
 
     def stage_rank(self, pp_rank: int) -> int:
         """World rank of the same (dp, sp, tp) position at pipeline stage `pp_rank`."""

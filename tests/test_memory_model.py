@@ -68,7 +68,7 @@ def measure_forward(cfg: ModelConfig, seq: int, opts: dict, groups: Optional[Par
     init_weights(model, 0, tp_rank, groups.tp_size)
     model.to(dtype)
     ids = torch.randint(0, cfg.vocab_size, (1, seq))
-    layout = SequenceLayout(sp=groups.sp_size, ring=comm.group_size(groups.ring))
+    layout = SequenceLayout(Degrees(sp=groups.sp_size, ring=comm.group_size(groups.ring)))
     chunk = torch.from_numpy(layout.positions(seq, sp_rank))
     pos = chunk[None]
     ids_local = ids[:, chunk].contiguous()

@@ -76,7 +76,7 @@ def close(got, want, tol=1e-5):
 @pytest.mark.parametrize("sp,ring,tp_shard", [(1, 1, 1), (4, 1, 2), (4, 2, 1), (4, 4, 1), (6, 2, 1), (8, 4, 2),
                                               (3, 3, 1), (7, 7, 1)])
 def test_layout_partitions_the_padded_sequence(sp, ring, tp_shard):
-    layout = SequenceLayout(sp, ring, tp_shard)
+    layout = SequenceLayout(Degrees(tp=tp_shard, sp=sp, ring=ring), tp_sequence_parallel=True)
     for seq_len in (1, 29, 64, 250):
         S = layout.padded_len(seq_len)
         assert S >= seq_len and S - seq_len < layout.multiple and S % (sp * tp_shard) == 0
@@ -94,7 +94,7 @@ def test_layout_partitions_the_padded_sequence(sp, ring, tp_shard):
 
 
 def test_shard_sample_pads_with_masked_labels_and_a_document_of_its_own():
-    layout = SequenceLayout(4, 2)                                          # multiple lcm(4, 4) = 4
+    layout = SequenceLayout(Degrees(sp=4, ring=2))                         # multiple lcm(4, 4) = 4
     inputs = np.arange(10, 20)[None]
     labels = np.arange(11, 21)[None]
     labels[0, 0] = IGNORE_INDEX

@@ -141,7 +141,6 @@ def resolve(cfg: Config, machine: Machine, world_size: int, tiles: bool = True, 
         raise
     if not t.recompute_attention:
         check_kept_attention(cfg, attention, ulysses, ring)
-    sequence = SequenceLayout(p.sp, ring, p.tp if p.tp_sequence_parallel else 1)
     activation = ActivationPolicy(checkpointing=t.activation_checkpointing,
                                   keep_attention=t.activation_checkpointing and not t.recompute_attention,
                                   offload=t.activation_offload, mlp_chunk_tokens=_until_auto(t.mlp_chunk_tokens),
@@ -153,10 +152,11 @@ def resolve(cfg: Config, machine: Machine, world_size: int, tiles: bool = True, 
         activation = replace(activation, head_chunks=t.attention_head_chunks)
     dp = max(world_size // (p.tp * p.sp * p.pp), 1)
     degrees = Degrees(tp=p.tp, sp=p.sp, pp=p.pp, dp=dp, virtual_stages=p.virtual_stages, ring=ring)
+    sequence = SequenceLayout(degrees, p.tp_sequence_parallel)
     run = RunPlan(machine=machine, degrees=degrees, dtype=dtype, master_dtype="float32",
                   attention=attention, attention_reason=reason, attention_window=m.sliding_window,
                   kernels=choose_kernels(m.kernels, machine), collective=collective_backend(p.backend, machine),
-                  phases=_phases(cfg, sequence), sequence=sequence, activation=activation,
+                  phases=_phases(cfg, sequence), activation=activation,
                   micro_batch_size=t.micro_batch_size,
                   micro_batches=max(t.global_batch_size // (t.micro_batch_size * dp), 1), grad_dtype="float32",
                   optimizer=("fsdp-host" if t.param_offload else "fsdp") if p.fsdp else

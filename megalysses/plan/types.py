@@ -64,7 +64,6 @@ class RunPlan:
     kernels: str                    # norms, RoPE, SwiGLU: torch, triton, liger or apex
     collective: str                 # nccl or gloo
     phases: tuple[Phase, ...]
-    sequence: SequenceLayout        # which positions each sp rank holds; every phase is padded to its multiple
     activation: ActivationPolicy
     micro_batch_size: int           # samples per micro-batch on each dp rank
     micro_batches: int              # micro-batches per step at training.global_batch_size (where a ramp ends)
@@ -79,6 +78,11 @@ class RunPlan:
                                     # their communicator apart (plan/communicators.py)
     async_save: bool = False        # checkpoints staged in pinned host memory and written in the background
     async_save_reason: str = ""     # why (checkpoint.async_save, and for auto the host memory it needs and has)
+
+    @property
+    def sequence(self) -> SequenceLayout:
+        """Which positions each sp rank holds; every phase is padded to its multiple."""
+        return SequenceLayout(self.degrees, self.activation.tp_sequence_parallel)
 
     @property
     def padded_seq_len(self) -> int:
@@ -118,9 +122,12 @@ class RunPlan:
     def record(self) -> dict:
         """The plan as plain data (runtime.json, tools/plan.py --json)."""
         out = {"machine": self.machine.summary(), **self.degrees.record()}     # the degrees as flat keys
-        out.update((f.name, getattr(self, f.name)) for f in fields(self) if f.name not in ("machine", "degrees"))
-        out["sequence"] = asdict(self.sequence)
-        out["activation"] = asdict(self.activation)
-        out["phases"] = [asdict(p) for p in self.phases]
+        for f in fields(self):
+            if f.name in ("machine", "degrees"):
+                continue
+            value = getattr(self, f.name)
+            out[f.name] = asdict(value) if f.name == "activation" else value
+            if f.name == "phases":
+                out["phases"], out["sequence"] = [asdict(p) for p in self.phases], self.sequence.record()
         out["padded_seq_len"] = self.padded_seq_len
         return out

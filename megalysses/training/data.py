@@ -109,7 +109,7 @@ class TrainingData:
     def _micro_batches(self, dataset, consumed: int, curriculum: bool) -> Iterator[Batch]:
         d, g, run, step_of = self.cfg.data, self.grid, self.run, self.batch_sizes.step_of
         phase_at = (lambda first: run.train_phase(step_of(first)).seq_len) if curriculum else None
-        rank = LoaderRank(g.dp_rank, run.degrees.dp, g.sp_rank, run.degrees.sp, run.sequence)
+        rank = LoaderRank(g.dp_rank, g.sp_rank, run.sequence)
         fmt = BatchFormat(self.eod_id, d.reset_position_ids, d.document_mask, d.eod_mask_loss,
                           loss_average=d.loss_average)
         for mb in iterate_micro_batches(dataset, run.micro_batch_size, rank, consumed, fmt, seq_len=d.seq_len,

@@ -220,7 +220,7 @@ class LongEval:
         tokens = [x.tokens if x is not None else np.zeros(length + 1, dtype=np.int64) for x in samples]
         layout = self.plan.sequence
         fmt = BatchFormat(self.eod, d.reset_position_ids, d.document_mask, d.eod_mask_loss)
-        mb = build_micro_batch(tokens, length, g.sp_rank, g.sp_size, fmt, layout=layout)
+        mb = build_micro_batch(tokens, length, g.sp_rank, fmt, layout)
         full = np.full((len(samples), layout.padded_len(length)), -1, dtype=np.int64)
         for b, x in enumerate(samples):
             if x is not None:
