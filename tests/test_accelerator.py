@@ -67,7 +67,7 @@ def test_the_model_counts_pinned_requests_as_allocated():
     from megalysses.plan.step_time import Hardware
     from tests.planning import LLAMA3_8B, load
 
-    opts = Options(activation_checkpointing=True, activation_offload=True, fsdp=True, param_offload=True,
+    opts = Options(checkpointing=True, offload=True, fsdp=True, param_offload=True,
                    attention="flash", kernels="triton")
     work, layout, bf16 = Workload(6 << 20), Degrees(sp=8), PRECISIONS["bf16"]
     block = (6 << 20) // 8 * LLAMA3_8B.hidden_size * 2

@@ -120,6 +120,6 @@ def test_step_time_counts_each_chunks_recomputed_attention(checkpointing):
         forwards[n] = counter.heads["q"] / (8 * 4)              # 8 query heads, 4 layers, 1 micro-batch
     assert forwards[2] == forwards[1] + 1 == (3 if checkpointing else 2)
     m = load_config(overrides=BASE).model
-    flops = {n: step_time(m, Degrees(), Options(activation_checkpointing=checkpointing, head_chunks=n),
+    flops = {n: step_time(m, Degrees(), Options(checkpointing=checkpointing, head_chunks=n),
                           PRECISIONS["fp32"], Workload(32), Hardware()).flops["attention"] for n in (1, 2)}
     assert flops[2] / flops[1] == (forwards[2] + 2) / (forwards[1] + 2)

@@ -29,7 +29,7 @@ def test_alst_longest_sequences(gpus, published):
     or more fails whatever the memory: 524,288 tokens per rank at hidden 4096 (their one-GPU recipe notes
     an illegal memory access at 555K). The planner's answer is the lower of that and the memory limit,
     and the memory limit alone must not fall short of the published length."""
-    opts = Options(activation_checkpointing=True, activation_offload=True, offload_prefetch=0,
+    opts = Options(checkpointing=True, offload=True, offload_prefetch=0,
                    mlp_chunk_tokens=LLAMA3_8B.hidden_size, loss_chunk_tokens=16384, fsdp=True, optimizer_offload=True,
                    param_offload=gpus == 1, attention="flash", native_gqa=True, bucket_bytes=5e8 * 2,
                    kernels="liger")
@@ -100,7 +100,7 @@ def test_ring_steps_pay_their_fp32_merges():
     kernel per head does none. Llama-3.1-8B at 5M tokens on 8 H100s (the longest where Ulysses 8 alone fits)
     ranks Ulysses 8 first, ahead of rings of 8 that fit too."""
     m = load_config("configs/llama3_8b_1m.yaml").model
-    opts, bf16, work, hw = Options(activation_checkpointing=True), PRECISIONS["bf16"], Workload(1 << 20), Hardware()
+    opts, bf16, work, hw = Options(checkpointing=True), PRECISIONS["bf16"], Workload(1 << 20), Hardware()
     ring = step_time(m, Degrees(sp=8, ring=8), opts, bf16, work, hw)
     tokens, q, kv = (1 << 20) / 8, m.num_heads * m.head_size, m.kv_heads * m.head_size
     merges = 8 * m.num_layers * tokens * (2 * q + q + 2 * kv) * (2 + 8) / (hw.hbm_gbs * 1e9)

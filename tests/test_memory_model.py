@@ -40,11 +40,11 @@ S = 64                     # and 2S: the S^2 check
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 OPTIONS = {
     "none": {},
-    "checkpointing": {"activation_checkpointing": True},
-    "checkpointing, attention kept": {"activation_checkpointing": True, "keep_attention": True},
+    "checkpointing": {"checkpointing": True},
+    "checkpointing, attention kept": {"checkpointing": True, "keep_attention": True},
     "tiled MLP": {"mlp_chunk_tokens": 16},
     "loss tiles": {"loss_chunk_tokens": 16},
-    "all three": {"activation_checkpointing": True, "mlp_chunk_tokens": 16, "loss_chunk_tokens": 16},
+    "all three": {"checkpointing": True, "mlp_chunk_tokens": 16, "loss_chunk_tokens": 16},
     "head chunks": {"head_chunks": 2},
 }
 
@@ -61,10 +61,7 @@ def measure_forward(cfg: ModelConfig, seq: int, opts: dict, groups: Optional[Par
     copies (CPU tensors here) are left out of `bytes`."""
     groups = groups or ParallelGroups()
     torch.manual_seed(0)
-    model = apply_activation_policy(GPTStage(cfg, groups), ActivationPolicy(
-        checkpointing=opts.get("activation_checkpointing", False), loss_chunk_tokens=opts.get("loss_chunk_tokens", 0),
-        mlp_chunk_tokens=opts.get("mlp_chunk_tokens", 0), offload=opts.get("activation_offload", False),
-        keep_attention=opts.get("keep_attention", False), head_chunks=opts.get("head_chunks", 1)))
+    model = apply_activation_policy(GPTStage(cfg, groups), ActivationPolicy(**opts))     # the memory model's names
     init_weights(model, 0, tp_rank, groups.tp_size)
     model.to(dtype)
     ids = torch.randint(0, cfg.vocab_size, (1, seq))
@@ -505,14 +502,14 @@ def test_estimate_breakdown_adds_up_and_offload_moves_activations_to_host():
     est = estimate_config(cfg, 32, Machine.described("H100", packages=("flash_attn", "triton")))
     assert abs(sum(t.bytes for t in est.terms if not t.host) - est.peak) < 1.0
     m, layout, bf16 = cfg.model, Degrees(sp=8, dp=4), PRECISIONS["bf16"]
-    base = Options(activation_checkpointing=True, loss_chunk_tokens=8192)
+    base = Options(checkpointing=True, loss_chunk_tokens=8192)
     kept = {S_: {t.name: t.bytes for t in estimate(m, layout, base, bf16, Workload(S_)).terms}
             for S_ in (2 ** 17, 2 ** 18)}
     assert kept[2 ** 18]["layer activations"] == 2 * kept[2 ** 17]["layer activations"]
     assert kept[2 ** 18]["weights"] == kept[2 ** 17]["weights"]
     S_ = 2 ** 20     # 128K tokens per rank: the block inputs outweigh the 8B model's gradients
     on_device = estimate(m, layout, base, bf16, Workload(S_))
-    offloaded = estimate(m, layout, replace(base, activation_offload=True), bf16, Workload(S_))
+    offloaded = estimate(m, layout, replace(base, offload=True), bf16, Workload(S_))
     block_input = S_ / 8 * m.hidden_size * 2
     assert on_device.phase == offloaded.phase == "backward"
     # the block inputs leave the device; the backward's last layer still holds every bf16 gradient

@@ -95,8 +95,8 @@ def _parity_worker(rank: int, world: int) -> dict:
 
 
 RING_RETAINED = "what a forward keeps at ulysses 2 x ring 2"
-RING_OPTIONS = {"none": {}, "checkpointing": {"activation_checkpointing": True},
-                "offload": {"activation_checkpointing": True, "activation_offload": True}}
+RING_OPTIONS = {"none": {}, "checkpointing": {"checkpointing": True},
+                "offload": {"checkpointing": True, "offload": True}}
 
 
 def _ring_retained(world: int) -> dict:
@@ -209,11 +209,11 @@ def test_the_device_keeps_what_the_memory_model_says():
     host = activation_offload(model).host_buffers()
     host_bytes = sum(t.numel() * t.element_size() for t in host)
     device = kept.bytes - host_bytes
-    opts = Options(activation_checkpointing=True, activation_offload=True, attention="sdpa", native_gqa=False)
+    opts = Options(checkpointing=True, offload=True, attention="sdpa", native_gqa=False)
     fp32 = PRECISIONS["fp32"]
     assert device == retained_activation_bytes(model.cfg, Degrees(), opts, fp32, S), kept.storages
     assert host_bytes == 4 * S * 64 * 4                                       # 4 block inputs, fp32
-    on_device = retained_activation_bytes(model.cfg, Degrees(), Options(activation_checkpointing=True, attention="sdpa",
+    on_device = retained_activation_bytes(model.cfg, Degrees(), Options(checkpointing=True, attention="sdpa",
                                                                        native_gqa=False), fp32, S)
     assert on_device - device == host_bytes
 
@@ -265,7 +265,7 @@ def test_a_checkpoint_stride_keeps_every_kth_block_input_for_the_same_gradients(
         _, kept = measure_retained(functools.partial(model, ids, pos, labels=ids),
                                    exclude=tuple(model.parameters()) + (pos, ids))
         host = sum(t.numel() * t.element_size() for t in activation_offload(model).host_buffers()) if offload else 0
-        opts = Options(activation_checkpointing=True, activation_offload=offload, checkpoint_stride=2,
+        opts = Options(checkpointing=True, offload=offload, checkpoint_stride=2,
                        attention="sdpa", native_gqa=False)
         assert kept.bytes - host == retained_activation_bytes(model.cfg, Degrees(), opts, fp32, S), (offload, kept)
         assert host == (2 * S * 64 * 4 if offload else 0)                   # 2 of the 4 block inputs

@@ -139,7 +139,7 @@ def test_the_plan_counts_the_block_inputs_each_schedule_keeps_in_flight():
 
     m = load_config(overrides=["data.mock=true", "model.num_layers=8"]).model
     for P, v, stride in ((2, 1, 1), (4, 1, 2), (2, 2, 1), (4, 2, 1), (2, 4, 2)):
-        opts = Options(activation_checkpointing=True, activation_offload=True, checkpoint_stride=stride)
+        opts = Options(checkpointing=True, offload=True, checkpoint_stride=stride)
         groups = -(-(8 // (P * v)) // stride)
         for M in (P, 2 * P):
             for stage in range(P):
@@ -152,5 +152,5 @@ def test_the_plan_counts_the_block_inputs_each_schedule_keeps_in_flight():
                 expected = [n * (groups - (0 if stage == 0 and c == 0 else 1)) for c, n in enumerate(most)]
                 got = offload_buffers(m, Degrees(pp=P, virtual_stages=v), opts, Workload(64, 1, M), stage)
                 assert got == expected, (P, v, stride, M, stage, got, expected)
-    one = Options(activation_checkpointing=True, activation_offload=True, checkpoint_stride=3)
+    one = Options(checkpointing=True, offload=True, checkpoint_stride=3)
     assert offload_buffers(m, Degrees(), one, Workload(64, 1, 4), 0) == [3]      # one micro-batch at a time

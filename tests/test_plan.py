@@ -424,7 +424,7 @@ def test_streamed_gradients_leave_no_main_grad_on_the_device():
     for their bucket. The host holds the reduced fp32 gradients and two buckets staged for their addition; every
     micro-batch's reduced chunks are copied out, the weights come back once."""
     m, layout, bf16 = LLAMA3_8B, Degrees(sp=8), PRECISIONS["bf16"]
-    base = Options(activation_checkpointing=True, activation_offload=True, loss_chunk_tokens=8192)
+    base = Options(checkpointing=True, offload=True, loss_chunk_tokens=8192)
     work = Workload(1 << 20, 1, 4)
     on_device = estimate(m, layout, base, bf16, work)
     streamed = estimate(m, layout, replace(base, optimizer_offload=True), bf16, work)

@@ -3,7 +3,7 @@ memory options.
 
     est = estimate_plan(cfg, plan)                             # a Config and its RunPlan -> Estimate
     est.peak_gib, est.phase, est.terms                        # the peak and its breakdown, term by term
-    per_token = layer_terms(cfg.model, Degrees(sp=8), Options(activation_checkpointing=True), PRECISIONS["bf16"])
+    per_token = layer_terms(cfg.model, Degrees(sp=8), Options(checkpointing=True), PRECISIONS["bf16"])
 
 Everything is counted per rank. Activations are counted per token of the rank's sequence shard inside
 the tensor-parallel region (S/sp tokens; the residual stream holds S/(sp*tp) of them under TP sequence

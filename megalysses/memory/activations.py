@@ -58,7 +58,7 @@ def layer_terms(m: ModelConfig, layout: Degrees, opts: Options, prec: Precision,
     whether MLP tiles split the sequence, and sizes the reference backend's S x S probabilities."""
     d = dims(m, layout, opts)
     h, r, a = d["h"], d["r"], prec.act
-    if opts.activation_checkpointing if checkpointed is None else checkpointed:
+    if opts.checkpointing if checkpointed is None else checkpointed:
         return [("block input (checkpoint)", h / r, a)] + kept_attention_terms(m, layout, opts, prec)
     return attention_half_terms(m, layout, opts, prec, seq_len) + mlp_half_terms(m, layout, opts, prec, seq_len)
 
@@ -127,7 +127,7 @@ def head_norm_terms(d: dict, k: Kernels, a: int) -> PerToken:
 def kept_attention_terms(m: ModelConfig, layout: Degrees, opts: Options, prec: Precision) -> PerToken:
     """What checkpointing keeps per layer besides the block input with training.recompute_attention=false:
     SDPA's output and log-sum-exp (model/recompute.py; not combined with activation offload)."""
-    if not (opts.activation_checkpointing and opts.keep_attention):
+    if not (opts.checkpointing and opts.keep_attention):
         return []
     d = dims(m, layout, opts)
     return [("attention output (kept for the backward)", d["q"], prec.act), ("log-sum-exp (kept)", d["hq"], 4)]
@@ -179,7 +179,7 @@ def sp_buffer_bytes_per_token(m: ModelConfig, layout: Degrees, opts: Options, pr
 def cos_sin_kept(opts: Options, prec: Precision) -> bool:
     """Whether the stage's fp32 rotary cos, sin stay for the backward: checkpoint inputs (of blocks or head
     chunks), the fused RoPE's saved tensors, or (fp32) the torch reference's."""
-    return (opts.activation_checkpointing or opts.head_chunks > 1 or KERNELS[opts.kernels].rope_saves_cos_sin
+    return (opts.checkpointing or opts.head_chunks > 1 or KERNELS[opts.kernels].rope_saves_cos_sin
             or prec.act == 4)
 
 
@@ -203,7 +203,7 @@ def head_weight_grad_bytes(m: ModelConfig, layout: Degrees, prec: Precision) -> 
 
 def kept_layers(layers: int, opts: Options) -> int:
     """Of `layers` blocks, how many keep their input: every k-th under checkpointing with a stride."""
-    k = opts.checkpoint_stride if opts.activation_checkpointing else 1
+    k = opts.checkpoint_stride if opts.checkpointing else 1
     return -(-layers // k)
 
 
@@ -235,7 +235,7 @@ def retained_activation_bytes(m: ModelConfig, layout: Degrees, opts: Options, pr
     tokens = micro_batch_size * seq_len / layout.sp
     per_layer = bytes_per_token(layer_terms(m, layout, opts, prec, seq_len))
     stage = tokens * bytes_per_token(stage_terms(m, layout, opts, prec, first, last))
-    if opts.activation_offload and opts.activation_checkpointing:
+    if opts.offload and opts.checkpointing:
         # the block inputs are in host memory, except a received pipeline input (the schedule holds it)
         per_layer, n = (per_layer, 1) if not first else (0.0, 0)
     head = head_weight_grad_bytes(m, layout, prec) if last else 0.0

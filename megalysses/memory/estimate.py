@@ -40,7 +40,7 @@ class _Stage:
         self.n_layers = stage_layers(m, layout)
         self.layer_tok = bytes_per_token(layer_terms(m, layout, opts, prec, self.S))
         self.flight = in_flight(layout, stage, self.M)
-        self.offload = opts.activation_offload and opts.activation_checkpointing
+        self.offload = opts.offload and opts.checkpointing
         self.fixed, self.grads = state_terms(m, layout, opts, prec, self.first, self.last, self.M)
         # the step's micro-batches, loaded at its start: token ids, labels, positions (and document ids)
         batch = self.M * self.tokens * (3 * 8 + (8 * layout.sp if opts.documents else 0))

@@ -70,7 +70,7 @@ def offload_buffers(m: ModelConfig, layout: Degrees, opts: Options, work: Worklo
     started, over the rank's schedule (one micro-batch at a time without a pipeline; P - stage with 1F1B;
     the interleaved order of parallel/interleaved.py)."""
     P, v, M = layout.pp, layout.virtual_stages, work.micro_batches
-    stride = opts.checkpoint_stride if opts.activation_checkpointing else 1
+    stride = opts.checkpoint_stride if opts.checkpointing else 1
     groups = -(-(m.num_layers // (P * v)) // stride)                 # checkpointed groups of one chunk
     per_forward = [groups - (0 if stage == 0 and c == 0 else 1) for c in range(v)]
     if P == 1:
@@ -113,7 +113,7 @@ def pinned_requests(m: ModelConfig, layout: Degrees, opts: Options, prec: Precis
                     stage: int) -> list[PinnedRequest]:
     """The pinned host requests megalysses makes itself on pipeline rank `stage` (the module docstring)."""
     reqs = []
-    if opts.activation_offload and opts.activation_checkpointing:
+    if opts.offload and opts.checkpointing:
         size = block_input_bytes(m, layout, opts, prec, work)
         reqs += [PinnedRequest("offloaded block inputs", size, n, f"model chunk {c}")
                  for c, n in enumerate(offload_buffers(m, layout, opts, work, stage))]

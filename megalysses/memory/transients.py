@@ -68,7 +68,7 @@ def backward_terms(m: ModelConfig, layout: Degrees, opts: Options, prec: Precisi
         bytes_per_token(norm_in), h * a + dx + norm_tile_bytes(m, opts, prec, tokens / r) / tokens)
     if N > 1:   # a chunk's forward (recomputed under checkpointing): its activations and the running output sum
         moments["head chunk forward: its activations, o_proj's running sum"] = (at_core - kept, h * a)
-    if d["P"] > 1 and (opts.activation_checkpointing or N > 1):
+    if d["P"] > 1 and (opts.checkpointing or N > 1):
         moments[f"all-to-all of the attention's recomputed forward{chunk_name}"] = (
             before_core, ulysses_forward_bytes(d, k, a) + (h * a if N > 1 else 0))
     own = own_weight_grads(m, layout, opts, mlp_tiled)
@@ -116,7 +116,7 @@ def _core_backward(d: dict, opts: Options, a: int, seq_len: int) -> tuple[float,
     rowsum = 4 * d["hq"] * rows if opts.dq_accumulator or opts.attention == "flex" else 0
     if d["ring"] > 1:
         return _ring_backward(q, kv, a, d["ring"], opts, accumulator,
-                              recomputed=opts.activation_checkpointing or opts.head_chunks > 1)
+                              recomputed=opts.checkpointing or opts.head_chunks > 1)
     core = (2 * q + 2 * kv_grads) * a + inside + accumulator + rowsum
     return core, ("attention: dout, dq, dk, dv" + (", dk and dv at the query heads" if inside else "")
                   + (", fp32 dq accumulator" if accumulator else "") + (", fp32 rowsum(dO O)" if rowsum else ""))
@@ -146,19 +146,19 @@ def _worst_moment_terms(moments: dict, opts: Options, tokens: float, width: floa
     layer keeps."""
     residual = width * a
     name, (alive, grads) = max(moments.items(), key=lambda kv_: sum(kv_[1]))
-    offloaded = opts.activation_offload and opts.activation_checkpointing
-    if opts.activation_checkpointing and not offloaded:
+    offloaded = opts.offload and opts.checkpointing
+    if opts.checkpointing and not offloaded:
         alive -= residual                  # the norm's input is the retained block input itself
-    what = "recomputed" if opts.activation_checkpointing else "own"
-    terms = [] if not opts.activation_checkpointing else [
+    what = "recomputed" if opts.checkpointing else "own"
+    terms = [] if not opts.checkpointing else [
         Term(f"the layer's {what} activations (at its worst moment)", tokens * alive,
              f"{tokens:.4g} tok x {alive:.4g} B")]
-    if not opts.activation_checkpointing:      # retained already: what is freed by that moment comes off
+    if not opts.checkpointing:      # retained already: what is freed by that moment comes off
         terms.append(Term("the layer's activations freed by then", -tokens * (full - alive),
                           f"-{tokens:.4g} tok x {full - alive:.4g} B"))
     each = ", ".join(f"{n.split(':')[0]} {(al + g) * tokens / GIB:.3g} GiB" for n, (al, g) in moments.items())
     terms.append(Term(f"backward of one layer, {name}", tokens * grads, f"{tokens:.4g} tok x {grads:.4g} B; {each}"))
-    k = opts.checkpoint_stride if opts.activation_checkpointing else 1
+    k = opts.checkpoint_stride if opts.checkpointing else 1
     if k > 1:   # a group recomputed from its input keeps every block input of the group (model/gpt.py)
         terms.append(Term(f"the group's other recomputed block inputs ({k - 1})", (k - 1) * tokens * residual,
                           f"{k - 1} x {tokens:.4g} tok x {width:.4g} x {a} B"))
@@ -200,7 +200,7 @@ def own_weight_grads(m: ModelConfig, layout: Degrees, opts: Options, mlp_tiled: 
     qkv = (h + m.qkv_bias) * D * (m.num_heads + 2 * m.kv_heads) / t
     chunks = opts.head_chunks > 1
     attention = mlp + o_proj + (qkv if chunks else 0)
-    recomputing = 0.0 if opts.activation_checkpointing else (mlp + o_proj + qkv) if chunks else 0.0
+    recomputing = 0.0 if opts.checkpointing else (mlp + o_proj + qkv) if chunks else 0.0
     return {"MLP": 0.0 if mlp_tiled else down, "MLP norm": mlp - norm_params(m), "attention": attention,
             "QKV": attention, "attention norm": mlp + o_proj + qkv, "head": recomputing, "all-to-all": recomputing}
 

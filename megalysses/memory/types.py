@@ -62,11 +62,12 @@ KERNELS: dict[str, Kernels] = {
 
 @dataclass(frozen=True)
 class Options:
-    """Memory options: the training.* and parallel.* switches, the kernels, and parameter offload (FSDP,
-    other systems' only)."""
+    """Memory options: the training.* and parallel.* switches as the RunPlan resolves them, under its names (those
+    of its ActivationPolicy, RunPlan.fsdp, kernels, attention, async_save), the kernels, and parameter offload
+    (FSDP, other systems' only)."""
 
-    activation_checkpointing: bool = False
-    activation_offload: bool = False
+    checkpointing: bool = False
+    offload: bool = False              # checkpointed block inputs live in pinned host memory
     checkpoint_stride: int = 1         # checkpointing keeps every k-th block input (training.checkpoint_stride)
     keep_attention: bool = False       # checkpointing keeps attention outputs (training.recompute_attention=false)
     mlp_chunk_tokens: int = 0

@@ -61,7 +61,7 @@ def varlen_sequences(cfg: Config, plan: RunPlan) -> int:
 def options_of(cfg: Config, plan: RunPlan) -> Options:
     a, p = plan.activation, cfg.parallel
     native, accumulator = attention_buffers(plan, cfg.data.document_mask)
-    return Options(activation_checkpointing=a.checkpointing, activation_offload=a.offload,
+    return Options(checkpointing=a.checkpointing, offload=a.offload,
                    checkpoint_stride=a.checkpoint_stride, head_chunks=a.head_chunks,
                    keep_attention=a.keep_attention, mlp_chunk_tokens=a.mlp_chunk_tokens,
                    loss_chunk_tokens=a.loss_chunk_tokens, tp_sequence_parallel=a.tp_sequence_parallel,

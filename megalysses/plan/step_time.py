@@ -175,7 +175,7 @@ def _compute(m: ModelConfig, layout: Degrees, opts: Options, work: Workload, hw:
     fwd_attn = L * 4 * work.micro_batch_size * work.seq_len * attended_keys(work.seq_len, window) * q / P
     head = 2 * m.padded_vocab_size(t) / t * m.hidden_size * tokens
     # forwards recomputed in the backward: one under checkpointing, two with a stride (the group's, the block's)
-    recomputes = (2 if opts.checkpoint_stride > 1 else 1) if opts.activation_checkpointing else 0
+    recomputes = (2 if opts.checkpoint_stride > 1 else 1) if opts.checkpointing else 0
     # the block's recomputation runs its attention projections again, and its MLP: in tiles, each tile's forward
     # once more in its own backward besides (the tiles keep nothing); untiled, up to the last tensor the backward
     # saved (torch.utils.checkpoint's early stop): the down projection, whose output nothing saves, does not run
@@ -287,7 +287,7 @@ def _host_and_optimizer(s: _Step, n: float, compute: float, retained: float, nby
     layout, opts, prec, M, hw = s.layout, s.opts, s.prec, s.work.micro_batches, s.hw
     G = layout.dp * layout.sp
     copies = 0.0                     # host <-> device bytes per step beyond the optimizer's own
-    if opts.activation_offload:
+    if opts.offload:
         copies += 2 * retained
     if opts.optimizer_offload and not opts.fsdp:
         copies += M * n / G * 4                                          # reduced fp32 chunks out
