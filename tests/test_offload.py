@@ -226,7 +226,7 @@ def test_offload_without_checkpointing_is_a_config_error():
 
 
 def test_a_longer_sequence_lets_the_shorter_ones_host_buffers_go():
-    """A sequence-length curriculum's next stage: the host buffers of the previous length are not kept
+    """A sequence-length curriculum's next phase: the host buffers of the previous length are not kept
     (a curriculum never returns to a shorter length), and the gradients are those without offload; from an
     arena sized for the longest length, the shorter length's buffers go back to it and the longer ones fit."""
     from megalysses.pinned_arena import PinnedArena, aligned

@@ -15,7 +15,7 @@ from megalysses.plan.machine import Machine
 class Phase:
     """One length the run trains (or validates) at, and the padded length the layout makes of it."""
 
-    name: str                   # "train" (from_step 0), "train from step N" (a curriculum stage), "eval", or
+    name: str                   # "train" (from_step 0), "train from step N" (a curriculum's phase), "eval", or
                                 # "long_eval" (a length of long_eval.lengths: forward only, not a step's shape)
     seq_len: int
     padded_len: int
@@ -91,12 +91,12 @@ class RunPlan:
 
     @property
     def train_phases(self) -> tuple[Phase, ...]:
-        """The training phases, in step order: one, or a sequence-length curriculum's stages."""
+        """The training phases, in step order: one, or a sequence-length curriculum's."""
         return tuple(p for p in self.phases if p.from_step is not None)
 
     def train_phase(self, step: int) -> Phase:
         """The training phase of the optimizer step taken after `step` completed steps (the sequence-length
-        curriculum's stage, data.seq_len_schedule)."""
+        curriculum's phase, data.seq_len_schedule)."""
         return [p for p in self.train_phases if p.from_step <= step][-1]
 
     @property
