@@ -57,6 +57,10 @@ class Degrees:
     def world(self) -> int:
         return self.tp * self.sp * self.pp * self.dp
 
+    def summary(self) -> dict[str, int]:
+        """tp, sp, pp and dp alone (metrics.jsonl's start marks, a checkpoint's metadata)."""
+        return {"tp": self.tp, "sp": self.sp, "pp": self.pp, "dp": self.dp}
+
     def record(self) -> dict[str, int]:
         """The degrees as plain data, the world and the ulysses x ring split included (runtime.json)."""
         return {"world": self.world, "tp": self.tp, "sp": self.sp, "pp": self.pp, "dp": self.dp,

@@ -3,8 +3,10 @@ import itertools
 
 import pytest
 
+from megalysses.data.loader import LoaderRank
 from megalysses.degrees import Degrees
 from megalysses.grid import FINE_AXES, GROUP_AXES, GridLayout, LayoutError, ParallelGrid
+from megalysses.parallel.sequence_layout import SequenceLayout
 from megalysses.plan.communicators import GRADIENT_KINDS, KINDS, MESH_KINDS, axis_sizes, communicators
 from megalysses.testing import run_distributed
 
@@ -63,6 +65,17 @@ def test_bad_layout_message_lists_every_factor(world, tp, sp, pp):
         assert part in msg
     with pytest.raises(LayoutError, match="ring=3 does not divide sp=4"):
         Degrees.of_world(8, sp=4, ring=3)
+
+
+def test_the_grid_and_the_sequence_layout_read_one_set_of_degrees():
+    """Degrees are the one copy: the grid's arithmetic, the sequence layout and the loader's sizes read them."""
+    d = Degrees.of_world(16, tp=2, sp=4, ring=2)
+    assert (d.dp, d.ulysses, d.world) == (2, 2, 16) and GridLayout(d).world == 16
+    assert d.summary() == {"tp": 2, "sp": 4, "pp": 1, "dp": 2}
+    assert (SequenceLayout(d).tp_shard, SequenceLayout(d, tp_sequence_parallel=True).tp_shard) == (1, 2)
+    assert SequenceLayout(d, True).multiple == 8 and LoaderRank(layout=SequenceLayout(d)).dp_size == 2
+    with pytest.raises(LayoutError, match="virtual_stages=0 must be >= 1"):
+        Degrees(virtual_stages=0)
 
 
 GRIDS = [dict(tp=2, sp=2, pp=2), dict(tp=1, sp=4, pp=2, ring=2)]   # 8 ranks: the second has ulysses 2 x ring 2

@@ -100,6 +100,12 @@ def test_the_plan_records_what_the_loop_loader_and_model_read():
     tiled = resolve(load_config(overrides=base + ["training.loss_chunk_tokens=64"]), Machine.current("cpu"), 8)
     assert (tiled.activation.loss_chunk_tokens, tiled.activation.loss_tile) == (64, 64)
     assert run.grad_dtype == "float32" and run.record()["sequence"] == {"sp": 2, "ring": 1, "tp_shard": 2}
+    # the plan holds its degrees once; its record (runtime.json, the planner's JSON) keeps them as flat keys, in
+    # the order they always had, the sequence layout right after the phases
+    keys = list(run.record())
+    assert keys[:10] == ["machine", "world", "tp", "sp", "pp", "dp", "virtual_stages", "ulysses", "ring", "dtype"]
+    assert keys[keys.index("phases") + 1:keys.index("phases") + 3] == ["sequence", "activation"]
+    assert "degrees" not in keys and run.record()["world"] == 8 == run.degrees.world
 
 
 def test_the_process_group_starts_with_the_plans_collective(monkeypatch):

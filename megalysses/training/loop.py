@@ -102,7 +102,7 @@ def train(cfg: Config, plan: RunPlan, grid: ParallelGrid, device: torch.device, 
         save_config(cfg, run_dir / "config.yaml")
         write_runtime(run_dir, cfg, grid, plan)
         mark_start(run_dir, progress.step, path, progress.consumed * cfg.data.seq_len,
-                   {"tp": grid.tp_size, "sp": grid.sp_size, "pp": grid.pp_size, "dp": grid.dp_size})
+                   grid.degrees.summary())
 
     loop = TrainingLoop(run, long_eval, ckpt_dir, doing)
     on_rank0(start_run)
@@ -300,7 +300,7 @@ class TrainingLoop:
         meta = {"consumed_samples": p.consumed, "optimizer_steps": p.updates,
                 "loss": p.loss if math.isfinite(p.loss) else None,
                 "model_shape": architecture(cfg.model, grid.tp_size),
-                "layout": {"tp": grid.tp_size, "sp": grid.sp_size, "pp": grid.pp_size, "dp": grid.dp_size}}
+                "layout": grid.degrees.summary()}
         if self.saver is None:
             self.doing(f"saving the checkpoint of step {p.step}")
             save_checkpoint(self.ckpt_dir, p.step, self.model, self.opt, grid, self.mesh, meta,
