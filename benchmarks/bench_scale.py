@@ -110,8 +110,8 @@ def old_groups(grid_layout, timeout) -> None:
         for ranks in grid_layout.groups(kind):
             if len(ranks) > 1:
                 dist.new_group(ranks, timeout=timeout)
-    L = grid_layout
-    ranks = L.ranks.permute(0, 3, 1, 2).reshape(L.pp, L.tp, L.dp * L.sp)
+    d = grid_layout.degrees
+    ranks = grid_layout.ranks.permute(0, 3, 1, 2).reshape(d.pp, d.tp, d.dp * d.sp)
     DeviceMesh("cpu", ranks.flatten().view(ranks.shape), mesh_dim_names=("pp", "tp", "grad"))
 
 
@@ -172,7 +172,7 @@ def one_world(world: int, work: Path, before: bool, metadata_world: int) -> dict
         grid = ParallelGrid.for_plan(run, cfg.parallel.timeout_seconds)
         mesh = grid.device_mesh(torch.device("meta"))
         if before:      # after the grid: torch names a rank's own groups by how many groups it already has
-            old_groups(GridLayout(world, tp=run.tp, sp=run.sp, pp=run.pp, ring=run.ring), timedelta(seconds=60))
+            old_groups(GridLayout(run.degrees), timedelta(seconds=60))
     out.update(new_group_calls=counted.calls, groups_created=counted.groups,
                communicators=len(getattr(grid, "communicators", [])))
     stage("grid_s")
@@ -256,6 +256,7 @@ def store_rank(rank: int, world: int, port: int, before: bool, out_dir: str) -> 
     import torch
     import torch.distributed as dist
 
+    from megalysses.degrees import Degrees
     from megalysses.grid import GridLayout, ParallelGrid
 
     torch.set_num_threads(1)
@@ -264,10 +265,10 @@ def store_rank(rank: int, world: int, port: int, before: bool, out_dir: str) -> 
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=120))
     store.counting = True
     t = time.perf_counter()
-    grid = ParallelGrid(tp=2, sp=2, timeout_seconds=120)
+    grid = ParallelGrid(Degrees.of_world(world, tp=2, sp=2), timeout_seconds=120)
     grid.device_mesh(torch.device("cpu"))
     if before:
-        old_groups(GridLayout(world, tp=2, sp=2), timedelta(seconds=120))
+        old_groups(GridLayout(Degrees.of_world(world, tp=2, sp=2)), timedelta(seconds=120))
     seconds = time.perf_counter() - t
     store.counting = False
     dist.barrier()

@@ -92,7 +92,7 @@ def measure(name: str, hw: Hardware, memory: float) -> dict:
     phase = model_phase(top.device.moment)
     at_moment = est.phases.get((top.stage, phase))
     per_node = min(gpus, hw.gpus_per_node)
-    tokens = cfg.training.micro_batch_size * p.run.padded_seq_len / p.run.sp
+    tokens = cfg.training.micro_batch_size * p.run.padded_seq_len / p.run.degrees.sp
     usable = hw.usable_bytes(memory, max(t.largest_allocation for t in traces))
     r = p.row()
     layout = (f"tp{r['tp']} sp{r['sp']} ring{r['ring']} pp{r['pp']} dp{r['dp']}"

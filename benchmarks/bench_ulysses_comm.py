@@ -42,6 +42,7 @@ from benchmarks.harness import add_output_args, output_dir, write_text  # noqa: 
 from megalysses.config import ConfigError, ModelConfig  # noqa: E402
 from megalysses.config.checks import check_heads  # noqa: E402
 from megalysses.grid import ParallelGrid  # noqa: E402
+from megalysses.degrees import Degrees  # noqa: E402
 from megalysses.kernels.rope import rope_cos_sin  # noqa: E402
 from megalysses.model.layers import Attention, ParallelGroups  # noqa: E402
 from megalysses.parallel.sequence_layout import SequenceLayout  # noqa: E402
@@ -99,7 +100,7 @@ def factorisations(shape: dict, sp: int) -> list[tuple[int, int]]:
 def count_layer(rank: int, world: int, shape: dict, ring: int) -> dict:
     """Bytes this rank sends for one attention layer, forward and backward, at sp = world = (world/ring) x ring."""
     torch.manual_seed(rank)
-    grid = ParallelGrid(sp=world, ring=ring)
+    grid = ParallelGrid(Degrees(sp=world, ring=ring))
     cfg = ModelConfig(hidden_size=shape["hidden"], num_heads=shape["heads"], num_kv_heads=shape["kv_heads"],
                       attention_backend="sdpa")
     attn = Attention(cfg, ParallelGroups(ulysses=grid.ulysses_group, ring=grid.ring_group))
@@ -152,7 +153,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = []
     for sp in args.sp:
         splits = factorisations(shape, sp)
-        multiple = math.lcm(*(SequenceLayout(sp, r).multiple for _, r in splits))
+        multiple = math.lcm(*(SequenceLayout(Degrees(sp=sp, ring=r)).multiple for _, r in splits))
         if args.seq_len % multiple:
             raise SystemExit(f"error: --seq-len {args.seq_len} is not a multiple of {multiple}: every split of sp={sp} "
                              f"must run unpadded for the closed forms to apply")

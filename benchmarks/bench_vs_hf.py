@@ -59,7 +59,7 @@ class Ours:
         self.opt = ShardedAdamW(self.model.named_parameters(), None,
                                 AdamWSettings(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD))
         self.model.to(dtype)       # compute weights; the optimizer keeps the fp32 masters
-        self.grid = ParallelGrid(world=1, rank=0)
+        self.grid = ParallelGrid.single()
         self.dtype = dtype
 
     def step(self, tokens: torch.Tensor) -> float:

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from megalysses.comm import collective_device_type
+from megalysses.degrees import Degrees, LayoutError
 from megalysses.parallel.sequence_layout import SequenceLayout
 from megalysses.plan import RunPlan
 from megalysses.plan.communicators import (FINE_AXES, GROUP_AXES, KINDS, MESH_KINDS, Communicator, axis_sizes,
@@ -49,10 +50,6 @@ from megalysses.plan.communicators import (FINE_AXES, GROUP_AXES, KINDS, MESH_KI
 __all__ = ["AXES", "FINE_AXES", "GROUP_AXES", "GridLayout", "LayoutError", "ParallelGrid"]
 
 AXES = ("pp", "dp", "sp", "tp")
-
-
-class LayoutError(ValueError):
-    """An impossible (world, tp, sp, dp, pp) combination."""
 
 
 def _set_group_timeout(timeout: timedelta, group: dist.ProcessGroup) -> None:
@@ -66,53 +63,34 @@ def _set_group_timeout(timeout: timedelta, group: dist.ProcessGroup) -> None:
 
 @dataclass(frozen=True)
 class GridLayout:
-    """Pure rank arithmetic of the (pp, dp, sp, tp) grid."""
+    """Pure rank arithmetic of the (pp, dp, sp, tp) grid of a run's degrees."""
 
-    world: int
-    tp: int = 1
-    sp: int = 1
-    pp: int = 1
-    ring: int = 1   # ring degree of sp (sp = ulysses x ring)
-
-    def __post_init__(self) -> None:
-        sizes = (("world", self.world), ("tp", self.tp), ("sp", self.sp), ("pp", self.pp), ("ring", self.ring))
-        bad = [f"{n}={v}" for n, v in sizes if v < 1]
-        mp = self.tp * self.sp * self.pp
-        if bad or self.world % mp:
-            rule = f"{', '.join(bad)} must be >= 1" if bad else f"world must be a multiple of tp*sp*pp = {mp}"
-            raise LayoutError(
-                f"invalid parallel layout: world={self.world}, tp={self.tp}, sp={self.sp}, pp={self.pp}, "
-                f"dp=world/(tp*sp*pp)={self.world / max(mp, 1):g}: {rule} (world = tp*sp*dp*pp)")
-        if self.sp % self.ring:
-            raise LayoutError(f"invalid parallel layout: ring={self.ring} does not divide sp={self.sp} "
-                              f"(sp = ulysses x ring)")
+    degrees: Degrees
 
     @property
-    def dp(self) -> int:
-        return self.world // (self.tp * self.sp * self.pp)
-
-    @property
-    def ulysses(self) -> int:
-        return self.sp // self.ring
+    def world(self) -> int:
+        return self.degrees.world
 
     @cached_property
     def ranks(self) -> torch.Tensor:
         """(pp, dp, sp, tp) tensor of world ranks."""
-        return torch.arange(self.world).view(self.pp, self.dp, self.sp, self.tp)
+        d = self.degrees
+        return torch.arange(d.world).view(d.pp, d.dp, d.sp, d.tp)
 
     @cached_property
     def fine_ranks(self) -> torch.Tensor:
         """(pp, dp, ring, ulysses, tp) tensor of world ranks: the same order, sp split in two."""
-        return self.ranks.view(self.pp, self.dp, self.ring, self.ulysses, self.tp)
+        d = self.degrees
+        return self.ranks.view(d.pp, d.dp, d.ring, d.ulysses, d.tp)
 
     def coords(self, rank: int) -> dict[str, int]:
         """{pp, dp, sp, tp, ring, ulysses} coordinates of `rank` (sp = ring * ulysses_size + ulysses)."""
         if not 0 <= rank < self.world:
             raise ValueError(f"rank {rank} outside a world of {self.world}")
-        c = {}
-        for axis, size in zip(FINE_AXES[::-1], (self.tp, self.ulysses, self.ring, self.dp, self.pp)):
+        c, d = {}, self.degrees
+        for axis, size in zip(FINE_AXES[::-1], (d.tp, d.ulysses, d.ring, d.dp, d.pp)):
             rank, c[axis] = divmod(rank, size)
-        c["sp"] = c["ring"] * self.ulysses + c["ulysses"]
+        c["sp"] = c["ring"] * d.ulysses + c["ulysses"]
         return c
 
     def groups(self, kind: str) -> list[list[int]]:
@@ -136,7 +114,7 @@ class GridLayout:
         if kind == "world":
             return list(range(self.world))
         if kind == "embed":
-            if c["pp"] not in (0, self.pp - 1):
+            if c["pp"] not in (0, self.degrees.pp - 1):
                 raise KeyError(f"rank {rank} has no embed group (a middle pipeline stage)")
             stages = self.ranks[:, c["dp"], c["sp"], c["tp"]]
             return sorted({int(stages[0]), int(stages[-1])})
@@ -148,15 +126,16 @@ class GridLayout:
 class ParallelGrid:
     """This rank's coordinates and process groups. Build once after init_process_group; pass it around."""
 
-    def __init__(self, tp: int = 1, sp: int = 1, pp: int = 1, world: Optional[int] = None,
-                 rank: Optional[int] = None, ring: int = 1, timeout_seconds: Optional[float] = None,
-                 grad_apart: bool = True) -> None:
-        self.world = dist.get_world_size() if world is None else world
+    def __init__(self, degrees: Optional[Degrees] = None, rank: Optional[int] = None,
+                 timeout_seconds: Optional[float] = None, grad_apart: bool = True) -> None:
+        """The grid of `degrees` (default: every rank of the process group a dp rank), as rank `rank` (default:
+        this process's)."""
+        self.layout = GridLayout(Degrees(dp=dist.get_world_size()) if degrees is None else degrees)
+        self.world = self.layout.world
         self.rank = dist.get_rank() if rank is None else rank
         # every group ends a collective that waits longer than this (parallel.timeout_seconds);
         # None leaves torch's default (30 minutes on gloo)
         self.timeout = None if timeout_seconds is None else timedelta(seconds=timeout_seconds)
-        self.layout = GridLayout(self.world, tp, sp, pp, ring)
         c = self.layout.coords(self.rank)
         self.pp_rank, self.dp_rank, self.sp_rank, self.tp_rank = c["pp"], c["dp"], c["sp"], c["tp"]
         self.ring_rank, self.ulysses_rank = c["ring"], c["ulysses"]
@@ -170,11 +149,11 @@ class ParallelGrid:
     def _create_groups(self) -> None:
         """One process group per communicator of plan/communicators.py (kinds of the same ranks share it), each
         created by its members alone; a grid kind's group of one rank is None (collectives skip it)."""
-        L = self.layout
-        sizes = axis_sizes(L.tp, L.ulysses, L.ring, L.dp, L.pp)
+        L, d = self.layout, self.layout.degrees
+        sizes = axis_sizes(d.tp, d.ulysses, d.ring, d.dp, d.pp)
         for comm in communicators(sizes, self.grad_apart):     # the same list, in the same order, on every rank
             first = comm.kinds[0]
-            mine = [] if first == "embed" and self.pp_rank not in (0, L.pp - 1) else L.group_of(first, self.rank)
+            mine = [] if first == "embed" and self.pp_rank not in (0, d.pp - 1) else L.group_of(first, self.rank)
             group = self._new_group(comm, mine)
             if group is not None:
                 self._communicators.append((comm, mine))
@@ -182,7 +161,7 @@ class ParallelGrid:
                 self._groups.update(dict.fromkeys(comm.kinds, group))
                 self._ranks.update(dict.fromkeys(comm.kinds, mine))
         for kind in KINDS:              # a grid kind of one rank (a middle stage has no embed group)
-            if kind not in self._ranks and (kind != "embed" or self.pp_rank in (0, L.pp - 1)):
+            if kind not in self._ranks and (kind != "embed" or self.pp_rank in (0, d.pp - 1)):
                 self._ranks[kind], self._groups[kind] = L.group_of(kind, self.rank), None
 
     def _new_group(self, comm: Communicator, ranks: list[int]) -> Optional[dist.ProcessGroup]:
@@ -216,24 +195,27 @@ class ParallelGrid:
         return [comm.record(ranks) for comm, ranks in self._communicators]
 
     @classmethod
-    def for_plan(cls, run: RunPlan, timeout_seconds: Optional[float] = None) -> "ParallelGrid":
-        """The grid of a resolved run: its tp, sp (split into ulysses x ring as the plan splits it) and pp, the
+    def for_plan(cls, plan: RunPlan, timeout_seconds: Optional[float] = None) -> "ParallelGrid":
+        """The grid of a resolved run: the plan's degrees (sp split into ulysses x ring as the plan splits it), the
         gradient group apart where the plan overlaps its collectives with the step's."""
-        return cls(tp=run.tp, sp=run.sp, pp=run.pp, ring=run.ring, timeout_seconds=timeout_seconds,
-                   grad_apart=run.grad_overlap)
+        return cls(plan.degrees, timeout_seconds=timeout_seconds, grad_apart=plan.grad_overlap)
 
     @classmethod
     def single(cls) -> "ParallelGrid":
         """A world of one with no process groups (single-process references, tools, tests)."""
-        return cls(world=1, rank=0)
+        return cls(Degrees(), rank=0)
 
     # sizes and coordinates
-    tp_size = property(lambda self: self.layout.tp)
-    sp_size = property(lambda self: self.layout.sp)
-    ulysses_size = property(lambda self: self.layout.ulysses)
-    ring_size = property(lambda self: self.layout.ring)
-    pp_size = property(lambda self: self.layout.pp)
-    dp_size = property(lambda self: self.layout.dp)
+    @property
+    def degrees(self) -> Degrees:
+        return self.layout.degrees
+
+    tp_size = property(lambda self: self.degrees.tp)
+    sp_size = property(lambda self: self.degrees.sp)
+    ulysses_size = property(lambda self: self.degrees.ulysses)
+    ring_size = property(lambda self: self.degrees.ring)
+    pp_size = property(lambda self: self.degrees.pp)
+    dp_size = property(lambda self: self.degrees.dp)
 
     @property
     def grad_rank(self) -> int:
@@ -242,7 +224,7 @@ class ParallelGrid:
 
     @property
     def grad_size(self) -> int:
-        return self.layout.dp * self.layout.sp
+        return self.degrees.dp * self.degrees.sp
 
     @property
     def is_first_stage(self) -> bool:
@@ -250,7 +232,7 @@ class ParallelGrid:
 
     @property
     def is_last_stage(self) -> bool:
-        return self.pp_rank == self.layout.pp - 1
+        return self.pp_rank == self.degrees.pp - 1
 
     def group(self, kind: str) -> Optional[dist.ProcessGroup]:
         return self._groups.get(kind) if kind == "embed" else self._groups[kind]
@@ -301,8 +283,8 @@ class ParallelGrid:
         groups (no communicator of its own): checkpoints place every tensor on its stage's (tp, grad) sub-mesh, FSDP
         shards over grad. Its device type is the one the groups' backend takes for `device`'s tensors
         (comm.collective_device_type: the host's for a build of shapes alone, a dry run's)."""
-        L = self.layout
-        ranks = L.ranks.permute(0, 3, 1, 2).reshape(L.pp, L.tp, L.dp * L.sp)
+        d = self.degrees
+        ranks = self.layout.ranks.permute(0, 3, 1, 2).reshape(d.pp, d.tp, d.dp * d.sp)
         # fresh row-major strides: torch 2.11 takes the mesh layout from them, and a size-1 dim of the
         # permuted view keeps a stride that makes mesh["tp", "grad"] fail as out of order
         kind = collective_device_type(device)
@@ -312,8 +294,7 @@ class ParallelGrid:
 
     def sequence_layout(self, tp_sequence_parallel: bool) -> SequenceLayout:
         """Which positions of a sample each sp rank holds, and the multiple samples are padded to."""
-        return SequenceLayout(sp=self.sp_size, ring=self.ring_size,
-                              tp_shard=self.tp_size if tp_sequence_parallel else 1)
+        return SequenceLayout(self.degrees, tp_sequence_parallel)
 
     def stage_rank(self, pp_rank: int) -> int:
         """World rank of the same (dp, sp, tp) position at pipeline stage `pp_rank`."""

@@ -139,9 +139,10 @@ def resolve_run(cfg: Config, device: torch.device, grid: Optional[ParallelGrid] 
     The grid must split sp as the plan does."""
     p = cfg.parallel
     run = resolve(cfg, Machine.current(device), grid.world if grid is not None else p.tp * p.sp * p.pp)
-    if grid is not None and (grid.ulysses_size, grid.ring_size) != (run.ulysses, run.ring):
+    d = run.degrees
+    if grid is not None and (grid.ulysses_size, grid.ring_size) != (d.ulysses, d.ring):
         raise ConfigError(f"the process grid splits sp={grid.sp_size} as ulysses {grid.ulysses_size} x ring "
-                          f"{grid.ring_size} but the config resolves to ulysses {run.ulysses} x ring {run.ring}: "
+                          f"{grid.ring_size} but the config resolves to ulysses {d.ulysses} x ring {d.ring}: "
                           f"build it with ParallelGrid.for_plan(run)")
     return run
 

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from megalysses.config import ModelConfig, RopeScalingConfig
 from megalysses.config.checks import check_heads
 from megalysses.config.io import load_config
+from megalysses.degrees import Degrees
 from megalysses.grid import ParallelGrid
 from megalysses.model.gpt import GPTStage, init_weights
 from megalysses.model.layers import ParallelGroups
@@ -85,7 +86,7 @@ def model_parity_worker(rank, world, cases):
         seq_len, used = case.get("seq_len", S), case.get("world", world)
         ring = check_heads(cfg.num_heads, cfg.kv_heads, tp, sp, case.get("sp_ring", 0))[1]
         # ranks past `used` create the same process groups (as rank 0 would) and sit the case out
-        grid = ParallelGrid(tp=tp, sp=sp, ring=ring, world=used, rank=rank if rank < used else 0)
+        grid = ParallelGrid(Degrees.of_world(used, tp=tp, sp=sp, ring=ring), rank=rank if rank < used else 0)
         if rank >= used:
             continue
         batch = make_batch(B * grid.dp_size, seq_len)

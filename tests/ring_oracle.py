@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from megalysses.degrees import Degrees
 from megalysses.kernels.attention import check_backend
 from megalysses.kernels.block_attention import MergedRows
 from megalysses.parallel.ring import BlockKernel, RingMask, backward_block, forward_blocks, ring_schedule
@@ -61,7 +62,7 @@ def blockwise_attention(q: Tensor, k: Tensor, v: Tensor, ring_size: int, doc_ids
     positions (0: none). For tests and for timing the block-wise kernels and merge against single-pass
     attention; S must be a multiple of 2 * ring_size."""
     S = q.shape[1]
-    layout = SequenceLayout(sp=ring_size, ring=ring_size)
+    layout = SequenceLayout(Degrees(sp=ring_size, ring=ring_size))
     masks = [RingMask(doc_ids, i, ring_size, S, q.device) for i in range(ring_size)]
     order = torch.from_numpy(_zigzag_order(layout, S)).to(q.device)   # ring rank 0's block, then 1's, ...
     zq, zk, zv = (t.index_select(1, order) for t in (q, k, v))
@@ -73,4 +74,4 @@ def blockwise_attention(q: Tensor, k: Tensor, v: Tensor, ring_size: int, doc_ids
 
 def _zigzag_order(layout: SequenceLayout, seq_len: int) -> np.ndarray:
     """Global positions of every ring rank's block, ring rank 0 first (a permutation of the sequence)."""
-    return np.concatenate([layout.ring_positions(seq_len, i) for i in range(layout.ring)])
+    return np.concatenate([layout.ring_positions(seq_len, i) for i in range(layout.degrees.ring)])

@@ -58,7 +58,8 @@ def test_the_model_counts_pinned_requests_as_allocated():
     import pytest
 
     from megalysses.config import ConfigError
-    from megalysses.memory import GIB, PRECISIONS, Layout, Options, Workload, estimate
+    from megalysses.degrees import Degrees
+    from megalysses.memory import GIB, PRECISIONS, Options, Workload, estimate
     from megalysses.memory.states import shard_elements
     from megalysses.memory.types import torch_pinned
     from megalysses.plan.search import check_host_memory, described_machine
@@ -66,9 +67,9 @@ def test_the_model_counts_pinned_requests_as_allocated():
     from megalysses.plan.step_time import Hardware
     from tests.planning import LLAMA3_8B, load
 
-    opts = Options(activation_checkpointing=True, activation_offload=True, fsdp=True, param_offload=True,
+    opts = Options(checkpointing=True, offload=True, fsdp=True, param_offload=True,
                    attention="flash", kernels="triton")
-    work, layout, bf16 = Workload(6 << 20), Layout(sp=8), PRECISIONS["bf16"]
+    work, layout, bf16 = Workload(6 << 20), Degrees(sp=8), PRECISIONS["bf16"]
     block = (6 << 20) // 8 * LLAMA3_8B.hidden_size * 2
     terms = {}
     for rounding in (False, True):

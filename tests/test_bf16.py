@@ -66,7 +66,7 @@ def test_one_step_loss_and_gradients_close_to_fp32():
 def test_training_curve_tracks_fp32():
     curves = {}
     data = batches(20)
-    grid = ParallelGrid(world=1, rank=0)
+    grid = ParallelGrid.single()
     for dtype in (torch.float32, torch.bfloat16):
         model, opt = build(dtype)
         curves[dtype] = [train_step(model, opt, mbs, grid, lr=3e-3, grad_clip=1.0, dtype=dtype).loss for mbs in data]

@@ -11,7 +11,8 @@ from megalysses.config import ModelConfig
 from megalysses.kernels import block_mask
 from megalysses.kernels.attention import causal_block_mask, flex_available, prepare_attention_mask
 from megalysses.kernels.block_attention import AttentionBlock
-from megalysses.memory import Layout, Options, Workload
+from megalysses.degrees import Degrees
+from megalysses.memory import Options, Workload
 from megalysses.memory.blocks import flex_index_tensor_bytes, flex_mask
 from megalysses.parallel.ring import RingMask
 
@@ -136,7 +137,7 @@ def test_the_memory_model_counts_the_masks_a_ring_keeps():
         assert mask.block(j).flex_mask(sq, sk, cpu) is built
         kept += [getattr(built, name) for name in INDEX_TENSORS]
     opts = Options(attention="flex", documents=True, mask_block=block)
-    layout, work, m = Layout(sp=ring, ring=ring), Workload(seq_len=S, micro_batch_size=B), ModelConfig()
+    layout, work, m = Degrees(sp=ring, ring=ring), Workload(seq_len=S, micro_batch_size=B), ModelConfig()
     term = flex_mask(m, layout, opts, work)
     assert term.bytes == sum(t.numel() * t.element_size() for t in kept)
     assert flex_index_tensor_bytes(m, layout, opts, work) == max(t.numel() * t.element_size() for t in kept)

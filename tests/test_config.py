@@ -132,7 +132,7 @@ def test_sp_is_ulysses_times_ring_and_any_length_is_valid():
         cfg = load_config(overrides=["data.mock=true"] + overrides)
         p = cfg.parallel
         run = resolve(cfg, Machine.described(None, ranks_per_node=0), p.tp * p.sp)
-        assert run.ulysses * run.ring == p.sp
+        assert run.degrees.ulysses * run.degrees.ring == p.sp
 
 
 def test_ulysses_degree_follows_the_launchers_node_size(monkeypatch):
@@ -145,7 +145,7 @@ def test_ulysses_degree_follows_the_launchers_node_size(monkeypatch):
 
     def split(machine):
         run = resolve(cfg, machine, 16)
-        return run.ulysses, run.ring
+        return run.degrees.ulysses, run.degrees.ring
 
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     assert split(Machine.current()) == (16, 1)
@@ -280,7 +280,7 @@ def test_bad_seq_len_schedule_is_one_config_error(schedule, message):
     assert "\n" not in str(e.value)
 
 
-def test_seq_len_schedule_stage_after_the_last_step_is_a_warning():
+def test_seq_len_schedule_phase_after_the_last_step_is_a_warning():
     cfg = load_config(overrides=SCHEDULE + ["data.seq_len_schedule=[[0, 8], [6, 32]]"])
     notes = [n for n in config_warnings(cfg) if "seq_len_schedule" in n]
-    assert len(notes) == 1 and "stage from step 6 (seq_len 32)" in notes[0] and "train_steps=6" in notes[0]
+    assert len(notes) == 1 and "phase from step 6 (seq_len 32)" in notes[0] and "train_steps=6" in notes[0]

@@ -68,12 +68,12 @@ def test_schedule_at_every_layout_and_exact_resume(tmp_path):
     assert ref["shapes"] == [[(SEQ // n, n)] * GBS for n in LENGTHS]
     printed = ref["printed"].splitlines()
     assert "seq_len 2 -> 16 at step 3 -> 32 at step 5" in printed[0]
-    stages = [line for line in printed if line.startswith("seq_len ")]
+    phases = [line for line in printed if line.startswith("seq_len ")]
     cuts = [(2, 1, "each sample of 32 tokens cut into 16 sequences"),
             (16, 3, "each sample of 32 tokens cut into 2 sequences"), (32, 5, "whole samples")]
-    assert stages == [f"seq_len {n} from step {step} (stage {k} of 3 of data.seq_len_schedule: {cut})"
+    assert phases == [f"seq_len {n} from step {step} (phase {k} of 3 of data.seq_len_schedule: {cut})"
                       for k, (n, step, cut) in enumerate(cuts, 1)]
-    assert printed.index(stages[1]) == printed.index(next(x for x in printed if x.startswith("step      2/6"))) + 1
+    assert printed.index(phases[1]) == printed.index(next(x for x in printed if x.startswith("step      2/6"))) + 1
     assert [x.split(" | ")[1] for x in printed if x.startswith("step ") and "| seq " in x] == \
         [f"seq {n}" for n in LENGTHS]
     assert len([r for r in metrics(tmp_path / "single") if "val_loss" in r]) == 2
@@ -112,7 +112,7 @@ def test_schedule_at_every_layout_and_exact_resume(tmp_path):
     for k, stopped in ((6, 3), (7, 4)):                 # each resumed part names its length first
         printed = per_rank[0][k]["printed"]
         assert f"at step {stopped}" in printed
-        assert f"seq_len {LENGTHS[stopped]} from step {stopped + 1} (stage " in printed
+        assert f"seq_len {LENGTHS[stopped]} from step {stopped + 1} (phase " in printed
 
 
 def test_the_8b_config_grows_to_its_length():

@@ -8,6 +8,7 @@ import torch
 
 from megalysses.data.gpt_dataset import GPTDataset, MockGPTDataset
 from megalysses.data.indexed import IndexedDataset, IndexedDatasetBuilder
+from megalysses.degrees import Degrees
 from megalysses.data.loader import (IGNORE_INDEX, BatchFormat, LoaderRank, build_micro_batch, cut_samples,
                                     iterate_micro_batches)
 from megalysses.parallel.sequence_layout import SequenceLayout
@@ -35,7 +36,9 @@ class Stream:
 
 def loader(ds, mbs, dp, dp_rank, sp, sp_rank, consumed=0, layout=None, length_at=None, **kw):
     fmt = BatchFormat(EOD, **{"reset_position_ids": True, "document_mask": True, **kw})
-    return iterate_micro_batches(ds, mbs, LoaderRank(dp_rank, dp, sp_rank, sp, layout), consumed, fmt,
+    layout = SequenceLayout(Degrees(sp=sp, dp=dp)) if layout is None else layout
+    assert (layout.degrees.sp, layout.degrees.dp) == (sp, dp)
+    return iterate_micro_batches(ds, mbs, LoaderRank(dp_rank, sp_rank, layout), consumed, fmt,
                                  length_at=length_at)
 
 
@@ -116,14 +119,15 @@ def test_resume_continues_the_stream():
 
 def test_padding_and_eod_mask_loss():
     short = np.array([5, 6, EOD, 7, 8])
-    batch = build_micro_batch([short], 8, 0, 1, BatchFormat(EOD, reset_position_ids=True, document_mask=True,
+    batch = build_micro_batch([short], 8, 0, BatchFormat(EOD, reset_position_ids=True, document_mask=True,
                                                              eod_mask_loss=True, pad_id=0))
     assert batch["input_ids"].tolist() == [[5, 6, EOD, 7, 8, 0, 0, 0]]
     assert batch["labels"].tolist() == [[6, EOD, IGNORE_INDEX, 8] + [IGNORE_INDEX] * 4]
     assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0, 1, 2]]
     assert batch["doc_ids"].tolist() == [[0, 0, 0, 1, 1, 2, 2, 2]]
     # a length sp does not divide is padded at the end: pad tokens, labels -100, a document of their own
-    parts = [build_micro_batch([short], 8, r, 3, BatchFormat(EOD, True, True, pad_id=0)) for r in range(3)]
+    three = SequenceLayout(Degrees(sp=3))
+    parts = [build_micro_batch([short], 8, r, BatchFormat(EOD, True, True, pad_id=0), three) for r in range(3)]
     assert torch.cat([p["input_ids"] for p in parts], 1).tolist() == [[5, 6, EOD, 7, 8, 0, 0, 0, 0]]
     assert torch.cat([p["labels"] for p in parts], 1).tolist() == [[6, EOD, 7, 8] + [IGNORE_INDEX] * 5]
     assert parts[2]["doc_ids"].tolist() == [[0, 0, 0, 1, 1, 2, 2, 2, 3]]
@@ -153,7 +157,8 @@ def test_real_dataset_end_to_end(tmp_path):
         builder.add_document(np.append(rng.integers(0, 250, size=rng.integers(1, 30)), 257))
     builder.finalize(tmp_path / "d.idx")
     gpt = GPTDataset(IndexedDataset(tmp_path / "d"), (0, 50), 32, seed=1)
-    batches = list(iterate_micro_batches(gpt, 2, LoaderRank(0, 1, 1, 2), 0, BatchFormat(257, True, True)))
+    rank = LoaderRank(dp_rank=0, sp_rank=1, layout=SequenceLayout(Degrees(sp=2)))
+    batches = list(iterate_micro_batches(gpt, 2, rank, 0, BatchFormat(257, True, True)))
     assert len(batches) == len(gpt) // 2
     first = gpt[0].astype(np.int64)
     assert batches[0]["input_ids"][0].tolist() == first[16:32].tolist()
@@ -181,10 +186,10 @@ def test_curriculum_pieces_are_the_sample_cut_with_restarts(reset, eod_mask_loss
     ds = Stream(8)
     samples = [ds[3], ds[6], ds[7][:11]]
     fmt = BatchFormat(EOD, reset, True, eod_mask_loss, pad_id=0)
-    full = build_micro_batch(samples, SEQ, 0, 1, fmt)
+    full = build_micro_batch(samples, SEQ, 0, fmt)
     for L in (1, 4, 8, 16):
         r = SEQ // L
-        got = build_micro_batch(cut_samples(samples, SEQ, L), L, 0, 1, fmt)
+        got = build_micro_batch(cut_samples(samples, SEQ, L), L, 0, fmt)
         assert got["input_ids"].shape == (len(samples) * r, L)
         for b, sample in enumerate(samples):
             for i in range(r):
@@ -220,7 +225,7 @@ def test_curriculum_micro_batches_are_the_loaders_at_each_length():
     """With length_at, chunk c of the stream is the loader's micro-batch of the windows at that length, on
     every (dp, sp) rank of a ring layout (pieces padded to its multiple); a resume continues it exactly."""
     ds = MockGPTDataset(24, SEQ, vocab_size=1000, eod_id=EOD, seed=3)
-    mbs, dp, layout = 1, 2, SequenceLayout(sp=2, ring=2)
+    mbs, dp, layout = 1, 2, SequenceLayout(Degrees(sp=2, ring=2, dp=2))
 
     def length_at(first):      # steps of 4 samples: 2 at length 2 (padded to 4), 2 at 8, then 16
         return 2 if first < 8 else 8 if first < 16 else 16
@@ -233,7 +238,7 @@ def test_curriculum_micro_batches_are_the_loaders_at_each_length():
             L = length_at(c * mbs * dp)
             r = SEQ // L
             assert batch["input_ids"].shape == (mbs * r, layout.padded_len(L) // 2)
-            want = next(iterate_micro_batches(Windows(ds, L), mbs * r, LoaderRank(dp_rank, dp, sp_rank, 2, layout),
+            want = next(iterate_micro_batches(Windows(ds, L), mbs * r, LoaderRank(dp_rank, sp_rank, layout),
                                               c * mbs * dp * r, fmt))
             assert batch.keys() == want.keys()
             for k in batch:

@@ -14,6 +14,7 @@ import torch
 
 from megalysses import comm
 from megalysses.config.io import load_config
+from megalysses.degrees import Degrees
 from megalysses.testing import run_distributed
 from megalysses.testing import resolve_run
 from tests.fixtures import PARITY, with_model
@@ -46,7 +47,8 @@ def _meta_default_worker(rank, world, tmp):
     losses = {}
     for name, extra in LAYOUTS.items():
         cfg = load_config(overrides=BASE + ["training.train_steps=3"] + extra + [f"logging.run_dir={tmp}/{name}"])
-        grid, cpu = ParallelGrid(tp=cfg.parallel.tp, sp=cfg.parallel.sp, pp=cfg.parallel.pp), torch.device("cpu")
+        grid, cpu = ParallelGrid(Degrees.of_world(world, tp=cfg.parallel.tp, sp=cfg.parallel.sp,
+                                                    pp=cfg.parallel.pp)), torch.device("cpu")
         with torch.device("meta"):
             assert torch.tensor([1.0]).device.type == "meta"      # the trap is armed
             losses[name] = loop.train(cfg, resolve_run(cfg, cpu, grid), grid, cpu)["loss"]

@@ -58,6 +58,7 @@ def test_pretrain_on_one_gpu_with_nccl_kernels_eval_checkpoint_and_resume(tmp_pa
 
 def _gloo_on_gpu_worker(rank, world, run_dir):
     from megalysses import comm
+    from megalysses.degrees import Degrees
     from megalysses.grid import ParallelGrid
     from megalysses.training import loop
 
@@ -70,7 +71,7 @@ def _gloo_on_gpu_worker(rank, world, run_dir):
     torch.cuda.set_device(0)
     cfg = load_config(overrides=TINY + ["parallel.tp=2", "training.train_steps=3", "training.dtype=bfloat16",
                                         f"logging.run_dir={run_dir}"])
-    grid = ParallelGrid(tp=2)
+    grid = ParallelGrid(Degrees.of_world(world, tp=2))
     return loop.train(cfg, resolve_run(cfg, torch.device("cuda", 0), grid), grid, torch.device("cuda", 0))["loss"]
 
 
@@ -88,7 +89,7 @@ def _curve(tmp: Path, dtype: str) -> list[float]:
 
     cfg = load_config(overrides=TINY + ["training.train_steps=50", f"training.dtype={dtype}", "optimizer.lr=1e-3",
                                         f"logging.run_dir={tmp / dtype}"])
-    loop.train(cfg, resolve_run(cfg, torch.device("cuda", 0)), ParallelGrid(world=1, rank=0), torch.device("cuda", 0))
+    loop.train(cfg, resolve_run(cfg, torch.device("cuda", 0)), ParallelGrid.single(), torch.device("cuda", 0))
     return [r["loss"] for r in metrics(tmp / dtype) if "loss" in r]
 
 
@@ -128,7 +129,7 @@ def _flex_curriculum_worker(rank, world, run_dir):
         "model.attention_backend=flex", "data.document_mask=true", "data.seq_len=512", "training.train_steps=4",
         "data.seq_len_schedule=[[0, 64], [1, 128], [2, 256], [3, 512]]", "training.eval_interval=2",
         "training.eval_steps=1", f"logging.run_dir={run_dir}"])
-    loop.train(cfg, resolve_run(cfg, torch.device("cuda", 0)), ParallelGrid(world=1, rank=0), torch.device("cuda", 0))
+    loop.train(cfg, resolve_run(cfg, torch.device("cuda", 0)), ParallelGrid.single(), torch.device("cuda", 0))
     return [r["seq_len"] for r in metrics(Path(run_dir)) if "loss" in r]
 
 

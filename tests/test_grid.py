@@ -3,7 +3,10 @@ import itertools
 
 import pytest
 
+from megalysses.data.loader import LoaderRank
+from megalysses.degrees import Degrees
 from megalysses.grid import FINE_AXES, GROUP_AXES, GridLayout, LayoutError, ParallelGrid
+from megalysses.parallel.sequence_layout import SequenceLayout
 from megalysses.plan.communicators import GRADIENT_KINDS, KINDS, MESH_KINDS, axis_sizes, communicators
 from megalysses.testing import run_distributed
 
@@ -15,9 +18,9 @@ LAYOUTS = [(tp, sp, pp, dp, ring) for tp, sp, pp, dp in itertools.product(DEGREE
 @pytest.mark.parametrize("tp,sp,pp,dp,ring", LAYOUTS)
 def test_groups_partition_world(tp, sp, pp, dp, ring):
     world = tp * sp * pp * dp
-    layout = GridLayout(world, tp=tp, sp=sp, pp=pp, ring=ring)
+    layout = GridLayout(Degrees.of_world(world, tp=tp, sp=sp, pp=pp, ring=ring))
     u = sp // ring
-    assert (layout.dp, layout.ulysses) == (dp, u)
+    assert (layout.degrees.dp, layout.degrees.ulysses) == (dp, u)
     sizes = {"tp": tp, "sp": sp, "ulysses": u, "ring": ring, "dp": dp, "pp": pp, "grad": dp * sp, "mp": pp * tp}
     for kind in GROUP_AXES:
         groups = layout.groups(kind)
@@ -56,12 +59,23 @@ def test_groups_partition_world(tp, sp, pp, dp, ring):
 @pytest.mark.parametrize("world,tp,sp,pp", [(6, 4, 1, 1), (8, 2, 2, 3), (4, 0, 1, 1), (12, 8, 1, 1)])
 def test_bad_layout_message_lists_every_factor(world, tp, sp, pp):
     with pytest.raises(LayoutError) as e:
-        GridLayout(world, tp=tp, sp=sp, pp=pp)
+        Degrees.of_world(world, tp=tp, sp=sp, pp=pp)
     msg = str(e.value)
     for part in (f"world={world}", f"tp={tp}", f"sp={sp}", f"pp={pp}", "dp="):
         assert part in msg
     with pytest.raises(LayoutError, match="ring=3 does not divide sp=4"):
-        GridLayout(8, sp=4, ring=3)
+        Degrees.of_world(8, sp=4, ring=3)
+
+
+def test_the_grid_and_the_sequence_layout_read_one_set_of_degrees():
+    """Degrees are the one copy: the grid's arithmetic, the sequence layout and the loader's sizes read them."""
+    d = Degrees.of_world(16, tp=2, sp=4, ring=2)
+    assert (d.dp, d.ulysses, d.world) == (2, 2, 16) and GridLayout(d).world == 16
+    assert d.summary() == {"tp": 2, "sp": 4, "pp": 1, "dp": 2}
+    assert (SequenceLayout(d).tp_shard, SequenceLayout(d, tp_sequence_parallel=True).tp_shard) == (1, 2)
+    assert SequenceLayout(d, True).multiple == 8 and LoaderRank(layout=SequenceLayout(d)).dp_size == 2
+    with pytest.raises(LayoutError, match="virtual_stages=0 must be >= 1"):
+        Degrees(virtual_stages=0)
 
 
 GRIDS = [dict(tp=2, sp=2, pp=2), dict(tp=1, sp=4, pp=2, ring=2)]   # 8 ranks: the second has ulysses 2 x ring 2
@@ -73,7 +87,7 @@ def _grid_worker(rank, world, grids):
 
     results = []
     for dims in grids:
-        grid = ParallelGrid(**dims)
+        grid = ParallelGrid(Degrees.of_world(world, **dims))
         out = {"coords": (grid.pp_rank, grid.dp_rank, grid.sp_rank, grid.tp_rank, grid.ring_rank, grid.ulysses_rank)}
         for kind in list(GROUP_AXES) + ["embed"]:
             # the group really connects the ranks the arithmetic says
@@ -95,7 +109,7 @@ def _grid_worker(rank, world, grids):
 def test_grid_groups_and_mesh_on_8_ranks(tmp_path):
     results = run_distributed(_grid_worker, 8, tmp_path, args=(GRIDS,))
     for i, dims in enumerate(GRIDS):
-        layout = GridLayout(8, **dims)
+        layout = GridLayout(Degrees.of_world(8, **dims))
         for rank, per_grid in enumerate(results):
             out = per_grid[i]
             c = layout.coords(rank)
@@ -105,7 +119,7 @@ def test_grid_groups_and_mesh_on_8_ranks(tmp_path):
                 assert ranks == layout.group_of(kind, rank)
                 assert total == sum(ranks)
             full, sub, grad_index = out["mesh"]
-            assert full == layout.ranks.permute(0, 3, 1, 2).reshape(layout.pp, layout.tp, -1).tolist()
+            assert full == layout.ranks.permute(0, 3, 1, 2).reshape(layout.degrees.pp, layout.degrees.tp, -1).tolist()
             assert sub == full[c["pp"]] and grad_index == layout.group_of("grad", rank).index(rank)
             check_communicators(layout, rank, out["communicators"], grad_apart=True)
 
@@ -114,7 +128,7 @@ def check_communicators(layout: GridLayout, rank: int, comms: list, grad_apart: 
     """A rank's communicators ({ranks, kinds[, kept_apart]}, as runtime.json lists them) against the grid's arithmetic:
     every kind of one holds its ranks, each kind is in one, and no two hold the same ranks except the gradients'
     kept apart (one of the two)."""
-    on_embed = layout.coords(rank)["pp"] in (0, layout.pp - 1)
+    on_embed = layout.coords(rank)["pp"] in (0, layout.degrees.pp - 1)
     saver = [c for c in comms if c["kinds"] == ["checkpoint"]]      # the background saver's (checkpoint.async_save)
     assert all(c["ranks"] == list(range(layout.world)) and c["backend"] == "gloo" and c["kept_apart"]
                for c in saver) and len(saver) <= 1, saver
@@ -137,7 +151,7 @@ def check_communicators(layout: GridLayout, rank: int, comms: list, grad_apart: 
 def test_one_communicator_per_set_of_ranks(grad_apart):
     """plan/communicators.py's list for every layout of LAYOUTS, on its first and last rank: what the grid creates."""
     for tp, sp, pp, dp, ring in LAYOUTS:
-        layout = GridLayout(tp * sp * pp * dp, tp=tp, sp=sp, pp=pp, ring=ring)
+        layout = GridLayout(Degrees(tp=tp, sp=sp, pp=pp, dp=dp, ring=ring))
         for rank in (0, layout.world - 1):
             on_embed = layout.coords(rank)["pp"] in (0, pp - 1)
             comms = communicators(axis_sizes(tp, sp // ring, ring, dp, pp), grad_apart, embed=on_embed)
@@ -171,7 +185,7 @@ def _fake_world_grid(world: int, rank: int, dims: dict) -> tuple[int, int]:
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Set timeout is now only supported")
-            grid = ParallelGrid(**dims, timeout_seconds=60)
+            grid = ParallelGrid(Degrees.of_world(world, **dims), timeout_seconds=60)
             grid.device_mesh(torch.device("cpu"))
         assert len(grid.communicators) == made[0] + 1          # WORLD besides those created
     finally:

@@ -12,7 +12,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from megalysses.config import ConfigError
 from megalysses.config.checks import head_chunk_counts
 from megalysses.config.io import load_config
-from megalysses.memory import PRECISIONS, Layout, Options, Workload
+from megalysses.degrees import Degrees
+from megalysses.memory import PRECISIONS, Options, Workload
 from megalysses.plan.memory import estimate_plan
 from megalysses.model.recompute import attention_kernels
 from megalysses.plan import Machine, resolve
@@ -119,6 +120,6 @@ def test_step_time_counts_each_chunks_recomputed_attention(checkpointing):
         forwards[n] = counter.heads["q"] / (8 * 4)              # 8 query heads, 4 layers, 1 micro-batch
     assert forwards[2] == forwards[1] + 1 == (3 if checkpointing else 2)
     m = load_config(overrides=BASE).model
-    flops = {n: step_time(m, Layout(), Options(activation_checkpointing=checkpointing, head_chunks=n),
+    flops = {n: step_time(m, Degrees(), Options(checkpointing=checkpointing, head_chunks=n),
                           PRECISIONS["fp32"], Workload(32), Hardware()).flops["attention"] for n in (1, 2)}
     assert flops[2] / flops[1] == (forwards[2] + 2) / (forwards[1] + 2)

@@ -57,11 +57,14 @@ def test_varlen_attention_reads_nothing_back_with_the_loaders_documents():
     the device, and they equal what the device would compute from the ids (reading its longest length back)."""
     import numpy as np
     from megalysses.data.loader import HOST_KEYS, BatchFormat, build_micro_batch
+    from megalysses.degrees import Degrees
     from megalysses.kernels.attention import Documents, documents_of, prepare_attention_mask
+    from megalysses.parallel.sequence_layout import SequenceLayout
 
     eod = 0
     samples = [np.array([5, 6, 0, 7, 0, 0, 8, 9, 9, 9, 0]), np.array([1] * 11), np.array([2, 0, 3])]
-    mb = build_micro_batch(samples, 10, 0, 4, BatchFormat(eod, reset_position_ids=True, document_mask=True))
+    mb = build_micro_batch(samples, 10, 0, BatchFormat(eod, reset_position_ids=True, document_mask=True),
+                           SequenceLayout(Degrees(sp=4)))
     docs = documents_of(mb)
     assert isinstance(docs, Documents) and HOST_KEYS == ("longest_document",)
     with count_host_syncs(lambda: [docs.longest]) as syncs:
@@ -179,7 +182,7 @@ def _train_with_step_3_not_finite(cfg, monkeypatch):
 
     monkeypatch.setattr(loop, "build_run", capture)
     monkeypatch.setattr(loop, "train_step", poisoned)
-    grid = ParallelGrid(tp=1, sp=1, pp=1)
+    grid = ParallelGrid()
     summary = loop.train(cfg, resolve_run(cfg, torch.device("cpu"), grid), grid, torch.device("cpu"))
     return summary, built["run"].opt
 

@@ -109,7 +109,8 @@ def test_generation_builds_through_the_run_builder_under_a_forward_only_plan(tmp
     save_config(load_config(overrides=TINY + options), tmp_path / "config.yaml")
     cfg, tok = generate.load_run(tmp_path)
     plan = generate.generation_plan(cfg)
-    assert (plan.world, plan.tp, plan.sp, plan.pp, plan.virtual_stages, plan.fsdp) == (1, 1, 1, 1, 1, False)
+    d = plan.degrees
+    assert (d.world, d.tp, d.sp, d.pp, d.virtual_stages, plan.fsdp) == (1, 1, 1, 1, 1, False)
     assert plan.weights == plan.gradients == "device" and plan.optimizer == "zero1"
     forward_only = replace(plan.activation, checkpointing=False, keep_attention=False, offload=False,
                            checkpoint_stride=1, mlp_chunk_tokens=0, head_chunks=1)

@@ -131,7 +131,7 @@ def test_answer_only_corpus_trains_the_labels_the_evaluation_scores(tmp_path, ca
                           "--workers", "1", "--tokenizer-type", "byte", "--log-interval", "0"])
     train, _, _ = build_gpt_datasets([str(tmp_path / "pk_text_document")], "100,0,0", 400, 1, (6, None, None))
     rows = [train[i] for i in range(6)]
-    batch = build_micro_batch(rows, 400, 0, 1, BatchFormat(257, True, True))
+    batch = build_micro_batch(rows, 400, 0, BatchFormat(257, True, True))
     labels, inputs = batch["labels"].numpy(), batch["input_ids"].numpy()
     prompts = Prompts(ByteTokenizer())
     rng = np.random.default_rng(0)
@@ -169,7 +169,7 @@ def _greedy_answers(cfg, samples: dict) -> dict:
     tokens = [samples[k].tokens.copy() for k in keys]
     first = [LENGTH - int((samples[k].buckets == 0).sum()) for k in keys]
     for j in range(min(first), LENGTH):
-        mb = build_micro_batch(tokens, LENGTH, 0, 1, BatchFormat(257, True, True))
+        mb = build_micro_batch(tokens, LENGTH, 0, BatchFormat(257, True, True))
         with torch.no_grad():
             best = model(mb["input_ids"], mb["position_ids"], doc_ids=mb["doc_ids"])[:, j].argmax(-1).tolist()
         for b, key in enumerate(keys):

@@ -5,7 +5,8 @@ import pytest
 
 from megalysses.config.checks import validate_config
 from megalysses.config.io import load_config
-from megalysses.memory import GIB, PRECISIONS, Layout, Options, Workload, longest_sequence
+from megalysses.degrees import Degrees
+from megalysses.memory import GIB, PRECISIONS, Options, Workload, longest_sequence
 from megalysses.plan.communicators import communicator_bytes
 from megalysses.plan.search import evaluate, plan
 from megalysses.plan.step_time import Hardware, step_time
@@ -28,11 +29,11 @@ def test_alst_longest_sequences(gpus, published):
     or more fails whatever the memory: 524,288 tokens per rank at hidden 4096 (their one-GPU recipe notes
     an illegal memory access at 555K). The planner's answer is the lower of that and the memory limit,
     and the memory limit alone must not fall short of the published length."""
-    opts = Options(activation_checkpointing=True, activation_offload=True, offload_prefetch=0,
+    opts = Options(checkpointing=True, offload=True, offload_prefetch=0,
                    mlp_chunk_tokens=LLAMA3_8B.hidden_size, loss_chunk_tokens=16384, fsdp=True, optimizer_offload=True,
                    param_offload=gpus == 1, attention="flash", native_gqa=True, bucket_bytes=5e8 * 2,
                    kernels="liger")
-    layout, budget = Layout(sp=gpus), Hardware().usable_bytes(H100_GIB)
+    layout, budget = Degrees(sp=gpus), Hardware().usable_bytes(H100_GIB)
     memory_only = longest_sequence(LLAMA3_8B, layout, opts, PRECISIONS["bf16"], budget, multiple=gpus * 1024)
     longest = longest_sequence(LLAMA3_8B, layout, opts, PRECISIONS["bf16"], budget, multiple=gpus * 1024,
                                max_elements=2 ** 31)
@@ -61,7 +62,8 @@ def test_longer_sequences_than_alst_with_megalysses_own_layouts(gpus, tokens, al
     assert best.estimate.peak <= best.usable and best.host_per_node <= 1769 * GIB
     row = best.row()
     assert 0 < row["mfu"] < 1 and row["step_s"] > 0
-    assert (row["tp"], row["sp"] // row["ring"], row["ring"]) == (best.run.tp, best.run.ulysses, best.run.ring)
+    d = best.run.degrees
+    assert (row["tp"], row["sp"] // row["ring"], row["ring"]) == (d.tp, d.ulysses, d.ring)
     validate_config(best.cfg, world_size=gpus)
     assert h100s(best.cfg, gpus).activation == best.run.activation
 
@@ -98,16 +100,16 @@ def test_ring_steps_pay_their_fp32_merges():
     kernel per head does none. Llama-3.1-8B at 5M tokens on 8 H100s (the longest where Ulysses 8 alone fits)
     ranks Ulysses 8 first, ahead of rings of 8 that fit too."""
     m = load_config("configs/llama3_8b_1m.yaml").model
-    opts, bf16, work, hw = Options(activation_checkpointing=True), PRECISIONS["bf16"], Workload(1 << 20), Hardware()
-    ring = step_time(m, Layout(sp=8, ring=8), opts, bf16, work, hw)
+    opts, bf16, work, hw = Options(checkpointing=True), PRECISIONS["bf16"], Workload(1 << 20), Hardware()
+    ring = step_time(m, Degrees(sp=8, ring=8), opts, bf16, work, hw)
     tokens, q, kv = (1 << 20) / 8, m.num_heads * m.head_size, m.kv_heads * m.head_size
     merges = 8 * m.num_layers * tokens * (2 * q + q + 2 * kv) * (2 + 8) / (hw.hbm_gbs * 1e9)
     assert ring.exposed["ring merges (fp32, device memory)"] == pytest.approx(merges)
-    assert "ring merges (fp32, device memory)" not in step_time(m, Layout(sp=8), opts, bf16, work, hw).exposed
+    assert "ring merges (fp32, device memory)" not in step_time(m, Degrees(sp=8), opts, bf16, work, hw).exposed
     cfg = load("configs/llama3_8b_1m.yaml", **{"training.global_batch_size": 1, "model.kernels": "triton",
                                                 "parallel.pp": 1, "parallel.virtual_stages": 1})
     fitting, _ = plan(cfg, 8, 5 << 20, host_memory_gib=1769)
-    assert fitting[0].run.ring == 1 and any(p.run.ring == 8 for p in fitting)
+    assert fitting[0].run.degrees.ring == 1 and any(p.run.degrees.ring == 8 for p in fitting)
 
 
 def test_no_quadratic_document_mask_at_millions_of_tokens():

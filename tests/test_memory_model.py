@@ -23,7 +23,8 @@ from megalysses.config import ModelConfig
 from megalysses.config.io import load_config
 from megalysses.kernels.triton_support import triton_importable
 from megalysses.measure import Retained, host_resident, measure_peak, measure_retained
-from megalysses.memory import (PRECISIONS, Layout, Options, Workload, bytes_per_token, estimate,
+from megalysses.degrees import Degrees
+from megalysses.memory import (PRECISIONS, Options, Workload, bytes_per_token, estimate,
                                head_weight_grad_bytes, in_flight, layer_terms, retained_activation_bytes,
                                sp_buffer_bytes_per_token, stage_params)
 from megalysses.model.gpt import GPTStage, init_weights
@@ -39,11 +40,11 @@ S = 64                     # and 2S: the S^2 check
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 OPTIONS = {
     "none": {},
-    "checkpointing": {"activation_checkpointing": True},
-    "checkpointing, attention kept": {"activation_checkpointing": True, "keep_attention": True},
+    "checkpointing": {"checkpointing": True},
+    "checkpointing, attention kept": {"checkpointing": True, "keep_attention": True},
     "tiled MLP": {"mlp_chunk_tokens": 16},
     "loss tiles": {"loss_chunk_tokens": 16},
-    "all three": {"activation_checkpointing": True, "mlp_chunk_tokens": 16, "loss_chunk_tokens": 16},
+    "all three": {"checkpointing": True, "mlp_chunk_tokens": 16, "loss_chunk_tokens": 16},
     "head chunks": {"head_chunks": 2},
 }
 
@@ -60,14 +61,11 @@ def measure_forward(cfg: ModelConfig, seq: int, opts: dict, groups: Optional[Par
     copies (CPU tensors here) are left out of `bytes`."""
     groups = groups or ParallelGroups()
     torch.manual_seed(0)
-    model = apply_activation_policy(GPTStage(cfg, groups), ActivationPolicy(
-        checkpointing=opts.get("activation_checkpointing", False), loss_chunk_tokens=opts.get("loss_chunk_tokens", 0),
-        mlp_chunk_tokens=opts.get("mlp_chunk_tokens", 0), offload=opts.get("activation_offload", False),
-        keep_attention=opts.get("keep_attention", False), head_chunks=opts.get("head_chunks", 1)))
+    model = apply_activation_policy(GPTStage(cfg, groups), ActivationPolicy(**opts))     # the memory model's names
     init_weights(model, 0, tp_rank, groups.tp_size)
     model.to(dtype)
     ids = torch.randint(0, cfg.vocab_size, (1, seq))
-    layout = SequenceLayout(sp=groups.sp_size, ring=comm.group_size(groups.ring))
+    layout = SequenceLayout(Degrees(sp=groups.sp_size, ring=comm.group_size(groups.ring)))
     chunk = torch.from_numpy(layout.positions(seq, sp_rank))
     pos = chunk[None]
     ids_local = ids[:, chunk].contiguous()
@@ -93,7 +91,7 @@ def _options(cfg: ModelConfig, opts: dict, sequence_parallel: bool = False) -> O
 
 def _predicted(cfg: ModelConfig, seq: int, opts: dict, tp: int = 1, sp: int = 1, sequence_parallel: bool = False,
                dtype: str = "fp32", ring: int = 1) -> float:
-    return retained_activation_bytes(cfg, Layout(tp=tp, sp=sp, ring=ring), _options(cfg, opts, sequence_parallel),
+    return retained_activation_bytes(cfg, Degrees(tp=tp, sp=sp, ring=ring), _options(cfg, opts, sequence_parallel),
                                      PRECISIONS[dtype], seq)
 
 
@@ -126,7 +124,7 @@ def test_single_rank_options_match_the_model_exactly_and_stay_linear(name, dtype
     assert not grows_quadratically(small, large), f"{name}: {small.storages[:3]} -> {large.storages[:3]}"
     # per layer: the difference a third layer makes, per token, against the model's layer terms
     per_layer = (_single(name, S, layers=3, dtype=dtype).bytes - small.bytes) / S
-    assert per_layer == bytes_per_token(layer_terms(cfg, Layout(), _options(cfg, opts), PRECISIONS[dtype], S))
+    assert per_layer == bytes_per_token(layer_terms(cfg, Degrees(), _options(cfg, opts), PRECISIONS[dtype], S))
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -161,7 +159,7 @@ def test_parameter_count_is_the_models(extra, tp):
     m = ModelConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidden_size=96,
                     **extra)
     per_rank = sum(p.numel() // (1 if getattr(p, "tp_dim", None) is None else tp) for p in GPTStage(m).parameters())
-    assert sum(stage_params(m, Layout(tp=tp), True, True)) == per_rank
+    assert sum(stage_params(m, Degrees(tp=tp), True, True)) == per_rank
 
 
 def test_options_shrink_what_is_kept():
@@ -225,8 +223,8 @@ def unsharded_under_sp(kept: float, single: float, cfg: ModelConfig, seq: int, o
     the buffers sequence parallelism adds per S/sp token (memory.sp_buffer_bytes_per_token: the all-to-all
     buffers, the ring's copy of k and v) and 1%: something the rank keeps is not split over sp. The LM
     head's weight gradient is a weight's, the same at any sp, so it comes off both."""
-    head = head_weight_grad_bytes(cfg, Layout(), PRECISIONS["fp32"])
-    layout = Layout(sp=sp, ring=ring)
+    head = head_weight_grad_bytes(cfg, Degrees(), PRECISIONS["fp32"])
+    layout = Degrees(sp=sp, ring=ring)
     per_token = sp_buffer_bytes_per_token(cfg, layout, _options(cfg, opts), PRECISIONS["fp32"])
     buffers = seq / sp * cfg.num_layers * per_token
     return kept - head - buffers > 1.01 * (single - head) / sp
@@ -303,7 +301,7 @@ def test_in_flight_matches_the_schedules():
                     depth += 1 if a.kind == "F" else -1
                     peak = max(peak, depth)
                 expect = peak / v
-            assert in_flight(Layout(pp=P, virtual_stages=v), stage, M) == expect, (P, v, M, stage)
+            assert in_flight(Degrees(pp=P, virtual_stages=v), stage, M) == expect, (P, v, M, stage)
 
 
 # ----------------------------------------------------------------------------- the peak of a training step
@@ -503,15 +501,15 @@ def test_estimate_breakdown_adds_up_and_offload_moves_activations_to_host():
     cfg = load_config("configs/llama3_8b_128k.yaml", ["data.mock=true", "data.paths=[]"])
     est = estimate_config(cfg, 32, Machine.described("H100", packages=("flash_attn", "triton")))
     assert abs(sum(t.bytes for t in est.terms if not t.host) - est.peak) < 1.0
-    m, layout, bf16 = cfg.model, Layout(sp=8, dp=4), PRECISIONS["bf16"]
-    base = Options(activation_checkpointing=True, loss_chunk_tokens=8192)
+    m, layout, bf16 = cfg.model, Degrees(sp=8, dp=4), PRECISIONS["bf16"]
+    base = Options(checkpointing=True, loss_chunk_tokens=8192)
     kept = {S_: {t.name: t.bytes for t in estimate(m, layout, base, bf16, Workload(S_)).terms}
             for S_ in (2 ** 17, 2 ** 18)}
     assert kept[2 ** 18]["layer activations"] == 2 * kept[2 ** 17]["layer activations"]
     assert kept[2 ** 18]["weights"] == kept[2 ** 17]["weights"]
     S_ = 2 ** 20     # 128K tokens per rank: the block inputs outweigh the 8B model's gradients
     on_device = estimate(m, layout, base, bf16, Workload(S_))
-    offloaded = estimate(m, layout, replace(base, activation_offload=True), bf16, Workload(S_))
+    offloaded = estimate(m, layout, replace(base, offload=True), bf16, Workload(S_))
     block_input = S_ / 8 * m.hidden_size * 2
     assert on_device.phase == offloaded.phase == "backward"
     # the block inputs leave the device; the backward's last layer still holds every bf16 gradient

@@ -39,7 +39,7 @@ def _logged(run):
 def test_tensorboard_holds_the_logged_scalars(tmp_path, world_of_one):
     run = tmp_path / "run"
     cfg = load_config(overrides=TINY + [f"logging.run_dir={run}", "logging.tensorboard=true"])
-    grid = ParallelGrid(tp=1, sp=1, pp=1)
+    grid = ParallelGrid()
     train(cfg, resolve_run(cfg, torch.device("cpu"), grid), grid, torch.device("cpu"))
     assert len(list((run / "tensorboard").glob("events.out.tfevents.*"))) == 1
     want = _logged(run)
@@ -193,7 +193,7 @@ def test_the_spread_is_logged_and_a_straggler_warned_after_the_first_logged_step
 
 def test_a_run_logs_its_busy_time(tmp_path, world_of_one):
     run = tmp_path / "run"
-    cfg, grid, cpu = load_config(overrides=TINY + [f"logging.run_dir={run}"]), ParallelGrid(tp=1, sp=1, pp=1), \
+    cfg, grid, cpu = load_config(overrides=TINY + [f"logging.run_dir={run}"]), ParallelGrid(), \
         torch.device("cpu")
     train(cfg, resolve_run(cfg, cpu, grid), grid, cpu)
     rows = [r for r in metrics_rows(run) if "loss" in r]

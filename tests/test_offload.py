@@ -13,9 +13,10 @@ import torch
 
 from megalysses.config import ConfigError
 from megalysses.config.io import load_config
+from megalysses.degrees import Degrees
 from megalysses.grid import ParallelGrid
 from megalysses.measure import measure_retained
-from megalysses.memory import PRECISIONS, Layout, Options, retained_activation_bytes
+from megalysses.memory import PRECISIONS, Options, retained_activation_bytes
 from megalysses.model.gpt import GPTStage, init_weights
 from megalysses.model.layers import ParallelGroups
 from megalysses.model.policies import activation_offload, apply_activation_policy
@@ -89,19 +90,19 @@ def _check_arena(name: str, offloaded: dict) -> None:
 def _parity_worker(rank: int, world: int) -> dict:
     out = {name: (one_step(overrides, world), one_step(overrides + ["training.activation_offload=true"], world))
            for name, overrides in LAYOUTS.items()}
-    out[RING_RETAINED] = _ring_retained()
+    out[RING_RETAINED] = _ring_retained(world)
     return out
 
 
 RING_RETAINED = "what a forward keeps at ulysses 2 x ring 2"
-RING_OPTIONS = {"none": {}, "checkpointing": {"activation_checkpointing": True},
-                "offload": {"activation_checkpointing": True, "activation_offload": True}}
+RING_OPTIONS = {"none": {}, "checkpointing": {"checkpointing": True},
+                "offload": {"checkpointing": True, "offload": True}}
 
 
-def _ring_retained() -> dict:
+def _ring_retained(world: int) -> dict:
     """This rank's retained bytes (host copies left out) at sp4 = ulysses 2 x ring 2, with and without
     checkpointing and offload: the memory model's ring layouts on the full hybrid."""
-    grid = ParallelGrid(sp=4, ring=2)
+    grid = ParallelGrid(Degrees.of_world(world, sp=4, ring=2))
     groups = ParallelGroups(ulysses=grid.ulysses_group, ring=grid.ring_group)
     return {name: measure_forward(small_model(kv_heads=1), 64, opts, groups, sp_rank=grid.sp_rank).bytes
             for name, opts in RING_OPTIONS.items()}
@@ -122,8 +123,9 @@ def test_offload_gives_the_same_losses_and_gradients_at_every_layout(tmp_path):
     for rank, results in enumerate(ranks):
         kept = results.pop(RING_RETAINED)
         for name, opts in RING_OPTIONS.items():
-            predicted = retained_activation_bytes(cfg, Layout(sp=4, ring=2), Options(attention="sdpa", native_gqa=False,
-                                                                                     **opts), fp32, 64)
+            predicted = retained_activation_bytes(cfg, Degrees(sp=4, ring=2), Options(attention="sdpa",
+                                                                                      native_gqa=False, **opts),
+                                                  fp32, 64)
             assert kept[name] == predicted, (rank, name, kept[name], predicted)
         assert kept["offload"] < kept["checkpointing"] < kept["none"], kept
         for name, (plain, offloaded) in results.items():
@@ -207,11 +209,11 @@ def test_the_device_keeps_what_the_memory_model_says():
     host = activation_offload(model).host_buffers()
     host_bytes = sum(t.numel() * t.element_size() for t in host)
     device = kept.bytes - host_bytes
-    opts = Options(activation_checkpointing=True, activation_offload=True, attention="sdpa", native_gqa=False)
+    opts = Options(checkpointing=True, offload=True, attention="sdpa", native_gqa=False)
     fp32 = PRECISIONS["fp32"]
-    assert device == retained_activation_bytes(model.cfg, Layout(), opts, fp32, S), kept.storages
+    assert device == retained_activation_bytes(model.cfg, Degrees(), opts, fp32, S), kept.storages
     assert host_bytes == 4 * S * 64 * 4                                       # 4 block inputs, fp32
-    on_device = retained_activation_bytes(model.cfg, Layout(), Options(activation_checkpointing=True, attention="sdpa",
+    on_device = retained_activation_bytes(model.cfg, Degrees(), Options(checkpointing=True, attention="sdpa",
                                                                        native_gqa=False), fp32, S)
     assert on_device - device == host_bytes
 
@@ -224,7 +226,7 @@ def test_offload_without_checkpointing_is_a_config_error():
 
 
 def test_a_longer_sequence_lets_the_shorter_ones_host_buffers_go():
-    """A sequence-length curriculum's next stage: the host buffers of the previous length are not kept
+    """A sequence-length curriculum's next phase: the host buffers of the previous length are not kept
     (a curriculum never returns to a shorter length), and the gradients are those without offload; from an
     arena sized for the longest length, the shorter length's buffers go back to it and the longer ones fit."""
     from megalysses.pinned_arena import PinnedArena, aligned
@@ -263,9 +265,9 @@ def test_a_checkpoint_stride_keeps_every_kth_block_input_for_the_same_gradients(
         _, kept = measure_retained(functools.partial(model, ids, pos, labels=ids),
                                    exclude=tuple(model.parameters()) + (pos, ids))
         host = sum(t.numel() * t.element_size() for t in activation_offload(model).host_buffers()) if offload else 0
-        opts = Options(activation_checkpointing=True, activation_offload=offload, checkpoint_stride=2,
+        opts = Options(checkpointing=True, offload=offload, checkpoint_stride=2,
                        attention="sdpa", native_gqa=False)
-        assert kept.bytes - host == retained_activation_bytes(model.cfg, Layout(), opts, fp32, S), (offload, kept)
+        assert kept.bytes - host == retained_activation_bytes(model.cfg, Degrees(), opts, fp32, S), (offload, kept)
         assert host == (2 * S * 64 * 4 if offload else 0)                   # 2 of the 4 block inputs
     for extra in (["training.checkpoint_stride=2"],
                   ["training.checkpoint_stride=4", "training.activation_offload=true"]):

@@ -13,6 +13,7 @@ from megalysses.data.indexed import DatasetError, IndexedDataset, loss_mask_pref
 from megalysses.data.loader import IGNORE_INDEX, BatchFormat, LoaderRank, build_micro_batch, iterate_micro_batches
 from megalysses.data.packing import (MaskedDataset, Packing, PackedConversations, PackedRow, first_fit,
                                      open_loss_mask)
+from megalysses.degrees import Degrees
 from megalysses.parallel.sequence_layout import SequenceLayout
 
 
@@ -130,7 +131,7 @@ def test_blend_of_conversations_and_plain_documents(chats, tmp_path):
     twice, _, _ = build_gpt_datasets(["0.5", ds.prefix, "0.5", ds.prefix], "1,0,0", 32, seed=1,
                                      num_samples=(20, None, None), options=options)
     for length in (16, 32):
-        held = [int((build_micro_batch(twice.rows(i, length), length, 0, 1, fmt)["labels"]
+        held = [int((build_micro_batch(twice.rows(i, length), length, 0, fmt)["labels"]
                      != IGNORE_INDEX).sum()) for i in range(20)]
         assert twice.labels_of(np.arange(20), length) == sum(held) and twice.labels_of(np.array([3]), length) == held[3]
 
@@ -138,7 +139,7 @@ def test_blend_of_conversations_and_plain_documents(chats, tmp_path):
 def test_a_micro_batch_keeps_conversations_apart():
     row = PackedRow(np.array([5, 6, 7, 8, 9, 10, 11]), np.array([0, 0, 1, 1, 0, 1, 1], bool), np.array([4, 3]))
     window = np.array([1, 2, 99, 3, 4, 5, 6, 7, 8])          # a window of plain documents, 99 = EOD
-    full = build_micro_batch([row, window], 8, 0, 1, BatchFormat(eod_id=99, reset_position_ids=True,
+    full = build_micro_batch([row, window], 8, 0, BatchFormat(eod_id=99, reset_position_ids=True,
                                                                  document_mask=True, pad_id=0))
     m = IGNORE_INDEX
     assert full["input_ids"].tolist() == [[5, 6, 7, 8, 9, 10, 11, 0], [1, 2, 99, 3, 4, 5, 6, 7]]
@@ -147,14 +148,14 @@ def test_a_micro_batch_keeps_conversations_apart():
     assert full["doc_ids"].tolist() == [[0, 0, 0, 0, 1, 1, 1, 2], [0, 0, 0, 1, 1, 1, 1, 1]]
     assert full["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2, 0], [0, 1, 2, 0, 1, 2, 3, 4]]
     by_document = BatchFormat(99, True, True, pad_id=0, loss_average="document")
-    weighted = build_micro_batch([row, window], 8, 0, 1, by_document)
+    weighted = build_micro_batch([row, window], 8, 0, by_document)
     w = weighted["loss_weights"]
     assert w[0].tolist() == [0, 0.5, 0.5, 0, 0.5, 0.5, 0, 0]
     assert w[1].tolist() == pytest.approx([1 / 3] * 3 + [0.2] * 5)
     # sharded over a ring of 2 (zigzag) and Ulysses: each rank's positions of the same arrays
-    layout = SequenceLayout(sp=4, ring=2)
+    layout = SequenceLayout(Degrees(sp=4, ring=2))
     for r in range(4):
-        part = build_micro_batch([row, window], 8, r, 4, by_document, layout=layout)
+        part = build_micro_batch([row, window], 8, r, by_document, layout)
         keep = layout.positions(8, r)
         for key in ("input_ids", "labels", "position_ids", "loss_weights"):
             assert part[key].tolist() == weighted[key][:, keep].tolist(), key
@@ -179,7 +180,7 @@ def test_the_labels_that_train_are_counted_from_the_index_as_the_micro_batches_h
     p = packed(chats, tmp_path, too_long=too_long, lengths=(8, 16, 32), num_samples=12)
     for length in (8, 16, 32):
         for i in range(len(p)):
-            batch = build_micro_batch(p.rows(i, length), length, 0, 1, BatchFormat(127, True, True))
+            batch = build_micro_batch(p.rows(i, length), length, 0, BatchFormat(127, True, True))
             assert p.labels_of(np.array([i]), length) == int((batch["labels"] != IGNORE_INDEX).sum())
         assert p.labels_of(np.arange(3), length) == sum(p.labels_of(np.array([i]), length) for i in range(3))
 

@@ -132,13 +132,14 @@ def test_the_plan_counts_the_block_inputs_each_schedule_keeps_in_flight():
     (each checkpointed group's, but a received pipeline input) times the most forwards of that chunk whose
     backward has not started, over the schedule the run executes (parallel/pipeline.py, interleaved.py)."""
     from megalysses.config.io import load_config
-    from megalysses.memory import Layout, Options, Workload
+    from megalysses.degrees import Degrees
+    from megalysses.memory import Options, Workload
     from megalysses.memory.host import offload_buffers
     from megalysses.parallel.interleaved import rank_order
 
     m = load_config(overrides=["data.mock=true", "model.num_layers=8"]).model
     for P, v, stride in ((2, 1, 1), (4, 1, 2), (2, 2, 1), (4, 2, 1), (2, 4, 2)):
-        opts = Options(activation_checkpointing=True, activation_offload=True, checkpoint_stride=stride)
+        opts = Options(checkpointing=True, offload=True, checkpoint_stride=stride)
         groups = -(-(8 // (P * v)) // stride)
         for M in (P, 2 * P):
             for stage in range(P):
@@ -149,7 +150,7 @@ def test_the_plan_counts_the_block_inputs_each_schedule_keeps_in_flight():
                 if v == 1:          # 1F1B (pipeline.py): P - stage - 1 forwards of warm-up, then one of each
                     most = [min(P - stage, M)]
                 expected = [n * (groups - (0 if stage == 0 and c == 0 else 1)) for c, n in enumerate(most)]
-                got = offload_buffers(m, Layout(pp=P, virtual_stages=v), opts, Workload(64, 1, M), stage)
+                got = offload_buffers(m, Degrees(pp=P, virtual_stages=v), opts, Workload(64, 1, M), stage)
                 assert got == expected, (P, v, stride, M, stage, got, expected)
-    one = Options(activation_checkpointing=True, activation_offload=True, checkpoint_stride=3)
-    assert offload_buffers(m, Layout(), one, Workload(64, 1, 4), 0) == [3]      # one micro-batch at a time
+    one = Options(checkpointing=True, offload=True, checkpoint_stride=3)
+    assert offload_buffers(m, Degrees(), one, Workload(64, 1, 4), 0) == [3]      # one micro-batch at a time

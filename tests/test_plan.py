@@ -11,7 +11,8 @@ import torch
 from megalysses.config import ConfigError, ModelConfig
 from megalysses.config.checks import check_heads, check_world_size, validate_config
 from megalysses.config.io import load_config
-from megalysses.memory import (GIB, PRECISIONS, Layout, Options, Workload, estimate, layer_params,
+from megalysses.degrees import Degrees
+from megalysses.memory import (GIB, PRECISIONS, Options, Workload, estimate, layer_params,
                                stage_params)
 from megalysses.plan.communicators import axis_sizes, communicators
 from megalysses.plan.search import (Search, candidate_configs, check_phase_time, evaluate, plan,
@@ -46,7 +47,7 @@ def test_megatron_core_h100_mfu(name, heads, hidden, layers, tp, pp, batch, publ
     V, S, dp = 131072, 4096, 48
     m = ModelConfig(vocab_size=V, hidden_size=hidden, num_layers=layers, num_heads=heads,
                     ffn_hidden_size=4 * hidden, mlp="gelu")
-    layout = Layout(tp=tp, pp=pp, dp=dp)
+    layout = Degrees(tp=tp, pp=pp, dp=dp)
     opts = Options(tp_sequence_parallel=tp > 1, attention="flash", kernels="triton")
     hw = Hardware()
     step = step_time(m, layout, opts, PRECISIONS["bf16"], Workload(S, 1, batch // dp), hw,
@@ -159,7 +160,7 @@ def test_planned_layouts_obey_the_layout_rules():
         par, layout = p.cfg.parallel, p.estimate.layout
         m = p.cfg.model
         ulysses, ring = check_heads(m.num_heads, m.kv_heads, par.tp, par.sp, par.sp_ring, ranks_per_node=8)
-        assert (p.run.ulysses, p.run.ring) == (ulysses, ring) == (par.sp // par.sp_ring, par.sp_ring)
+        assert (p.run.degrees.ulysses, p.run.degrees.ring) == (ulysses, ring) == (par.sp // par.sp_ring, par.sp_ring)
         assert (layout.ulysses, layout.ring) == (ulysses, ring) and cfg.model.num_heads // par.tp % ulysses == 0
         assert par.tp * par.sp * par.pp * layout.dp == 8
         assert (p.row()["ring_p2p_gb"] > 0) == (ring > 1) and (p.row()["all_to_all_gb"] > 0) == (ulysses > 1)
@@ -188,7 +189,7 @@ def test_candidates_split_sp_every_way_the_heads_allow():
             validate_config(c, world_size=8)
         if p.pp == 1 and c.training.recompute_attention:
             run = h100s(c, 8)
-            assert (run.ulysses, run.ring) == (p.sp // p.sp_ring, p.sp_ring)
+            assert (run.degrees.ulysses, run.degrees.ring) == (p.sp // p.sp_ring, p.sp_ring)
     assert splits[(1, 8)] == {2, 4, 8} and splits[(1, 4)] == {1, 2, 4} and splits[(2, 4)] == {2, 4}
     # 2 KV heads per rank: 2 chunks of one KV head and 2 query heads split over at most 2 Ulysses ranks
     assert chunks[(1, 8, 2)] == {1} and chunks[(1, 8, 4)] == chunks[(1, 8, 8)] == {1, 2}
@@ -397,7 +398,7 @@ def test_parameter_offload_is_planned_where_the_weights_bind():
     assert streamed.run.activation == best.run.activation and not streamed.fits
     assert (streamed.run.weights, streamed.run.gradients) == ("device", "host")
     assert best.estimate.peak < streamed.estimate.peak - 8 * GIB
-    blocks, root = stage_params(cfg.model, Layout(), True, True)    # root: embedding, final norm, head
+    blocks, root = stage_params(cfg.model, Degrees(), True, True)    # root: embedding, final norm, head
     n, block = blocks + root, layer_params(cfg.model)
     device = {t.name: t.bytes for t in best.estimate.terms if not t.host}
     # at the backward's peak: the running block and the root unit (embedding, final norm, head) gathered, the
@@ -422,8 +423,8 @@ def test_streamed_gradients_leave_no_main_grad_on_the_device():
     the device (29.9 GiB at 8B); with it, at the peak (the first block's backward) only the gradients that wait
     for their bucket. The host holds the reduced fp32 gradients and two buckets staged for their addition; every
     micro-batch's reduced chunks are copied out, the weights come back once."""
-    m, layout, bf16 = LLAMA3_8B, Layout(sp=8), PRECISIONS["bf16"]
-    base = Options(activation_checkpointing=True, activation_offload=True, loss_chunk_tokens=8192)
+    m, layout, bf16 = LLAMA3_8B, Degrees(sp=8), PRECISIONS["bf16"]
+    base = Options(checkpointing=True, offload=True, loss_chunk_tokens=8192)
     work = Workload(1 << 20, 1, 4)
     on_device = estimate(m, layout, base, bf16, work)
     streamed = estimate(m, layout, replace(base, optimizer_offload=True), bf16, work)
@@ -536,7 +537,7 @@ def test_between_equal_layouts_fewer_communicators_first():
     from types import SimpleNamespace
 
     def layout(tp, ulysses, step=1.0, peak=1.0):
-        run = SimpleNamespace(tp=tp, ulysses=ulysses, ring=1, dp=1, pp=1, grad_overlap=True)
+        run = SimpleNamespace(degrees=Degrees(tp=tp, sp=ulysses), grad_overlap=True)
         return SimpleNamespace(step=SimpleNamespace(total=step), estimate=SimpleNamespace(peak=peak), run=run)
 
     sp8, tp2sp4 = layout(1, 8), layout(2, 4)

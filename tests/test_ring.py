@@ -15,6 +15,7 @@ import torch
 from megalysses.config import ConfigError
 from megalysses.config.io import load_config
 from megalysses.grid import ParallelGrid
+from megalysses.degrees import Degrees
 from megalysses.kernels import attention, block_attention as blocks
 from megalysses.kernels.attention import core_attention
 from megalysses.kernels.block_attention import AttentionBlock, merge_block
@@ -75,7 +76,7 @@ def close(got, want, tol=1e-5):
 @pytest.mark.parametrize("sp,ring,tp_shard", [(1, 1, 1), (4, 1, 2), (4, 2, 1), (4, 4, 1), (6, 2, 1), (8, 4, 2),
                                               (3, 3, 1), (7, 7, 1)])
 def test_layout_partitions_the_padded_sequence(sp, ring, tp_shard):
-    layout = SequenceLayout(sp, ring, tp_shard)
+    layout = SequenceLayout(Degrees(tp=tp_shard, sp=sp, ring=ring), tp_sequence_parallel=True)
     for seq_len in (1, 29, 64, 250):
         S = layout.padded_len(seq_len)
         assert S >= seq_len and S - seq_len < layout.multiple and S % (sp * tp_shard) == 0
@@ -93,7 +94,7 @@ def test_layout_partitions_the_padded_sequence(sp, ring, tp_shard):
 
 
 def test_shard_sample_pads_with_masked_labels_and_a_document_of_its_own():
-    layout = SequenceLayout(4, 2)                                          # multiple lcm(4, 4) = 4
+    layout = SequenceLayout(Degrees(sp=4, ring=2))                         # multiple lcm(4, 4) = 4
     inputs = np.arange(10, 20)[None]
     labels = np.arange(11, 21)[None]
     labels[0, 0] = IGNORE_INDEX
@@ -210,7 +211,7 @@ def test_run_plan_prints_and_records_the_factorisation(tmp_path):
     cfg = load_config(overrides=["data.mock=true", "data.seq_len=250", "model.hidden_size=64", "model.num_heads=2",
                                  "model.num_kv_heads=1", "parallel.sp=4"])
     rt = resolve_run(cfg, torch.device("cpu"))
-    assert (rt.ulysses, rt.ring, rt.padded_seq_len, rt.attention) == (2, 2, 252, "sdpa")
+    assert (rt.degrees.ulysses, rt.degrees.ring, rt.padded_seq_len, rt.attention) == (2, 2, 252, "sdpa")
     grid = ParallelGrid.single()
     with pytest.raises(ConfigError, match="ulysses 1 x ring 1 but the config resolves to ulysses 2 x ring 2"):
         resolve_run(cfg, torch.device("cpu"), grid)
@@ -235,7 +236,7 @@ def _ring_worker(rank, world, shape, parity_cases):
     out = {}
     # sp = 8 as ring 8, ulysses 2 x ring 4 and ulysses 4 x ring 2 (the all-to-all around the ring)
     for ring in (8, 4, 2):
-        grid = ParallelGrid(sp=world, ring=ring)
+        grid = ParallelGrid(Degrees(sp=world, ring=ring))
         layout = grid.sequence_layout(False)
         for backend, dtype in (("reference", torch.float32), ("sdpa", torch.float32), ("sdpa", torch.bfloat16)):
             for docs in (None, doc_ids()):
@@ -256,7 +257,7 @@ def _ring_worker(rank, world, shape, parity_cases):
                 out[(ring, backend, str(dtype), docs is not None)] = ok
 
     # every exchange is posted before the block it overlaps is computed, forward and backward
-    grid = ParallelGrid(sp=world, ring=world)
+    grid = ParallelGrid(Degrees(sp=world, ring=world))
     events = []
     real_exchange, real_forward, real_backward = (ring_module.comm.ring_exchange, ring_module.block_attention,
                                                   ring_module.block_attention_backward)

@@ -84,7 +84,6 @@ def test_the_plan_records_what_the_loop_loader_and_model_read():
     tile the model runs (the kernel's default for a rank's rows of the padded vocabulary where none is asked)
     and the gradients' dtype."""
     from megalysses.kernels.linear_cross_entropy import default_chunk_tokens
-    from megalysses.parallel.sequence_layout import SequenceLayout
     from megalysses.plan import resolve
 
     base = ["data.mock=true", "model.vocab_size=1001", "parallel.tp=2", "parallel.sp=2",
@@ -92,15 +91,21 @@ def test_the_plan_records_what_the_loop_loader_and_model_read():
             "training.global_batch_size=8", "training.micro_batch_size=2"]
     cfg = load_config(overrides=base)
     run = resolve(cfg, Machine.current("cpu"), 8)
-    assert (run.dp, run.micro_batch_size, run.micro_batches, run.samples_per_micro_batch) == (2, 2, 2, 4)
+    assert (run.degrees.dp, run.micro_batch_size, run.micro_batches, run.samples_per_micro_batch) == (2, 2, 2, 4)
     assert run.micro_batches_of(12) == 3
-    assert run.sequence == SequenceLayout(sp=2, ring=1, tp_shard=2)
+    assert run.sequence.record() == {"sp": 2, "ring": 1, "tp_shard": 2}
     assert [(p.seq_len, p.padded_len) for p in run.phases] == [(125, 128), (250, 252), (250, 252)]
     vocab_rows = cfg.model.padded_vocab_size(2) // 2
     assert run.activation.loss_tile == default_chunk_tokens(vocab_rows) > 0 and run.activation.loss_chunk_tokens == 0
     tiled = resolve(load_config(overrides=base + ["training.loss_chunk_tokens=64"]), Machine.current("cpu"), 8)
     assert (tiled.activation.loss_chunk_tokens, tiled.activation.loss_tile) == (64, 64)
     assert run.grad_dtype == "float32" and run.record()["sequence"] == {"sp": 2, "ring": 1, "tp_shard": 2}
+    # the plan holds its degrees once; its record (runtime.json, the planner's JSON) keeps them as flat keys, in
+    # the order they always had, the sequence layout right after the phases
+    keys = list(run.record())
+    assert keys[:10] == ["machine", "world", "tp", "sp", "pp", "dp", "virtual_stages", "ulysses", "ring", "dtype"]
+    assert keys[keys.index("phases") + 1:keys.index("phases") + 3] == ["sequence", "activation"]
+    assert "degrees" not in keys and run.record()["world"] == 8 == run.degrees.world
 
 
 def test_the_process_group_starts_with_the_plans_collective(monkeypatch):

@@ -50,7 +50,7 @@ def test_startup_line_and_runtime_json_show_the_curriculum(tmp_path):
     cfg = load_config(overrides=BASE + ["model.num_kv_heads=1", "model.num_heads=2", "parallel.sp=4",
                                         "data.seq_len_schedule=[[0, 2], [10, 8], [20, 32]]"])
     rt = resolve_run(cfg, torch.device("cpu"))
-    assert (rt.ulysses, rt.ring) == (2, 2)
+    assert (rt.degrees.ulysses, rt.degrees.ring) == (2, 2)
     assert [(p.name, p.seq_len, p.padded_len) for p in rt.phases] == [
         ("train", 2, 4), ("train from step 11", 8, 8), ("train from step 21", 32, 32), ("eval", 32, 32)]
     line = startup_line(cfg, ParallelGrid.single(), rt)
@@ -75,7 +75,7 @@ def test_compiled_flex_may_specialise_for_every_length_and_block_of_the_run():
                                                       schedule]), torch.device("cpu"))
     plain = resolve_run(load_config(overrides=BASE + [schedule]), torch.device("cpu"))
     fixed = resolve_run(load_config(overrides=BASE), torch.device("cpu"))
-    assert ring.ring == 2 and flex_compile_budget(ring) >= 8 + 3 * 3 * 2
+    assert ring.degrees.ring == 2 and flex_compile_budget(ring) >= 8 + 3 * 3 * 2
     assert flex_compile_budget(fixed) < flex_compile_budget(plain) < flex_compile_budget(ring)
     dynamo = torch._dynamo.config
     name = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from chat_data import write_conversations
+from megalysses.degrees import Degrees
 from megalysses.grid import GridLayout
 from tests.parity import Run, check_run, run_layouts
 from tests.test_grid import check_communicators
@@ -117,7 +118,7 @@ def test_layouts_equal_one_process(tmp_path, references, chat, world):
     for name in names:
         # rank 0's communicators, one per set of ranks (the gradients' kept apart where they overlap the step)
         record = json.loads((tmp_path / name / "runtime.json").read_text())
-        layout = GridLayout(world, tp=record["tp"], sp=record["sp"], pp=record["pp"], ring=record["ring"])
+        layout = GridLayout(Degrees.of_world(world, **{k: record[k] for k in ("tp", "sp", "pp", "ring")}))
         check_communicators(layout, 0, record["communicators"], record["grad_overlap"])
         if name in REFERENCE.values():
             continue

@@ -269,9 +269,9 @@ class DataConfig:
     def seq_len_at(self, step: int) -> int:
         """The sequence length of the optimizer step taken after `step` completed steps (seq_len_schedule)."""
         length = self.seq_len
-        for from_step, stage_len in self.seq_len_schedule:
+        for from_step, phase_len in self.seq_len_schedule:
             if step >= from_step:
-                length = stage_len
+                length = phase_len
         return length
 
 
@@ -328,11 +328,11 @@ class TrainingConfig:
     seed: int = 1234
     """Seed for init, data order and dropout; the same seed gives the same model at every layout."""
     micro_batch_size: int = 1
-    """Samples (of data.seq_len tokens) per micro-batch per dp rank; at a data.seq_len_schedule stage of length
+    """Samples (of data.seq_len tokens) per micro-batch per dp rank; at a data.seq_len_schedule phase of length
     L, each is data.seq_len / L sequences of L tokens."""
     global_batch_size: int = 8
     """Samples (of data.seq_len tokens) per optimizer step over all dp ranks (a multiple of micro_batch_size *
-    dp); at a data.seq_len_schedule stage of length L, each is data.seq_len / L sequences of L tokens. With a
+    dp); at a data.seq_len_schedule phase of length L, each is data.seq_len / L sequences of L tokens. With a
     batch-size ramp (rampup_batch_size or batch_size_schedule), the batch the ramp ends at."""
     rampup_batch_size: list[int] = field(default_factory=list)
     """Batch-size ramp-up, Megatron-LM's --rampup-batch-size: [start, increment, samples]: the global batch starts

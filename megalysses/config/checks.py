@@ -221,7 +221,7 @@ def config_warnings(cfg: Config) -> list[str]:
                      f"during the decay")
     late = [(step, length) for step, length in cfg.data.seq_len_schedule if step >= t.train_steps]
     if late:
-        notes.append(f"data.seq_len_schedule: the stage from step {late[0][0]} (seq_len {late[0][1]}) starts at or "
+        notes.append(f"data.seq_len_schedule: the phase from step {late[0][0]} (seq_len {late[0][1]}) starts at or "
                      f"after training.train_steps={t.train_steps}: it never runs, and neither does "
                      f"data.seq_len={cfg.data.seq_len}")
     if o.warmup_init is not None and o.warmup_init > o.lr:

@@ -1,7 +1,7 @@
 """Micro-batches for one rank of the (dp, sp) grid, straight from the sample stream.
 
     fmt = BatchFormat(eod_id=tok.eod_id, reset_position_ids=True, document_mask=True)
-    rank = LoaderRank(dp_rank=1, dp_size=4, sp_rank=0, sp_size=2)
+    rank = LoaderRank(dp_rank=1, sp_rank=0, layout=SequenceLayout(Degrees(sp=2, dp=4)))
     for batch in iterate_micro_batches(train, micro_batch_size=2, rank=rank,
                                        consumed_samples=step * global_batch_size, fmt=fmt):
         batch["input_ids"]     # (B, S/sp) int64   this rank's contiguous slice of each sample
@@ -69,31 +69,32 @@ class BatchFormat:
 
 @dataclass(frozen=True)
 class LoaderRank:
-    """Which micro-batches, and which positions of them, one rank of the (dp, sp) grid reads: the degrees and
-    the sequence layout are the run plan's (RunPlan.dp, sp, sequence), the ranks the grid's."""
+    """Which micro-batches, and which positions of them, one rank of the (dp, sp) grid reads: the sequence layout
+    (and through it the degrees) is the run plan's (RunPlan.sequence), the ranks the grid's."""
 
     dp_rank: int = 0
-    dp_size: int = 1
     sp_rank: int = 0
-    sp_size: int = 1
-    layout: Optional[SequenceLayout] = None     # as for build_micro_batch
+    layout: SequenceLayout = SequenceLayout()
+
+    @property
+    def dp_size(self) -> int:
+        return self.layout.degrees.dp
 
 
-def build_micro_batch(samples: Sequence[np.ndarray | PackedRow], seq_len: int, sp_rank: int, sp_size: int,
-                      fmt: BatchFormat, layout: Optional[SequenceLayout] = None) -> dict[str, torch.Tensor]:
+def build_micro_batch(samples: Sequence[np.ndarray | PackedRow], seq_len: int, sp_rank: int, fmt: BatchFormat,
+                      layout: Optional[SequenceLayout] = None) -> dict[str, torch.Tensor]:
     """Turn samples into this sp rank's tensors: windows of (up to) seq_len + 1 tokens, or PackedRows of up
     to seq_len tokens (whole documents whose labels carry the loss where the row's loss mask says).
 
     Shorter samples are padded with fmt.pad_id (default eod_id) and their missing labels are -100;
     fmt.eod_mask_loss also masks the label predicted from each EOD of a window (the first token of the next
-    document). layout (default: Ulysses over sp_size ranks) says which positions this rank keeps and the
-    multiple the sequence is padded to. loss_average "document" adds `loss_weights`: 1 / (the labels of its
+    document). layout (the run plan's RunPlan.sequence; default: one sp rank) says which positions this rank keeps
+    and the multiple the sequence is padded to. loss_average "document" adds `loss_weights`: 1 / (the labels of its
     document) on each label, so that each document weighs the same in the loss.
     """
     eod_id, eod_mask_loss = fmt.eod_id, fmt.eod_mask_loss
-    layout = SequenceLayout(sp=sp_size) if layout is None else layout
-    if layout.sp != sp_size:
-        raise ValueError(f"the sequence layout is for sp={layout.sp}, not sp_size={sp_size}")
+    layout = SequenceLayout() if layout is None else layout
+    sp_size = layout.degrees.sp
     if not 0 <= sp_rank < sp_size:
         raise ValueError(f"sp_rank={sp_rank} outside [0, {sp_size})")
     batch = len(samples)
@@ -230,6 +231,5 @@ def iterate_micro_batches(dataset: Any, micro_batch_size: int, rank: LoaderRank,
         if vocab_size is not None:
             check_sample_ids([np.concatenate([getattr(r, "tokens", r) for r in sample]) for sample in rows], ids,
                              vocab_size)
-        yield build_micro_batch([r for sample in rows for r in sample], length, rank.sp_rank, rank.sp_size, fmt,
-                                rank.layout)
+        yield build_micro_batch([r for sample in rows for r in sample], length, rank.sp_rank, fmt, rank.layout)
         c += 1

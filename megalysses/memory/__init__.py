@@ -1,8 +1,9 @@
-"""The memory model: predicted peak bytes per rank for a model, a layout and its memory options.
+"""The memory model: predicted peak bytes per rank for a model, its parallel degrees (megalysses.degrees) and its
+memory options.
 
     est = estimate_plan(cfg, plan)                             # a Config and its RunPlan -> Estimate
     est.peak_gib, est.phase, est.terms                        # the peak and its breakdown, term by term
-    per_token = layer_terms(cfg.model, Layout(sp=8), Options(activation_checkpointing=True), PRECISIONS["bf16"])
+    per_token = layer_terms(cfg.model, Degrees(sp=8), Options(checkpointing=True), PRECISIONS["bf16"])
 
 Everything is counted per rank. Activations are counted per token of the rank's sequence shard inside
 the tensor-parallel region (S/sp tokens; the residual stream holds S/(sp*tp) of them under TP sequence
@@ -28,7 +29,7 @@ What a layer keeps for the backward (megalysses/model/layers.py, no checkpointin
                       the reference backend keeps fp32 S x S probabilities and an S x S mask instead;
                       masks: SDPA's dense one, FlexAttention's block masks (blocks.py flex_mask), none for
                       varlen and flash-attn (cumulative lengths)
-    ring attention    (sp = ulysses x ring, Layout.ring > 1) q (or the all-to-all buffer), its own stack of
+    ring attention    (sp = ulysses x ring, Degrees.ring > 1) q (or the all-to-all buffer), its own stack of
                       k and v, the output and the log-sum-exp; its backward adds fp32 dQ and dK/dV buffers
                       travelling the ring. The reference backend on a ring is refused (not modelled)
     o_proj            its input (the inverse all-to-all's output when sp>1, else the attention output)
@@ -73,14 +74,14 @@ Checked on CPU against the bytes a forward retains and the peak a training step 
 (tests/test_memory_model.py, within 10%); benchmarks/bench_memory.py compares the peak with
 torch.cuda.max_memory_allocated on a GPU.
 
-The modules: types.py (the tables above, Layout, Options, Workload, Term, Estimate), activations.py (what
+The modules: types.py (the tables above, Options, Workload, Term, Estimate), activations.py (what
 a layer and a stage keep), states.py (parameters, micro-batches in flight, weights, gradients, optimizer
 state), transients.py (a layer's backward, the norm backward, the loss), estimate.py (the peak over stages
 and phases, the longest sequence that fits), host.py (the pinned host requests of a rank).
 megalysses/plan/memory.py reads all of it off a RunPlan.
 """
 
-from megalysses.memory.types import (GIB, KERNELS, PRECISIONS, Estimate, Kernels, Layout, Options, Precision, Term,
+from megalysses.memory.types import (GIB, KERNELS, PRECISIONS, Estimate, Kernels, Options, Precision, Term,
                                      Workload, fmt_bytes)
 from megalysses.memory.activations import (SP_BUFFERS, PerToken, bytes_per_token, cos_sin_kept,
                                            head_weight_grad_bytes, kept_layers, kv_replication, layer_terms,
@@ -91,7 +92,7 @@ from megalysses.memory.transients import loss_tile_tokens, norm_backward_bytes, 
 from megalysses.memory.estimate import estimate, longest_sequence
 from megalysses.memory.host import PinnedRequest, arena_bytes, arenas, pinned_requests
 
-__all__ = ["Estimate", "GIB", "KERNELS", "Kernels", "Layout", "Options", "PRECISIONS", "PerToken", "PinnedRequest",
+__all__ = ["Estimate", "GIB", "KERNELS", "Kernels", "Options", "PRECISIONS", "PerToken", "PinnedRequest",
            "Precision", "arena_bytes", "arenas", "pinned_requests",
            "SP_BUFFERS", "Term", "Workload", "bytes_per_token", "cos_sin_kept", "estimate",
            "fmt_bytes", "head_norm_params", "head_weight_grad_bytes", "in_flight", "kept_layers",

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from megalysses.config import ModelConfig
-from megalysses.memory.types import KERNELS, Kernels, Layout, Options, Precision
+from megalysses.degrees import Degrees
+from megalysses.memory.types import KERNELS, Kernels, Options, Precision
 
 PerToken = list[tuple[str, float, int]]      # (name, elements per S/sp token, bytes per element)
 
@@ -17,7 +18,7 @@ def kv_replication(kv_heads: int, sp: int) -> int:
     return 1 if kv_heads >= sp else sp // kv_heads
 
 
-def dims(m: ModelConfig, layout: Layout, opts: Options, chunks: int = 1) -> dict[str, Any]:
+def dims(m: ModelConfig, layout: Degrees, opts: Options, chunks: int = 1) -> dict[str, Any]:
     """Sizes per S/sp token on one rank. P: the Ulysses degree (all-to-alls, KV replication); ring: the
     ring degree (ring attention keeps its own copies and expands KV heads inside its kernels only).
     `chunks`: the attention sizes (q, kv, hq, qkv) of one of that many head chunks (each replicating its
@@ -36,7 +37,7 @@ def dims(m: ModelConfig, layout: Layout, opts: Options, chunks: int = 1) -> dict
             "k": KERNELS[opts.kernels]}
 
 
-def tiled(chunk: int, layout: Layout, opts: Options, seq_len: int) -> bool:
+def tiled(chunk: int, layout: Degrees, opts: Options, seq_len: int) -> bool:
     """Whether MLP tiles split the local residual sequence (S/(sp*r) tokens): model/layers.py runs one
     tile of the whole sequence when they do not (seq_len 0: unknown, assume they do)."""
     r = layout.tp if opts.tp_sequence_parallel else 1
@@ -51,18 +52,18 @@ def norm_terms(name: str, h: float, r: float, a: int, k: Kernels, kind: str) -> 
     return [(f"{name} input", h / r, a), (f"{name} 1/rms", 1 / r, 4)]
 
 
-def layer_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, seq_len: int = 0,
+def layer_terms(m: ModelConfig, layout: Degrees, opts: Options, prec: Precision, seq_len: int = 0,
                 checkpointed: Optional[bool] = None) -> PerToken:
     """(name, elements per S/sp token, bytes each) that one layer keeps for its backward. `seq_len` decides
     whether MLP tiles split the sequence, and sizes the reference backend's S x S probabilities."""
     d = dims(m, layout, opts)
     h, r, a = d["h"], d["r"], prec.act
-    if opts.activation_checkpointing if checkpointed is None else checkpointed:
+    if opts.checkpointing if checkpointed is None else checkpointed:
         return [("block input (checkpoint)", h / r, a)] + kept_attention_terms(m, layout, opts, prec)
     return attention_half_terms(m, layout, opts, prec, seq_len) + mlp_half_terms(m, layout, opts, prec, seq_len)
 
 
-def attention_half_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, seq_len: int = 0) -> PerToken:
+def attention_half_terms(m: ModelConfig, layout: Degrees, opts: Options, prec: Precision, seq_len: int = 0) -> PerToken:
     """What the norm, the QKV projection, attention and o_proj keep (not checkpointed). Head chunks keep the
     block input alone (model/tiled.py HeadChunks recomputes the rest)."""
     d = dims(m, layout, opts)
@@ -78,7 +79,7 @@ def attention_half_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Pr
 HEAD_CHUNKS_INPUT = "block input (the head chunks' input)"
 
 
-def mlp_half_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, seq_len: int = 0) -> PerToken:
+def mlp_half_terms(m: ModelConfig, layout: Degrees, opts: Options, prec: Precision, seq_len: int = 0) -> PerToken:
     """What the MLP norm and the MLP keep (not checkpointed). MLP tiles keep their input alone, the residual
     after attention (model/tiled.py MLPTiles recomputes the norm and the MLP tile by tile)."""
     d = dims(m, layout, opts)
@@ -98,7 +99,7 @@ def mlp_half_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precisio
     return terms
 
 
-def attention_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, seq_len: int = 0,
+def attention_terms(m: ModelConfig, layout: Degrees, opts: Options, prec: Precision, seq_len: int = 0,
                     chunks: int = 1) -> PerToken:
     """What the attention between the QKV projection and o_proj keeps (RoPE's casts, q, k, v, the output, the
     log-sum-exp, o_proj's input), for all heads or for one of `chunks` head chunks."""
@@ -123,10 +124,10 @@ def head_norm_terms(d: dict, k: Kernels, a: int) -> PerToken:
     return [("q, k before their head norms", d["q"] + k_width, a), ("q, k head norms' 1/rms", d["hq"] + d["hk"], 4)]
 
 
-def kept_attention_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision) -> PerToken:
+def kept_attention_terms(m: ModelConfig, layout: Degrees, opts: Options, prec: Precision) -> PerToken:
     """What checkpointing keeps per layer besides the block input with training.recompute_attention=false:
     SDPA's output and log-sum-exp (model/recompute.py; not combined with activation offload)."""
-    if not (opts.activation_checkpointing and opts.keep_attention):
+    if not (opts.checkpointing and opts.keep_attention):
         return []
     d = dims(m, layout, opts)
     return [("attention output (kept for the backward)", d["q"], prec.act), ("log-sum-exp (kept)", d["hq"], 4)]
@@ -167,7 +168,7 @@ def _attention_terms(d: dict, opts: Options, a: int, seq_len: int) -> PerToken:
 SP_BUFFERS = ("all-to-all buffer", "(inverse all-to-all)", "the ring's travelling block")
 
 
-def sp_buffer_bytes_per_token(m: ModelConfig, layout: Layout, opts: Options, prec: Precision) -> float:
+def sp_buffer_bytes_per_token(m: ModelConfig, layout: Degrees, opts: Options, prec: Precision) -> float:
     """Bytes per S/sp token per layer that a layer keeps only because of sequence parallelism: the Ulysses
     all-to-all buffers (q, k, v going, o coming back) and the ring's copy of k and v. What a rank keeps
     beyond 1/sp of one process's activations is at most these (tests/test_memory_model.py)."""
@@ -178,11 +179,11 @@ def sp_buffer_bytes_per_token(m: ModelConfig, layout: Layout, opts: Options, pre
 def cos_sin_kept(opts: Options, prec: Precision) -> bool:
     """Whether the stage's fp32 rotary cos, sin stay for the backward: checkpoint inputs (of blocks or head
     chunks), the fused RoPE's saved tensors, or (fp32) the torch reference's."""
-    return (opts.activation_checkpointing or opts.head_chunks > 1 or KERNELS[opts.kernels].rope_saves_cos_sin
+    return (opts.checkpointing or opts.head_chunks > 1 or KERNELS[opts.kernels].rope_saves_cos_sin
             or prec.act == 4)
 
 
-def stage_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, first: bool, last: bool) -> PerToken:
+def stage_terms(m: ModelConfig, layout: Degrees, opts: Options, prec: Precision, first: bool, last: bool) -> PerToken:
     """Per micro-batch terms of a pipeline stage outside its layers (per S/sp token)."""
     d = dims(m, layout, opts)
     h, r, a = d["h"], d["r"], prec.act
@@ -195,14 +196,14 @@ def stage_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, 
     return terms
 
 
-def head_weight_grad_bytes(m: ModelConfig, layout: Layout, prec: Precision) -> float:
+def head_weight_grad_bytes(m: ModelConfig, layout: Degrees, prec: Precision) -> float:
     """The LM head weight's gradient the loss computes in the forward and keeps until the backward."""
     return m.padded_vocab_size(layout.tp) / layout.tp * m.hidden_size * prec.weight
 
 
 def kept_layers(layers: int, opts: Options) -> int:
     """Of `layers` blocks, how many keep their input: every k-th under checkpointing with a stride."""
-    k = opts.checkpoint_stride if opts.activation_checkpointing else 1
+    k = opts.checkpoint_stride if opts.checkpointing else 1
     return -(-layers // k)
 
 
@@ -210,7 +211,7 @@ def bytes_per_token(terms: PerToken) -> float:
     return sum(n * b for _, n, b in terms)
 
 
-def stage_layers(m: ModelConfig, layout: Layout) -> int:
+def stage_layers(m: ModelConfig, layout: Degrees) -> int:
     return m.num_layers // layout.pp
 
 
@@ -225,7 +226,7 @@ class StagePart:
     layers: Optional[int] = None
 
 
-def retained_activation_bytes(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, seq_len: int,
+def retained_activation_bytes(m: ModelConfig, layout: Degrees, opts: Options, prec: Precision, seq_len: int,
                               part: StagePart = StagePart()) -> float:
     """Bytes one micro-batch's forward leaves for its backward on one rank of a stage (what the CPU test
     measures): layers x the per-layer terms + the stage's own terms (+ the head weight's gradient)."""
@@ -234,7 +235,7 @@ def retained_activation_bytes(m: ModelConfig, layout: Layout, opts: Options, pre
     tokens = micro_batch_size * seq_len / layout.sp
     per_layer = bytes_per_token(layer_terms(m, layout, opts, prec, seq_len))
     stage = tokens * bytes_per_token(stage_terms(m, layout, opts, prec, first, last))
-    if opts.activation_offload and opts.activation_checkpointing:
+    if opts.offload and opts.checkpointing:
         # the block inputs are in host memory, except a received pipeline input (the schedule holds it)
         per_layer, n = (per_layer, 1) if not first else (0.0, 0)
     head = head_weight_grad_bytes(m, layout, prec) if last else 0.0

@@ -6,7 +6,8 @@ from __future__ import annotations
 from megalysses.config import ModelConfig
 from megalysses.memory.activations import dims, tiled
 from megalysses.memory.transients import loss_tile_tokens
-from megalysses.memory.types import Layout, Options, Precision, Term, Workload
+from megalysses.degrees import Degrees
+from megalysses.memory.types import Options, Precision, Term, Workload
 
 FLEX_INDEX_TENSORS = 4      # a BlockMask's kv_indices, full_kv_indices and their transposes q_indices, full_q_indices
 
@@ -18,7 +19,7 @@ def flex_mask_bytes(batch: int, seq_q: float, seq_k: float, block: int) -> float
     return batch * 4 * (FLEX_INDEX_TENSORS * rows * cols + 2 * (rows + cols))
 
 
-def _flex_masks(m: ModelConfig, layout: Layout, opts: Options, work: Workload) -> list[tuple[int, float, float, int]]:
+def _flex_masks(m: ModelConfig, layout: Degrees, opts: Options, work: Workload) -> list[tuple[int, float, float, int]]:
     """(batch, query and key positions, block) of each BlockMask FlexAttention holds on a rank at once, the
     largest first. With a ring and documents or a window, one per ring step's pair of blocks (the rank's own
     block whole, the r-1 others half: kernels/block_attention.py AttentionBlock builds each on first use and
@@ -38,7 +39,7 @@ def _flex_masks(m: ModelConfig, layout: Layout, opts: Options, work: Workload) -
     return [(batch, side, side, block)] + [(batch, side / 2, side, block)] * (layout.ring - 1)
 
 
-def flex_mask(m: ModelConfig, layout: Layout, opts: Options, work: Workload) -> Term | None:
+def flex_mask(m: ModelConfig, layout: Degrees, opts: Options, work: Workload) -> Term | None:
     """The block masks FlexAttention holds on a rank (_flex_masks), or None where it builds none."""
     masks = _flex_masks(m, layout, opts, work)
     if not masks:
@@ -56,7 +57,7 @@ def flex_mask(m: ModelConfig, layout: Layout, opts: Options, work: Workload) -> 
                 f"{4 * FLEX_INDEX_TENSORS} B, r = {layout.ring}")
 
 
-def flex_index_tensor_bytes(m: ModelConfig, layout: Layout, opts: Options, work: Workload) -> float:
+def flex_index_tensor_bytes(m: ModelConfig, layout: Degrees, opts: Options, work: Workload) -> float:
     """The largest single index tensor of FlexAttention's block masks on a rank (0 where it builds none)."""
     masks = _flex_masks(m, layout, opts, work)
     if not masks:
@@ -65,7 +66,7 @@ def flex_index_tensor_bytes(m: ModelConfig, layout: Layout, opts: Options, work:
     return batch * 4 * -(-seq_q // block) * -(-seq_k // block)
 
 
-def largest_block(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, work: Workload,
+def largest_block(m: ModelConfig, layout: Degrees, opts: Options, prec: Precision, work: Workload,
                   last: bool) -> Term:
     """The largest single allocation of one micro-batch's step on a rank of a stage (`last`: it holds the LM
     head and loss), with its name: the candidates are the tensors whose size grows with the sequence or

@@ -14,10 +14,11 @@ from megalysses.memory.states import (earlier_backward, in_flight, optimizer_ter
                                       state_terms, streams_gradients)
 from megalysses.memory.transients import backward_terms, loss_terms, norm_backward_bytes, norm_tile_bytes
 from megalysses.memory.host import pinned_requests, pinned_terms
-from megalysses.memory.types import Estimate, Layout, Options, Precision, Term, Workload
+from megalysses.degrees import Degrees
+from megalysses.memory.types import Estimate, Options, Precision, Term, Workload
 
 
-def estimate(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, work: Workload) -> Estimate:
+def estimate(m: ModelConfig, layout: Degrees, opts: Options, prec: Precision, work: Workload) -> Estimate:
     """The peak over the pipeline stages (the first holds the most micro-batches, the last the loss), with the
     largest single block of any of them."""
     stages = [_Stage(m, layout, opts, prec, work, s).estimate() for s in sorted({0, layout.pp - 1})]
@@ -30,7 +31,7 @@ def estimate(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, wor
 class _Stage:
     """One pipeline stage's step, phase by phase: each phase's terms on top of what the stage holds throughout."""
 
-    def __init__(self, m: ModelConfig, layout: Layout, opts: Options, prec: Precision, work: Workload,
+    def __init__(self, m: ModelConfig, layout: Degrees, opts: Options, prec: Precision, work: Workload,
                  stage: int) -> None:
         self.m, self.layout, self.opts, self.prec, self.work, self.stage = m, layout, opts, prec, work, stage
         self.first, self.last = stage == 0, stage == layout.pp - 1
@@ -39,7 +40,7 @@ class _Stage:
         self.n_layers = stage_layers(m, layout)
         self.layer_tok = bytes_per_token(layer_terms(m, layout, opts, prec, self.S))
         self.flight = in_flight(layout, stage, self.M)
-        self.offload = opts.activation_offload and opts.activation_checkpointing
+        self.offload = opts.offload and opts.checkpointing
         self.fixed, self.grads = state_terms(m, layout, opts, prec, self.first, self.last, self.M)
         # the step's micro-batches, loaded at its start: token ids, labels, positions (and document ids)
         batch = self.M * self.tokens * (3 * 8 + (8 * layout.sp if opts.documents else 0))
@@ -182,7 +183,7 @@ def _device(terms: list[Term]) -> float:
 ONE_MICRO_BATCH = Workload(1 << 34)       # longest_sequence's default: one sample a step, at most 2**34 tokens
 
 
-def longest_sequence(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, budget: float,
+def longest_sequence(m: ModelConfig, layout: Degrees, opts: Options, prec: Precision, budget: float,
                      work: Workload = ONE_MICRO_BATCH, multiple: int = 1, max_elements: Optional[int] = None) -> int:
     """The longest sequence (a multiple of `multiple`, at most work.seq_len) whose predicted peak fits in
     `budget` bytes at work's micro-batch size and count; 0 if none. `max_elements`: kernels that index with

@@ -22,17 +22,18 @@ from typing import Optional
 from megalysses.config import ModelConfig
 from megalysses.memory.activations import stage_layers
 from megalysses.memory.states import earlier_backward, head_norm_params, layer_params, stage_params, streams_gradients
-from megalysses.memory.types import Layout, Options, Precision, Term
+from megalysses.degrees import Degrees
+from megalysses.memory.types import Options, Precision, Term
 
 
-def embedding_params(m: ModelConfig, layout: Layout, first: bool, last: bool) -> float:
+def embedding_params(m: ModelConfig, layout: Degrees, first: bool, last: bool) -> float:
     """The input embedding's parameters on a first stage (0 elsewhere, and when it is the tied LM head too)."""
     if not first or (last and m.tie_embeddings):
         return 0.0
     return m.padded_vocab_size(layout.tp) * m.hidden_size / layout.tp
 
 
-def reverse_parameter_sizes(m: ModelConfig, layout: Layout, last: bool) -> list[float]:
+def reverse_parameter_sizes(m: ModelConfig, layout: Degrees, last: bool) -> list[float]:
     """Element counts of a stage's parameters on one rank in reverse parameter order, the order the backward
     makes their gradients in: the head and the final norm (a last stage), then each block's from its end (the
     embedding, last of all, is left out)."""
@@ -53,7 +54,7 @@ def reverse_parameter_sizes(m: ModelConfig, layout: Layout, last: bool) -> list[
     return head + list(reversed(block)) * stage_layers(m, layout)
 
 
-def waiting_for_bucket(m: ModelConfig, layout: Layout, opts: Options, last: bool, ready: float) -> float:
+def waiting_for_bucket(m: ModelConfig, layout: Degrees, opts: Options, last: bool, ready: float) -> float:
     """Of the first `ready` gradient elements of the backward (reverse_parameter_sizes), those in a bucket that
     is not complete yet (GradientReducer._make_buckets: a bucket closes once it holds
     parallel.grad_bucket_elements, so a parameter larger than that is a bucket of its own)."""
@@ -68,7 +69,7 @@ def waiting_for_bucket(m: ModelConfig, layout: Layout, opts: Options, last: bool
     return ready - closed
 
 
-def backward_gradients(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, stage: int, M: int,
+def backward_gradients(m: ModelConfig, layout: Degrees, opts: Options, prec: Precision, stage: int, M: int,
                        grads: list[Term], done: int) -> list[Term]:
     """The gradient terms on the device after `done` blocks of pipeline stage `stage`'s backward (see the module
     docstring), with M micro-batches a step; `grads` are the step's (state_terms). The micro-batch is the step's
@@ -111,7 +112,7 @@ def backward_gradients(m: ModelConfig, layout: Layout, opts: Options, prec: Prec
     return out
 
 
-def _fsdp_gradients(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, root: float,
+def _fsdp_gradients(m: ModelConfig, layout: Degrees, opts: Options, prec: Precision, root: float,
                     accumulated: bool, done: int, n_layers: int) -> list[Term]:
     block, G = layer_params(m, layout.tp), layout.dp * layout.sp
     offloaded = opts.param_offload or opts.optimizer_offload
@@ -128,7 +129,7 @@ def _fsdp_gradients(m: ModelConfig, layout: Layout, opts: Options, prec: Precisi
     return terms
 
 
-def fsdp_end_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, first: bool, last: bool,
+def fsdp_end_terms(m: ModelConfig, layout: Degrees, opts: Options, prec: Precision, first: bool, last: bool,
                    n_layers: int) -> Optional[list[Term]]:
     """FSDP at the end of the backward, when the root unit reduce-scatters its gradients: every block's sharded
     fp32 gradient (on the device without parameter offload), the root's unsharded gradients and its

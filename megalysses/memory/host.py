@@ -31,7 +31,8 @@ from dataclasses import dataclass
 
 from megalysses.config import ModelConfig
 from megalysses.memory.states import param_shapes, shard_elements
-from megalysses.memory.types import Layout, Options, Precision, Term, Workload, fmt_bytes
+from megalysses.degrees import Degrees
+from megalysses.memory.types import Options, Precision, Term, Workload, fmt_bytes
 from megalysses.pinned_arena import ALIGN, aligned
 
 STAGING = "checkpoint"
@@ -63,13 +64,13 @@ class PinnedRequest:
         return self.count * aligned(self.nbytes)
 
 
-def offload_buffers(m: ModelConfig, layout: Layout, opts: Options, work: Workload, stage: int) -> list[int]:
+def offload_buffers(m: ModelConfig, layout: Degrees, opts: Options, work: Workload, stage: int) -> list[int]:
     """How many block-input buffers the activation offloader of each model chunk of pipeline rank `stage`
     makes: the block inputs one forward offloads times the most forwards of that chunk whose backward has not
     started, over the rank's schedule (one micro-batch at a time without a pipeline; P - stage with 1F1B;
     the interleaved order of parallel/interleaved.py)."""
     P, v, M = layout.pp, layout.virtual_stages, work.micro_batches
-    stride = opts.checkpoint_stride if opts.activation_checkpointing else 1
+    stride = opts.checkpoint_stride if opts.checkpointing else 1
     groups = -(-(m.num_layers // (P * v)) // stride)                 # checkpointed groups of one chunk
     per_forward = [groups - (0 if stage == 0 and c == 0 else 1) for c in range(v)]
     if P == 1:
@@ -102,17 +103,17 @@ def _interleaved_in_flight(P: int, v: int, M: int, stage: int) -> list[int]:
     return most
 
 
-def block_input_bytes(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, work: Workload) -> int:
+def block_input_bytes(m: ModelConfig, layout: Degrees, opts: Options, prec: Precision, work: Workload) -> int:
     """One block input on one rank: (B, S/sp, h) in the compute dtype (S/(sp tp) under TP sequence sharding)."""
     r = layout.tp if opts.tp_sequence_parallel else 1
     return work.micro_batch_size * (work.seq_len // (layout.sp * r)) * m.hidden_size * prec.act
 
 
-def pinned_requests(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, work: Workload,
+def pinned_requests(m: ModelConfig, layout: Degrees, opts: Options, prec: Precision, work: Workload,
                     stage: int) -> list[PinnedRequest]:
     """The pinned host requests megalysses makes itself on pipeline rank `stage` (the module docstring)."""
     reqs = []
-    if opts.activation_offload and opts.activation_checkpointing:
+    if opts.offload and opts.checkpointing:
         size = block_input_bytes(m, layout, opts, prec, work)
         reqs += [PinnedRequest("offloaded block inputs", size, n, f"model chunk {c}")
                  for c, n in enumerate(offload_buffers(m, layout, opts, work, stage))]
@@ -130,7 +131,8 @@ def pinned_requests(m: ModelConfig, layout: Layout, opts: Options, prec: Precisi
     return reqs
 
 
-def staging_requests(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, stage: int) -> list[PinnedRequest]:
+def staging_requests(m: ModelConfig, layout: Degrees, opts: Options, prec: Precision,
+                     stage: int) -> list[PinnedRequest]:
     """The copy of pipeline rank `stage`'s checkpoint state that a background save writes from: every parameter as
     the rank saves it (ZeRO-1: its tp shard in the compute dtype; FSDP: its fp32 dim-0 chunk) and its optimizer
     state (fp32 master, exp_avg, exp_avg_sq: dim-0 chunks over the grad group; the largest rank's)."""

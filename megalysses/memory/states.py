@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from megalysses.config import ModelConfig
 from megalysses.memory.activations import stage_layers
-from megalysses.memory.types import Layout, Options, Precision, Term, torch_pinned
+from megalysses.degrees import Degrees
+from megalysses.memory.types import Options, Precision, Term, torch_pinned
 
 
 def layer_params(m: ModelConfig, tp: int = 1) -> float:
@@ -34,7 +35,7 @@ def norm_params(m: ModelConfig) -> float:
     return m.hidden_size * (2 if m.norm == "layernorm" else 1)
 
 
-def param_shapes(m: ModelConfig, layout: Layout, first: bool, last: bool) -> list[tuple[int, int, int]]:
+def param_shapes(m: ModelConfig, layout: Degrees, first: bool, last: bool) -> list[tuple[int, int, int]]:
     """(rows, elements per row, count on the stage) of each parameter tensor on one tp rank, as model/layers.py
     and parallel/tensor_parallel.py make them (one QKV and one gate-up projection; column-parallel weights
     (out/tp, in), row-parallel ones (out, in/tp)): what ZeRO-1 and FSDP split along dim 0, one by one."""
@@ -57,14 +58,14 @@ def param_shapes(m: ModelConfig, layout: Layout, first: bool, last: bool) -> lis
     return [(rows, row, count) for rows, row, count in shapes if count]
 
 
-def shard_elements(m: ModelConfig, layout: Layout, first: bool, last: bool) -> list[tuple[int, int]]:
+def shard_elements(m: ModelConfig, layout: Degrees, first: bool, last: bool) -> list[tuple[int, int]]:
     """(elements, count) of each parameter's largest dim-0 chunk over the grad group's G = dp x sp ranks (rank
     0's: ceil(rows / G) rows, torch.chunk's split, which ZeRO-1 and FSDP2 both use)."""
     G = layout.dp * layout.sp
     return [(-(-rows // G) * row, count) for rows, row, count in param_shapes(m, layout, first, last)]
 
 
-def stage_params(m: ModelConfig, layout: Layout, first: bool, last: bool) -> tuple[float, float]:
+def stage_params(m: ModelConfig, layout: Degrees, first: bool, last: bool) -> tuple[float, float]:
     """(block parameters, the rest: embedding, final norm, LM head over the padded vocabulary) on one rank."""
     emb = m.padded_vocab_size(layout.tp) * m.hidden_size / layout.tp
     other = (emb if first else 0.0) + (norm_params(m) + emb if last else 0.0)
@@ -73,7 +74,7 @@ def stage_params(m: ModelConfig, layout: Layout, first: bool, last: bool) -> tup
     return stage_layers(m, layout) * layer_params(m, layout.tp), other
 
 
-def in_flight(layout: Layout, stage: int, micro_batches: int) -> float:
+def in_flight(layout: Degrees, stage: int, micro_batches: int) -> float:
     """Micro-batches whose activations a pipeline rank holds at once, in units of its whole stage
     (interleaved: model chunks in flight / chunks per rank)."""
     P, v, M = layout.pp, layout.virtual_stages, micro_batches
@@ -85,7 +86,7 @@ def in_flight(layout: Layout, stage: int, micro_batches: int) -> float:
     return min(warmup + 1, M * v) / v
 
 
-def earlier_backward(layout: Layout, stage: int, micro_batches: int) -> bool:
+def earlier_backward(layout: Degrees, stage: int, micro_batches: int) -> bool:
     """Whether a backward of the step has finished when the stage last holds its most micro-batches (the
     moment of its activation peak): its gradients are there then. One after another without a pipeline, from
     the second micro-batch on; 1F1B and interleaved only when the steady state runs a backward before the
@@ -114,7 +115,7 @@ def streams_gradients(opts: Options) -> bool:
     return opts.optimizer_offload and not opts.fsdp
 
 
-def _streamed_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, n: float) -> list[Term]:
+def _streamed_terms(m: ModelConfig, layout: Degrees, opts: Options, prec: Precision, n: float) -> list[Term]:
     """The gradients on the device when they stream to host memory: those waiting for their bucket to
     complete (at most a bucket's or a layer's, the larger) in the compute dtype, and with a grad group of
     more than one rank the bucket being reduced while the next one fills (its fp32 reduce-scatter input and
@@ -130,7 +131,7 @@ def _streamed_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precisi
     return terms
 
 
-def state_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, first: bool, last: bool,
+def state_terms(m: ModelConfig, layout: Degrees, opts: Options, prec: Precision, first: bool, last: bool,
                 M: int) -> tuple[list[Term], list[Term]]:
     """(weights and optimizer state: always there; gradients: once a step's first backward has run,
     with ZeRO-1's reduced chunks of the buckets already reduced)."""
@@ -177,7 +178,7 @@ def state_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, 
     return fixed + gathered, [Term("sharded gradients (fp32)", n * 4 / G, f"{n:.4g} x 4 B / {G}")]
 
 
-def optimizer_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, n: float, M: int) -> list[Term]:
+def optimizer_terms(m: ModelConfig, layout: Degrees, opts: Options, prec: Precision, n: float, M: int) -> list[Term]:
     """The AdamW step's own bytes, on top of weights, gradients and state (host ones with offload)."""
     G = layout.dp * layout.sp
     terms = []

@@ -10,10 +10,11 @@ from megalysses.kernels.norms import norm_tile_rows
 from megalysses.memory.activations import (attention_half_terms, attention_terms, bytes_per_token, dims,
                                            kept_attention_terms, mlp_half_terms, tiled)
 from megalysses.memory.states import head_norm_params, mlp_params, norm_params
-from megalysses.memory.types import GIB, KERNELS, Layout, Options, Precision, Term
+from megalysses.degrees import Degrees
+from megalysses.memory.types import GIB, KERNELS, Options, Precision, Term
 
 
-def backward_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, tokens: float,
+def backward_terms(m: ModelConfig, layout: Degrees, opts: Options, prec: Precision, tokens: float,
                    seq_len: int, grad_bytes: Optional[Callable[[float], float]] = None) -> list[Term]:
     """One layer's backward on one rank, on top of what the other layers keep: its own activations
     (retained or recomputed) and the gradients being computed, at the worst of its moments as the
@@ -67,7 +68,7 @@ def backward_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precisio
         bytes_per_token(norm_in), h * a + dx + norm_tile_bytes(m, opts, prec, tokens / r) / tokens)
     if N > 1:   # a chunk's forward (recomputed under checkpointing): its activations and the running output sum
         moments["head chunk forward: its activations, o_proj's running sum"] = (at_core - kept, h * a)
-    if d["P"] > 1 and (opts.activation_checkpointing or N > 1):
+    if d["P"] > 1 and (opts.checkpointing or N > 1):
         moments[f"all-to-all of the attention's recomputed forward{chunk_name}"] = (
             before_core, ulysses_forward_bytes(d, k, a) + (h * a if N > 1 else 0))
     own = own_weight_grads(m, layout, opts, mlp_tiled)
@@ -76,7 +77,7 @@ def backward_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precisio
     return _worst_moment_terms(moments, opts, tokens, h / r, a, bytes_per_token(full))
 
 
-def _attention_alive(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, seq_len: int,
+def _attention_alive(m: ModelConfig, layout: Degrees, opts: Options, prec: Precision, seq_len: int,
                      attn_terms: list) -> tuple[float, float, str, float]:
     """Bytes per token alive before the attention kernel's backward and at it, the head chunks' name for the
     moments, and the QKV input's gradient the chunks sum into (0 without head chunks)."""
@@ -115,13 +116,13 @@ def _core_backward(d: dict, opts: Options, a: int, seq_len: int) -> tuple[float,
     rowsum = 4 * d["hq"] * rows if opts.dq_accumulator or opts.attention == "flex" else 0
     if d["ring"] > 1:
         return _ring_backward(q, kv, a, d["ring"], opts, accumulator,
-                              recomputed=opts.activation_checkpointing or opts.head_chunks > 1)
+                              recomputed=opts.checkpointing or opts.head_chunks > 1)
     core = (2 * q + 2 * kv_grads) * a + inside + accumulator + rowsum
     return core, ("attention: dout, dq, dk, dv" + (", dk and dv at the query heads" if inside else "")
                   + (", fp32 dq accumulator" if accumulator else "") + (", fp32 rowsum(dO O)" if rowsum else ""))
 
 
-def _mlp_backward(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, tokens: float,
+def _mlp_backward(m: ModelConfig, layout: Degrees, opts: Options, prec: Precision, tokens: float,
                   h: float, r: int, f: float) -> tuple[float, str]:
     """With MLP tiles: a tile's backward (model/tiled.py MLPTiles) at the worst of its MLP's (the norm output,
     gathered over tp, the gate-up output, silu, the down input and their gradients, the tile's output) and its
@@ -145,19 +146,19 @@ def _worst_moment_terms(moments: dict, opts: Options, tokens: float, width: floa
     layer keeps."""
     residual = width * a
     name, (alive, grads) = max(moments.items(), key=lambda kv_: sum(kv_[1]))
-    offloaded = opts.activation_offload and opts.activation_checkpointing
-    if opts.activation_checkpointing and not offloaded:
+    offloaded = opts.offload and opts.checkpointing
+    if opts.checkpointing and not offloaded:
         alive -= residual                  # the norm's input is the retained block input itself
-    what = "recomputed" if opts.activation_checkpointing else "own"
-    terms = [] if not opts.activation_checkpointing else [
+    what = "recomputed" if opts.checkpointing else "own"
+    terms = [] if not opts.checkpointing else [
         Term(f"the layer's {what} activations (at its worst moment)", tokens * alive,
              f"{tokens:.4g} tok x {alive:.4g} B")]
-    if not opts.activation_checkpointing:      # retained already: what is freed by that moment comes off
+    if not opts.checkpointing:      # retained already: what is freed by that moment comes off
         terms.append(Term("the layer's activations freed by then", -tokens * (full - alive),
                           f"-{tokens:.4g} tok x {full - alive:.4g} B"))
     each = ", ".join(f"{n.split(':')[0]} {(al + g) * tokens / GIB:.3g} GiB" for n, (al, g) in moments.items())
     terms.append(Term(f"backward of one layer, {name}", tokens * grads, f"{tokens:.4g} tok x {grads:.4g} B; {each}"))
-    k = opts.checkpoint_stride if opts.activation_checkpointing else 1
+    k = opts.checkpoint_stride if opts.checkpointing else 1
     if k > 1:   # a group recomputed from its input keeps every block input of the group (model/gpt.py)
         terms.append(Term(f"the group's other recomputed block inputs ({k - 1})", (k - 1) * tokens * residual,
                           f"{k - 1} x {tokens:.4g} tok x {width:.4g} x {a} B"))
@@ -185,7 +186,7 @@ def _kind(moment: str) -> str:
     return "attention"          # the attention kernel's, or ring attention's, backward
 
 
-def own_weight_grads(m: ModelConfig, layout: Layout, opts: Options, mlp_tiled: bool) -> dict:
+def own_weight_grads(m: ModelConfig, layout: Degrees, opts: Options, mlp_tiled: bool) -> dict:
     """How many of the layer's own weight-gradient elements exist at each moment of its backward (keyed by
     _kind: MLP, MLP norm, attention, QKV, attention norm, head, all-to-all); the caller weighs them in bytes
     (in .grad, fp32 main_grad, reduced chunks, ...): down_proj's with the down input's gradient, the whole
@@ -199,7 +200,7 @@ def own_weight_grads(m: ModelConfig, layout: Layout, opts: Options, mlp_tiled: b
     qkv = (h + m.qkv_bias) * D * (m.num_heads + 2 * m.kv_heads) / t
     chunks = opts.head_chunks > 1
     attention = mlp + o_proj + (qkv if chunks else 0)
-    recomputing = 0.0 if opts.activation_checkpointing else (mlp + o_proj + qkv) if chunks else 0.0
+    recomputing = 0.0 if opts.checkpointing else (mlp + o_proj + qkv) if chunks else 0.0
     return {"MLP": 0.0 if mlp_tiled else down, "MLP norm": mlp - norm_params(m), "attention": attention,
             "QKV": attention, "attention norm": mlp + o_proj + qkv, "head": recomputing, "all-to-all": recomputing}
 
@@ -258,13 +259,13 @@ def _ring_backward(q: float, kv: float, a: int, ring: int, opts: Options, accumu
     return base + moments[worst], f"ring attention's backward ({worst}): fp32 dq and dK/dV, dout, K/V blocks"
 
 
-def loss_tile_tokens(m: ModelConfig, layout: Layout, opts: Options, tokens: float) -> float:
+def loss_tile_tokens(m: ModelConfig, layout: Degrees, opts: Options, tokens: float) -> float:
     """Tokens per LM head + loss tile (kernels/linear_cross_entropy.py default_chunk_tokens)."""
     chunk = opts.loss_chunk_tokens or default_chunk_tokens(m.padded_vocab_size(layout.tp) // layout.tp)
     return min(chunk, tokens)
 
 
-def loss_terms(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, tokens: float) -> list[Term]:
+def loss_terms(m: ModelConfig, layout: Degrees, opts: Options, prec: Precision, tokens: float) -> list[Term]:
     """The LM head + loss forward, beyond what it keeps (stage_terms): its input, and the worst of its moments
     (kernels/linear_cross_entropy.py). One tile: the fp32 logits and the gradient's compute-dtype copy. More:
     either a tile's logits made fp32 (beside the matmul's output in the compute dtype) while the previous tile's

@@ -1,8 +1,11 @@
 """The memory model's vocabulary: the precision and kernel tables (what the code keeps, the places to
-update when it changes), the layout, options and workload it is asked about, and the estimate it gives."""
+update when it changes), the options and workload it is asked about (beside the layout, the run's
+megalysses.degrees.Degrees), and the estimate it gives."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from megalysses.degrees import Degrees
 
 GIB = 1024 ** 3
 
@@ -58,38 +61,13 @@ KERNELS: dict[str, Kernels] = {
 
 
 @dataclass(frozen=True)
-class Layout:
-    """The process grid: sp = ulysses x ring (parallel.sp, parallel.sp_ring as config.checks.check_heads resolves
-    them)."""
-
-    tp: int = 1
-    sp: int = 1
-    pp: int = 1
-    dp: int = 1
-    virtual_stages: int = 1
-    ring: int = 1
-
-    def __post_init__(self) -> None:
-        if self.ring < 1 or self.sp % self.ring:
-            raise ValueError(f"memory model: the ring degree {self.ring} must divide sp={self.sp} "
-                             f"(sp = ulysses x ring)")
-
-    @property
-    def ulysses(self) -> int:
-        return self.sp // self.ring
-
-    @property
-    def world(self) -> int:
-        return self.tp * self.sp * self.pp * self.dp
-
-
-@dataclass(frozen=True)
 class Options:
-    """Memory options: the training.* and parallel.* switches, the kernels, and parameter offload (FSDP,
-    other systems' only)."""
+    """Memory options: the training.* and parallel.* switches as the RunPlan resolves them, under its names (those
+    of its ActivationPolicy, RunPlan.fsdp, kernels, attention, async_save), the kernels, and parameter offload
+    (FSDP, other systems' only)."""
 
-    activation_checkpointing: bool = False
-    activation_offload: bool = False
+    checkpointing: bool = False
+    offload: bool = False              # checkpointed block inputs live in pinned host memory
     checkpoint_stride: int = 1         # checkpointing keeps every k-th block input (training.checkpoint_stride)
     keep_attention: bool = False       # checkpointing keeps attention outputs (training.recompute_attention=false)
     mlp_chunk_tokens: int = 0
@@ -145,7 +123,7 @@ class Estimate:
     largest: Term = field(default_factory=lambda: Term("largest block", 0.0))   # the largest single allocation
     # the device bytes at each phase of each stage considered, {(stage, phase): bytes}: the peak is their largest
     phases: dict = field(default_factory=dict)
-    layout: Layout = field(default_factory=Layout)
+    layout: Degrees = field(default_factory=Degrees)
     options: Options = field(default_factory=Options)
 
     @property

@@ -156,7 +156,7 @@ class ActivationOffload:
             return free.pop()
         if self.pinned is None:
             self.pinned = PinnedRequests(x.device)
-        # a new shape: a longer sequence (a curriculum's next stage), whose predecessors do not come back
+        # a new shape: a longer sequence (a curriculum's next phase), whose predecessors do not come back
         for old in (buf for bufs in self._free.values() for buf in bufs):
             if old.free_after is not None:
                 accelerator.synchronize(old.free_after, "offload")   # its last copy back to the device has read it

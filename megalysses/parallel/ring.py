@@ -37,6 +37,7 @@ from torch import Tensor
 
 from megalysses import comm
 from megalysses.comm import Group
+from megalysses.degrees import Degrees
 from megalysses.kernels.attention import check_backend
 from megalysses.kernels.block_attention import (AttentionBlock, MergedRows, block_attention, block_attention_backward,
                                                 merge_block)
@@ -63,7 +64,7 @@ class RingMask:
         self.half = seq_len // (2 * ring_size)
         self.device = doc_ids.device if device is None and doc_ids is not None else device
         self.doc_ids, self.mask_block = doc_ids, block
-        self._layout = SequenceLayout(sp=ring_size, ring=ring_size)
+        self._layout = SequenceLayout(Degrees(sp=ring_size, ring=ring_size))
         self._blocks: dict[tuple[int, int], AttentionBlock] = {}
 
     def docs_of(self, ring_rank: int) -> Optional[Tensor]:

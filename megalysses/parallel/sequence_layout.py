@@ -6,7 +6,7 @@ of the causal triangle). Inside a ring rank's S/r positions the u Ulysses ranks 
 S/sp, so one Ulysses all-to-all gathers exactly the ring rank's block. sp rank = ring_rank * u + ulysses_rank
 (Ulysses varies fastest, as in the grid). With r = 1 this is the plain contiguous split.
 
-    layout = SequenceLayout(sp=4, ring=2)                 # u = 2
+    layout = SequenceLayout(Degrees(sp=4, ring=2))        # u = 2
     S = layout.padded_len(250)                            # 252: a multiple of lcm(sp, 2r) = 4
     layout.positions(S, sp_rank=1)                        # the 63 global positions sp rank 1 holds
     shard = shard_sample(layout, sp_rank, inputs, labels, positions, doc_ids, pad_id=eod)
@@ -26,33 +26,34 @@ from typing import Optional
 
 import numpy as np
 
+from megalysses.degrees import Degrees
+
 IGNORE_INDEX = -100
 
 
 @dataclass(frozen=True)
 class SequenceLayout:
-    """The sequence split of one run: sp ranks = ulysses x ring, and tp_shard more pieces of each sp rank's
-    tokens when TP sequence sharding is on."""
+    """The sequence split of a run's degrees: sp ranks = ulysses x ring, and with TP sequence sharding tp more
+    pieces of each sp rank's tokens (tp_shard)."""
 
-    sp: int = 1
-    ring: int = 1
-    tp_shard: int = 1
-
-    def __post_init__(self) -> None:
-        if min(self.sp, self.ring, self.tp_shard) < 1 or self.sp % self.ring:
-            raise ValueError(f"sequence layout: sp={self.sp} must be a multiple of ring={self.ring} (both >= 1), "
-                             f"tp_shard={self.tp_shard} >= 1")
+    degrees: Degrees = Degrees()
+    tp_sequence_parallel: bool = False
 
     @property
-    def ulysses(self) -> int:
-        return self.sp // self.ring
+    def tp_shard(self) -> int:
+        return self.degrees.tp if self.tp_sequence_parallel else 1
+
+    def record(self) -> dict[str, int]:
+        """The split as plain data (runtime.json): sp, ring and tp_shard."""
+        return {"sp": self.degrees.sp, "ring": self.degrees.ring, "tp_shard": self.tp_shard}
 
     @property
     def multiple(self) -> int:
         """Padded lengths are multiples of this: sp * tp_shard tokens split evenly, and with a ring also 2r
         equal zigzag chunks."""
-        base = self.sp * self.tp_shard
-        return math.lcm(base, 2 * self.ring) if self.ring > 1 else base
+        d = self.degrees
+        base = d.sp * self.tp_shard
+        return math.lcm(base, 2 * d.ring) if d.ring > 1 else base
 
     def padded_len(self, seq_len: int) -> int:
         return -(-seq_len // self.multiple) * self.multiple
@@ -60,7 +61,7 @@ class SequenceLayout:
     def ring_positions(self, padded: int, ring_rank: int) -> np.ndarray:
         """Global positions of ring rank `ring_rank`'s block, in order: chunk i, then chunk 2r-1-i."""
         self._check(padded)
-        r = self.ring
+        r = self.degrees.ring
         if r == 1:
             return np.arange(padded)
         c = padded // (2 * r)
@@ -69,16 +70,17 @@ class SequenceLayout:
 
     def positions(self, padded: int, sp_rank: int) -> np.ndarray:
         """Global positions held by sp rank `sp_rank` (its residual-stream tokens, in order)."""
-        if not 0 <= sp_rank < self.sp:
-            raise ValueError(f"sp_rank={sp_rank} outside [0, {self.sp})")
-        ring_rank, ulysses_rank = divmod(sp_rank, self.ulysses)
-        local = padded // self.sp
+        d = self.degrees
+        if not 0 <= sp_rank < d.sp:
+            raise ValueError(f"sp_rank={sp_rank} outside [0, {d.sp})")
+        ring_rank, ulysses_rank = divmod(sp_rank, d.ulysses)
+        local = padded // d.sp
         return self.ring_positions(padded, ring_rank)[ulysses_rank * local:(ulysses_rank + 1) * local]
 
     def _check(self, padded: int) -> None:
         if padded % self.multiple:
-            raise ValueError(f"sequence length {padded} is not a multiple of {self.multiple} (sp={self.sp}, "
-                             f"ring={self.ring}, tp_shard={self.tp_shard}): pad it with padded_len()")
+            raise ValueError(f"sequence length {padded} is not a multiple of {self.multiple} (sp={self.degrees.sp}, "
+                             f"ring={self.degrees.ring}, tp_shard={self.tp_shard}): pad it with padded_len()")
 
 
 def shard_sample(layout: SequenceLayout, sp_rank: int, inputs: np.ndarray, labels: np.ndarray,

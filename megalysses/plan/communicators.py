@@ -2,7 +2,7 @@
 
     comms = communicators(axis_sizes(tp=8, ulysses=8, ring=1, dp=1, pp=1), grad_apart=True)
     reserve = sum(c.bytes for c in comms)                 # counted in Hardware.usable_bytes's reserve
-    comms = run_communicators(run)                        # the busiest rank's (the first stage's) of a RunPlan
+    comms = run_communicators(plan)                       # the busiest rank's (the first stage's) of a RunPlan
 
 Every group of the grid (grid.py) is named for its purpose, but a communicator (with NCCL, its buffers and
 connections) belongs to a set of ranks: kinds whose groups hold the same ranks share one process group.
@@ -30,6 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import prod
 from typing import Mapping
+
+from megalysses.plan.types import RunPlan
 
 MIB = 2**20
 
@@ -151,11 +153,12 @@ def checkpoint_record(world: int) -> dict:
             "kept_apart": CHECKPOINT_APART}
 
 
-def run_communicators(run) -> list[Communicator]:
+def run_communicators(plan: RunPlan) -> list[Communicator]:
     """The communicators of the busiest rank of a RunPlan (the first pipeline stage's: it has the embed group)."""
-    return communicators(axis_sizes(run.tp, run.ulysses, run.ring, run.dp, run.pp), run.grad_overlap)
+    d = plan.degrees
+    return communicators(axis_sizes(d.tp, d.ulysses, d.ring, d.dp, d.pp), plan.grad_overlap)
 
 
-def communicator_bytes(run) -> int:
+def communicator_bytes(plan: RunPlan) -> int:
     """What the communicators of a RunPlan's busiest rank take of the device (the reserve's share for them)."""
-    return sum(c.bytes for c in run_communicators(run))
+    return sum(c.bytes for c in run_communicators(plan))

@@ -1,5 +1,5 @@
-"""The memory model's inputs read off a RunPlan (megalysses.plan): the precision, layout, options and
-workload of a run as it was resolved, and its estimate.
+"""The memory model's inputs read off a RunPlan (megalysses.plan): the precision, options and workload of a
+run as it was resolved (its layout is the plan's own Degrees), and its estimate.
 
     plan = resolve(cfg, machine, world_size)
     est = estimate_plan(cfg, plan)
@@ -15,7 +15,7 @@ from megalysses.config import Config
 from megalysses.kernels.attention import varlen_native_gqa
 from megalysses.memory.estimate import estimate
 from megalysses.memory.host import PinnedRequest, pinned_requests
-from megalysses.memory.types import PRECISIONS, Estimate, Layout, Options, Precision, Workload
+from megalysses.memory.types import PRECISIONS, Estimate, Options, Precision, Workload
 from megalysses.plan.types import RunPlan
 
 
@@ -30,7 +30,7 @@ def attention_buffers(plan: RunPlan, documents: bool) -> tuple[bool, bool]:
     (K/V expanded to the query heads) or FlexAttention (kernels/block_attention.py)."""
     backend, cuda = plan.attention, plan.machine.cuda
     cuda_sdpa = backend == "sdpa" and cuda
-    if plan.ring > 1:
+    if plan.degrees.ring > 1:
         return backend == "flex", cuda_sdpa
     masked = documents or plan.attention_window > 0       # SDPA with a mask: no native grouped-query attention
     native = backend in ("flash", "flex") or (backend == "varlen" and varlen_native_gqa()) or \
@@ -51,21 +51,17 @@ def varlen_sequences(cfg: Config, plan: RunPlan) -> int:
     kernel (flash-attn's varlen backward keeps 128 fp32 rows more of its dq accumulator and rowsum(dO * O) for
     each): a sequence's documents with packed-document masks; each row one sequence for varlen without them
     (flash then runs its fixed-length kernel); none with a ring, whose blocks run other kernels."""
-    if plan.ring > 1 or plan.attention not in ("flash", "varlen"):
+    if plan.degrees.ring > 1 or plan.attention not in ("flash", "varlen"):
         return 0
     if cfg.data.document_mask:
         return documents_per_sequence(cfg, plan.padded_seq_len)
     return 1 if plan.attention == "varlen" else 0
 
 
-def layout_of(plan: RunPlan) -> Layout:
-    return Layout(tp=plan.tp, sp=plan.sp, pp=plan.pp, dp=plan.dp, virtual_stages=plan.virtual_stages, ring=plan.ring)
-
-
 def options_of(cfg: Config, plan: RunPlan) -> Options:
     a, p = plan.activation, cfg.parallel
     native, accumulator = attention_buffers(plan, cfg.data.document_mask)
-    return Options(activation_checkpointing=a.checkpointing, activation_offload=a.offload,
+    return Options(checkpointing=a.checkpointing, offload=a.offload,
                    checkpoint_stride=a.checkpoint_stride, head_chunks=a.head_chunks,
                    keep_attention=a.keep_attention, mlp_chunk_tokens=a.mlp_chunk_tokens,
                    loss_chunk_tokens=a.loss_chunk_tokens, tp_sequence_parallel=a.tp_sequence_parallel,
@@ -106,7 +102,7 @@ def shared_estimates() -> Iterator[None]:
 def estimate_plan(cfg: Config, plan: RunPlan) -> Estimate:
     """The predicted peak per rank of the run `plan` resolved `cfg` into (within shared_estimates(), once for
     equal inputs)."""
-    inputs = (layout_of(plan), options_of(cfg, plan), precision_of(plan), workload_of(cfg, plan))
+    inputs = (plan.degrees, options_of(cfg, plan), precision_of(plan), workload_of(cfg, plan))
     if _SHARED is None:
         return estimate(cfg.model, *inputs)
     model, est = _SHARED.get(inputs, (None, None))
@@ -118,5 +114,5 @@ def estimate_plan(cfg: Config, plan: RunPlan) -> Estimate:
 
 def pinned_requests_of(cfg: Config, plan: RunPlan, stage: int) -> list[PinnedRequest]:
     """The pinned host requests megalysses makes on pipeline rank `stage` of the run `plan` resolved `cfg` into."""
-    return pinned_requests(cfg.model, layout_of(plan), options_of(cfg, plan), precision_of(plan),
+    return pinned_requests(cfg.model, plan.degrees, options_of(cfg, plan), precision_of(plan),
                            workload_of(cfg, plan), stage)

@@ -1,7 +1,7 @@
 """Resolve a run once: a Config and a Machine become a RunPlan, every `auto` decided.
 
     plan = resolve(cfg, Machine.current(device), world_size)      # ConfigError: what cannot run there, and why
-    plan.dtype, plan.attention, plan.kernels, plan.ulysses, plan.ring, plan.phases, ...
+    plan.dtype, plan.attention, plan.kernels, plan.degrees, plan.phases, ...
 
 The decisions that depend on the machine or the layout are made here and nowhere else: the compute
 dtype, sp = ulysses x ring, the attention backend of core attention and of the ring's blocks, the kernel
@@ -30,6 +30,7 @@ from typing import Optional
 
 from megalysses.config import Config, ConfigError
 from megalysses.config.checks import check_head_chunks, check_heads, check_kept_attention, head_chunk_counts
+from megalysses.degrees import Degrees
 from megalysses.kernels.attention import AttentionNeeds, unsupported_reason
 from megalysses.kernels.linear_cross_entropy import default_chunk_tokens
 from megalysses.memory.types import fmt_bytes
@@ -140,7 +141,6 @@ def resolve(cfg: Config, machine: Machine, world_size: int, tiles: bool = True, 
         raise
     if not t.recompute_attention:
         check_kept_attention(cfg, attention, ulysses, ring)
-    sequence = SequenceLayout(p.sp, ring, p.tp if p.tp_sequence_parallel else 1)
     activation = ActivationPolicy(checkpointing=t.activation_checkpointing,
                                   keep_attention=t.activation_checkpointing and not t.recompute_attention,
                                   offload=t.activation_offload, mlp_chunk_tokens=_until_auto(t.mlp_chunk_tokens),
@@ -151,35 +151,36 @@ def resolve(cfg: Config, machine: Machine, world_size: int, tiles: bool = True, 
         check_head_chunks(m.num_heads, m.kv_heads, p.tp, ulysses, ring, t.attention_head_chunks)
         activation = replace(activation, head_chunks=t.attention_head_chunks)
     dp = max(world_size // (p.tp * p.sp * p.pp), 1)
-    run = RunPlan(machine=machine, world=world_size, tp=p.tp, sp=p.sp, pp=p.pp, dp=dp,
-                  virtual_stages=p.virtual_stages, ulysses=ulysses, ring=ring, dtype=dtype, master_dtype="float32",
-                  attention=attention, attention_reason=reason, attention_window=m.sliding_window,
-                  kernels=choose_kernels(m.kernels, machine), collective=collective_backend(p.backend, machine),
-                  phases=_phases(cfg, sequence), sequence=sequence, activation=activation,
-                  micro_batch_size=t.micro_batch_size,
-                  micro_batches=max(t.global_batch_size // (t.micro_batch_size * dp), 1), grad_dtype="float32",
-                  optimizer=("fsdp-host" if t.param_offload else "fsdp") if p.fsdp else
-                  "zero1-host" if t.optimizer_offload else "zero1",
-                  weights="host" if t.param_offload else "device",
-                  gradients="host" if t.param_offload or t.optimizer_offload else "device",
-                  grad_overlap=p.fsdp or p.overlap_grad_reduce or t.optimizer_offload or t.param_offload)
+    degrees = Degrees(tp=p.tp, sp=p.sp, pp=p.pp, dp=dp, virtual_stages=p.virtual_stages, ring=ring)
+    sequence = SequenceLayout(degrees, p.tp_sequence_parallel)
+    plan = RunPlan(machine=machine, degrees=degrees, dtype=dtype, master_dtype="float32",
+                   attention=attention, attention_reason=reason, attention_window=m.sliding_window,
+                   kernels=choose_kernels(m.kernels, machine), collective=collective_backend(p.backend, machine),
+                   phases=_phases(cfg, sequence), activation=activation,
+                   micro_batch_size=t.micro_batch_size,
+                   micro_batches=max(t.global_batch_size // (t.micro_batch_size * dp), 1), grad_dtype="float32",
+                   optimizer=("fsdp-host" if t.param_offload else "fsdp") if p.fsdp else
+                   "zero1-host" if t.optimizer_offload else "zero1",
+                   weights="host" if t.param_offload else "device",
+                   gradients="host" if t.param_offload or t.optimizer_offload else "device",
+                   grad_overlap=p.fsdp or p.overlap_grad_reduce or t.optimizer_offload or t.param_offload)
     if tiles:
-        run = _auto_tiles(cfg, run)
+        plan = _auto_tiles(cfg, plan)
     if t.attention_head_chunks == "auto":
-        run = replace(run, activation=replace(run.activation, head_chunks=auto_head_chunks(cfg, run)))
+        plan = replace(plan, activation=replace(plan.activation, head_chunks=auto_head_chunks(cfg, plan)))
     if attention == "flex" and has_docs and mask_block:
-        run = replace(run, activation=replace(run.activation, mask_block=flex_mask_block(cfg, run)))
-    run = replace(run, activation=replace(run.activation, loss_tile=concrete_loss_tile(cfg, run)))
+        plan = replace(plan, activation=replace(plan.activation, mask_block=flex_mask_block(cfg, plan)))
+    plan = replace(plan, activation=replace(plan.activation, loss_tile=concrete_loss_tile(cfg, plan)))
     if tiles:
-        asynchronous, why = choose_async_save(cfg, run)
-        run = replace(run, async_save=asynchronous, async_save_reason=why)
-    return run
+        asynchronous, why = choose_async_save(cfg, plan)
+        plan = replace(plan, async_save=asynchronous, async_save_reason=why)
+    return plan
 
 
 GIB = 2**30
 
 
-def choose_async_save(cfg: Config, run: RunPlan) -> tuple[bool, str]:
+def choose_async_save(cfg: Config, plan: RunPlan) -> tuple[bool, str]:
     """(whether checkpoints are written in the background, why): checkpoint.async_save as given, or for `auto`
     whether one node's ranks' host memory, with the staging copy of their checkpoint state, fits the node's
     memory (the memory model's host bytes, and on a CPU run its peak too, which is host memory there): the
@@ -191,7 +192,7 @@ def choose_async_save(cfg: Config, run: RunPlan) -> tuple[bool, str]:
     from megalysses.plan.memory import estimate_plan      # the memory model reads RunPlans: import late
 
     try:
-        est = estimate_plan(cfg, replace(run, async_save=True))
+        est = estimate_plan(cfg, replace(plan, async_save=True))
     except ValueError:
         return requested is True, "checkpoint.async_save=true" if requested is True else \
             "auto: the memory model does not cover this run"
@@ -199,39 +200,39 @@ def choose_async_save(cfg: Config, run: RunPlan) -> tuple[bool, str]:
     copy = f"a staging copy of {fmt_bytes(staging)} per rank"
     if requested is True:
         return True, f"checkpoint.async_save=true: {copy}"
-    node = run.machine.host_memory_gib
+    node = plan.machine.host_memory_gib
     if node is None:
         return False, "auto: this node's memory is not known"
-    ranks = run.machine.ranks_per_node or 1
-    needed = ranks * (est.host + (0 if run.machine.cuda else est.peak))
+    ranks = plan.machine.ranks_per_node or 1
+    needed = ranks * (est.host + (0 if plan.machine.cuda else est.peak))
     if needed > node * GIB:
         return False, (f"auto: {copy} would bring the node's {ranks} rank(s) to {needed / GIB:.1f} GiB of host "
                        f"memory, over its {node:.1f} GiB")
     return True, f"auto: {copy}, {needed / GIB:.1f} GiB of the node's {node:.1f} GiB with it"
 
 
-def concrete_loss_tile(cfg: Config, run: RunPlan) -> int:
+def concrete_loss_tile(cfg: Config, plan: RunPlan) -> int:
     """The LM head + loss tile the model runs: the one asked for (or `auto`'s), else the kernel's default for a
     rank's rows of the padded vocabulary."""
-    vocab_local = cfg.model.padded_vocab_size(run.tp) // run.tp
-    return run.activation.loss_chunk_tokens or default_chunk_tokens(vocab_local)
+    vocab_local = cfg.model.padded_vocab_size(plan.degrees.tp) // plan.degrees.tp
+    return plan.activation.loss_chunk_tokens or default_chunk_tokens(vocab_local)
 
 
 MASK_SHARE = 0.01     # FlexAttention's block mask may take this share of the predicted peak
 
 
-def flex_mask_block(cfg: Config, run: RunPlan) -> int:
+def flex_mask_block(cfg: Config, plan: RunPlan) -> int:
     """FlexAttention's block-mask block size with documents: the smallest of 128 x 2^k tokens (the kernel's tile
     divides it; finer blocks skip more masked work) whose block mask the memory model finds within MASK_SHARE
     of the predicted peak (its four index tensors shrink as the square of the block), at most the sequence a
     mask spans. 128 where the memory model does not cover the run."""
     from megalysses.plan.memory import estimate_plan      # the memory model reads RunPlans: import late
 
-    span = run.padded_seq_len // run.ring
+    span = plan.padded_seq_len // plan.degrees.ring
     block = 128
     while True:
         try:
-            est = estimate_plan(cfg, replace(run, activation=replace(run.activation, mask_block=block)))
+            est = estimate_plan(cfg, replace(plan, activation=replace(plan.activation, mask_block=block)))
         except ValueError:
             return 128
         mask = sum(t.bytes for t in est.terms if t.name.startswith("FlexAttention"))
@@ -255,12 +256,12 @@ def _auto_tiles(cfg: Config, plan: RunPlan) -> RunPlan:
     return replace(plan, activation=auto_tiles(cfg, plan))
 
 
-def auto_head_chunks(cfg: Config, run: RunPlan) -> int:
+def auto_head_chunks(cfg: Config, plan: RunPlan) -> int:
     """training.attention_head_chunks=auto: the fewest chunks the layout allows with which the memory model's
     peak fits the device (its memory less the planner's reserve and fragmentation allowance), or when none fits the
     fewest with the lowest peak. 1 where the device's memory is unknown (CPU), where attention outputs are
     kept (recompute_attention=false), or where the memory model does not cover the run."""
-    if run.machine.memory_gib is None or run.activation.keep_attention:
+    if plan.machine.memory_gib is None or plan.activation.keep_attention:
         return 1
     from megalysses.plan.memory import estimate_plan      # the memory model reads RunPlans: import late
     from megalysses.plan.communicators import communicator_bytes
@@ -268,13 +269,13 @@ def auto_head_chunks(cfg: Config, run: RunPlan) -> int:
 
     m, hw = cfg.model, Hardware()
     peaks = []
-    for n in head_chunk_counts(m.num_heads, m.kv_heads, run.tp, run.ulysses):
+    for n in head_chunk_counts(m.num_heads, m.kv_heads, plan.degrees.tp, plan.degrees.ulysses):
         try:
-            est = estimate_plan(cfg, replace(run, activation=replace(run.activation, head_chunks=n)))
+            est = estimate_plan(cfg, replace(plan, activation=replace(plan.activation, head_chunks=n)))
         except ValueError:
             return 1
         peak = est.peak
-        if peak <= hw.usable_bytes(run.machine.memory_gib, est.largest.bytes, communicator_bytes(run)):
+        if peak <= hw.usable_bytes(plan.machine.memory_gib, est.largest.bytes, communicator_bytes(plan)):
             return n
         peaks.append((peak, n))
     return min(peaks)[1]

@@ -22,7 +22,7 @@ from typing import Callable, Iterator, Optional
 from megalysses.config import Config, ConfigError, ModelConfig
 from megalysses.config.checks import check_heads, check_world_size, head_chunk_counts, validate_config
 from megalysses.memory import GIB, Estimate
-from megalysses.plan.memory import (estimate_plan, layout_of, options_of, precision_of, shared_estimates,
+from megalysses.plan.memory import (estimate_plan, options_of, precision_of, shared_estimates,
                                     workload_of)
 from megalysses.plan.flops import flops_per_token
 from megalysses.plan.machine import PLAIN_TORCH, Machine
@@ -196,21 +196,21 @@ def evaluate(cfg: Config, gpus: int, gpu_memory_gib: Optional[float], host_memor
     return predict(cfg, resolve(cfg, machine, gpus), gpu_memory_gib, host_memory_gib, hw)
 
 
-def predict(cfg: Config, run: RunPlan, gpu_memory_gib: Optional[float], host_memory_gib: Optional[float],
+def predict(cfg: Config, plan: RunPlan, gpu_memory_gib: Optional[float], host_memory_gib: Optional[float],
             hw: Hardware) -> Prediction:
-    """Memory, fit and step time of the run `run` resolved `cfg` into (`gpu_memory_gib` None: its machine's)."""
-    gpu_memory_gib = run.machine.memory_gib if gpu_memory_gib is None else gpu_memory_gib
-    est = estimate_plan(cfg, run)
+    """Memory, fit and step time of the run `plan` resolved `cfg` into (`gpu_memory_gib` None: its machine's)."""
+    gpu_memory_gib = plan.machine.memory_gib if gpu_memory_gib is None else gpu_memory_gib
+    est = estimate_plan(cfg, plan)
     offloaded = sum(t.bytes for t in est.terms if t.host and t.name.startswith("offloaded"))
-    step = step_time(cfg.model, layout_of(run), options_of(cfg, run), precision_of(run), workload_of(cfg, run), hw,
+    step = step_time(cfg.model, plan.degrees, options_of(cfg, plan), precision_of(plan), workload_of(cfg, plan), hw,
                      Overlap(grad_reduce=cfg.parallel.overlap_grad_reduce), retained=offloaded)
-    per_node = est.host * min(run.world, hw.gpus_per_node)
-    why, usable = [], hw.usable_bytes(gpu_memory_gib, est.largest.bytes, communicator_bytes(run))
+    per_node = est.host * min(plan.degrees.world, hw.gpus_per_node)
+    why, usable = [], hw.usable_bytes(gpu_memory_gib, est.largest.bytes, communicator_bytes(plan))
     if est.peak > usable:
         why.append(f"peak {est.peak / GIB:.2f} GiB > usable {usable / GIB:.2f} GiB")
     if per_node > 0 and (host_memory_gib is None or per_node > host_memory_gib * GIB):
         why.append(f"host {per_node / GIB:.0f} GiB per node > --host-memory-gib {host_memory_gib}")
-    return Prediction(cfg, run, est, step, not why, per_node, hw, usable, "; ".join(why))
+    return Prediction(cfg, plan, est, step, not why, per_node, hw, usable, "; ".join(why))
 
 
 def predicted_step_seconds(cfg: Config, gpus: int, hw: Hardware, machine: Optional[Machine] = None) -> Optional[float]:
@@ -222,12 +222,12 @@ def predicted_step_seconds(cfg: Config, gpus: int, hw: Hardware, machine: Option
         return None
 
 
-def run_step_seconds(cfg: Config, run: RunPlan, hw: Hardware) -> Optional[float]:
-    """The step time of the run `run` resolved `cfg` into (at data.seq_len, the longest length of a curriculum),
+def run_step_seconds(cfg: Config, plan: RunPlan, hw: Hardware) -> Optional[float]:
+    """The step time of the run `plan` resolved `cfg` into (at data.seq_len, the longest length of a curriculum),
     or None for a run the model does not cover."""
     try:
-        memory = 80.0 if run.machine.memory_gib is None else None       # no device: time only
-        return predict(cfg, run, memory, None, hw).step.total
+        memory = 80.0 if plan.machine.memory_gib is None else None       # no device: time only
+        return predict(cfg, plan, memory, None, hw).step.total
     except (ConfigError, ValueError):
         return None
 
@@ -298,15 +298,15 @@ def plan(cfg: Config, gpus: int, seq_len: int, gpu_memory_gib: Optional[float] =
     return fitting if search.top is None else found.best(fitting), found.considered
 
 
-def step_floor(cand: Config, run: RunPlan, hw: Hardware) -> float:
-    """The least step time `cand` can have, from `run`, its plan resolved without tiles or the mask block
+def step_floor(cand: Config, plan: RunPlan, hw: Hardware) -> float:
+    """The least step time `cand` can have, from `plan`, resolved without tiles or the mask block
     (resolve(tiles=False, mask_block=False), which the step time does not read), its head chunks concrete:
     the step-time model's, at the MLP untiled or in tiles (an `auto` tile may resolve to either; any tile costs
     the same), with no offloaded bytes (which add host copies)."""
-    opts = options_of(cand, run)
+    opts = options_of(cand, plan)
     tiles = [opts.mlp_chunk_tokens] if cand.training.mlp_chunk_tokens != "auto" else [0, cand.model.hidden_size]
-    return min(step_time(cand.model, layout_of(run), replace(opts, mlp_chunk_tokens=tile), precision_of(run),
-                         workload_of(cand, run), hw, Overlap(grad_reduce=cand.parallel.overlap_grad_reduce)).total
+    return min(step_time(cand.model, plan.degrees, replace(opts, mlp_chunk_tokens=tile), precision_of(plan),
+                         workload_of(cand, plan), hw, Overlap(grad_reduce=cand.parallel.overlap_grad_reduce)).total
                for tile in tiles)
 
 
@@ -356,26 +356,26 @@ class _Found:
         return [p for i, p in enumerate(fitting) if i < s.top or p.step.total <= s.within]
 
 
-def check_phase_time(cfg: Config, run: RunPlan, peak_tflops: Optional[float]) -> None:
+def check_phase_time(cfg: Config, plan: RunPlan, peak_tflops: Optional[float]) -> None:
     """ConfigError when a training step, or a validation, at the planner's predicted speed on a GPU of
     `peak_tflops` takes more than half of parallel.timeout_seconds, the longest the watchdog lets a rank
     spend in one phase of the loop: it would end the run as stuck. Half leaves room for the prediction's
     error; a run on an unknown GPU (no peak) or outside what the planner covers is not checked.
 
     The step judged is the run's own longest: its global batch (training.global_batch_size, where a batch
-    ramp ends), each sample at the longest length of its curriculum (data.seq_len), as `run`, the run's own plan,
+    ramp ends), each sample at the longest length of its curriculum (data.seq_len), as `plan`, the run's own,
     lays it out (its machine, attention backend, kernels and ranks per node); a validation is training.eval_steps
     such batches, forward only. The message names the batch and length it judged."""
     if not peak_tflops:
         return
-    nodes = run.machine.ranks_per_node
+    nodes = plan.machine.ranks_per_node
     hw = Hardware(peak_tflops=peak_tflops, **({"gpus_per_node": nodes} if nodes else {}))
-    step = run_step_seconds(cfg, run, hw)
+    step = run_step_seconds(cfg, plan, hw)
     if step is None:
         return
     t = cfg.training
     validation = step / 3 * t.eval_steps if t.eval_interval else 0.0     # forward passes only
-    batch = f"global batch {t.global_batch_size} x {run.padded_seq_len} tokens"
+    batch = f"global batch {t.global_batch_size} x {plan.padded_seq_len} tokens"
     what, seconds = ((f"a validation ({t.eval_steps} x {batch})", validation) if validation > step
                      else (f"a training step ({batch})", step))
     timeout = cfg.parallel.timeout_seconds
@@ -395,19 +395,19 @@ def node_memory_bytes() -> Optional[float]:
         return None
 
 
-def check_host_memory(cfg: Config, run: RunPlan, node_bytes: Optional[float] = None) -> None:
+def check_host_memory(cfg: Config, plan: RunPlan, node_bytes: Optional[float] = None) -> None:
     """ConfigError when what the memory model allocates in host memory per node (offloaded block inputs,
     optimizer or parameter state: memory.Estimate.host per rank, times the ranks of a node) exceeds the node's
     physical memory (`node_bytes`, default this node's), pinned memory cannot be swapped out. A run the
     memory model does not cover is not checked."""
     node_bytes = node_memory_bytes() if node_bytes is None else node_bytes
     try:
-        host = estimate_plan(cfg, run).host
+        host = estimate_plan(cfg, plan).host
     except ValueError:
         return
-    ranks = run.machine.ranks_per_node or 1
+    ranks = plan.machine.ranks_per_node or 1
     if node_bytes and host * ranks > node_bytes:
-        staging = " or save synchronously (checkpoint.async_save=false)" if run.async_save else ""
+        staging = " or save synchronously (checkpoint.async_save=false)" if plan.async_save else ""
         raise ConfigError(f"this run needs {host * ranks / GIB:.1f} GiB of host memory per node ({ranks} ranks x "
                           f"{host / GIB:.1f} GiB: offloaded activations and optimizer state, checkpoint staging, "
                           f"tools/plan.py --explain itemises them) but the node has {node_bytes / GIB:.1f} GiB: "

@@ -18,7 +18,8 @@ from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
 from megalysses.config import ModelConfig
-from megalysses.memory import GIB, Layout, Options, Precision, Workload, head_norm_params, kv_replication, \
+from megalysses.degrees import Degrees
+from megalysses.memory import GIB, Options, Precision, Workload, head_norm_params, kv_replication, \
     layer_params, stage_layers, stage_params, tiled
 from megalysses.plan.flops import attended_keys
 
@@ -157,7 +158,7 @@ class _Compute:
     seconds: float          # both at the hardware's efficiencies
 
 
-def _compute(m: ModelConfig, layout: Layout, opts: Options, work: Workload, hw: Hardware) -> _Compute:
+def _compute(m: ModelConfig, layout: Degrees, opts: Options, work: Workload, hw: Hardware) -> _Compute:
     t, P, M = layout.tp, layout.sp, work.micro_batches
     tokens = work.micro_batch_size * work.seq_len / P                 # per micro-batch per rank
     L = stage_layers(m, layout)
@@ -174,7 +175,7 @@ def _compute(m: ModelConfig, layout: Layout, opts: Options, work: Workload, hw: 
     fwd_attn = L * 4 * work.micro_batch_size * work.seq_len * attended_keys(work.seq_len, window) * q / P
     head = 2 * m.padded_vocab_size(t) / t * m.hidden_size * tokens
     # forwards recomputed in the backward: one under checkpointing, two with a stride (the group's, the block's)
-    recomputes = (2 if opts.checkpoint_stride > 1 else 1) if opts.activation_checkpointing else 0
+    recomputes = (2 if opts.checkpoint_stride > 1 else 1) if opts.checkpointing else 0
     # the block's recomputation runs its attention projections again, and its MLP: in tiles, each tile's forward
     # once more in its own backward besides (the tiles keep nothing); untiled, up to the last tensor the backward
     # saved (torch.utils.checkpoint's early stop): the down projection, whose output nothing saves, does not run
@@ -203,7 +204,7 @@ class _Step:
     """What step_time is asked about, handed as one to the terms it adds up."""
 
     m: ModelConfig
-    layout: Layout
+    layout: Degrees
     opts: Options
     prec: Precision
     work: Workload
@@ -286,7 +287,7 @@ def _host_and_optimizer(s: _Step, n: float, compute: float, retained: float, nby
     layout, opts, prec, M, hw = s.layout, s.opts, s.prec, s.work.micro_batches, s.hw
     G = layout.dp * layout.sp
     copies = 0.0                     # host <-> device bytes per step beyond the optimizer's own
-    if opts.activation_offload:
+    if opts.offload:
         copies += 2 * retained
     if opts.optimizer_offload and not opts.fsdp:
         copies += M * n / G * 4                                          # reduced fp32 chunks out
@@ -304,7 +305,7 @@ def _host_and_optimizer(s: _Step, n: float, compute: float, retained: float, nby
     return n / G * (prec.master + prec.moments + 4) * 3 / (hw.hbm_gbs * 1e9)
 
 
-def step_time(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, work: Workload, hw: Hardware,
+def step_time(m: ModelConfig, layout: Degrees, opts: Options, prec: Precision, work: Workload, hw: Hardware,
               overlap: Overlap = Overlap(), retained: float = 0.0) -> StepTime:
     """Predicted seconds per optimizer step on the busiest rank. `retained`: activation bytes per step
     that activation offload copies out and back."""

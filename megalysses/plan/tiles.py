@@ -30,7 +30,7 @@ from dataclasses import replace
 from megalysses.config import Config
 from megalysses.memory import loss_tile_tokens
 from megalysses.plan.communicators import communicator_bytes
-from megalysses.plan.memory import estimate_plan, layout_of, options_of
+from megalysses.plan.memory import estimate_plan, options_of
 from megalysses.plan.types import ActivationPolicy, RunPlan
 from megalysses.plan.step_time import Hardware
 
@@ -47,7 +47,7 @@ def _peak(cfg: Config, plan: RunPlan, **tiles: int) -> float:
 
 def _local_tokens(plan: RunPlan) -> int:
     """Tokens of a rank's residual stream: what MLP tiles split (model/policies.py TiledMLP)."""
-    return plan.padded_seq_len // (plan.sp * (plan.tp if plan.activation.tp_sequence_parallel else 1))
+    return plan.padded_seq_len // (plan.degrees.sp * (plan.degrees.tp if plan.activation.tp_sequence_parallel else 1))
 
 
 def _largest_within(cfg: Config, plan: RunPlan, key: str, reference: int, at_reference: float,
@@ -81,14 +81,14 @@ def mlp_tile(cfg: Config, plan: RunPlan) -> int:
 
 def _loss_tokens(cfg: Config, plan: RunPlan) -> int:
     """Tokens of a rank's LM head + loss: one tile of them all is the largest loss tile."""
-    return cfg.training.micro_batch_size * plan.padded_seq_len // plan.sp
+    return cfg.training.micro_batch_size * plan.padded_seq_len // plan.degrees.sp
 
 
 def loss_tile(cfg: Config, plan: RunPlan) -> int:
     """The auto loss tile of `plan` (its MLP tile as it stands), in tokens."""
     tokens = _loss_tokens(cfg, plan)
     default = replace(options_of(cfg, plan), loss_chunk_tokens=0)
-    reference = int(loss_tile_tokens(cfg.model, layout_of(plan), default, tokens))
+    reference = int(loss_tile_tokens(cfg.model, plan.degrees, default, tokens))
     if reference >= tokens:
         return reference
     # one tile of the whole sequence also drops the head weight's fp32 gradient sum: weighed on its own

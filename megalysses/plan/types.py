@@ -3,9 +3,10 @@ phases and its activation policy. megalysses.plan.resolve makes them; the model,
 the cost models read them."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Optional
 
+from megalysses.degrees import Degrees
 from megalysses.parallel.sequence_layout import SequenceLayout
 from megalysses.plan.machine import Machine
 
@@ -14,7 +15,7 @@ from megalysses.plan.machine import Machine
 class Phase:
     """One length the run trains (or validates) at, and the padded length the layout makes of it."""
 
-    name: str                   # "train" (from_step 0), "train from step N" (a curriculum stage), "eval", or
+    name: str                   # "train" (from_step 0), "train from step N" (a curriculum's phase), "eval", or
                                 # "long_eval" (a length of long_eval.lengths: forward only, not a step's shape)
     seq_len: int
     padded_len: int
@@ -55,14 +56,7 @@ class RunPlan:
     """Every decision of a run of one config on one machine."""
 
     machine: Machine
-    world: int
-    tp: int
-    sp: int
-    pp: int
-    dp: int
-    virtual_stages: int
-    ulysses: int
-    ring: int
+    degrees: Degrees                # tp, sp = ulysses x ring, pp, dp, virtual stages: the run's one copy of them
     dtype: str                      # compute dtype: "float32" or "bfloat16" (weights, activations, kernels)
     master_dtype: str               # the optimizer's masters and moments: always "float32"
     attention: str                  # core attention (reference, sdpa, flex or flash), or with a ring (ring > 1)
@@ -70,7 +64,6 @@ class RunPlan:
     kernels: str                    # norms, RoPE, SwiGLU: torch, triton, liger or apex
     collective: str                 # nccl or gloo
     phases: tuple[Phase, ...]
-    sequence: SequenceLayout        # which positions each sp rank holds; every phase is padded to its multiple
     activation: ActivationPolicy
     micro_batch_size: int           # samples per micro-batch on each dp rank
     micro_batches: int              # micro-batches per step at training.global_batch_size (where a ramp ends)
@@ -87,18 +80,23 @@ class RunPlan:
     async_save_reason: str = ""     # why (checkpoint.async_save, and for auto the host memory it needs and has)
 
     @property
+    def sequence(self) -> SequenceLayout:
+        """Which positions each sp rank holds; every phase is padded to its multiple."""
+        return SequenceLayout(self.degrees, self.activation.tp_sequence_parallel)
+
+    @property
     def padded_seq_len(self) -> int:
         """data.seq_len padded to the layout's multiple (the longest phase but the long-context evaluation's)."""
         return max(p.padded_len for p in self.phases if p.name != "long_eval")
 
     @property
     def train_phases(self) -> tuple[Phase, ...]:
-        """The training phases, in step order: one, or a sequence-length curriculum's stages."""
+        """The training phases, in step order: one, or a sequence-length curriculum's."""
         return tuple(p for p in self.phases if p.from_step is not None)
 
     def train_phase(self, step: int) -> Phase:
         """The training phase of the optimizer step taken after `step` completed steps (the sequence-length
-        curriculum's stage, data.seq_len_schedule)."""
+        curriculum's phase, data.seq_len_schedule)."""
         return [p for p in self.train_phases if p.from_step <= step][-1]
 
     @property
@@ -109,7 +107,7 @@ class RunPlan:
     @property
     def samples_per_micro_batch(self) -> int:
         """Samples of one micro-batch over the dp ranks."""
-        return self.micro_batch_size * self.dp
+        return self.micro_batch_size * self.degrees.dp
 
     def micro_batches_of(self, batch: int) -> int:
         """Micro-batches of a step of `batch` global samples (a batch of a ramp)."""
@@ -123,8 +121,13 @@ class RunPlan:
 
     def record(self) -> dict:
         """The plan as plain data (runtime.json, tools/plan.py --json)."""
-        out = asdict(self)
-        out["machine"] = self.machine.summary()
-        out["phases"] = [asdict(p) for p in self.phases]
+        out = {"machine": self.machine.summary(), **self.degrees.record()}     # the degrees as flat keys
+        for f in fields(self):
+            if f.name in ("machine", "degrees"):
+                continue
+            value = getattr(self, f.name)
+            out[f.name] = asdict(value) if f.name == "activation" else value
+            if f.name == "phases":
+                out["phases"], out["sequence"] = [asdict(p) for p in self.phases], self.sequence.record()
         out["padded_seq_len"] = self.padded_seq_len
         return out

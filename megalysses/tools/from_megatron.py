@@ -120,8 +120,8 @@ def check_start(cfg: Config, conv: Conversion, gpus: int, per_node: int) -> tupl
     p = cfg.parallel
     split = " (parallel.sp_ring, as the script fixes it)" if p.sp_ring else " (megalysses' choice)" if p.sp > 1 else ""
     conv.notes.append(f"on {gpus} GPUs ({min(gpus, per_node)} a node): attention {run.attention} "
-                      f"({run.attention_reason}); parallel.sp={p.sp} runs as ulysses {run.ulysses} x ring {run.ring}"
-                      f"{split}")
+                      f"({run.attention_reason}); parallel.sp={p.sp} runs as ulysses {run.degrees.ulysses} x ring "
+                      f"{run.degrees.ring}{split}")
     return cfg, run
 
 

@@ -66,7 +66,7 @@ def build_model(cfg: Config, grid: ParallelGrid, device: torch.device, mesh: Dev
     model_cfg = model_config(cfg, run)
     groups = ParallelGroups(tp=grid.tp_group, ulysses=grid.ulysses_group, ring=grid.ring_group,
                             sequence_parallel=run.activation.tp_sequence_parallel)
-    v = run.virtual_stages
+    v = run.degrees.virtual_stages
     V = grid.pp_size * v
     chunks = []
     # allocated where the weights live: where they run, never staged through host memory, or (parameter

@@ -39,9 +39,9 @@ class TrainingData:
     each sample split over the sp ranks and padded as run.sequence lays it out (the layout that gave each phase
     of the plan its padded length)."""
 
-    def __init__(self, cfg: Config, grid: ParallelGrid, run: RunPlan, device: torch.device) -> None:
+    def __init__(self, cfg: Config, grid: ParallelGrid, plan: RunPlan, device: torch.device) -> None:
         d, t = cfg.data, cfg.training
-        self.cfg, self.grid, self.run, self.device = cfg, grid, run, device
+        self.cfg, self.grid, self.plan, self.device = cfg, grid, plan, device
         self.batch_sizes = BatchSizes.from_config(t)      # the batch of each step (a ramp, or constant)
         self.packing_summary: list[str] = []              # what packing did to conversations, in words
         self.empty_steps = 0                              # steps whose samples hold no label that trains
@@ -107,12 +107,12 @@ class TrainingData:
                                f"training.eval_interval=0")
 
     def _micro_batches(self, dataset, consumed: int, curriculum: bool) -> Iterator[Batch]:
-        d, g, run, step_of = self.cfg.data, self.grid, self.run, self.batch_sizes.step_of
-        phase_at = (lambda first: run.train_phase(step_of(first)).seq_len) if curriculum else None
-        rank = LoaderRank(g.dp_rank, run.dp, g.sp_rank, run.sp, run.sequence)
+        d, g, plan, step_of = self.cfg.data, self.grid, self.plan, self.batch_sizes.step_of
+        phase_at = (lambda first: plan.train_phase(step_of(first)).seq_len) if curriculum else None
+        rank = LoaderRank(g.dp_rank, g.sp_rank, plan.sequence)
         fmt = BatchFormat(self.eod_id, d.reset_position_ids, d.document_mask, d.eod_mask_loss,
                           loss_average=d.loss_average)
-        for mb in iterate_micro_batches(dataset, run.micro_batch_size, rank, consumed, fmt, seq_len=d.seq_len,
+        for mb in iterate_micro_batches(dataset, plan.micro_batch_size, rank, consumed, fmt, seq_len=d.seq_len,
                                         vocab_size=self.cfg.model.vocab_size, length_at=phase_at):
             yield {k: v if k in HOST_KEYS else v.to(self.device, non_blocking=True) for k, v in mb.items()}
 
@@ -121,9 +121,9 @@ class TrainingData:
         global batch holds (a batch-size ramp grows it with the samples consumed); step k's samples are cut to
         data.seq_len_at(k) tokens (the sequence-length curriculum)."""
         it = self._micro_batches(self.train, consumed_samples, curriculum=True)
-        per_micro = self.run.samples_per_micro_batch
+        per_micro = self.plan.samples_per_micro_batch
         while True:
-            num_micro = self.run.micro_batches_of(self.batch_sizes.at(consumed_samples))
+            num_micro = self.plan.micro_batches_of(self.batch_sizes.at(consumed_samples))
             step = [mb for _, mb in zip(range(num_micro), it)]
             if len(step) < num_micro:
                 raise DatasetError("the training data ran out before training.train_steps: "
@@ -147,14 +147,14 @@ class TrainingData:
         labels_of = getattr(self.train, "labels_of", None)
         if labels_of is None:
             return None
-        length = self.run.train_phase(self.batch_sizes.step_of(first)).seq_len
+        length = self.plan.train_phase(self.batch_sizes.step_of(first)).seq_len
         return labels_of(np.arange(first, first + samples), length)
 
     def valid_batches(self) -> list[Batch]:
-        """The fixed validation set: eval_steps global batches at data.seq_len (at every stage of a curriculum,
+        """The fixed validation set: eval_steps global batches at data.seq_len (at every phase of a curriculum,
         so validation losses compare across it)."""
         it = self._micro_batches(self.valid, 0, curriculum=False)
-        return [mb for _, mb in zip(range(self.run.micro_batches * self.cfg.training.eval_steps), it)]
+        return [mb for _, mb in zip(range(self.plan.micro_batches * self.cfg.training.eval_steps), it)]
 
 
 def _check_identity(prefix: str, tokenizer: object, identity: list[dict]) -> None:

@@ -136,9 +136,9 @@ def check_settings(s: LongEvalSettings, prompts: Prompts, haystack: Optional[Doc
 class LongEval:
     """The long-context evaluation of one run's model on its grid (see the module's docstring)."""
 
-    def __init__(self, cfg: Config, grid: ParallelGrid, device: torch.device, run: RunPlan, tokenizer: Any,
+    def __init__(self, cfg: Config, grid: ParallelGrid, device: torch.device, plan: RunPlan, tokenizer: Any,
                  haystack: Optional[DocumentStream]) -> None:
-        self.cfg, self.grid, self.device, self.plan = cfg, grid, device, run
+        self.cfg, self.grid, self.device, self.plan = cfg, grid, device, plan
         self.haystack = haystack
         self.prompts = Prompts(tokenizer, cfg.data.bos)
         self.eod = tokenizer.eod_id              # data.eod where the run names one (tokenizer_from_config)
@@ -221,7 +221,7 @@ class LongEval:
         tokens = [x.tokens if x is not None else np.zeros(length + 1, dtype=np.int64) for x in samples]
         layout = self.plan.sequence
         fmt = BatchFormat(self.eod, d.reset_position_ids, d.document_mask, d.eod_mask_loss)
-        mb = build_micro_batch(tokens, length, g.sp_rank, g.sp_size, fmt, layout=layout)
+        mb = build_micro_batch(tokens, length, g.sp_rank, fmt, layout)
         full = np.full((len(samples), layout.padded_len(length)), -1, dtype=np.int64)
         for b, x in enumerate(samples):
             if x is not None:
@@ -293,12 +293,12 @@ class TrainingLongEval:
     length the step trained at, which follows a data.seq_len_schedule). Settings that cannot run are a
     ConfigError before step 1."""
 
-    def __init__(self, cfg: Config, grid: ParallelGrid, device: torch.device, run: RunPlan) -> None:
+    def __init__(self, cfg: Config, grid: ParallelGrid, device: torch.device, plan: RunPlan) -> None:
         from megalysses.config import ConfigError
         from megalysses.data.tokenizer import tokenizer_from_config
 
         e, d = cfg.long_eval, cfg.data
-        self.cfg, self.run = cfg, run
+        self.cfg, self.plan = cfg, plan
         try:
             tok = tokenizer_from_config(d, cfg.model.vocab_size)
             if tok.vocab_size > cfg.model.vocab_size:
@@ -307,8 +307,8 @@ class TrainingLongEval:
             text = any(t in HAYSTACK_TASKS for t in e.tasks)
             haystack = (DocumentStream.whole(e.haystack) if e.haystack else
                         DocumentStream.validation(d) if text and not d.mock else None)
-            self.evaluator = LongEval(cfg, grid, device, run, tok, haystack if text else None)
-            lengths = e.lengths or sorted({p.seq_len for p in run.train_phases})
+            self.evaluator = LongEval(cfg, grid, device, plan, tok, haystack if text else None)
+            lengths = e.lengths or sorted({p.seq_len for p in plan.train_phases})
             self.evaluator.check(self.settings(lengths))
         except ValueError as err:          # PromptError, LongEvalError, HaystackError, TokenizerError
             raise ConfigError(f"long_eval: {' '.join(str(err).split())}") from None
@@ -322,5 +322,5 @@ class TrainingLongEval:
 
     def __call__(self, model: torch.nn.Module, step: int, doing: Callable[[str], None]) -> LongEvalReport:
         """The evaluation after `step` steps: at long_eval.lengths, or the length that step trained at."""
-        trained = self.run.train_phase(step - 1).seq_len
+        trained = self.plan.train_phase(step - 1).seq_len
         return self.evaluator.run(model, self.settings(self.cfg.long_eval.lengths or [trained]), trained, doing)

@@ -50,14 +50,14 @@ from megalysses.training.step import BusyClock, NonFiniteLossError, evaluate, tr
 from megalysses.training.watchdog import Watchdog
 
 
-def stage_line(cfg: Config, step: int) -> str:
-    """The curriculum stage that the step after `step` completed steps trains in, in words."""
+def phase_line(cfg: Config, step: int) -> str:
+    """The curriculum's phase that the step after `step` completed steps trains in, in words."""
     d = cfg.data
-    stage = max(i for i, (from_step, _) in enumerate(d.seq_len_schedule) if from_step <= step)
-    length = d.seq_len_schedule[stage][1]
+    phase = max(i for i, (from_step, _) in enumerate(d.seq_len_schedule) if from_step <= step)
+    length = d.seq_len_schedule[phase][1]
     pieces = (f"each sample of {d.seq_len} tokens cut into {d.seq_len // length} sequences"
               if length < d.seq_len else "whole samples")
-    return (f"seq_len {length} from step {step + 1} (stage {stage + 1} of {len(d.seq_len_schedule)} of "
+    return (f"seq_len {length} from step {step + 1} (phase {phase + 1} of {len(d.seq_len_schedule)} of "
             f"data.seq_len_schedule: {pieces})")
 
 
@@ -102,14 +102,14 @@ def train(cfg: Config, plan: RunPlan, grid: ParallelGrid, device: torch.device, 
         save_config(cfg, run_dir / "config.yaml")
         write_runtime(run_dir, cfg, grid, plan)
         mark_start(run_dir, progress.step, path, progress.consumed * cfg.data.seq_len,
-                   {"tp": grid.tp_size, "sp": grid.sp_size, "pp": grid.pp_size, "dp": grid.dp_size})
+                   grid.degrees.summary())
 
     loop = TrainingLoop(run, long_eval, ckpt_dir, doing)
     on_rank0(start_run)
     return loop(signals, watchdog)
 
 
-def _start_up(cfg: Config, run: RunPlan, grid: ParallelGrid, device: torch.device, ckpt_dir: Path,
+def _start_up(cfg: Config, plan: RunPlan, grid: ParallelGrid, device: torch.device, ckpt_dir: Path,
               check_time: bool, doing: Callable[[str], None]) -> None:
     """The checks before anything is built: the directories writable (rank 0), the logging backends, the phase
     times against the watchdog (`check_time`), this node's host memory; then the start-up line. (That the grid
@@ -118,12 +118,12 @@ def _start_up(cfg: Config, run: RunPlan, grid: ParallelGrid, device: torch.devic
     on_rank0(lambda: _prepare_dirs(cfg, Path(cfg.logging.run_dir), ckpt_dir))
     check_logging_backends(cfg)
     if check_time:                           # the machine's GPU's peak, or logging.peak_tflops
-        check_phase_time(cfg, run, peak_tflops(cfg.logging.peak_tflops, run.machine.gpu, run.dtype))
-    if run.machine.host_memory_gib is not None:    # the node's, where the plan's machine knows it (a described one not)
-        check_host_memory(cfg, run, run.machine.host_memory_gib * GIB)
-    if run.attention == "flex" and device.type == "cuda":
-        reserve_compiles(flex_compile_budget(run))
-    print0(startup_line(cfg, grid, run))
+        check_phase_time(cfg, plan, peak_tflops(cfg.logging.peak_tflops, plan.machine.gpu, plan.dtype))
+    if plan.machine.host_memory_gib is not None:    # the node's, where the machine knows it (a described one not)
+        check_host_memory(cfg, plan, plan.machine.host_memory_gib * GIB)
+    if plan.attention == "flex" and device.type == "cuda":
+        reserve_compiles(flex_compile_budget(plan))
+    print0(startup_line(cfg, grid, plan))
 
 
 def _checkpoint_to_load(cfg: Config, ckpt_dir: Path, doing: Callable[[str], None]
@@ -140,11 +140,11 @@ def _checkpoint_to_load(cfg: Config, ckpt_dir: Path, doing: Callable[[str], None
     return path, None if path else cfg.checkpoint.init_from
 
 
-def background_saver(cfg: Config, run: RunPlan, grid: ParallelGrid, device: torch.device) -> BackgroundSaver:
+def background_saver(cfg: Config, plan: RunPlan, grid: ParallelGrid, device: torch.device) -> BackgroundSaver:
     """What writes this rank's checkpoints in the background (checkpoint.async_save): its staging arena as the plan
     sizes it, and its process group, made while the launcher's store is there (a stop signal from a launcher that
     died still gets its checkpoint)."""
-    staging = [r for r in pinned_requests_of(cfg, run, grid.pp_rank) if r.owner == STAGING]
+    staging = [r for r in pinned_requests_of(cfg, plan, grid.pp_rank) if r.owner == STAGING]
     return BackgroundSaver(arena_bytes(staging), device, cfg.parallel.timeout_seconds,
                            f"checkpoint staging: {sum(r.count for r in staging)} tensors")
 
@@ -181,7 +181,7 @@ class TrainingLoop:
                 if phase_len != seq_len:
                     seq_len = phase_len
                     if cfg.data.seq_len_schedule:
-                        print0(stage_line(cfg, p.step))
+                        print0(phase_line(cfg, p.step))
                 doing(f"reading the batch of step {p.step + 1}")
                 batch = next(batches)
                 if len(batch) * self.run.samples_per_micro_batch != samples:   # a ramp grows the global batch
@@ -300,7 +300,7 @@ class TrainingLoop:
         meta = {"consumed_samples": p.consumed, "optimizer_steps": p.updates,
                 "loss": p.loss if math.isfinite(p.loss) else None,
                 "model_shape": architecture(cfg.model, grid.tp_size),
-                "layout": {"tp": grid.tp_size, "sp": grid.sp_size, "pp": grid.pp_size, "dp": grid.dp_size}}
+                "layout": grid.degrees.summary()}
         if self.saver is None:
             self.doing(f"saving the checkpoint of step {p.step}")
             save_checkpoint(self.ckpt_dir, p.step, self.model, self.opt, grid, self.mesh, meta,

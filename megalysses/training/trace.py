@@ -129,9 +129,9 @@ class FakeGPU(accelerator.Host):
         pass
 
 
-def stage_rank(run: RunPlan, stage: int) -> int:
+def stage_rank(plan: RunPlan, stage: int) -> int:
     """World rank of the first rank (dp, sp, tp all 0) of pipeline stage `stage`."""
-    return stage * run.dp * run.sp * run.tp
+    return stage * plan.degrees.dp * plan.degrees.sp * plan.degrees.tp
 
 
 def trace_step(cfg: Config, machine: Machine, world: int, stage: int = 0, keep: int = 12,
@@ -149,10 +149,10 @@ def trace_step(cfg: Config, machine: Machine, world: int, stage: int = 0, keep: 
         raise RuntimeError("a memory trace creates its own process group: call it outside one")
     cfg = replace(cfg, data=replace(cfg.data, mock=True))
     validate_config(cfg, world_size=world)
-    run = resolve(cfg, machine, world)
-    if not 0 <= stage < run.pp:
-        raise ValueError(f"the run has {run.pp} pipeline stages: no stage {stage}")
-    rank = stage_rank(run, stage)
+    plan = resolve(cfg, machine, world)
+    if not 0 <= stage < plan.degrees.pp:
+        raise ValueError(f"the run has {plan.degrees.pp} pipeline stages: no stage {stage}")
+    rank = stage_rank(plan, stage)
     # the meta device stands for the GPU: give it a backend of its own on the fake process group
     dist.init_process_group("cpu:fake,cuda:fake,meta:fake", store=FakeStore(), rank=rank, world_size=world)
     # a group of backends per device has no default backend, and torch warns of it as the group is destroyed
@@ -160,22 +160,22 @@ def trace_step(cfg: Config, machine: Machine, world: int, stage: int = 0, keep: 
     dist.group.WORLD._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
     start = time.perf_counter()
     roof = Roofline(hw or Hardware())
-    fsdp = fsdp_internals() if run.fsdp else contextlib.nullcontext()     # FSDP2 on the meta device
+    fsdp = fsdp_internals() if plan.fsdp else contextlib.nullcontext()     # FSDP2 on the meta device
     try:
         with warnings.catch_warnings(), meta_device_module(roof), fsdp:
             # the fake backend takes no group timeouts, and says so per group
             warnings.filterwarnings("ignore", message="Set timeout is now only supported")
-            grid = ParallelGrid.for_plan(run, cfg.parallel.timeout_seconds)
+            grid = ParallelGrid.for_plan(plan, cfg.parallel.timeout_seconds)
             mesh = grid.device_mesh(torch.device("meta"))     # made of real tensors, before the fakes
             pinned = functools.partial(torch_pinned, exact=machine.pinned_exact)    # FSDP2's, rounded as torch does
             with FakeTensorMode(allow_non_fake_inputs=True), LiveBytes(keep, torch_pinned=pinned) as live, \
-                    _gpu_forms(live, roof, machine, run.micro_batch_size), roof:
-                traced = _step(cfg, grid, run, mesh, live, roof)
+                    _gpu_forms(live, roof, machine, plan.micro_batch_size), roof:
+                traced = _step(cfg, grid, plan, mesh, live, roof)
     finally:
         dist.destroy_process_group()
-    return StepTrace(run, rank, stage, live.peaks[DEVICE], live.peaks[PINNED], live.peaks[HOST],
+    return StepTrace(plan, rank, stage, live.peaks[DEVICE], live.peaks[PINNED], live.peaks[HOST],
                      time.perf_counter() - start, live.before, live.largest_allocation,
-                     roof.result(run.micro_batches, traced))
+                     roof.result(plan.micro_batches, traced))
 
 
 @contextlib.contextmanager
@@ -190,7 +190,7 @@ def _gpu_forms(live: LiveBytes, roof: Roofline, machine: Machine, sequences: int
         yield
 
 
-def _step(cfg: Config, grid: ParallelGrid, run: RunPlan, mesh: Any, live: LiveBytes, roof: Roofline) -> int:
+def _step(cfg: Config, grid: ParallelGrid, plan: RunPlan, mesh: Any, live: LiveBytes, roof: Roofline) -> int:
     """Build the model and optimizer, make the optimizer's state, then one train_step, its peaks counted and
     its ops timed (each micro-batch a part of the roofline from its forward on, without a pipeline; with one,
     the schedule one part). Returns how many micro-batches it ran."""
@@ -198,13 +198,13 @@ def _step(cfg: Config, grid: ParallelGrid, run: RunPlan, mesh: Any, live: LiveBy
     from megalysses.training.step import train_step
 
     device = torch.device("meta")
-    built = build_run(cfg, run, grid, device, mesh=mesh)
+    built = build_run(cfg, plan, grid, device, mesh=mesh)
     model, opt = built.model, built.opt
     live.name_modules(model)
     for _ in opt.checkpoint_slots():            # the AdamW state a resumed run has
         pass
-    batch = fake_batch(cfg, grid, run, device)
-    traced = batch[:traced_micro_batches(len(batch), run)]       # the others stay allocated, as a loaded step's
+    batch = fake_batch(cfg, grid, plan, device)
+    traced = batch[:traced_micro_batches(len(batch), plan)]       # the others stay allocated, as a loaded step's
     step = opt.step
 
     def optimizer_step(*args: Any, **kwargs: Any) -> Any:
@@ -215,39 +215,39 @@ def _step(cfg: Config, grid: ParallelGrid, run: RunPlan, mesh: Any, live: LiveBy
     opt.step = optimizer_step
     live.reset_peaks()
     roof.mark("before the micro-batches")
-    if run.pp == 1:
+    if plan.degrees.pp == 1:
         hook = model.register_forward_pre_hook(lambda *args: roof.mark("micro-batch"))
     else:
         roof.mark("micro-batches")
     train_step(model, opt, traced, grid, lr=cfg.optimizer.lr, grad_clip=cfg.optimizer.grad_clip,
-               dtype=run.torch_dtype, nan_policy=cfg.training.nan_policy)
+               dtype=plan.torch_dtype, nan_policy=cfg.training.nan_policy)
     roof.finish()
-    if run.pp == 1:
+    if plan.degrees.pp == 1:
         hook.remove()
     del batch
     return len(traced)
 
 
-def traced_micro_batches(micro_batches: int, run: RunPlan) -> int:
+def traced_micro_batches(micro_batches: int, plan: RunPlan) -> int:
     """How many of a step's micro-batches the trace runs: enough for every state the step's memory goes
     through, the rest repeating one of them. Without a pipeline, the first (no gradients yet), one in the middle
     (the gradients of those before) and the last (the buckets reduced during its backward); with one, as many
     as fill the schedule's warm-up and reach its steady state twice (1F1B: pp; interleaved: 2 pp per model
     chunk), and the last."""
-    needed = 3 if run.pp == 1 else 2 * run.pp * run.virtual_stages + 2
+    needed = 3 if plan.degrees.pp == 1 else 2 * plan.degrees.pp * plan.degrees.virtual_stages + 2
     return min(micro_batches, needed)
 
 
-def fake_batch(cfg: Config, grid: ParallelGrid, run: RunPlan, device: torch.device) -> list[dict]:
+def fake_batch(cfg: Config, grid: ParallelGrid, plan: RunPlan, device: torch.device) -> list[dict]:
     """This rank's micro-batches of one global batch at the run's longest (padded) length, as the data loader
     hands them over: token ids, labels and positions of its S/sp tokens, and with packed-document masks the
     document ids of the whole sequence, with the boundaries of as many documents a sequence as the plan counts
     (plan/memory.py documents_per_sequence: their cumulative lengths on the device, whose length the varlen
     kernels' workspaces follow, and each row's longest in host memory)."""
-    B, S = run.micro_batch_size, run.padded_seq_len
+    B, S = plan.micro_batch_size, plan.padded_seq_len
     local = S // grid.sp_size
     out = []
-    for _ in range(run.micro_batches):
+    for _ in range(plan.micro_batches):
         mb = {k: torch.zeros(B, local, dtype=torch.long, device=device)
               for k in ("input_ids", "labels", "position_ids")}
         if cfg.data.document_mask:
@@ -262,7 +262,8 @@ def trace_run(cfg: Config, machine: Machine, world: int, keep: int = 12,
               hw: Optional[Hardware] = None) -> list[StepTrace]:
     """The traced step of the first stage and, with a pipeline, of the last (the run's peak is the larger)."""
     first = trace_step(cfg, machine, world, 0, keep, hw)
-    return [first] + ([trace_step(cfg, machine, world, first.run.pp - 1, keep, hw)] if first.run.pp > 1 else [])
+    pp = first.run.degrees.pp
+    return [first] + ([trace_step(cfg, machine, world, pp - 1, keep, hw)] if pp > 1 else [])
 
 
 def traced_peak(traces: list[StepTrace]) -> StepTrace:

@@ -122,6 +122,7 @@ def _lifecycle(rank, world, root):
     """Several runs in one directory at tp=2; returns what each phase saw (rank 0's output included)."""
     from megalysses.config.io import load_config
     from megalysses.grid import ParallelGrid
+    from megalysses.degrees import Degrees
     from megalysses.checkpoint.dcp_io import CheckpointError
     from megalysses.training.loop import train
     from megalysses.testing import resolve_run
@@ -129,7 +130,7 @@ def _lifecycle(rank, world, root):
     import torch.distributed as dist
 
     root = Path(root)
-    grid = ParallelGrid(tp=2, timeout_seconds=60)
+    grid = ParallelGrid(Degrees.of_world(world, tp=2), timeout_seconds=60)
     base = TINY + ["parallel.tp=2", "training.train_steps=4", "checkpoint.save_interval=1", "checkpoint.keep_last=3"]
     seen = {}
 

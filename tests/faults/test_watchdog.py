@@ -111,8 +111,9 @@ def _groups_time_out(rank, world, flag):
     the stack: first gloo's timeout, then its closed pair."""
     from megalysses.distributed import collective_failure
     from megalysses.grid import ParallelGrid
+    from megalysses.degrees import Degrees
 
-    grid = ParallelGrid(tp=2, timeout_seconds=2)
+    grid = ParallelGrid(Degrees.of_world(world, tp=2), timeout_seconds=2)
     mesh = grid.device_mesh(torch.device("cpu"))
     spare = dist.new_group([0, 1], timeout=timedelta(seconds=2))
     took, failures = [], []
