@@ -115,7 +115,8 @@ class StepTime:
     exposed: dict[str, float]  # seconds of communication / copies that compute does not hide, by kind
     bubble: float
     optimizer: float
-    bytes: dict[str, float]   # bytes per step per rank: all_to_all, all_reduce (tp + gradients), p2p, host
+    bytes: dict[str, float]   # bytes per step per rank: all_to_all, all_reduce (tp + gradients), p2p, host, memory
+                              # (the memory-bound kernels')
     flops: dict[str, float]   # FLOPs per step per rank: matmul, attention (recompute included)
     launches: float = 0.0     # seconds of kernel launches (launch_us each)
     kernels: int = 0          # kernels launched per step
@@ -443,7 +444,8 @@ def step_time(m: ModelConfig, layout: Layout, opts: Options, prec: Precision, wo
     that activation offload copies out and back."""
     M = work.micro_batches
     c = _compute(m, layout, opts, prec, work, hw)
-    nbytes: dict[str, float] = {"all_to_all": 0.0, "all_reduce": 0.0, "p2p": 0.0, "ring_p2p": 0.0, "host": 0.0}
+    nbytes: dict[str, float] = {"all_to_all": 0.0, "all_reduce": 0.0, "p2p": 0.0, "ring_p2p": 0.0, "host": 0.0,
+                                "memory": c.memory}
     exposed: dict[str, float] = {}
     step = _Step(m, layout, opts, prec, work, hw, overlap)
     _model_parallel_comm(step, c, nbytes, exposed)
