@@ -193,6 +193,7 @@ STEP_LAUNCHES = 62           # per step: the norm, clipping and torch's foreach 
 MASKS, COPIES = "block-mask builds", "host copies (offload)"
 MASK_QUERY_BYTES = 495.0     # a block mask's build: bytes per query (each query's interval of keys, its blocks)
 MASK_PAIR_BYTES = 8.0        # and per pair of 128-token blocks (the block matrices, FlexAttention's index tensors)
+HOST_NORM = 1.1             # the host's AdamW with the gradient norm and the clipping beside it: a pass of ten more
 ADAM_BYTES = 84              # torch's foreach AdamW (decay, lerp, mul, addcmul, sqrt, div, add, addcdiv) per fp32
                              # element
 
@@ -416,22 +417,28 @@ def _host_and_optimizer(s: _Step, n: float, compute: float, retained: float, nby
     offloaded."""
     layout, opts, prec, M, hw = s.layout, s.opts, s.prec, s.work.micro_batches, s.hw
     G = layout.dp * layout.sp
-    copies = 0.0                     # host <-> device bytes per step beyond the optimizer's own
-    if opts.activation_offload:
-        copies += 2 * retained
+    copies, blocking = 0.0, 0.0      # host <-> device bytes per step beyond the optimizer's own; those no compute hides
+    if opts.activation_offload:      # `retained`: a micro-batch's offloaded block inputs, out and back in each
+        copies += 2 * retained * M
+        # the first copied back in each backward, the last block's input: nothing runs ahead of it to hide it
+        blocking += M * retained / math.ceil(stage_layers(s.m, layout) / opts.checkpoint_stride)
     if opts.optimizer_offload and not opts.fsdp:
         copies += M * n / G * 4                                          # reduced fp32 chunks out
     if opts.param_offload and opts.fsdp:
         copies += M * n / G * (2 * 4 + 4)                                # fp32 shards in twice, gradients out
+        # FSDP2 copies each unit's shards in on the default stream, inside its all-gather (forward and backward),
+        # and waits for the last micro-batch's gradients out at the end of the backward
+        blocking += (2 * M + 1) * n / G * 4
     if copies:
         nbytes["host"] = copies
-        exposed[COPIES] = exposed.get(COPIES, 0.0) + max(0.0, copies / (hw.host_gbs * 1e9) - compute)
+        exposed[COPIES] = exposed.get(COPIES, 0.0) + (blocking / (hw.host_gbs * 1e9)
+                                                      + max(0.0, (copies - blocking) / (hw.host_gbs * 1e9) - compute))
     if opts.optimizer_offload and not opts.fsdp:   # weights back up, the update on the host's cores
         moved = n * prec.weight / G
         nbytes["host"] += moved
-        return moved / (hw.host_gbs * 1e9) + n / G / (hw.host_adam_gparams * 1e9)
+        return moved / (hw.host_gbs * 1e9) + HOST_NORM * n / G / (hw.host_adam_gparams * 1e9)
     if opts.param_offload and opts.fsdp:          # the update on the host's cores, in place
-        return n / G / (hw.host_adam_gparams * 1e9)
+        return HOST_NORM * n / G / (hw.host_adam_gparams * 1e9)
     # the norm (FSDP2: a square and a sum; ZeRO-1: torch's foreach norm), the clipping, foreach AdamW in fp32, and
     # ZeRO-1's updated chunks back into the parameters (padded, joined and, over a group, gathered and copied out)
     finish = 8 + 4 if opts.fsdp else 4 + (8 if G == 1 else 16 + 8 * G)
