@@ -126,14 +126,22 @@ def layout_text(p) -> str:
 
 
 def remodel(row: dict, hw: Hardware, memory: float) -> dict:
-    """A recorded row with the step-time model's columns computed again (the traced ones as they were), when
-    the planner still ranks the traced layout first; else the row unchanged, marked."""
+    """A recorded row with the step-time model's columns computed again for the traced layout (the traced ones
+    as they were), and the layout the planner ranks first now (`top_layout`); unchanged, marked, when the
+    traced layout no longer fits."""
     if "traced_step_s" not in row:
         return row
-    _, _, _, p = prediction(row["case"], hw, memory)
-    if p is None or layout_text(p) != row["layout"]:
+    name = row["case"]
+    if name in SHIPPED:
+        fitting = [prediction(name, hw, memory)[3]]
+    else:
+        _, gpus, tokens, host, *_ = LONG[name]
+        fitting, _ = plan(long_config(name), gpus, tokens, memory, host_memory_gib=host, hw=hw)
+    same = [p for p in fitting if layout_text(p) == row["layout"]]
+    if not same:
         return {**row, "remodelled": False}
-    return {**row, "model_step_s": p.step.total, "step_breakdown": p.step.breakdown(hw), "remodelled": True}
+    return {**row, "model_step_s": same[0].step.total, "step_breakdown": same[0].step.breakdown(hw),
+            "remodelled": True, "top_layout": layout_text(fitting[0])}
 
 
 def same_moment(row: dict) -> bool:
