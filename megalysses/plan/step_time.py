@@ -18,7 +18,9 @@ from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
 from megalysses.config import ModelConfig
-from megalysses.memory import GIB, Layout, Options, Precision, Workload, head_norm_params, kv_replication, \
+from megalysses.kernels.linear_cross_entropy import default_chunk_tokens
+from megalysses.kernels.norms import NORM_TILE_ELEMENTS
+from megalysses.memory import GIB, KERNELS, Layout, Options, Precision, Workload, head_norm_params, kv_replication, \
     layer_params, stage_layers, stage_params, tiled
 from megalysses.plan.flops import attended_keys
 
@@ -182,6 +184,9 @@ FSDP_ROOT_BYTES = (288.0, 0.0)      # the same per parameter of the root unit (e
 FSDP_LAUNCHES = (61, 45.5)   # FSDP2's kernels per layer (in place of ZeRO-1's): one rank, each micro-batch;
                              # sharded, each step (the norm's square and sum per parameter)
 ZERO_LAUNCHES = 33           # ZeRO-1's kernels per layer and step over a group, beside KernelPasses.launches[2]
+NORM_TILE_LAUNCHES = 44      # kernels of each torch norm tile beyond the first, forward and backward
+LOSS_TILE_LAUNCHES = 36      # kernels of each LM head and loss tile beyond the first
+LOSS_TILE_BYTES = 20.0       # and its bytes per head parameter (the fp32 weight gradient's sum)
 LOSS_BYTES = 70.5            # bytes/token per vocabulary element (per rank) of the LM head's memory-bound kernels:
                              # the fp32 logits' casts, softmax and its gradient
 ULYSSES_BYTES = 55.0         # bytes/token per element of q, k, v and the output around Ulysses' all-to-alls
@@ -280,6 +285,10 @@ def _memory_passes(m: ModelConfig, layout: Layout, opts: Options, work: Workload
         per_token += k.tiles[0] * widths[1] * (1.0 if c.recomputes else 0.75)
         per_mb += tiles * k.tiles[1] * (3 if m.mlp == "swiglu" else 2) * m.hidden_size * widths[1]
         launches += k.tile_launches[0] * tiles - k.tile_launches[1]
+    # the torch norms run over row tiles of NORM_TILE_ELEMENTS (kernels/norms.py), two a layer and the final one
+    norm_tiles = math.ceil(T / (t if opts.tp_sequence_parallel else 1) * m.hidden_size / NORM_TILE_ELEMENTS) - 1
+    norm_tiles *= KERNELS[opts.kernels].norm_tiled
+    launches += 2 * NORM_TILE_LAUNCHES * norm_tiles
     if layout.ulysses > 1:
         per_token += ULYSSES_BYTES * 2 * (c.q + c.kv)
         launches += ULYSSES_LAUNCHES
@@ -298,8 +307,14 @@ def _memory_passes(m: ModelConfig, layout: Layout, opts: Options, work: Workload
         launches = M * launches + k.launches[2] + (ZERO_LAUNCHES if sharded else 0)
         outside = (M * PARAM_BYTES[0] + PARAM_BYTES[1]) * root
     outside += M * T * (k.head * h + LOSS_BYTES * vocab)
+    # the LM head and loss in tiles of tokens: each tile beyond the first its kernels and its head weight
+    # gradient's sum
+    more = math.ceil(T / (opts.loss_chunk_tokens or default_chunk_tokens(int(vocab)))) - 1
+    outside += M * more * LOSS_TILE_BYTES * vocab * m.hidden_size
     ring_masks = M * MASK_LAUNCHES * layout.ring if layout.ring > 1 else 0
-    return L * per_layer + outside, round(L * launches + M * k.micro_batch_launches + STEP_LAUNCHES + ring_masks)
+    return L * per_layer + outside, round(L * launches + M * (k.micro_batch_launches + LOSS_TILE_LAUNCHES * more
+                                                              + NORM_TILE_LAUNCHES * norm_tiles)
+                                          + STEP_LAUNCHES + ring_masks)
 
 
 @dataclass(frozen=True)
