@@ -94,15 +94,7 @@ def measure(name: str, hw: Hardware, memory: float) -> dict:
     per_node = min(gpus, hw.gpus_per_node)
     tokens = cfg.training.micro_batch_size * p.run.padded_seq_len / p.run.degrees.sp
     usable = hw.usable_bytes(memory, max(t.largest_allocation for t in traces))
-    r = p.row()
-    layout = (f"tp{r['tp']} sp{r['sp']} ring{r['ring']} pp{r['pp']} dp{r['dp']}"
-              + "".join(f" {k}" for k, v in (("fsdp", r["fsdp"]), ("ckpt", r["activation_checkpointing"]),
-                                             ("act-offload", r["activation_offload"]),
-                                             ("opt-offload", r["optimizer_offload"]),
-                                             ("param-offload", r["param_offload"])) if v)
-              + (f" chunks{r['attention_head_chunks']}" if r["attention_head_chunks"] > 1 else "")
-              + (f" mlp-tile{r['mlp_chunk_tokens']}" if r["mlp_chunk_tokens"] else ""))
-    return {**row, "seq_len": p.run.padded_seq_len, "layout": layout, "attention": p.run.attention,
+    return {**row, "seq_len": p.run.padded_seq_len, "layout": layout_text(p), "attention": p.run.attention,
             "kernels": p.run.kernels, "traced_gib": top.device.bytes / GIB, "traced_stage": top.stage,
             "traced_phase": phase, "traced_moment": str(top.device.moment),
             "model_gib": est.peak / GIB, "model_stage": est.stage, "model_phase": est.phase,
@@ -119,6 +111,37 @@ def measure(name: str, hw: Hardware, memory: float) -> dict:
                                           key=lambda kv: -kv[1])[:12]),
             "largest_tensors": [{"gib": a.bytes / GIB, "shape": list(a.shape), "dtype": a.dtype, "made": a.made}
                                 for a in top.device.largest[:8]]}
+
+
+def layout_text(p) -> str:
+    """The layout of a Prediction, in a table's words."""
+    r = p.row()
+    return (f"tp{r['tp']} sp{r['sp']} ring{r['ring']} pp{r['pp']} dp{r['dp']}"
+            + "".join(f" {k}" for k, v in (("fsdp", r["fsdp"]), ("ckpt", r["activation_checkpointing"]),
+                                           ("act-offload", r["activation_offload"]),
+                                           ("opt-offload", r["optimizer_offload"]),
+                                           ("param-offload", r["param_offload"])) if v)
+            + (f" chunks{r['attention_head_chunks']}" if r["attention_head_chunks"] > 1 else "")
+            + (f" mlp-tile{r['mlp_chunk_tokens']}" if r["mlp_chunk_tokens"] else ""))
+
+
+def remodel(row: dict, hw: Hardware, memory: float) -> dict:
+    """A recorded row with the step-time model's columns computed again for the traced layout (the traced ones
+    as they were), and the layout the planner ranks first now (`top_layout`); unchanged, marked, when the
+    traced layout no longer fits."""
+    if "traced_step_s" not in row:
+        return row
+    name = row["case"]
+    if name in SHIPPED:
+        fitting = [prediction(name, hw, memory)[3]]
+    else:
+        _, gpus, tokens, host, *_ = LONG[name]
+        fitting, _ = plan(long_config(name), gpus, tokens, memory, host_memory_gib=host, hw=hw)
+    same = [p for p in fitting if layout_text(p) == row["layout"]]
+    if not same:
+        return {**row, "remodelled": False}
+    return {**row, "model_step_s": same[0].step.total, "step_breakdown": same[0].step.breakdown(hw),
+            "remodelled": True, "top_layout": layout_text(fitting[0])}
 
 
 def same_moment(row: dict) -> bool:
@@ -166,12 +189,22 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", nargs="+", default=list(SHIPPED) + list(LONG), choices=list(SHIPPED) + list(LONG),
                    metavar="CASE", help=f"shipped configs ({', '.join(SHIPPED)}) and long cases ({', '.join(LONG)})")
+    p.add_argument("--remodel", nargs="+", metavar="JSON", type=Path,
+                   help="rows of earlier runs (their JSON): the step-time model's columns computed again, the "
+                        "traces not run again (a row whose layout the planner no longer ranks first is kept, "
+                        "marked remodelled: false)")
     add_output_args(p, "memory_trace")
     args = p.parse_args(argv)
     folder = output_dir(p, args)
     hw, memory = Hardware(), device_memory_gib("H100")
     rows = []
-    for name in args.cases:
+    if args.remodel:
+        for path in args.remodel:
+            try:
+                rows += [remodel(r, hw, memory) for r in json.loads(path.read_text())["rows"]]
+            except (OSError, ValueError, KeyError) as e:
+                p.error(f"--remodel {path}: not a bench_trace JSON ({e})")
+    for name in [] if args.remodel else args.cases:
         rows.append(measure(name, hw, memory))
         print(f"{name}: done in {rows[-1].get('seconds', 0):.0f} s", flush=True)
     text = (table(rows) + "\n\nStep time per optimizer step, traced / modelled, seconds by category:\n\n"

@@ -111,7 +111,7 @@ def test_step_time_counts_each_chunks_recomputed_attention(checkpointing):
     """The attention forwards of a CPU training step (query heads run, over the heads of one forward), with 2
     head chunks against all heads at once, are what the step-time model counts: one forward more, in each
     chunk's backward, on top of checkpointing's. Its attention FLOPs are those forwards plus a backward of
-    twice one."""
+    2.5 of one (torch.utils.flop_counter's count)."""
     overrides = [f"training.activation_checkpointing={str(checkpointing).lower()}", "training.global_batch_size=1"]
     forwards = {}
     for n in (1, 2):
@@ -122,4 +122,4 @@ def test_step_time_counts_each_chunks_recomputed_attention(checkpointing):
     m = load_config(overrides=BASE).model
     flops = {n: step_time(m, Degrees(), Options(checkpointing=checkpointing, head_chunks=n),
                           PRECISIONS["fp32"], Workload(32), Hardware()).flops["attention"] for n in (1, 2)}
-    assert flops[2] / flops[1] == (forwards[2] + 2) / (forwards[1] + 2)
+    assert flops[2] / flops[1] == pytest.approx((forwards[2] + 2.5) / (forwards[1] + 2.5))

@@ -19,7 +19,9 @@ from typing import Any, Mapping
 
 from megalysses.config import ModelConfig
 from megalysses.degrees import Degrees
-from megalysses.memory import GIB, Options, Precision, Workload, head_norm_params, kv_replication, \
+from megalysses.kernels.linear_cross_entropy import default_chunk_tokens
+from megalysses.kernels.norms import NORM_TILE_ELEMENTS
+from megalysses.memory import GIB, KERNELS, Options, Precision, Workload, head_norm_params, kv_replication, \
     layer_params, stage_layers, stage_params, tiled
 from megalysses.plan.flops import attended_keys
 
@@ -29,20 +31,20 @@ class Hardware:
     """Stated figures (H100 SXM defaults); each is a command-line flag."""
 
     peak_tflops: float = 989.0            # dense bf16 peak of one H100 SXM (datasheet)
-    matmul_efficiency: float = 0.6        # sustained fraction of the peak over a training step's matmuls,
-                                          # with the memory-bound kernels between them (one value that
-                                          # reproduces Megatron-Core's nine published H100 MFU points)
-    attention_efficiency: float = 0.35    # FlashAttention-2 class kernels, forward + backward
+    matmul_efficiency: float = 0.7        # sustained fraction of the peak of the matmul kernels alone, the
+                                          # memory-bound kernels between them counted apart (at hbm_gbs, their
+                                          # bytes: KERNEL_PASSES); with them, Megatron-Core's nine published
+                                          # H100 MFU points (tests/test_plan.py)
+    attention_efficiency: float = 0.35    # FlashAttention-2 class kernels, forward + backward (a backward
+                                          # counted as 2.5 forwards, torch.utils.flop_counter's count)
     intra_node_gbs: float = 360.0         # NVLink bus bandwidth per GPU (80% of 450 GB/s per direction)
     inter_node_gbs: float = 40.0          # network per GPU (80% of 400 Gb/s)
     host_gbs: float = 50.0                # host <-> device copies per GPU (PCIe Gen5 x16)
     host_adam_gparams: float = 0.25       # billions of parameters per second that one GPU's share of the
                                           # host's cores updates with torch's foreach AdamW (optimizer offload)
-    hbm_gbs: float = 2680.0               # device memory bandwidth (80% of 3.35 TB/s): the optimizer step
-    kernel_matmul_efficiency: float = 0.75    # sustained fraction of the peak of a matmul kernel alone (the
-                                              # traced roofline's: it times the memory-bound kernels apart)
-    launch_us: float = 4.0                # microseconds between two kernels queued back to back (the traced
-                                          # roofline's launch overhead per kernel)
+    hbm_gbs: float = 2680.0               # device memory bandwidth (80% of 3.35 TB/s): the memory-bound kernels
+    launch_us: float = 4.0                # microseconds between two kernels queued back to back (a launch
+                                          # overhead per kernel)
     gpus_per_node: int = 8
     reserve_gib: float = 1.0              # what no allocator trace sees besides the communicators (estimates, not
                                           # measured here): the CUDA context, about 0.5 GiB on an H100 under CUDA
@@ -76,7 +78,7 @@ class Hardware:
 
 
 # what each figure must be: efficiencies are fractions of the peak, rates and bandwidths are divided by
-_FRACTION = ("matmul_efficiency", "attention_efficiency", "kernel_matmul_efficiency")
+_FRACTION = ("matmul_efficiency", "attention_efficiency")
 _POSITIVE = ("peak_tflops", "intra_node_gbs", "inter_node_gbs", "host_gbs", "host_adam_gparams", "hbm_gbs")
 
 
@@ -116,31 +118,90 @@ class StepTime:
     exposed: dict[str, float]  # seconds of communication / copies that compute does not hide, by kind
     bubble: float
     optimizer: float
-    bytes: dict[str, float]   # bytes per step per rank: all_to_all, all_reduce (tp + gradients), p2p, host
+    bytes: dict[str, float]   # bytes per step per rank: all_to_all, all_reduce (tp + gradients), p2p, host, memory
+                              # (the memory-bound kernels')
     flops: dict[str, float]   # FLOPs per step per rank: matmul, attention (recompute included)
+    launches: float = 0.0     # seconds of kernel launches (launch_us each)
+    kernels: int = 0          # kernels launched per step
 
     @property
     def total(self) -> float:
-        return self.compute + sum(self.exposed.values()) + self.bubble + self.optimizer
+        return self.compute + sum(self.exposed.values()) + self.bubble + self.optimizer + self.launches
 
     def terms(self) -> dict[str, float]:
         """The seconds that add up to `total`, by name."""
         return {"compute": self.compute, **{f"exposed {k}": v for k, v in self.exposed.items()},
-                "pipeline bubble": self.bubble, "optimizer": self.optimizer}
+                "pipeline bubble": self.bubble, "optimizer": self.optimizer, "launches": self.launches}
 
     def breakdown(self, hw: "Hardware") -> dict[str, float]:
         """The seconds of `total` in the traced roofline's categories (megalysses.training.roofline.CATEGORIES),
-        and the pipeline bubble (which a trace of one rank cannot see): compute (the matmuls, and the ring's
-        merges, memory-bound passes), attention, masks and launches (the model has no term for either),
-        communication not overlapped, host copies, optimizer."""
-        merges = "ring merges (fp32, device memory)"
-        copies = "host copies (offload)"
+        and the pipeline bubble (which a trace of one rank cannot see): compute (the matmuls and the memory-bound
+        kernels, the ring's merges among them), attention, masks (FlexAttention's block-mask builds), communication
+        not overlapped, host copies, optimizer, launches."""
+        merges, copies = "ring merges (fp32, device memory)", COPIES
         attention = self.flops["attention"] / (hw.peak_tflops * 1e12 * hw.attention_efficiency)
         return {"compute": self.compute - attention + self.exposed.get(merges, 0.0), "attention": attention,
-                "masks": 0.0,
-                "communication": sum(v for k, v in self.exposed.items() if k not in (merges, copies)),
-                "host copies": self.exposed.get(copies, 0.0), "optimizer": self.optimizer, "launches": 0.0,
+                "masks": self.exposed.get(MASKS, 0.0),
+                "communication": sum(v for k, v in self.exposed.items() if k not in (merges, copies, MASKS)),
+                "host copies": self.exposed.get(copies, 0.0), "optimizer": self.optimizer, "launches": self.launches,
                 "pipeline bubble": self.bubble}
+
+
+@dataclass(frozen=True)
+class KernelPasses:
+    """What one kernel set's memory-bound kernels cost (norms, RoPE, SwiGLU, residual adds, casts, the copies
+    around the projections and attention, gradient accumulation): bytes read and written in device memory, at
+    bf16 activations, per token of the rank and element of a width (hidden h, which takes the query width with
+    it, MLP ffn/tp, K/V kv per rank) or per parameter, and the kernels launched. Counted by the traced step at
+    small shapes (tests/test_step_trace.py holds the two together), per kernel set: the torch references run a
+    norm, RoPE and SwiGLU as several kernels each, fp32 in between; the fused Triton kernels one each."""
+
+    layer: tuple[float, float, float]       # a layer's forward and backward: bytes/token per (h, f, kv) element
+    recompute: tuple[float, float, float]   # the block's recomputed forward (activation checkpointing)
+    head: float                     # bytes/token per h element outside the layers (embedding, final norm)
+    chunks: tuple[float, float]     # head chunks: bytes/token per (q + kv) element; per h element and chunk
+    tiles: tuple[float, float]      # MLP tiles: bytes/token per f element; per MLP parameter and tile (the
+                                    # weight gradients each tile's backward adds)
+    launches: tuple[int, int, int]  # kernels per layer: each micro-batch, each recomputation, each step
+    chunk_launches: tuple[int, int]     # (a, b): a head-chunked layer launches a N - b more
+    tile_launches: tuple[int, int]      # (a, b): a tiled MLP launches a K - b more
+    micro_batch_launches: int           # per micro-batch outside the layers (embedding, head, loss)
+
+
+# torch and triton are counted; liger and apex (fused norms and RoPE, Triton SwiGLU) as triton
+_TRITON = KernelPasses(layer=(56.6, 16.7, 16.5), recompute=(21.0, 6.0, 8.0), head=28.6, chunks=(24.3, 4.0),
+                       tiles=(31.3, 10.5), launches=(52, 8, 32), chunk_launches=(23, 9), tile_launches=(29, 8),
+                       micro_batch_launches=74)
+KERNEL_PASSES: dict[str, KernelPasses] = {
+    "torch": KernelPasses(layer=(445.7, 36.7, 72.5), recompute=(107.2, 14.1, 34.8), head=185.6,
+                          chunks=(83.0, 7.0), tiles=(39.3, 10.0), launches=(142, 38, 32), chunk_launches=(73, 25),
+                          tile_launches=(81, 55), micro_batch_launches=106),
+    "triton": _TRITON, "liger": _TRITON, "apex": _TRITON}
+PARAM_BYTES = (17.1, 18.0)   # bytes per parameter outside the optimizer: each micro-batch (its gradients' casts and
+                             # sums), each step (ZeRO-1's gradient buckets)
+FSDP_BYTES = (69.6, 31.3)    # FSDP2's casts, copies and gradients per block parameter per micro-batch (in place of
+                             # PARAM_BYTES): one rank, sharded
+FSDP_ROOT_BYTES = (288.0, 0.0)      # the same per parameter of the root unit (embedding, LM head)
+FSDP_LAUNCHES = (61, 45.5)   # FSDP2's kernels per layer (in place of ZeRO-1's): one rank, each micro-batch;
+                             # sharded, each step (the norm's square and sum per parameter)
+ZERO_LAUNCHES = 33           # ZeRO-1's kernels per layer and step over a group, beside KernelPasses.launches[2]
+NORM_TILE_LAUNCHES = 44      # kernels of each torch norm tile beyond the first, forward and backward
+LOSS_TILE_LAUNCHES = 36      # kernels of each LM head and loss tile beyond the first
+LOSS_TILE_BYTES = 20.0       # and its bytes per head parameter (the fp32 weight gradient's sum)
+LOSS_BYTES = 70.5            # bytes/token per vocabulary element (per rank) of the LM head's memory-bound kernels:
+                             # the fp32 logits' casts, softmax and its gradient
+ULYSSES_BYTES = 55.0         # bytes/token per element of q, k, v and the output around Ulysses' all-to-alls
+ULYSSES_LAUNCHES = 16        # their kernels per layer
+RING_BYTES = (34.0, 145.0)   # a ring's bytes/token per element of q and kv: per block, per layer (beside its merges)
+RING_LAUNCHES = (50, 4)      # a ring's kernels per layer and head chunk: per block, once
+MASK_LAUNCHES = 90           # kernels of a ring block's block-mask build (per micro-batch)
+STEP_LAUNCHES = 62           # per step: the norm, clipping and torch's foreach AdamW
+MASKS, COPIES = "block-mask builds", "host copies (offload)"
+MASK_QUERY_BYTES = 495.0     # a block mask's build: bytes per query (each query's interval of keys, its blocks)
+MASK_PAIR_BYTES = 8.0        # and per pair of 128-token blocks (the block matrices, FlexAttention's index tensors)
+HOST_NORM = 1.1             # the host's AdamW with the gradient norm and the clipping beside it: a pass of ten more
+ADAM_BYTES = 84              # torch's foreach AdamW (decay, lerp, mul, addcmul, sqrt, div, add, addcdiv) per fp32
+                             # element
 
 
 @dataclass
@@ -155,10 +216,12 @@ class _Compute:
     forwards: int           # of attention, per layer
     mm: float               # matmul FLOPs per step
     attn: float             # attention FLOPs per step
-    seconds: float          # both at the hardware's efficiencies
+    memory: float = 0.0     # bytes the memory-bound kernels read and write per step
+    launches: int = 0       # kernels launched per step
+    seconds: float = 0.0    # the three at the hardware's efficiencies and bandwidth
 
 
-def _compute(m: ModelConfig, layout: Degrees, opts: Options, work: Workload, hw: Hardware) -> _Compute:
+def _compute(m: ModelConfig, layout: Degrees, opts: Options, prec: Precision, work: Workload, hw: Hardware) -> _Compute:
     t, P, M = layout.tp, layout.sp, work.micro_batches
     tokens = work.micro_batch_size * work.seq_len / P                 # per micro-batch per rank
     L = stage_layers(m, layout)
@@ -188,15 +251,71 @@ def _compute(m: ModelConfig, layout: Degrees, opts: Options, work: Workload, hw:
     if N > 1:       # each head chunk's forward runs again in its backward: QKV and output projections
         redo_mm += L * 2 * (m.hidden_size * (q + 2 * m.kv_heads * m.head_size / t) + q * m.hidden_size) * tokens
     mm = M * (3 * (fwd_mm + head) + redo_mm)
-    # forward, backward (twice the forward), and under checkpointing the recomputations, unless their output is
-    # kept; head chunks recompute attention once more (per chunk, in the backward); a ring's FlexAttention blocks
-    # run their forward again in their backward (kernels/block_attention.py: the block's own output and LSE)
+    # forward, backward (2.5 forwards: torch.utils.flop_counter's count, to which attention_efficiency is
+    # fitted), and under checkpointing the recomputations, unless their output is kept; head chunks recompute
+    # attention once more (per chunk, in the backward); a ring's FlexAttention blocks run their forward again in
+    # their backward (kernels/block_attention.py: the block's own output and LSE)
     forwards = 1 + (0 if opts.keep_attention else recomputes) + (N > 1)     # of attention, per layer
     again = layout.ring > 1 and opts.attention == "flex"
-    attn = M * fwd_attn * (forwards + again + 2)
-    seconds = (mm / (hw.peak_tflops * 1e12 * hw.matmul_efficiency)
-               + attn / (hw.peak_tflops * 1e12 * hw.attention_efficiency))
-    return _Compute(tokens, L, q, kv, recomputes, forwards, mm, attn, seconds)
+    attn = M * fwd_attn * (forwards + again + 2.5)
+    c = _Compute(tokens, L, q, kv, recomputes, forwards, mm, attn)
+    c.memory, c.launches = _memory_passes(m, layout, opts, work, c)
+    c.memory *= prec.act / 2             # counted at bf16 activations
+    c.seconds = (mm / (hw.peak_tflops * 1e12 * hw.matmul_efficiency)
+                 + attn / (hw.peak_tflops * 1e12 * hw.attention_efficiency) + c.memory / (hw.hbm_gbs * 1e9))
+    return c
+
+
+def _memory_passes(m: ModelConfig, layout: Degrees, opts: Options, work: Workload, c: _Compute) -> tuple[float, int]:
+    """(bytes, kernels) of a step's memory-bound kernels and every kernel it launches, but the optimizer's
+    bytes (KERNEL_PASSES: per layer and micro-batch by width and parameter, head chunks, MLP tiles, Ulysses'
+    all-to-alls and the ring; the LM head by the vocabulary; FSDP2's and ZeRO-1's per parameter)."""
+    k, t, M, L, T = KERNEL_PASSES[opts.kernels], layout.tp, work.micro_batches, c.layers, c.tokens
+    h = m.hidden_size / (t if opts.tp_sequence_parallel else 1)
+    widths = (h, m.ffn_size / t, c.kv)
+    per_token = sum(w * (a + c.recomputes * r) for w, a, r in zip(widths, k.layer, k.recompute))
+    params = layer_params(m, t)
+    per_mb = 0.0                                                    # bytes per layer and micro-batch, not by token
+    launches = k.launches[0] + c.recomputes * k.launches[1]
+    N = opts.head_chunks
+    if N > 1:
+        per_token += k.chunks[0] * (c.q + c.kv) + N * k.chunks[1] * h
+        launches += k.chunk_launches[0] * N - k.chunk_launches[1]
+    if tiled(opts.mlp_chunk_tokens, layout, opts, work.seq_len):
+        tiles = math.ceil(T / (t if opts.tp_sequence_parallel else 1) / opts.mlp_chunk_tokens)
+        per_token += k.tiles[0] * widths[1] * (1.0 if c.recomputes else 0.75)
+        per_mb += tiles * k.tiles[1] * (3 if m.mlp == "swiglu" else 2) * m.hidden_size * widths[1]
+        launches += k.tile_launches[0] * tiles - k.tile_launches[1]
+    # the torch norms run over row tiles of NORM_TILE_ELEMENTS (kernels/norms.py), two a layer and the final one
+    norm_tiles = math.ceil(T / (t if opts.tp_sequence_parallel else 1) * m.hidden_size / NORM_TILE_ELEMENTS) - 1
+    norm_tiles *= KERNELS[opts.kernels].norm_tiled
+    launches += 2 * NORM_TILE_LAUNCHES * norm_tiles
+    if layout.ulysses > 1:
+        per_token += ULYSSES_BYTES * 2 * (c.q + c.kv)
+        launches += ULYSSES_LAUNCHES
+    if layout.ring > 1:     # each of the r blocks, each head chunk: slices, fp32 accumulations, the K/V stack
+        per_token += (RING_BYTES[0] * layout.ring + RING_BYTES[1]) * (c.q + c.kv)
+        launches += (RING_LAUNCHES[0] * layout.ring + RING_LAUNCHES[1]) * N
+    sharded = layout.dp * layout.sp > 1
+    vocab = m.padded_vocab_size(t) / t
+    root = vocab * m.hidden_size * (1 if m.tie_embeddings or layout.pp > 1 else 2)   # embedding, LM head
+    if opts.fsdp:
+        per_layer = M * (FSDP_BYTES[sharded] * params + per_mb + T * per_token)
+        launches = M * (launches + (0 if sharded else FSDP_LAUNCHES[0])) + (FSDP_LAUNCHES[1] if sharded else 0)
+        outside = M * FSDP_ROOT_BYTES[sharded] * root
+    else:
+        per_layer = M * (PARAM_BYTES[0] * params + per_mb + T * per_token) + PARAM_BYTES[1] * params
+        launches = M * launches + k.launches[2] + (ZERO_LAUNCHES if sharded else 0)
+        outside = (M * PARAM_BYTES[0] + PARAM_BYTES[1]) * root
+    outside += M * T * (k.head * h + LOSS_BYTES * vocab)
+    # the LM head and loss in tiles of tokens: each tile beyond the first its kernels and its head weight
+    # gradient's sum
+    more = math.ceil(T / (opts.loss_chunk_tokens or default_chunk_tokens(int(vocab)))) - 1
+    outside += M * more * LOSS_TILE_BYTES * vocab * m.hidden_size
+    ring_masks = M * MASK_LAUNCHES * layout.ring if layout.ring > 1 else 0
+    return L * per_layer + outside, round(L * launches + M * (k.micro_batch_launches + LOSS_TILE_LAUNCHES * more
+                                                              + NORM_TILE_LAUNCHES * norm_tiles)
+                                          + STEP_LAUNCHES + ring_masks)
 
 
 @dataclass(frozen=True)
@@ -227,11 +346,14 @@ def _model_parallel_comm(s: _Step, c: _Compute, nbytes: dict, exposed: dict) -> 
     if ring > 1:
         # K/V blocks go around the ring in each forward (and the recomputation) and again in the backward,
         # r - 1 hops each; the fp32 dK/dV accumulators r hops (parallel/ring.py). Each hop is posted before
-        # the block's attention, so only what the attention does not cover shows
+        # the block's attention, so only what the attention does not cover shows, but the last: the dK/dV
+        # accumulators' hop home after the last block's backward, waited for before the backward returns
         block = tokens * 2 * kv                                            # elements of one K/V block
         nbytes["ring_p2p"] = ((ring - 1) * attn_passes * block * a + ring * block * 4) * L * M
+        home = block * 4 * L * M
         attention = c.attn / (hw.peak_tflops * 1e12 * hw.attention_efficiency)
-        exposed["ring p2p"] = max(0.0, nbytes["ring_p2p"] / hw.link(t * P) - attention)
+        exposed["ring p2p"] = (home / hw.link(t * P)
+                               + max(0.0, (nbytes["ring_p2p"] - home) / hw.link(t * P) - attention))
         # what one fused kernel over the whole sequence does not do: at each of the r steps the block's output is
         # merged into the fp32 output and LSE (every forward), and the backward adds the block's dq and dK/dV into
         # fp32 accumulators (parallel/ring.py); each a memory-bound pass of about (a + 8) bytes an element
@@ -265,7 +387,13 @@ def _data_parallel_comm(s: _Step, n: float, compute: float, nbytes: dict, expose
     if opts.fsdp:
         fsdp = M * share * (2 * a + 4)                                # gathers forward + backward, fp32 reduce
         nbytes["all_reduce"] += fsdp
-        exposed["FSDP gathers and reduce-scatters"] = max(0.0, fsdp / hw.link(span_grad) - compute)
+        # each micro-batch: the root unit's gather before anything runs, and the last block's and the root's
+        # fp32 reduce-scatters after the backward's last kernel (FSDP2's final callback waits for them)
+        m = s.m
+        root = m.padded_vocab_size(layout.tp) / layout.tp * m.hidden_size * (1 if m.tie_embeddings else 2)
+        last = (G - 1) / G * (root * (a + 4) + layer_params(m, layout.tp) * 4)
+        exposed["FSDP gathers and reduce-scatters"] = (M * last / hw.link(span_grad)
+                                                        + max(0.0, (fsdp - M * last) / hw.link(span_grad) - compute))
     elif opts.optimizer_offload:     # every micro-batch's buckets reduced during its own backward
         reduce, gather = share * 4, share * prec.weight
         nbytes["all_reduce"] += M * reduce + gather
@@ -280,29 +408,57 @@ def _data_parallel_comm(s: _Step, n: float, compute: float, nbytes: dict, expose
         exposed["parameter all-gather"] = 0.0 if overlap.param_gather else gather / hw.link(span_grad)
 
 
+def _ring_masks(s: _Step, exposed: dict) -> None:
+    """A ring's per-block work outside its kernels, each micro-batch: FlexAttention's block masks built from the
+    documents' boundaries (kernels/block_mask.py: per query and per pair of 128-token blocks; the masks), and
+    with documents the ring blocks' positions copied to the device to pick their document ids (two a block: the
+    host copies), for ring rank 0 (its own block whole, every other one's second half of its queries)."""
+    layout, opts, work, hw = s.layout, s.opts, s.work, s.hw
+    r = layout.ring
+    if r == 1:
+        return
+    block, half = work.seq_len / r, work.seq_len / (2 * r)
+    queries = block + (r - 1) * half
+    pairs = (block / opts.mask_block) ** 2 + (r - 1) * (half / opts.mask_block) * (block / opts.mask_block)
+    if opts.attention == "flex":
+        built = MASK_QUERY_BYTES * queries + MASK_PAIR_BYTES * pairs
+        exposed[MASKS] = work.micro_batches * built / (hw.hbm_gbs * 1e9)
+    if opts.documents:
+        exposed[COPIES] = exposed.get(COPIES, 0.0) + work.micro_batches * r * 2 * block * 8 / (hw.host_gbs * 1e9)
+
+
 def _host_and_optimizer(s: _Step, n: float, compute: float, retained: float, nbytes: dict, exposed: dict) -> float:
     """The host copies of the offloads (bytes into `nbytes`, what compute does not hide into `exposed`), and
     the optimizer step's seconds: on the device, or on the host's cores with the optimizer or the parameters
     offloaded."""
     layout, opts, prec, M, hw = s.layout, s.opts, s.prec, s.work.micro_batches, s.hw
     G = layout.dp * layout.sp
-    copies = 0.0                     # host <-> device bytes per step beyond the optimizer's own
-    if opts.offload:
-        copies += 2 * retained
+    copies, blocking = 0.0, 0.0      # host <-> device bytes per step beyond the optimizer's own; those no compute hides
+    if opts.offload:                 # `retained`: a micro-batch's offloaded block inputs, out and back in each
+        copies += 2 * retained * M
+        # the first copied back in each backward, the last block's input: nothing runs ahead of it to hide it
+        blocking += M * retained / math.ceil(stage_layers(s.m, layout) / opts.checkpoint_stride)
     if opts.optimizer_offload and not opts.fsdp:
         copies += M * n / G * 4                                          # reduced fp32 chunks out
     if opts.param_offload and opts.fsdp:
         copies += M * n / G * (2 * 4 + 4)                                # fp32 shards in twice, gradients out
+        # FSDP2 copies each unit's shards in on the default stream, inside its all-gather (forward and backward),
+        # and waits for the last micro-batch's gradients out at the end of the backward
+        blocking += (2 * M + 1) * n / G * 4
     if copies:
         nbytes["host"] = copies
-        exposed["host copies (offload)"] = max(0.0, copies / (hw.host_gbs * 1e9) - compute)
+        exposed[COPIES] = exposed.get(COPIES, 0.0) + (blocking / (hw.host_gbs * 1e9)
+                                                      + max(0.0, (copies - blocking) / (hw.host_gbs * 1e9) - compute))
     if opts.optimizer_offload and not opts.fsdp:   # weights back up, the update on the host's cores
         moved = n * prec.weight / G
         nbytes["host"] += moved
-        return moved / (hw.host_gbs * 1e9) + n / G / (hw.host_adam_gparams * 1e9)
+        return moved / (hw.host_gbs * 1e9) + HOST_NORM * n / G / (hw.host_adam_gparams * 1e9)
     if opts.param_offload and opts.fsdp:          # the update on the host's cores, in place
-        return n / G / (hw.host_adam_gparams * 1e9)
-    return n / G * (prec.master + prec.moments + 4) * 3 / (hw.hbm_gbs * 1e9)
+        return HOST_NORM * n / G / (hw.host_adam_gparams * 1e9)
+    # the norm (FSDP2: a square and a sum; ZeRO-1: torch's foreach norm), the clipping, foreach AdamW in fp32, and
+    # ZeRO-1's updated chunks back into the parameters (padded, joined and, over a group, gathered and copied out)
+    finish = 8 + 4 if opts.fsdp else 4 + (8 if G == 1 else 16 + 8 * G)
+    return n / G * (finish + 8 + ADAM_BYTES) / (hw.hbm_gbs * 1e9)
 
 
 def step_time(m: ModelConfig, layout: Degrees, opts: Options, prec: Precision, work: Workload, hw: Hardware,
@@ -310,16 +466,19 @@ def step_time(m: ModelConfig, layout: Degrees, opts: Options, prec: Precision, w
     """Predicted seconds per optimizer step on the busiest rank. `retained`: activation bytes per step
     that activation offload copies out and back."""
     M = work.micro_batches
-    c = _compute(m, layout, opts, work, hw)
-    nbytes: dict[str, float] = {"all_to_all": 0.0, "all_reduce": 0.0, "p2p": 0.0, "ring_p2p": 0.0, "host": 0.0}
+    c = _compute(m, layout, opts, prec, work, hw)
+    nbytes: dict[str, float] = {"all_to_all": 0.0, "all_reduce": 0.0, "p2p": 0.0, "ring_p2p": 0.0, "host": 0.0,
+                                "memory": c.memory}
     exposed: dict[str, float] = {}
     step = _Step(m, layout, opts, prec, work, hw, overlap)
     _model_parallel_comm(step, c, nbytes, exposed)
     n = max(sum(stage_params(m, layout, s == 0, s == layout.pp - 1)) for s in (0, layout.pp - 1))
     _data_parallel_comm(step, n, c.seconds, nbytes, exposed)
+    _ring_masks(step, exposed)
     optimizer = _host_and_optimizer(step, n, c.seconds, retained, nbytes, exposed)
     comm_mb = sum(exposed.get(k, 0.0) for k in ("Ulysses all-to-all", "ring p2p", "tensor-parallel collectives",
                                                  "pipeline p2p")) / M
     bubble = (layout.pp - 1) / layout.virtual_stages * (c.seconds / M + comm_mb)
     return StepTime(compute=c.seconds, exposed=exposed, bubble=bubble, optimizer=optimizer, bytes=nbytes,
-                    flops={"matmul": c.mm, "attention": c.attn})
+                    flops={"matmul": c.mm, "attention": c.attn}, launches=c.launches * hw.launch_us * 1e-6,
+                    kernels=c.launches)

@@ -166,11 +166,13 @@ def explain(p: Prediction, hw: Hardware, gpu_memory_gib: float) -> str:
     lines.append("step time (one rank):")
     lines.append(f"  compute    {s.compute:10.4f} s = {mm:.4g} matmul FLOPs / ({hw.peak_tflops:g} TFLOP/s x "
                  f"{hw.matmul_efficiency:g}) + {at:.4g} attention FLOPs / ({hw.peak_tflops:g} x "
-                 f"{hw.attention_efficiency:g})")
+                 f"{hw.attention_efficiency:g}) + {s.bytes['memory'] / 1e9:.4g} GB of memory-bound kernels / "
+                 f"{hw.hbm_gbs:g} GB/s")
     for kind, sec in s.exposed.items():
         lines.append(f"  {kind:<40} {sec:10.4f} s exposed")
     lines.append(f"  pipeline bubble {s.bubble:10.4f} s = (pp - 1) / v x one micro-batch")
     lines.append(f"  optimizer  {s.optimizer:10.4f} s")
+    lines.append(f"  launches   {s.launches:10.4f} s = {s.kernels} kernels x {hw.launch_us:g} us")
     lines.append("  bytes per step: " + ", ".join(f"{k} {v / 1e9:.3g} GB" for k, v in s.bytes.items()))
     r = p.row()
     lines.append(f"  step {s.total:.4f} s -> {r['tokens_per_s']:.0f} tokens/s = {c.training.global_batch_size} x "

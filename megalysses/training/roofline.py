@@ -12,12 +12,13 @@ What each operation costs:
             (megalysses.kernels.gpu_forms: the pairs their masks allow), and FlexAttention's block-mask builds
             by their mask evaluations (one mask_mod call per (query, key) pair, at MASK_EVALUATION_OPS scalar
             operations on the CUDA cores, CUDA_CORE_SHARE of the tensor peak).
-  bytes     every device tensor an op reads or writes (its inputs and outputs), Triton launches by their
+  bytes     every device tensor an op reads or writes (its inputs, and its outputs or, for an in-place op
+            that returns nothing (torch's foreach ops), the arguments it writes), Triton launches by their
             tensor arguments; host <-> device copies by the bytes copied; collectives by the bytes each
             rank sends on a ring ((n - 1) / n of the buffer; twice for an all-reduce), point-to-point by the
             message.
   seconds   an op on the device: the larger of its FLOPs at Hardware.peak_tflops x the efficiency of its
-            class (matmul: kernel_matmul_efficiency, attention: attention_efficiency, memory-bound: none)
+            class (matmul: matmul_efficiency, attention: attention_efficiency, memory-bound: none)
             and its bytes at hbm_gbs, plus launch_us for the launch; a collective at its group's link
             (intra- or inter-node by the span of its ranks: Hardware.link); a copy at host_gbs; an op on
             host tensors (the optimizer on the host's cores) at host_adam_gparams, HOST_ADAM_PASSES passes
@@ -202,11 +203,13 @@ class Roofline(TorchDispatchMode):
             self._category = before
 
     def wait(self, stream: Stream, until: float, what: str) -> None:
-        """`stream` waits until `until` for work of category `what`: the main stream's wait counts there."""
+        """`stream` waits until `until` for work of category `what`: the main stream's wait counts there, and a
+        stream that waits on one that last waited (for a collective on FSDP2's streams) counts it as that."""
         if until > stream.clock:
+            what = what if what in CATEGORIES else COMMUNICATION
             if stream is self.main:
-                self.tally.seconds[what if what in CATEGORIES else COMMUNICATION] += until - stream.clock
-            stream.clock = until
+                self.tally.seconds[what] += until - stream.clock
+            stream.clock, stream.last = until, what
 
     def finish(self) -> None:
         """The end of the step: the main stream waits for every channel (the step's last host sync)."""
@@ -231,7 +234,7 @@ class Roofline(TorchDispatchMode):
         """A device kernel: `flops` of class `kind` (matmul, attention, memory), `nbytes` of device memory read and
         written, `mask_evaluations` of a block mask's mask_mod."""
         hw = self.hw
-        efficiency = {"matmul": hw.kernel_matmul_efficiency, "attention": hw.attention_efficiency}.get(kind)
+        efficiency = {"matmul": hw.matmul_efficiency, "attention": hw.attention_efficiency}.get(kind)
         seconds = max(flops / (hw.peak_tflops * 1e12 * efficiency) if efficiency else 0.0, nbytes / (hw.hbm_gbs * 1e9))
         seconds += mask_evaluations * MASK_EVALUATION_OPS / (hw.peak_tflops * 1e12 * CUDA_CORE_SHARE)
         if kind in self.tally.flops:
@@ -290,7 +293,8 @@ class Roofline(TorchDispatchMode):
         elif func in self.costs:
             self.cost(self.costs[func](*args, **kwargs))
         else:
-            nbytes = sum(_nbytes(t) for t in inputs + outputs if t.device.type == "meta")
+            written = outputs or _written(func, args, kwargs)     # an in-place foreach op returns nothing
+            nbytes = sum(_nbytes(t) for t in inputs + written if t.device.type == "meta")
             flops, kind = _flops(func, args, kwargs, out)
             self.kernel(flops, kind, nbytes, name=str(func))
 
@@ -359,6 +363,16 @@ class Roofline(TorchDispatchMode):
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors a call of `func` writes in place (its schema's mutable arguments)."""
+    out = []
+    for i, a in enumerate(func._schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            value = args[i] if i < len(args) else kwargs.get(a.name)
+            out += plain_tensors(tree_leaves(value))
+    return out
 
 
 def _argument(func: Any, args: tuple, kwargs: dict, name: str, default: Any) -> Any:

@@ -301,8 +301,8 @@ def roofline_fields(traces: list[StepTrace]) -> dict:
     breakdown by category, the host syncs, kernel launches and block-mask evaluations, device, host and
     collective bytes (GB), and FLOPs by class."""
     r = max(traces, key=lambda t: t.roofline.total).roofline
-    return {"traced_step_s": round(r.total, 6),
-            "traced_step_breakdown": {k: round(v, 6) for k, v in r.seconds.items()},
+    return {"traced_step_s": float(f"{r.total:.7g}"),
+            "traced_step_breakdown": {k: float(f"{v:.7g}") for k, v in r.seconds.items()},
             "traced_host_syncs": r.host_syncs, "traced_launches": r.launches,
             "traced_mask_evaluations": r.mask_evaluations,
             "traced_flops": {k: v for k, v in r.flops.items()},
