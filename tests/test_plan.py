@@ -17,7 +17,6 @@ from megalysses.memory import (GIB, PRECISIONS, Options, Workload, estimate, lay
 from megalysses.plan.communicators import axis_sizes, communicators
 from megalysses.plan.search import (Search, candidate_configs, check_phase_time, evaluate, plan,
                                     predicted_step_seconds, ranking)
-from megalysses.plan import step_time as step_time_module
 from megalysses.plan.step_time import KERNEL_PASSES, Hardware, Overlap, step_time
 from megalysses.plan.tiles import could_fit
 from megalysses.tools.plan import Progress, _flags, main
@@ -43,7 +42,8 @@ MEGATRON_H100 = [("1.7B", 16, 2048, 24, 1, 1, 192, 0.41), ("7.1B", 32, 4096, 30,
 # 60 bytes an h element, 12 an f element; gradient accumulation fused into the weight-gradient GEMMs (no pass
 # per parameter) and the vocabulary-parallel cross-entropy fused (read the logits once, write their gradient:
 # 4 bytes a vocabulary element)
-MEGATRON_PASSES = replace(KERNEL_PASSES["triton"], layer=(60.0, 12.0, 0.0), recompute=(0.0, 0.0, 0.0), head=0.0)
+MEGATRON_PASSES = replace(KERNEL_PASSES["triton"], layer=(60.0, 12.0, 0.0), recompute=(0.0, 0.0, 0.0), head=0.0,
+                          params=(0.0, 0.0), loss=4.0)
 
 
 @pytest.mark.parametrize("name, heads, hidden, layers, tp, pp, batch, published", MEGATRON_H100)
@@ -55,9 +55,7 @@ def test_megatron_core_h100_mfu(name, heads, hidden, layers, tp, pp, batch, publ
     optimizer), and tensor-parallel, pipeline and data-parallel communication overlapped with compute
     (--tp-comm-overlap, --overlap-grad-reduce, --overlap-param-gather), with Megatron-Core's own fused
     memory-bound kernels (MEGATRON_PASSES) beside the matmul kernels at Hardware's matmul efficiency."""
-    monkeypatch.setitem(KERNEL_PASSES, "triton", MEGATRON_PASSES)
-    monkeypatch.setattr(step_time_module, "LOSS_BYTES", 4.0)
-    monkeypatch.setattr(step_time_module, "PARAM_BYTES", (0.0, 0.0))
+    monkeypatch.setitem(KERNEL_PASSES, "triton", MEGATRON_PASSES)     # the kernel set the model below names
     V, S, dp = 131072, 4096, 48
     m = ModelConfig(vocab_size=V, hidden_size=hidden, num_layers=layers, num_heads=heads,
                     ffn_hidden_size=4 * hidden, mlp="gelu")

@@ -166,6 +166,10 @@ class KernelPasses:
     chunk_launches: tuple[int, int]     # (a, b): a head-chunked layer launches a N - b more
     tile_launches: tuple[int, int]      # (a, b): a tiled MLP launches a K - b more
     micro_batch_launches: int           # per micro-batch outside the layers (embedding, head, loss)
+    params: tuple[float, float] = (17.1, 18.0)  # bytes per parameter outside the optimizer: each micro-batch (its
+                                                # gradients' casts and sums), each step (ZeRO-1's gradient buckets)
+    loss: float = 70.5              # bytes/token per vocabulary element (per rank) of the LM head's memory-bound
+                                    # kernels: the fp32 logits' casts, softmax and its gradient
 
 
 # torch and triton are counted; liger and apex (fused norms and RoPE, Triton SwiGLU) as triton
@@ -177,10 +181,8 @@ KERNEL_PASSES: dict[str, KernelPasses] = {
                           chunks=(83.0, 7.0), tiles=(39.3, 10.0), launches=(142, 38, 32), chunk_launches=(73, 25),
                           tile_launches=(81, 55), micro_batch_launches=106),
     "triton": _TRITON, "liger": _TRITON, "apex": _TRITON}
-PARAM_BYTES = (17.1, 18.0)   # bytes per parameter outside the optimizer: each micro-batch (its gradients' casts and
-                             # sums), each step (ZeRO-1's gradient buckets)
 FSDP_BYTES = (69.6, 31.3)    # FSDP2's casts, copies and gradients per block parameter per micro-batch (in place of
-                             # PARAM_BYTES): one rank, sharded
+                             # KernelPasses.params): one rank, sharded
 FSDP_ROOT_BYTES = (288.0, 0.0)      # the same per parameter of the root unit (embedding, LM head)
 FSDP_LAUNCHES = (61, 45.5)   # FSDP2's kernels per layer (in place of ZeRO-1's): one rank, each micro-batch;
                              # sharded, each step (the norm's square and sum per parameter)
@@ -188,8 +190,6 @@ ZERO_LAUNCHES = 33           # ZeRO-1's kernels per layer and step over a group,
 NORM_TILE_LAUNCHES = 44      # kernels of each torch norm tile beyond the first, forward and backward
 LOSS_TILE_LAUNCHES = 36      # kernels of each LM head and loss tile beyond the first
 LOSS_TILE_BYTES = 20.0       # and its bytes per head parameter (the fp32 weight gradient's sum)
-LOSS_BYTES = 70.5            # bytes/token per vocabulary element (per rank) of the LM head's memory-bound kernels:
-                             # the fp32 logits' casts, softmax and its gradient
 ULYSSES_BYTES = 55.0         # bytes/token per element of q, k, v and the output around Ulysses' all-to-alls
 ULYSSES_LAUNCHES = 16        # their kernels per layer
 RING_BYTES = (34.0, 145.0)   # a ring's bytes/token per element of q and kv: per block, per layer (beside its merges)
@@ -304,10 +304,10 @@ def _memory_passes(m: ModelConfig, layout: Degrees, opts: Options, work: Workloa
         launches = M * (launches + (0 if sharded else FSDP_LAUNCHES[0])) + (FSDP_LAUNCHES[1] if sharded else 0)
         outside = M * FSDP_ROOT_BYTES[sharded] * root
     else:
-        per_layer = M * (PARAM_BYTES[0] * params + per_mb + T * per_token) + PARAM_BYTES[1] * params
+        per_layer = M * (k.params[0] * params + per_mb + T * per_token) + k.params[1] * params
         launches = M * launches + k.launches[2] + (ZERO_LAUNCHES if sharded else 0)
-        outside = (M * PARAM_BYTES[0] + PARAM_BYTES[1]) * root
-    outside += M * T * (k.head * h + LOSS_BYTES * vocab)
+        outside = (M * k.params[0] + k.params[1]) * root
+    outside += M * T * (k.head * h + k.loss * vocab)
     # the LM head and loss in tiles of tokens: each tile beyond the first its kernels and its head weight
     # gradient's sum
     more = math.ceil(T / (opts.loss_chunk_tokens or default_chunk_tokens(int(vocab)))) - 1
