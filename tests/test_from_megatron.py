@@ -419,6 +419,8 @@ def test_gpt3_style_script(files, tmp_path, capsys):
         True, "bfloat16", 20000, 1000, 10)
     assert (cfg.data.tokenizer, cfg.data.blend_by_size, cfg.data.document_mask) == ("GPT2BPETokenizer", False, False)
     assert (cfg.logging.wandb_project, cfg.logging.wandb_mode, cfg.checkpoint.load) == ("gpt3", "online", "auto")
+    # Megatron-LM's 10 minutes bound one collective; the watchdog's bound a whole validation of 10 x 1536 samples
+    assert p.timeout_seconds > 600 and "instead of 600 (--distributed-timeout-minutes)" in report
     dry_run(out, 128, tmp_path)
 
 

@@ -171,7 +171,7 @@ _TABLE = [
        note="ZeRO-1 gathers the updated parameters after the step, not overlapped with the next forward (speed "
             "only: what is trained does not change)"),
     _f("--distributed-timeout-minutes", "int", "parallel.timeout_seconds", default=10,
-       note="timeout_seconds = 60 * minutes"),
+       note="timeout_seconds = 60 * minutes, raised where a step or validation needs more"),
     _f("--distributed-backend", "str", "parallel.backend", default="nccl", choices=("nccl", "gloo")),
     # data
     _f("--data-path", "paths", "data.paths data.blend_by_size",

@@ -356,35 +356,59 @@ class _Found:
         return [p for i, p in enumerate(fitting) if i < s.top or p.step.total <= s.within]
 
 
-def check_phase_time(cfg: Config, plan: RunPlan, peak_tflops: Optional[float]) -> None:
-    """ConfigError when a training step, or a validation, at the planner's predicted speed on a GPU of
-    `peak_tflops` takes more than half of parallel.timeout_seconds, the longest the watchdog lets a rank
-    spend in one phase of the loop: it would end the run as stuck. Half leaves room for the prediction's
-    error; a run on an unknown GPU (no peak) or outside what the planner covers is not checked.
+@dataclass(frozen=True)
+class LongestPhase:
+    """The longest phase of the loop a run spends without a heartbeat's pause: a training step or a validation,
+    as the planner predicts it, and the parallel.timeout_seconds it needs (twice it: room for the prediction's
+    error)."""
+
+    what: str               # "a training step (global batch B x S tokens)" or "a validation (N x ...)"
+    seconds: float
+
+    @property
+    def timeout_needed(self) -> float:
+        return 2 * self.seconds
+
+    @property
+    def timeout_suggested(self) -> float:
+        """Four times the phase, in whole ten minutes."""
+        return 600 * -(-4 * self.seconds // 600)
+
+
+def longest_phase(cfg: Config, plan: RunPlan, peak_tflops: Optional[float]) -> Optional[LongestPhase]:
+    """A training step, or a validation, at the planner's predicted speed on a GPU of `peak_tflops`, whichever is
+    longer; None on an unknown GPU (no peak) or outside what the planner covers.
 
     The step judged is the run's own longest: its global batch (training.global_batch_size, where a batch
     ramp ends), each sample at the longest length of its curriculum (data.seq_len), as `plan`, the run's own,
     lays it out (its machine, attention backend, kernels and ranks per node); a validation is training.eval_steps
-    such batches, forward only. The message names the batch and length it judged."""
+    such batches, forward only."""
     if not peak_tflops:
-        return
+        return None
     nodes = plan.machine.ranks_per_node
     hw = Hardware(peak_tflops=peak_tflops, **({"gpus_per_node": nodes} if nodes else {}))
     step = run_step_seconds(cfg, plan, hw)
     if step is None:
-        return
+        return None
     t = cfg.training
     validation = step / 3 * t.eval_steps if t.eval_interval else 0.0     # forward passes only
     batch = f"global batch {t.global_batch_size} x {plan.padded_seq_len} tokens"
-    what, seconds = ((f"a validation ({t.eval_steps} x {batch})", validation) if validation > step
-                     else (f"a training step ({batch})", step))
+    if validation > step:
+        return LongestPhase(f"a validation ({t.eval_steps} x {batch})", validation)
+    return LongestPhase(f"a training step ({batch})", step)
+
+
+def check_phase_time(cfg: Config, plan: RunPlan, peak_tflops: Optional[float]) -> None:
+    """ConfigError when a training step, or a validation (longest_phase), takes more than half of
+    parallel.timeout_seconds, the longest the watchdog lets a rank spend in one phase of the loop: it would end
+    the run as stuck. The message names the batch and length it judged."""
+    phase = longest_phase(cfg, plan, peak_tflops)
     timeout = cfg.parallel.timeout_seconds
-    if 2 * seconds > timeout:
-        suggest = 600 * -(-4 * seconds // 600)
-        raise ConfigError(f"parallel.timeout_seconds={timeout:g} is less than twice the time of {what} predicted "
-                          f"for this layout on this GPU (~{seconds:.0f} s at {peak_tflops:g} TFLOP/s; tools/plan.py "
-                          f"--explain shows the arithmetic): the watchdog would end it as stuck. Raise it, e.g. "
-                          f"--set parallel.timeout_seconds={suggest:.0f}")
+    if phase is not None and phase.timeout_needed > timeout:
+        raise ConfigError(f"parallel.timeout_seconds={timeout:g} is less than twice the time of {phase.what} "
+                          f"predicted for this layout on this GPU (~{phase.seconds:.0f} s at {peak_tflops:g} TFLOP/s; "
+                          f"tools/plan.py --explain shows the arithmetic): the watchdog would end it as stuck. Raise "
+                          f"it, e.g. --set parallel.timeout_seconds={phase.timeout_suggested:.0f}")
 
 
 def node_memory_bytes() -> Optional[float]:
