@@ -87,15 +87,15 @@ def measure(name: str, hw: Hardware, memory: float) -> dict:
         tokens = LONG[name][2]
         return {**row, "seq_len": tokens, "fits": False, "why": "no layout fits (the memory model's planner)"}
     cfg, est = p.cfg, p.estimate
-    traces = trace_run(cfg, p.run.machine, gpus, hw=hw)
+    traces = trace_run(cfg, p.plan.machine, gpus, hw=hw)
     top = traced_peak(traces)
     phase = model_phase(top.device.moment)
     at_moment = est.phases.get((top.stage, phase))
     per_node = min(gpus, hw.gpus_per_node)
-    tokens = cfg.training.micro_batch_size * p.run.padded_seq_len / p.run.degrees.sp
+    tokens = cfg.training.micro_batch_size * p.plan.padded_seq_len / p.plan.degrees.sp
     usable = hw.usable_bytes(memory, max(t.largest_allocation for t in traces))
-    return {**row, "seq_len": p.run.padded_seq_len, "layout": layout_text(p), "attention": p.run.attention,
-            "kernels": p.run.kernels, "traced_gib": top.device.bytes / GIB, "traced_stage": top.stage,
+    return {**row, "seq_len": p.plan.padded_seq_len, "layout": layout_text(p), "attention": p.plan.attention,
+            "kernels": p.plan.kernels, "traced_gib": top.device.bytes / GIB, "traced_stage": top.stage,
             "traced_phase": phase, "traced_moment": str(top.device.moment),
             "model_gib": est.peak / GIB, "model_stage": est.stage, "model_phase": est.phase,
             "model_at_traced_moment_gib": (at_moment or 0.0) / GIB, "error": est.peak / top.device.bytes - 1,

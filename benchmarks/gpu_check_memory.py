@@ -98,7 +98,7 @@ def plan_figures(prediction, gpu_memory_gib: float) -> dict:
 
     hw = prediction.hw
     return {"plan_fits": prediction.fits, "usable_gib": prediction.usable / GIB, "reserve_guess_gib": hw.reserve_gib,
-            "communicators_gib": communicator_bytes(prediction.run) / GIB, "nccl_per_peer_mib": P2P_PEER_MIB,
+            "communicators_gib": communicator_bytes(prediction.plan) / GIB, "nccl_per_peer_mib": P2P_PEER_MIB,
             "allowance_guess_gib": hw.allowance_bytes(gpu_memory_gib, prediction.estimate.largest.bytes) / GIB,
             "predicted_breakdown": prediction.step.breakdown(hw)}
 
@@ -181,7 +181,7 @@ def judged(check, row: dict, prediction, cfg, until: float, name: str) -> dict:
 
 def _options(prediction) -> str:
     from megalysses.training.runtime import memory_options
-    return ", ".join(memory_options(prediction.cfg, prediction.run))
+    return ", ".join(memory_options(prediction.cfg, prediction.plan))
 
 
 def _run(check, cfg, seq_len: int, steps: int, until: float, name: str) -> dict:

@@ -155,7 +155,7 @@ def test_varlen_workspace_per_document():
     for per_million in (0, 1000, 250_000, 500_000):
         cfg = load_config(overrides=SMALL + [f"data.documents_per_million={per_million}"])
         top = traced_peak(trace_run(cfg, H100, 1))
-        assert top.run.attention == "varlen"
+        assert top.plan.attention == "varlen"
         est = estimate_config(cfg, 1, H100)
         where = (f"{per_million} a million: traced {top.device.bytes / MiB:.2f} MiB at {top.device.moment}, "
                  f"modelled {est.peak / MiB:.2f}")

@@ -172,7 +172,7 @@ def test_planned_layouts_obey_the_layout_rules():
         par, layout = p.cfg.parallel, p.estimate.layout
         m = p.cfg.model
         ulysses, ring = check_heads(m.num_heads, m.kv_heads, par.tp, par.sp, par.sp_ring, ranks_per_node=8)
-        assert (p.run.degrees.ulysses, p.run.degrees.ring) == (ulysses, ring) == (par.sp // par.sp_ring, par.sp_ring)
+        assert (p.plan.degrees.ulysses, p.plan.degrees.ring) == (ulysses, ring) == (par.sp // par.sp_ring, par.sp_ring)
         assert (layout.ulysses, layout.ring) == (ulysses, ring) and cfg.model.num_heads // par.tp % ulysses == 0
         assert par.tp * par.sp * par.pp * layout.dp == 8
         assert (p.row()["ring_p2p_gb"] > 0) == (ring > 1) and (p.row()["all_to_all_gb"] > 0) == (ulysses > 1)
@@ -400,15 +400,15 @@ def test_parameter_offload_is_planned_where_the_weights_bind():
     fitting, _ = plan(cfg, 1, S, 80, host_memory_gib=1769)
     best = fitting[0]
     assert best.cfg.training.param_offload and best.cfg.parallel.fsdp, [p.row() for p in fitting]
-    assert (best.run.weights, best.run.gradients, best.run.optimizer) == ("host", "host", "fsdp-host")
+    assert (best.plan.weights, best.plan.gradients, best.plan.optimizer) == ("host", "host", "fsdp-host")
     # ZeRO-1 with optimizer offload at the same activation options (checkpointing, tiles, head chunks, stride):
     # the weights on the device cost more than the budget leaves
     c = best.cfg
     streamed = evaluate(replace(c, parallel=replace(c.parallel, fsdp=False),
                                 training=replace(c.training, param_offload=False, optimizer_offload=True)),
                         1, 80, 1769, Hardware())
-    assert streamed.run.activation == best.run.activation and not streamed.fits
-    assert (streamed.run.weights, streamed.run.gradients) == ("device", "host")
+    assert streamed.plan.activation == best.plan.activation and not streamed.fits
+    assert (streamed.plan.weights, streamed.plan.gradients) == ("device", "host")
     assert best.estimate.peak < streamed.estimate.peak - 8 * GIB
     blocks, root = stage_params(cfg.model, Degrees(), True, True)    # root: embedding, final norm, head
     n, block = blocks + root, layer_params(cfg.model)
@@ -470,8 +470,8 @@ def test_a_checkpoint_stride_is_planned_where_host_memory_binds():
     assert roomy[0].cfg.training.checkpoint_stride == 1
     # the config's options but the stride
     every = {p.cfg.training.checkpoint_stride: p for p in roomy if not p.cfg.parallel.fsdp
-             and p.cfg.training.optimizer_offload and p.run.activation.head_chunks == 1
-             and not p.run.activation.keep_attention}
+             and p.cfg.training.optimizer_offload and p.plan.activation.head_chunks == 1
+             and not p.plan.activation.keep_attention}
     one, two = every[1], every[2]
     offloaded = {k: sum(t.bytes for t in p.estimate.terms if t.name == "offloaded block inputs")
                  for k, p in every.items()}

@@ -62,7 +62,7 @@ def test_a_real_run_on_this_cpu_is_the_planned_one(tmp_path):
                                     "training.train_steps=1", "parallel.sp=2", "training.activation_checkpointing=true",
             "training.loss_chunk_tokens=8", "parallel.timeout_seconds=60"]
     cfg = load_config(overrides=sets)
-    planned = evaluate(cfg, 2, 80, None, Hardware(), machine=Machine.current("cpu", ranks_per_node=2)).run.record()
+    planned = evaluate(cfg, 2, 80, None, Hardware(), machine=Machine.current("cpu", ranks_per_node=2)).plan.record()
     for dry, name in ((False, "real"), (True, "dry")):
         run_dir = tmp_path / name
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",

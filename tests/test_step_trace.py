@@ -132,7 +132,7 @@ def test_model_against_the_trace(world, overrides):
     cfg = load_config(overrides=SMALL + WIDE + overrides)
     traces = trace_run(cfg, Machine.described("H100", packages=("triton",)), world, hw=HW)
     traced = roofline_fields(traces)
-    model = predict(cfg, traces[0].run, None, None, HW).step
+    model = predict(cfg, traces[0].plan, None, None, HW).step
     flops = traced["traced_flops"]
     assert flops["matmul"] == pytest.approx(model.flops["matmul"], rel=0.01), (flops, model.flops)
     assert flops["attention"] == pytest.approx(model.flops["attention"], rel=0.01), (flops, model.flops)
@@ -144,7 +144,7 @@ def test_model_against_the_trace(world, overrides):
     assert (seconds["masks"] > 0) == (world > 1) and seconds["launches"] > 0
     assert traced["traced_launches"] == pytest.approx(model.kernels, rel=0.05)
     # no host sync in a step: varlen attention's documents come from the loader, their longest in host memory
-    assert traced["traced_host_syncs"] == 0, (traces[0].run.attention, traced["traced_host_syncs"])
+    assert traced["traced_host_syncs"] == 0, (traces[0].plan.attention, traced["traced_host_syncs"])
     if world > 1:       # the ring's K/V blocks: the model's bytes
         sent = sum(v for k, v in traced["traced_collective_gb"].items() if k.startswith("send"))
         assert sent * 1e9 == pytest.approx(model.bytes["ring_p2p"], rel=0.05)

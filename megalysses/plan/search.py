@@ -136,7 +136,7 @@ class Prediction:
     """A config's resolved plan, its memory estimate and step time, and whether it fits."""
 
     cfg: Config
-    run: RunPlan
+    plan: RunPlan
     estimate: Estimate
     step: StepTime
     fits: bool
@@ -150,20 +150,20 @@ class Prediction:
         tok_s = c.training.global_batch_size * c.data.seq_len / s.total
         mfu = flops_per_token(c.model, c.data.seq_len) * tok_s / (layout.world * self.hw.peak_tflops * 1e12)
         return {"tp": layout.tp, "sp": layout.sp, "ring": layout.ring, "pp": layout.pp, "dp": layout.dp,
-                "virtual_stages": layout.virtual_stages, "micro_batches": workload_of(c, self.run).micro_batches,
-                "attention": self.run.attention, "kernels": self.run.kernels, "dtype": self.run.dtype,
+                "virtual_stages": layout.virtual_stages, "micro_batches": workload_of(c, self.plan).micro_batches,
+                "attention": self.plan.attention, "kernels": self.plan.kernels, "dtype": self.plan.dtype,
                 "activation_checkpointing": c.training.activation_checkpointing,
                 "recompute_attention": c.training.recompute_attention,
                 "activation_offload": c.training.activation_offload, "optimizer_offload": c.training.optimizer_offload,
                 "param_offload": c.training.param_offload, "checkpoint_stride": c.training.checkpoint_stride,
                 # the tiles the run takes (`auto` resolved; a loss tile of 0: the kernel's default)
-                "mlp_chunk_tokens": self.run.activation.mlp_chunk_tokens,
-                "loss_chunk_tokens": self.run.activation.loss_chunk_tokens,
-                "attention_head_chunks": self.run.activation.head_chunks,
+                "mlp_chunk_tokens": self.plan.activation.mlp_chunk_tokens,
+                "loss_chunk_tokens": self.plan.activation.loss_chunk_tokens,
+                "attention_head_chunks": self.plan.activation.head_chunks,
                 "tp_sequence_parallel": c.parallel.tp_sequence_parallel, "fsdp": c.parallel.fsdp,
                 "peak_gib": round(self.estimate.peak / GIB, 2), "peak_phase": self.estimate.phase,
-                "usable_gib": round(self.usable / GIB, 2), "communicators": len(run_communicators(self.run)),
-                "communicators_gib": round(communicator_bytes(self.run) / GIB, 2),
+                "usable_gib": round(self.usable / GIB, 2), "communicators": len(run_communicators(self.plan)),
+                "communicators_gib": round(communicator_bytes(self.plan) / GIB, 2),
                 "largest_block_gib": round(self.estimate.largest.bytes / GIB, 2),
                 "host_gib_per_node": round(self.host_per_node / GIB, 1),
                 "all_to_all_gb": round(s.bytes["all_to_all"] / 1e9, 2),
@@ -235,7 +235,7 @@ def run_step_seconds(cfg: Config, plan: RunPlan, hw: Hardware) -> Optional[float
 def ranking(p: Prediction) -> tuple[float, float, int]:
     """How the search orders the layouts that fit: the fastest step first, then the lower peak, then, between
     otherwise equal layouts, the one with fewer communicators."""
-    return p.step.total, p.estimate.peak, len(run_communicators(p.run))
+    return p.step.total, p.estimate.peak, len(run_communicators(p.plan))
 
 
 @dataclass
@@ -317,7 +317,7 @@ class _Found:
     def __init__(self, search: Search, budget: float) -> None:
         self.search, self.budget = search, budget
         self.fitting: list[Prediction] = []
-        self.runs: set = set()
+        self.plans: set = set()
         self.steps: list[float] = []          # the fitting ones' step times, ascending (with Search.top)
         self.searched = self.considered = 0
 
@@ -340,9 +340,9 @@ class _Found:
             return None
         self.search.evaluated += 1
         p = evaluate(cand, gpus, machine.memory_gib, host_memory_gib, hw, machine=machine)
-        if p.run in self.runs:              # tiles that resolve to another candidate's
+        if p.plan in self.plans:              # tiles that resolve to another candidate's
             return None
-        self.runs.add(p.run)
+        self.plans.add(p.plan)
         return p if p.fits else None
 
     def add(self, p: Prediction) -> None:

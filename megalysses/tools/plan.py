@@ -157,7 +157,7 @@ def explain(p: Prediction, hw: Hardware, gpu_memory_gib: float) -> str:
         where = "host" if t.host else "    "
         lines.append(f"  {where} {fmt_bytes(t.bytes):>12}  {t.name:<62} {t.formula}")
     allowance = hw.allowance_bytes(gpu_memory_gib, e.largest.bytes)
-    comms = run_communicators(p.run)
+    comms = run_communicators(p.plan)
     lines.append(f"  peak {fmt_bytes(e.peak)} <= usable {fmt_bytes(p.usable)} ({gpu_memory_gib:g} GiB - "
                  f"{hw.reserve_gib:g} GiB reserve - {fmt_bytes(sum(c.bytes for c in comms))} for {len(comms)} "
                  f"communicators - {fmt_bytes(allowance)} fragmentation allowance: the larger of "
@@ -253,7 +253,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         best = fitting[0]
         try:
-            rows[0].update(trace_fields(trace_run(best.cfg, best.run.machine, args.gpus, hw=hw),
+            rows[0].update(trace_fields(trace_run(best.cfg, best.plan.machine, args.gpus, hw=hw),
                                         min(args.gpus, hw.gpus_per_node)))
             rows[0]["traced_mfu"] = round(rows[0]["mfu"] * best.step.total / rows[0]["traced_step_s"], 4)
             rows[0]["step_breakdown"] = {k: round(v, 6) for k, v in best.step.breakdown(hw).items()}
@@ -364,7 +364,7 @@ def own_layout(own, gpus: int, hw: Hardware, on: Described) -> tuple[Optional[Pr
         mine = evaluate(own, gpus, on.gpu_memory_gib, on.host_memory_gib, hw, on.packages, machine=on.machine)
     except (ConfigError, ValueError) as e:
         return None, {"fits": False, "why_not": str(e)}
-    return mine, {**mine.row(), "why_not": mine.why_not, "plan": mine.run.record()}
+    return mine, {**mine.row(), "why_not": mine.why_not, "plan": mine.plan.record()}
 
 
 class Progress:

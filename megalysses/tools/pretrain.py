@@ -293,7 +293,7 @@ def _trace_memory(cfg, machine: Machine, gpus: int) -> Optional[float]:
     try:
         traces = trace_run(cfg, machine, gpus)
         est = estimate_config(cfg, gpus, machine)
-        model = predict(cfg, traces[0].run, None, None, Hardware()).step
+        model = predict(cfg, traces[0].plan, None, None, Hardware()).step
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return None

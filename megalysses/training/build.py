@@ -44,11 +44,11 @@ from megalysses.training.data import TrainingData
 from megalysses.training.runtime import check_built, model_config
 
 
-def pinned_arenas(cfg: Config, run: RunPlan, grid: ParallelGrid, device: torch.device) -> dict[str, PinnedArena]:
+def pinned_arenas(cfg: Config, plan: RunPlan, grid: ParallelGrid, device: torch.device) -> dict[str, PinnedArena]:
     """This rank's pinned host memory: what the memory model counts for its pipeline stage, an arena for each
     owner (each model chunk's activation offloader, the optimizer; memory/host.py); empty where nothing is
     pinned."""
-    reqs = [r for r in pinned_requests_of(cfg, run, grid.pp_rank) if r.owner != STAGING]   # the saver's (save)
+    reqs = [r for r in pinned_requests_of(cfg, plan, grid.pp_rank) if r.owner != STAGING]   # the saver's (save)
 
     def what(owner: str) -> str:
         mine = [r for r in reqs if r.owner == owner and r.count]
@@ -58,36 +58,36 @@ def pinned_arenas(cfg: Config, run: RunPlan, grid: ParallelGrid, device: torch.d
 
 
 def build_model(cfg: Config, grid: ParallelGrid, device: torch.device, mesh: DeviceMesh,
-                run: RunPlan, pinned: Optional[dict[str, PinnedArena]] = None) -> GPTStage | VirtualStages:
+                plan: RunPlan, pinned: Optional[dict[str, PinnedArena]] = None) -> GPTStage | VirtualStages:
     """This rank's pipeline stage (or its virtual stages) with its tp shards in fp32, initialised
     identically at every layout (then, with parallel.fsdp, sharded over the grad group to gather in the
     compute dtype); each chunk's activation offload takes its host buffers from its arena in `pinned`
     (pinned_arenas), or without them from pinned requests of its own."""
-    model_cfg = model_config(cfg, run)
+    model_cfg = model_config(cfg, plan)
     groups = ParallelGroups(tp=grid.tp_group, ulysses=grid.ulysses_group, ring=grid.ring_group,
-                            sequence_parallel=run.activation.tp_sequence_parallel)
-    v = run.degrees.virtual_stages
+                            sequence_parallel=plan.activation.tp_sequence_parallel)
+    v = plan.degrees.virtual_stages
     V = grid.pp_size * v
     chunks = []
     # allocated where the weights live: where they run, never staged through host memory, or (parameter
     # offload) in host memory, where FSDP keeps their shards
-    where = torch.device("cpu") if run.weights == "host" else device
+    where = torch.device("cpu") if plan.weights == "host" else device
     for k in range(v):   # chunk k of this rank is virtual stage k * pp + pp_rank
         vs = k * grid.pp_size + grid.pp_rank
         with torch.device(where):
             chunk = GPTStage(model_cfg, groups, stage_layers(cfg.model.num_layers, V, vs), first=vs == 0,
                              last=vs == V - 1)
-        apply_activation_policy(chunk, run.activation, (pinned or {}).get(f"model chunk {k}"))
+        apply_activation_policy(chunk, plan.activation, (pinned or {}).get(f"model chunk {k}"))
         if accelerator.current().holds_values(device):     # not a dry run's shapes, a trace's fake tensors
             init_weights(chunk, cfg.training.seed, grid.tp_rank, grid.tp_size)
-        if run.fsdp:
-            shard_model(chunk, mesh["grad"], run.torch_dtype, getattr(torch, run.grad_dtype),
-                        offload=run.weights == "host")
+        if plan.fsdp:
+            shard_model(chunk, mesh["grad"], plan.torch_dtype, getattr(torch, plan.grad_dtype),
+                        offload=plan.weights == "host")
         chunks.append(chunk)
     return chunks[0] if v == 1 else VirtualStages(chunks)
 
 
-def build_optimizer(cfg: Config, model: GPTStage, grid: ParallelGrid, run: RunPlan,
+def build_optimizer(cfg: Config, model: GPTStage, grid: ParallelGrid, plan: RunPlan,
                     device: Optional[torch.device] = None, pinned: Optional[PinnedMemory] = None) -> Optimizer:
     """The optimizer the plan places: FSDP2's AdamW over the sharded model, or ZeRO-1's over the grad group (its
     state in host memory where the plan puts it there)."""
@@ -97,10 +97,10 @@ def build_optimizer(cfg: Config, model: GPTStage, grid: ParallelGrid, run: RunPl
     settings = AdamWSettings(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
                              tp_rank=grid.tp_rank, embed_group=grid.embed_group if tied_across_stages else None,
                              tied_head_copy=tied_across_stages and not grid.is_first_stage)
-    if run.fsdp:
+    if plan.fsdp:
         return FSDPAdamW(model, settings, device=device)
     reduce = ReduceSettings(bucket_elements=cfg.parallel.grad_bucket_elements, overlap=cfg.parallel.overlap_grad_reduce,
-                            offload=run.optimizer == "zero1-host", grad_dtype=getattr(torch, run.grad_dtype))
+                            offload=plan.optimizer == "zero1-host", grad_dtype=getattr(torch, plan.grad_dtype))
     return ShardedAdamW(model.named_parameters(), grid.grad_group, settings, reduce, pinned)
 
 

@@ -155,7 +155,7 @@ class TrainingLoop:
 
     def __init__(self, run: Run, long_eval: Optional[TrainingLongEval], ckpt_dir: Path,
                  doing: Callable[[str], None]) -> None:
-        self.cfg, self.grid, self.device, self.run = run.cfg, run.grid, run.device, run.plan
+        self.cfg, self.grid, self.device, self.plan = run.cfg, run.grid, run.device, run.plan
         self.model, self.opt, self.mesh, self.data, self.long_eval = run.model, run.opt, run.mesh, run.data, long_eval
         self.progress, self.ckpt_dir, self.doing = run.progress, ckpt_dir, doing
         self.saver = background_saver(run.cfg, run.plan, run.grid, run.device) if run.plan.async_save else None
@@ -163,7 +163,7 @@ class TrainingLoop:
     def __call__(self, signals: Optional[StopSignals], watchdog: Optional[Watchdog]) -> dict:
         cfg, p, doing = self.cfg, self.progress, self.doing
         run_dir, total = Path(cfg.logging.run_dir), cfg.training.train_steps
-        self.logger = MetricsLogger(cfg, run_dir, self.grid.world, self.device, total, self.run.torch_dtype)
+        self.logger = MetricsLogger(cfg, run_dir, self.grid.world, self.device, total, self.plan.torch_dtype)
         self.logger.hosts, self.busy = rank_hosts(), BusyClock(self.device)
         self.logger.stage_ranks = self.grid.world // self.grid.pp_size
         profiler = StepProfiler(cfg.profile, self.grid.rank, run_dir, self.device, watchdog)
@@ -177,21 +177,21 @@ class TrainingLoop:
         try:
             while p.step < total:
                 lr = lr_at(p.step, cfg.optimizer, total, lr_progress(cfg.training, p.step, p.consumed))
-                phase_len = self.run.train_phase(p.step).seq_len
+                phase_len = self.plan.train_phase(p.step).seq_len
                 if phase_len != seq_len:
                     seq_len = phase_len
                     if cfg.data.seq_len_schedule:
                         print0(phase_line(cfg, p.step))
                 doing(f"reading the batch of step {p.step + 1}")
                 batch = next(batches)
-                if len(batch) * self.run.samples_per_micro_batch != samples:   # a ramp grows the global batch
-                    samples = len(batch) * self.run.samples_per_micro_batch
+                if len(batch) * self.plan.samples_per_micro_batch != samples:   # a ramp grows the global batch
+                    samples = len(batch) * self.plan.samples_per_micro_batch
                     if self.data.batch_sizes.ramped:
-                        print0(batch_line(p.step, samples, self.data.batch_sizes, self.run.samples_per_micro_batch))
+                        print0(batch_line(p.step, samples, self.data.batch_sizes, self.plan.samples_per_micro_batch))
                 doing(f"training step {p.step + 1}")
                 with profiler.step(p.step + 1), self.busy.measuring():
                     result = train_step(self.model, self.opt, batch, self.grid, lr=lr,
-                                        grad_clip=cfg.optimizer.grad_clip, dtype=self.run.torch_dtype,
+                                        grad_clip=cfg.optimizer.grad_clip, dtype=self.plan.torch_dtype,
                                         nan_policy=cfg.training.nan_policy)
                     self.busy.start()            # its last collective left, with every rank
                 p.step += 1
@@ -235,7 +235,8 @@ class TrainingLoop:
         with accelerator.host_wait("evaluation"):
             if evaluated:
                 self.doing(f"validating at step {step}")
-                self.logger.eval(step, evaluate(self.model, self.data.valid_batches(), self.grid, self.run.torch_dtype))
+                loss = evaluate(self.model, self.data.valid_batches(), self.grid, self.plan.torch_dtype)
+                self.logger.eval(step, loss)
             if self.long_eval is not None and self.long_eval.due(step):
                 evaluated = True
                 self.logger.long_eval(step, scalars(self.long_eval(self.model, step, self.doing)))

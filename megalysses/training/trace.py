@@ -61,7 +61,7 @@ class StepTrace:
     """What one traced step of one rank reached: the peak of each memory, with its moment and the largest
     tensors alive then."""
 
-    run: RunPlan
+    plan: RunPlan
     rank: int
     stage: int                    # the pipeline stage of `rank`
     device: Peak
@@ -262,7 +262,7 @@ def trace_run(cfg: Config, machine: Machine, world: int, keep: int = 12,
               hw: Optional[Hardware] = None) -> list[StepTrace]:
     """The traced step of the first stage and, with a pipeline, of the last (the run's peak is the larger)."""
     first = trace_step(cfg, machine, world, 0, keep, hw)
-    pp = first.run.degrees.pp
+    pp = first.plan.degrees.pp
     return [first] + ([trace_step(cfg, machine, world, pp - 1, keep, hw)] if pp > 1 else [])
 
 
