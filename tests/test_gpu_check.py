@@ -218,7 +218,7 @@ def test_memory_stages_run_only_what_the_time_left_holds(monkeypatch, tmp_path):
     from megalysses.plan import Machine, resolve
 
     cfg = gpu_check_memory.base_config(SimpleNamespace(smoke=True, resolved=lambda: None))
-    plan = SimpleNamespace(cfg=cfg, run=resolve(cfg, Machine.described(None), 1), step=SimpleNamespace(total=1000.0),
+    plan = SimpleNamespace(cfg=cfg, plan=resolve(cfg, Machine.described(None), 1), step=SimpleNamespace(total=1000.0),
                            estimate=SimpleNamespace(peak=2 ** 30, phase="backward"))
     monkeypatch.setattr(gpu_check_memory, "planned", lambda check, S: (plan, 9))
     check = SimpleNamespace(smoke=True, env=None, work=tmp_path, note=lambda *a: None, partial=lambda r: None)

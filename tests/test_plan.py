@@ -550,8 +550,8 @@ def test_between_equal_layouts_fewer_communicators_first():
     from types import SimpleNamespace
 
     def layout(tp, ulysses, step=1.0, peak=1.0):
-        run = SimpleNamespace(degrees=Degrees(tp=tp, sp=ulysses), grad_overlap=True)
-        return SimpleNamespace(step=SimpleNamespace(total=step), estimate=SimpleNamespace(peak=peak), run=run)
+        plan = SimpleNamespace(degrees=Degrees(tp=tp, sp=ulysses), grad_overlap=True)
+        return SimpleNamespace(step=SimpleNamespace(total=step), estimate=SimpleNamespace(peak=peak), plan=plan)
 
     sp8, tp2sp4 = layout(1, 8), layout(2, 4)
     assert sorted([tp2sp4, sp8], key=ranking) == [sp8, tp2sp4]
