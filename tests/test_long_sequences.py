@@ -58,14 +58,14 @@ def test_longer_sequences_than_alst_with_megalysses_own_layouts(gpus, tokens, al
     best = fitting[0]
     # the budget of an H100 80GB as it is exposed, less the reserve, the layout's communicators and at least the
     # largest block
-    assert best.usable == Hardware().usable_bytes(H100_GIB, best.estimate.largest.bytes, communicator_bytes(best.run))
+    assert best.usable == Hardware().usable_bytes(H100_GIB, best.estimate.largest.bytes, communicator_bytes(best.plan))
     assert best.estimate.peak <= best.usable and best.host_per_node <= 1769 * GIB
     row = best.row()
     assert 0 < row["mfu"] < 1 and row["step_s"] > 0
-    d = best.run.degrees
+    d = best.plan.degrees
     assert (row["tp"], row["sp"] // row["ring"], row["ring"]) == (d.tp, d.ulysses, d.ring)
     validate_config(best.cfg, world_size=gpus)
-    assert h100s(best.cfg, gpus).activation == best.run.activation
+    assert h100s(best.cfg, gpus).activation == best.plan.activation
 
 
 def test_llama_8b_activation_bytes_per_token_and_1b_at_1m_within_60_gib():
@@ -113,7 +113,7 @@ def test_ring_steps_pay_their_fp32_merges():
     cfg = load("configs/llama3_8b_1m.yaml", **{"training.global_batch_size": 1, "model.kernels": "triton",
                                                 "parallel.pp": 1, "parallel.virtual_stages": 1})
     fitting, _ = plan(cfg, 8, 5 << 20, host_memory_gib=1769)
-    assert fitting[0].run.degrees.ring == 1 and any(p.run.degrees.ring == 8 for p in fitting)
+    assert fitting[0].plan.degrees.ring == 1 and any(p.plan.degrees.ring == 8 for p in fitting)
 
 
 def test_no_quadratic_document_mask_at_millions_of_tokens():
@@ -125,11 +125,11 @@ def test_no_quadratic_document_mask_at_millions_of_tokens():
             "parallel.sp": 8, "parallel.sp_ring": 1, "data.seq_len": 6 << 20, "training.activation_checkpointing": True,
             "training.activation_offload": True, "training.attention_head_chunks": 4}
     auto = evaluate(load("configs/llama3_8b_1m.yaml", **sets), 8, None, 1769, Hardware())
-    assert auto.run.attention == "varlen"
+    assert auto.plan.attention == "varlen"
     assert not [t for t in auto.estimate.terms if "mask" in t.name], auto.estimate.terms
     flex = evaluate(load("configs/llama3_8b_1m.yaml", **sets, **{"model.attention_backend": "flex"}), 8, None, 1769,
                     Hardware())
     mask = [t for t in flex.estimate.terms if t.name.startswith("FlexAttention's block mask")]
-    block = flex.run.activation.mask_block
+    block = flex.plan.activation.mask_block
     assert len(mask) == 1 and mask[0].bytes <= 0.01 * flex.estimate.peak and block > 128
     assert mask[0].bytes == pytest.approx(16 * ((6 << 20) / block) ** 2, rel=1e-3)
