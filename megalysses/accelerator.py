@@ -60,10 +60,12 @@ import functools
 import os
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, Optional
+from typing import Any, Callable, ContextManager, Generic, Iterator, Mapping, Optional, TypeVar
 
 import torch
 from torch import Tensor
+
+T = TypeVar("T")
 
 USER_SETTINGS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 PINNED_EXACT_ABOVE_MB = 1
@@ -181,12 +183,32 @@ class Host:
         x.record_stream(stream)
 
 
-_active: list[Host] = [Host()]
+class Replaceable(Generic[T]):
+    """One implementation in use: `default`, unless a `use` block put another in its place (a trace's forms of
+    the Host here, of the GPU's attention kernels in kernels/attention.py)."""
+
+    def __init__(self, default: T) -> None:
+        self._stack = [default]
+
+    def current(self) -> T:
+        return self._stack[-1]
+
+    @contextlib.contextmanager
+    def use(self, replacement: T) -> Iterator[T]:
+        """Run the block with `replacement` in place of the one in use, then restore it."""
+        self._stack.append(replacement)
+        try:
+            yield replacement
+        finally:
+            self._stack.remove(replacement)
+
+
+_HOST = Replaceable(Host())
 
 
 def current() -> Host:
     """The Host in use: the real one unless `use` put another in its place."""
-    return _active[-1]
+    return _HOST.current()
 
 
 def on_gpu(x: Tensor | torch.device) -> bool:
@@ -194,14 +216,9 @@ def on_gpu(x: Tensor | torch.device) -> bool:
     return current().is_gpu(x if isinstance(x, torch.device) else x.device)
 
 
-@contextlib.contextmanager
-def use(host: Host) -> Iterator[Host]:
+def use(host: Host) -> ContextManager[Host]:
     """Run the block with `host` in place of the current Host (a trace's), then restore it."""
-    _active.append(host)
-    try:
-        yield host
-    finally:
-        _active.remove(host)
+    return _HOST.use(host)
 
 
 # ---------------------------------------------------------------------- host waits

@@ -35,7 +35,6 @@ i - j < W: each position attends to itself and the W - 1 before it, as Hugging F
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
 import importlib.util
@@ -43,7 +42,7 @@ import inspect
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, Optional, Union
+from typing import Any, Callable, ContextManager, Mapping, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -534,19 +533,14 @@ class GPUKernels:
     installed: Callable[[], frozenset] = _installed
 
 
-_active: list[GPUKernels] = [GPUKernels()]
+_KERNELS = accelerator.Replaceable(GPUKernels())
 
 
 def kernels() -> GPUKernels:
     """The GPU kernels in use: the real ones unless `use_kernels` put others in their place."""
-    return _active[-1]
+    return _KERNELS.current()
 
 
-@contextlib.contextmanager
-def use_kernels(replacement: GPUKernels) -> Iterator[GPUKernels]:
+def use_kernels(replacement: GPUKernels) -> ContextManager[GPUKernels]:
     """Run the block with `replacement` in place of the GPU kernels in use (a trace's forms), then restore them."""
-    _active.append(replacement)
-    try:
-        yield replacement
-    finally:
-        _active.remove(replacement)
+    return _KERNELS.use(replacement)
