@@ -271,7 +271,8 @@ def _memory_passes(m: ModelConfig, layout: Degrees, opts: Options, work: Workloa
     bytes (KERNEL_PASSES: per layer and micro-batch by width and parameter, head chunks, MLP tiles, Ulysses'
     all-to-alls and the ring; the LM head by the vocabulary; FSDP2's and ZeRO-1's per parameter)."""
     k, t, M, L, T = KERNEL_PASSES[opts.kernels], layout.tp, work.micro_batches, c.layers, c.tokens
-    h = m.hidden_size / (t if opts.tp_sequence_parallel else 1)
+    shard = t if opts.tp_sequence_parallel else 1          # TP sequence sharding splits the residual stream
+    h = m.hidden_size / shard
     widths = (h, m.ffn_size / t, c.kv)
     per_token = sum(w * (a + c.recomputes * r) for w, a, r in zip(widths, k.layer, k.recompute))
     params = layer_params(m, t)
@@ -282,12 +283,12 @@ def _memory_passes(m: ModelConfig, layout: Degrees, opts: Options, work: Workloa
         per_token += k.chunks[0] * (c.q + c.kv) + N * k.chunks[1] * h
         launches += k.chunk_launches[0] * N - k.chunk_launches[1]
     if tiled(opts.mlp_chunk_tokens, layout, opts, work.seq_len):
-        tiles = math.ceil(T / (t if opts.tp_sequence_parallel else 1) / opts.mlp_chunk_tokens)
+        tiles = math.ceil(T / shard / opts.mlp_chunk_tokens)
         per_token += k.tiles[0] * widths[1] * (1.0 if c.recomputes else 0.75)
         per_mb += tiles * k.tiles[1] * (3 if m.mlp == "swiglu" else 2) * m.hidden_size * widths[1]
         launches += k.tile_launches[0] * tiles - k.tile_launches[1]
     # the torch norms run over row tiles of NORM_TILE_ELEMENTS (kernels/norms.py), two a layer and the final one
-    norm_tiles = math.ceil(T / (t if opts.tp_sequence_parallel else 1) * m.hidden_size / NORM_TILE_ELEMENTS) - 1
+    norm_tiles = math.ceil(T / shard * m.hidden_size / NORM_TILE_ELEMENTS) - 1
     norm_tiles *= KERNELS[opts.kernels].norm_tiled
     launches += 2 * NORM_TILE_LAUNCHES * norm_tiles
     if layout.ulysses > 1:
