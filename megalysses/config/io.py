@@ -182,6 +182,14 @@ def apply_override(data: dict, override: str) -> None:
                 node.setdefault(implied, implied_value)     # what Megatron-LM's spelling implies, unless given
 
 
+def with_overrides(cfg: Config, overrides: list[str]) -> Config:
+    """`cfg` with `section.key=value` overrides applied (keys and types checked, as load_config checks them)."""
+    data = config_to_dict(cfg)
+    for ov in overrides:
+        apply_override(data, ov)
+    return config_from_dict(data)
+
+
 def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]] = None,
                 validate: bool = True) -> Config:
     """Read YAML (if given), apply `--set` overrides, build the Config (keys and types checked) and, unless

@@ -52,7 +52,7 @@ from megalysses.checkpoint.initial import find_initial_checkpoint
 from megalysses.checkpoint.manifest import checkpoints_in, step_of
 from megalysses.config import Config, ConfigError
 from megalysses.config.checks import validate_config
-from megalysses.config.io import apply_override, config_from_dict, config_to_dict, load_config, read_yaml
+from megalysses.config.io import load_config, read_yaml, with_overrides
 from megalysses.data import DatasetError
 from megalysses.data.tokenizer import SpecialTokens, TokenizerError, build_tokenizer, tokenizer_from_config
 from megalysses.distributed import destroy_distributed, init_distributed, is_rank0, print0
@@ -162,17 +162,13 @@ def _fit_layout(cfg: Config, world: int, overrides: list[str]) -> tuple[Config, 
     """The run's layout where `world` holds whole copies of it, else sp over every rank (and a line saying so);
     then --set; the batch settings made to fit the world and no checkpoint saves planned (neither applies to an
     evaluation)."""
-    data = config_to_dict(cfg)
     p = cfg.parallel
-    note = None
+    layout, note = [], None
     if world % (p.tp * p.sp * p.pp):
-        for o in ("parallel.tp=1", "parallel.pp=1", "parallel.virtual_stages=1", f"parallel.sp={world}",
-                  "parallel.sp_ring=0", "parallel.tp_sequence_parallel=false"):
-            apply_override(data, o)
+        layout = ["parallel.tp=1", "parallel.pp=1", "parallel.virtual_stages=1", f"parallel.sp={world}",
+                  "parallel.sp_ring=0", "parallel.tp_sequence_parallel=false"]
         note = f"the run's layout (tp {p.tp} x sp {p.sp} x pp {p.pp}) does not divide {world} ranks: sp={world}"
-    for o in overrides:
-        apply_override(data, o)
-    cfg = config_from_dict(data)
+    cfg = with_overrides(cfg, layout + overrides)
     par, t = cfg.parallel, cfg.training
     dp = max(world // (par.tp * par.sp * par.pp), 1)
     t.rampup_batch_size, t.batch_size_schedule = [], []

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from megalysses.config import Config, ConfigError
-from megalysses.config.io import apply_override, config_from_dict, config_to_dict, load_config
+from megalysses.config.io import load_config, with_overrides
 from megalysses.data.tokenizer import TokenizerError, build_tokenizer, tokenizer_from_config
 from megalysses.distributed import destroy_distributed, init_distributed
 from megalysses.grid import ParallelGrid
@@ -139,10 +139,7 @@ for a backward (no checkpointing, nor its offload), no tiles or head chunks, eve
 
 def generation_config(cfg: Config) -> Config:
     """`cfg` as one process generates with it (GENERATION)."""
-    data = config_to_dict(cfg)
-    for override in GENERATION:
-        apply_override(data, override)
-    return config_from_dict(data)
+    return with_overrides(cfg, GENERATION)
 
 
 def load_run(run: Path) -> tuple[Config, Any]:
