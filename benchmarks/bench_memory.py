@@ -98,7 +98,7 @@ def run_length(cfg: Config, device: torch.device, steps: int = 2) -> dict:
     S = cfg.data.seq_len
     row = {"seq_len": S, "dtype": runtime.dtype, "attention": runtime.attention, "kernels": runtime.kernels,
            "activation_offload": cfg.training.activation_offload, "optimizer_offload": cfg.training.optimizer_offload,
-           "predicted_gib": predicted.peak / GIB, "predicted_phase": predicted.phase,
+           "predicted_gib": predicted.peak / GIB, "predicted_part": predicted.part,
            "predicted_host_gib": predicted.host / GIB, "steps": steps}
     if steps == 2:
         train_step(model, opt, batch(cfg, device, 0), grid, **step)      # the optimizer state exists after this
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     record = {"config": args.config, "overrides": overrides, "device": name, "commit": source_commit() or "unknown",
               "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version()}
     print(f"{'seq_len':>9} {'predicted':>11} {'measured':>11} {'error':>7} {'host':>10} {'step s':>8} {'tok/s':>9} "
-          f"{'MFU':>6}  phase", flush=True)
+          f"{'MFU':>6}  part", flush=True)
     kept = earlier_rows(out, record, lengths) if out is not None else []
     if kept:
         print(f"kept from an earlier run in {out}: the rows of {', '.join(str(r['seq_len']) for r in kept)}",
@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         mfu = f"{row['mfu']:.1%}" if row["mfu"] else "-"
         print(f"{S:>9} {fmt_bytes(row['predicted_gib'] * GIB):>11} {fmt_bytes(row['measured_gib'] * GIB):>11} "
               f"{row['error']:>+7.1%} {fmt_bytes(row.get('host_gib', 0) * GIB):>10} {row['step_s']:>8.2f} "
-              f"{row['tokens_per_s']:>9.0f} {mfu:>6}  {row['predicted_phase']}", flush=True)
+              f"{row['tokens_per_s']:>9.0f} {mfu:>6}  {row['predicted_part']}", flush=True)
     summary = targets(every)                                            # this run's rows and the kept ones
     print("targets: " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()),
           flush=True)

@@ -12,7 +12,7 @@ and mask evaluations.
     python benchmarks/bench_trace.py                         # every case (the 24M one takes longest)
     python benchmarks/bench_trace.py --cases gpt_1b_32k 8b-1m-1 [--out-dir DIR | --record] [--name memory_trace]
 
-A row: the traced peak per GPU, its moment and the memory model's name for it; the model's peak and phase,
+A row: the traced peak per GPU, its moment and the memory model's name for it; the model's peak and part,
 and its bytes at the traced moment; host memory per node traced (all of it, and the pinned part) and modelled;
 the usable budget of the layout (an H100 80GB as exposed, less the reserve and the fragmentation allowance of
 at least the traced largest allocation) and whether the traced peak fits it; the activation bytes per token
@@ -41,7 +41,7 @@ from megalysses.memory import GIB  # noqa: E402
 from megalysses.plan.machine import device_memory_gib  # noqa: E402
 from megalysses.plan.search import evaluate, plan  # noqa: E402
 from megalysses.plan.step_time import Hardware  # noqa: E402
-from megalysses.training.trace import model_phase, roofline_fields, trace_run, traced_peak  # noqa: E402
+from megalysses.training.trace import model_part, roofline_fields, trace_run, traced_peak  # noqa: E402
 
 SHIPPED = {"quickstart": 4, "gpt_1b_32k": 8, "gpt_1b_8gpu": 8, "gpt_1b_1m_offload": 1, "llama3_8b_128k": 32,
            "llama3_8b_1m": 64, "llama3_8b_chat_128k": 8}
@@ -89,15 +89,15 @@ def measure(name: str, hw: Hardware, memory: float) -> dict:
     cfg, est = p.cfg, p.estimate
     traces = trace_run(cfg, p.plan.machine, gpus, hw=hw)
     top = traced_peak(traces)
-    phase = model_phase(top.device.moment)
-    at_moment = est.phases.get((top.stage, phase))
+    part = model_part(top.device.moment)
+    at_moment = est.parts.get((top.stage, part))
     per_node = min(gpus, hw.gpus_per_node)
     tokens = cfg.training.micro_batch_size * p.plan.padded_seq_len / p.plan.degrees.sp
     usable = hw.usable_bytes(memory, max(t.largest_allocation for t in traces))
     return {**row, "seq_len": p.plan.padded_seq_len, "layout": layout_text(p), "attention": p.plan.attention,
             "kernels": p.plan.kernels, "traced_gib": top.device.bytes / GIB, "traced_stage": top.stage,
-            "traced_phase": phase, "traced_moment": str(top.device.moment),
-            "model_gib": est.peak / GIB, "model_stage": est.stage, "model_phase": est.phase,
+            "traced_part": part, "traced_moment": str(top.device.moment),
+            "model_gib": est.peak / GIB, "model_stage": est.stage, "model_part": est.part,
             "model_at_traced_moment_gib": (at_moment or 0.0) / GIB, "error": est.peak / top.device.bytes - 1,
             "host_traced_gib_per_node": max(t.host.bytes for t in traces) * per_node / GIB,
             "pinned_traced_gib_per_node": max(t.pinned.bytes for t in traces) * per_node / GIB,
@@ -145,8 +145,8 @@ def remodel(row: dict, hw: Hardware, memory: float) -> dict:
 
 
 def same_moment(row: dict) -> bool:
-    """The model's phase is the traced one, or its bytes at the traced moment are the traced peak's (ties)."""
-    return row["model_phase"] == row["traced_phase"] or \
+    """The model's part is the traced one, or its bytes at the traced moment are the traced peak's (ties)."""
+    return row["model_part"] == row["traced_part"] or \
         abs(row["model_at_traced_moment_gib"] / row["traced_gib"] - 1) <= TOLERANCE
 
 
@@ -159,7 +159,7 @@ def table(rows: list[dict]) -> str:
             lines.append(f"| {r['case']} | {r['gpus']} | {r['seq_len']} | {r['why']} | | | | | | | | no | | |")
             continue
         lines.append(f"| {r['case']} | {r['gpus']} | {r['seq_len']} | {r['layout']}, {r['attention']} | "
-                     f"{r['traced_gib']:.2f} | {r['traced_phase']} | {r['model_gib']:.2f} | {r['model_phase']} | "
+                     f"{r['traced_gib']:.2f} | {r['traced_part']} | {r['model_gib']:.2f} | {r['model_part']} | "
                      f"{r['error']:+.1%} | {r['host_traced_gib_per_node']:.0f} "
                      f"({r['pinned_traced_gib_per_node']:.0f}) / "
                      f"{r['host_model_gib_per_node']:.0f} | {r['usable_gib']:.1f} | {'yes' if r['fits'] else 'no'} | "

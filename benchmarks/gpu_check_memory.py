@@ -151,7 +151,7 @@ def trace_worker(config: str, opts: dict) -> dict:
     hw = Hardware(peak_tflops=opts["peak_tflops"]) if opts.get("peak_tflops") else Hardware()
     machine = described_machine(1, opts["gpu_gib"], hw, tuple(opts["packages"]))
     fields = trace_fields(trace_run(load_config(config), machine, 1, hw=hw), 1)
-    return {k: fields[k] for k in ("traced_peak_gib", "traced_phase", "traced_step_s", "traced_step_breakdown")}
+    return {k: fields[k] for k in ("traced_peak_gib", "traced_part", "traced_step_s", "traced_step_breakdown")}
 
 
 def traced(check, cfg, until: float, name: str) -> dict:
@@ -244,7 +244,7 @@ def probe(check, until: float) -> dict:
                           packages())
     row: dict[str, Any] = {"seq_len": S, "layers": f"{PROBE_LAYERS} of {best.cfg.model.num_layers}",
                            "options": _options(best), "full_predicted_gib": best.estimate.peak / GIB,
-                           "full_phase": best.estimate.phase, "full_predicted_step_s": best.step.total,
+                           "full_part": best.estimate.part, "full_predicted_step_s": best.step.total,
                            "predicted_step_s": prediction.step.total}
     if not _fits_in_time(prediction.step.total, 1, check, until):
         row["error_text"] = (f"not run: {until - time.monotonic():.0f} s left, the step is predicted at "
@@ -319,12 +319,12 @@ def render_budget(rows: list[dict]) -> list[str]:
 
 def render_probe(result: dict) -> list[str]:
     lines = [("| tokens | layers | options | predicted GiB | measured GiB | error | step s (predicted) | full step: "
-             "predicted GiB, phase, s |"), "|---:|---|---|---:|---:|---:|---:|---|"]
+             "predicted GiB, part, s |"), "|---:|---|---|---:|---:|---:|---:|---|"]
     for r in result.get("rows", []):
         measured = num(r.get("measured_gib"), ".2f") if "measured_gib" in r else r.get("error_text", "")
         step = f"{num(r.get('step_s'), '.1f')} ({num(r.get('predicted_step_s'), '.1f')})"
         lines.append(f"| {r['seq_len']:,d} | {r['layers']} | {r['options']} | {num(r.get('predicted_gib'), '.2f')} | "
-                     f"{measured} | {_error(r)} | {step} | {r['full_predicted_gib']:.2f}, {r['full_phase']}, "
+                     f"{measured} | {_error(r)} | {step} | {r['full_predicted_gib']:.2f}, {r['full_part']}, "
                      f"{r['full_predicted_step_s']:.0f} |")
     return lines + render_budget(result.get("rows", [])) if result.get("rows") else []
 

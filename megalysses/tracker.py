@@ -5,7 +5,7 @@ peak. It is what megalysses.training.trace measures a training step with.
     with FakeTensorMode(allow_non_fake_inputs=True), LiveBytes() as live:
         model, opt = build(...)                  # counted from here on: weights, optimizer state
         live.reset_peaks()
-        with live.phase("optimizer"): ...       # a name for the moments inside (default: forward, backward)
+        with live.part("optimizer"): ...       # a name for the moments inside (default: forward, backward)
         live.peaks["device"].bytes, live.peaks["device"].moment, live.peaks["device"].largest
         live.peaks["host"], live.peaks["pinned"]             # all host memory, and its pinned part
 
@@ -54,18 +54,18 @@ aten = torch.ops.aten
 
 @dataclass(frozen=True)
 class Moment:
-    """Where a run was: `phase` (forward, backward, or a name given with LiveBytes.phase), the innermost
+    """Where a run was: `part` (forward, backward, or a name given with LiveBytes.part), the innermost
     module running (its name in the model; in a backward, the module whose forward runs again (checkpointing)
     or whose output's gradient node ran last), the op just run and the innermost megalysses function on the
     Python stack (file:function)."""
 
-    phase: str = ""
+    part: str = ""
     module: str = ""
     op: str = ""
     where: str = ""
 
     def __str__(self) -> str:
-        return ", ".join(x for x in (self.phase, self.module, self.where, self.op) if x)
+        return ", ".join(x for x in (self.part, self.module, self.where, self.op) if x)
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,7 @@ class LiveBytes(TorchDispatchMode):
                  torch_pinned: Optional[Callable[[int], int]] = None) -> None:
         super().__init__()
         self.keep = keep
-        # with `timeline`: (op, phase, module, device bytes) after every op that allocates on the device
+        # with `timeline`: (op, part, module, device bytes) after every op that allocates on the device
         self.timeline: Optional[list[tuple[str, str, str, int]]] = [] if timeline else None
         self.current = dict.fromkeys(MEMORIES, 0)
         self.peaks = {m: Peak() for m in MEMORIES}
@@ -111,7 +111,7 @@ class LiveBytes(TorchDispatchMode):
         # a peak's storages are listed once the bytes stop rising: what is alive then, and what was freed
         # since the peak (memory -> freed storages, for the memories whose newest peak is not listed yet)
         self._pending: dict[str, list[_Storage]] = {}
-        self._phase: list[str] = []
+        self._part: list[str] = []
         self._names: dict[int, str] = {}            # id(module) -> its name in the model (name_modules)
         self._running: list[str] = []               # the modules whose forward is running, innermost last
         self._last = ""                             # in a backward: the module whose gradient node ran last
@@ -142,13 +142,13 @@ class LiveBytes(TorchDispatchMode):
             self._names[id(module)] = name or type(module).__name__
 
     @contextlib.contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        """Moments inside are in phase `name`."""
-        self._phase.append(name)
+    def part(self, name: str) -> Iterator[None]:
+        """Moments inside are in part `name`."""
+        self._part.append(name)
         try:
             yield
         finally:
-            self._phase.pop()
+            self._part.pop()
 
     def mark_pinned(self, t: torch.Tensor) -> None:
         """t's storage (a host tensor) is pinned memory."""
@@ -193,13 +193,13 @@ class LiveBytes(TorchDispatchMode):
         return DEVICE if kind == "meta" else (PINNED if self._pinning else _OTHER) if kind == "cpu" else None
 
     def _moment(self, op: str) -> Moment:
-        if self._phase:
-            phase = self._phase[-1]
+        if self._part:
+            part = self._part[-1]
         else:
-            phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+            part = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
         if self._running:
             module = self._running[-1]
-        elif phase == "backward":       # the module whose output's gradient node ran last
+        elif part == "backward":       # the module whose output's gradient node ran last
             node = torch._C._current_autograd_node()
             module = node.metadata.get(_MODULE, self._last) if node is not None else self._last
             self._last = module
@@ -212,7 +212,7 @@ class LiveBytes(TorchDispatchMode):
                 where = f"{name}:{frame.f_code.co_name}"
                 break
             frame = frame.f_back
-        return Moment(phase, module, op, where)
+        return Moment(part, module, op, where)
 
     def _arrive(self, account: str, nbytes: int) -> None:
         """Bytes about to be added to `account`: a peak not listed yet whose bytes have since dropped is listed
@@ -348,7 +348,7 @@ class LiveBytes(TorchDispatchMode):
             self.transient(workspace(*args, **kwargs), f"{func}'s workspace")
         if self.timeline is not None and DEVICE in touched:
             m = self._moment(str(func))
-            self.timeline.append((m.op, m.phase, m.module, self.current[DEVICE]))
+            self.timeline.append((m.op, m.part, m.module, self.current[DEVICE]))
         if func in _FALSE_ON_GOOD_DATA:
             self._false[out] = True
         return out

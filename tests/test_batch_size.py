@@ -9,7 +9,7 @@ import torch
 from megalysses.config import ConfigError, TrainingConfig
 from megalysses.config.io import load_config
 from megalysses.testing import run_distributed
-from megalysses.config.batch_schedule import BatchSizes, rampup_stages
+from megalysses.config.batch_schedule import BatchSizes, rampup_levels
 from megalysses.training.schedule import lr_at, lr_progress
 from test_curriculum import _recording_worker
 from tests.fixtures import TRAIN_PARITY, full_weights, losses, step_rows
@@ -28,9 +28,9 @@ def megatron_ramp(start, increment, samples, final, consumed):
                                   (8, 4, 97, 64), (1, 1, 7, 4)])
 def test_rampup_follows_megatron(ramp):
     start, increment, samples, final = ramp
-    sizes = BatchSizes(rampup_stages(start, increment, samples, final))
+    sizes = BatchSizes(rampup_levels(start, increment, samples, final))
     probes = set(range(0, min(samples + 40, 5000)))
-    probes |= {c + d for c, _ in sizes.stages for d in (-1, 0, 1) if c + d >= 0}
+    probes |= {c + d for c, _ in sizes.levels for d in (-1, 0, 1) if c + d >= 0}
     probes |= set(range(0, samples + 2, max(samples // 997, 1)))
     for consumed in sorted(probes):
         assert sizes.at(consumed) == megatron_ramp(start, increment, samples, final, consumed), consumed
@@ -39,7 +39,7 @@ def test_rampup_follows_megatron(ramp):
 
 def test_step_of_follows_the_steps():
     """Each stream sample belongs to the step whose batch takes it, the batch set by the samples before it."""
-    for sizes in (BatchSizes(rampup_stages(2, 2, 12, 8)), BatchSizes([(0, 3), (5, 6), (7, 2), (30, 9)]),
+    for sizes in (BatchSizes(rampup_levels(2, 2, 12, 8)), BatchSizes([(0, 3), (5, 6), (7, 2), (30, 9)]),
                   BatchSizes([(0, 4)])):
         consumed = 0
         for step in range(40):

@@ -179,8 +179,8 @@ def test_ctrl_c_in_a_terminal_ends_a_torchrun_launch_with_one_line(tmp_path):
     assert p.returncode == 1, out
 
 
-def test_a_rank_that_raises_is_named_with_its_error_and_phase(tmp_path):
-    """A bug that only rank 1 hits (planted by a sitecustomize module): its error and phase end the job at
+def test_a_rank_that_raises_is_named_with_its_error_and_activity(tmp_path):
+    """A bug that only rank 1 hits (planted by a sitecustomize module): its error and activity end the job at
     once in one line, which torchrun's report closes with (its error file), and no rank is called frozen."""
     (tmp_path / "sitecustomize.py").write_text(
         "import os\n"

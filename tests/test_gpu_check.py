@@ -219,7 +219,7 @@ def test_memory_stages_run_only_what_the_time_left_holds(monkeypatch, tmp_path):
 
     cfg = gpu_check_memory.base_config(SimpleNamespace(smoke=True, resolved=lambda: None))
     plan = SimpleNamespace(cfg=cfg, plan=resolve(cfg, Machine.described(None), 1), step=SimpleNamespace(total=1000.0),
-                           estimate=SimpleNamespace(peak=2 ** 30, phase="backward"))
+                           estimate=SimpleNamespace(peak=2 ** 30, part="backward"))
     monkeypatch.setattr(gpu_check_memory, "planned", lambda check, S: (plan, 9))
     check = SimpleNamespace(smoke=True, env=None, work=tmp_path, note=lambda *a: None, partial=lambda r: None)
     full = gpu_check_memory.full_steps(check, time.monotonic() + 60)

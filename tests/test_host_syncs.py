@@ -78,7 +78,7 @@ def test_varlen_attention_reads_nothing_back_with_the_loaders_documents():
     assert documents_of({k: v for k, v in mb.items() if k != "cu_seqlens"}) is mb["doc_ids"]
 
 
-class _Phases:
+class _Activities:
     """A watchdog's view of the loop: what it was doing when each synchronisation was made."""
 
     def __init__(self) -> None:
@@ -90,7 +90,7 @@ class _Phases:
     def allow(self, factor: float) -> None:
         pass
 
-    def by_phase(self) -> list[tuple[str, list[str]]]:
+    def by_activity(self) -> list[tuple[str, list[str]]]:
         ends = [at for at, _ in self.marks[1:]] + [len(self.syncs.seen)]
         return [(what, [reason for reason, _ in self.syncs.seen[at:end]])
                 for (at, what), end in zip(self.marks, ends)]
@@ -114,28 +114,28 @@ def _loop_worker(rank, world, runs):
         def host(built=built, grid=grid):       # host memory on a GPU too: the rank grid, AdamW's step counts
             return [grid.layout.ranks] + (adam_step_counts(built["run"].opt) if built else [])
 
-        phases = _Phases()
+        activities = _Activities()
         loop.build_run = capture
         try:
             with count_host_syncs(host) as syncs:
-                phases.syncs = syncs
-                loop.train(cfg, plan, grid, torch.device("cpu"), watchdog=phases)
+                activities.syncs = syncs
+                loop.train(cfg, plan, grid, torch.device("cpu"), watchdog=activities)
         finally:
             loop.build_run = build
-        out[name] = phases.by_phase()
+        out[name] = activities.by_activity()
     return out
 
 
-def _check(phases: list[tuple[str, list[str]]], name: str) -> None:
+def _check(activities: list[tuple[str, list[str]]], name: str) -> None:
     """Training a step: no synchronisation; its read-back: one on a logging step (2 and 4), none on the others;
     the final checkpoint's apart (saved, or staged and written in the background: checkpoint.async_save)."""
     for step in range(1, STEPS + 1):
-        trained = [reasons for what, reasons in phases if what == f"training step {step}"]
+        trained = [reasons for what, reasons in activities if what == f"training step {step}"]
         assert trained == [[]], (name, step, trained)
-        read = [reasons for what, reasons in phases if what == f"waiting for every rank to finish step {step}"]
+        read = [reasons for what, reasons in activities if what == f"waiting for every rank to finish step {step}"]
         assert read == ([["step"]] if step % 2 == 0 else []), (name, step, read)
     saving = ("saving the checkpoint", "staging the checkpoint", "waiting for the checkpoint")  # written, or in the
-    saved = [reasons for what, reasons in phases if what.startswith(saving)]                    # background
+    saved = [reasons for what, reasons in activities if what.startswith(saving)]                    # background
     assert saved and all(r == "save" for reasons in saved for r in reasons), (name, saved)
 
 

@@ -108,7 +108,7 @@ def test_no_import_circles():
 
 
 def test_no_function_over_80_lines():
-    """Functions stay short: none in megalysses/ over 80 lines (split by phase or by cost term)."""
+    """Functions stay short: none in megalysses/ over 80 lines (split by part of the step or by cost term)."""
     long = [f"{path.relative_to(REPO)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
             for path in sorted(ROOT.rglob("*.py")) for node in ast.walk(ast.parse(path.read_text()))
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 80]

@@ -493,7 +493,7 @@ def test_norm_tiles_at_the_peak_of_a_training_step(monkeypatch, tile_rows):
     overrides = ["training.dtype=bfloat16", "training.global_batch_size=1", "training.activation_checkpointing=true",
                  "model.ffn_hidden_size=32", "training.loss_chunk_tokens=64"]
     est = estimate_config(load_config(overrides=STEP + overrides), 1, CPU)
-    assert est.phase == "backward" and any(t.name.endswith("MLP norm: its backward's temporaries") for t in est.terms)
+    assert est.part == "backward" and any(t.name.endswith("MLP norm: its backward's temporaries") for t in est.terms)
     _close_step(measured_step_peak(overrides), f"norm tiles of {tile_rows} rows")
 
 
@@ -511,7 +511,7 @@ def test_estimate_breakdown_adds_up_and_offload_moves_activations_to_host():
     on_device = estimate(m, layout, base, bf16, Workload(S_))
     offloaded = estimate(m, layout, replace(base, offload=True), bf16, Workload(S_))
     block_input = S_ / 8 * m.hidden_size * 2
-    assert on_device.phase == offloaded.phase == "backward"
+    assert on_device.part == offloaded.part == "backward"
     # the block inputs leave the device; the backward's last layer still holds every bf16 gradient
     n = sum(stage_params(m, layout, True, True))
     assert on_device.peak - offloaded.peak >= (m.num_layers - 2) * block_input - 2 * n

@@ -14,7 +14,7 @@ from megalysses.plan import Machine
 from megalysses.plan.search import estimate_config
 from megalysses import tracker
 from megalysses.tracker import DEVICE, HOST, PINNED, LiveBytes, project_file
-from megalysses.training.trace import model_phase, trace_run, traced_peak
+from megalysses.training.trace import model_part, trace_run, traced_peak
 
 MiB = 2 ** 20
 SMALL = ["data.mock=true", "model.vocab_size=512", "model.hidden_size=128", "model.num_layers=2", "model.num_heads=4",
@@ -54,9 +54,9 @@ def test_model_equals_the_trace(name, monkeypatch):
     est = estimate_config(cfg, world, H100)
     where = f"{name}: traced {top.device.bytes / MiB:.2f} MiB at {top.device.moment}, modelled {est.peak / MiB:.2f}"
     assert abs(est.peak / top.device.bytes - 1) <= 0.03, where
-    # the same moment: the model's bytes at the traced moment's phase (of the traced stage) are the traced peak's
-    at_moment = est.phases.get((top.stage, model_phase(top.device.moment)))
-    assert at_moment is not None and abs(at_moment / top.device.bytes - 1) <= 0.03, (where, est.phases)
+    # the same moment: the model's bytes at the traced moment's part (of the traced stage) are the traced peak's
+    at_moment = est.parts.get((top.stage, model_part(top.device.moment)))
+    assert at_moment is not None and abs(at_moment / top.device.bytes - 1) <= 0.03, (where, est.parts)
     host = max(t.host.bytes for t in traces)
     assert abs(est.host - host) <= 0.03 * max(host, MiB), \
         f"{name}: host {host / MiB:.2f} MiB traced, {est.host / MiB:.2f} modelled"
@@ -111,7 +111,7 @@ def test_plan_trace_and_dry_run_trace_memory(tmp_path, capfd):
     out, err = capsys.readouterr()
     assert "No backend of type" not in err
     best = json.loads(out)["best"]
-    assert best["traced_peak_gib"] > 0 and best["traced_phase"] in ("loss", "backward", "final norm", "optimizer")
+    assert best["traced_peak_gib"] > 0 and best["traced_part"] in ("loss", "backward", "final norm", "optimizer")
     assert abs(best["peak_gib"] - best["traced_peak_gib"]) <= 0.01, best      # peak_gib is rounded to 0.01
     assert best["traced_host_gib"] >= best["traced_pinned_gib"] >= 0
     # the traced roofline of the step beside the step-time model's, by the same categories
@@ -160,8 +160,8 @@ def test_varlen_workspace_per_document():
         where = (f"{per_million} a million: traced {top.device.bytes / MiB:.2f} MiB at {top.device.moment}, "
                  f"modelled {est.peak / MiB:.2f}")
         assert abs(est.peak / top.device.bytes - 1) <= 0.03, where
-        at_moment = est.phases.get((top.stage, model_phase(top.device.moment)))
-        assert at_moment is not None and abs(at_moment / top.device.bytes - 1) <= 0.03, (where, est.phases)
+        at_moment = est.parts.get((top.stage, model_part(top.device.moment)))
+        assert at_moment is not None and abs(at_moment / top.device.bytes - 1) <= 0.03, (where, est.parts)
         peaks[per_million] = top.device.bytes, documents_per_sequence(cfg, cfg.data.seq_len), str(top.device.moment)
     assert peaks[0][1] == 1 and peaks[500_000][1] == 1 + 4096 // 2
     (half, docs_half, at_half), (worst, docs, at_worst) = peaks[250_000], peaks[500_000]

@@ -90,9 +90,9 @@ def test_a_run_sizes_its_arena_from_the_plan():
 
 def test_a_bucket_larger_than_a_staging_buffer_fills_them_in_turn():
     """Optimizer offload's staging buffers (a later micro-batch's reduced gradients wait there to be added on
-    the host) are made once, STAGES of them at their planned size, and a bucket larger than one is staged
+    the host) are made once, STAGING_BUFFERS of them at their planned size, and a bucket larger than one is staged
     through them in turn: every host gradient gets its sum."""
-    from megalysses.memory.host import STAGES, staging_elements
+    from megalysses.memory.host import STAGING_BUFFERS, staging_elements
     from megalysses.pinned_arena import PinnedRequests
     from megalysses.parallel.host_gradients import HostGradients
 
@@ -116,14 +116,14 @@ def test_a_bucket_larger_than_a_staging_buffer_fills_them_in_turn():
 
     assert staging_elements(10, 2, 100) == 5 and staging_elements(10, 2, 3) == 3
     with accelerator.use(Immediate()):
-        host = HostGradients(torch.device("cpu"), Counting(torch.device("cpu")), stage_elements=4)
+        host = HostGradients(torch.device("cpu"), Counting(torch.device("cpu")), staging_elements=4)
         grads = [torch.zeros(7), torch.zeros(3)]
         for micro in range(3):
             pieces = [torch.arange(7.0) + micro, torch.arange(3.0) * 10]
             host._stage_pieces([(g, p) for g, p in zip(grads, pieces)])
             while host._pending:
                 host._add(host._pending.pop(0))
-    assert made == [(4,)] * STAGES
+    assert made == [(4,)] * STAGING_BUFFERS
     assert torch.equal(grads[0], 3 * torch.arange(7.0) + 3) and torch.equal(grads[1], torch.arange(3.0) * 30)
 
 

@@ -15,7 +15,7 @@ from megalysses.degrees import Degrees
 from megalysses.memory import (GIB, PRECISIONS, Options, Workload, estimate, layer_params,
                                stage_params)
 from megalysses.plan.communicators import axis_sizes, communicators
-from megalysses.plan.search import (Search, candidate_configs, check_phase_time, evaluate, plan,
+from megalysses.plan.search import (Search, candidate_configs, check_activity_time, evaluate, plan,
                                     predicted_step_seconds, ranking)
 from megalysses.plan.step_time import KERNEL_PASSES, Hardware, Overlap, step_time
 from megalysses.plan.tiles import could_fit
@@ -88,26 +88,26 @@ def test_configs_fit_at_their_own_layout(path, gpus, host_gib):
                                         ("configs/llama3_8b_chat_128k.yaml", 8)])
 def test_configs_give_a_step_the_time_it_takes(path, gpus):
     """A step of 1M tokens takes minutes: each config's parallel.timeout_seconds (the longest the watchdog
-    lets a rank spend in one phase) is over twice its predicted step on H100s, and a run whose timeout
+    lets a rank spend on one activity) is over twice its predicted step on H100s, and a run whose timeout
     is not stops before step 1 with the value to set."""
     cfg = load_config(path)
     run = h100s(cfg, gpus)
-    check_phase_time(cfg, run, Hardware().peak_tflops)
+    check_activity_time(cfg, run, Hardware().peak_tflops)
     step = predicted_step_seconds(cfg, gpus, Hardware())
     short = replace(cfg, parallel=replace(cfg.parallel, timeout_seconds=1.5 * step))
     with pytest.raises(ConfigError, match=r"parallel.timeout_seconds=\S+ is less than twice the time of a training "
                                           r"step .* --set parallel.timeout_seconds=(\d+)$") as e:
-        check_phase_time(short, run, Hardware().peak_tflops)
+        check_activity_time(short, run, Hardware().peak_tflops)
     suggested = int(str(e.value).rsplit("=", 1)[1])
-    check_phase_time(replace(cfg, parallel=replace(cfg.parallel, timeout_seconds=suggested)), run, 989.0)
-    check_phase_time(short, run, None)       # an unknown GPU: nothing to predict with
+    check_activity_time(replace(cfg, parallel=replace(cfg.parallel, timeout_seconds=suggested)), run, 989.0)
+    check_activity_time(short, run, None)       # an unknown GPU: nothing to predict with
 
 
 def test_a_long_validation_needs_the_time_too():
     cfg = load_config("configs/gpt_1b_8gpu.yaml", ["training.eval_interval=100", "training.eval_steps=20"])
     with pytest.raises(ConfigError, match=r"time of a validation \(20 x global batch 8 x 1048576 tokens\) predicted"):
-        check_phase_time(cfg, h100s(cfg, 8), 989.0)
-    check_phase_time(replace(cfg, training=replace(cfg.training, eval_interval=0)), h100s(cfg, 8), 989.0)
+        check_activity_time(cfg, h100s(cfg, 8), 989.0)
+    check_activity_time(replace(cfg, training=replace(cfg.training, eval_interval=0)), h100s(cfg, 8), 989.0)
 
 
 def _one_gpu_8b(**sets):
@@ -118,7 +118,7 @@ def _one_gpu_8b(**sets):
                                                  **sets})
 
 
-def test_phase_time_is_judged_at_the_runs_own_batch_and_longest_length():
+def test_activity_time_is_judged_at_the_runs_own_batch_and_longest_length():
     """The step the watchdog check predicts is the run's own: its global batch (where a batch ramp ends) and its
     curriculum's longest length. A 1M-token run of the 8B model on one GPU at global batch 1 is accepted with a
     timeout over twice its step, though that timeout is far under a step of global batch 8 (hours), which is
@@ -128,11 +128,11 @@ def test_phase_time_is_judged_at_the_runs_own_batch_and_longest_length():
     eight = predicted_step_seconds(_one_gpu_8b(**{"training.global_batch_size": 8}), 1, Hardware())
     assert step > 600 and eight > 7 * step         # minutes at batch 1; hours at batch 8
     timeout = 2.5 * step
-    check_phase_time(_one_gpu_8b(**{"parallel.timeout_seconds": timeout}), h100s(one, 1), 989.0)
+    check_activity_time(_one_gpu_8b(**{"parallel.timeout_seconds": timeout}), h100s(one, 1), 989.0)
     batch8 = _one_gpu_8b(**{"parallel.timeout_seconds": timeout, "training.global_batch_size": 8})
     with pytest.raises(ConfigError, match=r"a training step \(global batch 8 x 1048576 tokens\) predicted .* "
                                           r"\(~\d+ s at 989 TFLOP/s"):
-        check_phase_time(batch8, h100s(batch8, 1), 989.0)
+        check_activity_time(batch8, h100s(batch8, 1), 989.0)
     # a ramp ends at the global batch, which is what is judged; a curriculum's longest length is data.seq_len
     ramp = _one_gpu_8b(**{"training.global_batch_size": 8, "training.rampup_batch_size": "[1,1,100]"})
     curriculum = _one_gpu_8b(**{"data.seq_len_schedule": "[[0,131072],[100,1048576]]"})
@@ -421,7 +421,7 @@ def test_parameter_offload_is_planned_where_the_weights_bind():
         "gathered block (the one running)", "gathered embedding / head (kept through the step)",
         "the root unit's unsharded gradients (the head's, kept to the end of the backward)",
         "the newest reduce-scatter's fp32 input (one block's)"))
-    assert best.estimate.phase == "backward"
+    assert best.estimate.part == "backward"
     assert weights_and_grads == block * (2 + 4) + root * 2 + head * 2
     host = {t.name: t.bytes for t in best.estimate.terms if t.host}
     assert host["master, moments, gradients (FSDP shards)"] == n * 16
@@ -446,7 +446,7 @@ def test_streamed_gradients_leave_no_main_grad_on_the_device():
     grads = {k: b for k, b in device.items() if k.startswith("gradient")}
     # the peak is the first block's backward: the head's gradient, a bucket of its own, has gone to the host;
     # the final norm's waits for its bucket to fill
-    assert streamed.phase == "backward"
+    assert streamed.part == "backward"
     assert grads == {"gradients waiting for their bucket (the head's and 0 layers')": m.hidden_size * 2}
     assert on_device.peak - streamed.peak > n * 4
     host = {t.name: t.bytes for t in streamed.terms if t.host}

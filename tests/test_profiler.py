@@ -15,13 +15,13 @@ TINY = fixtures.TINY + ["parallel.timeout_seconds=60"]
 
 class Allowances:
     def __init__(self):
-        self.given, self.phases = [], []
+        self.given, self.activities = [], []
 
     def allow(self, factor):
         self.given.append(factor)
 
     def doing(self, what):
-        self.phases.append(what)
+        self.activities.append(what)
 
 
 def _steps(profiler, steps):
@@ -40,7 +40,7 @@ def test_every_rank_allows_the_window_and_only_profiled_ranks_write(tmp_path):
         _steps(StepProfiler(cfg, rank, tmp_path, torch.device("cpu"), dog), range(1, 7))
         assert dog.given == [1.0, PROFILE_ALLOWANCE, PROFILE_ALLOWANCE, PROFILE_ALLOWANCE, 1.0, 1.0]
     assert [p.name for p in (tmp_path / "profile").iterdir()] == ["rank1.steps3-4.pt.trace.json"]
-    assert dog.phases == ["writing the profiler trace of steps 3-4 (rank1.steps3-4.pt.trace.json)"]
+    assert dog.activities == ["writing the profiler trace of steps 3-4 (rank1.steps3-4.pt.trace.json)"]
     _steps(StepProfiler(cfg, 1, tmp_path / "stopped", torch.device("cpu")), range(1, 4))
     assert [p.name for p in (tmp_path / "stopped" / "profile").iterdir()] == ["rank1.steps3-3.pt.trace.json"]
 

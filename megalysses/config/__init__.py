@@ -182,7 +182,7 @@ class ParallelConfig:
     not only the optimizer state (ZeRO-1, the default). For models whose weights do not fit per device."""
     timeout_seconds: float = 600.0
     """A dead or stuck rank ends the job after this long instead of hanging: the timeout of every
-    collective, and the longest any rank may spend in one phase of the loop (a step, a save, loading)."""
+    collective, and the longest any rank may spend on one activity of the loop (a step, a save, loading)."""
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     """Process-group backend; auto = NCCL when CUDA is available, gloo otherwise."""
 

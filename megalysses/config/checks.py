@@ -327,7 +327,7 @@ def _check_seq_len_schedule(d: DataConfig) -> None:
                               f"steps): make it [0, {length}]")
         if step <= prev_step:
             raise ConfigError(f"{where}: from_step {step} is not after the previous entry's {prev_step}: list the "
-                              f"stages in order of strictly increasing from_step")
+                              f"phases in order of strictly increasing from_step")
         if length < prev_len:
             raise ConfigError(f"{where}: seq_len {length} is shorter than the previous entry's {prev_len}: a "
                               f"curriculum only grows the length; lengths must not decrease")

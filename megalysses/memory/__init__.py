@@ -2,7 +2,7 @@
 memory options.
 
     est = estimate_plan(cfg, plan)                             # a Config and its RunPlan -> Estimate
-    est.peak_gib, est.phase, est.terms                        # the peak and its breakdown, term by term
+    est.peak_gib, est.part, est.terms                        # the peak and its breakdown, term by term
     per_token = layer_terms(cfg.model, Degrees(sp=8), Options(checkpointing=True), PRECISIONS["bf16"])
 
 Everything is counted per rank. Activations are counted per token of the rank's sequence shard inside
@@ -45,7 +45,7 @@ cos/sin (fp32, when something saves them), tp-local token ids; on the last, the 
 loss, which computes its gradients in the forward and keeps them: the head input's (tokens x h) and the
 head weight's (V/tp x h).
 
-The peak is the largest of four phases, each on top of the weights, the gradients that exist by then,
+The peak is the largest of four parts, each on top of the weights, the gradients that exist by then,
 the optimizer state and the activations of the micro-batches in flight (1F1B: pp - stage; interleaved:
 Megatron's warm-up count + 1 model chunks):
     loss        the LM head + loss forward: its input, one tile of fp32 logits, the head gradients
@@ -77,7 +77,7 @@ torch.cuda.max_memory_allocated on a GPU.
 The modules: types.py (the tables above, Options, Workload, Term, Estimate), activations.py (what
 a layer and a stage keep), states.py (parameters, micro-batches in flight, weights, gradients, optimizer
 state), transients.py (a layer's backward, the norm backward, the loss), estimate.py (the peak over stages
-and phases, the longest sequence that fits), host.py (the pinned host requests of a rank).
+and parts, the longest sequence that fits), host.py (the pinned host requests of a rank).
 megalysses/plan/memory.py reads all of it off a RunPlan.
 """
 

@@ -1,4 +1,4 @@
-"""The estimate: the peak over the pipeline stages and the phases of a step, and the longest sequence
+"""The estimate: the peak over the pipeline stages and the parts of a step, and the longest sequence
 that fits a budget."""
 from __future__ import annotations
 
@@ -24,12 +24,12 @@ def estimate(m: ModelConfig, layout: Degrees, opts: Options, prec: Precision, wo
     stages = [_Stage(m, layout, opts, prec, work, s).estimate() for s in sorted({0, layout.pp - 1})]
     est = max(stages, key=lambda e: e.peak)
     est.largest = max((e.largest for e in stages), key=lambda t: t.bytes)
-    est.phases = {key: b for e in stages for key, b in e.phases.items()}
+    est.parts = {key: b for e in stages for key, b in e.parts.items()}
     return est
 
 
 class _Stage:
-    """One pipeline stage's step, phase by phase: each phase's terms on top of what the stage holds throughout."""
+    """One pipeline stage's step, part by part: each part's terms on top of what the stage holds throughout."""
 
     def __init__(self, m: ModelConfig, layout: Degrees, opts: Options, prec: Precision, work: Workload,
                  stage: int) -> None:
@@ -141,7 +141,7 @@ class _Stage:
                         f"{tokens:.4g} tok x {norm_tok:.4g} B"),
                    Term("final norm backward's temporaries", tokens * temps, f"{tokens:.4g} tok x {temps:.4g} B")])
 
-    def phases(self) -> dict[str, list[Term]]:
+    def parts(self) -> dict[str, list[Term]]:
         m, layout, opts, prec, n_layers = self.m, self.layout, self.opts, self.prec, self.n_layers
         n = self.blocks + self.other
         # a stage's backward peaks at its first layer (every activation, few gradients), its second (FSDP: the first
@@ -149,31 +149,31 @@ class _Stage:
         # every gradient): the bytes are linear in between
         moments = [self.fixed + self.grads_after(done) + self.activations(self.flight - 1, n_layers - done)
                    + self.layer_backward(done) for done in sorted({0, min(1, n_layers - 1), n_layers - 1})]
-        phases = {"backward": max(moments, key=_device),
+        parts = {"backward": max(moments, key=_device),
                   "optimizer": self.fixed + [t for t in self.grads if not t.name.startswith("gradient bucket")
                                              and not (opts.optimizer_offload and "reduced" in t.name)
                                              and not self.streamed]
                                + optimizer_terms(m, layout, opts, prec, n, self.M)}
         end = fsdp_end_terms(m, layout, opts, prec, self.first, self.last, n_layers)
         if end is not None:
-            phases["end of backward"] = self.fixed + end
+            parts["end of backward"] = self.fixed + end
         if self.last:
-            phases["loss"] = self.loss()
-            phases["final norm"] = self.final_norm()
-        return phases
+            parts["loss"] = self.loss()
+            parts["final norm"] = self.final_norm()
+        return parts
 
     def estimate(self) -> Estimate:
         m, layout, opts, prec, work = self.m, self.layout, self.opts, self.prec, self.work
-        phases = self.phases()
-        phase = max(phases, key=lambda p: _device(phases[p]))
-        terms = [t for t in phases[phase] if not t.host and t.bytes]
+        parts = self.parts()
+        part = max(parts, key=lambda p: _device(parts[p]))
+        terms = [t for t in parts[part] if not t.host and t.bytes]
         n = self.blocks + self.other
         host = [t for t in self.fixed + optimizer_terms(m, layout, opts, prec, n, self.M) if t.host]
         host = pinned_terms(pinned_requests(m, layout, opts, prec, work, self.stage)) + host   # what the arena holds
-        return Estimate(peak=_device(terms), stage=self.stage, phase=phase, terms=terms + host,
+        return Estimate(peak=_device(terms), stage=self.stage, part=part, terms=terms + host,
                         host=sum(t.bytes for t in host), layer_bytes_per_token=self.layer_tok, layout=layout,
                         options=opts, largest=largest_block(m, layout, opts, prec, work, self.last),
-                        phases={(self.stage, p): _device(ts) for p, ts in phases.items()})
+                        parts={(self.stage, p): _device(ts) for p, ts in parts.items()})
 
 
 def _device(terms: list[Term]) -> float:

@@ -38,7 +38,7 @@ from megalysses.pinned_arena import ALIGN, aligned
 STAGING = "checkpoint"
 """The owner of the checkpoint staging requests: the background saver, which takes its arena at the first save."""
 
-STAGES = 2
+STAGING_BUFFERS = 2
 """Optimizer offload's staging buffers (parallel/host_gradients.py): a later micro-batch's reduced gradients
 wait in one of them for their addition on the host while the next bucket fills another."""
 
@@ -124,8 +124,8 @@ def pinned_requests(m: ModelConfig, layout: Degrees, opts: Options, prec: Precis
         if work.micro_batches > 1:
             G = layout.dp * layout.sp
             elements = staging_elements(int(opts.bucket_bytes // 4), G, sum(n * c for n, c in shards))
-            reqs.append(PinnedRequest("gradient staging buffers", elements * (4 if G > 1 else prec.weight), STAGES,
-                                      "optimizer"))
+            reqs.append(PinnedRequest("gradient staging buffers", elements * (4 if G > 1 else prec.weight),
+                                      STAGING_BUFFERS, "optimizer"))
     if opts.async_save:
         reqs += staging_requests(m, layout, opts, prec, stage)
     return reqs

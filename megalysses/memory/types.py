@@ -116,13 +116,13 @@ class Term:
 class Estimate:
     peak: float                        # bytes on the device at the peak (the largest stage)
     stage: int                         # the pipeline stage holding the peak
-    phase: str                         # backward, loss or optimizer
+    part: str                          # backward, loss or optimizer
     terms: list[Term]                  # the breakdown: device terms add up to `peak`; host terms follow
     host: float = 0.0                  # host bytes per rank (offloaded activations and optimizer state)
     layer_bytes_per_token: float = 0.0  # retained bytes per layer per token of S/sp
     largest: Term = field(default_factory=lambda: Term("largest block", 0.0))   # the largest single allocation
-    # the device bytes at each phase of each stage considered, {(stage, phase): bytes}: the peak is their largest
-    phases: dict = field(default_factory=dict)
+    # the device bytes at each part of each stage considered, {(stage, part): bytes}: the peak is their largest
+    parts: dict = field(default_factory=dict)
     layout: Degrees = field(default_factory=Degrees)
     options: Options = field(default_factory=Options)
 

@@ -1,6 +1,6 @@
 """Gradients streamed to host memory while the backward runs (ZeRO-1 with training.optimizer_offload).
 
-    host = HostGradients(device, pinned, stage_elements)
+    host = HostGradients(device, pinned, staging_elements)
     host.put([(host_buffer, device_piece), ...], work, accumulate=micro_batch > 0)   # one bucket
     host.finish()            # before the optimizer reads the host buffers: every copy and sum is done
 
@@ -10,7 +10,7 @@ reduction on a side stream, so the backward goes on, and the device buffers can 
 has read them. The first micro-batch of a step copies straight into the fp32 host buffers; a later one
 lands in a pinned staging buffer, and the CPU adds it to the host buffer once its copy has finished (the
 fp32 accumulation that `main_grad` does on the device without offload: host += float(piece)). There are
-`STAGES` staging buffers of `stage_elements` each (memory.host.staging_elements: a bucket's share of one rank,
+`STAGING_BUFFERS` buffers of `staging_elements` each (memory.host.staging_elements: a bucket's share of one rank,
 or all of the rank's gradients where that is less: the plan sizes them), made once from `pinned` (the run's
 arena) and used in turn: a bucket larger than one fills one after the other, and a buffer whose addition is
 still pending is waited for.
@@ -25,21 +25,21 @@ import torch
 from torch import Tensor
 
 from megalysses import accelerator
-from megalysses.memory.host import STAGES
+from megalysses.memory.host import STAGING_BUFFERS
 from megalysses.pinned_arena import PinnedMemory, PinnedRequests
 
 
 class HostGradients:
-    def __init__(self, device: torch.device, pinned: Optional[PinnedMemory] = None, stage_elements: int = 0) -> None:
-        """`pinned`: where the staging buffers come from (default: their own pinned requests); `stage_elements`:
+    def __init__(self, device: torch.device, pinned: Optional[PinnedMemory] = None, staging_elements: int = 0) -> None:
+        """`pinned`: where the staging buffers come from (default: their own pinned requests); `staging_elements`:
         the size of each (staging_elements)."""
         self.device = device
         self.host = accelerator.current()
         self.stream = self.host.stream(device)
         self.pinned = pinned if pinned is not None else PinnedRequests(device)
-        self.stage_elements = stage_elements
+        self.staging_elements = staging_elements
         self._pending: list[tuple[Any, Tensor, list]] = []  # (copy finished event, stage, [(host, at, stage at, n)])
-        self._stages: list[Tensor] = []                     # STAGES pinned staging buffers, made once, reused
+        self._buffers: list[Tensor] = []                     # STAGING_BUFFERS pinned staging buffers, made once, reused
 
     def put(self, pieces: list[tuple[Tensor, Tensor]], work: Optional[Any], accumulate: bool) -> None:
         """Copy (or, with `accumulate`, add) each device piece into its host buffer once `work` (the bucket's
@@ -113,14 +113,14 @@ class HostGradients:
 
     def _free_stage(self, dtype: torch.dtype) -> Tensor:
         """A staging buffer that no pending addition reads (the oldest addition made first if need be). The
-        STAGES buffers are made on first use, in the dtype of the gradients they stage."""
-        if not self._stages:
-            if self.stage_elements < 1:
-                raise ValueError("optimizer offload: staging a later micro-batch's gradients needs stage_elements")
-            self._stages = [self.pinned.empty((self.stage_elements,), dtype) for _ in range(STAGES)]
-        if self._stages[0].dtype != dtype:
-            raise TypeError(f"optimizer offload: gradients of {dtype} to stage in buffers of {self._stages[0].dtype}")
-        while len(self._pending) >= STAGES:
+        STAGING_BUFFERS buffers are made on first use, in the dtype of the gradients they stage."""
+        if not self._buffers:
+            if self.staging_elements < 1:
+                raise ValueError("optimizer offload: staging a later micro-batch's gradients needs staging_elements")
+            self._buffers = [self.pinned.empty((self.staging_elements,), dtype) for _ in range(STAGING_BUFFERS)]
+        if self._buffers[0].dtype != dtype:
+            raise TypeError(f"optimizer offload: gradients of {dtype} to stage in buffers of {self._buffers[0].dtype}")
+        while len(self._pending) >= STAGING_BUFFERS:
             self._add(self._pending.pop(0))
         busy = {id(stage) for _, stage, _ in self._pending}
-        return next(s for s in self._stages if id(s) not in busy)
+        return next(s for s in self._buffers if id(s) not in busy)

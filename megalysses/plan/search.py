@@ -1,5 +1,5 @@
 """A config's predicted memory and step time on a machine, the layouts that fit, and the check that a
-run's phases fit its watchdog: the cost models (megalysses.memory, plan.step_time) read off RunPlans.
+run's activities fit its watchdog: the cost models (megalysses.memory, plan.step_time) read off RunPlans.
 
     prediction = evaluate(cfg, gpus=8, gpu_memory_gib=None, host_memory_gib=None, hw=Hardware())   # an H100's 79.6
     fitting, considered = plan(cfg, gpus=64, seq_len=1 << 20, gpu_memory_gib=None)
@@ -161,7 +161,7 @@ class Prediction:
                 "loss_chunk_tokens": self.plan.activation.loss_chunk_tokens,
                 "attention_head_chunks": self.plan.activation.head_chunks,
                 "tp_sequence_parallel": c.parallel.tp_sequence_parallel, "fsdp": c.parallel.fsdp,
-                "peak_gib": round(self.estimate.peak / GIB, 2), "peak_phase": self.estimate.phase,
+                "peak_gib": round(self.estimate.peak / GIB, 2), "peak_part": self.estimate.part,
                 "usable_gib": round(self.usable / GIB, 2), "communicators": len(run_communicators(self.plan)),
                 "communicators_gib": round(communicator_bytes(self.plan) / GIB, 2),
                 "largest_block_gib": round(self.estimate.largest.bytes / GIB, 2),
@@ -357,8 +357,8 @@ class _Found:
 
 
 @dataclass(frozen=True)
-class LongestPhase:
-    """The longest phase of the loop a run spends without a heartbeat's pause: a training step or a validation,
+class LongestActivity:
+    """The longest activity of the loop a run spends without a heartbeat's pause: a training step or a validation,
     as the planner predicts it, and the parallel.timeout_seconds it needs (twice it: room for the prediction's
     error)."""
 
@@ -371,11 +371,11 @@ class LongestPhase:
 
     @property
     def timeout_suggested(self) -> float:
-        """Four times the phase, in whole ten minutes."""
+        """Four times the activity, in whole ten minutes."""
         return 600 * -(-4 * self.seconds // 600)
 
 
-def longest_phase(cfg: Config, plan: RunPlan, peak_tflops: Optional[float]) -> Optional[LongestPhase]:
+def longest_activity(cfg: Config, plan: RunPlan, peak_tflops: Optional[float]) -> Optional[LongestActivity]:
     """A training step, or a validation, at the planner's predicted speed on a GPU of `peak_tflops`, whichever is
     longer; None on an unknown GPU (no peak) or outside what the planner covers.
 
@@ -394,21 +394,21 @@ def longest_phase(cfg: Config, plan: RunPlan, peak_tflops: Optional[float]) -> O
     validation = step / 3 * t.eval_steps if t.eval_interval else 0.0     # forward passes only
     batch = f"global batch {t.global_batch_size} x {plan.padded_seq_len} tokens"
     if validation > step:
-        return LongestPhase(f"a validation ({t.eval_steps} x {batch})", validation)
-    return LongestPhase(f"a training step ({batch})", step)
+        return LongestActivity(f"a validation ({t.eval_steps} x {batch})", validation)
+    return LongestActivity(f"a training step ({batch})", step)
 
 
-def check_phase_time(cfg: Config, plan: RunPlan, peak_tflops: Optional[float]) -> None:
-    """ConfigError when a training step, or a validation (longest_phase), takes more than half of
-    parallel.timeout_seconds, the longest the watchdog lets a rank spend in one phase of the loop: it would end
+def check_activity_time(cfg: Config, plan: RunPlan, peak_tflops: Optional[float]) -> None:
+    """ConfigError when a training step, or a validation (longest_activity), takes more than half of
+    parallel.timeout_seconds, the longest the watchdog lets a rank spend on one activity of the loop: it would end
     the run as stuck. The message names the batch and length it judged."""
-    phase = longest_phase(cfg, plan, peak_tflops)
+    longest = longest_activity(cfg, plan, peak_tflops)
     timeout = cfg.parallel.timeout_seconds
-    if phase is not None and phase.timeout_needed > timeout:
-        raise ConfigError(f"parallel.timeout_seconds={timeout:g} is less than twice the time of {phase.what} "
-                          f"predicted for this layout on this GPU (~{phase.seconds:.0f} s at {peak_tflops:g} TFLOP/s; "
-                          f"tools/plan.py --explain shows the arithmetic): the watchdog would end it as stuck. Raise "
-                          f"it, e.g. --set parallel.timeout_seconds={phase.timeout_suggested:.0f}")
+    if longest is not None and longest.timeout_needed > timeout:
+        raise ConfigError(f"parallel.timeout_seconds={timeout:g} is less than twice the time of {longest.what} "
+                          f"predicted for this layout on this GPU (~{longest.seconds:.0f} s at {peak_tflops:g} "
+                          f"TFLOP/s; tools/plan.py --explain shows the arithmetic): the watchdog would end it as "
+                          f"stuck. Raise it, e.g. --set parallel.timeout_seconds={longest.timeout_suggested:.0f}")
 
 
 def node_memory_bytes() -> Optional[float]:

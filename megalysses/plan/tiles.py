@@ -4,7 +4,7 @@
 
 A tile's intermediates are one of the moments the memory model weighs (megalysses.memory): the MLP tile's
 recomputation and gradients in a layer's backward, one tile of logits in the LM head + loss. Smaller tiles
-lower that moment until another one sets the peak (the attention's backward, the norms', the loss phase,
+lower that moment until another one sets the peak (the attention's backward, the norms', the loss,
 the states); below that they save nothing, while larger tiles run fewer, larger matmuls and, for the
 loss, add the fp32 head-weight gradient fewer times. So `auto` takes the largest tile that does not raise
 the predicted peak above a reference tile's:

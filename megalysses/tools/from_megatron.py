@@ -42,7 +42,7 @@ from megalysses.config.checks import validate_config
 from megalysses.config.io import config_from_dict, config_to_dict, read_yaml
 from megalysses.plan import Machine, RunPlan, resolve
 from megalysses.plan.flops import peak_tflops
-from megalysses.plan.search import longest_phase
+from megalysses.plan.search import longest_activity
 from megalysses.tools.megatron_convert import Conversion, convert
 from megalysses.tools.megatron_script import MegatronArgsError, launch_world, parse_arguments, script_launch
 
@@ -131,15 +131,16 @@ def check_start(cfg: Config, conv: Conversion, gpus: int, per_node: int) -> tupl
 def _watchdog_timeout(cfg: Config, plan: RunPlan, conv: Conversion) -> Config:
     """cfg with parallel.timeout_seconds raised where the run's longest step or validation, as the planner predicts
     it on the plan's GPUs, needs more (a note says so): Megatron-LM's --distributed-timeout-minutes bounds one
-    collective, megalysses' watchdog a whole phase of the loop (config.checks and the start-up check apply it)."""
-    phase = longest_phase(cfg, plan, peak_tflops(cfg.logging.peak_tflops, plan.machine.gpu, plan.dtype))
+    collective, megalysses' watchdog a whole activity of the loop (config.checks and the start-up check apply it)."""
+    longest = longest_activity(cfg, plan, peak_tflops(cfg.logging.peak_tflops, plan.machine.gpu, plan.dtype))
     timeout = cfg.parallel.timeout_seconds
-    if phase is None or phase.timeout_needed <= timeout:
+    if longest is None or longest.timeout_needed <= timeout:
         return cfg
-    conv.notes.append(f"parallel.timeout_seconds={phase.timeout_suggested:.0f} instead of {timeout:g} "
+    conv.notes.append(f"parallel.timeout_seconds={longest.timeout_suggested:.0f} instead of {timeout:g} "
                       f"(--distributed-timeout-minutes): Megatron-LM's bounds one collective, megalysses' watchdog a "
-                      f"whole step or validation, and {phase.what} is predicted at ~{phase.seconds:.0f} s here")
-    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, timeout_seconds=phase.timeout_suggested))
+                      f"whole step or validation, and {longest.what} is predicted at ~{longest.seconds:.0f} s here")
+    parallel = dataclasses.replace(cfg.parallel, timeout_seconds=longest.timeout_suggested)
+    return dataclasses.replace(cfg, parallel=parallel)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -276,17 +276,17 @@ def _batch_and_steps(c: _Converter) -> tuple[int, int, bool]:
 
     mbs = c.need("--micro-batch-size")
     c.set("--micro-batch-size", training__micro_batch_size=mbs)
-    seq, gbs, stages = c.get("--seq-length"), c.get("--global-batch-size"), None
+    seq, gbs, levels = c.get("--seq-length"), c.get("--global-batch-size"), None
     if c.has("--step-batch-size-schedule"):
-        stages = step_schedule(c.get("--step-batch-size-schedule"), seq)
-        if gbs is not None and gbs != stages[-1][1]:
+        levels = step_schedule(c.get("--step-batch-size-schedule"), seq)
+        if gbs is not None and gbs != levels[-1][1]:
             raise MegatronArgsError(f"--global-batch-size {gbs} and --step-batch-size-schedule (ending at "
-                                    f"{stages[-1][1]}) are both given: Megatron-LM refuses both; keep one")
+                                    f"{levels[-1][1]}) are both given: Megatron-LM refuses both; keep one")
         if gbs is not None:
             c.note("--global-batch-size with --step-batch-size-schedule: Megatron-LM refuses the two together; both "
                    f"give {gbs} here")
-        gbs = stages[-1][1]
-        c.set("--step-batch-size-schedule", training__batch_size_schedule=[list(s) for s in stages])
+        gbs = levels[-1][1]
+        c.set("--step-batch-size-schedule", training__batch_size_schedule=[list(s) for s in levels])
     if gbs is None:
         raise MegatronArgsError("--global-batch-size is missing: without it Megatron-LM takes micro-batch-size x "
                                 "data-parallel size, which depends on the world size; give it")
@@ -301,7 +301,7 @@ def _batch_and_steps(c: _Converter) -> tuple[int, int, bool]:
     by_samples = c.has("--train-samples")
     if by_samples:
         samples = c.get("--train-samples")
-        steps = rampup_train_iters(samples, gbs, ramp, stages)
+        steps = rampup_train_iters(samples, gbs, ramp, levels)
         c.set("--train-samples", training__train_steps=steps)
         c.note(f"--train-samples {samples}: training.train_steps={steps} steps of the global batch")
     else:

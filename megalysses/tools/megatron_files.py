@@ -82,38 +82,38 @@ def step_schedule(text: str, seq_len: int) -> list[tuple[int, int]]:
             raise MegatronArgsError(f"--step-batch-size-schedule: {s!r} is not a number (K, M, B, T suffixes allowed)")
         return int(float(m.group(1)) * _SUFFIX.get(m.group(2), 1))
 
-    stages = []
+    levels = []
     for entry in text.replace(",", " ").split():
         if ":" not in entry:
             raise MegatronArgsError(f"--step-batch-size-schedule: entry {entry!r} is not THRESHOLD:BATCH_SIZE")
         threshold, batch = entry.split(":", 1)
-        stages.append((number(threshold) // seq_len, number(batch)))
-    stages.sort()
-    if not stages or stages[0][0] != 0:
+        levels.append((number(threshold) // seq_len, number(batch)))
+    levels.sort()
+    if not levels or levels[0][0] != 0:
         raise MegatronArgsError(f"--step-batch-size-schedule {text!r}: the first entry must start at 0")
-    if any(a[0] == b[0] for a, b in zip(stages, stages[1:])) or any(b < 1 for _, b in stages):
+    if any(a[0] == b[0] for a, b in zip(levels, levels[1:])) or any(b < 1 for _, b in levels):
         raise MegatronArgsError(f"--step-batch-size-schedule {text!r}: thresholds must differ and batches be >= 1")
-    return stages
+    return levels
 
 
 def rampup_train_iters(train_samples: int, gbs: int, ramp: Optional[list[int]],
-                       stages: Optional[list[tuple[int, int]]]) -> int:
+                       levels: Optional[list[tuple[int, int]]]) -> int:
     """The steps Megatron-LM runs for --train-samples: samples // global batch; through a step schedule, the steps
     until train_samples are consumed; through --rampup-batch-size, the ramp's steps (until its samples or
     train_samples are passed) then whole global batches, as its update_train_iters counts them."""
-    if stages:
+    if levels:
         steps, consumed = 0, 0
-        for i, (_start, batch) in enumerate(stages):
-            end = min(stages[i + 1][0] if i + 1 < len(stages) else math.inf, train_samples)
+        for i, (_start, batch) in enumerate(levels):
+            end = min(levels[i + 1][0] if i + 1 < len(levels) else math.inf, train_samples)
             if consumed < end:
                 n = math.ceil((end - consumed) / batch)
                 steps, consumed = steps + n, consumed + n * batch
         return steps
     if not ramp:
         return train_samples // gbs
-    from megalysses.config.batch_schedule import BatchSizes, rampup_stages
+    from megalysses.config.batch_schedule import BatchSizes, rampup_levels
 
-    sizes = BatchSizes(rampup_stages(ramp[0], ramp[1], ramp[2], gbs))
+    sizes = BatchSizes(rampup_levels(ramp[0], ramp[1], ramp[2], gbs))
     steps, consumed = 0, 0
     while consumed <= ramp[2] and consumed <= train_samples:
         consumed += sizes.at(consumed)

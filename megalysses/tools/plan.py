@@ -37,7 +37,7 @@ allowance of --fragmentation of the device or the layout's largest single block,
 offload. With --trace, one step of the top layout runs at the real shape on fake tensors
 (megalysses/training/trace.py: rank 0 of its first and last pipeline stage, the run's own code, every tensor
 it allocates counted): the layout gains traced_peak_gib (per GPU),
-traced_moment and traced_phase (where it peaked, and the memory model's name for that moment),
+traced_moment and traced_part (where it peaked, and the memory model's name for that moment),
 traced_host_gib (host memory per node at its high-water mark) and traced_pinned_gib (its pinned part), and
 the step's traced roofline (megalysses/training/roofline.py, per optimizer step): traced_step_s,
 traced_step_breakdown beside the model's step_breakdown (seconds by category), traced_mfu,
@@ -152,7 +152,7 @@ def layout_words(r: dict) -> str:
 
 def explain(p: Prediction, hw: Hardware, gpu_memory_gib: float) -> str:
     e, s, c = p.estimate, p.step, p.cfg
-    lines = [f"memory at the peak (stage {e.stage}, {e.phase}):"]
+    lines = [f"memory at the peak (stage {e.stage}, {e.part}):"]
     for t in e.terms:
         where = "host" if t.host else "    "
         lines.append(f"  {where} {fmt_bytes(t.bytes):>12}  {t.name:<62} {t.formula}")
@@ -312,7 +312,7 @@ def _traced_line(r: dict) -> str:
     """The traced peak of the top layout (row `r`, with --trace) beside the memory model's."""
     return (f"traced (layout 1, one step on fake tensors, {r['traced_seconds']:.0f} s): peak "
             f"{r['traced_peak_gib']:.2f} GiB per GPU at {r['traced_moment']} (the model: {r['peak_gib']:.2f} GiB "
-            f"at {r['peak_phase']}); "
+            f"at {r['peak_part']}); "
             f"host {r['traced_host_gib']:.0f} GiB per node, {r['traced_pinned_gib']:.0f} of them pinned (the "
             f"model: {r['host_gib_per_node']:.0f}); step {r['traced_step_s']:.4g} s, MFU {r['traced_mfu']:.1%} "
             f"(the model: {r['step_s']:.4g} s), {r['traced_launches']:,} kernel launches, {r['traced_host_syncs']} "

@@ -288,7 +288,7 @@ def _trace_memory(cfg, machine: Machine, gpus: int) -> Optional[float]:
     from megalysses.memory import GIB
     from megalysses.plan.search import estimate_config, predict
     from megalysses.plan.step_time import Hardware
-    from megalysses.training.trace import model_phase, roofline_fields, trace_run
+    from megalysses.training.trace import model_part, roofline_fields, trace_run
 
     try:
         traces = trace_run(cfg, machine, gpus)
@@ -301,8 +301,8 @@ def _trace_memory(cfg, machine: Machine, gpus: int) -> Optional[float]:
         print("\n".join(t.lines()))
     top = max(traces, key=lambda t: t.device.bytes)
     print(f"memory trace: peak {top.device.bytes / GIB:.2f} GiB per GPU on stage {top.stage} at "
-          f"{model_phase(top.device.moment)}; the memory model: {est.peak_gib:.2f} GiB on stage {est.stage} at "
-          f"{est.phase} ({est.peak / max(top.device.bytes, 1) - 1:+.1%}); host {top.host.bytes / GIB:.2f} GiB per "
+          f"{model_part(top.device.moment)}; the memory model: {est.peak_gib:.2f} GiB on stage {est.stage} at "
+          f"{est.part} ({est.peak / max(top.device.bytes, 1) - 1:+.1%}); host {top.host.bytes / GIB:.2f} GiB per "
           f"rank traced, {est.host / GIB:.2f} modelled")
     roof, modelled = roofline_fields(traces), model.breakdown(Hardware())
     print(f"step trace: {roof['traced_step_s']:.4g} s per optimizer step; the step-time model: {model.total:.4g} s; "
@@ -311,7 +311,7 @@ def _trace_memory(cfg, machine: Machine, gpus: int) -> Optional[float]:
           + ", ".join(f"{k} {v:.3g} / {modelled.get(k, 0.0):.3g}" for k, v in roof["traced_step_breakdown"].items()))
     out = Path(cfg.logging.run_dir) / "memory_trace.json"
     out.write_text(json.dumps({"gpus": gpus, "machine": machine.summary(), "stages": [t.summary() for t in traces],
-                               "model": {"peak_gib": est.peak_gib, "stage": est.stage, "phase": est.phase,
+                               "model": {"peak_gib": est.peak_gib, "stage": est.stage, "part": est.part,
                                          "host_gib": est.host / GIB, "step_s": model.total,
                                          "step_breakdown": modelled},
                                "step": roof}, indent=1))
@@ -321,7 +321,7 @@ def _trace_memory(cfg, machine: Machine, gpus: int) -> Optional[float]:
 
 def _error_line(e: Exception, doing: str) -> str:
     """The one line an error ends the job with: bad input says what to fix; anything else is a bug, reported
-    with its traceback (on stderr) and the rank and phase it hit."""
+    with its traceback (on stderr) and the rank and what it was doing."""
     if isinstance(e, USER_ERRORS):
         return f"error: {e}"
     if isinstance(e, MemoryError):

@@ -8,7 +8,7 @@ training.nan_policy=abort the run stopped naming the first), and the stop flags,
 through one small all-reduce there, so no rank is left waiting in a collective; the same all-reduce brings every
 rank's busy time to rank 0, which names a straggler (training/step.py BusyClock). A signal or the wall-clock
 limit therefore stops the run at the next logging step. A save reads the figures back too (counted apart).
-With a watchdog, the loop tells it what it is doing, so that a stuck rank is named with its phase.
+With a watchdog, the loop tells it what it is doing, so that a stuck rank is named with what it was doing.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from megalysses.plan.memory import pinned_requests_of
 from megalysses.model.gpt import architecture
 from megalysses.plan import RunPlan
 from megalysses.plan.flops import peak_tflops
-from megalysses.plan.search import check_host_memory, check_phase_time
+from megalysses.plan.search import check_host_memory, check_activity_time
 from megalysses.training.build import Parts, Run, build_run
 from megalysses.training.long_eval import TrainingLongEval, scalars
 from megalysses.training.metrics import MetricsLogger, ReadBack, StepTally, rank_hosts
@@ -111,14 +111,14 @@ def train(cfg: Config, plan: RunPlan, grid: ParallelGrid, device: torch.device, 
 
 def _start_up(cfg: Config, plan: RunPlan, grid: ParallelGrid, device: torch.device, ckpt_dir: Path,
               check_time: bool, doing: Callable[[str], None]) -> None:
-    """The checks before anything is built: the directories writable (rank 0), the logging backends, the phase
-    times against the watchdog (`check_time`), this node's host memory; then the start-up line. (That the grid
-    splits sp as the plan does is checked with the built model: build_run's check_built.)"""
+    """The checks before anything is built: the directories writable (rank 0), the logging backends, the
+    longest activity's time against the watchdog (`check_time`), this node's host memory; then the start-up line.
+    (That the grid splits sp as the plan does is checked with the built model: build_run's check_built.)"""
     doing("checking the run directory")
     on_rank0(lambda: _prepare_dirs(cfg, Path(cfg.logging.run_dir), ckpt_dir))
     check_logging_backends(cfg)
     if check_time:                           # the machine's GPU's peak, or logging.peak_tflops
-        check_phase_time(cfg, plan, peak_tflops(cfg.logging.peak_tflops, plan.machine.gpu, plan.dtype))
+        check_activity_time(cfg, plan, peak_tflops(cfg.logging.peak_tflops, plan.machine.gpu, plan.dtype))
     if plan.machine.host_memory_gib is not None:    # the node's, where the machine knows it (a described one not)
         check_host_memory(cfg, plan, plan.machine.host_memory_gib * GIB)
     if plan.attention == "flex" and device.type == "cuda":

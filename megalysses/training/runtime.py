@@ -112,9 +112,9 @@ def sequence_summary(cfg: Config, plan: RunPlan) -> str:
     schedule = cfg.data.seq_len_schedule
     train = [p for p in plan.phases if p.name not in ("eval", "long_eval")]
     if schedule:
-        stages = [f"{p.seq_len}" + (f" (padded to {p.padded_len})" if p.padded_len != p.seq_len else "")
+        lengths = [f"{p.seq_len}" + (f" (padded to {p.padded_len})" if p.padded_len != p.seq_len else "")
                   + (f" at step {step + 1}" if step else "") for (step, _), p in zip(schedule, train)]
-        text += ", seq_len " + " -> ".join(stages)
+        text += ", seq_len " + " -> ".join(lengths)
     elif plan.padded_seq_len != cfg.data.seq_len:
         text += f", seq_len {cfg.data.seq_len} padded to {plan.padded_seq_len}"
     return text

@@ -209,7 +209,7 @@ def _step(cfg: Config, grid: ParallelGrid, plan: RunPlan, mesh: Any, live: LiveB
 
     def optimizer_step(*args: Any, **kwargs: Any) -> Any:
         roof.mark("optimizer")
-        with live.phase("optimizer"), roof.optimizer():
+        with live.part("optimizer"), roof.optimizer():
             return step(*args, **kwargs)
 
     opt.step = optimizer_step
@@ -271,13 +271,13 @@ def traced_peak(traces: list[StepTrace]) -> StepTrace:
     return max(traces, key=lambda t: t.device.bytes)
 
 
-def model_phase(moment: Moment) -> str:
-    """The memory model's name (megalysses.memory Estimate.phase) of the moment a trace peaked at: optimizer,
+def model_part(moment: Moment) -> str:
+    """The memory model's name (megalysses.memory Estimate.part) of the moment a trace peaked at: optimizer,
     loss (the LM head + loss forward), final norm (its backward), backward, or forward (elsewhere in a
-    forward, which the model has no phase for)."""
-    if moment.phase == "optimizer":
+    forward, which the model has no part for)."""
+    if moment.part == "optimizer":
         return "optimizer"
-    if moment.phase == "forward":
+    if moment.part == "forward":
         return "loss" if "linear_cross_entropy" in moment.where else "forward"
     return "final norm" if moment.module.endswith("final_norm") else "backward"
 
@@ -291,7 +291,7 @@ def trace_fields(traces: list[StepTrace], ranks_per_node: int) -> dict:
     host = max(t.host.bytes for t in traces) * ranks_per_node
     pinned = max(t.pinned.bytes for t in traces) * ranks_per_node
     return {"traced_peak_gib": round(top.device.bytes / GIB, 3), "traced_moment": str(top.device.moment),
-            "traced_phase": model_phase(top.device.moment), "traced_stage": top.stage,
+            "traced_part": model_part(top.device.moment), "traced_stage": top.stage,
             "traced_host_gib": round(host / GIB, 2), "traced_pinned_gib": round(pinned / GIB, 2),
             "traced_seconds": round(sum(t.seconds for t in traces), 1), **roofline_fields(traces)}
 

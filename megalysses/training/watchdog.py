@@ -7,9 +7,9 @@ naming the rank and what it was doing.
     dog.stop()
 
 Every rank runs one daemon thread that wakes every few seconds and
-  - writes this rank's heartbeat (a counter, its phase, host and pid) to the c10d store of the job
+  - writes this rank's heartbeat (a counter, its activity, host and pid) to the c10d store of the job
     (a connection of its own to the store torchrun provides, MASTER_ADDR:MASTER_PORT);
-  - fails the job when this rank has been in one phase longer than the timeout (a rank stuck outside
+  - fails the job when this rank has been on one activity longer than the timeout (a rank stuck outside
     collectives: data loading, a hung filesystem; or waiting in a collective for such a rank);
   - fails the job when the next rank's heartbeat has not moved for longer than the timeout (a frozen
     or dead process cannot report itself);
@@ -72,10 +72,10 @@ class Watchdog:
     def __init__(self, rank: int, world: int, timeout: float, store: Optional[dist.Store],
                  interval: Optional[float] = None, exit: Callable[[int], None] = os._exit) -> None:
         self.rank, self.world, self.timeout, self.store = rank, world, timeout, store
-        self.slack = 1.0           # phases may last slack x timeout (allow)
+        self.slack = 1.0           # activities may last slack x timeout (allow)
         self.interval = interval or min(5.0, max(0.5, timeout / 5))
         self._exit = exit
-        self._phase: tuple[str, float, int] = ("starting up", time.monotonic(), 0)
+        self._activity: tuple[str, float, int] = ("starting up", time.monotonic(), 0)
         self._beat = 0
         self._failing = threading.Lock()
         self._stopped = threading.Event()
@@ -93,15 +93,15 @@ class Watchdog:
 
     def doing(self, what: str) -> None:
         """What the main thread does from now on (shown if the job has to end while it does it)."""
-        self._phase = (what, time.monotonic(), self._phase[2] + 1)
+        self._activity = (what, time.monotonic(), self._activity[2] + 1)
         self._changed.set()
 
     @property
     def current(self) -> str:
-        return self._phase[0]
+        return self._activity[0]
 
     def allow(self, factor: float) -> None:
-        """From now on a phase may last `factor` times the timeout, and the next rank's heartbeat may pause as
+        """From now on an activity may last `factor` times the timeout, and the next rank's heartbeat may pause as
         long (the profiled steps, and the writing of their traces, which the other ranks wait for); 1 puts the
         timeout back."""
         self.slack = factor
@@ -133,7 +133,7 @@ class Watchdog:
             return self.store
 
     def _beat_once(self, leaving: bool = False) -> None:
-        what, since, ticks = self._phase
+        what, since, ticks = self._activity
         self._beat += 1
         store = self._store_now()
         if store is not None:
@@ -152,7 +152,7 @@ class Watchdog:
         seen, changed, store_down = None, time.monotonic(), None
         due = time.monotonic() + self.interval
         while not self._stopped.is_set():
-            # publish a new phase soon after it starts (at most 4 times an interval), check every interval
+            # publish a new activity soon after it starts (at most 4 times an interval), check every interval
             self._changed.wait(max(0.0, due - time.monotonic()))
             self._changed.clear()
             if self._stopped.wait(self.interval / 4) or time.monotonic() < due:
@@ -160,7 +160,7 @@ class Watchdog:
                 continue
             now = time.monotonic()
             due = now + self.interval
-            what, since, _ = self._phase
+            what, since, _ = self._activity
             try:
                 self._beat_once()
                 store = self._store_now()
@@ -253,7 +253,7 @@ class Watchdog:
                 claimed = True
         if claimed:
             message = (f"error: {self._culprit(reason, records)}; ending the job (parallel.timeout_seconds="
-                       f"{self.timeout:g}: raise it if this phase is legitimately that slow)")
+                       f"{self.timeout:g}: raise it if this activity is legitimately that slow)")
             print(message, flush=True)
             sys.stderr.flush()
             write_error_file(message)

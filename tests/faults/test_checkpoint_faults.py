@@ -119,7 +119,7 @@ def _runs(run: Path) -> list[dict]:
 
 
 def _lifecycle(rank, world, root):
-    """Several runs in one directory at tp=2; returns what each phase saw (rank 0's output included)."""
+    """Several runs in one directory at tp=2; returns what each run saw (rank 0's output included)."""
     from megalysses.config.io import load_config
     from megalysses.grid import ParallelGrid
     from megalysses.degrees import Degrees
@@ -172,8 +172,8 @@ def _lifecycle(rank, world, root):
 def test_fallback_pruning_timelines_and_metrics(tmp_path):
     seen = run_distributed(_lifecycle, 2, tmp_path, args=(str(tmp_path),), timeout=400)
     r0, r1 = seen
-    for phase in ("strict", "no_latest_strict"):
-        assert r0[phase] == r1[phase], "ranks disagree"         # every rank raises the same error
+    for run in ("strict", "no_latest_strict"):
+        assert r0[run] == r1[run], "ranks disagree"         # every rank raises the same error
     kind, message = r0["strict"]
     assert kind == "error" and "step_0000003" in message and "__1_0.distcp" in message and "checksum" in message
     kind, out = r0["fallback"]

@@ -42,7 +42,7 @@ def _run(dogs, exits, seconds):
     return out.getvalue()
 
 
-def test_rank_stuck_outside_collectives_is_named_with_its_phase():
+def test_rank_stuck_outside_collectives_is_named_with_its_activity():
     """Rank 1 hangs reading its batch (a hung filesystem), rank 0 waits for it: one message names rank 1."""
     dogs, exits = _pair()
     dogs[0].doing("training step 12")
@@ -75,7 +75,7 @@ def test_frozen_rank_is_named_by_its_neighbour():
     assert "rank 1" in errors[0] and "stopped responding" in errors[0] and "training step 3" in errors[0]
 
 
-def test_single_process_stuck_in_one_phase():
+def test_single_process_stuck_in_one_activity():
     exits = []
     dog = Watchdog(0, 1, 1.0, None, interval=0.2, exit=lambda code: exits.append(code))
     dog.doing("opening the datasets")
@@ -86,7 +86,7 @@ def test_single_process_stuck_in_one_phase():
 
 def test_an_allowance_stretches_the_timeout_until_it_is_put_back():
     """A profiled step may take PROFILE_ALLOWANCE times the timeout; once the allowance is put back, the same
-    phase ends the job."""
+    activity ends the job."""
     exits = []
     dog = Watchdog(0, 1, 0.5, None, interval=0.1, exit=lambda code: exits.append(code))
     dog.allow(4.0)
@@ -172,7 +172,7 @@ def test_sigstopped_worker_ends_the_job_naming_it(tmp_path):
                          cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_for_steps(run, p, 3)
-        time.sleep(1)                          # training for a while (phases are published within ~0.3 s)
+        time.sleep(1)                          # training for a while (activities are published within ~0.3 s)
         victim = workers_of(run)[1]
         stopped = time.monotonic()
         os.kill(victim, signal.SIGSTOP)
