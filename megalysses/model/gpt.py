@@ -7,7 +7,7 @@ initialisation (seeded by name, full tensor, then sliced over tp) gives the same
 every (tp, sp, pp).
 
     model = GPTStage(cfg.model, groups)                     # whole model, this rank's tp shards
-    apply_activation_policy(model, run.activation)          # model/policies.py: checkpointing, offload, tiles
+    apply_activation_policy(model, plan.activation)         # model/policies.py: checkpointing, offload, tiles
     loss_sum = model(input_ids, position_ids, doc_ids=doc_ids, labels=labels)   # sum over local tokens
 
 The model is plain: its forward computes the architecture and its parallel layers (tp, Ulysses, the ring)

@@ -2,7 +2,7 @@
 runners a stage and its blocks call, in one function.
 
     model = GPTStage(model_cfg, groups)                              # plain: every activation on the device
-    apply_activation_policy(model, run.activation, pinned=arena)     # checkpointing, offload, chunks, tiles
+    apply_activation_policy(model, plan.activation, pinned=arena)    # checkpointing, offload, chunks, tiles
 
 A plain GPTStage runs its blocks through RunBlocks, and each Block its two halves through AttentionHalf and
 MLPHalf; an option puts its own runner in their place, so no forward branches on a memory option and a new

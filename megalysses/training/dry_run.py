@@ -39,11 +39,11 @@ def dry_run(cfg: Config, machine: Machine, world: int) -> dict:
     validate_config(cfg, world_size=world)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
-        run = resolve(cfg, machine, world)
+        plan = resolve(cfg, machine, world)
         with warnings.catch_warnings():     # the fake backend takes no group timeouts, and says so per group
             warnings.filterwarnings("ignore", message="Set timeout is now only supported")
-            grid = ParallelGrid.for_plan(run, cfg.parallel.timeout_seconds)
-            train(cfg, run, grid, torch.device("meta" if machine.cuda else "cpu"), dry_run=True)
+            grid = ParallelGrid.for_plan(plan, cfg.parallel.timeout_seconds)
+            train(cfg, plan, grid, torch.device("meta" if machine.cuda else "cpu"), dry_run=True)
     finally:
         dist.destroy_process_group()
     return json.loads((Path(cfg.logging.run_dir) / "runtime.json").read_text())

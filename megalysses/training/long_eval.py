@@ -2,7 +2,7 @@
 (megalysses/evaluation/tasks.py), forward only, through the run's own layout (tp, Ulysses and ring sp, pp and
 virtual stages, FSDP, head chunks, offload), so a length evaluates wherever a training step of it runs.
 
-    evaluator = LongEval(cfg, grid, device, run, tokenizer, haystack)    # PromptError: no prompts to write
+    evaluator = LongEval(cfg, grid, device, plan, tokenizer, haystack)   # PromptError: no prompts to write
     evaluator.check(settings)                                            # LongEvalError: bad settings, one line
     report = evaluator.run(model, settings, trained_length, doing)       # report.results: the figures
 

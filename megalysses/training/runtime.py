@@ -1,8 +1,8 @@
 """A run's plan on this rank's machine, told to the user: the start-up line, and <run_dir>/runtime.json
 beside config.yaml (the plan, the layout and the software the choices were made with).
 
-    model_cfg = model_config(cfg, run)              # cfg.model with the concrete attention and kernels
-    print0(startup_line(cfg, grid, run))
+    model_cfg = model_config(cfg, plan)             # cfg.model with the concrete attention and kernels
+    print0(startup_line(cfg, grid, plan))
 """
 from __future__ import annotations
 
