@@ -2,7 +2,8 @@
 a GPU) and the memory model against it at small real shapes: the model's peak within 3% of the traced one, at
 the same moment, and the host memory within 3%, for each kind of run (ZeRO-1 and FSDP, activation, optimizer
 and parameter offload, tiles, head chunks, Ulysses and ring, a pipeline's first and last stage, tensor
-parallelism, the Triton kernels). The live-bytes tracker itself is checked on tensors whose bytes are known."""
+parallelism, the Triton kernels, the guarded update of training.nan_policy=skip). The live-bytes tracker itself is
+checked on tensors whose bytes are known."""
 import json
 
 import pytest
@@ -36,6 +37,12 @@ CASES = {   # name: (world, overrides on SMALL)
                                                                 "training.dtype=float32",
                                                                 "training.activation_checkpointing=false"]),
     "Triton kernels, MLP tiles": (1, ["model.kernels=triton", "training.mlp_chunk_tokens=1024"]),
+    # short sequences: the optimizer step is the peak, a guarded update's (nan_policy=skip) kept copies in it
+    "nan_policy=skip, ZeRO-1": (1, ["data.seq_len=256", "training.nan_policy=skip"]),
+    "nan_policy=skip, FSDP": (1, ["data.seq_len=256", "training.nan_policy=skip", "parallel.fsdp=true"]),
+    "nan_policy=skip, optimizer offload (the copies in host memory)": (1, ["data.seq_len=256",
+                                                                           "training.nan_policy=skip",
+                                                                           "training.optimizer_offload=true"]),
 }
 H100 = Machine.described("H100", packages=("triton",))
 
@@ -170,3 +177,4 @@ def test_varlen_workspace_per_document():
     # dq_accum's and softmax_d's 128 rows, fp32, and the document's int32 in the batch's cumulative lengths
     per_document = 128 * heads * (head_dim + 1) * 4 + 4
     assert worst - half == (docs - docs_half) * per_document, (worst - half, (docs - docs_half) * per_document)
+
