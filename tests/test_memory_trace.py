@@ -178,3 +178,27 @@ def test_varlen_workspace_per_document():
     per_document = 128 * heads * (head_dim + 1) * 4 + 4
     assert worst - half == (docs - docs_half) * per_document, (worst - half, (docs - docs_half) * per_document)
 
+
+@pytest.mark.parametrize("head_size, accumulated", [(80, 96), (200, 256)])
+def test_varlen_accumulator_head_size_is_the_kernels(head_size, accumulated):
+    """mha_varlen_bwd sizes its fp32 dq accumulator by the head size rounded up to 32 up to 128 and to 64 above
+    (flash_api.cpp's round_multiple(head_size, head_size <= 128 ? 32 : 64), torch's build and flash-attn's): at a
+    head size that is not a multiple of 32, each document's 128 rows grow the trace by that width, and the model
+    follows the trace within 3% at the same moment."""
+    from megalysses.plan.memory import documents_per_sequence
+
+    heads = 4
+    shape = ["model.vocab_size=512", f"model.hidden_size={heads * head_size}", f"model.num_heads={heads}"]
+    peaks = {}
+    for per_million in (250_000, 500_000):
+        cfg = load_config(overrides=SMALL + shape + [f"data.documents_per_million={per_million}"])
+        top = traced_peak(trace_run(cfg, H100, 1))
+        assert top.plan.attention == "varlen" and "varlen_attn_backward" in str(top.device.moment)
+        est = estimate_config(cfg, 1, H100)
+        at_moment = est.phases.get((top.stage, model_phase(top.device.moment)))
+        where = f"{per_million}: traced {top.device.bytes / MiB:.3f} MiB, modelled {est.peak / MiB:.3f}, {est.phases}"
+        assert abs(est.peak / top.device.bytes - 1) <= 0.03 and abs(at_moment / top.device.bytes - 1) <= 0.03, where
+        peaks[per_million] = top.device.bytes, documents_per_sequence(cfg, cfg.data.seq_len)
+    (half, docs_half), (worst, docs) = peaks[250_000], peaks[500_000]
+    per_document = 128 * heads * (accumulated + 1) * 4 + 4      # dq_accum's and softmax_d's rows, the int32 length
+    assert worst - half == (docs - docs_half) * per_document, (worst - half, (docs - docs_half) * per_document)

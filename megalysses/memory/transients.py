@@ -108,9 +108,10 @@ def _core_backward(d: dict, opts: Options, a: int, seq_len: int) -> tuple[float,
     # that width inside too (dk_expanded, dv_expanded) before summing each group into dk, dv
     kv_grads = q if d["expand"] else kv
     # a variable-length kernel's fp32 workspaces have 128 rows more per sequence of its cumulative lengths
-    # (flash-attn's mha_varlen_bwd: dq_accum and softmax_d of total_q + 128 x sequences rows)
+    # (flash-attn's mha_varlen_bwd: dq_accum and softmax_d of total_q + 128 x sequences rows), dq_accum's head
+    # size rounded as the kernel rounds it
     rows = 1 + 128 * opts.varlen_sequences / seq_len if seq_len else 1
-    accumulator = 4 * q * rows if opts.dq_accumulator else 0
+    accumulator = 4 * d["q_acc"] * rows if opts.dq_accumulator else 0
     inside = 2 * q * a if opts.dq_accumulator and not d["expand"] and q != kv else 0
     # the fp32 rowsum(dO * O) per query head (a flash kernel's softmax_d, FlexAttention's delta)
     rowsum = 4 * d["hq"] * rows if opts.dq_accumulator or opts.attention == "flex" else 0
