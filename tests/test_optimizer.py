@@ -190,10 +190,12 @@ def test_wsd_decay_starts_after_warmup():
     assert lrs[50] > 0.95 and lrs[-1] == pytest.approx(0.0)         # no jump, then decay to min_lr
 
 
-def _skipping_run(make_opt, steps: int = 5, bad: int = 2) -> tuple[nn.Module, object, nn.Module, torch.optim.AdamW]:
+def _skipping_run(make_opt, capturable: bool = False, steps: int = 5,
+                  bad: int = 2) -> tuple[nn.Module, object, nn.Module, torch.optim.AdamW]:
     """`steps` steps of a small model under the optimizer `make_opt(model)` builds, step `bad`'s gradients not
     finite, each step at the schedule's learning rate of its position, nothing set between them (as between two
-    logging steps); beside it torch's AdamW on a copy of the model that simply does not take step `bad`."""
+    logging steps); beside it torch's AdamW on a copy of the model that simply does not take step `bad`. With
+    `capturable`, both run torch's capturable AdamW (a GPU's: the step count on the device) on the CPU."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 5), nn.LayerNorm(5), nn.Linear(5, 3))
     ref = nn.Sequential(nn.Linear(6, 5), nn.LayerNorm(5), nn.Linear(5, 3))
@@ -202,8 +204,12 @@ def _skipping_run(make_opt, steps: int = 5, bad: int = 2) -> tuple[nn.Module, ob
         p.tp_dim = None
     ref_opt = torch.optim.AdamW([{"params": [p for p in ref.parameters() if p.dim() >= 2], "weight_decay": 0.1},
                                  {"params": [p for p in ref.parameters() if p.dim() < 2], "weight_decay": 0.0}],
-                                lr=0.1, betas=(0.9, 0.95), eps=1e-8, foreach=True)
+                                lr=0.1, betas=(0.9, 0.95), eps=1e-8, foreach=True, capturable=capturable)
     model, opt = make_opt(model)
+    if capturable:
+        opt.optimizer.defaults["capturable"] = True
+        for g in opt.optimizer.param_groups:
+            g["capturable"] = True
     schedule = OptimizerConfig(lr=0.1, min_lr=0.01, warmup_steps=2)
     for step in range(steps):
         x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
@@ -236,18 +242,29 @@ def _check_as_if_never_taken(model, opt, ref, ref_opt) -> None:
     assert {float(st["step"]) for st in opt.optimizer.state.values()} == {float(want["step"])} == {4.0}
 
 
-@pytest.mark.parametrize("offload", [False, True])
-def test_a_skipped_step_is_as_if_never_taken_zero1(offload):
-    """nan_policy=skip, ZeRO-1 (with and without optimizer offload): a step whose gradient norm is not finite
-    leaves no trace, the bias correction of the steps after it included, before any logging step; the schedule's
-    position advances (training.nan_policy: the step is taken and updates nothing)."""
+@pytest.fixture
+def cpu_capturable(monkeypatch):
+    """torch's capturable AdamW allowed on the CPU (it checks for a GPU's device type, nothing more)."""
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("torch.optim.adam"), "_get_capturable_supported_devices",
+                        lambda supports_xla=True: ["cuda", "cpu"])
+
+
+@pytest.mark.parametrize("offload, capturable", [(False, False), (True, False), (False, True)])
+def test_a_skipped_step_is_as_if_never_taken_zero1(offload, capturable, cpu_capturable):
+    """nan_policy=skip, ZeRO-1 (with and without optimizer offload, and with the step count on the device as on a
+    GPU): a step whose gradient norm is not finite leaves no trace, the bias correction of the steps after it
+    included, before any logging step; the schedule's position advances (training.nan_policy: the step is taken
+    and updates nothing)."""
     def zero1(model):
         return model, ShardedAdamW(model.named_parameters(), None, ADAMW, ReduceSettings(offload=offload))
 
-    _check_as_if_never_taken(*_skipping_run(zero1))
+    _check_as_if_never_taken(*_skipping_run(zero1, capturable))
 
 
-def test_a_skipped_step_is_as_if_never_taken_fsdp(world_of_one):
+@pytest.mark.parametrize("capturable", [False, True])
+def test_a_skipped_step_is_as_if_never_taken_fsdp(capturable, world_of_one, cpu_capturable):
     """The same with FSDP2's AdamW over fully_shard's DTensor parameters."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -259,4 +276,4 @@ def test_a_skipped_step_is_as_if_never_taken_fsdp(world_of_one):
             p.tp_dim = None
         return model, FSDPAdamW(model, ADAMW)
 
-    _check_as_if_never_taken(*_skipping_run(fsdp))
+    _check_as_if_never_taken(*_skipping_run(fsdp, capturable))
