@@ -145,8 +145,9 @@ def test_one_process_step_makes_no_host_sync_and_a_logging_step_one(tmp_path, wo
 
 
 def test_two_ranks_make_no_host_sync_on_an_ordinary_step(tmp_path):
-    layouts = {"zero1": ["parallel.tp=1", "parallel.sp=1", "parallel.overlap_grad_reduce=true"],
-               "fsdp": ["parallel.tp=1", "parallel.sp=1", "parallel.fsdp=true"],
+    layouts = {"zero1": ["parallel.tp=1", "parallel.sp=1", "parallel.overlap_grad_reduce=true",
+                         "training.nan_policy=skip"],       # the guarded update, its skip decided on the device
+               "fsdp": ["parallel.tp=1", "parallel.sp=1", "parallel.fsdp=true", "training.nan_policy=skip"],
                "pp2": ["parallel.tp=1", "parallel.sp=1", "parallel.pp=2"]}
     runs = [(name, LOOP + o + [f"logging.run_dir={tmp_path / name}"]) for name, o in layouts.items()]
     for per_rank in run_distributed(_loop_worker, 2, tmp_path, args=(runs,), timeout=300):
@@ -159,13 +160,13 @@ def test_two_ranks_make_no_host_sync_on_an_ordinary_step(tmp_path):
 
 def _train_with_step_3_not_finite(cfg, monkeypatch):
     """Train `cfg` with step 3's gradients made infinite (through the real step: the norm is not finite);
-    returns (the loop's summary, the optimizer)."""
+    returns (the loop's summary, the optimizer, AdamW's step counts after each step)."""
     import megalysses.training.loop as loop
     from megalysses.grid import ParallelGrid
     from megalysses.testing import resolve_run
 
     built, build, step = {}, loop.build_run, loop.train_step
-    calls = []
+    calls, counts = [], []
 
     def capture(*args, **kwargs):
         built["run"] = build(*args, **kwargs)
@@ -179,28 +180,29 @@ def _train_with_step_3_not_finite(cfg, monkeypatch):
         finally:
             if hook is not None:
                 hook.remove()
+            counts.append({float(st["step"]) for st in opt.optimizer.state.values()})
 
     monkeypatch.setattr(loop, "build_run", capture)
     monkeypatch.setattr(loop, "train_step", poisoned)
     grid = ParallelGrid()
     summary = loop.train(cfg, resolve_run(cfg, torch.device("cpu"), grid), grid, torch.device("cpu"))
-    return summary, built["run"].opt
+    return summary, built["run"].opt, counts
 
 
 def test_a_skipped_step_is_counted_at_the_next_logging_step(tmp_path, world_of_one, monkeypatch):
-    """nan_policy=skip: step 3 updates nothing; the logging step 4 reads it back: 3 updates, 1 step skipped, and
-    AdamW's step count set back to the updates."""
+    """nan_policy=skip: step 3 updates nothing, AdamW's step count (its bias correction) included, from that step
+    on, not only once a logging step reads it back; the logging step 5 reads it back: 4 updates, 1 step skipped."""
     from fixtures import step_rows
     from megalysses.config.io import load_config
 
     run = tmp_path / "run"
-    cfg = load_config(overrides=TINY + ["training.train_steps=4", "logging.log_interval=4",
+    cfg = load_config(overrides=TINY + ["training.train_steps=5", "logging.log_interval=5",
                                         "training.nan_policy=skip", f"logging.run_dir={run}"])
-    summary, opt = _train_with_step_3_not_finite(cfg, monkeypatch)
-    assert summary["step"] == 4
+    summary, opt, counts = _train_with_step_3_not_finite(cfg, monkeypatch)
+    assert summary["step"] == 5
     (row,) = step_rows(run)
-    assert row["step"] == 4 and row["skipped_steps"] == 1 and row["updates"] == 3, row
-    assert {float(st["step"]) for st in opt.optimizer.state.values()} == {3.0}
+    assert row["step"] == 5 and row["skipped_steps"] == 1 and row["updates"] == 4, row
+    assert counts == [{1.0}, {2.0}, {2.0}, {3.0}, {4.0}], counts
 
 
 def test_an_abort_is_reported_at_the_next_logging_step(tmp_path, world_of_one, monkeypatch):

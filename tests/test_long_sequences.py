@@ -8,7 +8,7 @@ from megalysses.config.io import load_config
 from megalysses.degrees import Degrees
 from megalysses.memory import GIB, PRECISIONS, Options, Workload, longest_sequence
 from megalysses.plan.communicators import communicator_bytes
-from megalysses.plan.search import evaluate, plan
+from megalysses.plan.search import evaluate, plan, predict
 from megalysses.plan.step_time import Hardware, step_time
 from tests.planning import H100_GIB, LLAMA3_8B, h100s, load
 
@@ -133,3 +133,25 @@ def test_no_quadratic_document_mask_at_millions_of_tokens():
     block = flex.plan.activation.mask_block
     assert len(mask) == 1 and mask[0].bytes <= 0.01 * flex.estimate.peak and block > 128
     assert mask[0].bytes == pytest.approx(16 * ((6 << 20) / block) ** 2, rel=1e-3)
+
+
+def test_auto_attention_takes_flex_where_varlens_documents_cannot_fit():
+    """Llama-3.1-8B at 1M tokens on one H100 with the most documents the corpus tools write (500,000 a million: a
+    one-token text and its EOD each): torch's varlen_attn keeps 128 fp32 rows of its backward per document, so no
+    layout fits with it; model.attention_backend=auto resolves to FlexAttention there, once, in the plan (the
+    reason says so), and the planner fits the case. The same layout with the default documents keeps varlen."""
+    from dataclasses import replace
+
+    cfg = load("configs/llama3_8b_1m.yaml", **{"training.global_batch_size": 1, "model.kernels": "triton",
+                                                "parallel.pp": 1, "parallel.virtual_stages": 1,
+                                                "data.documents_per_million": 500_000})
+    fitting, _ = plan(cfg, 1, 1 << 20, host_memory_gib=1769)
+    assert fitting, "no layout fits"
+    best = fitting[0]
+    assert best.plan.attention == "flex" and "per document" in best.plan.attention_reason, best.plan.attention_reason
+    assert h100s(best.cfg, 1) == best.plan                       # what a run of it resolves to
+    # the same run on varlen (what auto resolved to before) does not fit: its documents' workspace is why
+    varlen = predict(best.cfg, replace(best.plan, attention="varlen"), H100_GIB, 1769, Hardware())
+    assert not varlen.fits and varlen.why_not.startswith("peak"), varlen.why_not
+    ordinary = replace(best.cfg, data=replace(best.cfg.data, documents_per_million=1000.0))
+    assert h100s(ordinary, 1).attention == "varlen"

@@ -2,7 +2,8 @@
 a GPU) and the memory model against it at small real shapes: the model's peak within 3% of the traced one, at
 the same moment, and the host memory within 3%, for each kind of run (ZeRO-1 and FSDP, activation, optimizer
 and parameter offload, tiles, head chunks, Ulysses and ring, a pipeline's first and last stage, tensor
-parallelism, the Triton kernels). The live-bytes tracker itself is checked on tensors whose bytes are known."""
+parallelism, the Triton kernels, the guarded update of training.nan_policy=skip). The live-bytes tracker itself is
+checked on tensors whose bytes are known."""
 import json
 
 import pytest
@@ -36,6 +37,12 @@ CASES = {   # name: (world, overrides on SMALL)
                                                                 "training.dtype=float32",
                                                                 "training.activation_checkpointing=false"]),
     "Triton kernels, MLP tiles": (1, ["model.kernels=triton", "training.mlp_chunk_tokens=1024"]),
+    # short sequences: the optimizer step is the peak, a guarded update's (nan_policy=skip) kept copies in it
+    "nan_policy=skip, ZeRO-1": (1, ["data.seq_len=256", "training.nan_policy=skip"]),
+    "nan_policy=skip, FSDP": (1, ["data.seq_len=256", "training.nan_policy=skip", "parallel.fsdp=true"]),
+    "nan_policy=skip, optimizer offload (the copies in host memory)": (1, ["data.seq_len=256",
+                                                                           "training.nan_policy=skip",
+                                                                           "training.optimizer_offload=true"]),
 }
 H100 = Machine.described("H100", packages=("triton",))
 
@@ -169,4 +176,29 @@ def test_varlen_workspace_per_document():
     heads, head_dim = 4, 128 // 4
     # dq_accum's and softmax_d's 128 rows, fp32, and the document's int32 in the batch's cumulative lengths
     per_document = 128 * heads * (head_dim + 1) * 4 + 4
+    assert worst - half == (docs - docs_half) * per_document, (worst - half, (docs - docs_half) * per_document)
+
+
+@pytest.mark.parametrize("head_size, accumulated", [(80, 96), (200, 256)])
+def test_varlen_accumulator_head_size_is_the_kernels(head_size, accumulated):
+    """mha_varlen_bwd sizes its fp32 dq accumulator by the head size rounded up to 32 up to 128 and to 64 above
+    (flash_api.cpp's round_multiple(head_size, head_size <= 128 ? 32 : 64), torch's build and flash-attn's): at a
+    head size that is not a multiple of 32, each document's 128 rows grow the trace by that width, and the model
+    follows the trace within 3% at the same moment."""
+    from megalysses.plan.memory import documents_per_sequence
+
+    heads = 4
+    shape = ["model.vocab_size=512", f"model.hidden_size={heads * head_size}", f"model.num_heads={heads}"]
+    peaks = {}
+    for per_million in (250_000, 500_000):
+        cfg = load_config(overrides=SMALL + shape + [f"data.documents_per_million={per_million}"])
+        top = traced_peak(trace_run(cfg, H100, 1))
+        assert top.plan.attention == "varlen" and "varlen_attn_backward" in str(top.device.moment)
+        est = estimate_config(cfg, 1, H100)
+        at_moment = est.parts.get((top.stage, model_part(top.device.moment)))
+        where = f"{per_million}: traced {top.device.bytes / MiB:.3f} MiB, modelled {est.peak / MiB:.3f}, {est.parts}"
+        assert abs(est.peak / top.device.bytes - 1) <= 0.03 and abs(at_moment / top.device.bytes - 1) <= 0.03, where
+        peaks[per_million] = top.device.bytes, documents_per_sequence(cfg, cfg.data.seq_len)
+    (half, docs_half), (worst, docs) = peaks[250_000], peaks[500_000]
+    per_document = 128 * heads * (accumulated + 1) * 4 + 4      # dq_accum's and softmax_d's rows, the int32 length
     assert worst - half == (docs - docs_half) * per_document, (worst - half, (docs - docs_half) * per_document)

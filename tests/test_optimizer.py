@@ -150,17 +150,17 @@ def _one_rank_with_first_grads() -> tuple[dict, dict, ShardedAdamW]:
 
 
 def test_nonfinite_gradient_norm_changes_nothing():
-    """A non-finite norm, decided on the device: weights and moments stay as they were; once the step count is
-    set right (as the loop's read-back does), the next step is exactly a first step of a fresh optimizer. A
-    guarded finite step is bit for bit the unguarded one."""
+    """A non-finite norm, decided on the device: weights, moments and AdamW's step count stay as they were, so the
+    next step is exactly a first step of a fresh optimizer. A guarded finite step is bit for bit the unguarded
+    one."""
     params, before, opt = _one_rank_with_first_grads()
     params["b.weight"].grad[1, 2] = float("inf")
     norm = opt.step(max_norm=1.0)
     assert isinstance(norm, torch.Tensor) and math.isinf(norm)
     for n, p in params.items():
         assert torch.equal(p, before[n]) and p.grad is None, n
-    assert all(not st["exp_avg"].any() and not st["exp_avg_sq"].any() for st in opt.optimizer.state.values())
-    opt.set_step(0)
+    assert all(not st["exp_avg"].any() and not st["exp_avg_sq"].any() and st["step"] == 0
+               for st in opt.optimizer.state.values())
     fresh = {n: nn.Parameter(t.clone()) for n, t in before.items()}
     for p in fresh.values():
         p.tp_dim = None
@@ -188,3 +188,92 @@ def test_wsd_decay_starts_after_warmup():
     assert lrs[49] == pytest.approx(1.0)                          # warmup reaches the peak
     assert all(b <= a + 1e-12 for a, b in zip(lrs[49:], lrs[50:]))
     assert lrs[50] > 0.95 and lrs[-1] == pytest.approx(0.0)         # no jump, then decay to min_lr
+
+
+def _skipping_run(make_opt, capturable: bool = False, steps: int = 5,
+                  bad: int = 2) -> tuple[nn.Module, object, nn.Module, torch.optim.AdamW]:
+    """`steps` steps of a small model under the optimizer `make_opt(model)` builds, step `bad`'s gradients not
+    finite, each step at the schedule's learning rate of its position, nothing set between them (as between two
+    logging steps); beside it torch's AdamW on a copy of the model that simply does not take step `bad`. With
+    `capturable`, both run torch's capturable AdamW (a GPU's: the step count on the device) on the CPU."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.LayerNorm(5), nn.Linear(5, 3))
+    ref = nn.Sequential(nn.Linear(6, 5), nn.LayerNorm(5), nn.Linear(5, 3))
+    ref.load_state_dict(model.state_dict())
+    for p in model.parameters():
+        p.tp_dim = None
+    ref_opt = torch.optim.AdamW([{"params": [p for p in ref.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+                                 {"params": [p for p in ref.parameters() if p.dim() < 2], "weight_decay": 0.0}],
+                                lr=0.1, betas=(0.9, 0.95), eps=1e-8, foreach=True, capturable=capturable)
+    model, opt = make_opt(model)
+    if capturable:
+        opt.optimizer.defaults["capturable"] = True
+        for g in opt.optimizer.param_groups:
+            g["capturable"] = True
+    schedule = OptimizerConfig(lr=0.1, min_lr=0.01, warmup_steps=2)
+    for step in range(steps):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
+        if step == bad:
+            x[0, 0] = float("inf")
+        lr = lr_at(step, schedule, steps)
+        opt.set_lr(lr)
+        opt.begin_step(1)
+        model(x).square().sum().backward()
+        norm = opt.step(0.0)
+        assert math.isfinite(norm) == (step != bad), (step, norm)
+        if step != bad:
+            for g in ref_opt.param_groups:
+                g["lr"] = lr
+            ref(x).square().sum().backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+    return model, opt, ref, ref_opt
+
+
+def _check_as_if_never_taken(model, opt, ref, ref_opt) -> None:
+    """Weights, moments and AdamW's step count (bias correction) bit for bit those of the reference."""
+    local = [q.to_local() if hasattr(q, "to_local") else q for q in model.parameters()]
+    for got, want in zip(local, ref.parameters()):
+        assert torch.equal(got.detach(), want.detach())
+    (_, _, first), *_ = opt.checkpoint_slots()
+    want = ref_opt.state[next(ref.parameters())]
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(first[key], want[key]), key
+    assert {float(st["step"]) for st in opt.optimizer.state.values()} == {float(want["step"])} == {4.0}
+
+
+@pytest.fixture
+def cpu_capturable(monkeypatch):
+    """torch's capturable AdamW allowed on the CPU (it checks for a GPU's device type, nothing more)."""
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("torch.optim.adam"), "_get_capturable_supported_devices",
+                        lambda supports_xla=True: ["cuda", "cpu"])
+
+
+@pytest.mark.parametrize("offload, capturable", [(False, False), (True, False), (False, True)])
+def test_a_skipped_step_is_as_if_never_taken_zero1(offload, capturable, cpu_capturable):
+    """nan_policy=skip, ZeRO-1 (with and without optimizer offload, and with the step count on the device as on a
+    GPU): a step whose gradient norm is not finite leaves no trace, the bias correction of the steps after it
+    included, before any logging step; the schedule's position advances (training.nan_policy: the step is taken
+    and updates nothing)."""
+    def zero1(model):
+        return model, ShardedAdamW(model.named_parameters(), None, ADAMW, ReduceSettings(offload=offload))
+
+    _check_as_if_never_taken(*_skipping_run(zero1, capturable))
+
+
+@pytest.mark.parametrize("capturable", [False, True])
+def test_a_skipped_step_is_as_if_never_taken_fsdp(capturable, world_of_one, cpu_capturable):
+    """The same with FSDP2's AdamW over fully_shard's DTensor parameters."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from megalysses.parallel.fsdp import FSDPAdamW, fully_shard
+
+    def fsdp(model):
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        for p in model.parameters():
+            p.tp_dim = None
+        return model, FSDPAdamW(model, ADAMW)
+
+    _check_as_if_never_taken(*_skipping_run(fsdp, capturable))

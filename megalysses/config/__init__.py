@@ -406,9 +406,10 @@ class TrainingConfig:
     back to host memory as its backward finishes, and the AdamW update runs on the CPU. The device holds two
     blocks' weights, one block's gradients and the embedding and head."""
     nan_policy: Literal["abort", "skip"] = "abort"
-    """On a NaN/Inf loss or gradient norm: abort the run, or skip the step (it updates nothing). Both are
-    decided on the device, without waiting for it: an abort is reported at the next logging step
-    (logging.log_interval), naming the step it happened at, before anything is saved."""
+    """On a NaN/Inf loss or gradient norm: abort the run, or skip the step (it updates nothing: the weights,
+    AdamW's moments and its step count stay as they were; its batch is consumed and the learning-rate schedule
+    moves on, as for any step). Both are decided on the device, without waiting for it: an abort is reported at
+    the next logging step (logging.log_interval), naming the step it happened at, before anything is saved."""
 
 
 @dataclass

@@ -48,14 +48,24 @@ def _rounded(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def flash_backward_workspace(q: Tensor, k: Tensor, heads_first: bool = False, sequences: int = 1) -> int:
+def flash_head_size(d: int) -> int:
+    """The head size of a flash kernel's fp32 dq accumulator: `d` padded to a multiple of 8 (the kernel's
+    head_size), then rounded up to 32 up to 128 and to 64 above (FlashAttention-2's mha_bwd and mha_varlen_bwd:
+    round_multiple(head_size, head_size <= 128 ? 32 : 64), in flash-attn's build and torch's alike)."""
+    d = _rounded(d, 8)
+    return _rounded(d, 32 if d <= 128 else 64)
+
+
+def flash_backward_workspace(q: Tensor, k: Tensor, heads_first: bool = False, sequences: int = 1,
+                             flash: bool = True) -> int:
     """Bytes a flash backward allocates inside (FlashAttention-2's mha_bwd and mha_varlen_bwd, torch's flash
     kernels, varlen): the fp32 dq accumulator and rowsum(dO * O) (softmax_d), and with fewer KV heads, dK and dV
     at the query heads' width. q, k: (B, S, H, D), (B, H, S, D) with `heads_first`, or (T, H, D) packed over
     `sequences` sequences (the cumulative lengths' count). Rows of the accumulators: each sequence's S rounded
     up to 128 (mha_bwd), or T + 128 x sequences packed (mha_varlen_bwd places each sequence 128 rows after the
     last, so that the atomic adds of a 128-row block past its end stay clear of the next). Bytes:
-    4 x rows x Hq x (D rounded to 8 + 1), + 2 x Sk x Hq x D in q's dtype with grouped KV heads."""
+    4 x rows x Hq x (flash_head_size(D) + 1), + 2 x Sk x Hq x D in q's dtype with grouped KV heads; not a
+    flash kernel (`flash` false: SDPA's memory-efficient one, counted alike) D rounded to 8."""
     if heads_first:
         q, k = q.transpose(1, 2), k.transpose(1, 2)
     if q.dim() == 3:
@@ -63,7 +73,7 @@ def flash_backward_workspace(q: Tensor, k: Tensor, heads_first: bool = False, se
     else:
         B, S, H, D = q.shape
         rows, kv_rows, Hk = B * _rounded(S, 128), B * k.shape[1], k.shape[2]
-    nbytes = 4 * rows * H * _rounded(D, 8) + 4 * H * rows
+    nbytes = 4 * rows * H * (flash_head_size(D) if flash else _rounded(D, 8)) + 4 * H * rows
     if Hk != H:
         nbytes += 2 * kv_rows * H * D * q.element_size()
     return nbytes
@@ -123,7 +133,7 @@ WORKSPACES = {
     aten._scaled_dot_product_flash_attention_backward.default:
         lambda dout, q, k, *args, **kwargs: flash_backward_workspace(q, k, heads_first=True),
     aten._scaled_dot_product_efficient_attention_backward.default:
-        lambda dout, q, k, *args, **kwargs: flash_backward_workspace(q, k, heads_first=True),
+        lambda dout, q, k, *args, **kwargs: flash_backward_workspace(q, k, heads_first=True, flash=False),
     aten._flash_attention_backward.default: lambda dout, q, k, *args, **kwargs: flash_backward_workspace(q, k),
 }
 if attention.varlen_available():

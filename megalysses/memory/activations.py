@@ -18,11 +18,31 @@ def kv_replication(kv_heads: int, sp: int) -> int:
     return 1 if kv_heads >= sp else sp // kv_heads
 
 
+def flash_kernel(opts: Options, ring: int) -> bool:
+    """Whether the attention backward runs a flash kernel (FlashAttention-2's mha_bwd or mha_varlen_bwd, in
+    flash-attn's build or torch's): backends flash and varlen, and torch's SDPA on CUDA where it picks its flash
+    kernel (ring blocks; no mask in half precision, where it reads grouped KV heads as they are)."""
+    sdpa_flash = opts.attention == "sdpa" and opts.dq_accumulator and (ring > 1 or opts.native_gqa)
+    return opts.attention in ("flash", "varlen") or sdpa_flash
+
+
+def accumulator_head_size(head_size: int, flash: bool) -> int:
+    """The head size of the attention backward's fp32 dq accumulator: a flash kernel's (`flash`) is the head size
+    padded to a multiple of 8, then rounded up to 32 up to 128 and to 64 above (round_multiple(head_size,
+    head_size <= 128 ? 32 : 64)); another kernel's the head size."""
+    if not flash:
+        return head_size
+    padded = -(-head_size // 8) * 8
+    step = 32 if padded <= 128 else 64
+    return -(-padded // step) * step
+
+
 def dims(m: ModelConfig, layout: Degrees, opts: Options, chunks: int = 1) -> dict[str, Any]:
     """Sizes per S/sp token on one rank. P: the Ulysses degree (all-to-alls, KV replication); ring: the
     ring degree (ring attention keeps its own copies and expands KV heads inside its kernels only).
     `chunks`: the attention sizes (q, kv, hq, qkv) of one of that many head chunks (each replicating its
-    own KV heads to the Ulysses degree when it has fewer)."""
+    own KV heads to the Ulysses degree when it has fewer); q_acc: the query width of the attention backward's
+    fp32 dq accumulator (accumulator_head_size)."""
     t, P, ring = layout.tp, layout.ulysses, layout.ring
     if ring > 1 and opts.attention == "reference":
         raise ValueError(f"memory model: ring attention (sp={layout.sp} = ulysses {P} x ring {ring}) with the "
@@ -33,7 +53,8 @@ def dims(m: ModelConfig, layout: Degrees, opts: Options, chunks: int = 1) -> dic
     q, kv = hq * m.head_size, hk * rep * m.head_size           # per S/sp token on one tp rank
     expand = ring == 1 and (opts.attention == "reference" or not opts.native_gqa) and hq != hk * rep
     return {"h": m.hidden_size, "r": t if opts.tp_sequence_parallel else 1, "q": q, "kv": kv, "hq": hq, "hk": hk,
-            "qkv": q + 2 * hk * m.head_size, "f": m.ffn_size / t, "expand": expand, "P": P, "ring": ring,
+            "qkv": q + 2 * hk * m.head_size, "q_acc": hq * accumulator_head_size(m.head_size, flash_kernel(opts, ring)),
+            "f": m.ffn_size / t, "expand": expand, "P": P, "ring": ring,
             "k": KERNELS[opts.kernels]}
 
 

@@ -84,7 +84,7 @@ def largest_block(m: ModelConfig, layout: Degrees, opts: Options, prec: Precisio
               "a gradient bucket": 0.0 if opts.fsdp else opts.bucket_bytes}
     if opts.dq_accumulator or d["ring"] > 1:
         rows = 1 + 128 * opts.varlen_sequences / work.seq_len      # a varlen kernel's 128 more rows per sequence
-        blocks["the fp32 dq of attention's backward"] = tokens * d["q"] * 4 * rows
+        blocks["the fp32 dq of attention's backward"] = tokens * d["q_acc"] * 4 * rows
     if d["ring"] > 1:
         blocks["the fp32 dK/dV accumulator travelling the ring"] = tokens * 2 * d["kv"] * 4
     if last:

@@ -143,17 +143,16 @@ class _Stage:
 
     def parts(self) -> dict[str, list[Term]]:
         m, layout, opts, prec, n_layers = self.m, self.layout, self.opts, self.prec, self.n_layers
-        n = self.blocks + self.other
         # a stage's backward peaks at its first layer (every activation, few gradients), its second (FSDP: the first
         # block's reduce-scatter input and sharded gradient there by then) or its last (one layer's activations,
         # every gradient): the bytes are linear in between
         moments = [self.fixed + self.grads_after(done) + self.activations(self.flight - 1, n_layers - done)
                    + self.layer_backward(done) for done in sorted({0, min(1, n_layers - 1), n_layers - 1})]
         parts = {"backward": max(moments, key=_device),
-                  "optimizer": self.fixed + [t for t in self.grads if not t.name.startswith("gradient bucket")
-                                             and not (opts.optimizer_offload and "reduced" in t.name)
-                                             and not self.streamed]
-                               + optimizer_terms(m, layout, opts, prec, n, self.M)}
+                 "optimizer": [t for t in self.fixed if not t.name.startswith("gathered")]   # FSDP resharded
+                              + [t for t in self.grads if not t.name.startswith("gradient bucket")
+                                 and not (opts.optimizer_offload and "reduced" in t.name) and not self.streamed]
+                              + optimizer_terms(m, layout, opts, prec, self.first, self.last, self.M)}
         end = fsdp_end_terms(m, layout, opts, prec, self.first, self.last, n_layers)
         if end is not None:
             parts["end of backward"] = self.fixed + end
@@ -167,8 +166,8 @@ class _Stage:
         parts = self.parts()
         part = max(parts, key=lambda p: _device(parts[p]))
         terms = [t for t in parts[part] if not t.host and t.bytes]
-        n = self.blocks + self.other
-        host = [t for t in self.fixed + optimizer_terms(m, layout, opts, prec, n, self.M) if t.host]
+        host = [t for t in self.fixed + optimizer_terms(m, layout, opts, prec, self.first, self.last, self.M)
+                if t.host]
         host = pinned_terms(pinned_requests(m, layout, opts, prec, work, self.stage)) + host   # what the arena holds
         return Estimate(peak=_device(terms), stage=self.stage, part=part, terms=terms + host,
                         host=sum(t.bytes for t in host), layer_bytes_per_token=self.layer_tok, layout=layout,

@@ -178,9 +178,23 @@ def state_terms(m: ModelConfig, layout: Degrees, opts: Options, prec: Precision,
     return fixed + gathered, [Term("sharded gradients (fp32)", n * 4 / G, f"{n:.4g} x 4 B / {G}")]
 
 
-def optimizer_terms(m: ModelConfig, layout: Degrees, opts: Options, prec: Precision, n: float, M: int) -> list[Term]:
-    """The AdamW step's own bytes, on top of weights, gradients and state (host ones with offload)."""
-    G = layout.dp * layout.sp
+def guarded_run(m: ModelConfig, layout: Degrees, opts: Options, first: bool, last: bool) -> float:
+    """Elements of the largest run a guarded update (training.nan_policy=skip) steps at once, 0 unguarded: runs
+    of at most opts.guard_elements elements, a larger tensor alone, never more than the rank's shards hold (its
+    largest dim-0 chunks)."""
+    if not opts.guard_elements:
+        return 0.0
+    shards = shard_elements(m, layout, first, last)
+    return float(min(sum(e * count for e, count in shards), max(opts.guard_elements, max(e for e, _ in shards))))
+
+
+def optimizer_terms(m: ModelConfig, layout: Degrees, opts: Options, prec: Precision, first: bool, last: bool,
+                    M: int) -> list[Term]:
+    """The AdamW step's own bytes, on top of weights, gradients and state (host ones with offload): its sqrt(v)
+    over what it steps at once, all of the rank's state or, guarded, one run, whose fp32 weights and moments are
+    kept aside while it is stepped (12 B per element)."""
+    G, n = layout.dp * layout.sp, sum(stage_params(m, layout, first, last))
+    run = guarded_run(m, layout, opts, first, last)
     terms = []
     # optimizer offload's reduced gradients and staging buffers are pinned: memory/host.py counts them
     if not opts.fsdp and not opts.optimizer_offload:
@@ -188,5 +202,7 @@ def optimizer_terms(m: ModelConfig, layout: Degrees, opts: Options, prec: Precis
             reduced = reduced_bytes(prec, opts, G, M)
             terms.append(Term("gradients: reduced fp32 chunks", n * reduced, f"{n:.4g} params x {reduced:.3g} B"))
     offloaded = opts.optimizer_offload or opts.param_offload
-    terms.append(Term("AdamW sqrt(v)", n * 4 / G, f"{n:.4g} x 4 B / {G}", host=offloaded))
-    return terms
+    if not run:
+        return terms + [Term("AdamW sqrt(v)", n * 4 / G, f"{n:.4g} x 4 B / {G}", host=offloaded)]
+    return terms + [Term("AdamW sqrt(v) of a guarded run", run * 4, f"{run:.4g} x 4 B", host=offloaded),
+                    Term("guarded run's weights and moments kept aside", run * 12, f"{run:.4g} x 12 B", host=offloaded)]

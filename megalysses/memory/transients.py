@@ -100,6 +100,17 @@ def _attention_alive(m: ModelConfig, layout: Degrees, opts: Options, prec: Preci
     return before_core, at_core, f" (one of {N} head chunks, the QKV input's gradient summed)", h * a
 
 
+def varlen_document_bytes(m: ModelConfig, layout: Degrees, opts: Options, micro_batch_size: int) -> float:
+    """What a variable-length kernel's backward keeps for its sequences beyond their tokens: 128 rows per
+    sequence of its cumulative lengths (opts.varlen_sequences a row of the micro-batch) of its fp32 dq
+    accumulator and rowsum(dO * O), over the query heads of a head chunk on a rank (flash-attn's
+    mha_varlen_bwd; the part of _core_backward's rows beyond the tokens)."""
+    if not opts.dq_accumulator or not opts.varlen_sequences:
+        return 0.0
+    d = dims(m, layout, opts, opts.head_chunks)
+    return 128 * opts.varlen_sequences * micro_batch_size * 4 * (d["q_acc"] + d["hq"]) / layout.ulysses
+
+
 def _core_backward(d: dict, opts: Options, a: int, seq_len: int) -> tuple[float, str]:
     """The attention kernel's backward buffers per token (or ring attention's), and their name."""
     q, kv = d["q"], d["kv"]
@@ -108,9 +119,10 @@ def _core_backward(d: dict, opts: Options, a: int, seq_len: int) -> tuple[float,
     # that width inside too (dk_expanded, dv_expanded) before summing each group into dk, dv
     kv_grads = q if d["expand"] else kv
     # a variable-length kernel's fp32 workspaces have 128 rows more per sequence of its cumulative lengths
-    # (flash-attn's mha_varlen_bwd: dq_accum and softmax_d of total_q + 128 x sequences rows)
+    # (flash-attn's mha_varlen_bwd: dq_accum and softmax_d of total_q + 128 x sequences rows), dq_accum's head
+    # size rounded as the kernel rounds it
     rows = 1 + 128 * opts.varlen_sequences / seq_len if seq_len else 1
-    accumulator = 4 * q * rows if opts.dq_accumulator else 0
+    accumulator = 4 * d["q_acc"] * rows if opts.dq_accumulator else 0
     inside = 2 * q * a if opts.dq_accumulator and not d["expand"] and q != kv else 0
     # the fp32 rowsum(dO * O) per query head (a flash kernel's softmax_d, FlexAttention's delta)
     rowsum = 4 * d["hq"] * rows if opts.dq_accumulator or opts.attention == "flex" else 0

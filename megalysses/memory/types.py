@@ -90,6 +90,8 @@ class Options:
     mask_block: int = 128              # FlexAttention's block-mask block size (ActivationPolicy.mask_block)
     async_save: bool = False           # checkpoints staged in pinned host memory, written in the background
                                        # (checkpoint.async_save as the plan resolved it; memory/host.py)
+    guard_elements: int = 0            # training.nan_policy=skip: AdamW steps runs of up to this many elements, each
+                                       # kept aside to be put back (parallel/optimizer.py GUARD_ELEMENTS); 0: unguarded
     pinned_rounding: bool = False      # torch rounds each pinned request of its own (FSDP2's) up to a power of two
                                        # (a torch that cannot stop it: Machine.pinned_exact False); megalysses'
                                        # own are exact (memory/host.py)

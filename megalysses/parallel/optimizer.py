@@ -5,12 +5,14 @@
     opt.begin_step(micro_batches)  # before the backward passes (ZeRO-1 launches reductions from them)
     norm = opt.step(max_norm, ok)  # reduce, global norm, clip, AdamW, gather; the norm before clipping (on the
                                    # device: a step whose norm or `ok` is not finite updates nothing)
-    opt.set_step(updates)          # AdamW's step count (a resume: skipped steps excluded)
+    opt.set_step(updates)          # AdamW's step count (a resume's: skipped steps excluded)
     opt.checkpoint_slots()         # (name, parameter, {master, exp_avg, exp_avg_sq}) as dim-0 chunks
 
 AdamWBase holds torch's AdamW (foreach; decay on matrices only), the learning rate, the step count, the
 global gradient norm (every element counted once over every rank), the clipping and the skip of a step whose
-norm is not finite, all decided on the device (no host synchronisation); each optimizer says how
+norm is not finite, all decided on the device (no host synchronisation): on a GPU the step count AdamW's bias
+correction reads lives there too (torch's capturable AdamW), and a skipped step does not advance it, so the
+steps after one update exactly as if it had never been taken; each optimizer says how
 its gradients get to the tensors AdamW updates (`_prepare`), what its local sum of squares is, and what
 follows the update (`_finish`).
 """
@@ -67,11 +69,13 @@ class Optimizer(Protocol):
 
 def adam_state(optimizer: torch.optim.Optimizer, p: Tensor) -> dict:
     """p's AdamW state (foreach, not fused), created as torch's AdamW creates it on a first step when it
-    does not exist yet: a float32 step count on the host and zero moments like p. A checkpoint load can
-    then fill it, and no torch version's default-device tensor creation reaches the step."""
+    does not exist yet: a float32 step count (beside p when the optimizer is capturable, else on the host) and
+    zero moments like p. A checkpoint load can then fill it, and no torch version's default-device tensor
+    creation reaches the step."""
     st = optimizer.state[p]
     if not st:
-        st.update(step=torch.zeros((), dtype=torch.float32, device="cpu"), exp_avg=torch.zeros_like(p),
+        where = p.device if optimizer.defaults["capturable"] else torch.device("cpu")
+        st.update(step=torch.zeros((), dtype=torch.float32, device=where), exp_avg=torch.zeros_like(p),
                   exp_avg_sq=torch.zeros_like(p))
     return st
 
@@ -83,11 +87,12 @@ class AdamWBase:
 
     def __init__(self, decay: list[Tensor], no_decay: list[Tensor], settings: AdamWSettings,
                  update_device: torch.device) -> None:
-        """`update_device`: where the gradients AdamW reads live (the clipping coefficient goes there)."""
+        """`update_device`: where the gradients AdamW reads live (the clipping coefficient and the step count go
+        there: on a GPU AdamW is capturable, its bias correction computed from the step count on the device)."""
         self.settings, self.update_device = settings, update_device
         groups = [{"params": decay, "weight_decay": settings.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         self.optimizer = torch.optim.AdamW(groups, lr=settings.lr, betas=settings.betas, eps=settings.eps,
-                                           foreach=True)
+                                           foreach=True, capturable=update_device.type == "cuda")
 
     # ------------------------------------------------------------------ the hooks
     def _prepare(self) -> None:
@@ -133,8 +138,7 @@ class AdamWBase:
         """Prepare the gradients, clip to `max_norm` (0: no clipping), update; the gradient norm before clipping,
         left on the device (nothing here reads a value back to the host). With `guard`, a step whose norm is not
         finite (the same on every rank), or whose `ok` (a device bool: the loss was finite) is false, updates
-        nothing: the weights and AdamW's moments are put back, decided on the device. AdamW's step count, kept
-        on the host, has counted it: the caller sets it right (set_step) once it reads the step back. Without
+        nothing: the weights, AdamW's moments and its step count are put back, decided on the device. Without
         `guard` (training.nan_policy=abort: the run stops at that read-back) the update is not checked."""
         self._prepare()
         norm = self.grad_norm()
@@ -163,8 +167,10 @@ class AdamWBase:
 
     def _guarded_update(self, ok: Tensor) -> None:
         """AdamW's update where `ok`, none where not: the tensors are stepped in runs of up to GUARD_ELEMENTS
-        elements (each element's arithmetic is the same as in one step of all of them), a run's weights and
-        moments kept aside while it is stepped and put back unless `ok`."""
+        elements (each element's arithmetic is the same as in one step of all of them), a run's weights, moments
+        and step counts kept aside while it is stepped and put back unless `ok` (the step counts are where `ok`
+        is: on the GPU, or on the host where the update runs there; a trace's meta device, which holds no values
+        and cannot run torch's capturable AdamW, leaves them on the host)."""
         groups = self.optimizer.param_groups
         everything = [g["params"] for g in groups]
         try:
@@ -172,8 +178,9 @@ class AdamWBase:
                 for run in _runs(params, GUARD_ELEMENTS):
                     for j, g in enumerate(groups):
                         g["params"] = run if j == index else []
-                    now = [_as_local(t) for p in run for t in (p, self.optimizer.state[p]["exp_avg"],
-                                                               self.optimizer.state[p]["exp_avg_sq"])]
+                    state = self.optimizer.state
+                    now = [_as_local(t) for p in run for t in (p, state[p]["exp_avg"], state[p]["exp_avg_sq"])]
+                    now += [state[p]["step"] for p in run if state[p]["step"].device == ok.device]
                     kept = [t.clone() for t in now]
                     self.optimizer.step()
                     for new, old in zip(now, kept):

@@ -16,6 +16,7 @@ from megalysses.kernels.attention import varlen_native_gqa
 from megalysses.memory.estimate import estimate
 from megalysses.memory.host import PinnedRequest, pinned_requests
 from megalysses.memory.types import PRECISIONS, Estimate, Options, Precision, Workload
+from megalysses.parallel.optimizer import GUARD_ELEMENTS
 from megalysses.plan.types import RunPlan
 
 
@@ -72,6 +73,7 @@ def options_of(cfg: Config, plan: RunPlan) -> Options:
                    bucket_bytes=0 if plan.fsdp else p.grad_bucket_elements * 4,
                    overlap_grad_reduce=p.overlap_grad_reduce, pinned_rounding=not plan.machine.pinned_exact,
                    async_save=plan.async_save,
+                   guard_elements=GUARD_ELEMENTS if cfg.training.nan_policy == "skip" else 0,
                    mask_block=a.mask_block)
 
 

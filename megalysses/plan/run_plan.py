@@ -13,8 +13,9 @@ same RunPlan.
 Attention `auto` picks the first backend that can run the shape (kernels/attention.unsupported_reason):
 flash-attn on CUDA in half precision; on CUDA with packed documents torch's variable-length attention
 (cumulative lengths, O(S)), then compiled FlexAttention (a block-sparse mask, O((S/block)^2), where SDPA
-would need a dense (S, S) one); else SDPA. For the blocks of ring attention
-only backends that return the log-sum-exp qualify: torch's SDPA flash kernel (CPU; CUDA without
+would need a dense (S, S) one), FlexAttention first where the variable-length backward's workspace of 128 rows a
+document is alone more than the device holds and FlexAttention fits (flex_for_documents); else SDPA. For the
+blocks of ring attention only backends that return the log-sum-exp qualify: torch's SDPA flash kernel (CPU; CUDA without
 documents, half precision), then FlexAttention, then the reference. The backend is resolved for
 training (a backward), which is what every phase of the run then uses: evaluation runs the same kernel
 forward only. The kernels are model.kernels' (the torch references by default: the Triton kernels are
@@ -171,6 +172,9 @@ def resolve(cfg: Config, machine: Machine, world_size: int, tiles: bool = True, 
     if attention == "flex" and has_docs and mask_block:
         plan = replace(plan, activation=replace(plan.activation, mask_block=flex_mask_block(cfg, plan)))
     plan = replace(plan, activation=replace(plan.activation, loss_tile=concrete_loss_tile(cfg, plan)))
+    flex = flex_for_documents(cfg, plan, world_size, tiles, mask_block)
+    if flex is not None:
+        return flex
     if tiles:
         asynchronous, why = choose_async_save(cfg, plan)
         plan = replace(plan, async_save=asynchronous, async_save_reason=why)
@@ -239,6 +243,60 @@ def flex_mask_block(cfg: Config, plan: RunPlan) -> int:
         if mask <= MASK_SHARE * est.peak or block >= span:
             return block
         block *= 2
+
+
+def flex_for_documents(cfg: Config, plan: RunPlan, world_size: int, tiles: bool, mask_block: bool) -> Optional[RunPlan]:
+    """model.attention_backend=auto with packed documents: FlexAttention's plan where the backward workspace a
+    variable-length kernel (torch's varlen_attn, flash-attn's flash_attn_varlen_func) keeps per document is
+    alone more than the device's usable memory, so that no tiles, head chunks or offload of this run can fit
+    with it, and FlexAttention, whose backward keeps nothing per document, can fit (None: `plan` stands). The
+    workspace is 128 fp32 rows of the dq accumulator and rowsum(dO * O) a document (data.documents_per_million;
+    memory.transients.varlen_document_bytes); fitting is what the planner asks of a candidate before weighing it
+    (plan/tiles.py could_fit). Neither depends on the tiles: a run resolved with tiles=False or mask_block=False
+    chooses alike."""
+    from megalysses.memory.transients import varlen_document_bytes     # the memory model: import late
+    from megalysses.plan.memory import options_of
+
+    if (cfg.model.attention_backend != "auto" or plan.attention not in ("varlen", "flash")
+            or not cfg.data.document_mask or plan.machine.memory_gib is None):
+        return None
+    workspace = varlen_document_bytes(cfg.model, plan.degrees, options_of(cfg, plan), plan.micro_batch_size)
+    if workspace <= _budget(plan):
+        return None
+    flex_cfg = replace(cfg, model=replace(cfg.model, attention_backend="flex"))
+    try:
+        untiled = resolve(flex_cfg, plan.machine, world_size, tiles=False)
+    except ConfigError:             # FlexAttention does not run here
+        return None
+    if not _could_fit(flex_cfg, untiled):
+        return None
+    flex = untiled if not tiles and mask_block else resolve(flex_cfg, plan.machine, world_size, tiles, mask_block)
+    return replace(flex, attention_reason=(
+        f"packed documents: a block-sparse mask, since {plan.attention}'s variable-length backward would keep "
+        f"{fmt_bytes(workspace)} for the documents alone (128 fp32 rows each, "
+        f"{cfg.data.documents_per_million:g} a million tokens: data.documents_per_million), more than the device "
+        f"holds; FlexAttention's keeps nothing per document"))
+
+
+def _budget(plan: RunPlan) -> float:
+    """The device's usable memory for `plan` as the planner's search bounds a candidate: its memory less the
+    reserve, the fragmentation allowance and the layout's communicators."""
+    from megalysses.plan.communicators import communicator_bytes     # they read RunPlans: import late
+    from megalysses.plan.step_time import Hardware
+
+    return Hardware().usable_bytes(plan.machine.memory_gib) - communicator_bytes(plan)
+
+
+def _could_fit(cfg: Config, plan: RunPlan) -> bool:
+    """Whether some tiles that `cfg`'s `auto` ones can take leave the memory model's peak of `plan` within the
+    budget (plan/tiles.py could_fit, as the planner's search asks it); False where the memory model does not
+    cover the run."""
+    from megalysses.plan.tiles import could_fit
+
+    try:
+        return could_fit(cfg, plan, _budget(plan))
+    except ValueError:
+        return False
 
 
 def _until_auto(tile: int | str) -> int:

@@ -252,8 +252,9 @@ class TrainingLoop:
 
     def _read_back(self) -> ReadBack:
         """The one read-back of a logging step (StepTally.read), with this rank's stop flags: the run's progress
-        (optimizer updates, the last finite loss) brought up to date, AdamW's step count set right where steps
-        were skipped, and a step whose loss or gradient norm was not finite reported (training.nan_policy=abort)."""
+        (optimizer updates, the last finite loss) brought up to date, and a step whose loss or gradient norm was
+        not finite reported (training.nan_policy=abort). AdamW's step count needs nothing: a skipped step left it
+        as it was, on the device (parallel/optimizer.py)."""
         t, p = self.cfg.training, self.progress
         flags, start = self.wall
         over_time = t.max_wall_minutes > 0 and time.monotonic() - start > 60 * t.max_wall_minutes
@@ -271,8 +272,6 @@ class TrainingLoop:
                                      f"(found at step {p.step}; loss now {back.loss:.4f}, gradient norm "
                                      f"{back.grad_norm:.4f}): aborting (set training.nan_policy=skip to skip such "
                                      f"steps)")
-        if back.not_finite:
-            self.opt.set_step(p.updates)          # AdamW counted the skipped steps until now
         return back
 
     def _settle(self, reason: str) -> None:
