@@ -44,3 +44,14 @@ def test_per_pair_masks_are_built_at_every_use_of_a_ring_block():
     for category in ("compute", "attention", "communication", "optimizer"):     # nothing else changes
         assert fb["traced_step_breakdown"][category] == pytest.approx(fa["traced_step_breakdown"][category])
     assert fb["traced_launches"] > fa["traced_launches"] + builds.per_pair
+
+
+def test_bench_trace_refuses_per_pair_masks_without_a_ring():
+    """The old per-use build stands for a ring block's mask only (attention without a ring built its mask once per
+    step before too): a layout without a ring is refused in one error line, before any trace."""
+    from benchmarks import bench_trace
+    from megalysses.plan.machine import device_memory_gib
+
+    with pytest.raises(SystemExit) as e:
+        bench_trace.measure("quickstart", HW, device_memory_gib("H100"), masks="per-pair")
+    assert str(e.value).startswith("error: --masks per-pair") and "ring1" in str(e.value) and "\n" not in str(e.value)
