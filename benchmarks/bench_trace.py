@@ -11,12 +11,17 @@ and mask evaluations.
 
     python benchmarks/bench_trace.py                         # every case (the 24M one takes longest)
     python benchmarks/bench_trace.py --cases gpt_1b_32k 8b-1m-1 [--out-dir DIR | --record] [--name memory_trace]
+    python benchmarks/bench_trace.py --cases 8b-6m-8 8b-24m-32 --masks per-pair --out-dir DIR --name before
 
 A row: the traced peak per GPU, its moment and the memory model's name for it; the model's peak and part,
 and its bytes at the traced moment; host memory per node traced (all of it, and the pinned part) and modelled;
 the usable budget of the layout (an H100 80GB as exposed, less the reserve and the fragmentation allowance of
 at least the traced largest allocation) and whether the traced peak fits it; the activation bytes per token
 (what the step adds to the weights and optimizer state at its peak, per token of the rank); the trace's time.
+With --masks per-pair a ring layout's FlexAttention block masks are built as before kernels/block_mask.py
+(benchmarks/per_pair_masks.py: create_block_mask's mask_mod on every pair, at every use), the step traced
+again for the comparison; a third table gives its mask builds (and today's) per optimizer step, and the
+memory model (today's masks, kept) is not held to these rows.
 A long case whose length no layout fits is a row saying so. Prints a markdown table; with --out-dir (or
 --record: benchmarks/results/) writes <name>.json and <name>.md. Exits non-zero when the model is more than 3%
 from a trace, or at another moment.
@@ -36,12 +41,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.harness import add_output_args, output_dir, write_text  # noqa: E402
+from benchmarks.per_pair_masks import Builds, per_pair_forms  # noqa: E402
 from megalysses.config.io import load_config  # noqa: E402
 from megalysses.memory import GIB  # noqa: E402
 from megalysses.plan.machine import device_memory_gib  # noqa: E402
 from megalysses.plan.search import evaluate, plan  # noqa: E402
 from megalysses.plan.step_time import Hardware  # noqa: E402
-from megalysses.training.trace import model_part, roofline_fields, trace_run, traced_peak  # noqa: E402
+from megalysses.training.trace import (model_part, roofline_fields, trace_run, traced_micro_batches,  # noqa: E402
+                                       traced_peak)
 
 SHIPPED = {"quickstart": 4, "gpt_1b_32k": 8, "gpt_1b_8gpu": 8, "gpt_1b_1m_offload": 1, "llama3_8b_128k": 32,
            "llama3_8b_1m": 64, "llama3_8b_chat_128k": 8}
@@ -79,7 +86,7 @@ def prediction(name: str, hw: Hardware, memory: float):
     return None, gpus, host, (fitting[0] if fitting else None)
 
 
-def measure(name: str, hw: Hardware, memory: float) -> dict:
+def measure(name: str, hw: Hardware, memory: float, masks: str = "kept") -> dict:
     start = time.perf_counter()
     cfg, gpus, host_budget, p = prediction(name, hw, memory)
     row = {"case": name, "gpus": gpus}
@@ -87,7 +94,15 @@ def measure(name: str, hw: Hardware, memory: float) -> dict:
         tokens = LONG[name][2]
         return {**row, "seq_len": tokens, "fits": False, "why": "no layout fits (the memory model's planner)"}
     cfg, est = p.cfg, p.estimate
-    traces = trace_run(cfg, p.plan.machine, gpus, hw=hw)
+    builds = Builds()
+    if masks == "per-pair" and (p.plan.degrees.ring < 2 or p.plan.attention != "flex"):
+        sys.exit(f"error: --masks per-pair reinstates the old masks of a ring's FlexAttention blocks, and {name} "
+                 f"is planned as {layout_text(p)}, {p.plan.attention}; give ring cases with flex")
+    traces = trace_run(cfg, p.plan.machine, gpus, hw=hw, forms=per_pair_forms(builds) if masks == "per-pair" else None)
+    if masks == "per-pair":      # per optimizer step, as the roofline scales its micro-batches
+        scale = p.plan.micro_batches / traced_micro_batches(p.plan.micro_batches, p.plan)
+        row.update(masks="per-pair", mask_builds={"kept": builds.kept * scale, "per_pair": builds.per_pair * scale,
+                                                  "per_pair_evaluations": builds.evaluations * scale})
     top = traced_peak(traces)
     part = model_part(top.device.moment)
     at_moment = est.parts.get((top.stage, part))
@@ -185,6 +200,21 @@ def step_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def builds_table(rows: list[dict]) -> str:
+    """The block masks' builds per optimizer step of the rows traced with --masks per-pair: the old path's (one per
+    use, mask_mod on every pair) and today's (one per ring block and step, kept), with the traced seconds."""
+    lines = [("| case | layout | traced step s | masks s | mask evaluations | builds per pair (before) | "
+              "builds kept (today's) | kernels |"), "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if "mask_builds" not in r:
+            continue
+        b = r["mask_builds"]
+        lines.append(f"| {r['case']} | {r['layout']}, {r['attention']} | {r['traced_step_s']:.5g} | "
+                     f"{r['traced_step_breakdown']['masks']:.4g} | {r['traced_mask_evaluations']:.4g} | "
+                     f"{b['per_pair']:,.0f} | {b['kept']:,.0f} | {r['traced_launches']:,} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", nargs="+", default=list(SHIPPED) + list(LONG), choices=list(SHIPPED) + list(LONG),
@@ -193,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="rows of earlier runs (their JSON): the step-time model's columns computed again, the "
                         "traces not run again (a row whose layout the planner no longer ranks first is kept, "
                         "marked remodelled: false)")
+    p.add_argument("--masks", choices=("kept", "per-pair"), default="kept",
+                   help="per-pair: a ring's block masks built as before kernels/block_mask.py, at every use "
+                        "(benchmarks/per_pair_masks.py), for the before-and-after comparison")
     add_output_args(p, "memory_trace")
     args = p.parse_args(argv)
     folder = output_dir(p, args)
@@ -205,19 +238,24 @@ def main(argv: list[str] | None = None) -> int:
             except (OSError, ValueError, KeyError) as e:
                 p.error(f"--remodel {path}: not a bench_trace JSON ({e})")
     for name in [] if args.remodel else args.cases:
-        rows.append(measure(name, hw, memory))
+        rows.append(measure(name, hw, memory, args.masks))
         print(f"{name}: done in {rows[-1].get('seconds', 0):.0f} s", flush=True)
     text = (table(rows) + "\n\nStep time per optimizer step, traced / modelled, seconds by category:\n\n"
             + step_table(rows))
+    if args.masks == "per-pair":
+        text += ("\n\nBlock masks built per pair at every use (the old path), per optimizer step:\n\n"
+                 + builds_table(rows))
     print("\n" + text)
-    bad = [r["case"] for r in rows if "traced_gib" in r and (abs(r["error"]) > TOLERANCE or not same_moment(r))]
+    bad = [r["case"] for r in rows if "traced_gib" in r and "mask_builds" not in r      # today's model, kept masks
+           and (abs(r["error"]) > TOLERANCE or not same_moment(r))]
     if folder is not None:
         name = args.name or "memory_trace"
         record = {"rows": rows, "machine": platform.platform(), "torch": torch.__version__,
                   "tolerance": TOLERANCE, "outside_tolerance": bad}
         write_text(folder, f"{name}.json", json.dumps(record, indent=1) + "\n")
         out = write_text(folder, f"{name}.md", f"# The memory model against the memory trace\n\nProduced by "
-                         f"`python benchmarks/bench_trace.py{' --record' if args.record else ''}` on "
+                         f"`python benchmarks/bench_trace.py{' --record' if args.record else ''}"
+                         f"{' --masks per-pair' if args.masks == 'per-pair' else ''}` on "
                          f"{platform.platform()} (torch {torch.__version__}); H100 80GB as exposed "
                          f"({memory:g} GiB). JSON beside this file.\n\n{text}\n")
         print(f"\nwrote {out}")

@@ -35,7 +35,7 @@ import functools
 import time
 import warnings
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -54,6 +54,9 @@ from megalysses.training.fsdp_meta import fsdp_internals, meta_device_module
 from megalysses.training.roofline import Roofline, Tally
 
 GPU_SMS = {"H100": 132, "H200": 132, "A100": 108}
+ChangeForms = Callable[[Any, Roofline], Any]
+"""A change of the attention kernels' forms a trace runs: given gpu_forms' (kernels/attention.py's GPUKernels)
+and the trace's roofline, the GPUKernels to run instead (another code path's, for a comparison: benchmarks/)."""
 
 
 @dataclass
@@ -135,10 +138,11 @@ def stage_rank(plan: RunPlan, stage: int) -> int:
 
 
 def trace_step(cfg: Config, machine: Machine, world: int, stage: int = 0, keep: int = 12,
-               hw: Optional[Hardware] = None) -> StepTrace:
+               hw: Optional[Hardware] = None, forms: Optional[ChangeForms] = None) -> StepTrace:
     """One step of the first rank of pipeline stage `stage` of a run of `cfg` on `world` ranks of `machine`,
     traced (see the module docstring); each peak lists the `keep` largest tensors alive then, and its
-    roofline is timed at `hw`'s figures (default: Hardware())."""
+    roofline is timed at `hw`'s figures (default: Hardware()). `forms`, when given, changes the attention
+    kernels' forms the step runs (ChangeForms)."""
     try:
         from torch._subclasses.fake_tensor import FakeTensorMode
         from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -169,7 +173,7 @@ def trace_step(cfg: Config, machine: Machine, world: int, stage: int = 0, keep: 
             mesh = grid.device_mesh(torch.device("meta"))     # made of real tensors, before the fakes
             pinned = functools.partial(torch_pinned, exact=machine.pinned_exact)    # FSDP2's, rounded as torch does
             with FakeTensorMode(allow_non_fake_inputs=True), LiveBytes(keep, torch_pinned=pinned) as live, \
-                    _gpu_forms(live, roof, machine, plan.micro_batch_size), roof:
+                    _gpu_forms(live, roof, machine, plan.micro_batch_size, forms), roof:
                 traced = _step(cfg, grid, plan, mesh, live, roof)
     finally:
         dist.destroy_process_group()
@@ -179,14 +183,28 @@ def trace_step(cfg: Config, machine: Machine, world: int, stage: int = 0, keep: 
 
 
 @contextlib.contextmanager
-def _gpu_forms(live: LiveBytes, roof: Roofline, machine: Machine, sequences: int) -> Iterator[None]:
+def _gpu_forms(live: LiveBytes, roof: Roofline, machine: Machine, sequences: int,
+               forms: Optional[ChangeForms]) -> Iterator[None]:
     from megalysses.kernels.gpu_forms import gpu_kernels
     from megalysses.kernels.triton_support import LaunchHook, launches_to
 
     with accelerator.use(FakeGPU(live, roof)), gpu_kernels(live, machine.packages, roof, sequences), \
+            _changed_forms(forms, roof), \
             launches_to(LaunchHook(GPU_SMS.get(machine.gpu or "", 132), roof.triton)), \
             warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor.*|.*all_gather_into_tensor.*")
+        yield
+
+
+@contextlib.contextmanager
+def _changed_forms(forms: Optional[ChangeForms], roof: Roofline) -> Iterator[None]:
+    """The GPU kernels' forms in use (gpu_forms') changed by `forms` inside, or left as they are."""
+    if forms is None:
+        yield
+        return
+    from megalysses.kernels import attention
+
+    with attention.use_kernels(forms(attention.kernels(), roof)):
         yield
 
 
@@ -259,11 +277,11 @@ def fake_batch(cfg: Config, grid: ParallelGrid, plan: RunPlan, device: torch.dev
 
 
 def trace_run(cfg: Config, machine: Machine, world: int, keep: int = 12,
-              hw: Optional[Hardware] = None) -> list[StepTrace]:
+              hw: Optional[Hardware] = None, forms: Optional[ChangeForms] = None) -> list[StepTrace]:
     """The traced step of the first stage and, with a pipeline, of the last (the run's peak is the larger)."""
-    first = trace_step(cfg, machine, world, 0, keep, hw)
+    first = trace_step(cfg, machine, world, 0, keep, hw, forms)
     pp = first.plan.degrees.pp
-    return [first] + ([trace_step(cfg, machine, world, pp - 1, keep, hw)] if pp > 1 else [])
+    return [first] + ([trace_step(cfg, machine, world, pp - 1, keep, hw, forms)] if pp > 1 else [])
 
 
 def traced_peak(traces: list[StepTrace]) -> StepTrace:
