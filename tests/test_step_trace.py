@@ -148,3 +148,63 @@ def test_model_against_the_trace(world, overrides):
     if world > 1:       # the ring's K/V blocks: the model's bytes
         sent = sum(v for k, v in traced["traced_collective_gb"].items() if k.startswith("send"))
         assert sent * 1e9 == pytest.approx(model.bytes["ring_p2p"], rel=0.05)
+
+
+@pytest.mark.parametrize("world,overrides", [
+    (4, ["parallel.sp=2", "parallel.sp_ring=2", "parallel.fsdp=true", "training.global_batch_size=4",
+         "model.kernels=triton", "training.attention_head_chunks=2", "data.seq_len=16384"]),
+    (2, ["parallel.sp=2", "training.global_batch_size=2", "training.activation_checkpointing=false"]),
+])
+def test_model_against_the_trace_with_head_chunks_and_ulysses(world, overrides):
+    """Head chunks in a ring with the Triton kernels at 16K tokens (the norm's backward over two row tiles, each
+    chunk's attention, its ring blocks and their merges once more in its backward, its QKV projection again but
+    not its output projection, the partial sums' in-place matmuls counted as matmuls), and Ulysses without
+    checkpointing (the all-to-alls' memory-bound passes by forward and backward): the matmul FLOPs within 1%,
+    the kernels, the compute (matmuls and memory-bound kernels), the launches and the block-mask builds within
+    5% of the trace's."""
+    cfg = load_config(overrides=SMALL + WIDE + overrides)
+    traces = trace_run(cfg, Machine.described("H100", packages=("triton",)), world, hw=HW)
+    traced = roofline_fields(traces)
+    model = predict(cfg, traces[0].plan, None, None, HW).step
+    assert traced["traced_flops"]["matmul"] == pytest.approx(model.flops["matmul"], rel=0.01)
+    assert traced["traced_launches"] == pytest.approx(model.kernels, rel=0.05)
+    seconds, breakdown = max(traces, key=lambda t: t.roofline.total).roofline.seconds, model.breakdown(HW)
+    far = {k: (seconds[k], breakdown[k]) for k in ("compute", "launches", "masks")
+           if breakdown[k] != pytest.approx(seconds[k], rel=0.05)}
+    assert not far, far
+
+
+def test_in_place_matmuls_by_their_formula():
+    """addmm_ (the head chunks' partial sums) is a matmul by addmm's formula, not a memory-bound op."""
+    with FakeTensorMode(), Roofline(HW) as roof:
+        a, b = torch.empty(4096, 512, device="meta", dtype=BF16), torch.empty(512, 4096, device="meta", dtype=BF16)
+        acc = torch.empty(4096, 4096, device="meta", dtype=BF16)
+        acc.addmm_(a, b)
+        roof.finish()
+    assert roof.result(1, 1).flops["matmul"] == 2 * 4096 * 512 * 4096
+
+
+def test_block_mask_builds_at_long_lengths():
+    """A ring step's block masks at a length where the pairs of blocks outweigh the queries and the build goes
+    over several groups of rows (kernels/block_mask.py ROW_CHUNK): the model's seconds (bytes per query and per
+    pair) and kernels within 5% of the traced builds of ring rank 0 (its own block, causal, and the other's with
+    the second half of its queries)."""
+    from megalysses.degrees import Degrees
+    from megalysses.kernels.block_mask import MaskPattern, build_block_mask
+    from megalysses.memory import PRECISIONS, Options, Workload
+    from megalysses.config import ModelConfig
+    from megalysses.plan.step_time import _mask_launches, step_time
+
+    S, ring = 1 << 19, 2
+    block, half = S // ring, S // (2 * ring)
+    with FakeTensorMode(), LiveBytes(), Roofline(HW) as roof:
+        with roof.category("masks"):
+            for sq, causal in ((block, True), (half, False)):
+                docs = torch.zeros(1, block, dtype=torch.long, device="meta")
+                build_block_mask(MaskPattern(causal, docs[:, :sq], docs), sq, block, 128, torch.device("meta"))
+        roof.finish()
+    traced = roof.result(1, 1)
+    layout, opts, work = Degrees(sp=ring, ring=ring), Options(attention="flex", documents=True), Workload(S)
+    model = step_time(ModelConfig(), layout, opts, PRECISIONS["bf16"], work, HW)
+    assert model.breakdown(HW)["masks"] == pytest.approx(traced.seconds["masks"], rel=0.05)
+    assert _mask_launches(layout, opts, work) == pytest.approx(traced.launches, rel=0.05)

@@ -19,6 +19,7 @@ from typing import Any, Mapping
 
 from megalysses.config import ModelConfig
 from megalysses.degrees import Degrees
+from megalysses.kernels.block_mask import ROW_CHUNK
 from megalysses.kernels.linear_cross_entropy import default_chunk_tokens
 from megalysses.kernels.norms import NORM_TILE_ELEMENTS
 from megalysses.memory import GIB, KERNELS, Options, Precision, Workload, head_norm_params, kv_replication, \
@@ -166,6 +167,10 @@ class KernelPasses:
     chunk_launches: tuple[int, int]     # (a, b): a head-chunked layer launches a N - b more
     tile_launches: tuple[int, int]      # (a, b): a tiled MLP launches a K - b more
     micro_batch_launches: int           # per micro-batch outside the layers (embedding, head, loss)
+    chunk_norm_tile_launches: int       # a head-chunked layer's norm backward over row tiles of NORM_TILE_ELEMENTS
+                                        # (model/tiled.py norm_backward_into: the norm again, its backward, the
+                                        # weight gradient's sum and cast, the tile's gradient copied): each tile
+                                        # beyond the first, beyond the norm tiles' own (NORM_TILE_LAUNCHES)
     params: tuple[float, float] = (17.1, 18.0)  # bytes per parameter outside the optimizer: each micro-batch (its
                                                 # gradients' casts and sums), each step (ZeRO-1's gradient buckets)
     loss: float = 70.5              # bytes/token per vocabulary element (per rank) of the LM head's memory-bound
@@ -175,11 +180,11 @@ class KernelPasses:
 # torch and triton are counted; liger and apex (fused norms and RoPE, Triton SwiGLU) as triton
 _TRITON = KernelPasses(layer=(56.6, 16.7, 16.5), recompute=(21.0, 6.0, 8.0), head=28.6, chunks=(24.3, 4.0),
                        tiles=(31.3, 10.5), launches=(52, 8, 32), chunk_launches=(23, 9), tile_launches=(29, 8),
-                       micro_batch_launches=74)
+                       micro_batch_launches=74, chunk_norm_tile_launches=6)
 KERNEL_PASSES: dict[str, KernelPasses] = {
     "torch": KernelPasses(layer=(445.7, 36.7, 72.5), recompute=(107.2, 14.1, 34.8), head=185.6,
                           chunks=(83.0, 7.0), tiles=(39.3, 10.0), launches=(142, 38, 32), chunk_launches=(73, 25),
-                          tile_launches=(81, 55), micro_batch_launches=106),
+                          tile_launches=(81, 55), micro_batch_launches=106, chunk_norm_tile_launches=22),
     "triton": _TRITON, "liger": _TRITON, "apex": _TRITON}
 FSDP_BYTES = (69.6, 31.3)    # FSDP2's casts, copies and gradients per block parameter per micro-batch (in place of
                              # KernelPasses.params): one rank, sharded
@@ -190,15 +195,24 @@ ZERO_LAUNCHES = 33           # ZeRO-1's kernels per layer and step over a group,
 NORM_TILE_LAUNCHES = 44      # kernels of each torch norm tile beyond the first, forward and backward
 LOSS_TILE_LAUNCHES = 36      # kernels of each LM head and loss tile beyond the first
 LOSS_TILE_BYTES = 20.0       # and its bytes per head parameter (the fp32 weight gradient's sum)
-ULYSSES_BYTES = 55.0         # bytes/token per element of q, k, v and the output around Ulysses' all-to-alls
-ULYSSES_LAUNCHES = 16        # their kernels per layer
+ULYSSES_BYTES = (21.0, 17.0)     # bytes/token per element of q and kv (per rank) around Ulysses' all-to-alls
+                                 # (the heads' stack and cat): each forward (recomputations and a head chunk's
+                                 # again in its backward among them), the backward
+ULYSSES_LAUNCHES = 16        # their kernels per layer and head chunk at a forward and its recomputation
+ULYSSES_FORWARD_LAUNCHES = 5     # each forward more (a head chunk's again in its backward)
 RING_BYTES = (34.0, 145.0)   # a ring's bytes/token per element of q and kv: per block, per layer (beside its merges)
-RING_LAUNCHES = (50, 4)      # a ring's kernels per layer and head chunk: per block, once
+RING_LAUNCHES = (50, 4)      # a ring's kernels per layer and head chunk at a forward and its recomputation: per
+                             # block, once
+RING_FORWARD_LAUNCHES = (14, 4)     # each forward of a ring more (a head chunk's again in its backward): per block
+                                    # (the block's attention, its merge into the fp32 output and LSE), once
 MASK_LAUNCHES = 90           # kernels of a ring block's block-mask build (per micro-batch)
+MASK_ROW_LAUNCHES = (24, 10)  # and of each group of its rows beyond the first (kernels/block_mask.py: ROW_CHUNK
+                              # block-matrix entries at a time): the block matrices', each of the 4 orderings'
 STEP_LAUNCHES = 62           # per step: the norm, clipping and torch's foreach AdamW
 MASKS, COPIES = "block-mask builds", "host copies (offload)"
-MASK_QUERY_BYTES = 495.0     # a block mask's build: bytes per query (each query's interval of keys, its blocks)
-MASK_PAIR_BYTES = 8.0        # and per pair of 128-token blocks (the block matrices, FlexAttention's index tensors)
+MASK_QUERY_BYTES = 448.0     # a block mask's build: bytes per query (each query's interval of keys, its blocks)
+MASK_PAIR_BYTES = 400.0      # and per pair of blocks (the block matrices, their orderings into FlexAttention's
+                             # index tensors): counted by the trace up to 1.5M x 1.5M tokens, where the pairs dominate
 HOST_NORM = 1.1             # the host's AdamW with the gradient norm and the clipping beside it: a pass of ten more
 ADAM_BYTES = 84              # torch's foreach AdamW (decay, lerp, mul, addcmul, sqrt, div, add, addcdiv) per fp32
                              # element
@@ -248,8 +262,9 @@ def _compute(m: ModelConfig, layout: Degrees, opts: Options, prec: Precision, wo
         redo_mm += mlp_mm * (1 + recomputes)
     else:
         redo_mm += (mlp_mm - down) * recomputes
-    if N > 1:       # each head chunk's forward runs again in its backward: QKV and output projections
-        redo_mm += L * 2 * (m.hidden_size * (q + 2 * m.kv_heads * m.head_size / t) + q * m.hidden_size) * tokens
+    if N > 1:       # each head chunk's QKV projection runs again in its backward (its output projection's
+        # gradients are taken by hand from the chunk's attention output: model/tiled.py chunks_backward)
+        redo_mm += L * 2 * m.hidden_size * (q + 2 * m.kv_heads * m.head_size / t) * tokens
     mm = M * (3 * (fwd_mm + head) + redo_mm)
     # forward, backward (2.5 forwards: torch.utils.flop_counter's count, to which attention_efficiency is
     # fitted), and under checkpointing the recomputations, unless their output is kept; head chunks recompute
@@ -278,25 +293,28 @@ def _memory_passes(m: ModelConfig, layout: Degrees, opts: Options, work: Workloa
     params = layer_params(m, t)
     per_mb = 0.0                                                    # bytes per layer and micro-batch, not by token
     launches = k.launches[0] + c.recomputes * k.launches[1]
+    # the torch norms run over row tiles of NORM_TILE_ELEMENTS (kernels/norms.py), two a layer and the final one;
+    # a head-chunked layer's norm backward over row tiles with every kernel set
+    row_tiles = math.ceil(T / shard * m.hidden_size / NORM_TILE_ELEMENTS) - 1
     N = opts.head_chunks
     if N > 1:
         per_token += k.chunks[0] * (c.q + c.kv) + N * k.chunks[1] * h
-        launches += k.chunk_launches[0] * N - k.chunk_launches[1]
+        launches += k.chunk_launches[0] * N - k.chunk_launches[1] + k.chunk_norm_tile_launches * row_tiles
     if tiled(opts.mlp_chunk_tokens, layout, opts, work.seq_len):
         tiles = math.ceil(T / shard / opts.mlp_chunk_tokens)
         per_token += k.tiles[0] * widths[1] * (1.0 if c.recomputes else 0.75)
         per_mb += tiles * k.tiles[1] * (3 if m.mlp == "swiglu" else 2) * m.hidden_size * widths[1]
         launches += k.tile_launches[0] * tiles - k.tile_launches[1]
-    # the torch norms run over row tiles of NORM_TILE_ELEMENTS (kernels/norms.py), two a layer and the final one
-    norm_tiles = math.ceil(T / shard * m.hidden_size / NORM_TILE_ELEMENTS) - 1
-    norm_tiles *= KERNELS[opts.kernels].norm_tiled
+    norm_tiles = row_tiles * KERNELS[opts.kernels].norm_tiled
     launches += 2 * NORM_TILE_LAUNCHES * norm_tiles
     if layout.ulysses > 1:
-        per_token += ULYSSES_BYTES * 2 * (c.q + c.kv)
-        launches += ULYSSES_LAUNCHES
+        a2a_forwards = 1 + c.recomputes + (N > 1)
+        per_token += (ULYSSES_BYTES[0] * a2a_forwards + ULYSSES_BYTES[1]) * (c.q + c.kv)
+        launches += (ULYSSES_LAUNCHES + (c.forwards - 2) * ULYSSES_FORWARD_LAUNCHES) * N
     if layout.ring > 1:     # each of the r blocks, each head chunk: slices, fp32 accumulations, the K/V stack
         per_token += (RING_BYTES[0] * layout.ring + RING_BYTES[1]) * (c.q + c.kv)
-        launches += (RING_LAUNCHES[0] * layout.ring + RING_LAUNCHES[1]) * N
+        forwards = RING_FORWARD_LAUNCHES[0] * layout.ring + RING_FORWARD_LAUNCHES[1]
+        launches += (RING_LAUNCHES[0] * layout.ring + RING_LAUNCHES[1] + (c.forwards - 2) * forwards) * N
     sharded = layout.dp * layout.sp > 1
     vocab = m.padded_vocab_size(t) / t
     root = vocab * m.hidden_size * (1 if m.tie_embeddings or layout.pp > 1 else 2)   # embedding, LM head
@@ -313,7 +331,7 @@ def _memory_passes(m: ModelConfig, layout: Degrees, opts: Options, work: Workloa
     # gradient's sum
     more = math.ceil(T / (opts.loss_chunk_tokens or default_chunk_tokens(int(vocab)))) - 1
     outside += M * more * LOSS_TILE_BYTES * vocab * m.hidden_size
-    ring_masks = M * MASK_LAUNCHES * layout.ring if layout.ring > 1 else 0
+    ring_masks = M * _mask_launches(layout, opts, work) if layout.ring > 1 else 0
     return L * per_layer + outside, round(L * launches + M * (k.micro_batch_launches + LOSS_TILE_LAUNCHES * more
                                                               + NORM_TILE_LAUNCHES * norm_tiles)
                                           + STEP_LAUNCHES + ring_masks)
@@ -409,9 +427,24 @@ def _data_parallel_comm(s: _Step, n: float, compute: float, nbytes: dict, expose
         exposed["parameter all-gather"] = 0.0 if overlap.param_gather else gather / hw.link(span_grad)
 
 
+def _mask_launches(layout: Degrees, opts: Options, work: Workload) -> int:
+    """Kernels of a micro-batch's block-mask builds on ring rank 0 (its own block whole, every other block with the
+    second half of its queries), each over groups of rows of ROW_CHUNK block-matrix entries at most."""
+    def groups(rows: int, cols: int) -> int:
+        return math.ceil(rows / max(1, ROW_CHUNK // max(work.micro_batch_size * cols, 1)))
+
+    r, nk = layout.ring, math.ceil(work.seq_len / layout.ring / opts.mask_block)
+    total = 0
+    for nq, builds in ((nk, 1), (math.ceil(nk / 2), r - 1)):
+        rows = groups(nq, nk + 1) - 1
+        orderings = 2 * (groups(nq, nk) - 1) + 2 * (groups(nk, nq) - 1)
+        total += builds * (MASK_LAUNCHES + MASK_ROW_LAUNCHES[0] * rows + MASK_ROW_LAUNCHES[1] * orderings)
+    return total
+
+
 def _ring_masks(s: _Step, exposed: dict) -> None:
     """A ring's per-block work outside its kernels, each micro-batch: FlexAttention's block masks built from the
-    documents' boundaries (kernels/block_mask.py: per query and per pair of 128-token blocks; the masks), and
+    documents' boundaries (kernels/block_mask.py: per query and per pair of blocks; the masks), and
     with documents the ring blocks' positions copied to the device to pick their document ids (two a block: the
     host copies), for ring rank 0 (its own block whole, every other one's second half of its queries)."""
     layout, opts, work, hw = s.layout, s.opts, s.work, s.hw

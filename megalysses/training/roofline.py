@@ -63,6 +63,9 @@ _ATTENTION_OPS = {"_scaled_dot_product_efficient_attention", "_scaled_dot_produc
                   "_flash_attention_backward", "_efficient_attention_backward", "flex_attention",
                   "flex_attention_backward"}
 _ATTENTION_OPS |= {name + "_backward" for name in list(_ATTENTION_OPS)}
+# in-place matmuls (model/tiled.py's head chunks sum their partial products with addmm_) by the formula of their
+# out-of-place form, which torch.utils.flop_counter has alone
+_IN_PLACE = {aten.addmm_: flop_registry[aten.addmm], aten.baddbmm_: flop_registry[aten.baddbmm]}
 _COLLECTIVE_FACTOR = {"allreduce_": 2.0, "_allgather_base_": 1.0, "allgather_": 1.0, "_reduce_scatter_base_": 1.0,
                       "reduce_scatter_": 1.0, "alltoall_base_": 1.0, "broadcast_": 1.0, "send": 0.0, "recv_": 0.0}
 
@@ -386,7 +389,7 @@ def _argument(func: Any, args: tuple, kwargs: dict, name: str, default: Any) -> 
 def _flops(func: Any, args: tuple, kwargs: dict, out: Any) -> tuple[float, str]:
     """(FLOPs, class) of an aten op by torch's formula: matmul, attention (scaled to the pairs causality
     leaves), or memory (no formula: memory-bound)."""
-    formula = flop_registry.get(func.overloadpacket)
+    formula = flop_registry.get(func.overloadpacket) or _IN_PLACE.get(func.overloadpacket)
     if formula is None:
         return 0.0, "memory"
     flops = float(formula(*args, **kwargs, out_val=out))
