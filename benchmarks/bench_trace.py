@@ -141,9 +141,9 @@ def layout_text(p) -> str:
 
 
 def remodel(row: dict, hw: Hardware, memory: float) -> dict:
-    """A recorded row with the step-time model's columns computed again for the traced layout (the traced ones
-    as they were), and the layout the planner ranks first now (`top_layout`); unchanged, marked, when the
-    traced layout no longer fits."""
+    """A recorded row with the models' columns computed again for the traced layout (the traced ones as they
+    were): the step-time model's and the memory model's (its peak, part and bytes at the traced moment), and the
+    layout the planner ranks first now (`top_layout`); unchanged, marked, when the traced layout no longer fits."""
     if "traced_step_s" not in row:
         return row
     name = row["case"]
@@ -155,7 +155,12 @@ def remodel(row: dict, hw: Hardware, memory: float) -> dict:
     same = [p for p in fitting if layout_text(p) == row["layout"]]
     if not same:
         return {**row, "remodelled": False}
+    est = same[0].estimate
+    at_moment = est.parts.get((row["traced_stage"], row["traced_part"]))
     return {**row, "model_step_s": same[0].step.total, "step_breakdown": same[0].step.breakdown(hw),
+            "model_gib": est.peak / GIB, "model_stage": est.stage, "model_part": est.part,
+            "model_at_traced_moment_gib": (at_moment or 0.0) / GIB, "error": est.peak / (row["traced_gib"] * GIB) - 1,
+            "host_model_gib_per_node": same[0].host_per_node / GIB,
             "remodelled": True, "top_layout": layout_text(fitting[0])}
 
 
