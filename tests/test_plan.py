@@ -12,6 +12,7 @@ from megalysses.config import ConfigError, ModelConfig
 from megalysses.config.checks import check_heads, check_world_size, validate_config
 from megalysses.config.io import load_config
 from megalysses.degrees import Degrees
+import megalysses.plan.step_time as step_time_module
 from megalysses.memory import (GIB, PRECISIONS, Options, Workload, estimate, layer_params,
                                stage_params)
 from megalysses.plan.communicators import axis_sizes, communicators
@@ -54,8 +55,12 @@ def test_megatron_core_h100_mfu(name, heads, hidden, layers, tp, pp, batch, publ
     parallelism with fused QKV and fc1 projections, fp32 gradient reduce-scatter (the distributed
     optimizer), and tensor-parallel, pipeline and data-parallel communication overlapped with compute
     (--tp-comm-overlap, --overlap-grad-reduce, --overlap-param-gather), with Megatron-Core's own fused
-    memory-bound kernels (MEGATRON_PASSES) beside the matmul kernels at Hardware's matmul efficiency."""
+    memory-bound kernels (MEGATRON_PASSES) beside the matmul kernels at Hardware's matmul efficiency and its
+    distributed optimizer's flat buffers."""
     monkeypatch.setitem(KERNEL_PASSES, "triton", MEGATRON_PASSES)     # the kernel set the model below names
+    # the distributed optimizer's gradients and parameters in contiguous buffers: no chunk of each parameter
+    # tensor padded and copied per rank of the group, as megalysses' ZeRO-1 does
+    monkeypatch.setattr(step_time_module, "ZERO_RANK_LAUNCHES", 0)
     V, S, dp = 131072, 4096, 48
     m = ModelConfig(vocab_size=V, hidden_size=hidden, num_layers=layers, num_heads=heads,
                     ffn_hidden_size=4 * hidden, mlp="gelu")

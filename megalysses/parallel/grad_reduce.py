@@ -196,8 +196,9 @@ class GradientReducer:
             grads = [s.raw_grad() if self.offload else s.grad() for s in bucket]
             self.pending.launched.append((None, grads, bucket, micro))
         else:
+            grads = [] if streamed else [s.grad() for s in bucket]     # each cast once, not once per rank
             send = self._send_buffer(bucket) if streamed else torch.cat(
-                [self._rank_chunk(g, s, j) for j in range(self.G) for s, g in zip(bucket, [s.grad() for s in bucket])])
+                [self._rank_chunk(g, s, j) for j in range(self.G) for s, g in zip(bucket, grads)])
             mine = send.new_empty(send.numel() // self.G)
             work = comm.reduce_scatter_into(mine, send, self.grad_group, async_op=True)
             self.pending.launched.append((work, mine, bucket, micro))

@@ -147,7 +147,10 @@ class ShardedAdamW(AdamWBase):
             mine = torch.cat([torch.nn.functional.pad(s.master.reshape(-1), (0, s.padded - s.master.numel()))
                               if s.master is not None else torch.zeros(s.padded, dtype=torch.float32, device=where)
                               for s in bucket])
-            mine = mine.to(bucket[0].param.device)   # offload: the updated chunks back to the device
+            # gathered in the parameters' dtype when the bucket has one (each copy below would round to it
+            # anyway), half the bytes of fp32 chunks for bf16 weights; offload: the chunks back to the device
+            dtypes = {s.param.dtype for s in bucket}
+            mine = mine.to(bucket[0].param.device, dtypes.pop() if len(dtypes) == 1 else mine.dtype)
             full = mine.new_empty(mine.numel() * self.G)
             comm.all_gather_into(full, mine, self.grad_group)
             per_rank = full.view(self.G, -1)

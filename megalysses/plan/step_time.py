@@ -165,8 +165,12 @@ class KernelPasses:
                                     # weight gradients each tile's backward adds)
     launches: tuple[int, int, int]  # kernels per layer: each micro-batch, each recomputation, each step
     chunk_launches: tuple[int, int]     # (a, b): a head-chunked layer launches a N - b more
-    tile_launches: tuple[int, int]      # (a, b): a tiled MLP launches a K - b more
+    tile_launches: tuple[int, int]      # (a, b): a tiled MLP launches a K - b more (K tiles), without checkpointing
+    tile_recompute_launches: tuple[int, int]    # and (a, b) more each recomputation (the block's tiles' forward
+                                                # again: the norm, the up projections and the activation per tile)
     micro_batch_launches: int           # per micro-batch outside the layers (embedding, head, loss)
+    fsdp_launches: int                  # FSDP2's kernels per layer and micro-batch on one rank (unsharded), in
+                                        # place of ZeRO-1's gradient casts
     chunk_norm_tile_launches: int       # a head-chunked layer's norm backward over row tiles of NORM_TILE_ELEMENTS
                                         # (model/tiled.py norm_backward_into: the norm again, its backward, the
                                         # weight gradient's sum and cast, the tile's gradient copied): each tile
@@ -179,19 +183,28 @@ class KernelPasses:
 
 # torch and triton are counted; liger and apex (fused norms and RoPE, Triton SwiGLU) as triton
 _TRITON = KernelPasses(layer=(56.6, 16.7, 16.5), recompute=(21.0, 6.0, 8.0), head=28.6, chunks=(24.3, 4.0),
-                       tiles=(31.3, 10.5), launches=(52, 8, 32), chunk_launches=(23, 9), tile_launches=(29, 8),
-                       micro_batch_launches=74, chunk_norm_tile_launches=6)
+                       tiles=(31.3, 10.5), launches=(44, 8, 32), chunk_launches=(23, 9), tile_launches=(23, 6),
+                       tile_recompute_launches=(6, 2), micro_batch_launches=74, fsdp_launches=69,
+                       chunk_norm_tile_launches=6)
 KERNEL_PASSES: dict[str, KernelPasses] = {
     "torch": KernelPasses(layer=(445.7, 36.7, 72.5), recompute=(107.2, 14.1, 34.8), head=185.6,
                           chunks=(83.0, 7.0), tiles=(39.3, 10.0), launches=(142, 38, 32), chunk_launches=(73, 25),
-                          tile_launches=(81, 55), micro_batch_launches=106, chunk_norm_tile_launches=22),
+                          tile_launches=(67, 44), tile_recompute_launches=(14, 11), micro_batch_launches=106,
+                          fsdp_launches=61, chunk_norm_tile_launches=22),
     "triton": _TRITON, "liger": _TRITON, "apex": _TRITON}
 FSDP_BYTES = (69.6, 31.3)    # FSDP2's casts, copies and gradients per block parameter per micro-batch (in place of
                              # KernelPasses.params): one rank, sharded
 FSDP_ROOT_BYTES = (288.0, 0.0)      # the same per parameter of the root unit (embedding, LM head)
-FSDP_LAUNCHES = (61, 45.5)   # FSDP2's kernels per layer (in place of ZeRO-1's): one rank, each micro-batch;
-                             # sharded, each step (the norm's square and sum per parameter)
-ZERO_LAUNCHES = 33           # ZeRO-1's kernels per layer and step over a group, beside KernelPasses.launches[2]
+FSDP_LAUNCHES = 45.5         # FSDP2's kernels per layer, sharded, each step (the norm's square and sum per
+                             # parameter); one rank's by kernel set (KernelPasses.fsdp_launches)
+FSDP_PARAM_OFFLOAD_LAUNCHES = -32    # one rank's FSDP2 with its shards in host memory: kernels per layer and
+                                     # micro-batch beside fsdp_launches (counted at one micro-batch)
+OFFLOAD_LAUNCHES = 3         # activation offload, per layer and micro-batch: the block input's copy to the host,
+                             # its fetch back, the zeros its backward starts from (parallel/offload.py)
+ZERO_LAUNCHES = 3            # ZeRO-1's kernels per layer and step over a group, beside KernelPasses.launches[2]
+ZERO_RANK_LAUNCHES = 2       # and per parameter tensor and rank of the group: its chunk for that rank padded into
+                             # the reduce-scatter's input, the rank's updated chunk copied back into the parameter
+                             # (parallel/grad_reduce.py _rank_chunk, parallel/zero.py gather_params)
 NORM_TILE_LAUNCHES = 44      # kernels of each torch norm tile beyond the first, forward and backward
 LOSS_TILE_LAUNCHES = 36      # kernels of each LM head and loss tile beyond the first
 LOSS_TILE_BYTES = 20.0       # and its bytes per head parameter (the fp32 weight gradient's sum)
@@ -216,6 +229,15 @@ MASK_PAIR_BYTES = 400.0      # and per pair of blocks (the block matrices, their
 HOST_NORM = 1.1             # the host's AdamW with the gradient norm and the clipping beside it: a pass of ten more
 ADAM_BYTES = 84              # torch's foreach AdamW (decay, lerp, mul, addcmul, sqrt, div, add, addcdiv) per fp32
                              # element
+
+
+def _tensors(m: ModelConfig, pp: int = 1) -> tuple[int, int]:
+    """Parameter tensors of a block (the fused QKV, output, fused gate-up or first and down projections, two
+    norms, and their biases, q and k head norms) and of the root (embedding, LM head unless tied or staged, the
+    final norm)."""
+    norm = 2 if m.norm == "layernorm" else 1
+    block = 4 + 2 * norm + m.qkv_bias + m.attention_bias + 2 * m.mlp_bias + 2 * m.qk_layernorm
+    return block, (1 if m.tie_embeddings or pp > 1 else 2) + norm
 
 
 @dataclass
@@ -274,17 +296,19 @@ def _compute(m: ModelConfig, layout: Degrees, opts: Options, prec: Precision, wo
     again = layout.ring > 1 and opts.attention == "flex"
     attn = M * fwd_attn * (forwards + again + 2.5)
     c = _Compute(tokens, L, q, kv, recomputes, forwards, mm, attn)
-    c.memory, c.launches = _memory_passes(m, layout, opts, work, c)
+    c.memory, c.launches = _memory_passes(m, layout, opts, work, c, prec.weight < 4)
     c.memory *= prec.act / 2             # counted at bf16 activations
     c.seconds = (mm / (hw.peak_tflops * 1e12 * hw.matmul_efficiency)
                  + attn / (hw.peak_tflops * 1e12 * hw.attention_efficiency) + c.memory / (hw.hbm_gbs * 1e9))
     return c
 
 
-def _memory_passes(m: ModelConfig, layout: Degrees, opts: Options, work: Workload, c: _Compute) -> tuple[float, int]:
+def _memory_passes(m: ModelConfig, layout: Degrees, opts: Options, work: Workload, c: _Compute,
+                   narrow: bool) -> tuple[float, int]:
     """(bytes, kernels) of a step's memory-bound kernels and every kernel it launches, but the optimizer's
     bytes (KERNEL_PASSES: per layer and micro-batch by width and parameter, head chunks, MLP tiles, Ulysses'
-    all-to-alls and the ring; the LM head by the vocabulary; FSDP2's and ZeRO-1's per parameter)."""
+    all-to-alls and the ring; the LM head by the vocabulary; FSDP2's and ZeRO-1's per parameter). `narrow`:
+    weights narrower than fp32, which ZeRO-1 gathers cast (a kernel per gradient bucket)."""
     k, t, M, L, T = KERNEL_PASSES[opts.kernels], layout.tp, work.micro_batches, c.layers, c.tokens
     shard = t if opts.tp_sequence_parallel else 1          # TP sequence sharding splits the residual stream
     h = m.hidden_size / shard
@@ -304,7 +328,8 @@ def _memory_passes(m: ModelConfig, layout: Degrees, opts: Options, work: Workloa
         tiles = math.ceil(T / shard / opts.mlp_chunk_tokens)
         per_token += k.tiles[0] * widths[1] * (1.0 if c.recomputes else 0.75)
         per_mb += tiles * k.tiles[1] * (3 if m.mlp == "swiglu" else 2) * m.hidden_size * widths[1]
-        launches += k.tile_launches[0] * tiles - k.tile_launches[1]
+        redo = k.tile_recompute_launches
+        launches += (k.tile_launches[0] + c.recomputes * redo[0]) * tiles - k.tile_launches[1] - c.recomputes * redo[1]
     norm_tiles = row_tiles * KERNELS[opts.kernels].norm_tiled
     launches += 2 * NORM_TILE_LAUNCHES * norm_tiles
     if layout.ulysses > 1:
@@ -315,16 +340,24 @@ def _memory_passes(m: ModelConfig, layout: Degrees, opts: Options, work: Workloa
         per_token += (RING_BYTES[0] * layout.ring + RING_BYTES[1]) * (c.q + c.kv)
         forwards = RING_FORWARD_LAUNCHES[0] * layout.ring + RING_FORWARD_LAUNCHES[1]
         launches += (RING_LAUNCHES[0] * layout.ring + RING_LAUNCHES[1] + (c.forwards - 2) * forwards) * N
-    sharded = layout.dp * layout.sp > 1
+    if opts.offload and opts.checkpointing:
+        launches += OFFLOAD_LAUNCHES
+    sharded, step_launches = layout.dp * layout.sp > 1, STEP_LAUNCHES
     vocab = m.padded_vocab_size(t) / t
     root = vocab * m.hidden_size * (1 if m.tie_embeddings or layout.pp > 1 else 2)   # embedding, LM head
     if opts.fsdp:
         per_layer = M * (FSDP_BYTES[sharded] * params + per_mb + T * per_token)
-        launches = M * (launches + (0 if sharded else FSDP_LAUNCHES[0])) + (FSDP_LAUNCHES[1] if sharded else 0)
+        one_rank = k.fsdp_launches + (FSDP_PARAM_OFFLOAD_LAUNCHES if opts.param_offload else 0)
+        launches = M * (launches + (0 if sharded else one_rank)) + (FSDP_LAUNCHES if sharded else 0)
         outside = M * FSDP_ROOT_BYTES[sharded] * root
     else:
         per_layer = M * (k.params[0] * params + per_mb + T * per_token) + k.params[1] * params
-        launches = M * launches + k.launches[2] + (ZERO_LAUNCHES if sharded else 0)
+        launches = M * launches + k.launches[2]
+        if sharded:
+            group = layout.dp * layout.sp
+            launches += ZERO_LAUNCHES + ZERO_RANK_LAUNCHES * group * _tensors(m)[0]
+            step_launches += ZERO_RANK_LAUNCHES * group * _tensors(m, layout.pp)[1]
+            launches += narrow * 4 * params / opts.bucket_bytes     # about a bucket of fp32 gradient elements each
         outside = (M * k.params[0] + k.params[1]) * root
     outside += M * T * (k.head * h + k.loss * vocab)
     # the LM head and loss in tiles of tokens: each tile beyond the first its kernels and its head weight
@@ -334,7 +367,7 @@ def _memory_passes(m: ModelConfig, layout: Degrees, opts: Options, work: Workloa
     ring_masks = M * _mask_launches(layout, opts, work) if layout.ring > 1 else 0
     return L * per_layer + outside, round(L * launches + M * (k.micro_batch_launches + LOSS_TILE_LAUNCHES * more
                                                               + NORM_TILE_LAUNCHES * norm_tiles)
-                                          + STEP_LAUNCHES + ring_masks)
+                                          + step_launches + ring_masks)
 
 
 @dataclass(frozen=True)
@@ -423,8 +456,30 @@ def _data_parallel_comm(s: _Step, n: float, compute: float, nbytes: dict, expose
         reduce, gather = share * 4, share * prec.weight
         nbytes["all_reduce"] += reduce + gather
         rs = reduce / hw.link(span_grad)
-        exposed["gradient reduce-scatter"] = max(0.0, rs - 2 / 3 * per_mb) if overlap.grad_reduce else rs
+        last = (G - 1) / G * _last_bucket(s.m, layout, stage_layers(s.m, layout), opts.bucket_bytes / 4) * 4
+        exposed["gradient reduce-scatter"] = (max(last / hw.link(span_grad), rs - 2 / 3 * per_mb)
+                                              if overlap.grad_reduce else rs)
         exposed["parameter all-gather"] = 0.0 if overlap.param_gather else gather / hw.link(span_grad)
+
+
+def _last_bucket(m: ModelConfig, layout: Degrees, layers: int, bucket_elements: float) -> float:
+    """Elements of ZeRO-1's last gradient bucket, reduced after the backward's last kernel with nothing left to
+    hide it: the buckets fill in the order the backward makes the gradients (the parameters' reversed) and close
+    once they carry bucket_elements, the last one the embedding's and what the one before it left."""
+    t, h, D = layout.tp, m.hidden_size, m.head_size
+    norm = [h] * (2 if m.norm == "layernorm" else 1)
+    fc = (2 if m.mlp == "swiglu" else 1) * m.ffn_size / t
+    block = (norm + [h * D * (m.num_heads + 2 * m.kv_heads) / t] + [(m.num_heads + 2 * m.kv_heads) * D / t] * m.qkv_bias
+             + [h * m.num_heads * D / t] + [h] * m.attention_bias + norm + [h * fc] + [fc] * m.mlp_bias
+             + [h * m.ffn_size / t] + [h] * m.mlp_bias)
+    vocab = m.padded_vocab_size(t) / t * h
+    order = [vocab] + block * layers + norm + ([] if m.tie_embeddings or layout.pp > 1 else [vocab])
+    size = last = 0.0
+    for n in reversed(order):
+        size += n
+        if size >= bucket_elements:
+            size, last = 0.0, size
+    return size or last
 
 
 def _mask_launches(layout: Degrees, opts: Options, work: Workload) -> int:
@@ -490,8 +545,10 @@ def _host_and_optimizer(s: _Step, n: float, compute: float, retained: float, nby
     if opts.param_offload and opts.fsdp:          # the update on the host's cores, in place
         return HOST_NORM * n / G / (hw.host_adam_gparams * 1e9)
     # the norm (FSDP2: a square and a sum; ZeRO-1: torch's foreach norm), the clipping, foreach AdamW in fp32, and
-    # ZeRO-1's updated chunks back into the parameters (padded, joined and, over a group, gathered and copied out)
-    finish = 8 + 4 if opts.fsdp else 4 + (8 if G == 1 else 16 + 8 * G)
+    # ZeRO-1's updated chunks back into the parameters (padded, joined and, over a group, cast to the weights'
+    # dtype when narrower, gathered and copied out: each copy reads its source and its destination and writes it)
+    w = prec.weight
+    finish = 8 + 4 if opts.fsdp else 4 + (8 if G == 1 else 16 + (4 + w if w < 4 else 0) + 3 * w * G)
     return n / G * (finish + 8 + ADAM_BYTES) / (hw.hbm_gbs * 1e9)
 
 
