@@ -21,6 +21,13 @@ RING_CASE = ["data.mock=true", "model.vocab_size=512", "model.hidden_size=128", 
              f"training.attention_head_chunks={CHUNKS}"]
 
 
+@pytest.fixture(autouse=True)
+def triton_kernels_for_the_interpreter(monkeypatch):
+    """The trace runs the kernels' fake forms, but the first import of a kernel module decorates its kernels for
+    good: under Triton's CPU interpreter, so that later tests in this process can run them on CPU tensors."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
 def test_per_pair_masks_are_built_at_every_use_of_a_ring_block():
     cfg = load_config(overrides=RING_CASE)
     machine = Machine.described("H100", packages=("triton",))

@@ -19,6 +19,13 @@ HW = Hardware()
 BF16 = torch.bfloat16
 
 
+@pytest.fixture(autouse=True)
+def triton_kernels_for_the_interpreter(monkeypatch):
+    """The trace runs the kernels' fake forms, but the first import of a kernel module decorates its kernels for
+    good: under Triton's CPU interpreter, so that later tests in this process can run them on CPU tensors."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
 def _device_seconds(flops: float, nbytes: float, efficiency: float = 0.0) -> float:
     compute = flops / (HW.peak_tflops * 1e12 * efficiency) if efficiency else 0.0
     return max(compute, nbytes / (HW.hbm_gbs * 1e9))
