@@ -45,7 +45,7 @@ from benchmarks.per_pair_masks import Builds, per_pair_forms  # noqa: E402
 from megalysses.config.io import load_config  # noqa: E402
 from megalysses.memory import GIB  # noqa: E402
 from megalysses.plan.machine import device_memory_gib  # noqa: E402
-from megalysses.plan.search import evaluate, plan  # noqa: E402
+from megalysses.plan.search import Prediction, evaluate, plan  # noqa: E402
 from megalysses.plan.step_time import Hardware  # noqa: E402
 from megalysses.training.trace import (model_part, roofline_fields, trace_run, traced_micro_batches,  # noqa: E402
                                        traced_peak)
@@ -93,7 +93,7 @@ def measure(name: str, hw: Hardware, memory: float, masks: str = "kept") -> dict
     if p is None:
         tokens = LONG[name][2]
         return {**row, "seq_len": tokens, "fits": False, "why": "no layout fits (the memory model's planner)"}
-    cfg, est = p.cfg, p.estimate
+    cfg = p.cfg
     builds = Builds()
     if masks == "per-pair" and (p.plan.degrees.ring < 2 or p.plan.attention != "flex"):
         sys.exit(f"error: --masks per-pair reinstates the old masks of a ring's FlexAttention blocks, and {name} "
@@ -105,18 +105,16 @@ def measure(name: str, hw: Hardware, memory: float, masks: str = "kept") -> dict
                                                   "per_pair_evaluations": builds.evaluations * scale})
     top = traced_peak(traces)
     part = model_part(top.device.moment)
-    at_moment = est.parts.get((top.stage, part))
     per_node = min(gpus, hw.gpus_per_node)
     tokens = cfg.training.micro_batch_size * p.plan.padded_seq_len / p.plan.degrees.sp
     usable = hw.usable_bytes(memory, max(t.largest_allocation for t in traces))
     return {**row, "seq_len": p.plan.padded_seq_len, "layout": layout_text(p), "attention": p.plan.attention,
             "kernels": p.plan.kernels, "traced_gib": top.device.bytes / GIB, "traced_stage": top.stage,
             "traced_part": part, "traced_moment": str(top.device.moment),
-            "model_gib": est.peak / GIB, "model_stage": est.stage, "model_part": est.part,
-            "model_at_traced_moment_gib": (at_moment or 0.0) / GIB, "error": est.peak / top.device.bytes - 1,
+            **model_columns(p, top.stage, part, top.device.bytes),
             "host_traced_gib_per_node": max(t.host.bytes for t in traces) * per_node / GIB,
             "pinned_traced_gib_per_node": max(t.pinned.bytes for t in traces) * per_node / GIB,
-            "host_model_gib_per_node": p.host_per_node / GIB, "host_budget_gib_per_node": host_budget,
+            "host_budget_gib_per_node": host_budget,
             "largest_allocation_gib": max(t.largest_allocation for t in traces) / GIB,
             "usable_gib": usable / GIB, "fits": top.device.bytes <= usable,
             "activation_bytes_per_token": (top.device.bytes - top.before) / tokens,
@@ -155,13 +153,20 @@ def remodel(row: dict, hw: Hardware, memory: float) -> dict:
     same = [p for p in fitting if layout_text(p) == row["layout"]]
     if not same:
         return {**row, "remodelled": False}
-    est = same[0].estimate
-    at_moment = est.parts.get((row["traced_stage"], row["traced_part"]))
     return {**row, "model_step_s": same[0].step.total, "step_breakdown": same[0].step.breakdown(hw),
-            "model_gib": est.peak / GIB, "model_stage": est.stage, "model_part": est.part,
-            "model_at_traced_moment_gib": (at_moment or 0.0) / GIB, "error": est.peak / (row["traced_gib"] * GIB) - 1,
-            "host_model_gib_per_node": same[0].host_per_node / GIB,
+            **model_columns(same[0], row["traced_stage"], row["traced_part"], row["traced_gib"] * GIB),
             "remodelled": True, "top_layout": layout_text(fitting[0])}
+
+
+def model_columns(p: Prediction, stage: int, part: str, traced_bytes: float) -> dict:
+    """A row's memory-model columns for the prediction `p` of the traced layout: its peak, stage and part, its
+    bytes at the traced moment (pipeline stage `stage`, part `part`), its error against the traced peak's
+    `traced_bytes`, and its host memory per node."""
+    est = p.estimate
+    at_moment = est.parts.get((stage, part))
+    return {"model_gib": est.peak / GIB, "model_stage": est.stage, "model_part": est.part,
+            "model_at_traced_moment_gib": (at_moment or 0.0) / GIB, "error": est.peak / traced_bytes - 1,
+            "host_model_gib_per_node": p.host_per_node / GIB}
 
 
 def same_moment(row: dict) -> bool:
